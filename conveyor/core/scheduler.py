@@ -1,0 +1,324 @@
+"""The token-budget scheduler.
+
+There are no prefill and decode phases. Each request has `num_computed_tokens` (KV in the
+cache) and `all_token_ids` (prompt + output). Every step hands out at most
+`max_num_batched_tokens` tokens to at most `max_num_seqs` requests:
+
+  1. running requests first, in order: each asks for `num_tokens - num_computed_tokens`
+     (1 when decoding, the rest of its prompt while prefilling), cut to the budget left
+     (chunked prefill). When the KV pool cannot hold a request's new tokens, the scheduler
+     preempts the lowest-ranked running request (fcfs: the latest admitted; priority: the
+     largest priority value), frees its blocks and resets it to zero computed tokens; it
+     goes back to the front of the waiting queue and is recomputed later.
+  2. then waiting requests, in policy order, while budget, seats and blocks last. A prefix
+     cache hit simply starts a request with num_computed_tokens > 0.
+
+A request whose chunk reaches the end of its tokens samples one token this step. Policies:
+fcfs; priority (lower value first, ties by arrival; may preempt lower-priority running
+requests to admit a waiting one); static (request-level batching: a batch forms from the
+waiting queue, and nobody joins until all of its members have finished).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from conveyor.config import SchedulerConfig
+from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
+from conveyor.request import Request, RequestStatus
+from conveyor.sample.sampler import SamplingRow
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preempted: int  # waiting requests that were preempted and not yet resumed
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap by (priority, arrival) for the priority policy."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._deque: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.by_priority:
+            key = (request.priority, request.arrival_time, next(self._seq), request)
+            heapq.heappush(self._heap, key)
+        elif front:
+            self._deque.appendleft(request)
+        else:
+            self._deque.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.by_priority else self._deque[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.by_priority else self._deque.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.by_priority:
+            self._heap = [item for item in self._heap if item[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._deque.remove(request)
+
+    def __iter__(self):
+        return (item[3] for item in sorted(self._heap)) if self.by_priority else iter(self._deque)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._deque)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.policy = config.policy
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(by_priority=config.policy == "priority")
+        self.running: list[Request] = []
+        self.static_batch: set[str] = set()  # members of the current batch (static policy)
+        self.num_preemptions_total = 0
+        self._finished_ids: list[str] = []
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Ends requests in any state (waiting, prefilling, decoding, preempted) and frees
+        all that they hold. Unknown or already finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def stats(self) -> SchedulerStats:
+        preempted = sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED)
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted=preempted,
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+        )
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, preempted)
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return self._make_output(scheduled, preempted, finished_ids)
+
+    def _schedule_running(
+        self, budget: int, scheduled: dict[str, int], preempted: list[Request]
+    ) -> int:
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: dict[str, int], preempted: list[Request]
+    ) -> None:
+        if self.policy == "static" and not self.running and not self.static_batch:
+            self._form_static_batch()
+        while len(self.waiting) > 0 and budget > 0:
+            request = self.waiting.peek()
+            if self.policy == "static" and request.request_id not in self.static_batch:
+                break
+            if (
+                not self.config.enable_chunked_prefill
+                and request.status == RequestStatus.WAITING
+                and request.num_tokens > budget
+            ):
+                break  # a whole prompt per step; preempting others would not make it fit
+            num_new = None
+            if len(self.running) < self.config.max_num_seqs:
+                num_new = self._admit(request, budget)
+            if num_new is not None:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                continue
+            victim = self._priority_victim(request)
+            if victim is None:
+                break
+            budget += scheduled.pop(victim.request_id, 0)
+            self._preempt(victim)
+            preempted.append(victim)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Allocates a waiting request's first chunk; returns its token count or None."""
+        hits, num_hit_tokens = [], 0
+        if request.num_computed_tokens == 0:
+            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit_tokens
+        # Without chunked prefill a fresh prompt runs whole; a preempted request's recompute
+        # (prompt + output) may exceed the budget, so it is chunked regardless.
+        whole = not self.config.enable_chunked_prefill and request.status == RequestStatus.WAITING
+        if whole and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+            return None
+        self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        self.waiting.pop()
+        request.num_computed_tokens = num_hit_tokens
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return num_new
+
+    def _priority_victim(self, request: Request) -> Request | None:
+        """Priority policy: a running request of lower priority (larger value) that may be
+        preempted so that the waiting `request` can be admitted."""
+        if self.policy != "priority" or not self.running:
+            return None
+        victim = max(self.running, key=_rank)
+        return victim if _rank(victim) > _rank(request) else None
+
+    def _pick_victim(self) -> Request:
+        return max(self.running, key=_rank) if self.policy == "priority" else self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add(request, front=True)
+
+    def _form_static_batch(self) -> None:
+        members = itertools.islice(iter(self.waiting), self.config.max_num_seqs)
+        self.static_batch = {r.request_id for r in members}
+
+    def _make_output(
+        self, scheduled: dict[str, int], preempted: list[Request], finished_ids: list[str]
+    ) -> SchedulerOutput:
+        out = []
+        for request_id, num_new in scheduled.items():
+            request = self.requests[request_id]
+            start = request.num_computed_tokens
+            samples = start + num_new == request.num_tokens
+            out.append(
+                ScheduledRequest(
+                    request_id=request_id,
+                    token_ids=request.all_token_ids[start : start + num_new],
+                    num_computed_tokens=start,
+                    block_ids=self.kv_cache.block_ids(request_id),
+                    sampling=_sampling_row(request) if samples else None,
+                )
+            )
+        return SchedulerOutput(
+            scheduled=out,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            preempted_request_ids=[r.request_id for r in preempted],
+            finished_request_ids=finished_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advances computed tokens, appends sampled tokens, finishes requests that hit a
+        stop condition. Returns the requests that got new tokens this step."""
+        for item in scheduler_output.scheduled:
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += len(item.token_ids)
+            self.kv_cache.cache_blocks(request)
+        updated = []
+        for request_id, token_ids, logprobs in zip(
+            runner_output.request_ids,
+            runner_output.sampled_token_ids,
+            runner_output.logprobs,
+            strict=True,
+        ):
+            request = self.requests[request_id]
+            self._append_tokens(request, token_ids, logprobs)
+            updated.append(request)
+        return updated
+
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs) -> None:
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id)
+            if logprobs is not None and request.logprobs is not None:
+                request.logprobs.append(logprobs[i])
+                request.cumulative_logprob += logprobs[i][token_id].logprob
+            status = request.check_stop(token_id)
+            if status is not None:
+                self.running.remove(request)
+                request.status = status
+                self._free(request)
+                break
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        self.static_batch.discard(request.request_id)
+        self._finished_ids.append(request.request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drops a finished request's record once its output has been delivered."""
+        request = self.requests.get(request_id)
+        if request is not None and request.is_finished:
+            del self.requests[request_id]
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+def _sampling_row(request: Request) -> SamplingRow:
+    return SamplingRow(
+        params=request.params,
+        generator=request.generator,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=request.output_token_ids,
+    )

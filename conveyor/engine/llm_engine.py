@@ -1,0 +1,331 @@
+"""The synchronous engine: add_request / abort_request / step().
+
+step() = schedule -> execute -> update -> detokenize. Both faces of conveyor drive it: the
+offline LLM class directly, the server through AsyncEngine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.config import CacheConfig, ModelConfig, SchedulerConfig, parse_memory
+from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.scheduler import Scheduler, SchedulerStats
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.model.loader import load_tokenizer
+from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
+from conveyor.request import Request, RequestStatus
+from conveyor.sampling_params import SamplingParams
+from conveyor.worker.model_runner import ModelRunner
+
+DEFAULT_CPU_KV_MEMORY = 2 * 2**30
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """Batch occupancy of one step: who ran, with how many tokens, and who left."""
+
+    step: int
+    time: float
+    num_scheduled_tokens: dict[str, int]
+    finished_request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Parent:
+    """A user request: n > 1 completions run as n child requests that share the prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    child_ids: list[str]
+    arrival_time: float
+    num_finished: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    scheduler: SchedulerStats
+    num_steps: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_blocks: int
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | float | str | None = None,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        record_trace: bool = False,
+    ) -> None:
+        self.device = _resolve_device(device)
+        self.model_config = ModelConfig.from_hf(model, dtype, self.device.type, max_model_len)
+        self.cache_config = CacheConfig(block_size, num_blocks, kv_cache_memory, enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
+        )
+        torch.manual_seed(seed)
+        self.runner = ModelRunner(self.model_config, self.device, block_size, seed)
+        self.num_blocks = self._num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.kv_cache = KVCacheManager(self.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.tokenizer = load_tokenizer(self.model_config)
+        self.record_trace = record_trace
+        self.trace: list[StepTrace] = []
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, _Parent] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    def _num_blocks(self) -> int:
+        if self.cache_config.num_blocks is not None:
+            return self.cache_config.num_blocks
+        per_block = self.runner.kv_bytes_per_block()
+        memory = self.cache_config.kv_cache_memory
+        if memory is not None:
+            budget = parse_memory(memory)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_MEMORY_UTILIZATION)
+        else:
+            # Enough for every seat at full length, capped: CPU memory is shared with the host.
+            full = self.scheduler_config.max_num_seqs * self.max_model_len * per_block
+            budget = min(DEFAULT_CPU_KV_MEMORY, full // self.cache_config.block_size)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds no block of {per_block} bytes"
+            )
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._parents:
+            raise ValueError(f"duplicate request_id {request_id!r}: a request with it is running")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._check_lengths(token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        parent = _Parent(request_id, text, token_ids, child_ids, arrival)
+        self._parents[request_id] = parent
+        for i, child_id in enumerate(child_ids):
+            child_params = params if params.n == 1 else params.clone(n=1, seed=_child_seed(params.seed, i))
+            self._add_child(parent, child_id, child_params, max_tokens, priority, arrival)
+        self._num_prompt_tokens += len(token_ids) * params.n
+
+    def _add_child(self, parent, child_id, params, max_tokens, priority, arrival) -> None:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        request = Request(
+            request_id=child_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.model_config.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival,
+            generator=generator,
+        )
+        self._child_to_parent[child_id] = parent
+        self._detokenizers[child_id] = IncrementalDetokenizer(
+            self.tokenizer, parent.prompt_token_ids, params
+        )
+        self.scheduler.add_request(request)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, list(prompt)
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Resolves max_tokens and refuses what could never run."""
+        num_prompt, limit = len(token_ids), self.max_model_len
+        if num_prompt >= limit:
+            raise ValueError(
+                f"prompt has {num_prompt} tokens; the model's context length is {limit}"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is "
+                f"{num_prompt + max_tokens} tokens, beyond the model's context length {limit}"
+            )
+        needed_blocks = -(-(num_prompt + max_tokens) // self.cache_config.block_size)
+        if needed_blocks > self.num_blocks:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs "
+                f"{needed_blocks} KV blocks; the whole cache has {self.num_blocks}"
+            )
+        budget = self.scheduler_config.max_num_batched_tokens
+        if not self.scheduler_config.enable_chunked_prefill and num_prompt > budget:
+            raise ValueError(
+                f"prompt has {num_prompt} tokens, more than max_num_batched_tokens ({budget}) "
+                "with chunked prefill disabled"
+            )
+        return max_tokens
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            parent = self._parents.pop(request_id, None)
+            if parent is None:
+                continue
+            self.scheduler.finish_requests(parent.child_ids, RequestStatus.FINISHED_ABORTED)
+            self._forget_children(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        runner_out = self.runner.execute(sched)
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        self._num_steps += 1
+        finished_ids = self._detokenize(updated)
+        if self.record_trace:
+            self._record(sched, finished_ids)
+        return self._make_outputs(updated)
+
+    def _detokenize(self, updated: list[Request]) -> list[str]:
+        """Applies stop strings; returns the ids of requests that finished this step."""
+        stopped = []
+        for request in updated:
+            self._num_generation_tokens += 1
+            detok = self._detokenizers[request.request_id]
+            stop = detok.update(request.output_token_ids[-1:])  # one token per step
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                stopped.append(request.request_id)
+            if request.logprobs:
+                request.logprobs[-1] = _decoded(request.logprobs[-1], detok)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return [r.request_id for r in updated if r.is_finished]
+
+    def _make_outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        parents = {id(p): p for p in (self._child_to_parent[r.request_id] for r in updated)}
+        outputs = []
+        for parent in parents.values():
+            children = [self.scheduler.requests[c] for c in parent.child_ids]
+            finished = all(c.is_finished for c in children)
+            outputs.append(
+                RequestOutput(
+                    request_id=parent.request_id,
+                    prompt=parent.prompt,
+                    prompt_token_ids=parent.prompt_token_ids,
+                    outputs=[self._completion(i, c) for i, c in enumerate(children)],
+                    finished=finished,
+                    num_cached_tokens=children[0].num_cached_tokens,
+                )
+            )
+            if finished:
+                del self._parents[parent.request_id]
+                self._forget_children(parent)
+        return outputs
+
+    def _completion(self, index: int, request: Request) -> CompletionOutput:
+        detok = self._detokenizers[request.request_id]
+        return CompletionOutput(
+            index=index,
+            text=detok.output_text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            logprobs=list(request.logprobs) if request.logprobs is not None else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+
+    def _forget_children(self, parent: _Parent) -> None:
+        for child_id in parent.child_ids:
+            self._child_to_parent.pop(child_id, None)
+            self._detokenizers.pop(child_id, None)
+            self.scheduler.forget(child_id)
+
+    def _record(self, sched, finished_ids: list[str]) -> None:
+        self.trace.append(
+            StepTrace(self._num_steps, time.monotonic(), sched.num_scheduled_tokens, finished_ids)
+        )
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=self.scheduler.stats(),
+            num_steps=self._num_steps,
+            num_prompt_tokens_total=self._num_prompt_tokens,
+            num_generation_tokens_total=self._num_generation_tokens,
+            num_blocks=self.num_blocks,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    return dev
+
+
+def _child_seed(seed: int | None, index: int) -> int | None:
+    return None if seed is None else seed + index
+
+
+def _decoded(position: dict[int, Logprob], detok: IncrementalDetokenizer) -> dict[int, Logprob]:
+    return {t: lp._replace(decoded_token=detok.decode_token(t)) for t, lp in position.items()}

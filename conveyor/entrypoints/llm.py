@@ -1,0 +1,111 @@
+"""The offline face: LLM(...).generate(prompts, params) -> list[RequestOutput]."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs many prompts through one continuously batched engine and returns the outputs in
+    input order. Keyword arguments go to LLMEngine (dtype, device, max_num_seqs,
+    max_num_batched_tokens, enable_chunked_prefill, kv_cache_memory, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        self.engine = LLMEngine(model, **engine_kwargs)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = f"llm-{next(self._counter)}"
+                prio = priority[i] if priority is not None else 0
+                self.engine.add_request(request_id, prompt, params[i], priority=prio)
+                ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(ids)  # one bad prompt fails the call, nothing left behind
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and not tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tokenize=True,
+            return_dict=False,
+        )
+        return list(ids)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while len(results) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                if not self.engine.has_unfinished_requests() and len(results) < len(request_ids):
+                    raise RuntimeError("engine went idle with requests unfinished")
+        return [results[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return prompts
+
+
+def _as_params_list(params, num: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num
+    if isinstance(params, SamplingParams):
+        return [params] * num
+    params = list(params)
+    if len(params) != num:
+        raise ValueError(f"got {len(params)} SamplingParams for {num} prompts")
+    return params

@@ -1,0 +1,81 @@
+"""Building blocks of the Llama family, written to match transformers' arithmetic exactly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers: normalize in float32 (also for float64 models), scale in the model dtype.
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to max_len, computed once as transformers computes them:
+    float32 frequencies and angles, then cast to the model dtype."""
+
+    def __init__(self, hf_config, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        with torch.device("cpu"):  # real numbers even when the model is built on "meta"
+            inv_freq, scaling = _inv_freq(hf_config, head_dim)
+            positions = torch.arange(max_len, dtype=torch.int64).float()
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, head_dim)
+        self.cos = nn.Buffer((emb.cos() * scaling).to(dtype), persistent=False)
+        self.sin = nn.Buffer((emb.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class MergedLinear(nn.Module):
+    """One matmul for several projections of the same input (q/k/v, gate/up); the loader
+    copies each checkpoint matrix into its rows."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
+        super().__init__()
+        self.out_sizes = out_sizes
+        self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features))
+        self.bias = nn.Parameter(torch.zeros(sum(out_sizes))) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def load_shard(self, index: int, name: str, tensor: torch.Tensor) -> None:
+        start = sum(self.out_sizes[:index])
+        target = self.weight if name == "weight" else self.bias
+        if target is None or tensor.shape[0] != self.out_sizes[index]:
+            raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit")
+        target.data[start : start + self.out_sizes[index]].copy_(tensor)

@@ -1,0 +1,68 @@
+"""Builds the model and tokenizer from a local checkpoint: a Hugging Face folder (one or
+several safetensors files) or a single GGUF file (dequantized with the gguf package)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from conveyor.config import ModelConfig
+from conveyor.model.layers import RotaryEmbedding
+from conveyor.model.llama import LlamaForCausalLM
+
+
+def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    # Real storage on the target device; weights are then copied in by name.
+    model = model.to_empty(device=device).to(cfg.dtype)
+    # Buffers computed at construction were lost on the meta device: compute them again.
+    model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, cfg.dtype)
+    model.rotary.to(device)
+    if cfg.tie_word_embeddings:  # to_empty() made the shared weight two tensors
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_weights(iter_weights(cfg))
+    return model.eval()
+
+
+def iter_weights(cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if cfg.is_gguf:
+        from conveyor.model.gguf_loader import iter_gguf_weights
+
+        yield from iter_gguf_weights(cfg.path, cfg.dtype)
+    else:
+        yield from iter_safetensors(cfg.path, cfg.dtype)
+
+
+def iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _safetensors_files(folder):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {str(folder)!r}")
+    for file in files:
+        if not file.exists():
+            raise ValueError(f"checkpoint shard {str(file)!r} listed in the index is missing")
+    return files
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    if cfg.is_gguf:
+        return AutoTokenizer.from_pretrained(cfg.path.parent, gguf_file=cfg.path.name)
+    return AutoTokenizer.from_pretrained(cfg.path)

@@ -1,0 +1,80 @@
+"""Typed messages between layers, and what the user gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from conveyor.sample.sampler import SamplingRow
+
+
+class Logprob(NamedTuple):
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One generated position: token id -> Logprob, the top-N plus the sampled token.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions starting at
+    `num_computed_tokens`, writing KV into the slots of `block_ids`."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]  # the whole block table after this step's allocation
+    sampling: SamplingRow | None  # set when the chunk reaches the end: sample a token
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. The runner reads it and never mutates scheduler state."""
+
+    scheduled: list[ScheduledRequest]
+    total_num_scheduled_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: len(s.token_ids) for s in self.scheduled}
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    request_ids: list[str]  # the requests that sampled, in scheduled order
+    sampled_token_ids: list[list[int]]  # one list per request (more than one with speculation)
+    logprobs: list[list[PositionLogprobs] | None]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

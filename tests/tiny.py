@@ -1,0 +1,101 @@
+"""Tiny random checkpoints and a tiny byte-level BPE tokenizer, built locally (no hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Continuous batching schedules one model step at a time.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e, na\u00efve r\u00e9sum\u00e9, \u00fcber, \u00e5ngstr\u00f6m.",
+    "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3068\u4e2d\u6587\u53e5\u5b50\u3002 \U0001f600\U0001f680\U0001f30d",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+ARCHS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False),
+}
+
+
+def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    kwargs = dict(
+        ARCHS[arch],
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":  # explicit head_dim != hidden / heads, and llama3 rope scaling
+        kwargs.update(
+            head_dim=32,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        )
+    if arch == "qwen3":
+        kwargs.update(head_dim=16, tie_word_embeddings=True)
+    if arch == "qwen2":
+        kwargs.update(tie_word_embeddings=True)
+    kwargs.update(overrides)
+    model_type = kwargs.pop("model_type")
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def make_tiny_checkpoint(
+    path: Path, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
+    """Saves a float64 random checkpoint with tokenizer to `path` and returns it."""
+    tokenizer = build_tokenizer()
+    config = tiny_config(arch, len(tokenizer), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    tokenizer.save_pretrained(path)
+    return path
