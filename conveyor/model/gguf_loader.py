@@ -1,0 +1,244 @@
+"""Weights of a GGUF file (llama.cpp's format), under Hugging Face parameter names.
+
+Config and tokenizer come from transformers (`AutoConfig.from_pretrained(dirname,
+gguf_file=basename)`, likewise `AutoTokenizer`); only the weights are read here. Each tensor is
+dequantized with the `gguf` package, renamed, reshaped to its HF shape and, for llama files, has
+the row permutation llama.cpp's converter applies to Q and K undone, so that every tensor equals
+the one transformers loads from the same file.
+
+The header is parsed here rather than with `gguf.GGUFReader`, which decodes every vocabulary and
+merge string into numpy views (about 5 s for a 49k-token vocabulary); we skip string arrays.
+
+File layout (little-endian; GGUF v2/v3):
+    magic "GGUF" | version u32 | num_tensors u64 | num_kvs u64
+    num_kvs x (key string | value_type u32 | value)
+    num_tensors x (name string | n_dims u32 | dims u64 x n_dims, innermost first | type u32 |
+                   offset u64 from the data section)
+    padding to general.alignment (default 32) | data section
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+import numpy as np
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+# GGUF name -> HF name for tensors outside the decoder layers.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    # Present only when the output projection is not tied to the embeddings.
+    "output.weight": "lm_head.weight",
+}
+
+# GGUF name inside `blk.{i}.` -> HF module inside `model.layers.{i}.`; `.weight`/`.bias` is kept.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",  # Qwen3
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# Tensors llama.cpp writes that HF models keep no parameter for. `rope_freqs` holds the llama3
+# rope-scaling factors, which the model derives from its config's rope parameters instead;
+# `attn_rot_embd` is the rotary inv_freq buffer that old converters stored per layer.
+_SKIPPED = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?")
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+_SCALAR_FORMATS = {
+    gguf.GGUFValueType.UINT8: "B",
+    gguf.GGUFValueType.INT8: "b",
+    gguf.GGUFValueType.UINT16: "H",
+    gguf.GGUFValueType.INT16: "h",
+    gguf.GGUFValueType.UINT32: "I",
+    gguf.GGUFValueType.INT32: "i",
+    gguf.GGUFValueType.FLOAT32: "f",
+    gguf.GGUFValueType.BOOL: "?",
+    gguf.GGUFValueType.UINT64: "Q",
+    gguf.GGUFValueType.INT64: "q",
+    gguf.GGUFValueType.FLOAT64: "d",
+}
+
+
+class _TensorInfo(NamedTuple):
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: outermost dim first
+    offset: int  # from the start of the data section
+
+
+class _Header(NamedTuple):
+    metadata: dict[str, Any]  # string arrays (vocabulary, merges) are left out
+    tensors: list[_TensorInfo]
+    data_offset: int
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """The file's `general.architecture`; raises ValueError if conveyor cannot run it."""
+    with _map(path) as buffer:
+        return _architecture(_read_header(buffer, path), path)
+
+
+def iter_gguf_weights(path: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields `(hf_name, tensor)` for every weight in the file, dequantized and cast to `dtype`."""
+    buffer = _map(path)
+    header = _read_header(buffer, path)
+    architecture = _architecture(header, path)
+    num_heads, num_kv_heads = _head_counts(header, architecture)
+    for info in header.tensors:
+        if _SKIPPED.fullmatch(info.name):
+            continue
+        hf_name = _hf_name(info.name, path)
+        weight = _dequantize(buffer, header.data_offset, info)
+        # llama.cpp permutes Q/K rows only in its llama converter (mistral is stored as llama), and
+        # transformers undoes it only for files whose architecture says llama; we do the same.
+        if architecture == "llama" and ".attn_q." in info.name:
+            weight = _unpermute_rows(weight, num_heads)
+        elif architecture == "llama" and ".attn_k." in info.name:
+            weight = _unpermute_rows(weight, num_kv_heads)
+        yield hf_name, weight.to(dtype)
+
+
+def _map(path: str | Path) -> mmap.mmap:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"GGUF file not found: {str(path)!r}")
+    with open(path, "rb") as file:
+        try:
+            return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as error:  # an empty file cannot be mapped
+            raise ValueError(f"{str(path)!r} is not a GGUF file: {error}") from error
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, advancing past each."""
+
+    def __init__(self, buffer: mmap.mmap, pos: int) -> None:
+        self.buffer = buffer
+        self.pos = pos
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("Q")
+        self.pos += length
+        return self.buffer[self.pos - length : self.pos].decode("utf-8")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == gguf.GGUFValueType.STRING:
+            return self.string()
+        if value_type == gguf.GGUFValueType.ARRAY:
+            return self.array()
+        return self.scalar(_SCALAR_FORMATS[gguf.GGUFValueType(value_type)])
+
+    def array(self) -> list[Any] | None:
+        item_type, count = self.scalar("I"), self.scalar("Q")
+        if item_type == gguf.GGUFValueType.STRING:
+            for _ in range(count):  # skipped unread: vocabulary and merges are the tokenizer's
+                self.pos += 8 + struct.unpack_from("<Q", self.buffer, self.pos)[0]
+            return None
+        if item_type == gguf.GGUFValueType.ARRAY:
+            return [self.array() for _ in range(count)]
+        fmt = "<" + _SCALAR_FORMATS[gguf.GGUFValueType(item_type)]
+        items = np.frombuffer(self.buffer, dtype=np.dtype(fmt), count=count, offset=self.pos)
+        self.pos += items.nbytes
+        return items.tolist()
+
+
+def _read_header(buffer: mmap.mmap, path: str | Path) -> _Header:
+    if buffer[:4] != b"GGUF":
+        raise ValueError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
+    cursor = _Cursor(buffer, pos=4)
+    try:
+        version = cursor.scalar("I")
+        if version not in (2, 3):  # v1 had 32-bit counts; a big-endian file reads as a huge number
+            raise ValueError(f"GGUF version {version} of {str(path)!r} is not supported (2 or 3)")
+        num_tensors, num_kvs = cursor.scalar("Q"), cursor.scalar("Q")
+        metadata = {cursor.string(): cursor.value(cursor.scalar("I")) for _ in range(num_kvs)}
+        tensors = [_read_tensor_info(cursor) for _ in range(num_tensors)]
+    except (struct.error, KeyError) as error:  # KeyError: an unknown value type
+        raise ValueError(f"GGUF header of {str(path)!r} is corrupt: {error!r}") from error
+    alignment = metadata.get("general.alignment", 32)
+    return _Header(metadata, tensors, data_offset=-(-cursor.pos // alignment) * alignment)
+
+
+def _read_tensor_info(cursor: _Cursor) -> _TensorInfo:
+    name = cursor.string()
+    dims = [cursor.scalar("Q") for _ in range(cursor.scalar("I"))]
+    qtype = gguf.GGMLQuantizationType(cursor.scalar("I"))
+    return _TensorInfo(name, qtype, shape=tuple(reversed(dims)), offset=cursor.scalar("Q"))
+
+
+def _architecture(header: _Header, path: str | Path) -> str:
+    architecture = header.metadata.get("general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {architecture!r} of {str(path)!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return architecture
+
+
+def _head_counts(header: _Header, architecture: str) -> tuple[int, int]:
+    """`(num_heads, num_kv_heads)`; without head_count_kv there are as many KV heads as heads."""
+    num_heads = header.metadata.get(f"{architecture}.attention.head_count")
+    if not isinstance(num_heads, int):  # per-layer lists belong to architectures we do not run
+        raise ValueError(f"GGUF {architecture}.attention.head_count is {num_heads!r}, not an int")
+    return num_heads, header.metadata.get(f"{architecture}.attention.head_count_kv", num_heads)
+
+
+def _hf_name(gguf_name: str, path: str | Path) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match[2] not in _LAYER_NAMES:
+        # Failing beats dropping a weight silently and running a model with random parameters.
+        raise ValueError(f"GGUF tensor {gguf_name!r} in {str(path)!r} has no Hugging Face name")
+    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+
+
+def _dequantize(buffer: mmap.mmap, data_offset: int, info: _TensorInfo) -> torch.Tensor:
+    """The tensor as float32 in its HF shape."""
+    byte_shape = gguf.quants.quant_shape_to_byte_shape(info.shape, info.qtype)
+    raw = np.frombuffer(
+        buffer, dtype=np.uint8, count=math.prod(byte_shape), offset=data_offset + info.offset
+    ).reshape(byte_shape)
+    try:
+        values = gguf.quants.dequantize(raw, info.qtype)
+    except NotImplementedError as error:
+        raise ValueError(
+            f"GGUF tensor {info.name!r} has type {info.qtype.name}, which gguf cannot dequantize"
+        ) from error
+    if not values.flags.writeable:  # F32 comes back as a view of the read-only map
+        values = values.copy()
+    return torch.from_numpy(values).reshape(info.shape)
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute`, which interleaves each head's two rotary halves.
+
+    llama.cpp stores a head's rows as (head_dim / 2, 2) for its interleaved rope; HF's
+    rotate_half rope wants (2, head_dim / 2). Works for weights and biases alike.
+    """
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, -1, 2, *rest).transpose(1, 2).reshape(weight.shape)

