@@ -99,3 +99,47 @@ def make_tiny_checkpoint(
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_scripted_checkpoint(path: Path, successor: dict[int, int]) -> Path:
+    """A model whose greedy next token after token x is successor[x], whatever the context.
+
+    One-hot embeddings (hidden size = vocab size), a layer whose attention and MLP output
+    zero, and an LM head that maps x to successor[x]: the logit of successor[x] is
+    sqrt(vocab) and every other logit is 0. Lets engine tests script exact token sequences.
+    """
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    config = tiny_config(
+        "llama", vocab, hidden_size=vocab, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=vocab // 4, intermediate_size=32, rope_scaling=None,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.zero_() if "norm" not in name else param.fill_(1.0)
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab, dtype=torch.float64))
+        for token, nxt in successor.items():
+            model.lm_head.weight[nxt, token] = 1.0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def byte_token_ids(tokenizer, text: str) -> list[int]:
+    """The byte-level token of each UTF-8 byte of `text` (multi-byte characters split)."""
+    table = _gpt2_byte_chars()
+    return [tokenizer.convert_tokens_to_ids(table[b]) for b in text.encode("utf-8")]
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random checkpoints (float64) and transformers references."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: arch -> folder of a float64 random checkpoint with a tokenizer (cached)."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in cache:
+            # mistral is saved in several shards, to cover the sharded safetensors index.
+            shard = "100KB" if arch == "mistral" else None
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[arch] = make_tiny_checkpoint(path, arch, max_shard_size=shard)
+        return cache[arch]
+
+    return get
+
+
+def random_prompts(num: int, vocab_size: int, seed: int = 0, max_len: int = 70) -> list[list[int]]:
+    """Prompts of mixed lengths (1 .. max_len) without special tokens (ids 0-2)."""
+    rng = random.Random(seed)
+    lengths = [1, 2, max_len] + [rng.randrange(1, max_len) for _ in range(num - 3)]
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths[:num]]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int):
+    """transformers' greedy generate, one prompt at a time: (tokens, logprobs of each token)."""
+    results = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = [
+            torch.log_softmax(step[0].double(), -1)[t].item()
+            for step, t in zip(out.logits, tokens, strict=False)
+        ]
+        results.append((tokens, logprobs))
+    return results
+
+
+def assert_matches_reference(outputs, reference, tol: float = 1e-6) -> None:
+    assert len(outputs) == len(reference)
+    for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, reference, strict=True)):
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens, f"prompt {i}: tokens differ from transformers"
+        if completion.logprobs is not None:
+            got = [pos[t].logprob for pos, t in zip(completion.logprobs, tokens, strict=True)]
+            worst = max((abs(a - b) for a, b in zip(got, logprobs, strict=True)), default=0.0)
+            assert worst < tol, f"prompt {i}: logprob differs by {worst}"
+
+
+__all__ = ["ARCHS", "random_prompts", "hf_greedy", "assert_matches_reference"]

@@ -1,0 +1,178 @@
+"""Engine behaviour on a tiny float64 checkpoint: batch occupancy, stop conditions,
+n > 1, seeded sampling and UTF-8-safe text."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import random_prompts
+from tiny import build_tokenizer, byte_token_ids, make_scripted_checkpoint
+
+from conveyor import LLM, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(str(tiny_checkpoint("llama")), dtype="float64", record_trace=True)
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def test_trace_shows_a_request_joining_mid_generation_and_one_leaving_early(tiny_checkpoint):
+    engine = LLMEngine(str(tiny_checkpoint("llama")), dtype="float64", record_trace=True)
+    engine.add_request("short", [5, 6, 7], greedy(2))
+    engine.add_request("long", [8, 9, 10, 11], greedy(8))
+    for _ in range(2):
+        engine.step()
+    engine.add_request("late", [12, 13], greedy(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace = engine.trace
+    first = {rid: next(s.step for s in trace if rid in s.num_scheduled_tokens) for rid in
+             ("short", "long", "late")}
+    last = {rid: max(s.step for s in trace if rid in s.num_scheduled_tokens) for rid in first}
+    # "late" joined at the next step, while "long" was mid-generation (one token per step).
+    assert first["late"] == 3
+    late_step = next(s for s in trace if s.step == 3)
+    assert late_step.num_scheduled_tokens == {"long": 1, "late": 2}
+    # "short" left at the step it finished; "long" kept running without it.
+    finished_short = next(s.step for s in trace if "short" in s.finished_request_ids)
+    assert finished_short == last["short"] == 2
+    assert last["long"] > finished_short
+    assert all("short" not in s.num_scheduled_tokens for s in trace if s.step > finished_short)
+
+
+def test_stop_string_ends_the_text_before_it(llm):
+    prompt = [5, 6, 7, 8]
+    full = llm.generate(prompt, greedy(24), use_tqdm=False)[0].outputs[0].text
+    assert len(full) > 6
+    stop = full[3:5]
+    first = full.index(stop)
+    out = llm.generate(prompt, greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(prompt, greedy(24, stop=stop, include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full[: first + len(stop)]
+
+
+def test_stop_token_ids_end_generation(llm):
+    prompt = [9, 10, 11]
+    tokens = llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    target = tokens[4]
+    out = llm.generate(prompt, greedy(12, stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: tokens.index(target) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+
+
+@pytest.fixture(scope="module")
+def eos_case(tiny_checkpoint, tmp_path_factory):
+    """A copy of the tiny model whose EOS is the 4th token of a greedy run of `prompt`."""
+    src = tiny_checkpoint("llama")
+    prompt = [20, 21, 22, 23]
+    base = LLM(str(src), dtype="float64").generate(prompt, greedy(12), use_tqdm=False)
+    tokens = base[0].outputs[0].token_ids
+    eos = tokens[3]
+    assert eos not in tokens[:3]
+    path = tmp_path_factory.mktemp("eos") / "model"
+    shutil.copytree(src, path)
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((path / name).read_text())
+        data["eos_token_id"] = eos
+        (path / name).write_text(json.dumps(data))
+    return LLM(str(path), dtype="float64"), prompt, tokens, eos
+
+
+def test_eos_ends_generation_and_ignore_eos_runs_on(eos_case):
+    llm, prompt, tokens, eos = eos_case
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    stopped = llm.generate(prompt, plain, use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == tokens[:4] and stopped.finish_reason == "stop"
+    ignored = llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == tokens and ignored.finish_reason == "length"
+
+
+def test_min_tokens_holds_back_eos(eos_case):
+    llm, prompt, tokens, eos = eos_case
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=7)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 7
+    assert eos not in out.token_ids[:7]
+    assert out.token_ids[:3] == tokens[:3]
+
+
+def test_n_completions_per_prompt(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate([3, 4, 5], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "n samples were all identical"
+    again = llm.generate([3, 4, 5], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    same = llm.generate([3, 4, 5], greedy(8, n=2), use_tqdm=False)[0]
+    assert same.outputs[0].token_ids == same.outputs[1].token_ids
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch_of_32(llm):
+    prompt = [30, 31, 32, 33, 34]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(31, 384, seed=5)
+    mix = [
+        SamplingParams(temperature=1.0, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=0.7, seed=99, top_k=20, max_tokens=9, presence_penalty=0.5),
+    ]
+    batch_params = [mix[i % 3] for i in range(31)]
+    outs = llm.generate(others[:16] + [prompt] + others[16:], batch_params[:16] + [seeded] +
+                        batch_params[16:], use_tqdm=False)
+    assert outs[16].outputs[0].token_ids == alone
+
+
+TEXT = "A\u00e9\U0001f600\u0436\u65e5Z"  # 1-, 2-, 4-, 2- and 3-byte characters
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_checkpoint, tmp_path_factory):
+    """A model that writes TEXT one UTF-8 byte per token after the prompt "A", then EOS."""
+    tokenizer = build_tokenizer()
+    ids = byte_token_ids(tokenizer, TEXT)
+    successor = dict(zip(ids, ids[1:], strict=False)) | {ids[-1]: tokenizer.eos_token_id}
+    path = make_scripted_checkpoint(tmp_path_factory.mktemp("scripted"), successor)
+    engine = LLMEngine(str(path), dtype="float64")
+    return engine, ids
+
+
+def test_multibyte_characters_split_over_tokens_stream_whole(scripted):
+    engine, ids = scripted
+    engine.add_request("utf8", ids[:1], SamplingParams(temperature=0, max_tokens=20))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            deltas.append(text)
+            final = out
+    assert final.outputs[0].token_ids == ids[1:] + [engine.tokenizer.eos_token_id]
+    assert final.outputs[0].text == TEXT[1:]
+    # At every step the text so far is whole characters: a prefix of TEXT, never U+FFFD.
+    assert all(TEXT[1:].startswith(d) and "\ufffd" not in d for d in deltas)
+    # 13 tokens, but the text grew only when a character was complete.
+    assert sorted(set(deltas), key=len) == [TEXT[1:i] for i in range(1, len(TEXT) + 1)]
+
+
+def test_stop_string_inside_a_multibyte_run(scripted):
+    engine, ids = scripted
+    params = SamplingParams(temperature=0, max_tokens=20, stop=["\u0436"])
+    engine.add_request("stop-utf8", ids[:1], params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    completion = final.outputs[0]
+    assert completion.text == "\u00e9\U0001f600"
+    assert completion.finish_reason == "stop" and completion.stop_reason == "\u0436"
+    engine.check_integrity()
