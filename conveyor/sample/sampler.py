@@ -1,0 +1,279 @@
+"""Sampler: one sampled token (and optional logprobs) per row of a step's logits.
+
+Pipeline, as in vLLM, on the rows of one engine step:
+
+    raw logits ──> logprobs (log_softmax of the raw logits, for rows that ask)
+        │
+        ├─ penalties (repetition, presence, frequency)  ─┐ process_logits
+        ├─ min_tokens: stop ids and EOS -> -inf          ─┘
+        │
+        ├─ greedy rows: argmax
+        └─ other rows: / temperature -> top_k -> top_p -> min_p -> exponential race
+
+The exponential race picks argmax(probs / E) with E ~ Exponential(1): an exact draw from probs.
+Every random row draws one vocab-sized E from its own generator (or the sampler's), so a seeded
+row gets the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import chain
+from typing import NamedTuple
+
+import torch
+
+from conveyor.outputs import Logprob, PositionLogprobs
+from conveyor.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+# top-p looks for its nucleus among this many most likely tokens first and falls back to a full
+# sort only for rows whose nucleus is larger: a full CPU sort of 256 x 49k logits takes ~1 s.
+TOP_P_CANDIDATES = 1024
+
+
+class SamplingRow(NamedTuple):
+    params: SamplingParams
+    generator: torch.Generator | None  # None -> the sampler's own generator
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated so far (before this step)
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]  # one sampled token per row
+    logprobs: list[PositionLogprobs | None]  # None where params.logprobs is None
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Iterable[int], seed: int | None = None) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.seed = seed
+        # One default generator per device, created on first use (generators are device-bound).
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if not rows:
+            return SamplerOutput([], [])
+        logits = logits.to(work_dtype(logits.dtype))
+        processed = self.process_logits(logits, rows)
+        token_ids = self._sample(processed, rows)
+        logprobs = _collect_logprobs(logits, rows, token_ids)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Penalties and min_tokens applied. Never writes into `logits`; returns it (in the work
+        dtype) when no row needs either."""
+        logits = logits.to(work_dtype(logits.dtype))
+        penalized = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
+        banned = self._min_tokens_bans(rows, logits.shape[1])
+        if not penalized and not banned[0]:
+            return logits
+        logits = logits.clone()  # the raw logits stay intact for logprobs
+        if penalized:
+            _apply_penalties(logits, rows, penalized)
+        if banned[0]:
+            logits[banned] = NEG_INF
+        return logits
+
+    def _min_tokens_bans(
+        self, rows: list[SamplingRow], vocab_size: int
+    ) -> tuple[list[int], list[int]]:
+        """(row indices, token ids) to mask: rows below min_tokens may not stop yet."""
+        row_index: list[int] = []
+        token_index: list[int] = []
+        for i, row in enumerate(rows):
+            params = row.params
+            if len(row.output_token_ids) >= params.min_tokens:
+                continue
+            stops = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                stops |= self.eos_token_ids
+            in_vocab = [t for t in stops if t < vocab_size]
+            row_index += [i] * len(in_vocab)
+            token_index += in_vocab
+        return row_index, token_index
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = [row.params.greedy for row in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if len(random_rows) == len(rows):
+            return self._sample_random(logits, rows)
+        token_ids = logits.argmax(dim=-1)
+        index = torch.tensor(random_rows, device=logits.device)
+        token_ids[index] = self._sample_random(logits[index], [rows[i] for i in random_rows])
+        return token_ids
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Rows that are all non-greedy: temperature, top-k, top-p, min-p, then the race."""
+        probs = sampling_probs(logits, [row.params for row in rows])
+        return probs.div_(self._exponentials(rows, probs)).argmax(dim=-1)
+
+    def _exponentials(self, rows: list[SamplingRow], like: torch.Tensor) -> torch.Tensor:
+        """Exponential(1) noise, one vocab-sized row per row, each from that row's generator."""
+        uniform = torch.empty_like(like)
+        if any(row.generator is None for row in rows):
+            # Seeded rows' slots are drawn too and then overwritten: simpler than a scatter,
+            # and only unseeded rows read the default generator's stream.
+            uniform.uniform_(generator=self._default_generator(like.device))
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                uniform[i].uniform_(generator=row.generator)
+        # -log(u) is Exponential(1) and ~2x cheaper than exponential_ on CPU. u in [0, 1), so
+        # E is in (0, inf]: an infinite E scores 0 and never makes 0/0 = nan out of a masked 0.
+        return uniform.log_().neg_()
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float64 stays float64 so exactness tests can compare logprobs to 1e-6.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def _unique_positions(
+    id_lists: list[list[int]], row_index: list[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct flat positions row * vocab + token of the ids, with their counts."""
+    lengths = torch.tensor([len(ids) for ids in id_lists])
+    tokens = torch.tensor(list(chain.from_iterable(id_lists)), dtype=torch.long)
+    flat_rows = torch.tensor(row_index, dtype=torch.long).repeat_interleave(lengths)
+    positions = (flat_rows * vocab_size + tokens).to(device)
+    # sort + unique_consecutive: ~8x faster than unique() on CPU
+    return positions.sort().values.unique_consecutive(return_counts=True)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], penalized: list[int]) -> None:
+    """In place, touching only seen tokens. Repetition as in transformers (prompt + output),
+    then frequency and presence as in OpenAI (output only)."""
+    vocab_size = logits.shape[1]
+    flat = logits.view(-1)
+    repetition = [row.params.repetition_penalty for row in rows]
+    repeated = [i for i in penalized if repetition[i] != 1.0]
+    if repeated:
+        id_lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in repeated]
+        positions, _ = _unique_positions(id_lists, repeated, vocab_size, logits.device)
+        penalty = logits.new_tensor(repetition)[positions // vocab_size]
+        values = flat[positions]
+        flat[positions] = torch.where(values > 0, values / penalty, values * penalty)
+    id_lists = [rows[i].output_token_ids for i in penalized]
+    positions, counts = _unique_positions(id_lists, penalized, vocab_size, logits.device)
+    row_of = positions // vocab_size
+    frequency = logits.new_tensor([row.params.frequency_penalty for row in rows])[row_of]
+    presence = logits.new_tensor([row.params.presence_penalty for row in rows])[row_of]
+    flat[positions] -= presence + frequency * counts.to(logits.dtype)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What non-greedy rows sample from: probabilities after temperature, top-k, top-p and
+    min-p, masked tokens 0, not renormalized after min-p."""
+    temperature = logits.new_tensor([p.temperature for p in params]).unsqueeze(1)
+    logits = logits / temperature  # a fresh tensor: the masking below is in place
+    if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
+        _apply_top_k_top_p(logits, params)
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = logits.new_tensor([p.min_p for p in params]).unsqueeze(1)
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)
+        probs.masked_fill_(probs < threshold, 0.0)
+    return probs
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place. Both keep every token tied with the last kept value (as vLLM's top-k does);
+    top-p runs on the top-k-renormalized distribution."""
+    vocab_size = logits.shape[1]
+    top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+    needed = [k if p.top_k != -1 else 0 for k, p in zip(top_k, params, strict=True)]
+    needed += [TOP_P_CANDIDATES for p in params if p.top_p < 1.0 and p.top_k == -1]
+    num_candidates = min(max(needed), vocab_size)
+    candidates = logits.topk(num_candidates, dim=-1).values  # sorted, descending
+    k_index = torch.tensor([min(k, num_candidates) - 1 for k in top_k], device=logits.device)
+    kth = candidates.gather(1, k_index.unsqueeze(1))
+    no_top_k = torch.tensor([p.top_k == -1 for p in params], device=logits.device)
+    kth.masked_fill_(no_top_k.unsqueeze(1), NEG_INF)
+    logits.masked_fill_(logits < kth, NEG_INF)
+    if all(p.top_p >= 1.0 for p in params):
+        return
+    candidates.masked_fill_(candidates < kth, NEG_INF)
+    logits.masked_fill_(logits < _top_p_cutoff(logits, candidates, params), NEG_INF)
+
+
+def _top_p_cutoff(
+    logits: torch.Tensor, candidates: torch.Tensor, params: list[SamplingParams]
+) -> torch.Tensor:
+    """[num_rows, 1] smallest logit kept by top-p (-inf keeps all). `logits` are top-k masked;
+    `candidates` are their largest values, sorted descending."""
+    top_p = logits.new_tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params])
+    log_total = logits.logsumexp(dim=-1, keepdim=True)
+    cutoff, resolved = _nucleus_end(candidates, log_total, top_p.unsqueeze(1))
+    # The nucleus ends inside the candidates, or top-k already left nothing beyond them.
+    resolved |= torch.tensor([p.top_k != -1 for p in params], device=logits.device)
+    if candidates.shape[1] < logits.shape[1] and not bool(resolved.all()):
+        rows = (~resolved).nonzero().squeeze(1)
+        full = logits[rows].sort(dim=-1, descending=True).values
+        cutoff[rows] = _nucleus_end(full, log_total[rows], top_p[rows].unsqueeze(1))[0]
+    return cutoff.masked_fill_(top_p.unsqueeze(1) > 1.0, NEG_INF)
+
+
+def _nucleus_end(
+    sorted_logits: torch.Tensor, log_total: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last kept logit, whether the kept prefix ends before the last column), per row.
+    A token is kept while the mass before it is below top_p: the smallest set reaching top_p,
+    never empty since top_p > 0."""
+    probs = (sorted_logits - log_total).exp_()
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)
+    cutoff = sorted_logits.gather(1, num_kept - 1)
+    return cutoff, (num_kept < sorted_logits.shape[1]).squeeze(1)
+
+
+def _collect_logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
+) -> list[PositionLogprobs | None]:
+    """Raw-distribution logprobs: the sampled token first, then the top-N by rank."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[PositionLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, device=logits.device)
+    logprobs = torch.log_softmax(logits if len(wanted) == len(rows) else logits[index], dim=-1)
+    sampled = token_ids[index].unsqueeze(1)
+    sampled_logprobs = logprobs.gather(1, sampled)
+    sampled_ranks = (logprobs > sampled_logprobs).sum(dim=-1, dtype=torch.int32) + 1
+    max_n = max(rows[i].params.logprobs for i in wanted)
+    top_logprobs, top_ids = logprobs.topk(max_n, dim=-1)
+    columns = zip(
+        sampled.squeeze(1).tolist(),
+        sampled_logprobs.squeeze(1).tolist(),
+        sampled_ranks.tolist(),
+        top_ids.tolist(),
+        top_logprobs.tolist(),
+        strict=True,
+    )
+    for i, (token, logprob, rank, ids, values) in zip(wanted, columns, strict=True):
+        position = {token: Logprob(logprob, rank)}
+        for r in range(rows[i].params.logprobs):
+            position.setdefault(ids[r], Logprob(values[r], r + 1))
+        result[i] = position
+    return result
