@@ -137,10 +137,18 @@ class ModelConfig:
         )
 
 
-def _load_hf_config(path: Path, auto_config):
+def hf_folder(path: Path) -> Path:
+    """Where config.json and the tokenizer live: the checkpoint itself, or for a GGUF file
+    a folder converted once from its metadata."""
     if path.suffix == ".gguf":
-        return auto_config.from_pretrained(path.parent, gguf_file=path.name)
-    return auto_config.from_pretrained(path)
+        from conveyor.model.gguf_loader import gguf_hf_folder
+
+        return gguf_hf_folder(path)
+    return path
+
+
+def _load_hf_config(path: Path, auto_config):
+    return auto_config.from_pretrained(hf_folder(path))
 
 
 def _architecture(hf) -> str:
@@ -199,11 +207,11 @@ def _resolve_max_len(hf, max_model_len: int | None) -> int:
 def _eos_ids(path: Path, hf) -> frozenset[int]:
     """EOS ids as transformers' generate sees them: generation_config.json, else the config."""
     ids: set[int] = set()
-    gen_file = path / "generation_config.json" if path.is_dir() else None
-    if gen_file is not None and gen_file.exists():
+    gen_file = hf_folder(path) / "generation_config.json"
+    if gen_file.exists():
         from transformers import GenerationConfig
 
-        ids |= _as_set(GenerationConfig.from_pretrained(path).eos_token_id)
+        ids |= _as_set(GenerationConfig.from_pretrained(gen_file.parent).eos_token_id)
     return frozenset(ids or _as_set(getattr(hf, "eos_token_id", None)))
 
 

@@ -19,10 +19,14 @@ File layout (little-endian; GGUF v2/v3):
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
+import os
 import re
+import shutil
 import struct
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -242,3 +246,46 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """
     rest = weight.shape[1:]
     return weight.reshape(num_heads, -1, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Scalar metadata of the file (string arrays such as the vocabulary left out)."""
+    with _map(path) as buffer:
+        return _read_header(buffer, path).metadata
+
+
+def gguf_hf_folder(path: str | Path) -> Path:
+    """A Hugging Face style folder (config.json + tokenizer files) for a GGUF file.
+
+    transformers rebuilds config and tokenizer from GGUF metadata, but slowly (tens of seconds
+    for a 49k-token vocabulary), so the result is stored once per file under
+    $CONVEYOR_CACHE_DIR (default ~/.cache/conveyor) and reused while the file is unchanged.
+    """
+    path = Path(path).resolve()
+    architecture = gguf_architecture(path)
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = _cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers keeps Qwen3Config's default head_dim instead of reading key_length.
+    key_length = gguf_metadata(path).get(f"{architecture}.attention.key_length")
+    if architecture == "qwen3" and key_length:
+        config.head_dim = key_length
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent))
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(folder)  # atomic: a half-written folder is never seen
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return folder
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("CONVEYOR_CACHE_DIR", "~/.cache/conveyor")).expanduser()

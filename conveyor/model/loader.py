@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conveyor.config import ModelConfig
+from conveyor.config import ModelConfig, hf_folder
 from conveyor.model.layers import RotaryEmbedding
 from conveyor.model.llama import LlamaForCausalLM
 
@@ -63,6 +63,4 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    if cfg.is_gguf:
-        return AutoTokenizer.from_pretrained(cfg.path.parent, gguf_file=cfg.path.name)
-    return AutoTokenizer.from_pretrained(cfg.path)
+    return AutoTokenizer.from_pretrained(hf_folder(cfg.path))
