@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/conveyor generate
+	$(VENV)/bin/conveyor generate $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

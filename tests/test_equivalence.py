@@ -89,3 +89,29 @@ def _joined_mid_flight(trace) -> bool:
             return True
         seen |= ids
     return False
+
+
+@pytest.fixture(scope="module", params=["F32", "Q8_0"])
+def gguf_case(request, tiny_checkpoint, tmp_path_factory):
+    from gguf_util import write_gguf
+
+    path = write_gguf(
+        tiny_checkpoint("llama"), tmp_path_factory.mktemp("gguf") / "tiny.gguf", request.param
+    )
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float64
+    )
+    prompts = random_prompts(NUM_PROMPTS, ref_model.config.vocab_size, seed=2)
+    reference = hf_greedy(ref_model, prompts, MAX_TOKENS)
+    return path, prompts, [(t[: p.max_tokens], lp[: p.max_tokens]) for (t, lp), p in zip(reference, GREEDY)]
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [dict(max_num_batched_tokens=4096), dict(max_num_batched_tokens=16, max_num_seqs=3)],
+    ids=["one-step", "chunked-and-queued"],
+)
+def test_gguf_checkpoint_matches_transformers(gguf_case, engine_kwargs):
+    path, prompts, reference = gguf_case
+    llm = LLM(str(path), dtype="float64", **engine_kwargs)
+    assert_matches_reference(llm.generate(prompts, GREEDY, use_tqdm=False), reference)
