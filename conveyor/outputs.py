@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -56,6 +57,23 @@ class ModelRunnerOutput:
     logprobs: list[list[PositionLogprobs] | None]
 
 
+class OutputKind(enum.Enum):
+    CUMULATIVE = 0  # every step: all text and tokens so far
+    DELTA = 1  # every step: only what is new (streaming)
+    FINAL_ONLY = 2  # once, when finished (offline generation)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Times (time.monotonic) of one request's life, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -78,3 +96,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None  # set on the finishing output

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -214,6 +215,8 @@ class Scheduler:
         if request.status == RequestStatus.WAITING:
             request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         self.running.append(request)
         return num_new
 
@@ -287,6 +290,8 @@ class Scheduler:
         return updated
 
     def _append_tokens(self, request: Request, token_ids: list[int], logprobs) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
         for i, token_id in enumerate(token_ids):
             request.append_output_token(token_id)
             if logprobs is not None and request.logprobs is not None:

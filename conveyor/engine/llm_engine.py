@@ -6,7 +6,6 @@ offline LLM class directly, the server through AsyncEngine.
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler, SchedulerStats
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.model.loader import load_tokenizer
-from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
+from conveyor.outputs import CompletionOutput, Logprob, OutputKind, RequestMetrics, RequestOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
 from conveyor.worker.model_runner import ModelRunner
@@ -45,7 +44,7 @@ class _Parent:
     prompt_token_ids: list[int]
     child_ids: list[str]
     arrival_time: float
-    num_finished: int = 0
+    output_kind: OutputKind
 
 
 @dataclass(slots=True)
@@ -133,6 +132,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -147,7 +147,7 @@ class LLMEngine:
         max_tokens = self._check_lengths(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        parent = _Parent(request_id, text, token_ids, child_ids, arrival)
+        parent = _Parent(request_id, text, token_ids, child_ids, arrival, output_kind)
         self._parents[request_id] = parent
         for i, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.clone(n=1, seed=_child_seed(params.seed, i))
@@ -222,6 +222,10 @@ class LLMEngine:
             self.scheduler.finish_requests(parent.child_ids, RequestStatus.FINISHED_ABORTED)
             self._forget_children(parent)
 
+    def arrival_time(self, request_id: str) -> float | None:
+        parent = self._parents.get(request_id)
+        return None if parent is None else parent.arrival_time
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -258,25 +262,60 @@ class LLMEngine:
         return [r.request_id for r in updated if r.is_finished]
 
     def _make_outputs(self, updated: list[Request]) -> list[RequestOutput]:
-        parents = {id(p): p for p in (self._child_to_parent[r.request_id] for r in updated)}
+        by_parent: dict[str, list[Request]] = {}
+        for request in updated:
+            parent = self._child_to_parent[request.request_id]
+            by_parent.setdefault(parent.request_id, []).append(request)
         outputs = []
-        for parent in parents.values():
+        for parent_id, changed in by_parent.items():
+            parent = self._parents[parent_id]
             children = [self.scheduler.requests[c] for c in parent.child_ids]
             finished = all(c.is_finished for c in children)
-            outputs.append(
-                RequestOutput(
-                    request_id=parent.request_id,
-                    prompt=parent.prompt,
-                    prompt_token_ids=parent.prompt_token_ids,
-                    outputs=[self._completion(i, c) for i, c in enumerate(children)],
-                    finished=finished,
-                    num_cached_tokens=children[0].num_cached_tokens,
-                )
-            )
+            if parent.output_kind == OutputKind.DELTA:
+                completions = [self._delta(parent.child_ids.index(c.request_id), c) for c in changed]
+            elif finished or parent.output_kind == OutputKind.CUMULATIVE:
+                completions = [self._completion(i, c) for i, c in enumerate(children)]
+            else:
+                continue
+            outputs.append(self._request_output(parent, children, completions, finished))
             if finished:
                 del self._parents[parent.request_id]
                 self._forget_children(parent)
         return outputs
+
+    def _request_output(self, parent, children, completions, finished) -> RequestOutput:
+        metrics = None
+        if finished:
+            first = children[0]
+            metrics = RequestMetrics(
+                arrival_time=parent.arrival_time,
+                first_scheduled_time=first.first_scheduled_time,
+                first_token_time=min((c.first_token_time or 0.0) for c in children) or None,
+                finished_time=time.monotonic(),
+                num_preemptions=sum(c.num_preemptions for c in children),
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=children[0].num_cached_tokens,
+            metrics=metrics,
+        )
+
+    def _delta(self, index: int, request: Request) -> CompletionOutput:
+        """What this step added: one token (more with speculation), its text and logprobs."""
+        detok = self._detokenizers[request.request_id]
+        return CompletionOutput(
+            index=index,
+            text=detok.get_delta(finished=request.is_finished),
+            token_ids=request.output_token_ids[-1:],
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            logprobs=request.logprobs[-1:] if request.logprobs is not None else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
 
     def _completion(self, index: int, request: Request) -> CompletionOutput:
         detok = self._detokenizers[request.request_id]

@@ -76,6 +76,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.entrypoints.openai.api_server import build_app, run_server
+
+    engine = LLMEngine(**engine_kwargs(args))
+    name = args.served_model_name or _default_model_name(engine)
+    api_key = args.api_key or os.environ.get("CONVEYOR_API_KEY") or None
+    app = build_app(engine, name, api_key)
+    print(f"conveyor: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
+    return 0
+
+
+def _default_model_name(engine) -> str:
+    path = engine.model_config.path
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=None, help="also read from CONVEYOR_API_KEY")
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--graceful-timeout", type=float, default=10.0,
+                       help="seconds open responses get to finish after SIGTERM")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

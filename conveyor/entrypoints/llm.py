@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.outputs import RequestOutput
+from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -42,7 +42,9 @@ class LLM:
             for i, prompt in enumerate(prompts):
                 request_id = f"llm-{next(self._counter)}"
                 prio = priority[i] if priority is not None else 0
-                self.engine.add_request(request_id, prompt, params[i], priority=prio)
+                self.engine.add_request(
+                    request_id, prompt, params[i], priority=prio, output_kind=OutputKind.FINAL_ONLY
+                )
                 ids.append(request_id)
         except ValueError:
             self.engine.abort_request(ids)  # one bad prompt fails the call, nothing left behind

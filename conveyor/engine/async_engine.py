@@ -1,0 +1,194 @@
+"""The step loop off the event loop.
+
+LLMEngine is single-threaded. AsyncEngine owns it on one background thread that drains a
+queue of commands (add, abort), runs step() while there is work, and hands each output to its
+request's asyncio queue with call_soon_threadsafe. The event loop never waits for a step, so
+accepting connections and streaming go on while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.outputs import OutputKind, RequestOutput
+from conveyor.sampling_params import SamplingParams
+
+_STOP = object()
+_ABORT_ALL = object()
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    stream: RequestStream
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    """Outputs of one request, delivered on the event loop that created it."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    accepted: asyncio.Future | None = None
+    finished: bool = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[LLMEngine, list], None] | None = None,
+        on_abort: Callable[[LLMEngine, str], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        # Called on the engine thread after every step and every abort (metrics).
+        self.on_step = on_step
+        self.on_abort = on_abort
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        self._error: BaseException | None = None
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Submits a request; raises ValueError here if the engine refuses it."""
+        if self._error is not None:
+            raise RuntimeError(f"engine loop died: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, accepted=loop.create_future())
+        self._commands.put(_Add(request_id, prompt, params, priority, stream))
+        await stream.accepted
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request is aborted before the next step and its blocks freed."""
+        self._commands.put(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        """Thread-safe: ends every open request now, its stream with finish_reason "abort"."""
+        self._commands.put(_ABORT_ALL)
+
+    def shutdown(self) -> None:
+        self._commands.put(_STOP)
+        self._thread.join(timeout=10)
+
+    # ---- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain(block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
+            self._error = error
+            for stream in list(self._streams.values()):
+                stream.put(RuntimeError(f"engine loop died: {error!r}"))
+            raise
+        finally:
+            self._abort_all()
+
+    def _drain(self, block: bool) -> bool:
+        """Applies pending commands (waiting for one if the engine is idle); False on stop."""
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            if command is _ABORT_ALL:
+                self._abort_all()
+            else:
+                self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            if self._streams.pop(command.request_id, None) is not None:
+                self.engine.abort_request(command.request_id)
+                if self.on_abort is not None:
+                    self.on_abort(self.engine, command.request_id)
+            return
+        stream = command.stream
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params,
+                priority=command.priority, output_kind=OutputKind.DELTA,
+            )
+        except ValueError as error:
+            stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
+            return
+        self._streams[command.request_id] = stream
+        stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+        if self.on_step is not None:
+            self.on_step(self.engine, outputs)
+
+    def _abort_all(self) -> None:
+        """On shutdown: every open stream ends with finish_reason "abort"."""
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put(_aborted_output(request_id))
+        self._streams.clear()
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _aborted_output(request_id: str) -> RequestOutput:
+    from conveyor.outputs import CompletionOutput
+
+    done = CompletionOutput(0, "", [], None, None, finish_reason="abort")
+    return RequestOutput(request_id, None, [], [done], finished=True, metrics=None)

@@ -1,0 +1,224 @@
+"""FastAPI app: the OpenAI-compatible endpoints, errors, auth, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from conveyor.entrypoints.openai.serving import OpenAIServing, _message_dict
+from conveyor.metrics import EngineMetrics
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    metrics = EngineMetrics(model_name)
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step, on_abort=metrics.on_abort)
+    serving = OpenAIServing(async_engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        async_engine.shutdown()  # ends open streams with finish_reason "abort"
+
+    app = FastAPI(title="conveyor", lifespan=lifespan)
+    app.state.engine, app.state.metrics = async_engine, metrics
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                      "authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{model_name!r}", "NotFoundError", "model", "model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "conveyor", "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        check_model(body.model)
+        prompts, params = await _bad_request(serving.completion_params(body))
+        return await _run(raw, serving, prompts, params, body, "cmpl",
+                          serving.complete, serving.complete_stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        check_model(body.model)
+        prompts, params = await _bad_request(_as_awaitable(serving.chat_params, body))
+        return await _run(raw, serving, prompts, params, body, "chatcmpl",
+                          serving.chat, serving.chat_stream)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        tokenizer = serving.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "BadRequestError")
+        if body.messages is not None:
+            ids = tokenizer.apply_chat_template(
+                [_message_dict(m) for m in body.messages], tokenize=True, return_dict=False,
+                add_generation_prompt=body.add_generation_prompt,
+            )
+        else:
+            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        ids = list(ids)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be integers in [0, {vocab})", "BadRequestError",
+                           "tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+async def _as_awaitable(fn, *args):
+    return fn(*args)
+
+
+async def _bad_request(awaitable: Awaitable):
+    try:
+        return await awaitable
+    except ValueError as error:
+        raise APIError(400, str(error), "BadRequestError") from error
+
+
+async def _run(raw: Request, serving: OpenAIServing, prompts, params, body, prefix: str,
+               full: Callable, stream: Callable):
+    streams = await _bad_request(serving.submit(prefix, prompts, params, body.priority))
+    if body.stream:
+        return StreamingResponse(_guarded(serving, streams, stream(body, prompts, streams)),
+                                 media_type="text/event-stream")
+    task = asyncio.ensure_future(full(body, prompts, streams))
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not task.done():
+            task.cancel()
+            serving.abort_unfinished(streams)  # the client went away: free its KV now
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _guarded(serving: OpenAIServing, streams, chunks: AsyncIterator[str]):
+    """Streams chunks; a client that disconnects mid-stream has its requests aborted."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        serving.abort_unfinished(streams)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError):
+        return error_response(error.status, error.message, error.type, error.param, error.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(location) or None
+        message = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
+        return error_response(400, message, "BadRequestError", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException):
+        kind = "NotFoundError" if error.status_code == 404 else "BadRequestError"
+        return error_response(error.status_code, str(error.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, error: Exception):
+        return error_response(500, f"internal error: {error!r}", "InternalServerError")
+
+
+class GracefulServer(uvicorn.Server):
+    """On SIGINT/SIGTERM uvicorn stops accepting and waits for open responses. Streams still
+    open shortly before its deadline are ended cleanly (finish_reason "abort", then [DONE])
+    instead of being cut mid-chunk."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the captured signal after shutdown, which makes the exit status
+        # "killed by SIGTERM"; a clean, graceful shutdown exits 0 instead.
+        self._captured_signals.clear()
+        if first:
+            timer = threading.Timer(max(self.grace - 1.0, 0.0), self.engine.abort_all)
+            timer.daemon = True
+            timer.start()
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info",
+               grace: float = 10.0) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=grace)
+    GracefulServer(config, app.state.engine, grace).run()
