@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve demo test clean
+.PHONY: serve demo test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check conveyor tests
+	$(VENV)/bin/ruff format --check conveyor tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -170,7 +170,8 @@ def _check_rope(hf) -> None:
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(
-            f"unsupported rope_type {rope_type!r}; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
+            f"unsupported rope_type {rope_type!r}; "
+            f"supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
         )
 
 

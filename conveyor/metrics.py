@@ -9,10 +9,51 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.outputs import RequestOutput
 
-_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
-_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0]
+_LATENCY_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+]
+_REQUEST_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+]
 
 
 class EngineMetrics:
@@ -32,28 +73,45 @@ class EngineMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"conveyor:{name}", doc, labels + list(extra), registry=reg)
 
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
-                              _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.",
-                             _LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.",
-                             _REQUEST_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Time waiting before first run.",
-                               _REQUEST_BUCKETS)
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between tokens.", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", _REQUEST_BUCKETS
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds", "Time waiting before first run.", _REQUEST_BUCKETS
+        )
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting (incl. preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens received.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self.preemptions = counter("num_preemptions_total", "Preemptions (recompute).")
-        self.prefix_queries = counter("prefix_cache_queries_total", "Prefix-cache lookups (tokens).")
+        self.prefix_queries = counter(
+            "prefix_cache_queries_total", "Prefix-cache lookups (tokens)."
+        )
         self.prefix_hits = counter("prefix_cache_hits_total", "Prefix-cache hits (tokens).")
         self.success = counter("request_success_total", "Finished requests.", ("finished_reason",))
         self.model_name = model_name
         # Create every labelled series now, so /metrics lists them all from the start.
-        for collector in (self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting,
-                          self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                          self.preemptions, self.prefix_queries, self.prefix_hits):
+        for collector in (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue,
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+            self.prefix_queries,
+            self.prefix_hits,
+        ):
             collector.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)

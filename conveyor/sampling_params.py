@@ -46,10 +46,10 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     def validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(
-            self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"
+            isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"
         )
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(
             isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),

@@ -24,11 +24,24 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", *args,
-               "--port", str(self.port), "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "conveyor.entrypoints.cli",
+            "serve",
+            *args,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+        ]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        )
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:

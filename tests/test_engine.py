@@ -32,8 +32,10 @@ def test_trace_shows_a_request_joining_mid_generation_and_one_leaving_early(tiny
     while engine.has_unfinished_requests():
         engine.step()
     trace = engine.trace
-    first = {rid: next(s.step for s in trace if rid in s.num_scheduled_tokens) for rid in
-             ("short", "long", "late")}
+    first = {
+        rid: next(s.step for s in trace if rid in s.num_scheduled_tokens)
+        for rid in ("short", "long", "late")
+    }
     last = {rid: max(s.step for s in trace if rid in s.num_scheduled_tokens) for rid in first}
     # "late" joined at the next step, while "long" was mid-generation (one token per step).
     assert first["late"] == 3
@@ -55,8 +57,9 @@ def test_stop_string_ends_the_text_before_it(llm):
     out = llm.generate(prompt, greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.text == full[:first]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate(prompt, greedy(24, stop=stop, include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        prompt, greedy(24, stop=stop, include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
     assert kept.text == full[: first + len(stop)]
 
 
@@ -128,8 +131,11 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch_of_32(llm):
         SamplingParams(temperature=0.7, seed=99, top_k=20, max_tokens=9, presence_penalty=0.5),
     ]
     batch_params = [mix[i % 3] for i in range(31)]
-    outs = llm.generate(others[:16] + [prompt] + others[16:], batch_params[:16] + [seeded] +
-                        batch_params[16:], use_tqdm=False)
+    outs = llm.generate(
+        others[:16] + [prompt] + others[16:],
+        batch_params[:16] + [seeded] + batch_params[16:],
+        use_tqdm=False,
+    )
     assert outs[16].outputs[0].token_ids == alone
 
 

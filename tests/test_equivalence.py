@@ -27,8 +27,7 @@ def case(request, tiny_checkpoint):
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     prompts = random_prompts(NUM_PROMPTS, ref_model.config.vocab_size, seed=1)
     reference = hf_greedy(ref_model, prompts, MAX_TOKENS)
-    # A shorter max_tokens sees a prefix of the longest greedy run.
-    return path, prompts, [(t[: p.max_tokens], lp[: p.max_tokens]) for (t, lp), p in zip(reference, GREEDY)]
+    return path, prompts, _trimmed(reference)
 
 
 def test_all_requests_in_one_step_match_transformers(case):
@@ -76,6 +75,14 @@ def test_requests_added_while_others_decode_match(case):
     assert_matches_reference([done[i] for i in range(NUM_PROMPTS)], reference)
 
 
+def _trimmed(reference):
+    """A shorter max_tokens sees a prefix of the longest greedy run."""
+    return [
+        (t[: p.max_tokens], lp[: p.max_tokens])
+        for (t, lp), p in zip(reference, GREEDY, strict=True)
+    ]
+
+
 def _ids(outputs) -> list[str]:
     return [o.request_id for o in outputs]
 
@@ -103,7 +110,7 @@ def gguf_case(request, tiny_checkpoint, tmp_path_factory):
     )
     prompts = random_prompts(NUM_PROMPTS, ref_model.config.vocab_size, seed=2)
     reference = hf_greedy(ref_model, prompts, MAX_TOKENS)
-    return path, prompts, [(t[: p.max_tokens], lp[: p.max_tokens]) for (t, lp), p in zip(reference, GREEDY)]
+    return path, prompts, _trimmed(reference)
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,18 @@ from server_util import ServerProcess
 API_KEY = "test-key"
 MODEL = "smollm2"
 REQUIRED_METRICS = [
-    "conveyor:time_to_first_token_seconds", "conveyor:inter_token_latency_seconds",
-    "conveyor:e2e_request_latency_seconds", "conveyor:request_queue_time_seconds",
-    "conveyor:num_requests_running", "conveyor:num_requests_waiting",
-    "conveyor:kv_cache_usage_perc", "conveyor:prompt_tokens", "conveyor:generation_tokens",
-    "conveyor:num_preemptions", "conveyor:prefix_cache_queries", "conveyor:prefix_cache_hits",
+    "conveyor:time_to_first_token_seconds",
+    "conveyor:inter_token_latency_seconds",
+    "conveyor:e2e_request_latency_seconds",
+    "conveyor:request_queue_time_seconds",
+    "conveyor:num_requests_running",
+    "conveyor:num_requests_waiting",
+    "conveyor:kv_cache_usage_perc",
+    "conveyor:prompt_tokens",
+    "conveyor:generation_tokens",
+    "conveyor:num_preemptions",
+    "conveyor:prefix_cache_queries",
+    "conveyor:prefix_cache_hits",
     "conveyor:request_success",
 ]
 
@@ -28,8 +35,19 @@ REQUIRED_METRICS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = ServerProcess(["--served-model-name", MODEL, "--api-key", API_KEY,
-                          "--max-model-len", "512", "--max-num-seqs", "64"], log)
+    proc = ServerProcess(
+        [
+            "--served-model-name",
+            MODEL,
+            "--api-key",
+            API_KEY,
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "64",
+        ],
+        log,
+    )
     yield proc
     assert proc.stop() == 0, f"server did not exit 0 on SIGTERM:\n{log.read_text()[-2000:]}"
 
@@ -46,11 +64,14 @@ def test_models_lists_the_served_model(client):
 def test_completion_streamed_equals_non_streamed_with_usage(client, server):
     kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0.9, seed=7)
     full = client.completions.create(**kwargs, logprobs=1)
-    chunks = list(client.completions.create(**kwargs, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == full.choices[0].text and len(streamed) > 0
-    prompt_ids = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Once upon a time"}).json()
+    prompt_ids = httpx.post(
+        f"{server.base_url}/tokenize", json={"prompt": "Once upon a time"}
+    ).json()
     assert full.usage.prompt_tokens == prompt_ids["count"]
     assert full.usage.completion_tokens == len(full.choices[0].logprobs.tokens)
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -59,13 +80,15 @@ def test_completion_streamed_equals_non_streamed_with_usage(client, server):
 
 def test_chat_streamed_equals_non_streamed_and_answers(client):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                          max_tokens=20, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=20, logprobs=True, top_logprobs=2
+    )
     assert "Paris" in full.choices[0].message.content
     assert full.choices[0].finish_reason == "stop"
     assert full.usage.completion_tokens == len(full.choices[0].logprobs.content)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                            max_tokens=20, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=20, stream=True
+    )
     parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(parts) == full.choices[0].message.content
 
@@ -80,16 +103,18 @@ def test_32_concurrent_streams_finish_and_batch_together(server):
             time.sleep(0.05)
 
     async def one(client, i):
-        stream = await client.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=24,
-                                                 temperature=0.8, seed=i, stream=True)
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"Story {i}:", max_tokens=24, temperature=0.8, seed=i, stream=True
+        )
         finish = None
         async for chunk in stream:
             finish = chunk.choices[0].finish_reason or finish
         return finish
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY,
-                                    max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0
+        )
         return await asyncio.gather(*(one(client, i) for i in range(32)))
 
     watcher = threading.Thread(target=watch)
@@ -105,19 +130,27 @@ def test_32_concurrent_streams_finish_and_batch_together(server):
 
 def test_disconnect_mid_stream_frees_the_request(server):
     idle_kv = server.metrics()["conveyor:kv_cache_usage_perc"]
-    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Count to one thousand:",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers,
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as response:
         lines = response.iter_lines()
         received = [line for _, line in zip(range(6), lines, strict=False) if line]
     assert received and all(line.startswith("data: ") for line in received)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         metrics = server.metrics()
-        if (metrics["conveyor:num_requests_running"] == 0
-                and metrics["conveyor:kv_cache_usage_perc"] == idle_kv):
+        if (
+            metrics["conveyor:num_requests_running"] == 0
+            and metrics["conveyor:kv_cache_usage_perc"] == idle_kv
+        ):
             break
         time.sleep(0.1)
     else:
@@ -129,7 +162,7 @@ def test_metrics_parse_and_include_every_collector(server, client):
     names = set(server.metrics())
     for metric in REQUIRED_METRICS:
         assert any(n.startswith(metric) for n in names), f"{metric} missing from /metrics"
-    assert server.metrics()['conveyor:request_success_total'] >= 1
+    assert server.metrics()["conveyor:request_success_total"] >= 1
 
 
 def test_tokenize_and_detokenize_round_trip(server):
@@ -139,6 +172,7 @@ def test_tokenize_and_detokenize_round_trip(server):
 
 
 # ---- errors: OpenAI-style bodies, never a 500 ------------------------------------------------
+
 
 def _post(server, path, body, key=API_KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -156,14 +190,17 @@ def _assert_error(response, status, *words):
         assert word in error["message"], error["message"]
 
 
-@pytest.mark.parametrize(("field", "value", "words"), [
-    ("temperature", -1, ["temperature must be >= 0"]),
-    ("top_p", 1.5, ["top_p must be in (0, 1]"]),
-    ("top_k", 0, ["top_k must be -1"]),
-    ("max_tokens", 0, ["max_tokens must be an integer >= 1"]),
-    ("n", 0, ["n must be an integer >= 1"]),
-    ("presence_penalty", 5, ["presence_penalty"]),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("temperature", -1, ["temperature must be >= 0"]),
+        ("top_p", 1.5, ["top_p must be in (0, 1]"]),
+        ("top_k", 0, ["top_k must be -1"]),
+        ("max_tokens", 0, ["max_tokens must be an integer >= 1"]),
+        ("n", 0, ["n must be an integer >= 1"]),
+        ("presence_penalty", 5, ["presence_penalty"]),
+    ],
+)
 def test_invalid_parameter_is_400(server, field, value, words):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, field: value}
     _assert_error(_post(server, "/v1/completions", body), 400, *words)
@@ -183,24 +220,29 @@ def test_missing_or_wrong_api_key_is_401(server):
     _assert_error(_post(server, "/v1/completions", body, key=None), 401, "API key")
     _assert_error(_post(server, "/v1/completions", body, key="wrong"), 401, "API key")
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong",
-                      max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0
+        ).models.list()
 
 
 def test_unknown_model_is_404(server, client):
-    _assert_error(_post(server, "/v1/completions", {"model": "gpt-9", "prompt": "Hi"}), 404,
-                  "gpt-9")
+    _assert_error(
+        _post(server, "/v1/completions", {"model": "gpt-9", "prompt": "Hi"}), 404, "gpt-9"
+    )
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
 
 
-@pytest.mark.parametrize("raw", [
-    '{"model": "smollm2"}',                                    # no prompt
-    '{"model": "smollm2", "prompt": "Hi", "max_tokens": "many"}',  # wrong type
-    '{"model": "smollm2", "prompt": "Hi", "stream_options": 3}',
-    "{not json",
-    "[1, 2, 3]",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"model": "smollm2"}',  # no prompt
+        '{"model": "smollm2", "prompt": "Hi", "max_tokens": "many"}',  # wrong type
+        '{"model": "smollm2", "prompt": "Hi", "stream_options": 3}',
+        "{not json",
+        "[1, 2, 3]",
+    ],
+)
 def test_malformed_body_is_400_with_a_readable_message(server, raw):
     response = _post(server, "/v1/completions", None, raw=raw)
     _assert_error(response, 400)
@@ -209,10 +251,14 @@ def test_malformed_body_is_400_with_a_readable_message(server, raw):
 
 
 def test_empty_messages_and_empty_prompt_are_400(server):
-    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400,
-                  "messages")
-    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": ""}), 400,
-                  "prompt must not be empty")
+    _assert_error(
+        _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages"
+    )
+    _assert_error(
+        _post(server, "/v1/completions", {"model": MODEL, "prompt": ""}),
+        400,
+        "prompt must not be empty",
+    )
 
 
 def test_server_still_serves_after_errors(client):

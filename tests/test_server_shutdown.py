@@ -10,13 +10,21 @@ from server_util import ServerProcess
 
 
 def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint, tmp_path):
-    server = ServerProcess([str(tiny_checkpoint("llama")), "--dtype", "float32",
-                            "--graceful-timeout", "2"], tmp_path / "server.log")
-    body = {"prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True,
-            "temperature": 0}
+    server = ServerProcess(
+        [str(tiny_checkpoint("llama")), "--dtype", "float32", "--graceful-timeout", "2"],
+        tmp_path / "server.log",
+    )
+    body = {
+        "prompt": [5, 6, 7],
+        "max_tokens": 500,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     events = []
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
+    ) as response:
         for line in response.iter_lines():
             if not line:
                 continue
@@ -25,6 +33,6 @@ def test_sigterm_ends_open_streams_cleanly_and_exits_zero(tiny_checkpoint, tmp_p
                 server.proc.send_signal(signal.SIGTERM)
     assert server.stop() == 0, (tmp_path / "server.log").read_text()[-2000:]
     assert events[-1] == "data: [DONE]"
-    last = json.loads(events[-2][len("data: "):])
+    last = json.loads(events[-2][len("data: ") :])
     assert last["choices"][0]["finish_reason"] in ("abort", "length")
     assert len(events) < 500, "the stream was not ended early by the shutdown"

@@ -25,7 +25,9 @@ CORPUS = [
 
 ARCHS = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
-    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
+    "mistral": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None
+    ),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False),
 }
@@ -111,8 +113,15 @@ def make_scripted_checkpoint(path: Path, successor: dict[int, int]) -> Path:
     tokenizer = build_tokenizer()
     vocab = len(tokenizer)
     config = tiny_config(
-        "llama", vocab, hidden_size=vocab, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=vocab // 4, intermediate_size=32, rope_scaling=None,
+        "llama",
+        vocab,
+        hidden_size=vocab,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=vocab // 4,
+        intermediate_size=32,
+        rope_scaling=None,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
     with torch.no_grad():

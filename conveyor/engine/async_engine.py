@@ -149,8 +149,11 @@ class AsyncEngine:
         stream = command.stream
         try:
             self.engine.add_request(
-                command.request_id, command.prompt, command.params,
-                priority=command.priority, output_kind=OutputKind.DELTA,
+                command.request_id,
+                command.prompt,
+                command.params,
+                priority=command.priority,
+                output_kind=OutputKind.DELTA,
             )
         except ValueError as error:
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--graceful-timeout", type=float, default=10.0,
                        help="seconds open responses get to finish after SIGTERM")
     serve.set_defaults(func=cmd_serve)
+    from conveyor.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -60,11 +60,16 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        prompts = [
+            self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[int]:
         tokenizer = self.engine.tokenizer
         if chat_template is None and not tokenizer.chat_template:
@@ -80,7 +85,9 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(
+            total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm
+        ) as bar:
             while len(results) < len(request_ids):
                 for out in self.engine.step():
                     if out.finished:

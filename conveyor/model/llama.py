@@ -21,7 +21,11 @@ from conveyor.model.layers import MergedLinear, RMSNorm, RotaryEmbedding
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)

@@ -12,7 +12,7 @@ import torch
 from conveyor.config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, PrefillChunk
 from conveyor.model.loader import load_model
-from conveyor.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
+from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.sample.sampler import Sampler
 
 
@@ -81,7 +81,12 @@ class ModelRunner:
             block_size=bs,
         )
         input_ids = self._tensor(np.fromiter((t for chunk in ids for t in chunk), np.int64))
-        return input_ids, self._tensor(np.concatenate(pos)), meta, self._tensor(np.asarray(logits_rows, dtype=np.int64))
+        return (
+            input_ids,
+            self._tensor(np.concatenate(pos)),
+            meta,
+            self._tensor(np.asarray(logits_rows, dtype=np.int64)),
+        )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)

@@ -29,14 +29,27 @@ from conveyor.metrics import EngineMetrics
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
@@ -61,14 +74,23 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
             header = request.headers.get("authorization", "")
             token = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                      "authentication_error", code="invalid_api_key")
+                return error_response(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
         return await call_next(request)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{model_name!r}", "NotFoundError", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {model_name!r}",
+                "NotFoundError",
+                "model",
+                "model_not_found",
+            )
 
     @app.get("/health")
     async def health() -> Response:
@@ -80,23 +102,30 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "conveyor", "max_model_len": engine.max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "conveyor",
+            "max_model_len": engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
         prompts, params = await _bad_request(serving.completion_params(body))
-        return await _run(raw, serving, prompts, params, body, "cmpl",
-                          serving.complete, serving.complete_stream)
+        return await _run(
+            raw, serving, prompts, params, body, "cmpl", serving.complete, serving.complete_stream
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
         prompts, params = await _bad_request(_as_awaitable(serving.chat_params, body))
-        return await _run(raw, serving, prompts, params, body, "chatcmpl",
-                          serving.chat, serving.chat_stream)
+        return await _run(
+            raw, serving, prompts, params, body, "chatcmpl", serving.chat, serving.chat_stream
+        )
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -106,7 +135,9 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
             raise APIError(400, "give exactly one of prompt or messages", "BadRequestError")
         if body.messages is not None:
             ids = tokenizer.apply_chat_template(
-                [_message_dict(m) for m in body.messages], tokenize=True, return_dict=False,
+                [_message_dict(m) for m in body.messages],
+                tokenize=True,
+                return_dict=False,
                 add_generation_prompt=body.add_generation_prompt,
             )
         else:
@@ -119,8 +150,9 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
         check_model(body.model)
         vocab = engine.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
-            raise APIError(400, f"tokens must be integers in [0, {vocab})", "BadRequestError",
-                           "tokens")
+            raise APIError(
+                400, f"tokens must be integers in [0, {vocab})", "BadRequestError", "tokens"
+            )
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
     return app
@@ -137,12 +169,22 @@ async def _bad_request(awaitable: Awaitable):
         raise APIError(400, str(error), "BadRequestError") from error
 
 
-async def _run(raw: Request, serving: OpenAIServing, prompts, params, body, prefix: str,
-               full: Callable, stream: Callable):
+async def _run(
+    raw: Request,
+    serving: OpenAIServing,
+    prompts,
+    params,
+    body,
+    prefix: str,
+    full: Callable,
+    stream: Callable,
+):
     streams = await _bad_request(serving.submit(prefix, prompts, params, body.priority))
     if body.stream:
-        return StreamingResponse(_guarded(serving, streams, stream(body, prompts, streams)),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _guarded(serving, streams, stream(body, prompts, streams)),
+            media_type="text/event-stream",
+        )
     task = asyncio.ensure_future(full(body, prompts, streams))
     disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
     try:
@@ -217,8 +259,10 @@ class GracefulServer(uvicorn.Server):
             timer.start()
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info",
-               grace: float = 10.0) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=grace)
+def run_server(
+    app: FastAPI, host: str, port: int, log_level: str = "info", grace: float = 10.0
+) -> None:
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace
+    )
     GracefulServer(config, app.state.engine, grace).run()

@@ -42,8 +42,15 @@ class _SamplingFields(BaseModel):
         """Raises ValueError (-> HTTP 400) for values out of range."""
         values = {
             name: getattr(self, name)
-            for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                         "frequency_penalty", "repetition_penalty")
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
             if getattr(self, name) is not None
         }
         return SamplingParams(

@@ -87,8 +87,10 @@ class OpenAIServing:
 
     async def completion_params(self, request: CompletionRequest) -> tuple[list, SamplingParams]:
         prompts = self.completion_prompts(request.prompt)
-        max_tokens = request.max_tokens if request.max_tokens is not None else (
-            DEFAULT_COMPLETION_MAX_TOKENS
+        max_tokens = (
+            request.max_tokens
+            if request.max_tokens is not None
+            else (DEFAULT_COMPLETION_MAX_TOKENS)
         )
         return prompts, request.sampling_params(max_tokens, request.logprobs)
 
@@ -103,7 +105,9 @@ class OpenAIServing:
                 {
                     "index": c.index,
                     "text": c.text,
-                    "logprobs": self._completion_logprobs(c.logprobs) if request.logprobs is not None else None,
+                    "logprobs": self._completion_logprobs(c.logprobs)
+                    if request.logprobs is not None
+                    else None,
                     "finish_reason": c.finish_reason,
                 }
                 for c in choices
@@ -111,7 +115,9 @@ class OpenAIServing:
             "usage": _usage(prompts, choices),
         }
 
-    async def complete_stream(self, request: CompletionRequest, prompts, streams) -> AsyncIterator[str]:
+    async def complete_stream(
+        self, request: CompletionRequest, prompts, streams
+    ) -> AsyncIterator[str]:
         created, rid = int(time.time()), streams[0].request_id
         choices: dict[int, _Choice] = {}
         async for index, delta in self._deltas(streams, request.n):
@@ -119,19 +125,38 @@ class OpenAIServing:
             choice.num_tokens += len(delta.token_ids)
             logprobs = None
             if request.logprobs is not None and delta.logprobs:
-                logprobs = self._completion_logprobs(list(zip(delta.token_ids, delta.logprobs)))
+                logprobs = self._completion_logprobs(
+                    list(zip(delta.token_ids, delta.logprobs, strict=True))
+                )
             if not delta.text and delta.finish_reason is None and not logprobs:
                 continue
-            yield _sse({
-                "id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name,
-                "choices": [{"index": index, "text": delta.text, "logprobs": logprobs,
-                             "finish_reason": delta.finish_reason}],
-            })
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": delta.text,
+                            "logprobs": logprobs,
+                            "finish_reason": delta.finish_reason,
+                        }
+                    ],
+                }
+            )
         if request.stream_options and request.stream_options.include_usage:
-            yield _sse({"id": rid, "object": "text_completion", "created": created,
-                        "model": self.model_name, "choices": [],
-                        "usage": _usage(prompts, list(choices.values()))})
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": _usage(prompts, list(choices.values())),
+                }
+            )
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions ------------------------------------------------------------
@@ -155,7 +180,9 @@ class OpenAIServing:
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.logprobs, request.top_logprobs or 0) if request.logprobs else None,
+                    "logprobs": self._chat_logprobs(c.logprobs, request.top_logprobs or 0)
+                    if request.logprobs
+                    else None,
                     "finish_reason": c.finish_reason,
                 }
                 for c in choices
@@ -163,25 +190,56 @@ class OpenAIServing:
             "usage": _usage(prompts, choices),
         }
 
-    async def chat_stream(self, request: ChatCompletionRequest, prompts, streams) -> AsyncIterator[str]:
+    async def chat_stream(
+        self, request: ChatCompletionRequest, prompts, streams
+    ) -> AsyncIterator[str]:
         created, rid = int(time.time()), streams[0].request_id
         choices: dict[int, _Choice] = {}
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name}
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.model_name,
+        }
         for index in range(request.n):
             choices[index] = _Choice(index)
-            yield _sse(head | {"choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
+            yield _sse(
+                head
+                | {
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                }
+            )
         async for index, delta in self._deltas(streams, request.n):
             choice = choices[index]
             choice.num_tokens += len(delta.token_ids)
             logprobs = None
             if request.logprobs and delta.logprobs:
-                logprobs = self._chat_logprobs(list(zip(delta.token_ids, delta.logprobs)), request.top_logprobs or 0)
+                logprobs = self._chat_logprobs(
+                    list(zip(delta.token_ids, delta.logprobs, strict=True)),
+                    request.top_logprobs or 0,
+                )
             if not delta.text and delta.finish_reason is None and not logprobs:
                 continue
-            yield _sse(head | {"choices": [{"index": index, "delta": {"content": delta.text} if delta.text else {},
-                                            "logprobs": logprobs, "finish_reason": delta.finish_reason}]})
+            yield _sse(
+                head
+                | {
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": {"content": delta.text} if delta.text else {},
+                            "logprobs": logprobs,
+                            "finish_reason": delta.finish_reason,
+                        }
+                    ]
+                }
+            )
         if request.stream_options and request.stream_options.include_usage:
             yield _sse(head | {"choices": [], "usage": _usage(prompts, list(choices.values()))})
         yield "data: [DONE]\n\n"
@@ -217,13 +275,17 @@ class OpenAIServing:
             choice.text += delta.text
             choice.num_tokens += len(delta.token_ids)
             if delta.logprobs:
-                choice.logprobs.extend(zip(delta.token_ids, delta.logprobs))
+                choice.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=True))
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason
         return choices
 
     def _token_text(self, token_id: int, logprob) -> str:
-        return logprob.decoded_token if logprob.decoded_token is not None else self.tokenizer.decode([token_id])
+        return (
+            logprob.decoded_token
+            if logprob.decoded_token is not None
+            else self.tokenizer.decode([token_id])
+        )
 
     def _completion_logprobs(self, entries: list[tuple[int, PositionLogprobs]]) -> dict:
         tokens, token_logprobs, top = [], [], []
@@ -231,23 +293,33 @@ class OpenAIServing:
             tokens.append(self._token_text(token_id, position[token_id]))
             token_logprobs.append(position[token_id].logprob)
             top.append({self._token_text(t, lp): lp.logprob for t, lp in position.items()})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": _offsets(tokens)}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": _offsets(tokens),
+        }
 
     def _chat_logprobs(self, entries: list[tuple[int, PositionLogprobs]], num_top: int) -> dict:
         content = []
         for token_id, position in entries:
             text = self._token_text(token_id, position[token_id])
             ranked = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
-            content.append({
-                "token": text, "logprob": position[token_id].logprob,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": self._token_text(t, lp), "logprob": lp.logprob,
-                     "bytes": list(self._token_text(t, lp).encode())}
-                    for t, lp in ranked
-                ],
-            })
+            content.append(
+                {
+                    "token": text,
+                    "logprob": position[token_id].logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": self._token_text(t, lp),
+                            "logprob": lp.logprob,
+                            "bytes": list(self._token_text(t, lp).encode()),
+                        }
+                        for t, lp in ranked
+                    ],
+                }
+            )
         return {"content": content}
 
 
@@ -269,8 +341,11 @@ def _message_dict(message) -> dict:
 def _usage(prompts: list[list[int]], choices) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _offsets(tokens: list[str]) -> list[int]:
