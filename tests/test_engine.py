@@ -182,3 +182,20 @@ def test_stop_string_inside_a_multibyte_run(scripted):
     assert completion.text == "\u00e9\U0001f600"
     assert completion.finish_reason == "stop" and completion.stop_reason == "\u0436"
     engine.check_integrity()
+
+
+def test_allocated_kv_stays_under_one_spare_block_per_request(tiny_checkpoint):
+    engine = LLMEngine(
+        str(tiny_checkpoint("llama")), dtype="float64", block_size=4, max_num_batched_tokens=24
+    )
+    for i, prompt in enumerate(random_prompts(12, 384, seed=9, max_len=40)):
+        engine.add_request(str(i), prompt, greedy(6 + i))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request_id, blocks in engine.kv_cache.req_to_blocks.items():
+            request = engine.scheduler.requests[request_id]
+            # After a step every allocated slot holds computed KV, but for the last block's tail.
+            assert len(blocks) == -(-request.num_computed_tokens // 4)
+            checked += 1
+    assert checked > 50
