@@ -261,6 +261,25 @@ def test_empty_messages_and_empty_prompt_are_400(server):
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "word"),
+    [
+        ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "Hi", "suffix": "x"}, "suffix"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+    ],
+)
+def test_unsupported_features_are_refused_not_ignored(server, path, extra, word):
+    _assert_error(_post(server, path, {"model": MODEL} | extra), 400, "not supported", word)
+
+
 def test_server_still_serves_after_errors(client):
     out = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason == "length"

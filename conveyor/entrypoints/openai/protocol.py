@@ -38,8 +38,14 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    def unsupported(self) -> list[str]:
+        """Fields set that conveyor cannot honour yet: refused rather than silently ignored."""
+        return []
+
     def sampling_params(self, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (-> HTTP 400) for values out of range."""
+        """Raises ValueError (-> HTTP 400) for values out of range or not supported."""
+        if names := self.unsupported():
+            raise ValueError(f"not supported by this server: {', '.join(names)}")
         values = {
             name: getattr(self, name)
             for name in (
@@ -71,6 +77,13 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        names = ["echo"] if self.echo else []
+        names += ["suffix"] if self.suffix else []
+        names += ["best_of"] if self.best_of not in (None, self.n) else []
+        return names
 
 
 class ChatMessage(BaseModel):
@@ -86,6 +99,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+
+    def unsupported(self) -> list[str]:
+        names = ["tools"] if self.tools else []
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            names.append(f"response_format {self.response_format.get('type')!r}")
+        return names
 
 
 class TokenizeRequest(BaseModel):
