@@ -1,0 +1,231 @@
+"""`conveyor bench serve | throughput | compare`: argument parsing, shared workload flags.
+
+Flag names follow `vllm bench serve` / `vllm bench throughput`, so a command line written for
+one runs against the other. The benchmark modules are imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+
+from conveyor.bench.datasets import (
+    SampleRequest,
+    prefix_repetition_requests,
+    random_requests,
+    sharegpt_requests,
+)
+
+DATASETS = ("random", "prefix-repetition", "sharegpt")
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmark a server (serve) or the engine (throughput)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve = bench_sub.add_parser(
+        "serve", help="latency and throughput of an OpenAI-compatible server, seen by a client"
+    )
+    add_serve_args(serve)
+    serve.set_defaults(func=_run_serve)
+    throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
+    add_throughput_args(throughput)
+    throughput.set_defaults(func=_run_throughput)
+    # compare.py is written separately; until it lands, serve and throughput still work.
+    if importlib.util.find_spec("conveyor.bench.compare") is not None:
+        from conveyor.bench import compare
+
+        parser = bench_sub.add_parser("compare", help="compare saved benchmark results")
+        compare.add_arguments(parser)
+        parser.set_defaults(func=compare.main)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from conveyor.bench.serve import main
+
+    return main(args)
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from conveyor.bench.throughput import main
+
+    return main(args)
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -> None:
+    parser.add_argument("--dataset-name", default="random", choices=DATASETS)
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len*(1-r), len*(1+r)]",
+    )
+    parser.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    parser.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    parser.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="output length for every sharegpt request (default: the reply's)",
+    )
+    if with_seed:
+        parser.add_argument("--seed", type=int, default=0)
+
+
+def add_result_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save-result", action="store_true", help="write the results as JSON")
+    parser.add_argument("--result-dir", default=None, help="folder of the JSON file (default: .)")
+    parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_dataset_args(parser)
+    parser.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--host", default="127.0.0.1", help="used when --base-url is not given")
+    parser.add_argument("--port", type=int, default=8000, help="used when --base-url is not given")
+    parser.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="/v1/completions (token-id prompts) or /v1/chat/completions (text)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model name sent to the server (default: the first of /v1/models)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF folder or .gguf file (default: --model if it is a local path, "
+        "else conveyor's default model)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s (default inf: all sent at once)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the inter-arrival times; 1 is a Poisson process",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:3000",
+    )
+    parser.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl",
+        help="comma-separated, from ttft,tpot,itl,e2el",
+    )
+    parser.add_argument(
+        "--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 25,50,99"
+    )
+    add_result_args(parser)
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    from conveyor.entrypoints.cli import add_engine_args
+
+    add_engine_args(parser)  # it brings --seed, which the workload uses too
+    add_dataset_args(parser, with_seed=False)
+    add_result_args(parser)
+
+
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """['ttft:500', 'tpot:50'] -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
+    slos: dict[str, float] = {}
+    for pair in pairs or []:
+        name, _, value = pair.partition(":")
+        if name not in GOODPUT_METRICS:
+            allowed = ", ".join(GOODPUT_METRICS)
+            raise ValueError(f"--goodput: unknown metric {name!r}; use {allowed}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {pair!r} is not NAME:MILLISECONDS") from None
+        if not slos[name] >= 0:
+            raise ValueError(f"--goodput: {name} must be >= 0 ms, got {value}")
+    return slos
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PERCENTILE_METRICS]
+    if unknown:
+        allowed = ",".join(PERCENTILE_METRICS)
+        raise ValueError(f"--percentile-metrics: unknown {unknown}; use {allowed}")
+    return names
+
+
+def parse_percentiles(text: str) -> list[float]:
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles: {text!r} is not a list of numbers") from None
+    if not values or not all(0 < p <= 100 for p in values):
+        raise ValueError(f"--metric-percentiles: each must be in (0, 100], got {text!r}")
+    return values
+
+
+def check_workload_args(args: argparse.Namespace) -> None:
+    positive = [
+        "num_prompts",
+        "random_input_len",
+        "random_output_len",
+        "prefix_repetition_prefix_len",
+        "prefix_repetition_num_prefixes",
+        "prefix_repetition_output_len",
+    ]
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prefix_repetition_suffix_len < 0:
+        raise ValueError("--prefix-repetition-suffix-len must be >= 0")
+    if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
+        raise ValueError("--sharegpt-output-len must be >= 1")
+
+
+def sample_requests(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
+    check_workload_args(args)
+    if args.dataset_name == "random":
+        return random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
+    if args.dataset_name == "prefix-repetition":
+        return prefix_repetition_requests(
+            tokenizer,
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            args.seed,
+        )
+    if not args.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
+    return sharegpt_requests(
+        args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed
+    )

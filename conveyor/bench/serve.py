@@ -1,0 +1,505 @@
+"""`conveyor bench serve`: latency and throughput of any OpenAI-compatible server (conveyor's
+or vLLM's), measured at the client from the streamed chunks, as `vllm bench serve` does.
+
+Per request: TTFT is the time from sending to the first chunk that carries a token; ITL the
+times between such chunks; E2E the time to the end of the stream; TPOT, excluding the first
+token, (E2E - TTFT) / (output tokens - 1). Output token counts come from the server's usage
+(`stream_options.include_usage`), so a chunk that carries several tokens is counted right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from conveyor.bench.cli import (
+    parse_goodput,
+    parse_percentile_metrics,
+    parse_percentiles,
+    sample_requests,
+)
+from conveyor.bench.datasets import SampleRequest, arrival_times
+
+METRIC_HEADERS = {  # name -> (label, section header), as in vLLM's result block
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+}
+
+
+@dataclass(slots=True)
+class RequestResult:
+    prompt_len: int  # the server's usage.prompt_tokens when given, else the workload's
+    success: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds, from sending to the first chunk with a token
+    itl: list[float] = field(default_factory=list)  # seconds between chunks with tokens
+    latency: float = 0.0  # seconds, from sending to the end of the stream
+    start_time: float = 0.0  # time.perf_counter() when sent
+    generated_text: str = ""
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        """Seconds per output token after the first; 0 with one token (as vLLM, for goodput)."""
+        if self.output_tokens < 2:
+            return 0.0
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+class Summary(NamedTuple):
+    mean_ms: float
+    median_ms: float
+    std_ms: float
+    percentiles_ms: list[tuple[float, float]]  # (percentile, value)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchmarkMetrics:
+    completed: int
+    failed: int
+    duration: float
+    total_input: int
+    total_output: int
+    request_throughput: float
+    request_goodput: float | None  # None without SLOs
+    output_throughput: float
+    total_token_throughput: float
+    summaries: dict[str, Summary]  # ttft, tpot, itl, e2el
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+
+def summarize(values_s: list[float], percentiles: list[float]) -> Summary:
+    """Mean, median, std and percentiles in ms (numpy's linear interpolation, as vLLM); all 0
+    for no values."""
+    data = np.asarray(values_s or [0.0], dtype=np.float64) * 1000
+    return Summary(
+        float(data.mean()),
+        float(np.median(data)),
+        float(data.std()),
+        [(p, float(np.percentile(data, p))) for p in percentiles],
+    )
+
+
+def count_good(results: list[RequestResult], slos_ms: dict[str, float]) -> int:
+    """Successful requests that meet every SLO given (ttft, tpot, e2el; ms, inclusive)."""
+
+    def good(r: RequestResult) -> bool:
+        values = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}
+        return all(values[name] * 1000 <= slo for name, slo in slos_ms.items())
+
+    return sum(1 for r in results if r.success and good(r))
+
+
+def compute_metrics(
+    results: list[RequestResult],
+    duration: float,
+    percentiles: list[float],
+    slos_ms: dict[str, float],
+) -> BenchmarkMetrics:
+    done = [r for r in results if r.success]
+    total_input = sum(r.prompt_len for r in done)
+    total_output = sum(r.output_tokens for r in done)
+    values = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [r.tpot for r in done if r.output_tokens > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.latency for r in done],
+    }
+    return BenchmarkMetrics(
+        completed=len(done),
+        failed=len(results) - len(done),
+        duration=duration,
+        total_input=total_input,
+        total_output=total_output,
+        request_throughput=len(done) / duration,
+        request_goodput=count_good(results, slos_ms) / duration if slos_ms else None,
+        output_throughput=total_output / duration,
+        total_token_throughput=(total_input + total_output) / duration,
+        summaries={name: summarize(v, percentiles) for name, v in values.items()},
+    )
+
+
+def format_result(
+    m: BenchmarkMetrics, metric_names: list[str], max_concurrency: int | None, request_rate: float
+) -> str:
+    """The result block, with vLLM's labels and layout (40-wide labels, 50-wide rules)."""
+    lines = ["{:=^50}".format(" Serving Benchmark Result ")]
+
+    def row(label: str, value, fmt: str = "") -> None:
+        lines.append(f"{label:<40} {value:<10{fmt}}")
+
+    row("Successful requests:", m.completed)
+    row("Failed requests:", m.failed)
+    if max_concurrency is not None:
+        row("Maximum request concurrency:", max_concurrency)
+    if request_rate != math.inf:
+        row("Request rate configured (RPS):", request_rate, ".2f")
+    row("Benchmark duration (s):", m.duration, ".2f")
+    row("Total input tokens:", m.total_input)
+    row("Total generated tokens:", m.total_output)
+    row("Request throughput (req/s):", m.request_throughput, ".2f")
+    if m.request_goodput is not None:
+        row("Request goodput (req/s):", m.request_goodput, ".2f")
+    row("Output token throughput (tok/s):", m.output_throughput, ".2f")
+    row("Total Token throughput (tok/s):", m.total_token_throughput, ".2f")
+    for name in metric_names:
+        label, header = METRIC_HEADERS[name]
+        summary = m.summaries[name]
+        lines.append(f"{header:-^50}")
+        row(f"Mean {label} (ms):", summary.mean_ms, ".2f")
+        row(f"Median {label} (ms):", summary.median_ms, ".2f")
+        for p, value in summary.percentiles_ms:
+            row(f"P{_percentile_word(p)} {label} (ms):", value, ".2f")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def _percentile_word(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
+
+
+# ---- one request -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    api_url: str
+    model: str
+    chat: bool
+    headers: dict[str, str]
+    ignore_eos: bool
+    temperature: float
+
+
+def build_payload(target: Target, request: SampleRequest, tokenizer) -> dict:
+    """Token ids to /v1/completions (exact prompt lengths); text to chat."""
+    payload = {
+        "model": target.model,
+        "temperature": target.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": target.ignore_eos,
+    }
+    if not target.chat:
+        return payload | {"prompt": request.prompt_token_ids, "max_tokens": request.output_len}
+    text = request.prompt_text or tokenizer.decode(request.prompt_token_ids)
+    return payload | {
+        "messages": [{"role": "user", "content": text}],
+        "max_completion_tokens": request.output_len,
+    }
+
+
+async def send_request(
+    client: httpx.AsyncClient, target: Target, payload: dict, prompt_len: int
+) -> RequestResult:
+    result = RequestResult(prompt_len)
+    result.start_time = time.perf_counter()
+    try:
+        async with client.stream(
+            "POST", target.api_url, json=payload, headers=target.headers
+        ) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:500]}"
+                return result
+            await _read_stream(response, result)
+    except (httpx.HTTPError, OSError, ValueError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+    return result
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
+    """Fills `result` from the SSE chunks; success needs a token and the final [DONE]."""
+    last_token_time, finish_reason, usage, done = None, None, None, False
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        now = time.perf_counter()
+        if data == "[DONE]":
+            result.latency, done = now - result.start_time, True
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.error = f"error in stream: {chunk['error']}"
+            return
+        usage = chunk.get("usage") or usage
+        text, reason = _chunk_token(chunk)
+        finish_reason = reason or finish_reason
+        if text is None:
+            continue
+        result.generated_text += text
+        if last_token_time is None:
+            result.ttft = now - result.start_time
+        else:
+            result.itl.append(now - last_token_time)
+        last_token_time = now
+    _finish(result, done, last_token_time, finish_reason, usage)
+
+
+def _chunk_token(chunk: dict) -> tuple[str | None, str | None]:
+    """(text, finish_reason) of a chunk; text is None when the chunk carries no token (the
+    chat role chunk, the usage chunk)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return None, None
+    choice = choices[0]
+    text = choice.get("text")
+    if text is None:
+        text = (choice.get("delta") or {}).get("content")
+    reason = choice.get("finish_reason")
+    if not text and reason is None:
+        return None, None
+    return text or "", reason
+
+
+def _finish(
+    result: RequestResult,
+    done: bool,
+    last_token_time: float | None,
+    finish_reason: str | None,
+    usage: dict | None,
+) -> None:
+    if not done:
+        result.error = "the stream ended without data: [DONE]"
+    elif last_token_time is None:
+        result.error = "the stream carried no tokens"
+    elif finish_reason == "abort":
+        result.error = "the server aborted the request"
+    elif not usage or usage.get("completion_tokens") is None:
+        result.error = "no usage in the stream (stream_options.include_usage unsupported?)"
+    else:
+        result.output_tokens = int(usage["completion_tokens"])
+        result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
+        result.success = True
+
+
+# ---- the run -----------------------------------------------------------------------------
+
+
+async def run_requests(
+    client: httpx.AsyncClient,
+    target: Target,
+    payloads: list[dict],
+    prompt_lens: list[int],
+    arrivals: list[float],
+    max_concurrency: int | None,
+    bar: tqdm,
+) -> tuple[list[RequestResult], float]:
+    """Sends request i at start + arrivals[i] (at most max_concurrency in flight); returns the
+    results in input order and the wall-clock duration."""
+    limit = asyncio.Semaphore(max_concurrency or len(payloads))
+    start = time.perf_counter()
+
+    async def one(i: int) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        async with limit:
+            result = await send_request(client, target, payloads[i], prompt_lens[i])
+        bar.update(1)
+        return result
+
+    results = await asyncio.gather(*(one(i) for i in range(len(payloads))))
+    return list(results), time.perf_counter() - start
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> str:
+    try:
+        response = await client.get(f"{base_url}/v1/models", headers=headers)
+        response.raise_for_status()
+        models = response.json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as error:
+        raise ValueError(f"cannot list the models at {base_url}/v1/models: {error}") from None
+    if not models:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+def load_tokenizer(path: str | None):
+    """A tokenizer from an HF folder or a .gguf file; None: conveyor's default model's."""
+    from transformers import AutoTokenizer
+
+    from conveyor.config import default_model_path, hf_folder
+
+    source = Path(path if path is not None else default_model_path()).expanduser()
+    if source.suffix == ".gguf":
+        source = hf_folder(source)  # converted from the GGUF metadata once, then cached
+    return AutoTokenizer.from_pretrained(str(source) if source.exists() else path)
+
+
+def _tokenizer_source(args: argparse.Namespace) -> str | None:
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.model is not None and Path(args.model).expanduser().exists():
+        return args.model
+    return None
+
+
+def _headers() -> dict[str, str]:
+    key = os.environ.get("OPENAI_API_KEY") or os.environ.get("CONVEYOR_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 or inf, got {args.request_rate}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.endpoint not in ("/v1/completions", "/v1/chat/completions"):
+        raise ValueError(
+            f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint!r}"
+        )
+
+
+async def benchmark(args: argparse.Namespace) -> dict:
+    """Runs the benchmark described by the parsed `bench serve` arguments; prints the result
+    block and returns the result (what --save-result writes)."""
+    _check_args(args)
+    slos = parse_goodput(args.goodput)
+    metric_names = parse_percentile_metrics(args.percentile_metrics)
+    percentiles = parse_percentiles(args.metric_percentiles)
+    tokenizer = load_tokenizer(_tokenizer_source(args))
+    requests = sample_requests(args, tokenizer)
+    arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    limits = httpx.Limits(
+        max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency
+    )
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(6 * 3600.0, connect=60.0), limits=limits
+    ) as client:
+        headers = _headers()
+        model = args.model or await first_model(client, base_url, headers)
+        target = Target(
+            base_url + args.endpoint,
+            model,
+            args.endpoint.endswith("chat/completions"),
+            headers,
+            args.ignore_eos,
+            args.temperature,
+        )
+        payloads = [build_payload(target, r, tokenizer) for r in requests]
+        _print_plan(args, model)
+        with tqdm(total=len(requests), disable=args.disable_tqdm) as bar:
+            results, duration = await run_requests(
+                client,
+                target,
+                payloads,
+                [r.prompt_len for r in requests],
+                arrivals,
+                args.max_concurrency,
+                bar,
+            )
+    _print_errors(results)
+    metrics = compute_metrics(results, duration, percentiles, slos)
+    print(format_result(metrics, metric_names, args.max_concurrency, args.request_rate))
+    return result_dict(args, model, metrics, results, slos)
+
+
+def _print_plan(args: argparse.Namespace, model: str) -> None:
+    kind = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
+    print(f"Model: {model}; endpoint: {args.endpoint}; {args.num_prompts} prompts")
+    print(f"Traffic request rate: {args.request_rate}")
+    print(f"Burstiness factor: {args.burstiness} ({kind})")
+    print(f"Maximum request concurrency: {args.max_concurrency}")
+
+
+def _print_errors(results: list[RequestResult]) -> None:
+    failed = [r for r in results if not r.success]
+    if failed:
+        print(f"{len(failed)} requests failed; the first errors:")
+        for r in failed[:5]:
+            print(f"  {r.error}")
+
+
+def result_dict(
+    args: argparse.Namespace,
+    model: str,
+    m: BenchmarkMetrics,
+    results: list[RequestResult],
+    slos: dict[str, float],
+) -> dict:
+    """vLLM's result keys (mean_ttft_ms, p99_itl_ms, ...), plus per-request data."""
+    rate = args.request_rate if args.request_rate != math.inf else "inf"
+    out = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "conveyor-bench",
+        "base_url": args.base_url or f"http://{args.host}:{args.port}",
+        "endpoint": args.endpoint,
+        "model_id": model,
+        "tokenizer_id": _tokenizer_source(args),
+        "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts,
+        "request_rate": rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "ignore_eos": args.ignore_eos,
+        "goodput": slos,
+        "duration": m.duration,
+        "completed": m.completed,
+        "failed": m.failed,
+        "total_input_tokens": m.total_input,
+        "total_output_tokens": m.total_output,
+        "request_throughput": m.request_throughput,
+        "request_goodput": m.request_goodput,
+        "output_throughput": m.output_throughput,
+        "total_token_throughput": m.total_token_throughput,
+    }
+    for name, s in m.summaries.items():
+        out |= {
+            f"mean_{name}_ms": s.mean_ms,
+            f"median_{name}_ms": s.median_ms,
+            f"std_{name}_ms": s.std_ms,
+        }
+        out |= {f"p{_percentile_word(p)}_{name}_ms": v for p, v in s.percentiles_ms}
+    return out | _per_request(results)
+
+
+def _per_request(results: list[RequestResult]) -> dict[str, list]:
+    return {
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results],
+        "tpots": [r.tpot for r in results],
+        "itls": [r.itl for r in results],
+        "latencies": [r.latency for r in results],
+        "start_times": [r.start_time for r in results],
+        "generated_texts": [r.generated_text for r in results],
+        "errors": [r.error for r in results],
+    }
+
+
+def save_result(args: argparse.Namespace, result: dict) -> Path:
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    model = str(result["model_id"]).split("/")[-1]
+    name = args.result_filename or (
+        f"conveyor-{result['request_rate']}qps{concurrency}-{model}-{result['date']}.json"
+    )
+    path = Path(args.result_dir or ".") / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+def main(args: argparse.Namespace) -> int:
+    result = asyncio.run(benchmark(args))
+    if args.save_result:
+        print(f"Results saved to {save_result(args, result)}")
+    return 0
