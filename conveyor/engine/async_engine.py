@@ -163,6 +163,8 @@ class AsyncEngine:
 
     def _step(self) -> None:
         outputs = self.engine.step()
+        if self.on_step is not None:  # first, so /metrics is current when a client sees a chunk
+            self.on_step(self.engine, outputs)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -170,8 +172,6 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
             stream.put(out)
-        if self.on_step is not None:
-            self.on_step(self.engine, outputs)
 
     def _abort_all(self) -> None:
         """On shutdown: every open stream ends with finish_reason "abort"."""
