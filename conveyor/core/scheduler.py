@@ -173,6 +173,8 @@ class Scheduler:
             self._form_static_batch()
         while len(self.waiting) > 0 and budget > 0:
             request = self.waiting.peek()
+            if request in preempted:
+                break  # just preempted to make room: resuming it in the same step is waste
             if self.policy == "static" and request.request_id not in self.static_batch:
                 break
             if (

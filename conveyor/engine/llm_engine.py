@@ -33,6 +33,7 @@ class StepTrace:
     time: float
     num_scheduled_tokens: dict[str, int]
     finished_request_ids: list[str]
+    preempted_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -78,7 +79,9 @@ class LLMEngine:
     ) -> None:
         self.device = _resolve_device(device)
         self.model_config = ModelConfig.from_hf(model, dtype, self.device.type, max_model_len)
-        self.cache_config = CacheConfig(block_size, num_blocks, kv_cache_memory, enable_prefix_caching)
+        self.cache_config = CacheConfig(
+            block_size, num_blocks, kv_cache_memory, enable_prefix_caching
+        )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
         )
@@ -146,11 +149,15 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        )
         parent = _Parent(request_id, text, token_ids, child_ids, arrival, output_kind)
         self._parents[request_id] = parent
         for i, child_id in enumerate(child_ids):
-            child_params = params if params.n == 1 else params.clone(n=1, seed=_child_seed(params.seed, i))
+            child_params = (
+                params if params.n == 1 else params.clone(n=1, seed=_child_seed(params.seed, i))
+            )
             self._add_child(parent, child_id, child_params, max_tokens, priority, arrival)
         self._num_prompt_tokens += len(token_ids) * params.n
 
@@ -272,7 +279,9 @@ class LLMEngine:
             children = [self.scheduler.requests[c] for c in parent.child_ids]
             finished = all(c.is_finished for c in children)
             if parent.output_kind == OutputKind.DELTA:
-                completions = [self._delta(parent.child_ids.index(c.request_id), c) for c in changed]
+                completions = [
+                    self._delta(parent.child_ids.index(c.request_id), c) for c in changed
+                ]
             elif finished or parent.output_kind == OutputKind.CUMULATIVE:
                 completions = [self._completion(i, c) for i, c in enumerate(children)]
             else:
@@ -337,7 +346,13 @@ class LLMEngine:
 
     def _record(self, sched, finished_ids: list[str]) -> None:
         self.trace.append(
-            StepTrace(self._num_steps, time.monotonic(), sched.num_scheduled_tokens, finished_ids)
+            StepTrace(
+                self._num_steps,
+                time.monotonic(),
+                sched.num_scheduled_tokens,
+                finished_ids,
+                sched.preempted_request_ids,
+            )
         )
 
     def get_stats(self) -> EngineStats:
