@@ -18,8 +18,10 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Continuous batching schedules one model step at a time.",
     "Paris is the capital of France; Berlin is the capital of Germany.",
-    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e, na\u00efve r\u00e9sum\u00e9, \u00fcber, \u00e5ngstr\u00f6m.",
-    "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3068\u4e2d\u6587\u53e5\u5b50\u3002 \U0001f600\U0001f680\U0001f30d",
+    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e, na\u00efve r\u00e9sum\u00e9, "
+    "\u00fcber, \u00e5ngstr\u00f6m.",
+    "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3068\u4e2d\u6587\u53e5\u5b50\u3002 "
+    "\U0001f600\U0001f680\U0001f30d",
     "def add(a, b):\n    return a + b\n",
 ] * 20
 

