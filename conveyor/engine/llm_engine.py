@@ -244,6 +244,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            # Every request that could never fit is refused in add_request, so with work
+            # waiting and nothing preempted an empty step is a scheduler bug: fail loudly
+            # instead of spinning forever.
+            if self.scheduler.has_unfinished_requests() and not sched.preempted_request_ids:
+                raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
             return []
         runner_out = self.runner.execute(sched)
         updated = self.scheduler.update_from_output(sched, runner_out)
