@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -270,6 +271,12 @@ def gguf_hf_folder(path: str | Path) -> Path:
         return folder
     from transformers import AutoConfig, AutoTokenizer
 
+    print(
+        f"conveyor: reading config and tokenizer of {path.name} once (can take ~30 s); "
+        f"cached in {folder}",
+        file=sys.stderr,
+        flush=True,
+    )
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     # transformers keeps Qwen3Config's default head_dim instead of reading key_length.
     key_length = gguf_metadata(path).get(f"{architecture}.attention.key_length")

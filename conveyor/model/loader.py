@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from conveyor.config import ModelConfig, hf_folder
 from conveyor.model.layers import RotaryEmbedding
@@ -25,7 +26,14 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
     model.rotary.to(device)
     if cfg.tie_word_embeddings:  # to_empty() made the shared weight two tensors
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.load_weights(iter_weights(cfg))
+    weights = tqdm(
+        iter_weights(cfg),
+        desc=f"Loading {cfg.path.name}",
+        unit=" tensors",
+        leave=False,
+        disable=None,
+    )
+    model.load_weights(weights)
     return model.eval()
 
 
