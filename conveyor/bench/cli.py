@@ -37,7 +37,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     if importlib.util.find_spec("conveyor.bench.compare") is not None:
         from conveyor.bench import compare
 
-        parser = bench_sub.add_parser("compare", help="compare saved benchmark results")
+        parser = bench_sub.add_parser(
+            "compare",
+            help="continuous vs static batching vs transformers generate, swept over request rates",
+        )
         compare.add_arguments(parser)
         parser.set_defaults(func=compare.main)
 

@@ -1,0 +1,172 @@
+"""PNG plots of `conveyor bench compare`: throughput and normalized latency against request
+rate (one line per system, as in the Orca and vLLM papers), and a batch-occupancy timeline.
+
+Figures are built with matplotlib's object API (no pyplot, so no global figure state and no
+display backend); savefig renders them with Agg.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+    from conveyor.bench.compare import RunResult, StepRecord
+
+COLORS = {"conveyor-fcfs": "#1f77b4", "conveyor-static": "#ff7f0e", "hf-generate": "#2ca02c"}
+MARKERS = {"conveyor-fcfs": "o", "conveyor-static": "s", "hf-generate": "^"}
+JOIN_COLOR, LEAVE_COLOR = "#2ca02c", "#d62728"
+DPI = 110
+
+
+def plot_all(results: list[RunResult], out_dir: Path, timeline_rate: float) -> list[Path]:
+    paths = [
+        plot_vs_rate(
+            results,
+            "request_throughput",
+            "throughput (requests/s)",
+            "Throughput vs request rate",
+            out_dir / "throughput.png",
+            diagonal=True,
+        ),
+        plot_vs_rate(
+            results,
+            "normalized_latency_median",
+            "median normalized latency (s/token)",
+            "Normalized latency vs request rate",
+            out_dir / "latency.png",
+        ),
+    ]
+    timeline = [r for r in results if r.request_rate == timeline_rate and r.steps]
+    if timeline:
+        paths.append(plot_timeline(timeline, out_dir / "timeline.png"))
+    return paths
+
+
+def _rate_positions(rates: list[float]) -> dict[float, float]:
+    """x position of each rate; 'inf' (all requests at once) sits one gap past the largest."""
+    finite = sorted(r for r in rates if not math.isinf(r))
+    top = finite[-1] if finite else 1.0
+    gap = (finite[-1] - finite[-2]) if len(finite) > 1 else top * 0.5
+    return {r: (top + gap if math.isinf(r) else r) for r in rates}
+
+
+def plot_vs_rate(
+    results: list[RunResult], key: str, ylabel: str, title: str, path: Path, diagonal: bool = False
+) -> Path:
+    rates = sorted({r.request_rate for r in results})
+    x_of = _rate_positions(rates)
+    fig = Figure(figsize=(6.4, 4.2), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    for system in dict.fromkeys(r.system for r in results):
+        runs = sorted((r for r in results if r.system == system), key=lambda r: r.request_rate)
+        ax.plot(
+            [x_of[r.request_rate] for r in runs],
+            [r.summary[key] for r in runs],
+            marker=MARKERS.get(system, "o"),
+            color=COLORS.get(system),
+            label=system,
+        )
+    finite = [r for r in rates if not math.isinf(r)]
+    if diagonal and finite:
+        ax.plot([0, max(finite)], [0, max(finite)], ":", color="gray", label="offered load")
+    ax.set_xticks([x_of[r] for r in rates], [_label(r) for r in rates])
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("request rate (requests/s, Poisson)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path)
+    return path
+
+
+def plot_timeline(results: list[RunResult], path: Path) -> Path:
+    """One panel per system: requests in the batch at each step (filled steps), requests in
+    the system (arrived, not finished; dashed), joins (green ^) and departures (red v)."""
+    fig = Figure(figsize=(10, 2.3 * len(results) + 0.8), dpi=DPI, layout="constrained")
+    axes = fig.subplots(len(results), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    for ax, result in zip(axes, results, strict=True):
+        _draw_occupancy(ax, result)
+        ax.set_title(
+            f"{result.system}: mean {result.summary['mean_batch_size']:.1f} requests "
+            f"per step, {result.summary['num_joins_in_progress']} joined a batch "
+            "in progress",
+            fontsize=10,
+            loc="left",
+        )
+        ax.set_ylabel("requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="upper right", fontsize=8, ncols=4)
+    axes[-1].set_xlabel("time since the first arrival (s)")
+    fig.suptitle(f"Batch occupancy at {_label(results[0].request_rate)} requests/s")
+    fig.savefig(path)
+    return path
+
+
+def _draw_occupancy(ax, result: RunResult) -> None:
+    xs, ys = _occupancy_steps(result.steps)
+    color = COLORS.get(result.system)
+    ax.fill_between(xs, ys, step="post", alpha=0.35, color=color, linewidth=0)
+    ax.step(xs, ys, where="post", color=color, linewidth=1, label="in the batch")
+    sx, sy = _in_system(result)
+    ax.step(
+        sx, sy, where="post", color="black", linestyle="--", linewidth=0.9, label="in the system"
+    )
+    joins, leaves = _events(result.steps)
+    ax.scatter(*joins, marker="^", s=22, color=JOIN_COLOR, zorder=3, label="join")
+    ax.scatter(*leaves, marker="v", s=22, color=LEAVE_COLOR, zorder=3, label="leave")
+
+
+def _occupancy_steps(steps: list[StepRecord]) -> tuple[list[float], list[int]]:
+    """Step-function points: each step holds its batch size from its start to the next step's
+    start, or drops to 0 at its end when it left nobody unfinished (the batch is empty)."""
+    xs, ys = [0.0], [0]
+    running: set[str] = set()
+    for step in steps:
+        xs.append(step.start)
+        ys.append(len(step.num_scheduled_tokens))
+        running = (running | set(step.num_scheduled_tokens)) - set(step.finished_request_ids)
+        if not running:
+            xs.append(step.end)
+            ys.append(0)
+    return xs, ys
+
+
+def _in_system(result: RunResult) -> tuple[list[float], list[int]]:
+    events = sorted(
+        [(r.arrival, 1) for r in result.requests] + [(r.finish, -1) for r in result.requests]
+    )
+    xs, ys, count = [0.0], [0], 0
+    for t, delta in events:
+        count += delta
+        xs.append(t)
+        ys.append(count)
+    return xs, ys
+
+
+def _events(steps: list[StepRecord]):
+    """Join markers at the start of a request's first step, stacked above the batch size;
+    leave markers at the end of its last step, stacked down from the batch size."""
+    seen: set[str] = set()
+    joins: tuple[list[float], list[float]] = ([], [])
+    leaves: tuple[list[float], list[float]] = ([], [])
+    for step in steps:
+        size = len(step.num_scheduled_tokens)
+        new = [r for r in step.num_scheduled_tokens if r not in seen]
+        seen.update(new)
+        for k in range(len(new)):
+            joins[0].append(step.start)
+            joins[1].append(size + 0.25 + 0.3 * k)
+        for k in range(len(step.finished_request_ids)):
+            leaves[0].append(step.end)
+            leaves[1].append(size - 0.25 - 0.3 * k)
+    return joins, leaves
+
+
+def _label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
