@@ -15,7 +15,7 @@ from torch import nn
 
 from conveyor.config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from conveyor.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -28,7 +28,7 @@ class LlamaAttention(nn.Module):
         )
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, cfg.hidden_size)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -52,7 +52,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=False)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -86,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, cfg.dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -103,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # (N, vocab)
+        return self.lm_head(hidden).contiguous()  # (N, vocab), row-major for the sampler
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
