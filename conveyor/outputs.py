@@ -84,9 +84,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(slots=True)
 class RequestOutput:

@@ -55,7 +55,6 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
     num_blocks: int
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
