@@ -16,6 +16,7 @@ from conveyor.bench.datasets import (
     random_requests,
     sharegpt_requests,
 )
+from conveyor.entrypoints.args import add_engine_args
 
 DATASETS = ("random", "prefix-repetition", "sharegpt")
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -145,8 +146,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
-    from conveyor.entrypoints.cli import add_engine_args
-
     add_engine_args(parser)  # it brings --seed, which the workload uses too
     add_dataset_args(parser, with_seed=False)
     add_result_args(parser)

@@ -25,7 +25,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,56 +34,13 @@ import torch
 from tqdm import tqdm
 
 from conveyor.bench.datasets import SampleRequest, arrival_times, uniform_requests
+from conveyor.bench.records import RequestRecord, RunResult, StepRecord
 
 SYSTEMS = ("conveyor-fcfs", "conveyor-static", "hf-generate")
 CONTINUOUS = "conveyor-fcfs"  # the system every ratio is taken of
 POLICIES = {"conveyor-fcfs": "fcfs", "conveyor-static": "static"}
 DEFAULT_RATES = (0.1, 0.2, 0.4)
 WARMUP_PROMPT_LEN = 16
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """One request's life; times in seconds from the start of its run."""
-
-    request_id: str
-    prompt_len: int
-    output_len: int  # requested
-    num_output_tokens: int  # delivered
-    arrival: float
-    first_token: float
-    finish: float
-
-    @property
-    def e2e(self) -> float:
-        return self.finish - self.arrival
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def normalized_latency(self) -> float:
-        return self.e2e / self.num_output_tokens
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """Who ran in one model step (request_id -> tokens computed) and who left after it."""
-
-    start: float
-    end: float
-    num_scheduled_tokens: dict[str, int]
-    finished_request_ids: list[str]
-
-
-@dataclass(slots=True)
-class RunResult:
-    system: str
-    request_rate: float
-    requests: list[RequestRecord]
-    steps: list[StepRecord]
-    summary: dict[str, float]
 
 
 class Workload(NamedTuple):

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 
-if TYPE_CHECKING:
-    from conveyor.bench.compare import RunResult, StepRecord
+from conveyor.bench.records import RunResult, StepRecord
 
 COLORS = {"conveyor-fcfs": "#1f77b4", "conveyor-static": "#ff7f0e", "hf-generate": "#2ca02c"}
 MARKERS = {"conveyor-fcfs": "o", "conveyor-static": "s", "hf-generate": "^"}

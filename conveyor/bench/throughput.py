@@ -47,7 +47,7 @@ class ThroughputResult(NamedTuple):
 
 def run(args: argparse.Namespace) -> ThroughputResult:
     from conveyor import LLM, SamplingParams
-    from conveyor.entrypoints.cli import engine_kwargs
+    from conveyor.entrypoints.args import engine_kwargs
 
     kwargs = engine_kwargs(args)
     llm = LLM(kwargs.pop("model"), **kwargs)

