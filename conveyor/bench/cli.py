@@ -1,13 +1,12 @@
-"""`conveyor bench serve | throughput | compare`: argument parsing, shared workload flags.
+"""`conveyor bench serve | throughput | compare | step`: argument parsing, shared workload flags.
 
 Flag names follow `vllm bench serve` / `vllm bench throughput`, so a command line written for
-one runs against the other. The benchmark modules are imported only when a command runs.
+one runs against the other. serve and throughput are imported only when their command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 
 from conveyor.bench.datasets import (
@@ -34,16 +33,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
     add_throughput_args(throughput)
     throughput.set_defaults(func=_run_throughput)
-    # compare.py is written separately; until it lands, serve and throughput still work.
-    if importlib.util.find_spec("conveyor.bench.compare") is not None:
-        from conveyor.bench import compare
+    from conveyor.bench import compare, step
 
-        parser = bench_sub.add_parser(
-            "compare",
-            help="continuous vs static batching vs transformers generate, swept over request rates",
-        )
-        compare.add_arguments(parser)
-        parser.set_defaults(func=compare.main)
+    parser = bench_sub.add_parser(
+        "compare",
+        help="continuous vs static batching vs transformers generate, swept over request rates",
+    )
+    compare.add_arguments(parser)
+    parser.set_defaults(func=compare.main)
+    parser = bench_sub.add_parser(
+        "step", help="one model step (decode batches, prefill chunks) against its measured floor"
+    )
+    step.add_arguments(parser)
+    parser.set_defaults(func=step.main)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

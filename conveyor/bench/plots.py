@@ -1,5 +1,7 @@
-"""PNG plots of `conveyor bench compare`: throughput and normalized latency against request
-rate (one line per system, as in the Orca and vLLM papers), and a batch-occupancy timeline.
+"""PNG plots of the benchmarks. `conveyor bench compare`: throughput and normalized latency
+against request rate (one line per system, as in the Orca and vLLM papers), and a
+batch-occupancy timeline. `conveyor bench step`: a roofline of each step against its measured
+floor, and where each step's time goes.
 
 Figures are built with matplotlib's object API (no pyplot, so no global figure state and no
 display backend); savefig renders them with Agg.
@@ -18,6 +20,13 @@ COLORS = {"conveyor-fcfs": "#1f77b4", "conveyor-static": "#ff7f0e", "hf-generate
 MARKERS = {"conveyor-fcfs": "o", "conveyor-static": "s", "hf-generate": "^"}
 JOIN_COLOR, LEAVE_COLOR = "#2ca02c", "#d62728"
 DPI = 110
+PART_COLORS = {
+    "projections": "#1f77b4",
+    "attention": "#ff7f0e",
+    "other": "#2ca02c",
+    "logits_sampling": "#9467bd",
+    "engine": "#7f7f7f",
+}
 
 
 def plot_all(results: list[RunResult], out_dir: Path, timeline_rate: float) -> list[Path]:
@@ -168,3 +177,75 @@ def _events(steps: list[StepRecord]):
 
 def _label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+# ---- conveyor bench step ------------------------------------------------------------------
+
+
+def plot_step(report: dict, path: Path) -> Path:
+    """Left: a roofline (achieved GFLOP/s against arithmetic intensity, each case joined to its
+    floor; the roof from the measured bandwidth and the best measured GEMM rate). Right: each
+    case's step time split into the breakdown's parts, as a share of the step, with its floor."""
+    cases = report["cases"]
+    fig = Figure(figsize=(13, 0.35 * len(cases) + 4), dpi=DPI, layout="constrained")
+    roof_ax, parts_ax = fig.subplots(1, 2, width_ratios=[1, 1.1])
+    if cases:
+        _draw_roofline(roof_ax, cases, report["memory_bandwidth_gb_s"])
+        _draw_breakdown(parts_ax, cases, report["categories"])
+    fig.suptitle(
+        f"One model step: {Path(report['model']).name}, {report['dtype']} on "
+        f"{report['device']}, {report['num_threads']} threads"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def _draw_roofline(ax, cases: list[dict], bandwidth_gb_s: float) -> None:
+    intensity = [
+        c["floor"]["flops"] / (c["floor"]["weight_bytes"] + c["floor"]["kv_bytes"]) for c in cases
+    ]
+    peak = max(c["floor"]["gemm_flops_per_s"] for c in cases) / 1e9
+    xs = [min(intensity) / 2, max(intensity) * 2]
+    knee = peak / bandwidth_gb_s
+    roof_x = sorted({xs[0], min(max(knee, xs[0]), xs[1]), xs[1]})
+    roof_y = [min(bandwidth_gb_s * x, peak) for x in roof_x]
+    ax.plot(roof_x, roof_y, color="black", linewidth=1.2, label="roof (measured)")
+    for case, x in zip(cases, intensity, strict=True):
+        achieved = case["floor"]["flops"] / case["step_ms"] / 1e6  # GFLOP/s
+        at_floor = case["floor"]["flops"] / case["floor"]["ms"] / 1e6
+        color = "#1f77b4" if case["kind"] == "decode" else "#d62728"
+        ax.plot([x, x], [achieved, at_floor], color=color, alpha=0.4, linewidth=1)
+        ax.scatter([x], [at_floor], marker="_", s=80, color=color)
+        ax.scatter([x], [achieved], s=22, color=color, zorder=3)
+        ax.annotate(
+            case["case"], (x, achieved), fontsize=7, xytext=(4, -3), textcoords="offset points"
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title("achieved (dot) vs floor (dash); blue decode, red prefill", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="lower right")
+
+
+def _draw_breakdown(ax, cases: list[dict], categories: list[str]) -> None:
+    ys = list(range(len(cases)))[::-1]
+    left = [0.0] * len(cases)
+    for part in categories:
+        widths = [c["breakdown_ms"][part] / _parts_total(c) * 100 for c in cases]
+        ax.barh(ys, widths, left=left, color=PART_COLORS.get(part), label=part, height=0.7)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    floors = [min(c["pct_of_floor"], 100) for c in cases]
+    ax.scatter(floors, ys, marker="|", s=200, color="black", zorder=3, label="floor")
+    labels = [f"{c['case']}  ({c['step_ms']:.0f} ms)" for c in cases]
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("% of the step (parts measured with hooks; floor = floor / step)")
+    ax.set_title("where each step's time goes", fontsize=10)
+    ax.legend(fontsize=8, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+
+
+def _parts_total(case: dict) -> float:
+    return sum(case["breakdown_ms"].values()) or 1.0
