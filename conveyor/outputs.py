@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from conveyor.sample.sampler import SamplingRow
+    import torch
+
+    from conveyor.request import PenaltyCounts
+    from conveyor.sampling_params import SamplingParams
 
 
 class Logprob(NamedTuple):
@@ -18,6 +21,15 @@ class Logprob(NamedTuple):
 
 # One generated position: token id -> Logprob, the top-N plus the sampled token.
 PositionLogprobs = dict[int, Logprob]
+
+
+class SamplingRow(NamedTuple):
+    """What the sampler needs of one request: references to the request's own state, no copies."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None -> the sampler's own generator
+    output_token_ids: list[int]  # tokens generated so far (before this step)
+    penalty_counts: PenaltyCounts | None = None  # set when params has penalties
 
 
 @dataclass(slots=True)
@@ -81,7 +93,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
@@ -94,3 +106,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # set on the finishing output
+    error: str | None = None  # set when handling this request failed: it ended, finish "error"

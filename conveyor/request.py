@@ -3,17 +3,56 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from conveyor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from conveyor.core.block_pool import BlockHash
     from conveyor.outputs import PositionLogprobs
+
+
+class BlockHash(NamedTuple):
+    """Identity of a full block of a request's tokens: its parent's digest and its own tokens.
+
+    The prefix-cache map is keyed by the whole tuple, so a lookup compares the tokens
+    themselves: a digest collision cannot serve another prefix's KV for this block, and the
+    parent digest is a sha256 over the whole prefix.
+    """
+
+    parent_digest: bytes
+    token_ids: tuple[int, ...]
+
+    @property
+    def digest(self) -> bytes:
+        data = np.asarray(self.token_ids, dtype=np.int64).tobytes()
+        return hashlib.sha256(self.parent_digest + data).digest()
+
+
+ROOT_DIGEST = b""
+
+
+class PenaltyCounts:
+    """What repetition, presence and frequency penalties read, kept up to date one token at a
+    time so a step costs O(vocab) per penalized row however long the request has run:
+    which tokens the prompt holds, and how often each was generated."""
+
+    __slots__ = ("in_prompt", "output_counts")
+
+    def __init__(self, prompt_token_ids: list[int], vocab_size: int) -> None:
+        self.in_prompt = np.zeros(vocab_size, dtype=np.bool_)
+        self.in_prompt[np.asarray(prompt_token_ids, dtype=np.int64)] = True
+        self.output_counts = np.zeros(vocab_size, dtype=np.int32)
+
+    def add(self, token_id: int) -> None:
+        if token_id < self.output_counts.shape[0]:
+            self.output_counts[token_id] += 1
 
 
 class RequestStatus(enum.IntEnum):
@@ -24,6 +63,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # handling this request's output raised; the engine goes on
 
     @property
     def finished(self) -> bool:
@@ -38,6 +78,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -64,6 +105,8 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Set by the engine for requests with penalties (needs the vocabulary size).
+    penalty_counts: PenaltyCounts | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -89,6 +132,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.penalty_counts is not None:
+            self.penalty_counts.add(token_id)
 
     def check_stop(self, token_id: int) -> RequestStatus | None:
         """Status that the newly appended `token_id` ends this request with, if any."""

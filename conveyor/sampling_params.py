@@ -1,12 +1,22 @@
-"""SamplingParams: what a request asks of the sampler, validated once at the edge."""
+"""SamplingParams: what a request asks of the sampler, validated once at the edge.
+
+Every float must be finite: JSON's 1e999 parses as infinity, and an infinite temperature or
+penalty turns the probabilities into NaN. Ranges follow vLLM's (and OpenAI's where it has one).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
+MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
+# torch.Generator.manual_seed takes any integer in [-2**63, 2**64).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+_SEED_MODULUS = 2**64
 
 
 @dataclass(slots=True)
@@ -28,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -35,6 +46,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self._stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a mapping of token id to bias")
+        self.logit_bias = _int_keys(self.logit_bias) if self.logit_bias else None
         self.validate()
 
     @property
@@ -45,30 +59,27 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    def validate(self) -> None:
-        _check(
-            isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
         )
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    def validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        self._validate_floats()
         _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}",
         )
-        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         _check(
-            self.repetition_penalty > 0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
-        )
-        _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
         _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
         )
         _check(
@@ -76,20 +87,48 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
         _check(
-            self.logprobs is None or (0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
         _check(
-            self.seed is None or isinstance(self.seed, int),
-            f"seed must be an integer, got {self.seed!r}",
+            self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED),
+            f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
         )
         _check(
             all(isinstance(s, str) and s for s in self._stop),
             "stop must be a non-empty string or a list of non-empty strings",
         )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",
+        )
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(token_id >= 0, f"logit_bias: token id {token_id} must be >= 0")
+            _check(
+                _is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                f"logit_bias: the bias of token {token_id} must be in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}",
+            )
+
+    def _validate_floats(self) -> None:
+        ranges = {
+            "temperature": (0.0, MAX_TEMPERATURE, "[0, 100]"),
+            "top_p": (None, 1.0, "(0, 1]"),
+            "min_p": (0.0, 1.0, "[0, 1]"),
+            "presence_penalty": (-2.0, 2.0, "[-2, 2]"),
+            "frequency_penalty": (-2.0, 2.0, "[-2, 2]"),
+        }
+        for name, (low, high, text) in ranges.items():
+            value = getattr(self, name)
+            ok = _is_real(value) and (low is None or value >= low) and value <= high
+            if name == "top_p":
+                ok = ok and value > 0
+            _check(ok, f"{name} must be a finite number in {text}, got {value!r}")
+        value = self.repetition_penalty
+        _check(
+            _is_real(value) and value > 0,
+            f"repetition_penalty must be a finite number > 0, got {value!r}",
         )
 
     def clone(self, **changes) -> SamplingParams:
@@ -97,8 +136,34 @@ class SamplingParams:
         values.update(changes)
         return SamplingParams(**values)
 
+    def child(self, index: int) -> SamplingParams:
+        """The params of the index-th of n completions: n = 1, and seed + index (mod 2**64,
+        so a seed near the top of its range still gives every child a valid, distinct seed)."""
+        seed = None if self.seed is None else (self.seed + index) % _SEED_MODULUS
+        return self.clone(n=1, seed=seed)
+
 
 _FIELDS = [name for name in SamplingParams.__dataclass_fields__ if not name.startswith("_")]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int_keys(bias: dict) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys, i.e. strings."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        out[token_id] = value
+    return out
 
 
 def _check(ok: bool, message: str) -> None:

@@ -23,6 +23,7 @@ class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.log_path = log_path
         cmd = [
             sys.executable,
@@ -58,15 +59,23 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"server not ready in {timeout} s:\n{self.log_path.read_text()[-3000:]}")
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def metrics(self) -> dict[str, float]:
-        """Sample name (with labels) -> value, parsed with prometheus_client's parser."""
+        """Sample name -> value summed over labels, and "name{label=value,...}" -> value, parsed
+        with prometheus_client's parser."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        values = {}
-        for family in text_string_to_metric_families(text):
+        response = httpx.get(f"{self.base_url}/metrics", headers=self.headers, timeout=10)
+        response.raise_for_status()
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(response.text):
             for sample in family.samples:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}"] = sample.value
         return values
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:

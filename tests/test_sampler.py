@@ -7,7 +7,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conveyor.sample.sampler import Sampler, SamplingRow, sampling_probs
+from conveyor.outputs import SamplingRow
+from conveyor.request import PenaltyCounts
+from conveyor.sample.sampler import Sampler, sampling_probs
 from conveyor.sampling_params import SamplingParams
 
 EOS = 0
@@ -22,8 +24,21 @@ def row(
     output: list[int] | None = None,
     prompt: list[int] | None = None,
     generator: torch.Generator | None = None,
+    vocab: int = 500,
 ) -> SamplingRow:
-    return SamplingRow(params, generator, prompt or [], output or [])
+    """A row as the scheduler makes one; penalty counts sized to the logits' vocabulary."""
+    counts = PenaltyCounts(prompt or [], vocab) if params.has_penalties else None
+    new = SamplingRow(params, generator, [], counts)
+    for token in output or []:
+        append(new, token)
+    return new
+
+
+def append(r: SamplingRow, token: int) -> None:
+    """What Request.append_output_token does to the state a row references."""
+    r.output_token_ids.append(token)
+    if r.penalty_counts is not None:
+        r.penalty_counts.add(token)
 
 
 def seeded(seed: int, device: str = "cpu") -> torch.Generator:
@@ -111,7 +126,7 @@ def _run_steps(
         logits = step_logits.expand(len(batch), -1).contiguous().to(device)
         tokens = sampler(logits, batch).token_ids
         for r, token in zip(batch, tokens, strict=True):
-            r.output_token_ids.append(token)
+            append(r, token)
     return batch[target].output_token_ids
 
 
@@ -173,7 +188,7 @@ PENALTY_CASES = {
 def test_penalties_change_logits_exactly_as_hand_computed(dtype: torch.dtype) -> None:
     logits = torch.tensor([PENALTY_LOGITS] * len(PENALTY_CASES), dtype=dtype)
     rows = [
-        row(SamplingParams(**kwargs), output=[3, 3, 2], prompt=[0, 1])
+        row(SamplingParams(**kwargs), output=[3, 3, 2], prompt=[0, 1], vocab=len(PENALTY_LOGITS))
         for kwargs, _ in PENALTY_CASES.values()
     ]
     processed = Sampler([EOS]).process_logits(logits, rows)
@@ -185,7 +200,7 @@ def test_penalties_change_logits_exactly_as_hand_computed(dtype: torch.dtype) ->
 def test_frequency_penalty_flips_the_greedy_choice() -> None:
     logits = torch.tensor([[0.0, 1.0, 0.9]] * 2)
     plain = row(SamplingParams(temperature=0.0), output=[1])
-    penalized = row(SamplingParams(temperature=0.0, frequency_penalty=0.2), output=[1])
+    penalized = row(SamplingParams(temperature=0.0, frequency_penalty=0.2), output=[1], vocab=3)
     assert Sampler([EOS])(logits, [plain, penalized]).token_ids == [1, 2]
 
 
@@ -214,8 +229,8 @@ def test_logprobs_are_raw_log_softmax_with_ranks_and_the_sampled_token() -> None
         temperature=0.0, min_tokens=1, stop_token_ids=[1, 2], logprobs=2, repetition_penalty=1.5
     )
     rows = [
-        row(masked, prompt=[3]),
-        row(masked.clone(logprobs=0), prompt=[3]),
+        row(masked, prompt=[3], vocab=7),
+        row(masked.clone(logprobs=0), prompt=[3], vocab=7),
         row(SamplingParams(temperature=0.0)),
     ]
     out = Sampler([EOS])(raw, rows)

@@ -15,9 +15,9 @@ from conftest import hf_greedy, random_prompts
 from transformers import AutoModelForCausalLM
 
 from conveyor import LLMEngine, SamplingParams
-from conveyor.core.block_pool import ROOT_DIGEST, BlockHash, BlockPool, FreeBlockQueue, KVBlock
+from conveyor.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.request import Request, RequestStatus
+from conveyor.request import ROOT_DIGEST, BlockHash, Request, RequestStatus
 
 VOCAB = 384
 REF_TOKENS = 16  # the reference is computed once per prompt for this many tokens, then cut

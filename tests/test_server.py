@@ -70,7 +70,7 @@ def test_completion_streamed_equals_non_streamed_with_usage(client, server):
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == full.choices[0].text and len(streamed) > 0
     prompt_ids = httpx.post(
-        f"{server.base_url}/tokenize", json={"prompt": "Once upon a time"}
+        f"{server.base_url}/tokenize", json={"prompt": "Once upon a time"}, headers=server.headers
     ).json()
     assert full.usage.prompt_tokens == prompt_ids["count"]
     assert full.usage.completion_tokens == len(full.choices[0].logprobs.tokens)
@@ -128,33 +128,54 @@ def test_32_concurrent_streams_finish_and_batch_together(server):
     assert max(running_seen) > 1, "the metrics never showed more than one request running"
 
 
-def test_disconnect_mid_stream_frees_the_request(server):
-    idle_kv = server.metrics()["conveyor:kv_cache_usage_perc"]
-    body = {
-        "model": MODEL,
-        "prompt": "Count to one thousand:",
-        "max_tokens": 400,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream(
-        "POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60
-    ) as response:
-        lines = response.iter_lines()
-        received = [line for _, line in zip(range(6), lines, strict=False) if line]
-    assert received and all(line.startswith("data: ") for line in received)
-    deadline = time.monotonic() + 20
+ABORTS = "conveyor:request_success_total{finished_reason=abort,model_name=smollm2}"
+GENERATED = "conveyor:generation_tokens_total"
+LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True}
+
+
+def _wait_until_aborted(server, idle_kv: float, aborts_before: float) -> dict:
+    """Waits for the batch to empty and the KV cache to return to idle; the final metrics."""
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         metrics = server.metrics()
         if (
             metrics["conveyor:num_requests_running"] == 0
             and metrics["conveyor:kv_cache_usage_perc"] == idle_kv
+            and metrics[ABORTS] > aborts_before
         ):
-            break
+            return metrics
         time.sleep(0.1)
-    else:
-        pytest.fail(f"request not aborted after disconnect: {metrics}")
+    pytest.fail(f"request not aborted after disconnect: {metrics}")
+
+
+def test_disconnect_mid_stream_aborts_the_request(server):
+    before = server.metrics()
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/v1/completions",
+        json=LONG | {"stream": True},
+        headers=server.headers,
+        timeout=60,
+    ) as response:
+        lines = response.iter_lines()
+        received = [line for _, line in zip(range(6), lines, strict=False) if line]
+    assert received and all(line.startswith("data: ") for line in received)
+    after = _wait_until_aborted(server, before["conveyor:kv_cache_usage_perc"], before[ABORTS])
+    assert after[ABORTS] == before[ABORTS] + 1
+    generated = after[GENERATED] - before[GENERATED]
+    assert 0 < generated < LONG["max_tokens"], "the request ran on after its client left"
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts_it(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(
+            f"{server.base_url}/v1/completions", json=LONG, headers=server.headers, timeout=1.5
+        )
+    after = _wait_until_aborted(server, before["conveyor:kv_cache_usage_perc"], before[ABORTS])
+    assert after[ABORTS] == before[ABORTS] + 1
+    generated = after[GENERATED] - before[GENERATED]
+    assert generated < LONG["max_tokens"], "the request ran on after its client left"
 
 
 def test_metrics_parse_and_include_every_collector(server, client):
@@ -166,8 +187,11 @@ def test_metrics_parse_and_include_every_collector(server, client):
 
 
 def test_tokenize_and_detokenize_round_trip(server):
-    tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hello world"}).json()
-    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    url, headers = server.base_url, server.headers
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}, headers=headers).json()
+    text = httpx.post(
+        f"{url}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers
+    ).json()
     assert text["prompt"] == "Hello world" and tokens["count"] == len(tokens["tokens"])
 
 
@@ -193,8 +217,8 @@ def _assert_error(response, status, *words):
 @pytest.mark.parametrize(
     ("field", "value", "words"),
     [
-        ("temperature", -1, ["temperature must be >= 0"]),
-        ("top_p", 1.5, ["top_p must be in (0, 1]"]),
+        ("temperature", -1, ["temperature must be a finite number in [0, 100]"]),
+        ("top_p", 1.5, ["top_p must be a finite number in (0, 1]"]),
         ("top_k", 0, ["top_k must be -1"]),
         ("max_tokens", 0, ["max_tokens must be an integer >= 1"]),
         ("n", 0, ["n must be an integer >= 1"]),

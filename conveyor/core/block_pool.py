@@ -10,31 +10,9 @@ evicts a cached block's hash as it takes it.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import NamedTuple
 
-import numpy as np
-
-
-class BlockHash(NamedTuple):
-    """Identity of a full block: its parent's digest and its own tokens.
-
-    The map is keyed by the whole tuple, so a lookup compares the tokens themselves: a digest
-    collision cannot serve another prefix's KV for this block, and the parent digest is a
-    sha256 over the whole prefix.
-    """
-
-    parent_digest: bytes
-    token_ids: tuple[int, ...]
-
-    @property
-    def digest(self) -> bytes:
-        data = np.asarray(self.token_ids, dtype=np.int64).tobytes()
-        return hashlib.sha256(self.parent_digest + data).digest()
-
-
-ROOT_DIGEST = b""
+from conveyor.request import BlockHash
 
 
 @dataclass(slots=True, eq=False)

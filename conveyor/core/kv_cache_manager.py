@@ -12,8 +12,8 @@ the blocks that this step's tokens need.
 
 from __future__ import annotations
 
-from conveyor.core.block_pool import ROOT_DIGEST, BlockHash, BlockPool, KVBlock
-from conveyor.request import Request
+from conveyor.core.block_pool import BlockPool, KVBlock
+from conveyor.request import ROOT_DIGEST, BlockHash, Request
 
 
 class KVCacheManager:

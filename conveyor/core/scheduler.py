@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from conveyor.outputs import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
 from conveyor.request import Request, RequestStatus
-from conveyor.sample.sampler import SamplingRow
 
 
 @dataclass(slots=True)
@@ -326,6 +325,6 @@ def _sampling_row(request: Request) -> SamplingRow:
     return SamplingRow(
         params=request.params,
         generator=request.generator,
-        prompt_token_ids=request.prompt_token_ids,
         output_token_ids=request.output_token_ids,
+        penalty_counts=request.penalty_counts,
     )

@@ -9,6 +9,7 @@ accepting connections and streaming go on while the model runs.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,15 @@ from conveyor.sampling_params import SamplingParams
 
 _STOP = object()
 _ABORT_ALL = object()
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died: no request can be served until the server is restarted."""
+
+
+class RequestFailedError(RuntimeError):
+    """Handling this one request failed inside the engine; the engine goes on."""
 
 
 @dataclass(slots=True)
@@ -47,14 +57,20 @@ class RequestStream:
     finished: bool = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             item = await self.queue.get()
             if isinstance(item, BaseException):
+                self.finished = True
                 raise item
             self.finished = item.finished
+            if item.error is not None:
+                raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
             yield item
 
 
@@ -79,15 +95,25 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def is_alive(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         """Submits a request; raises ValueError here if the engine refuses it."""
-        if self._error is not None:
-            raise RuntimeError(f"engine loop died: {self._error!r}")
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, accepted=loop.create_future())
         self._commands.put(_Add(request_id, prompt, params, priority, stream))
+        if not self.is_alive:  # died meanwhile, perhaps after draining the queue
+            _settle(stream.accepted, EngineDeadError(f"the engine loop died: {self._error!r}"))
         await stream.accepted
         return stream
 
@@ -115,11 +141,24 @@ class AsyncEngine:
                     self._step()
         except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
             self._error = error
-            for stream in list(self._streams.values()):
-                stream.put(RuntimeError(f"engine loop died: {error!r}"))
-            raise
-        finally:
-            self._abort_all()
+            logger.exception("the engine loop died; every open request fails")
+            self._fail_all(EngineDeadError(f"the engine loop died: {error!r}"))
+            return
+        self._abort_all()
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """After a fatal error: every open stream and every queued submission hears of it."""
+        for stream in list(self._streams.values()):
+            stream.put(error)
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                stream = command.stream
+                stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
 
     def _drain(self, block: bool) -> bool:
         """Applies pending commands (waiting for one if the engine is idle); False on stop."""
@@ -143,8 +182,7 @@ class AsyncEngine:
         if isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 self.engine.abort_request(command.request_id)
-                if self.on_abort is not None:
-                    self.on_abort(self.engine, command.request_id)
+                self._callback(self.on_abort, command.request_id)
             return
         stream = command.stream
         try:
@@ -158,13 +196,18 @@ class AsyncEngine:
         except ValueError as error:
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
             return
+        except Exception as error:  # noqa: BLE001 - admission is atomic: the engine is intact
+            logger.exception("adding request %s failed", command.request_id)
+            failure = RequestFailedError(f"request {command.request_id} failed: {error!r}")
+            stream.loop.call_soon_threadsafe(_settle, stream.accepted, failure)
+            return
         self._streams[command.request_id] = stream
         stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        if self.on_step is not None:  # first, so /metrics is current when a client sees a chunk
-            self.on_step(self.engine, outputs)
+        # First, so /metrics is current when a client sees a chunk.
+        self._callback(self.on_step, outputs)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -172,6 +215,15 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
             stream.put(out)
+
+    def _callback(self, callback: Callable | None, argument) -> None:
+        """A failing observer (metrics) is logged, never allowed to stop the engine."""
+        if callback is None:
+            return
+        try:
+            callback(self.engine, argument)
+        except Exception:  # noqa: BLE001
+            logger.exception("engine callback %s failed; the engine goes on", callback)
 
     def _abort_all(self) -> None:
         """On shutdown: every open stream ends with finish_reason "abort"."""

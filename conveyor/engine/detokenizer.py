@@ -35,6 +35,8 @@ _INVALID_PREFIX = "Invalid prefix"
 class _TokenDecoder(Protocol):
     def step(self, token_id: int) -> str | None: ...
 
+    def flush(self) -> str: ...
+
 
 class IncrementalDetokenizer:
     """Turns one request's generated token ids into text, stop strings and streamed deltas."""
@@ -79,6 +81,21 @@ class IncrementalDetokenizer:
                 stop = self._match_stop(len(piece))
                 if stop is not None:
                     return stop
+        return None
+
+    def finish(self) -> str | None:
+        """The request ended without a stop string (EOS, length, abort). Text held back as an
+        unfinished UTF-8 sequence is appended as the tokenizer's full decode shows it (U+FFFD for
+        the broken bytes), so no complete character before it is lost. Returns a stop string
+        if one now matched."""
+        if self._stopped:
+            return None
+        piece = self._decoder.flush()
+        if not piece:
+            return None
+        self._append(piece)
+        if self._stops and self._num_tokens >= self._min_tokens:
+            return self._match_stop(len(piece))
         return None
 
     def get_delta(self, finished: bool) -> str:
@@ -157,17 +174,35 @@ class _StreamDecoder:
         self._backend = backend
         self._skip_special = skip_special
         self._stream = DecodeStream(context_ids, skip_special_tokens=skip_special)
+        # For flush(): a few ids already emitted (decoding context) and those not yet emitted.
+        self._emitted = list(context_ids[-MIN_CONTEXT_TOKENS:])
+        self._pending: list[int] = []
 
     def step(self, token_id: int) -> str | None:
+        self._pending.append(token_id)
         try:
-            return self._stream.step(self._backend, token_id)
+            piece = self._stream.step(self._backend, token_id)
         except Exception as error:
             # DecodeStream's state breaks when lossy decoding of invalid UTF-8 makes the text
             # non-monotonic (vllm-project/vllm#17448); restart without context, as vLLM does.
             if _INVALID_PREFIX not in str(error):
                 raise
             self._stream = DecodeStream(skip_special_tokens=self._skip_special)
-            return self._stream.step(self._backend, token_id)
+            self._emitted, self._pending = [], [token_id]
+            piece = self._stream.step(self._backend, token_id)
+        if piece:
+            self._emitted = (self._emitted + self._pending)[-MIN_CONTEXT_TOKENS:]
+            self._pending = []
+        return piece
+
+    def flush(self) -> str:
+        if not self._pending:
+            return ""
+        decode = self._backend.decode
+        prefix = decode(self._emitted, skip_special_tokens=self._skip_special)
+        text = decode(self._emitted + self._pending, skip_special_tokens=self._skip_special)
+        self._emitted, self._pending = [], []
+        return text[len(prefix) :] if text.startswith(prefix) else text
 
 
 class _WindowDecoder:
@@ -192,6 +227,13 @@ class _WindowDecoder:
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         return new_text
+
+    def flush(self) -> str:
+        if len(self._ids) <= self._read:
+            return ""
+        text = self._decode(self._ids)
+        self._read = len(self._ids)
+        return text[len(self._prefix_text) :] if len(text) > len(self._prefix_text) else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)

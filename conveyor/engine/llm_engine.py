@@ -17,7 +17,7 @@ from conveyor.core.scheduler import Scheduler, SchedulerStats
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import CompletionOutput, Logprob, OutputKind, RequestMetrics, RequestOutput
-from conveyor.request import Request, RequestStatus
+from conveyor.request import PenaltyCounts, Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
 from conveyor.worker.model_runner import ModelRunner
 
@@ -46,6 +46,10 @@ class _Parent:
     child_ids: list[str]
     arrival_time: float
     output_kind: OutputKind
+    child_index: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.child_index = {child_id: i for i, child_id in enumerate(self.child_ids)}
 
 
 @dataclass(slots=True)
@@ -147,20 +151,30 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
+        self._check_token_ids(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         child_ids = (
             [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         )
         parent = _Parent(request_id, text, token_ids, child_ids, arrival, output_kind)
-        self._parents[request_id] = parent
-        for i, child_id in enumerate(child_ids):
-            child_params = (
-                params if params.n == 1 else params.clone(n=1, seed=_child_seed(params.seed, i))
+        # Everything that can fail (seeds, generators, detokenizers) is built before any state
+        # is registered: a refused request leaves the engine exactly as it was.
+        children = [
+            self._make_child(
+                parent, child_id, params if params.n == 1 else params.child(i), max_tokens, priority
             )
-            self._add_child(parent, child_id, child_params, max_tokens, priority, arrival)
+            for i, child_id in enumerate(child_ids)
+        ]
+        self._parents[request_id] = parent
+        for request, detokenizer in children:
+            self._child_to_parent[request.request_id] = parent
+            self._detokenizers[request.request_id] = detokenizer
+            self.scheduler.add_request(request)
         self._num_prompt_tokens += len(token_ids) * params.n
 
-    def _add_child(self, parent, child_id, params, max_tokens, priority, arrival) -> None:
+    def _make_child(
+        self, parent: _Parent, child_id: str, params: SamplingParams, max_tokens: int, priority: int
+    ) -> tuple[Request, IncrementalDetokenizer]:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
@@ -171,14 +185,21 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=self.model_config.eos_token_ids,
             priority=priority,
-            arrival_time=arrival,
+            arrival_time=parent.arrival_time,
             generator=generator,
         )
-        self._child_to_parent[child_id] = parent
-        self._detokenizers[child_id] = IncrementalDetokenizer(
-            self.tokenizer, parent.prompt_token_ids, params
-        )
-        self.scheduler.add_request(request)
+        if params.has_penalties:
+            request.penalty_counts = PenaltyCounts(
+                parent.prompt_token_ids, self.model_config.vocab_size
+            )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params)
+        return request, detokenizer
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {outside[:5]}")
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -204,6 +225,11 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is "
                 f"{num_prompt + max_tokens} tokens, beyond the model's context length {limit}"
+            )
+        if params.min_tokens > max_tokens:
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens the "
+                "context leaves for output"
             )
         needed_blocks = -(-(num_prompt + max_tokens) // self.cache_config.block_size)
         if needed_blocks > self.num_blocks:
@@ -252,27 +278,47 @@ class LLMEngine:
         runner_out = self.runner.execute(sched)
         updated = self.scheduler.update_from_output(sched, runner_out)
         self._num_steps += 1
-        finished_ids = self._detokenize(updated)
+        errors = self._detokenize(updated)
         if self.record_trace:
-            self._record(sched, finished_ids)
-        return self._make_outputs(updated)
+            self._record(sched, [r.request_id for r in updated if r.is_finished])
+        return self._make_outputs(updated, errors)
 
-    def _detokenize(self, updated: list[Request]) -> list[str]:
-        """Applies stop strings; returns the ids of requests that finished this step."""
-        stopped = []
+    def _detokenize(self, updated: list[Request]) -> dict[str, str]:
+        """Applies stop strings. A request whose handling raises (a detokenizer error, say) is
+        failed alone, with its siblings: returns {parent id: error message} for those."""
+        stopped, errors = [], {}
         for request in updated:
             self._num_generation_tokens += 1
-            detok = self._detokenizers[request.request_id]
-            stop = detok.update(request.output_token_ids[-1:])  # one token per step
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                stopped.append(request.request_id)
-            if request.logprobs:
-                request.logprobs[-1] = _decoded(request.logprobs[-1], detok)
+            try:
+                if self._detokenize_one(request):
+                    stopped.append(request.request_id)
+            except Exception as error:  # noqa: BLE001 - one request's fault must not stop the rest
+                parent = self._child_to_parent[request.request_id]
+                errors[parent.request_id] = f"{type(error).__name__}: {error}"
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return [r.request_id for r in updated if r.is_finished]
+        for parent_id in errors:
+            child_ids = self._parents[parent_id].child_ids
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ERROR)
+        return errors
 
-    def _make_outputs(self, updated: list[Request]) -> list[RequestOutput]:
+    def _detokenize_one(self, request: Request) -> bool:
+        """True when a stop string ended the request."""
+        detok = self._detokenizers[request.request_id]
+        stop = detok.update(request.output_token_ids[-1:])  # one token per step
+        if request.logprobs:
+            request.logprobs[-1] = _decoded(request.logprobs[-1], detok)
+        if stop is not None and not request.is_finished:
+            request.stop_reason = stop
+            return True
+        if stop is None and request.is_finished:
+            # Ended by EOS or length: flush a held-back UTF-8 tail. A stop string completed by
+            # that tail still ends the text there, and is reported as the reason.
+            stop = detok.finish()
+            if stop is not None:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        return False
+
+    def _make_outputs(self, updated: list[Request], errors: dict[str, str]) -> list[RequestOutput]:
         by_parent: dict[str, list[Request]] = {}
         for request in updated:
             parent = self._child_to_parent[request.request_id]
@@ -280,21 +326,32 @@ class LLMEngine:
         outputs = []
         for parent_id, changed in by_parent.items():
             parent = self._parents[parent_id]
-            children = [self.scheduler.requests[c] for c in parent.child_ids]
-            finished = all(c.is_finished for c in children)
-            if parent.output_kind == OutputKind.DELTA:
-                completions = [
-                    self._delta(parent.child_ids.index(c.request_id), c) for c in changed
-                ]
-            elif finished or parent.output_kind == OutputKind.CUMULATIVE:
-                completions = [self._completion(i, c) for i, c in enumerate(children)]
-            else:
-                continue
-            outputs.append(self._request_output(parent, children, completions, finished))
-            if finished:
+            error = errors.get(parent_id)
+            if error is None:
+                try:
+                    out = self._parent_output(parent, changed)
+                except Exception as failure:  # noqa: BLE001 - fail this request only
+                    error = f"{type(failure).__name__}: {failure}"
+                    self.scheduler.finish_requests(parent.child_ids, RequestStatus.FINISHED_ERROR)
+            if error is not None:
+                out = _error_output(parent, error)
+            if out is not None:
+                outputs.append(out)
+            if out is not None and out.finished:
                 del self._parents[parent.request_id]
                 self._forget_children(parent)
         return outputs
+
+    def _parent_output(self, parent: _Parent, changed: list[Request]) -> RequestOutput | None:
+        children = [self.scheduler.requests[c] for c in parent.child_ids]
+        finished = all(c.is_finished for c in children)
+        if parent.output_kind == OutputKind.DELTA:
+            completions = [self._delta(parent.child_index[c.request_id], c) for c in changed]
+        elif finished or parent.output_kind == OutputKind.CUMULATIVE:
+            completions = [self._completion(i, c) for i, c in enumerate(children)]
+        else:
+            return None
+        return self._request_output(parent, children, completions, finished)
 
     def _request_output(self, parent, children, completions, finished) -> RequestOutput:
         metrics = None
@@ -384,8 +441,20 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _child_seed(seed: int | None, index: int) -> int | None:
-    return None if seed is None else seed + index
+def _error_output(parent: _Parent, message: str) -> RequestOutput:
+    """The last output of a request whose handling failed: every completion ends with "error"."""
+    completions = [
+        CompletionOutput(i, "", [], None, None, finish_reason="error")
+        for i in range(len(parent.child_ids))
+    ]
+    return RequestOutput(
+        request_id=parent.request_id,
+        prompt=parent.prompt,
+        prompt_token_ids=parent.prompt_token_ids,
+        outputs=completions,
+        finished=True,
+        error=message,
+    )
 
 
 def _decoded(position: dict[int, Logprob], detok: IncrementalDetokenizer) -> dict[int, Logprob]:

@@ -41,16 +41,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
+    from conveyor.config import RequestLimits
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.entrypoints.openai.api_server import build_app, run_server
 
+    limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
     engine = LLMEngine(**engine_kwargs(args))
     name = args.served_model_name or _default_model_name(engine)
     api_key = args.api_key or os.environ.get("CONVEYOR_API_KEY") or None
-    app = build_app(engine, name, api_key)
+    app = build_app(engine, name, api_key, limits, metrics_auth=not args.metrics_no_auth)
     print(f"conveyor: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
     return 0
+
+
+# RequestLimits field -> what its flag means; defaults come from RequestLimits.
+_LIMIT_FLAGS = {
+    "max_n": "most completions (n) one request may ask for",
+    "max_logprobs": "most logprobs / top_logprobs per token",
+    "max_prompts": "most prompts in one /v1/completions request",
+    "max_stop": "most stop strings per request",
+    "max_stop_length": "most characters in one stop string",
+    "max_stop_token_ids": "most stop_token_ids per request",
+    "max_logit_bias": "most logit_bias entries per request",
+    "max_body_bytes": "largest request body in bytes (413 beyond it)",
+}
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from conveyor.config import RequestLimits
+
+    group = parser.add_argument_group("request limits (a request beyond one gets a 400)")
+    defaults = RequestLimits()
+    for name, meaning in _LIMIT_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        group.add_argument(flag, type=int, default=default, help=f"{meaning} (default {default})")
 
 
 def _default_model_name(engine) -> str:
@@ -72,7 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None, help="also read from CONVEYOR_API_KEY")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="required on every route but /health (also read from CONVEYOR_API_KEY)",
+    )
+    serve.add_argument(
+        "--metrics-no-auth",
+        action="store_true",
+        help="serve /metrics without the API key (for a Prometheus scraper)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--graceful-timeout",
@@ -80,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds open responses get to finish after SIGTERM",
     )
+    add_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
     from conveyor.bench.cli import add_bench_parser
 

@@ -4,7 +4,8 @@ Pipeline, as in vLLM, on the rows of one engine step:
 
     raw logits ──> logprobs (log_softmax of the raw logits, for rows that ask)
         │
-        ├─ penalties (repetition, presence, frequency)  ─┐ process_logits
+        ├─ logit_bias (added)                            ─┐
+        ├─ penalties (repetition, presence, frequency)    │ process_logits
         ├─ min_tokens: stop ids and EOS -> -inf          ─┘
         │
         ├─ greedy rows: argmax
@@ -18,25 +19,18 @@ row gets the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import chain
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from conveyor.outputs import Logprob, PositionLogprobs
+from conveyor.outputs import Logprob, PositionLogprobs, SamplingRow
 from conveyor.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 # top-p looks for its nucleus among this many most likely tokens first and falls back to a full
 # sort only for rows whose nucleus is larger: a full CPU sort of 256 x 49k logits takes ~1 s.
 TOP_P_CANDIDATES = 1024
-
-
-class SamplingRow(NamedTuple):
-    params: SamplingParams
-    generator: torch.Generator | None  # None -> the sampler's own generator
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens generated so far (before this step)
 
 
 class SamplerOutput(NamedTuple):
@@ -62,14 +56,17 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Penalties and min_tokens applied. Never writes into `logits`; returns it (in the work
-        dtype) when no row needs either."""
+        """Logit bias, penalties and min_tokens applied. Never writes into `logits`; returns it
+        (in the work dtype) when no row needs any of them."""
         logits = logits.to(work_dtype(logits.dtype))
-        penalized = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
+        biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+        penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
         banned = self._min_tokens_bans(rows, logits.shape[1])
-        if not penalized and not banned[0]:
+        if not biased and not penalized and not banned[0]:
             return logits
         logits = logits.clone()  # the raw logits stay intact for logprobs
+        if biased:
+            _apply_logit_bias(logits, rows, biased)
         if penalized:
             _apply_penalties(logits, rows, penalized)
         if banned[0]:
@@ -142,45 +139,43 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _has_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], biased: list[int]) -> None:
+    """In place: each row's bias added to its tokens' logits (ids were checked against the
+    vocabulary when the request was added)."""
+    row_index, token_index, values = [], [], []
+    for i in biased:
+        bias = rows[i].params.logit_bias
+        row_index += [i] * len(bias)
+        token_index += list(bias)
+        values += list(bias.values())
+    index = (torch.tensor(row_index), torch.tensor(token_index))
+    logits.index_put_(
+        tuple(t.to(logits.device) for t in index), logits.new_tensor(values), accumulate=True
     )
 
 
-def _unique_positions(
-    id_lists: list[list[int]], row_index: list[int], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct flat positions row * vocab + token of the ids, with their counts."""
-    lengths = torch.tensor([len(ids) for ids in id_lists])
-    tokens = torch.tensor(list(chain.from_iterable(id_lists)), dtype=torch.long)
-    flat_rows = torch.tensor(row_index, dtype=torch.long).repeat_interleave(lengths)
-    positions = (flat_rows * vocab_size + tokens).to(device)
-    # sort + unique_consecutive: ~8x faster than unique() on CPU
-    return positions.sort().values.unique_consecutive(return_counts=True)
-
-
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], penalized: list[int]) -> None:
-    """In place, touching only seen tokens. Repetition as in transformers (prompt + output),
-    then frequency and presence as in OpenAI (output only)."""
-    vocab_size = logits.shape[1]
-    flat = logits.view(-1)
-    repetition = [row.params.repetition_penalty for row in rows]
-    repeated = [i for i in penalized if repetition[i] != 1.0]
-    if repeated:
-        id_lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in repeated]
-        positions, _ = _unique_positions(id_lists, repeated, vocab_size, logits.device)
-        penalty = logits.new_tensor(repetition)[positions // vocab_size]
-        values = flat[positions]
-        flat[positions] = torch.where(values > 0, values / penalty, values * penalty)
-    id_lists = [rows[i].output_token_ids for i in penalized]
-    positions, counts = _unique_positions(id_lists, penalized, vocab_size, logits.device)
-    row_of = positions // vocab_size
-    frequency = logits.new_tensor([row.params.frequency_penalty for row in rows])[row_of]
-    presence = logits.new_tensor([row.params.presence_penalty for row in rows])[row_of]
-    flat[positions] -= presence + frequency * counts.to(logits.dtype)
+    """In place. Repetition as in transformers (tokens of prompt + output), then frequency and
+    presence as in OpenAI (output only). Reads each request's running counts (PenaltyCounts),
+    so the cost is O(vocab) per row whatever the length of the request's history."""
+    device = logits.device
+    counts_np = np.stack([rows[i].penalty_counts.output_counts for i in penalized])
+    in_prompt_np = np.stack([rows[i].penalty_counts.in_prompt for i in penalized])
+    counts = torch.from_numpy(counts_np).to(device)
+    generated = counts > 0
+    index = torch.tensor(penalized, device=device)
+    sub = logits[index]  # (P, V)
+
+    def column(name: str) -> torch.Tensor:
+        return logits.new_tensor([getattr(rows[i].params, name) for i in penalized]).unsqueeze(1)
+
+    repetition = column("repetition_penalty")
+    seen = torch.from_numpy(in_prompt_np).to(device) | generated
+    penalized_values = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(seen, penalized_values, sub)
+    frequency = column("frequency_penalty") * counts.to(sub.dtype)
+    sub -= frequency + column("presence_penalty") * generated.to(sub.dtype)
+    logits[index] = sub
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,7 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.config import RequestLimits
+from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -24,8 +27,10 @@ from conveyor.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from conveyor.entrypoints.openai.serving import OpenAIServing, _message_dict
+from conveyor.entrypoints.openai.serving import OpenAIServing
 from conveyor.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -47,17 +52,74 @@ class APIError(Exception):
         )
 
 
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_response(
     status: int, message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+class _Guard:
+    """Pure ASGI middleware in front of every route: the API key (every route but /health,
+    and /metrics when exempted) and the request-body size limit, checked on Content-Length
+    and again on the bytes actually received (a chunked body has no length)."""
+
+    def __init__(self, app, api_key: str | None, open_paths: set[str], max_body: int) -> None:
+        self.app, self.api_key, self.open_paths, self.max_body = app, api_key, open_paths, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"] not in self.open_paths:
+            header = headers.get(b"authorization", b"").decode("latin-1")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                response = error_response(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+                return await response(scope, receive, send)
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body:
+            return await self._too_large(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise StarletteHTTPException(413, self._too_large_message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large_message(self) -> str:
+        return f"request body larger than this server's limit of {self.max_body} bytes"
+
+    async def _too_large(self, scope, receive, send) -> None:
+        response = error_response(413, self._too_large_message(), "BadRequestError")
+        await response(scope, receive, send)
+
+
+def build_app(
+    engine: LLMEngine,
+    model_name: str,
+    api_key: str | None = None,
+    limits: RequestLimits | None = None,
+    metrics_auth: bool = True,
+) -> FastAPI:
+    limits = limits or RequestLimits()
     metrics = EngineMetrics(model_name)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step, on_abort=metrics.on_abort)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,19 +130,10 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
     app.state.engine, app.state.metrics = async_engine, metrics
     _install_error_handlers(app)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return error_response(
-                    401,
-                    "invalid or missing API key (Authorization: Bearer ...)",
-                    "authentication_error",
-                    code="invalid_api_key",
-                )
-        return await call_next(request)
+    open_paths = {"/health"} | (set() if metrics_auth else {"/metrics"})
+    app.add_middleware(
+        _Guard, api_key=api_key, open_paths=open_paths, max_body=limits.max_body_bytes
+    )
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -94,6 +147,10 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
 
     @app.get("/health")
     async def health() -> Response:
+        if not async_engine.is_alive:
+            return error_response(
+                503, f"the engine loop died: {async_engine.error!r}", "ServiceUnavailableError"
+            )
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -122,7 +179,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        prompts, params = await _bad_request(_as_awaitable(serving.chat_params, body))
+        prompts, params = await _bad_request(serving.chat_params(body))
         return await _run(
             raw, serving, prompts, params, body, "chatcmpl", serving.chat, serving.chat_stream
         )
@@ -130,19 +187,13 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(body.model)
-        tokenizer = serving.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "BadRequestError")
         if body.messages is not None:
-            ids = tokenizer.apply_chat_template(
-                [_message_dict(m) for m in body.messages],
-                tokenize=True,
-                return_dict=False,
-                add_generation_prompt=body.add_generation_prompt,
-            )
+            work = serving.off_loop(serving.chat_prompt, body.messages, body.add_generation_prompt)
         else:
-            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
-        ids = list(ids)
+            work = serving.off_loop(serving.encode, body.prompt, body.add_special_tokens)
+        ids = await _bad_request(work)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -153,13 +204,9 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
             raise APIError(
                 400, f"tokens must be integers in [0, {vocab})", "BadRequestError", "tokens"
             )
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": await serving.off_loop(serving.tokenizer.decode, body.tokens)}
 
     return app
-
-
-async def _as_awaitable(fn, *args):
-    return fn(*args)
 
 
 async def _bad_request(awaitable: Awaitable):
@@ -200,12 +247,24 @@ async def _run(
 
 
 async def _guarded(serving: OpenAIServing, streams, chunks: AsyncIterator[str]):
-    """Streams chunks; a client that disconnects mid-stream has its requests aborted."""
+    """Streams chunks; a client that disconnects mid-stream has its requests aborted. A failure
+    after the 200 went out (the engine died, this request failed) ends the stream with an error
+    event and [DONE], so no client waits for chunks that never come."""
     try:
         async for chunk in chunks:
             yield chunk
+    except (EngineDeadError, RequestFailedError) as error:
+        yield _sse_error(str(error), "InternalServerError")
+    except Exception as error:  # noqa: BLE001 - the client must hear of it
+        logger.exception("stream failed")
+        yield _sse_error(f"internal error: {error!r}", "InternalServerError")
     finally:
         serving.abort_unfinished(streams)
+
+
+def _sse_error(message: str, type_: str) -> str:
+    payload = json.dumps(error_body(message, type_), ensure_ascii=False)
+    return f"data: {payload}\n\ndata: [DONE]\n\n"
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -222,11 +281,26 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(location) or None
-        message = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
-        return error_response(400, message, "BadRequestError", param)
+        errors = error.errors()
+        unknown = [_location(e) for e in errors if e.get("type") == "extra_forbidden"]
+        if unknown:
+            message = (
+                f"unknown or unsupported field(s): {', '.join(unknown)}; "
+                "this server refuses fields it would otherwise ignore"
+            )
+            return error_response(400, message, "BadRequestError", unknown[0])
+        first = errors[0] if errors else {}
+        param = _location(first) or None
+        text = str(first.get("msg", "invalid request body")).removeprefix("Value error, ")
+        return error_response(400, f"{param or 'body'}: {text}", "BadRequestError", param)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError):
+        return error_response(503, str(error), "ServiceUnavailableError")
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, error: RequestFailedError):
+        return error_response(500, str(error), "InternalServerError")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException):
@@ -236,6 +310,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(_: Request, error: Exception):
         return error_response(500, f"internal error: {error!r}", "InternalServerError")
+
+
+def _location(error: dict) -> str:
+    return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
 
 
 class GracefulServer(uvicorn.Server):

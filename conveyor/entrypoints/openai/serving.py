@@ -6,11 +6,17 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from conveyor.config import RequestLimits
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
-from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 from conveyor.outputs import CompletionOutput, PositionLogprobs
 from conveyor.sampling_params import SamplingParams
 
@@ -27,10 +33,19 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, limits: RequestLimits | None = None
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
+        self.limits = limits or RequestLimits()
+        # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
+
+    async def off_loop(self, fn: Callable, *args):
+        """Runs fn(*args) on the tokenizer threads, so open streams keep flowing meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -41,23 +56,32 @@ class OpenAIServing:
             raise ValueError("prompt must not be empty")
         if all(isinstance(t, int) for t in prompt):
             return [list(prompt)]
-        return [self._encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [self.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text:
             raise ValueError("prompt must not be empty")
-        return list(self.tokenizer(text).input_ids)
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
+            raise ValueError(f"prompt could not be tokenized: {error}") from error
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [_message_dict(m) for m in request.messages]
+    def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        ids = self.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [message_dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as error:  # the template refused the conversation (jinja raise)
+            raise ValueError(
+                f"messages could not be rendered by the chat template: {error}"
+            ) from error
         return list(ids)
 
     # ---- submission ----------------------------------------------------------------------
@@ -86,13 +110,13 @@ class OpenAIServing:
     # ---- /v1/completions -----------------------------------------------------------------
 
     async def completion_params(self, request: CompletionRequest) -> tuple[list, SamplingParams]:
-        prompts = self.completion_prompts(request.prompt)
+        request.check_limits(self.limits)
         max_tokens = (
-            request.max_tokens
-            if request.max_tokens is not None
-            else (DEFAULT_COMPLETION_MAX_TOKENS)
+            request.max_tokens if request.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         )
-        return prompts, request.sampling_params(max_tokens, request.logprobs)
+        params = request.sampling_params(max_tokens)
+        prompts = await self.off_loop(self.completion_prompts, request.prompt)
+        return prompts, params
 
     async def complete(self, request: CompletionRequest, prompts, streams) -> dict:
         choices, created = await self._collect(streams, request.n), int(time.time())
@@ -161,13 +185,14 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ------------------------------------------------------------
 
-    def chat_params(self, request: ChatCompletionRequest) -> tuple[list, SamplingParams]:
-        prompt = self.chat_prompt(request)
+    async def chat_params(self, request: ChatCompletionRequest) -> tuple[list, SamplingParams]:
+        request.check_limits(self.limits)
         max_tokens = request.max_completion_tokens or request.max_tokens
-        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        if request.top_logprobs and not request.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return [prompt], request.sampling_params(max_tokens, num_logprobs)
+        params = request.sampling_params(max_tokens)
+        prompt = await self.off_loop(
+            self.chat_prompt, request.messages, request.add_generation_prompt
+        )
+        return [prompt], params
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
         choices = await self._collect(streams, request.n)
@@ -330,11 +355,11 @@ async def _anext(iterator):
         return None
 
 
-def _message_dict(message) -> dict:
+def message_dict(message: ChatMessage) -> dict:
+    """A message as chat templates expect it: content parts (all text) joined into one string."""
     data = message.model_dump(exclude_none=True)
-    content = data.get("content")
-    if isinstance(content, list):  # content parts: keep the text ones
-        data["content"] = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+    if message.content is not None:
+        data["content"] = message.text()
     return data
 
 
