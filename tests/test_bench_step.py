@@ -8,6 +8,7 @@ import io
 import json
 
 import pytest
+import torch
 from torch import nn
 
 from conveyor.bench import step
@@ -27,9 +28,14 @@ def run(tiny_checkpoint, tmp_path_factory):
     argv += ["--contexts", ",".join(map(str, CONTEXTS)), "--prefill-chunks", str(CHUNK)]
     argv += ["--repeats", "3", "--warmup", "2", "--kv-cache-memory", str(KV_MEMORY)]
     argv += ["--output", str(out / "step.json"), "--plot", str(out / "step.png")]
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        assert main([*argv, "--disable-tqdm"]) == 0
+    # One thread: two OpenMP threads on a shared 2-core machine stall each other's barriers.
+    argv += ["--num-threads", "1", "--disable-tqdm"]
+    threads, stdout = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
     config = json.loads((path / "config.json").read_text())
     return stdout.getvalue(), json.loads((out / "step.json").read_text()), out / "step.png", config
 
@@ -92,6 +98,7 @@ def test_floor_counts_the_tiny_models_bytes_and_is_the_larger_bound(run):
         )
         assert case["pct_of_floor"] == pytest.approx(floor["ms"] / case["step_ms"] * 100)
     assert report["memory_bandwidth_gb_s"] > 0.1
+    assert report["num_threads"] == 1
 
 
 def test_plot_is_a_png(run):

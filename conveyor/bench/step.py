@@ -21,7 +21,8 @@ request, T prompt tokens), in one run:
      Classification is by module, not by op name, so it survives compiled or quantized ops.
   3. The floor: bytes over a measured read bandwidth (a large tensor sum, same threads) and
      FLOPs over a measured GEMM rate at the step's dominant shape (its token count times the
-     largest layer projection); floor = the larger of the two; % of floor = floor / step * 100.
+     largest layer projection), both measured once at the start as the best of several tries;
+     floor = the larger of the two; % of floor = floor / step * 100.
      Bytes = every weight the step reads in full (an untied embedding only by its rows) plus
      the KV of every token attended or written. FLOPs = 2 * tokens * projection weights, the
      logits of the sampled rows, and 4 * heads * head_dim per attended (query, key) pair.
@@ -81,6 +82,13 @@ class Floor(NamedTuple):
     compute_ms: float
     ms: float
     bound: str  # "memory" | "compute"
+
+
+class Limits(NamedTuple):
+    """What this machine can do, measured at the start of the run with the run's threads."""
+
+    bandwidth: float  # bytes/s read
+    gemm: dict[int, float]  # FLOP/s of the dominant matmul, by the step's token count
 
 
 class Timings(NamedTuple):
@@ -173,12 +181,12 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     grid = build_grid(args)
     engine = build_engine(args, grid)
-    bandwidth = measure_bandwidth(engine.device)
     cases, skipped = fit_cases(engine, grid, num_repeats(args))
+    limits = measure_limits(engine, cases)
     results = []
     for case in tqdm(cases, desc="bench step", unit="case", disable=args.disable_tqdm):
-        results.append(run_case(engine, case, args, bandwidth))
-    report = build_report(args, engine, bandwidth, results, skipped)
+        results.append(run_case(engine, case, args, limits))
+    report = build_report(args, engine, limits, results, skipped)
     print(format_table(report))
     for path in save(report, args):
         print(f"wrote {path}")
@@ -313,14 +321,14 @@ def _timed_step(engine, stub: _StubExecute) -> float:
     return (time.perf_counter() - start - stub.seconds) * 1e3
 
 
-def run_case(engine, case: Case, args: argparse.Namespace, bandwidth: float) -> dict:
+def run_case(engine, case: Case, args: argparse.Namespace, limits: Limits) -> dict:
     repeats = num_repeats(args)
     sched, engine_ms = plan_step(engine, case, repeats, args.seed)
     try:
         timings = time_step(engine.runner, sched, engine_ms, args.warmup, repeats)
     finally:
         engine.abort_request([s.request_id for s in sched.scheduled])
-    floor = step_floor(engine, sched, bandwidth)
+    floor = step_floor(engine, sched, limits)
     step_ms = timings.runner_ms + timings.engine_ms
     return {
         "case": case.name,
@@ -353,20 +361,27 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 def time_step(runner, sched: SchedulerOutput, engine_ms: list[float], warmup: int, repeats: int):
+    """Plain and hooked executes alternate, so that both see the same interference from
+    whatever else runs on the machine; each gives its median."""
     sync = _synchronizer(runner.device)
     for _ in range(warmup):
         runner.execute(sched)
-    runner_ms = []
+    runner_ms, samples = [], []
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        runner.execute(sched)
-        sync()
-        runner_ms.append((time.perf_counter() - start) * 1e3)
+        runner_ms.append(_execute_seconds(runner, sched, sync) * 1e3)
+        samples.append(profile_execute(runner, sched))
     engine_median = statistics.median(engine_ms)
-    parts = profile_step(runner, sched, min(repeats, 3))
+    parts = {c: statistics.median(s[c] for s in samples) * 1e3 for c in CATEGORIES}
     parts["engine"] += engine_median
     return Timings(statistics.median(runner_ms), engine_median, parts)
+
+
+def _execute_seconds(runner, sched: SchedulerOutput, sync: Callable[[], None]) -> float:
+    sync()
+    start = time.perf_counter()
+    runner.execute(sched)
+    sync()
+    return time.perf_counter() - start
 
 
 class ScopeTimer:
@@ -426,29 +441,21 @@ class _TimedCall:
         return getattr(self.target, name)
 
 
-def profile_step(runner, sched: SchedulerOutput, repeats: int) -> dict[str, float]:
-    """Median ms per category over `repeats` hooked executes; "engine" holds what execute
-    spends outside every scope (input preparation)."""
+def profile_execute(runner, sched: SchedulerOutput) -> dict[str, float]:
+    """Seconds per category of one hooked execute; "engine" holds what execute spends outside
+    every scope (input preparation)."""
     timer = ScopeTimer(_synchronizer(runner.device))
     handles = _attach_hooks(runner.model, timer)
     sampler = runner.sampler
     runner.sampler = _TimedCall(sampler, timer, "logits_sampling")
-    samples = []
     try:
-        for _ in range(repeats):
-            timer.totals = dict.fromkeys(CATEGORIES, 0.0)
-            timer.sync()
-            start = time.perf_counter()
-            runner.execute(sched)
-            timer.sync()
-            total = time.perf_counter() - start
-            timer.totals["engine"] = total - sum(timer.totals.values())
-            samples.append(timer.totals)
+        total = _execute_seconds(runner, sched, timer.sync)
     finally:
         runner.sampler = sampler
         for handle in handles:
             handle.remove()
-    return {c: statistics.median(s[c] for s in samples) * 1e3 for c in CATEGORIES}
+    timer.totals["engine"] = total - sum(timer.totals.values())
+    return timer.totals
 
 
 def _attach_hooks(model: nn.Module, timer: ScopeTimer) -> list:
@@ -465,7 +472,19 @@ def _attach_hooks(model: nn.Module, timer: ScopeTimer) -> list:
 # ---- the floor ----------------------------------------------------------------------------
 
 
-def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+def measure_limits(engine, cases: list[Case]) -> Limits:
+    cfg, device = engine.model_config, engine.device
+    # The dominant shape: the step's tokens through the largest per-layer projection (gate/up).
+    gemm = {
+        n: measure_gemm(n, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.dtype, device)
+        for n in sorted({c.num_tokens for c in cases})
+    }
+    return Limits(measure_bandwidth(device), gemm)
+
+
+def _best_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    """The fastest of `repeats` timed calls: a limit is what the machine can do, and
+    interference from other work only ever adds time."""
     fn()  # warm-up: first-touch page faults, allocator, kernel selection
     times = []
     for _ in range(repeats):
@@ -474,14 +493,13 @@ def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats:
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = BANDWIDTH_BYTES) -> float:
     """Read bandwidth in bytes/s: the sum of a tensor far larger than the caches."""
     data = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    seconds = _median_seconds(data.sum, _synchronizer(device), repeats=5)
-    return nbytes / seconds
+    return nbytes / _best_seconds(data.sum, _synchronizer(device), repeats=7)
 
 
 def measure_gemm(num_tokens: int, k: int, n: int, dtype: torch.dtype, device) -> float:
@@ -489,10 +507,10 @@ def measure_gemm(num_tokens: int, k: int, n: int, dtype: torch.dtype, device) ->
     x = torch.randn(num_tokens, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device)
     sync = _synchronizer(torch.device(device))
-    repeats = 5 if num_tokens < 256 else 3
+    repeats = 7 if num_tokens < 256 else 3
     best = min(
-        _median_seconds(lambda: x @ w.T, sync, repeats),
-        _median_seconds(lambda: w @ x.T, sync, repeats),
+        _best_seconds(lambda: x @ w.T, sync, repeats),
+        _best_seconds(lambda: w @ x.T, sync, repeats),
     )
     return 2 * num_tokens * k * n / best
 
@@ -538,18 +556,14 @@ def step_flops(cfg, sched: SchedulerOutput) -> float:
     return linear + logits + 4 * cfg.num_heads * cfg.head_dim * pairs * cfg.num_layers
 
 
-def step_floor(engine, sched: SchedulerOutput, bandwidth: float) -> Floor:
-    runner, cfg = engine.runner, engine.model_config
+def step_floor(engine, sched: SchedulerOutput, limits: Limits) -> Floor:
     num_tokens = sched.total_num_scheduled_tokens
-    weights = weight_bytes(runner.model, num_tokens)
+    weights = weight_bytes(engine.runner.model, num_tokens)
     num_slots = engine.num_blocks * engine.cache_config.block_size
-    kv = kv_bytes(runner.kv_caches, num_slots, sched)
-    flops = step_flops(cfg, sched)
-    # The dominant shape: the step's tokens through the largest per-layer projection (gate/up).
-    gemm = measure_gemm(
-        num_tokens, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.dtype, runner.device
-    )
-    memory_ms, compute_ms = (weights + kv) / bandwidth * 1e3, flops / gemm * 1e3
+    kv = kv_bytes(engine.runner.kv_caches, num_slots, sched)
+    flops = step_flops(engine.model_config, sched)
+    gemm = limits.gemm[num_tokens]
+    memory_ms, compute_ms = (weights + kv) / limits.bandwidth * 1e3, flops / gemm * 1e3
     bound = "memory" if memory_ms >= compute_ms else "compute"
     return Floor(weights, kv, flops, gemm, memory_ms, compute_ms, max(memory_ms, compute_ms), bound)
 
@@ -557,7 +571,7 @@ def step_floor(engine, sched: SchedulerOutput, bandwidth: float) -> Floor:
 # ---- report -------------------------------------------------------------------------------
 
 
-def build_report(args, engine, bandwidth: float, results: list[dict], skipped: list[dict]):
+def build_report(args, engine, limits: Limits, results: list[dict], skipped: list[dict]):
     cfg = engine.model_config
     return {
         "model": str(cfg.path),
@@ -568,7 +582,8 @@ def build_report(args, engine, bandwidth: float, results: list[dict], skipped: l
         "cpu_count": _cpu_count(),
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "memory_bandwidth_gb_s": bandwidth / 1e9,
+        "memory_bandwidth_gb_s": limits.bandwidth / 1e9,
+        "gemm_gflops": {str(n): rate / 1e9 for n, rate in limits.gemm.items()},
         "kv_cache_blocks": engine.num_blocks,
         "block_size": engine.cache_config.block_size,
         "warmup": args.warmup,
