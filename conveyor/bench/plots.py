@@ -211,15 +211,17 @@ def _draw_roofline(ax, cases: list[dict], bandwidth_gb_s: float) -> None:
     roof_x = sorted({xs[0], min(max(knee, xs[0]), xs[1]), xs[1]})
     roof_y = [min(bandwidth_gb_s * x, peak) for x in roof_x]
     ax.plot(roof_x, roof_y, color="black", linewidth=1.2, label="roof (measured)")
-    for case, x in zip(cases, intensity, strict=True):
+    for i, (case, x) in enumerate(zip(cases, intensity, strict=True)):
         achieved = case["floor"]["flops"] / case["step_ms"] / 1e6  # GFLOP/s
         at_floor = case["floor"]["flops"] / case["floor"]["ms"] / 1e6
         color = "#1f77b4" if case["kind"] == "decode" else "#d62728"
         ax.plot([x, x], [achieved, at_floor], color=color, alpha=0.4, linewidth=1)
         ax.scatter([x], [at_floor], marker="_", s=80, color=color)
         ax.scatter([x], [achieved], s=22, color=color, zorder=3)
+        # alternate above and below: cases of one batch size share an intensity
+        offset = (4, 4) if i % 2 else (4, -9)
         ax.annotate(
-            case["case"], (x, achieved), fontsize=7, xytext=(4, -3), textcoords="offset points"
+            case["case"], (x, achieved), fontsize=7, xytext=offset, textcoords="offset points"
         )
     ax.set_xscale("log")
     ax.set_yscale("log")
