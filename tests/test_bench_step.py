@@ -128,3 +128,13 @@ def test_bad_arguments_are_refused_with_the_flag_named(capsys):
     assert "--repeats" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "step", "--batches", "1,x"])
+
+
+def test_a_step_faster_than_its_floor_is_flagged_as_measured_under_interference(run):
+    _, report, _, _ = run
+    assert "warning" not in step.format_table(report | {"cases": report["cases"][:1]}) or (
+        report["cases"][0]["pct_of_floor"] > 100
+    )
+    fast = dict(report["cases"][0], pct_of_floor=150.0)
+    table = step.format_table(report | {"cases": [fast]})
+    assert f"warning: {fast['case']} ran faster than the floor" in table

@@ -115,7 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization", default=None, help="passed to the engine as quantization= when given"
     )
     parser.add_argument(
-        "--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)"
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for the steps and the limits (default 1: on a small shared CPU "
+        "a second OpenMP thread stalls at every barrier when a core is taken); 0 keeps torch's "
+        "default",
     )
     parser.add_argument("--batches", type=_int_list, default=None, help="e.g. 1,8,32,64")
     parser.add_argument("--contexts", type=_int_list, default=None, help="e.g. 128,512,2048")
@@ -634,6 +639,12 @@ def format_table(report: dict) -> str:
         )
     for skip in report["skipped"]:
         lines.append(f"skipped {skip['case']}: {skip['reason']}")
+    faster = [row["case"] for row in report["cases"] if row["pct_of_floor"] > 100]
+    if faster:
+        lines.append(
+            f"warning: {', '.join(faster)} ran faster than the floor: the limits were measured "
+            "while other work loaded the machine; rerun on a quiet machine or with fewer threads"
+        )
     return "\n".join(lines)
 
 
