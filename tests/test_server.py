@@ -308,3 +308,37 @@ def test_server_still_serves_after_errors(client):
     out = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason == "length"
     assert json.loads(out.model_dump_json())["usage"]["completion_tokens"] == 3
+
+
+def test_a_huge_prompt_does_not_freeze_open_streams(server):
+    """Tokenizing ~6 MB of prompt takes seconds; it runs off the event loop, so a stream that is
+    open meanwhile keeps receiving tokens at its usual pace."""
+    arrivals: list[float] = []
+    body = LONG | {"max_tokens": 300, "stream": True}
+
+    def consume():
+        with httpx.stream(
+            "POST",
+            f"{server.base_url}/v1/completions",
+            json=body,
+            headers=server.headers,
+            timeout=120,
+        ) as response:
+            for line in response.iter_lines():
+                if line:
+                    arrivals.append(time.monotonic())
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    while len(arrivals) < 5:
+        time.sleep(0.05)
+    start = time.monotonic()
+    huge = {"model": MODEL, "prompt": "word " * 1_200_000, "max_tokens": 2}
+    _assert_error(_post(server, "/v1/completions", huge), 400, "context length")
+    end = time.monotonic()
+    reader.join()
+    assert end - start > 1.0, "the huge prompt was too quick to tell anything"
+    during = [t for t in arrivals if start <= t <= end] + [end]
+    assert arrivals[-1] > end, "the stream ended before the huge prompt was refused"
+    gaps = [b - a for a, b in zip([start] + during, during, strict=False)]
+    assert max(gaps) < 0.5 * (end - start), f"a stream stalled {max(gaps):.2f} s"

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from conveyor.config import RequestLimits
 from conveyor.sampling_params import SamplingParams
 
-_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+# strict: no bool where a number is due (JSON true is not n=1), no "2" for an integer.
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(BaseModel):
