@@ -264,6 +264,7 @@ def drive_engine(engine, workload: Workload, bar) -> tuple[list[RequestRecord], 
 
 
 def _send_arrived(engine, workload: Workload, start: float, num_sent: int) -> int:
+    from conveyor.outputs import OutputKind
     from conveyor.sampling_params import SamplingParams
 
     now = time.monotonic() - start
@@ -275,6 +276,7 @@ def _send_arrived(engine, workload: Workload, start: float, num_sent: int) -> in
             request.prompt_token_ids,
             params,
             arrival_time=start + workload.arrivals[num_sent],
+            output_kind=OutputKind.FINAL_ONLY,  # no per-step copies of the output so far
         )
         num_sent += 1
     return num_sent
