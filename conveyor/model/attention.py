@@ -1,17 +1,28 @@
 """Paged attention for one whole step.
 
 Every layer first writes the step's new K/V into the cache through `slot_mapping`
-(slot = block_id * block_size + offset), then attends:
-  - decode rows (one query token each) as one batch: their block tables are gathered into a
-    padded (B, L) view of the cache and masked past each sequence's length;
-  - prompt chunks one request at a time, causally, over the cached context plus the chunk.
-The cache of one layer is a tensor (2, num_blocks, block_size, num_kv_heads, head_dim).
+(slot = block_id * block_size + offset), then attends, all rows of the step in one call.
+
+The cache of one layer is a tensor (2, num_blocks, num_kv_heads, block_size * head_dim): one
+(block, kv head) tile is contiguous; keys are stored transposed in it, (head_dim, block_size),
+values as (block_size, head_dim). That is the layout the compiled CPU kernel reads in place
+(see kernels/paged_attention.cpp); `key_blocks` / `value_blocks` give its shaped views.
+
+Two implementations of the same op:
+  - the compiled kernel (CPU, float32/float64): varlen over all rows, no copies of the cache;
+  - the reference in PyTorch, the readable oracle and the path for CUDA, other dtypes or when
+    no compiler is present: decode rows as one batch over a padded gather of their blocks,
+    masked past each sequence's length; prompt chunks one at a time, causally, over the cached
+    context plus the chunk.
+Everything that is the same for all layers is in AttentionMetadata, built once per step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,23 +36,91 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) int64
+class ReferencePlan:
+    """The step split the way the reference ops run it."""
+
     decode_rows: torch.Tensor  # (B,) rows of the decode tokens
     decode_block_tables: torch.Tensor  # (B, max_blocks) int64, padded with 0
     decode_seq_lens: torch.Tensor  # (B,) int64, tokens to attend (cached + this one)
     prefills: list[PrefillChunk]
-    block_size: int
 
     @property
     def num_decodes(self) -> int:
         return self.decode_rows.numel()
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k.shape[1:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64
+    query_start: torch.Tensor  # (S + 1,) int64: rows of sequence s are [qs[s], qs[s + 1])
+    seq_lens: torch.Tensor  # (S,) int64: cached + new tokens of each sequence
+    block_tables: torch.Tensor  # (S, max_blocks) int64, padded with 0
+    block_size: int
+    ops: ModuleType | None  # the compiled kernels; None -> the reference ops
+    reference: ReferencePlan | None  # set when ops is None
+
+
+def build_metadata(
+    query_lens: np.ndarray,  # (S,) int64 new tokens per sequence, rows in this order
+    context_lens: np.ndarray,  # (S,) int64 tokens already cached
+    block_tables: np.ndarray,  # (S, W) int64
+    slot_mapping: np.ndarray,  # (T,) int64
+    block_size: int,
+    device: torch.device,
+    ops: ModuleType | None,
+) -> AttentionMetadata:
+    query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    seq_lens = context_lens + query_lens
+    tables = _tensor(block_tables, device)
+    reference = None
+    if ops is None:
+        reference = _reference_plan(query_start, seq_lens, block_tables, tables, block_size)
+    return AttentionMetadata(
+        slot_mapping=_tensor(slot_mapping, device),
+        query_start=_tensor(query_start, device),
+        seq_lens=_tensor(seq_lens, device),
+        block_tables=tables,
+        block_size=block_size,
+        ops=ops,
+        reference=reference,
+    )
+
+
+def _reference_plan(query_start, seq_lens, block_tables, tables, block_size) -> ReferencePlan:
+    device = tables.device
+    query_lens = np.diff(query_start)
+    decode = query_lens == 1
+    width = -(-int(seq_lens[decode].max(initial=0)) // block_size)
+    prefills = [
+        PrefillChunk(
+            int(query_start[i]),
+            int(query_start[i + 1]),
+            int(seq_lens[i] - query_lens[i]),
+            tables[i, : -(-int(seq_lens[i]) // block_size)],
+        )
+        for i in np.flatnonzero(~decode)
+    ]
+    return ReferencePlan(
+        decode_rows=_tensor(query_start[:-1][decode], device),
+        decode_block_tables=_tensor(block_tables[decode, :width], device),
+        decode_seq_lens=_tensor(seq_lens[decode], device),
+        prefills=prefills,
+    )
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+def key_blocks(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    num_blocks, num_kv_heads, tile = kv_cache.shape[1:]
+    return kv_cache[0].view(num_blocks, num_kv_heads, head_dim, tile // head_dim)
+
+
+def value_blocks(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    num_blocks, num_kv_heads, tile = kv_cache.shape[1:]
+    return kv_cache[1].view(num_blocks, num_kv_heads, tile // head_dim, head_dim)
 
 
 def paged_attention(
@@ -50,52 +129,78 @@ def paged_attention(
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
-) -> torch.Tensor:
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+) -> torch.Tensor:  # (T, H, D)
+    if meta.ops is None:
+        return reference_paged_attention(q, k, v, kv_cache, meta)
+    meta.ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size)
+    scale = q.shape[-1] ** -0.5
+    return meta.ops.paged_attention(
+        q, kv_cache, meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables, scale
+    )
+
+
+def reference_paged_attention(q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    plan = meta.reference
+    write_kv(kv_cache, k, v, meta.slot_mapping, meta.block_size)
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], kv_cache, meta)
-    for chunk in meta.prefills:
+    if plan.num_decodes:
+        out[plan.decode_rows] = _decode_attention(q[plan.decode_rows], kv_cache, plan)
+    for chunk in plan.prefills:
         rows = slice(chunk.start, chunk.end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, meta.block_size)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk)
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
-    tables = meta.decode_block_tables  # (B, N)
-    b, n = tables.shape
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    keys = kv_cache[0][tables].view(b, n * meta.block_size, num_kv_heads, head_dim)
-    values = kv_cache[1][tables].view(b, n * meta.block_size, num_kv_heads, head_dim)
-    positions = torch.arange(n * meta.block_size, device=q.device)
-    mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]  # (B,1,1,L)
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int
+) -> None:
+    head_dim = k.shape[-1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_blocks(kv_cache, head_dim)[blocks, :, :, offsets] = k  # indexed view: (T, Hkv, D)
+    value_blocks(kv_cache, head_dim)[blocks, :, offsets, :] = v
+
+
+def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, head_dim: int):
+    """Keys and values of the blocks in `tables` (..., N) as (..., Hkv, N * block_size, D)."""
+    keys = key_blocks(kv_cache, head_dim)[tables]  # (..., N, Hkv, D, bs)
+    values = value_blocks(kv_cache, head_dim)[tables]  # (..., N, Hkv, bs, D)
+    keys = keys.transpose(-1, -2).transpose(-3, -4)  # (..., Hkv, N, bs, D)
+    values = values.transpose(-3, -4)
+    return keys.flatten(-3, -2), values.flatten(-3, -2)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: ReferencePlan):
+    tables = plan.decode_block_tables  # (B, N)
+    keys, values = _gather(kv_cache, tables, q.shape[-1])  # (B, Hkv, L, D)
+    positions = torch.arange(keys.shape[2], device=q.device)
+    mask = (positions[None, :] < plan.decode_seq_lens[:, None])[:, None, None, :]  # (B,1,1,L)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # (B, H, 1, D)
-        keys.transpose(1, 2),  # (B, Hkv, L, D)
-        values.transpose(1, 2),
+        keys,
+        values,
         attn_mask=mask,
         enable_gqa=True,
     )
     return out.squeeze(2)
 
 
-def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk, block_size: int):
+def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk):
     num_q = q.shape[0]
     if chunk.context_len == 0:
         # The whole sequence is in this chunk: attend to the fresh K/V, no gather needed.
-        keys, values, mask, causal = k, v, None, True
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, Tq, D)
+        mask, causal = None, True
     else:
         seq_len = chunk.context_len + num_q
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        keys = kv_cache[0][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
-        values = kv_cache[1][chunk.block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
+        keys, values = _gather(kv_cache, chunk.block_table, q.shape[-1])  # (Hkv, L, D)
+        keys, values = keys[:, :seq_len], values[:, :seq_len]
         rows = torch.arange(num_q, device=q.device)[:, None] + chunk.context_len
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (Tq, L)
         causal = False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # (H, Tq, D)
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
+        keys,
+        values,
         attn_mask=mask,
         is_causal=causal,
         enable_gqa=True,

@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v.contiguous(), kv_cache, meta)  # (T, H, D)
+        out = paged_attention(q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -6,11 +6,16 @@ The one host sync of a step is reading the sampled tokens back.
 
 from __future__ import annotations
 
+import os
+from itertools import chain
+from types import ModuleType
+
 import numpy as np
 import torch
 
 from conveyor.config import ModelConfig
-from conveyor.model.attention import AttentionMetadata, PrefillChunk
+from conveyor.model import kernels
+from conveyor.model.attention import build_metadata
 from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.sample.sampler import Sampler
@@ -24,13 +29,16 @@ class ModelRunner:
         self.model = load_model(cfg, device)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
+        self.attention_ops = select_attention_ops(device, cfg.dtype)
 
     def kv_bytes_per_block(self) -> int:
         per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim
         return per_token * self.block_size * self.cfg.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        # One contiguous (block, kv head) tile per block and head: see model/attention.py.
+        tile = self.block_size * self.cfg.head_dim
+        shape = (2, num_blocks, self.cfg.num_kv_heads, tile)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.cfg.dtype, device=self.device)
             for _ in range(self.cfg.num_layers)
@@ -52,54 +60,58 @@ class ModelRunner:
         )
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
-        bs = self.block_size
-        ids, pos, slots, logits_rows, prefills = [], [], [], [], []
-        dec_rows, dec_tables, dec_lens = [], [], []
-        start = 0
-        for item in scheduled:
-            n = len(item.token_ids)
-            p = np.arange(item.num_computed_tokens, item.num_computed_tokens + n)
-            table = np.asarray(item.block_ids, dtype=np.int64)
-            ids.append(item.token_ids)
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            if n == 1:
-                dec_rows.append(start)
-                dec_tables.append(table)
-                dec_lens.append(item.num_computed_tokens + 1)
-            else:
-                prefills.append(PrefillChunk(start, start + n, item.num_computed_tokens, table))
-            if item.sampling is not None:
-                logits_rows.append(start + n - 1)
-            start += n
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)),
-            decode_rows=self._tensor(np.asarray(dec_rows, dtype=np.int64)),
-            decode_block_tables=self._tensor(_pad_tables(dec_tables)),
-            decode_seq_lens=self._tensor(np.asarray(dec_lens, dtype=np.int64)),
-            prefills=[_chunk_to(c, self.device) for c in prefills],
-            block_size=bs,
+        """Inputs of the step, vectorised over requests; everything the layers share is built
+        here once (slots, lengths, block tables, causal positions), not per layer."""
+        num_seqs = len(scheduled)
+        query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_seqs)
+        context_lens = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+        num_tokens = int(query_lens.sum())
+        token_ids = chain.from_iterable(s.token_ids for s in scheduled)
+        input_ids = np.fromiter(token_ids, np.int64, num_tokens)
+        tables = pad_block_tables([s.block_ids for s in scheduled])
+        positions, slots = positions_and_slots(query_lens, context_lens, tables, self.block_size)
+        meta = build_metadata(
+            query_lens,
+            context_lens,
+            tables,
+            slots,
+            self.block_size,
+            self.device,
+            self.attention_ops,
         )
-        input_ids = self._tensor(np.fromiter((t for chunk in ids for t in chunk), np.int64))
-        return (
-            input_ids,
-            self._tensor(np.concatenate(pos)),
-            meta,
-            self._tensor(np.asarray(logits_rows, dtype=np.int64)),
-        )
+        sampled = np.fromiter((s.sampling is not None for s in scheduled), bool, num_seqs)
+        logits_rows = np.cumsum(query_lens)[sampled] - 1
+        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
 
-def _pad_tables(tables: list[np.ndarray]) -> np.ndarray:
-    width = max((len(t) for t in tables), default=0)
-    out = np.zeros((len(tables), width), dtype=np.int64)
-    for i, table in enumerate(tables):
-        out[i, : len(table)] = table
-    return out
+def select_attention_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The compiled attention kernels where they apply (CPU, float32/float64, built here);
+    None -> the PyTorch reference. CONVEYOR_ATTENTION=reference forces the reference."""
+    if os.environ.get("CONVEYOR_ATTENTION", "").lower() == "reference":
+        return None
+    if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+        return None
+    return kernels.load()
 
 
-def _chunk_to(chunk: PrefillChunk, device: torch.device) -> PrefillChunk:
-    table = torch.from_numpy(chunk.block_table).to(device)
-    return PrefillChunk(chunk.start, chunk.end, chunk.context_len, table)
+def pad_block_tables(block_ids: list[list[int]]) -> np.ndarray:
+    """(S, longest table) int64, padded with block 0."""
+    lens = np.fromiter((len(b) for b in block_ids), np.int64, len(block_ids))
+    flat = np.fromiter(chain.from_iterable(block_ids), np.int64, int(lens.sum()))
+    tables = np.zeros((len(block_ids), int(lens.max(initial=0))), dtype=np.int64)
+    tables[np.arange(tables.shape[1]) < lens[:, None]] = flat  # row-major fill
+    return tables
+
+
+def positions_and_slots(
+    query_lens: np.ndarray, context_lens: np.ndarray, tables: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Position of every row of the step (sequences concatenated) and its KV cache slot."""
+    seq_of_row = np.repeat(np.arange(len(query_lens)), query_lens)
+    starts = np.cumsum(query_lens) - query_lens
+    positions = np.arange(int(query_lens.sum())) - np.repeat(starts - context_lens, query_lens)
+    slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+    return positions, slots

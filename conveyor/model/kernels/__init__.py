@@ -1,0 +1,96 @@
+"""Compiled CPU ops, built once per machine from the C++ sources shipped in this folder.
+
+`load()` JIT-compiles them with torch's own extension tooling into
+~/.cache/conveyor/kernels/<hash>/, the hash covering the sources, torch and Python versions,
+the compiler flags and the CPU's feature flags (the code is built with -march=native), so a
+machine builds once and later processes just import. Without a compiler, or if the build
+fails, `load()` logs one warning and returns None; callers then use the pure-PyTorch
+reference ops (conveyor/model/attention.py), which stay the readable oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("paged_attention.cpp",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20")
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "conveyor" / "kernels" / _build_key()
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled ops module, or None when it cannot be built here (one warning)."""
+    try:
+        return _build()
+    except Exception as exc:  # a missing compiler or ninja shows up as many exception types
+        logger.warning(
+            "conveyor: compiled CPU kernels unavailable (%s: %s); using the PyTorch reference ops",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
+        )
+        return None
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    _put_pip_ninja_on_path()
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    here = Path(__file__).parent
+    return cpp_extension.load(
+        name="conveyor_kernels",
+        sources=[str(here / name) for name in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        verbose=False,
+    )
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in SOURCES:
+        digest.update((here / name).read_bytes())
+    for part in (torch.__version__, sys.version, platform.machine(), " ".join(CFLAGS)):
+        digest.update(part.encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _put_pip_ninja_on_path() -> None:
+    # The pinned `ninja` wheel puts its binary next to the interpreter, which is not on PATH
+    # when .venv/bin/python runs without an activated venv.
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR

@@ -1,0 +1,397 @@
+// Paged attention over a whole step (decode rows and prompt chunks together), reading the KV
+// cache in place, and the KV write through a slot mapping. CPU, float32 and float64.
+//
+// Data layout
+//   kv_cache   (2, num_blocks, num_kv_heads, block_size * head_dim), contiguous. One (block,
+//              kv head) tile is block_size * head_dim values:
+//                kv_cache[0]: keys transposed, (head_dim, block_size): the scores of one query
+//                             against a block are head_dim broadcast-FMAs over block_size keys,
+//                             vectorised across keys, with no horizontal sums;
+//                kv_cache[1]: values, (block_size, head_dim): P @ V adds rows of head_dim.
+//   q          (T, H, D) with any strides (the projections hand over transposed views);
+//              out (T, H, D) contiguous.
+//   query_start (S + 1,) int64: rows of sequence s are [query_start[s], query_start[s + 1]).
+//   seq_lens   (S,) int64: tokens of s in the cache after this step's write (context + new);
+//              new row i of s sits at position seq_lens[s] - q_len + i (causal limit).
+//   block_tables (S, W) int64: block ids of s, only the first ceil(seq_len / block_size) read.
+//
+// Work split and loop order
+//   A work item is (sequence, kv head, tile of up to `rows_per_tile` query tokens). The query
+//   heads that share the kv head (GQA group of G) are processed together: a tile holds
+//   tokens x G rows, so each K/V tile loaded from memory serves all of them. Items are sorted by
+//   decreasing cost (keys x rows) and handed out through an atomic counter inside one
+//   at::parallel_for region (the costs differ a lot: a decode row against 2k keys vs. a chunk's
+//   first tile), so threads finish together.
+//   Per item: the scaled query rows are copied into a local tile (M x D); then for each KV block
+//   up to the tile's last causal position:
+//     1. S = Q K^T for the block (M x block_size), rows in register groups of 8/4/2/1;
+//     2. online softmax per row: running max m and sum l, P = exp(S - m_new), causal and
+//        sequence-end masking by a per-row key limit, accumulator rescaled only when m grows;
+//     3. acc += P V (M x D).
+//   Finally out = acc / l. Memory traffic per item: each K/V tile of the sequence read once.
+//   Head dims 64/128 and block sizes 16/32 are compiled with constant trip counts (vectorised
+//   by the compiler, -O3 -march=native); other shapes run the same code with runtime bounds.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp for x <= 0 (scores minus the running max), vectorisable: Cephes-style range reduction
+// x = n ln2 + r and a degree-6 polynomial; relative error ~1e-7, below float32 rounding of sums.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f + 12582912.0f;  // round(x log2 e) in the low bits
+  const int32_t n = __builtin_bit_cast(int32_t, t) - 0x4B400000;
+  const float nf = t - 12582912.0f;
+  float r = x - nf * 0.693359375f;
+  r = r + nf * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  return y * __builtin_bit_cast(float, (n + 127) << 23);
+}
+
+template <typename T>
+inline T exp_score(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return exp_nonpositive(x);
+  } else {
+    return std::exp(x);
+  }
+}
+
+struct Shape {
+  int64_t block_size;
+  int64_t head_dim;
+};
+
+// S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
+template <typename T, int R, int BS, int D>
+inline void qk_rows(const T* __restrict q, const T* __restrict kt, T* __restrict s, Shape sh) {
+  const int bs = BS ? BS : static_cast<int>(sh.block_size);
+  const int dim = D ? D : static_cast<int>(sh.head_dim);
+  if constexpr (BS != 0) {
+    T acc[R][BS] = {};
+    for (int d = 0; d < dim; ++d) {
+      const T* krow = kt + d * BS;
+      for (int r = 0; r < R; ++r) {
+        const T qv = q[r * dim + d];
+        for (int j = 0; j < BS; ++j) acc[r][j] += qv * krow[j];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < BS; ++j) s[r * BS + j] = acc[r][j];
+  } else {
+    for (int r = 0; r < R; ++r) {
+      T* srow = s + r * bs;
+      for (int j = 0; j < bs; ++j) srow[j] = 0;
+      for (int d = 0; d < dim; ++d) {
+        const T qv = q[r * dim + d];
+        const T* krow = kt + d * bs;
+        for (int j = 0; j < bs; ++j) srow[j] += qv * krow[j];
+      }
+    }
+  }
+}
+
+template <typename T, int BS, int D>
+inline void qk_block(const T* q, const T* kt, T* s, int rows, Shape sh) {
+  const int dim = D ? D : static_cast<int>(sh.head_dim);
+  const int bs = BS ? BS : static_cast<int>(sh.block_size);
+  int r = 0;
+  for (; r + 8 <= rows; r += 8) qk_rows<T, 8, BS, D>(q + r * dim, kt, s + r * bs, sh);
+  if (rows - r >= 4) {
+    qk_rows<T, 4, BS, D>(q + r * dim, kt, s + r * bs, sh);
+    r += 4;
+  }
+  if (rows - r >= 2) {
+    qk_rows<T, 2, BS, D>(q + r * dim, kt, s + r * bs, sh);
+    r += 2;
+  }
+  if (rows - r >= 1) qk_rows<T, 1, BS, D>(q + r * dim, kt, s + r * bs, sh);
+}
+
+// acc[r][:] += sum_{j < n} p[r][j] * v[j][:] for all rows; v is one (block_size, head_dim) tile.
+template <typename T, int BS, int D>
+inline void pv_block(const T* __restrict p, const T* __restrict v, T* __restrict acc, int rows,
+                     int n, Shape sh) {
+  const int bs = BS ? BS : static_cast<int>(sh.block_size);
+  const int dim = D ? D : static_cast<int>(sh.head_dim);
+  for (int r = 0; r < rows; ++r) {
+    T* arow = acc + r * dim;
+    const T* prow = p + r * bs;
+    for (int j = 0; j < n; ++j) {
+      const T pj = prow[j];
+      const T* vrow = v + j * dim;
+      for (int d = 0; d < dim; ++d) arow[d] += pj * vrow[d];
+    }
+  }
+}
+
+struct WorkItem {
+  int64_t seq;
+  int64_t first_token;  // first query token of the tile, relative to the sequence's rows
+  int64_t num_tokens;
+  int64_t kv_head;
+  int64_t cost;
+};
+
+template <typename T>
+struct Scratch {
+  std::vector<T> q, s, acc, m, l;
+  std::vector<int> limit;  // per row: keys of the current block it may see
+  explicit Scratch(int64_t rows, Shape sh)
+      : q(rows * sh.head_dim), s(rows * sh.block_size), acc(rows * sh.head_dim), m(rows),
+        l(rows), limit(rows) {}
+};
+
+struct Inputs {
+  const int64_t* query_start;
+  const int64_t* seq_lens;
+  const int64_t* block_tables;
+  int64_t table_width;
+  int64_t num_heads, num_kv_heads;
+  int64_t q_strides[3];
+  double scale;
+};
+
+// Online softmax over one block for every row; p (rows x block_size) receives the weights.
+// limit[r]: keys of this block row r may see (<= 0: none).
+template <typename T>
+inline void softmax_block(T* s, const int* limit, Scratch<T>& w, int rows, int bs, int dim) {
+  for (int r = 0; r < rows; ++r) {
+    T* srow = s + r * bs;
+    const int n = limit[r];
+    if (n <= 0) {
+      std::fill(srow, srow + bs, T(0));
+      continue;
+    }
+    T mx = srow[0];
+    for (int j = 1; j < n; ++j) mx = srow[j] > mx ? srow[j] : mx;
+    const T m_old = w.m[r];
+    const T m_new = mx > m_old ? mx : m_old;
+    T sum = 0;
+    for (int j = 0; j < bs; ++j) {
+      const T p = j < n ? exp_score<T>(srow[j] - m_new) : T(0);
+      srow[j] = p;
+      sum += p;
+    }
+    if (m_new != m_old) {
+      const T alpha = m_old == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m_old - m_new);
+      T* arow = w.acc.data() + r * dim;
+      for (int d = 0; d < dim; ++d) arow[d] *= alpha;
+      w.l[r] *= alpha;
+      w.m[r] = m_new;
+    }
+    w.l[r] += sum;
+  }
+}
+
+template <typename T, int BS, int D>
+void run_item(const WorkItem& item, const Inputs& in, const T* qp, const T* kc, const T* vc,
+              T* out, Scratch<T>& w, Shape sh) {
+  const int bs = static_cast<int>(sh.block_size);
+  const int dim = static_cast<int>(sh.head_dim);
+  const int64_t group = in.num_heads / in.num_kv_heads;
+  const int rows = static_cast<int>(item.num_tokens * group);
+  const int64_t row0 = in.query_start[item.seq] + item.first_token;
+  const int64_t q_len = in.query_start[item.seq + 1] - in.query_start[item.seq];
+  const int64_t seq_len = in.seq_lens[item.seq];
+  const int64_t pos0 = seq_len - q_len + item.first_token;  // position of the tile's first token
+  const T scale = static_cast<T>(in.scale);
+
+  // Row r = token * group + g.
+  for (int64_t t = 0; t < item.num_tokens; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = qp + (row0 + t) * in.q_strides[0] +
+                     (item.kv_head * group + g) * in.q_strides[1];
+      T* dst = w.q.data() + (t * group + g) * dim;
+      for (int d = 0; d < dim; ++d) dst[d] = src[d * in.q_strides[2]] * scale;
+    }
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + rows * dim, T(0));
+  std::fill(w.m.begin(), w.m.begin() + rows, -std::numeric_limits<T>::infinity());
+  std::fill(w.l.begin(), w.l.begin() + rows, T(0));
+
+  const int64_t num_keys = pos0 + item.num_tokens;  // keys the tile's last token sees
+  const int64_t* table = in.block_tables + item.seq * in.table_width;
+  const int64_t tile = sh.block_size * sh.head_dim;
+  int* limit = w.limit.data();
+  for (int64_t b = 0; b * bs < num_keys; ++b) {
+    const int64_t base = b * bs;
+    const int64_t offset = (table[b] * in.num_kv_heads + item.kv_head) * tile;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
+      limit[r] = static_cast<int>(std::min<int64_t>(visible, bs));
+    }
+    qk_block<T, BS, D>(w.q.data(), kc + offset, w.s.data(), rows, sh);
+    softmax_block<T>(w.s.data(), limit, w, rows, bs, dim);
+    const int n = static_cast<int>(std::min<int64_t>(num_keys - base, bs));
+    pv_block<T, BS, D>(w.s.data(), vc + offset, w.acc.data(), rows, n, sh);
+  }
+
+  for (int64_t t = 0; t < item.num_tokens; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int r = static_cast<int>(t * group + g);
+      const T inv = T(1) / w.l[r];
+      const T* arow = w.acc.data() + r * dim;
+      T* dst = out + ((row0 + t) * in.num_heads + item.kv_head * group + g) * dim;
+      for (int d = 0; d < dim; ++d) dst[d] = arow[d] * inv;
+    }
+  }
+}
+
+std::vector<WorkItem> plan(const Inputs& in, int64_t num_seqs, int64_t tokens_per_tile) {
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = in.query_start[s + 1] - in.query_start[s];
+    const int64_t context = in.seq_lens[s] - q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += tokens_per_tile) {
+      const int64_t n = std::min(tokens_per_tile, q_len - t0);
+      const int64_t cost = (context + t0 + n) * n + 64;
+      for (int64_t h = 0; h < in.num_kv_heads; ++h) items.push_back({s, t0, n, h, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <typename T, int BS, int D>
+void attention_impl(const Inputs& in, int64_t num_seqs, const T* qp, const T* kc, const T* vc,
+                    T* out, Shape sh) {
+  const int64_t group = in.num_heads / in.num_kv_heads;
+  // Up to 64 rows (tokens x group) per tile: the tile's Q, S and accumulator stay in L1/L2.
+  const int64_t tokens_per_tile = std::max<int64_t>(1, 64 / group);
+  const int64_t max_rows = tokens_per_tile * group;
+  const std::vector<WorkItem> items = plan(in, num_seqs, tokens_per_tile);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch<T> scratch(max_rows, sh);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      run_item<T, BS, D>(items[i], in, qp, kc, vc, out, scratch, sh);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_shape(const Inputs& in, int64_t num_seqs, const T* qp, const T* kc, const T* vc,
+                    T* out, Shape sh) {
+#define CONVEYOR_CASE(BS, D)                                                \
+  if (sh.block_size == BS && sh.head_dim == D) {                          \
+    return attention_impl<T, BS, D>(in, num_seqs, qp, kc, vc, out, sh); \
+  }
+  CONVEYOR_CASE(16, 64)
+  CONVEYOR_CASE(16, 128)
+  CONVEYOR_CASE(32, 64)
+  CONVEYOR_CASE(32, 128)
+#undef CONVEYOR_CASE
+  attention_impl<T, 0, 0>(in, num_seqs, qp, kc, vc, out, sh);
+}
+
+void check_metadata(const at::Tensor& query_start, const at::Tensor& seq_lens,
+                    const at::Tensor& block_tables) {
+  for (const auto* t : {&query_start, &seq_lens, &block_tables}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "paged_attention: metadata must be contiguous int64 CPU tensors");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
+                  query_start.size(0) == seq_lens.size(0) + 1,
+              "paged_attention: block_tables (S, W), seq_lens (S,), query_start (S + 1,)");
+}
+
+}  // namespace
+
+// Attention of all rows of a step: q (T, H, D) -> out (T, H, D). The step's K/V must already
+// be in the cache (write_kv).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
+                           const at::Tensor& query_start, const at::Tensor& seq_lens,
+                           const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
+              "paged_attention: q (T, H, D), kv_cache (2, blocks, kv heads, block_size * D)");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == q.scalar_type(),
+              "paged_attention: kv_cache must be contiguous and of q's dtype");
+  check_metadata(query_start, seq_lens, block_tables);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = kv_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && kv_cache.size(3) == block_size * head_dim,
+              "paged_attention: head counts or cache tile size do not match");
+  TORCH_CHECK(query_start.data_ptr<int64_t>()[seq_lens.size(0)] == q.size(0),
+              "paged_attention: query_start must end at q.size(0)");
+  at::Tensor out = at::empty({q.size(0), num_heads, head_dim}, q.options());
+  const Inputs in{query_start.data_ptr<int64_t>(),
+                  seq_lens.data_ptr<int64_t>(),
+                  block_tables.data_ptr<int64_t>(),
+                  block_tables.size(1),
+                  num_heads,
+                  num_kv_heads,
+                  {q.stride(0), q.stride(1), q.stride(2)},
+                  scale};
+  const Shape sh{block_size, head_dim};
+  const int64_t half = kv_cache.stride(0);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_attention", [&] {
+    const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+    dispatch_shape<scalar_t>(in, seq_lens.size(0), q.data_ptr<scalar_t>(), cache, cache + half,
+                             out.data_ptr<scalar_t>(), sh);
+  });
+  return out;
+}
+
+// Scatter the step's new keys/values (T, Hkv, D), any strides, into their cache slots
+// (slot = block * block_size + offset; a negative slot is skipped).
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping, int64_t block_size) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "write_kv: k, v (T, Hkv, D) of the cache's dtype; contiguous cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == k.size(0),
+              "write_kv: slot_mapping (T,) int64");
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), dim = k.size(2);
+  TORCH_CHECK(kv_cache.size(2) == num_kv_heads && kv_cache.size(3) == block_size * dim,
+              "write_kv: cache tile does not match k");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t tile = block_size * dim;
+  AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "write_kv", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = kv_cache.data_ptr<scalar_t>();
+    scalar_t* vc = kc + kv_cache.stride(0);
+    at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;
+        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const scalar_t* ks = kp + t * k.stride(0) + h * k.stride(1);
+          const scalar_t* vs = vp + t * v.stride(0) + h * v.stride(1);
+          scalar_t* kt = kc + (block * num_kv_heads + h) * tile + offset;
+          scalar_t* vt = vc + (block * num_kv_heads + h) * tile + offset * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            kt[d * block_size] = ks[d * k.stride(2)];
+            vt[d] = vs[d * v.stride(2)];
+          }
+        }
+      }
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a whole step (CPU)");
+  m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
+}

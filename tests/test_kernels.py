@@ -1,0 +1,138 @@
+"""The compiled paged-attention kernel against the PyTorch reference, on random steps."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conveyor.model import kernels
+from conveyor.model.attention import build_metadata, paged_attention
+from conveyor.worker.model_runner import pad_block_tables, positions_and_slots
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    module = kernels.load()
+    assert module is not None, "a compiler is present but the kernels did not build"
+    return module
+
+
+def run_both(ops, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """seqs: (context_len, query_len) per sequence. Runs one attention layer of the step through
+    the kernel and through the reference, on identical random caches and inputs."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = np.array([q for _, q in seqs], dtype=np.int64)
+    context_lens = np.array([c for c, _ in seqs], dtype=np.int64)
+    needed = [-(-(c + q) // block_size) for c, q in seqs]
+    num_blocks = sum(needed) + len(seqs) + 3  # room for the spare blocks below
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)  # non-contiguous, unordered block ids
+    block_ids, used = [], 0
+    for n in needed:
+        spare = rng.randrange(0, 2)  # some tables hold a block beyond the sequence
+        block_ids.append(pool[used : used + n + spare])
+        used += n + spare
+    assert all(len(ids) >= n for ids, n in zip(block_ids, needed, strict=True))
+    tables = pad_block_tables(block_ids)
+    _, slots = positions_and_slots(query_lens, context_lens, tables, block_size)
+    num_tokens = int(query_lens.sum())
+    cache = torch.randn(2, num_blocks, num_kv_heads, block_size * head_dim, generator=gen)
+    cache = cache.to(dtype)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen, dtype=dtype)
+    # k and v as strided views, like the projections' transposed outputs.
+    k = torch.randn(num_kv_heads, head_dim, num_tokens, generator=gen, dtype=dtype).permute(2, 0, 1)
+    v = torch.randn(num_tokens, num_kv_heads * head_dim * 2, generator=gen, dtype=dtype)
+    v = v[:, ::2].view(num_tokens, num_kv_heads, head_dim)
+    results = []
+    for path_ops in (ops, None):
+        meta = build_metadata(
+            query_lens, context_lens, tables, slots, block_size, torch.device("cpu"), path_ops
+        )
+        layer_cache = cache.clone()
+        out = paged_attention(q, k, v, layer_cache, meta)
+        results.append((out, layer_cache))
+    return results
+
+
+def assert_close(results, dtype):
+    (out, cache), (ref_out, ref_cache) = results
+    assert torch.equal(cache, ref_cache), "the kernel wrote K/V to other places than the reference"
+    assert out.shape == ref_out.shape
+    worst = (out - ref_out).abs().max().item()
+    assert worst < TOLERANCE[dtype], f"max abs difference {worst}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(8, 2, 64), (4, 1, 128), (9, 3, 64), (4, 4, 64)],
+    ids=["gqa8-2", "mqa4-1", "gqa9-3", "mha"],
+)
+def test_decode_rows_match_reference(ops, dtype, num_heads, num_kv_heads, head_dim):
+    # Lengths at block edges (1, exact multiples, one past) and random ones.
+    lengths = [1, 2, 15, 16, 17, 32, 33, 64, 100, 257]
+    seqs = [(n - 1, 1) for n in lengths]
+    results = run_both(ops, seqs, num_heads, num_kv_heads, head_dim, 16, dtype)
+    assert_close(results, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (32, 128), (8, 32)])
+def test_mixed_decode_and_prefill_chunks_match_reference(ops, dtype, block_size, head_dim):
+    seqs = [
+        (0, 37),  # a whole prompt in one chunk
+        (40, 1),  # decode
+        (32, 16),  # a chunk after cached context, both at block edges
+        (5, 70),  # a chunk longer than one kernel tile, after a partial block
+        (0, 1),  # a one-token prompt
+        (100, 3),  # a short chunk (speculation-like)
+        (0, 16),  # exactly one block
+    ]
+    results = run_both(ops, seqs, 8, 2, head_dim, block_size, dtype)
+    assert_close(results, dtype)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_steps_match_reference(ops, seed):
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(rng.randrange(1, 40)):
+        if rng.random() < 0.6:
+            seqs.append((rng.randrange(0, 300), 1))
+        else:
+            seqs.append((rng.choice([0, 0, rng.randrange(0, 200)]), rng.randrange(1, 90)))
+    num_kv_heads = rng.choice([1, 2, 3])
+    group = rng.choice([1, 2, 3, 4, 8])
+    results = run_both(
+        ops, seqs, num_kv_heads * group, num_kv_heads, 64, 16, torch.float64, seed=seed
+    )
+    assert_close(results, torch.float64)
+
+
+def test_single_thread_gives_the_same_result(ops):
+    seqs = [(0, 50), (30, 1), (200, 1), (17, 9)]
+    many = run_both(ops, seqs, 9, 3, 64, 16, torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = run_both(ops, seqs, 9, 3, 64, 16, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(many[0][0], one[0][0]), "a row's result depends on the thread count"
+
+
+def test_negative_slots_are_skipped(ops):
+    k = torch.ones(2, 1, 4)
+    cache = torch.zeros(2, 3, 1, 4 * 4)
+    ops.write_kv(k, k, cache, torch.tensor([-1, 5]), 4)
+    assert cache.count_nonzero() == 2 * 4  # only slot 5 (block 1, offset 1) was written
+    assert torch.equal(cache[1, 1, 0, 4:8], torch.ones(4))
