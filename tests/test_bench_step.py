@@ -94,6 +94,7 @@ def test_floor_counts_the_tiny_models_bytes_and_is_the_larger_bound(run):
         assert floor["kv_bytes"] == kv_per_token * case["batch"] * case["mean_context"]
         assert floor["flops"] > 2 * case["num_tokens"] * layers * per_layer
         assert floor["ms"] == max(floor["memory_ms"], floor["compute_ms"]) > 0
+        assert floor["gemm_flops_per_s"] >= floor["gemm_at_shape_flops_per_s"] > 0
         assert floor["bound"] == (
             "memory" if floor["memory_ms"] >= floor["compute_ms"] else "compute"
         )

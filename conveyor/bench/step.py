@@ -8,8 +8,8 @@ request, T prompt tokens), in one run:
      token), and the engine is stepped until the batch is in the wanted shape. So block tables,
      sampling rows and positions are exactly what serving produces, and the engine's own work
      per step (schedule, update, detokenize, outputs) is timed for real, without a forward.
-  2. That SchedulerOutput is replayed over the engine's real ModelRunner: warm-up, then the
-     median of several timed `execute` calls (the headline), then a few calls with module
+  2. That SchedulerOutput is replayed over the engine's real ModelRunner: warm-up, then
+     plain `execute` calls (their median is the headline) alternating with calls under module
      hooks that time each category exclusively (innermost labelled module wins):
        projections      every linear-like module (class name has "Linear", or name "*_proj")
        attention        the attention module minus its projections, norms and rotary
@@ -22,7 +22,10 @@ request, T prompt tokens), in one run:
   3. The floor: bytes over a measured read bandwidth (a large tensor sum, same threads) and
      FLOPs over a measured GEMM rate at the step's dominant shape (its token count times the
      largest layer projection), both measured once at the start as the best of several tries;
-     floor = the larger of the two; % of floor = floor / step * 100.
+     floor = the larger of the two; % of floor = floor / step * 100. A float32 matmul only a
+     few tokens wide is byte-bound (its weights stream from cache), so the compute roof of a
+     step is the best GEMM rate measured at its token count or more (the rate at its own
+     shape is kept in the JSON).
      Bytes = every weight the step reads in full (an untied embedding only by its rows) plus
      the KV of every token attended or written. FLOPs = 2 * tokens * projection weights, the
      logits of the sampled rows, and 4 * heads * head_dim per attended (query, key) pair.
@@ -77,7 +80,8 @@ class Floor(NamedTuple):
     weight_bytes: int
     kv_bytes: int
     flops: float
-    gemm_flops_per_s: float  # measured at this step's dominant shape
+    gemm_flops_per_s: float  # the compute roof used: the best rate at this width or wider
+    gemm_at_shape_flops_per_s: float  # measured at this step's own dominant shape
     memory_ms: float
     compute_ms: float
     ms: float
@@ -569,10 +573,15 @@ def step_floor(engine, sched: SchedulerOutput, limits: Limits) -> Floor:
     num_slots = engine.num_blocks * engine.cache_config.block_size
     kv = kv_bytes(engine.runner.kv_caches, num_slots, sched)
     flops = step_flops(engine.model_config, sched)
-    gemm = limits.gemm[num_tokens]
+    # A narrow matmul is itself byte-bound (its weights stream from cache, once per token
+    # row), a byte limit rather than a FLOP limit, and a wrong one for quantized weights: the
+    # compute roof is the best rate measured at this token count or more.
+    gemm = max(rate for n, rate in limits.gemm.items() if n >= num_tokens)
     memory_ms, compute_ms = (weights + kv) / limits.bandwidth * 1e3, flops / gemm * 1e3
     bound = "memory" if memory_ms >= compute_ms else "compute"
-    return Floor(weights, kv, flops, gemm, memory_ms, compute_ms, max(memory_ms, compute_ms), bound)
+    floor_ms = max(memory_ms, compute_ms)
+    at_shape = limits.gemm[num_tokens]
+    return Floor(weights, kv, flops, gemm, at_shape, memory_ms, compute_ms, floor_ms, bound)
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -584,7 +593,7 @@ def build_report(args, engine, limits: Limits, results: list[dict], skipped: lis
         "model": str(cfg.path),
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "device": str(engine.device),
-        "quantization": args.quantization,
+        "quantization": getattr(cfg, "quantization", args.quantization),
         "num_threads": torch.get_num_threads(),
         "cpu_count": _cpu_count(),
         "platform": platform.platform(),
