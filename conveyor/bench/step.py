@@ -635,7 +635,7 @@ def format_table(report: dict) -> str:
         f"{report['model']}  {report['dtype']} on {report['device']}, "
         f"{report['num_threads']} threads; measured read bandwidth "
         f"{report['memory_bandwidth_gb_s']:.1f} GB/s",
-        "floor = max(bytes / bandwidth, FLOPs / GEMM rate at the step's shape); "
+        "floor = max(bytes / bandwidth, FLOPs / best GEMM rate at the step's width or wider); "
         "% floor = floor / ms per step; breakdown in ms per step",
         header,
         "-" * len(header),
