@@ -45,57 +45,66 @@
 
 namespace {
 
-// exp for x <= 0 (scores minus the running max), vectorisable: Cephes-style range reduction
-// x = n ln2 + r and a degree-6 polynomial; relative error ~1e-7, below float32 rounding of sums.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f + 12582912.0f;  // round(x log2 e) in the low bits
-  const int32_t n = __builtin_bit_cast(int32_t, t) - 0x4B400000;
-  const float nf = t - 12582912.0f;
-  float r = x - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  return y * __builtin_bit_cast(float, (n + 127) << 23);
-}
-
-template <typename T>
-inline T exp_score(T x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return exp_nonpositive(x);
-  } else {
-    return std::exp(x);
-  }
-}
-
 struct Shape {
   int64_t block_size;
   int64_t head_dim;
 };
 
+// 32-byte vectors (8 floats, 4 doubles) everywhere: with AVX-512 the compiler still has 32
+// registers for them; 64-byte vectors measured slower here (latency-bound accumulators).
+constexpr int kVecBytes = 32;
+#if defined(__AVX512F__)
+constexpr int kRegisters = 32;
+#else
+constexpr int kRegisters = 16;
+#endif
+template <typename T>
+struct VecOf {
+  typedef T type __attribute__((vector_size(kVecBytes)));
+};
+template <typename T>
+using Vec = typename VecOf<T>::type;
+template <typename T>
+constexpr int kLanes = kVecBytes / sizeof(T);
+
+template <typename T>
+inline Vec<T> load(const T* p) {
+  Vec<T> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename T>
+inline void store(T* p, Vec<T> v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+template <typename T>
+inline Vec<T> broadcast(T x) {
+  Vec<T> v;
+  for (int i = 0; i < kLanes<T>; ++i) v[i] = x;
+  return v;
+}
+
 // S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
 template <typename T, int R, int BS, int D>
 inline void qk_rows(const T* __restrict q, const T* __restrict kt, T* __restrict s, Shape sh) {
-  const int bs = BS ? BS : static_cast<int>(sh.block_size);
-  const int dim = D ? D : static_cast<int>(sh.head_dim);
   if constexpr (BS != 0) {
-    T acc[R][BS] = {};
-    for (int d = 0; d < dim; ++d) {
-      const T* krow = kt + d * BS;
+    constexpr int NV = BS / kLanes<T>;
+    Vec<T> acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < NV; ++i) acc[r][i] = Vec<T>{};
+    for (int d = 0; d < D; ++d) {
+      Vec<T> k[NV];
+      for (int i = 0; i < NV; ++i) k[i] = load(kt + d * BS + i * kLanes<T>);
       for (int r = 0; r < R; ++r) {
-        const T qv = q[r * dim + d];
-        for (int j = 0; j < BS; ++j) acc[r][j] += qv * krow[j];
+        const Vec<T> qb = broadcast(q[r * D + d]);
+        for (int i = 0; i < NV; ++i) acc[r][i] += qb * k[i];
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < BS; ++j) s[r * BS + j] = acc[r][j];
+      for (int i = 0; i < NV; ++i) store(s + r * BS + i * kLanes<T>, acc[r][i]);
   } else {
+    const int bs = static_cast<int>(sh.block_size);
+    const int dim = static_cast<int>(sh.head_dim);
     for (int r = 0; r < R; ++r) {
       T* srow = s + r * bs;
       for (int j = 0; j < bs; ++j) srow[j] = 0;
@@ -108,36 +117,64 @@ inline void qk_rows(const T* __restrict q, const T* __restrict kt, T* __restrict
   }
 }
 
+// Rows per register group: accumulators (R x BS / lanes vectors) plus one key row fit the 16
+// vector registers of AVX2.
+template <typename T, int BS>
+constexpr int kRowGroup =
+    BS == 0 ? 4 : std::max(1, std::min(8, (kRegisters - 4) / (BS / kLanes<T>)));
+
+template <typename T, int BS, int D, int R>
+inline void qk_tail(const T* q, const T* kt, T* s, int rows, Shape sh) {
+  if constexpr (R > 0) {
+    if (rows == R) return qk_rows<T, R, BS, D>(q, kt, s, sh);
+    return qk_tail<T, BS, D, R - 1>(q, kt, s, rows, sh);
+  }
+}
+
 template <typename T, int BS, int D>
 inline void qk_block(const T* q, const T* kt, T* s, int rows, Shape sh) {
   const int dim = D ? D : static_cast<int>(sh.head_dim);
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
+  constexpr int G = kRowGroup<T, BS>;
   int r = 0;
-  for (; r + 8 <= rows; r += 8) qk_rows<T, 8, BS, D>(q + r * dim, kt, s + r * bs, sh);
-  if (rows - r >= 4) {
-    qk_rows<T, 4, BS, D>(q + r * dim, kt, s + r * bs, sh);
-    r += 4;
-  }
-  if (rows - r >= 2) {
-    qk_rows<T, 2, BS, D>(q + r * dim, kt, s + r * bs, sh);
-    r += 2;
-  }
-  if (rows - r >= 1) qk_rows<T, 1, BS, D>(q + r * dim, kt, s + r * bs, sh);
+  for (; r + G <= rows; r += G) qk_rows<T, G, BS, D>(q + r * dim, kt, s + r * bs, sh);
+  if (r < rows) qk_tail<T, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh);
 }
 
 // acc[r][:] += sum_{j < n} p[r][j] * v[j][:] for all rows; v is one (block_size, head_dim) tile.
+// Each row's accumulator is held in registers, up to 8 vectors (64 floats) at a time.
 template <typename T, int BS, int D>
 inline void pv_block(const T* __restrict p, const T* __restrict v, T* __restrict acc, int rows,
                      int n, Shape sh) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
-  const int dim = D ? D : static_cast<int>(sh.head_dim);
-  for (int r = 0; r < rows; ++r) {
-    T* arow = acc + r * dim;
-    const T* prow = p + r * bs;
-    for (int j = 0; j < n; ++j) {
-      const T pj = prow[j];
-      const T* vrow = v + j * dim;
-      for (int d = 0; d < dim; ++d) arow[d] += pj * vrow[d];
+  if constexpr (D != 0) {
+    constexpr int L = kLanes<T>;
+    constexpr int NV = D / L;
+    constexpr int C = NV < kRegisters / 2 ? NV : kRegisters / 2;
+    for (int r = 0; r < rows; ++r) {
+      const T* prow = p + r * bs;
+      for (int c0 = 0; c0 < NV; c0 += C) {
+        T* arow = acc + r * D + c0 * L;
+        Vec<T> a[C];
+        for (int i = 0; i < C; ++i) a[i] = load(arow + i * L);
+        for (int j = 0; j < n; ++j) {
+          const Vec<T> pb = broadcast(prow[j]);
+          const T* vrow = v + j * D + c0 * L;
+          for (int i = 0; i < C; ++i) a[i] += pb * load(vrow + i * L);
+        }
+        for (int i = 0; i < C; ++i) store(arow + i * L, a[i]);
+      }
+    }
+  } else {
+    const int dim = static_cast<int>(sh.head_dim);
+    for (int r = 0; r < rows; ++r) {
+      T* arow = acc + r * dim;
+      const T* prow = p + r * bs;
+      for (int j = 0; j < n; ++j) {
+        const T pj = prow[j];
+        const T* vrow = v + j * dim;
+        for (int d = 0; d < dim; ++d) arow[d] += pj * vrow[d];
+      }
     }
   }
 }
@@ -169,10 +206,37 @@ struct Inputs {
   double scale;
 };
 
-// Online softmax over one block for every row; p (rows x block_size) receives the weights.
-// limit[r]: keys of this block row r may see (<= 0: none).
 template <typename T>
-inline void softmax_block(T* s, const int* limit, Scratch<T>& w, int rows, int bs, int dim) {
+inline Vec<T> exp_scores(Vec<T> x) {
+  if constexpr (std::is_same_v<T, float>) {
+    typedef int32_t Int __attribute__((vector_size(kVecBytes)));
+    x = x < -87.0f ? broadcast(-87.0f) : x;
+    const Vec<T> t = x * 1.44269504088896341f + 12582912.0f;  // round(x log2 e) in low bits
+    const Int n = reinterpret_cast<const Int&>(t) - 0x4B400000;
+    const Vec<T> nf = t - 12582912.0f;
+    const Vec<T> r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+    const Vec<T> z = r * r;
+    Vec<T> y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    const Int scale = (n + 127) << 23;
+    return y * reinterpret_cast<const Vec<T>&>(scale);
+  } else {
+    for (int i = 0; i < kLanes<T>; ++i) x[i] = std::exp(x[i]);
+    return x;
+  }
+}
+
+// Online softmax over one block for every row; s (rows x block_size) becomes the weights P.
+// limit[r]: keys of this block row r may see (<= 0: none).
+template <typename T, int BS>
+inline void softmax_block(T* s, const int* limit, Scratch<T>& w, int rows, Shape sh) {
+  const int bs = BS ? BS : static_cast<int>(sh.block_size);
+  const int dim = static_cast<int>(sh.head_dim);
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   for (int r = 0; r < rows; ++r) {
     T* srow = s + r * bs;
     const int n = limit[r];
@@ -180,18 +244,38 @@ inline void softmax_block(T* s, const int* limit, Scratch<T>& w, int rows, int b
       std::fill(srow, srow + bs, T(0));
       continue;
     }
-    T mx = srow[0];
-    for (int j = 1; j < n; ++j) mx = srow[j] > mx ? srow[j] : mx;
     const T m_old = w.m[r];
-    const T m_new = mx > m_old ? mx : m_old;
     T sum = 0;
-    for (int j = 0; j < bs; ++j) {
-      const T p = j < n ? exp_score<T>(srow[j] - m_new) : T(0);
-      srow[j] = p;
-      sum += p;
+    T m_new = m_old;
+    if constexpr (BS != 0 && BS % kLanes<T> == 0) {
+      constexpr int L = kLanes<T>, NV = BS / L;
+      Vec<T> x[NV], iota;
+      for (int i = 0; i < L; ++i) iota[i] = static_cast<T>(i);
+      Vec<T> mx = broadcast(kNegInf);
+      for (int i = 0; i < NV; ++i) {
+        x[i] = load(srow + i * L);
+        x[i] = iota + static_cast<T>(i * L) < static_cast<T>(n) ? x[i] : broadcast(kNegInf);
+        mx = mx > x[i] ? mx : x[i];
+      }
+      for (int i = 0; i < L; ++i) m_new = mx[i] > m_new ? mx[i] : m_new;
+      Vec<T> total = {};
+      for (int i = 0; i < NV; ++i) {
+        Vec<T> p = exp_scores<T>(x[i] - m_new);
+        p = x[i] == kNegInf ? Vec<T>{} : p;  // masked keys weigh exactly 0
+        store(srow + i * L, p);
+        total += p;
+      }
+      for (int i = 0; i < L; ++i) sum += total[i];
+    } else {
+      for (int j = 0; j < n; ++j) m_new = srow[j] > m_new ? srow[j] : m_new;
+      for (int j = 0; j < bs; ++j) {
+        const T p = j < n ? std::exp(srow[j] - m_new) : T(0);
+        srow[j] = p;
+        sum += p;
+      }
     }
     if (m_new != m_old) {
-      const T alpha = m_old == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m_old - m_new);
+      const T alpha = m_old == kNegInf ? T(0) : std::exp(m_old - m_new);
       T* arow = w.acc.data() + r * dim;
       for (int d = 0; d < dim; ++d) arow[d] *= alpha;
       w.l[r] *= alpha;
@@ -239,7 +323,7 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const T* kc, 
       limit[r] = static_cast<int>(std::min<int64_t>(visible, bs));
     }
     qk_block<T, BS, D>(w.q.data(), kc + offset, w.s.data(), rows, sh);
-    softmax_block<T>(w.s.data(), limit, w, rows, bs, dim);
+    softmax_block<T, BS>(w.s.data(), limit, w, rows, sh);
     const int n = static_cast<int>(std::min<int64_t>(num_keys - base, bs));
     pv_block<T, BS, D>(w.s.data(), vc + offset, w.acc.data(), rows, n, sh);
   }
