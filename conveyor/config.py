@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = {
@@ -29,6 +32,10 @@ DTYPES = {
     "double": torch.float64,
 }
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+# auto: a quantized GGUF runs quantized, a float checkpoint float; none: dequantize to the model
+# dtype; int8: quantize a float checkpoint's projections to int8 blocks. Resolved to
+# "none" | "gguf" (the file's own blocks) | "int8" in ModelConfig.quantization.
+QUANTIZATION_MODES = ("auto", "none", "int8")
 
 
 def default_model_path() -> str:
@@ -96,6 +103,7 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: frozenset[int]
     hf_config: Any = field(repr=False, compare=False)
+    quantization: str = "none"  # none | gguf | int8 (see QUANTIZATION_MODES)
 
     @property
     def is_gguf(self) -> bool:
@@ -108,6 +116,7 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         max_model_len: int | None = None,
+        quantization: str = "auto",
     ) -> ModelConfig:
         from transformers import AutoConfig
 
@@ -116,10 +125,11 @@ class ModelConfig:
         arch = _architecture(hf)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         _check_rope(hf)
+        resolved_dtype = _resolve_dtype(dtype, hf, device)
         return cls(
             path=path,
             architecture=arch,
-            dtype=_resolve_dtype(dtype, hf, device),
+            dtype=resolved_dtype,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
@@ -134,6 +144,7 @@ class ModelConfig:
             max_model_len=_resolve_max_len(hf, max_model_len),
             eos_token_ids=_eos_ids(path, hf),
             hf_config=hf,
+            quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
         )
 
 
@@ -191,6 +202,34 @@ def _resolve_dtype(dtype: str | torch.dtype, hf, device: str) -> torch.dtype:
         return saved
     # Half precision is slow on most CPUs; on a GPU it is what the checkpoint was made for.
     return torch.float32 if device == "cpu" else (saved or torch.bfloat16)
+
+
+def _resolve_quantization(requested: str, path: Path, dtype: torch.dtype, device: str) -> str:
+    from conveyor.model import quant
+
+    if requested not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {requested!r}")
+    if requested == "int8":
+        if dtype == torch.float64:
+            raise ValueError("quantization='int8' computes in float32; it cannot serve float64")
+        if device != "cpu" or not quant.kernels_available():
+            raise ValueError(
+                "quantization='int8' needs the CPU kernels (x86-64 with AVX2/FMA/F16C), "
+                f"not available on device {device!r}; use quantization='none'"
+            )
+        return "int8"
+    if requested == "none" or not quant.is_quantized_gguf(path) or dtype == torch.float64:
+        return "none"  # float64 is the oracle: a quantized GGUF is dequantized for it
+    if device != "cpu" or not quant.kernels_available():
+        logger.warning(
+            "conveyor: the quantized kernels run on x86-64 CPUs with AVX2 only; dequantizing "
+            "%s to %s on %s",
+            path.name,
+            str(dtype).removeprefix("torch."),
+            device,
+        )
+        return "none"
+    return "gguf"
 
 
 def _resolve_max_len(hf, max_model_len: int | None) -> int:

@@ -33,7 +33,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
     add_throughput_args(throughput)
     throughput.set_defaults(func=_run_throughput)
-    from conveyor.bench import compare, step
+    from conveyor.bench import compare, quality, step
 
     parser = bench_sub.add_parser(
         "compare",
@@ -46,6 +46,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     step.add_arguments(parser)
     parser.set_defaults(func=step.main)
+    parser = bench_sub.add_parser(
+        "quality", help="KL divergence, top-1 agreement and perplexity of quantized vs float32"
+    )
+    quality.add_arguments(parser)
+    parser.set_defaults(func=quality.main)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

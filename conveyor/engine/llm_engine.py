@@ -69,6 +69,7 @@ class LLMEngine:
         dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         max_model_len: int | None = None,
+        quantization: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
@@ -81,7 +82,9 @@ class LLMEngine:
         record_trace: bool = False,
     ) -> None:
         self.device = _resolve_device(device)
-        self.model_config = ModelConfig.from_hf(model, dtype, self.device.type, max_model_len)
+        self.model_config = ModelConfig.from_hf(
+            model, dtype, self.device.type, max_model_len, quantization
+        )
         self.cache_config = CacheConfig(
             block_size, num_blocks, kv_cache_memory, enable_prefix_caching
         )

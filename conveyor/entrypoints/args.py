@@ -19,6 +19,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
     parser.add_argument("--device", default="cpu", help="cpu|cuda")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="auto: a quantized GGUF runs quantized (CPU); none: dequantize to --dtype; "
+        "int8: quantize a float checkpoint's projections to int8 blocks",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
@@ -45,6 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
+        quantization=args.quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,

@@ -28,7 +28,7 @@ import shutil
 import struct
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -102,8 +102,20 @@ def gguf_architecture(path: str | Path) -> str:
         return _architecture(_read_header(buffer, path), path)
 
 
-def iter_gguf_weights(path: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields `(hf_name, tensor)` for every weight in the file, dequantized and cast to `dtype`."""
+class RawTensor(NamedTuple):
+    """A GGUF tensor left in its stored blocks, for the quantized path (conveyor.model.quant)."""
+
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # HF shape
+    data: np.ndarray  # uint8 (rows, bytes per row), a view of the mapped file
+    row_order: torch.Tensor | None  # rows to take (undoes llama.cpp's Q/K permutation)
+
+
+def iter_gguf_weights(
+    path: str | Path, dtype: torch.dtype, keep_raw: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor | RawTensor]]:
+    """Yields `(hf_name, tensor)` for every weight in the file, dequantized and cast to `dtype`;
+    tensors whose HF name `keep_raw` accepts come as RawTensor, still in their blocks."""
     buffer = _map(path)
     header = _read_header(buffer, path)
     architecture = _architecture(header, path)
@@ -112,14 +124,42 @@ def iter_gguf_weights(path: str | Path, dtype: torch.dtype) -> Iterator[tuple[st
         if _SKIPPED.fullmatch(info.name):
             continue
         hf_name = _hf_name(info.name, path)
-        weight = _dequantize(buffer, header.data_offset, info)
         # llama.cpp permutes Q/K rows only in its llama converter (mistral is stored as llama), and
         # transformers undoes it only for files whose architecture says llama; we do the same.
+        heads = None
         if architecture == "llama" and ".attn_q." in info.name:
-            weight = _unpermute_rows(weight, num_heads)
+            heads = num_heads
         elif architecture == "llama" and ".attn_k." in info.name:
-            weight = _unpermute_rows(weight, num_kv_heads)
+            heads = num_kv_heads
+        if keep_raw is not None and keep_raw(hf_name):
+            yield hf_name, _raw(buffer, header.data_offset, info, heads)
+            continue
+        weight = _dequantize(buffer, header.data_offset, info)
+        if heads is not None:
+            weight = _unpermute_rows(weight, heads)
         yield hf_name, weight.to(dtype)
+
+
+def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """HF name -> GGUF type name (e.g. "Q4_1") of every weight in the file."""
+    with _map(path) as buffer:
+        header = _read_header(buffer, path)
+    return {
+        _hf_name(info.name, path): info.qtype.name
+        for info in header.tensors
+        if not _SKIPPED.fullmatch(info.name)
+    }
+
+
+def _raw(buffer: mmap.mmap, data_offset: int, info: _TensorInfo, heads: int | None) -> RawTensor:
+    byte_shape = gguf.quants.quant_shape_to_byte_shape(info.shape, info.qtype)
+    data = np.frombuffer(
+        buffer, dtype=np.uint8, count=math.prod(byte_shape), offset=data_offset + info.offset
+    ).reshape(-1, byte_shape[-1])
+    order = None
+    if heads is not None:  # whole rows move, so block-wise formats stay valid
+        order = _unpermute_rows(torch.arange(info.shape[0]), heads)
+    return RawTensor(info.qtype, info.shape, data, order)
 
 
 def _map(path: str | Path) -> mmap.mmap:

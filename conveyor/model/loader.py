@@ -1,11 +1,13 @@
 """Builds the model and tokenizer from a local checkpoint: a Hugging Face folder (one or
-several safetensors files) or a single GGUF file (dequantized with the gguf package)."""
+several safetensors files) or a single GGUF file (dequantized with the gguf package, or with
+`cfg.quantization` != "none" its projections kept in quantized blocks, see model/quant.py)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -14,34 +16,41 @@ from tqdm.auto import tqdm
 from conveyor.config import ModelConfig, hf_folder
 from conveyor.model.layers import RotaryEmbedding
 from conveyor.model.llama import LlamaForCausalLM
+from conveyor.model.quant import QuantPlan, plan_quantization
 
 
 def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    plan = plan_quantization(cfg, model)
+    if plan is not None:  # quantized modules never get float storage
+        plan.strip(model)
     # Real storage on the target device; weights are then copied in by name.
     model = model.to_empty(device=device).to(cfg.dtype)
     # Buffers computed at construction were lost on the meta device: compute them again.
     model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, cfg.dtype)
     model.rotary.to(device)
-    if cfg.tie_word_embeddings:  # to_empty() made the shared weight two tensors
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if cfg.tie_word_embeddings and (plan is None or "lm_head" not in plan.specs):
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty() made two tensors
     weights = tqdm(
-        iter_weights(cfg),
+        iter_weights(cfg, plan),
         desc=f"Loading {cfg.path.name}",
         unit=" tensors",
         leave=False,
         disable=None,
     )
-    model.load_weights(weights)
+    model.load_weights(weights if plan is None else plan.take(weights))
+    if plan is not None:
+        plan.install(model)
     return model.eval()
 
 
-def iter_weights(cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(cfg: ModelConfig, plan: QuantPlan | None = None) -> Iterator[tuple[str, Any]]:
     if cfg.is_gguf:
         from conveyor.model.gguf_loader import iter_gguf_weights
 
-        yield from iter_gguf_weights(cfg.path, cfg.dtype)
+        keep_raw = None if plan is None else plan.keep_raw
+        yield from iter_gguf_weights(cfg.path, cfg.dtype, keep_raw)
     else:
         yield from iter_safetensors(cfg.path, cfg.dtype)
 

@@ -1,0 +1,203 @@
+"""`conveyor bench quality`: what serving weights quantized costs in model quality.
+
+The measure of llama.cpp's `llama-perplexity --kl-divergence`: the text is cut into chunks of
+`--context` tokens, each chunk is run in one forward pass, and the second half of each chunk is
+scored (so every scored token sees at least context/2 tokens). For every scored position the
+next-token distribution of each variant is compared with the float32 model's (quantization
+"none": the checkpoint's own weights, for a GGUF its dequantized blocks):
+
+    mean / p99 / max KL(float32 || variant), top-1 agreement (same argmax), and perplexity.
+
+Variants: `int8` (projections requantized to int8 blocks) and, for a quantized GGUF, `auto`
+(its own blocks served by the quantized kernels). They are scored through the block kernels
+that decode steps use (activations rounded to int8 per block of 32), also where a chunk is
+long enough for the float-tile path, which prefill takes (that path computes with the
+dequantized blocks in float32: for `auto` it is the float32 model). The default text is a few
+KB of public-domain prose shipped in conveyor/bench/data/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from conveyor.model.quant import QuantLinear
+
+DEFAULT_TEXT = Path(__file__).parent / "data" / "public_domain.txt"
+VARIANTS = ("int8", "auto")
+
+
+@dataclass
+class VariantStats:
+    quantization: str  # as requested
+    resolved: str  # ModelConfig.quantization: none | gguf | int8
+    weight_bytes: int
+    kl: list[float] = field(default_factory=list, repr=False)
+    top1_same: int = 0
+    nll_sum: float = 0.0
+
+    def summary(self, num_scored: int) -> dict:
+        kl = torch.tensor(self.kl, dtype=torch.float64)
+        return dict(
+            quantization=self.quantization,
+            resolved=self.resolved,
+            weight_mib=round(self.weight_bytes / 2**20, 1),
+            mean_kl=kl.mean().item() if len(kl) else 0.0,
+            p99_kl=kl.quantile(0.99).item() if len(kl) else 0.0,
+            max_kl=kl.max().item() if len(kl) else 0.0,
+            top1_agreement=self.top1_same / max(num_scored, 1),
+            perplexity=math.exp(self.nll_sum / max(num_scored, 1)),
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file")
+    parser.add_argument("--text", default=str(DEFAULT_TEXT), help="UTF-8 text file to score")
+    parser.add_argument("--context", type=int, default=512, help="tokens per forward pass")
+    parser.add_argument("--max-chunks", type=int, default=None, help="score at most N chunks")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated quantization modes compared with float32 (int8, auto)",
+    )
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    report = evaluate(
+        args.model,
+        Path(args.text),
+        args.context,
+        args.max_chunks,
+        _variants(args.variants),
+        not args.disable_tqdm,
+    )
+    print(format_table(report))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
+def evaluate(
+    model: str | None,
+    text: Path,
+    context: int,
+    max_chunks: int | None,
+    variants: list[str],
+    progress: bool = True,
+) -> dict:
+    """Runs float32 and each variant over the chunks; returns the JSON-ready report."""
+    from conveyor.config import ModelConfig
+    from conveyor.model.loader import load_tokenizer
+
+    base = _runner(ModelConfig.from_hf(model, "float32", "cpu", None, "none"), context)
+    chunks = _chunks(load_tokenizer(base.cfg), text, context, max_chunks)
+    stats = {"none": _stats("none", base)}
+    runners = {"none": base}
+    for mode in variants:
+        runner = _runner(ModelConfig.from_hf(model, "float32", "cpu", None, mode), context)
+        runners[mode], stats[mode] = runner, _stats(mode, runner)
+    num_scored = 0
+    for chunk in tqdm(chunks, desc="bench quality", unit="chunk", disable=not progress):
+        targets = torch.tensor(chunk[len(chunk) // 2 + 1 :])  # next tokens of scored rows
+        reference = _logprobs(base, chunk)
+        for mode, runner in runners.items():
+            logprobs = reference if mode == "none" else _logprobs(runner, chunk)
+            _score(stats[mode], reference, logprobs, targets)
+        num_scored += len(targets)
+    return dict(
+        model=str(base.cfg.path),
+        text=str(text),
+        context=context,
+        num_chunks=len(chunks),
+        num_scored_tokens=num_scored,
+        variants=[s.summary(num_scored) for s in stats.values()],
+    )
+
+
+def _variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    for name in names:
+        if name not in VARIANTS:
+            raise ValueError(f"--variants: unknown {name!r}; use {', '.join(VARIANTS)}")
+    return list(dict.fromkeys(names))
+
+
+def _runner(cfg, context: int):
+    from conveyor.worker.model_runner import ModelRunner
+
+    if context > cfg.max_model_len:
+        raise ValueError(f"--context {context} exceeds the model's {cfg.max_model_len} tokens")
+    runner = ModelRunner(cfg, torch.device("cpu"), block_size=16, seed=0)
+    runner.allocate_kv_cache(-(-context // 16))
+    for module in runner.model.modules():
+        if isinstance(module, QuantLinear):
+            module.dequant_from = math.inf  # score the decode path (see the module docstring)
+    return runner
+
+
+def _stats(mode: str, runner) -> VariantStats:
+    tensors = {id(t): t for t in (*runner.model.parameters(), *runner.model.buffers())}
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return VariantStats(mode, runner.cfg.quantization, weight_bytes)
+
+
+def _chunks(tokenizer, text: Path, context: int, max_chunks: int | None) -> list[list[int]]:
+    if context < 4:
+        raise ValueError(f"--context must be >= 4, got {context}")
+    ids = tokenizer(text.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    chunks = [ids[i : i + context] for i in range(0, len(ids) - context + 1, context)]
+    if not chunks:
+        raise ValueError(f"{text} has {len(ids)} tokens, fewer than --context {context}")
+    return chunks[:max_chunks] if max_chunks else chunks
+
+
+@torch.inference_mode()
+def _logprobs(runner, chunk: list[int]) -> torch.Tensor:
+    """float64 log-probabilities of the next token at the scored positions (second half)."""
+    from conveyor.outputs import ScheduledRequest
+
+    blocks = list(range(-(-len(chunk) // runner.block_size)))
+    request = ScheduledRequest("quality", chunk, 0, blocks, None)
+    input_ids, positions, meta, _ = runner._prepare([request])
+    hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+    scored = hidden[len(chunk) // 2 : len(chunk) - 1]
+    return torch.log_softmax(runner.model.compute_logits(scored).double(), dim=-1)
+
+
+def _score(stats: VariantStats, reference, logprobs, targets) -> None:
+    kl = (reference.exp() * (reference - logprobs)).sum(-1)
+    stats.kl.extend(kl.clamp_min(0).tolist())
+    stats.top1_same += int((reference.argmax(-1) == logprobs.argmax(-1)).sum())
+    stats.nll_sum -= float(logprobs.gather(-1, targets[:, None]).sum())
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"{report['model']}: {report['num_scored_tokens']} tokens scored in "
+        f"{report['num_chunks']} chunks of {report['context']}",
+        f"{'variant':<14}{'weights MiB':>12}{'mean KL':>10}{'p99 KL':>10}{'max KL':>10}"
+        f"{'top-1 %':>9}{'ppl':>9}",
+    ]
+    for v in report["variants"]:
+        name = (
+            v["quantization"]
+            if v["quantization"] == v["resolved"]
+            else (f"{v['quantization']}->{v['resolved']}")
+        )
+        lines.append(
+            f"{name:<14}{v['weight_mib']:>12.1f}{v['mean_kl']:>10.5f}{v['p99_kl']:>10.5f}"
+            f"{v['max_kl']:>10.5f}{100 * v['top1_agreement']:>9.2f}{v['perplexity']:>9.3f}"
+        )
+    return "\n".join(lines)

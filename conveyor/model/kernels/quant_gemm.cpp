@@ -1,0 +1,320 @@
+// Quantized linear layers on CPU: y = x @ W^T with W kept in 32-element blocks (GGUF-style),
+// for the small token counts of decode steps, where reading the weights is the cost.
+//
+// Python signatures (reference twins in conveyor/model/quant.py):
+//   q4_linear(x: f32 (T, K), qs: u8 (N, K/2), d: i16 (N, K/32), m: i16 (N, K/32)) -> f32 (T, N)
+//   q8_linear(x: f32 (T, K), qs: i8 (N, K),   d: i16 (N, K/32))                  -> f32 (T, N)
+//   q4_dequantize(qs, d, m) -> f32 (N, K);  q8_dequantize(qs, d) -> f32 (N, K)
+// d and m hold float16 bit patterns (stored as int16 so that Module.to(dtype) leaves them alone).
+//
+// Weight layout, per row n and block b (elements 32b .. 32b+31):
+//   q4: 16 bytes qs[n, 16b : 16b+16]; byte j holds element 32b+j in its low nibble and element
+//       32b+16+j in its high nibble (GGUF's Q4_0/Q4_1 order); value = q * d[n, b] + m[n, b].
+//   q8: 32 signed bytes qs[n, 32b : 32b+32]; value = q * d[n, b].
+//
+// Activations are quantized once per call, per token and block, to int8 with a float scale
+// (xd = max|x| / 127) and the block's scaled sum (xs = xd * sum(q)), so that a block's dot
+// product is one integer dot product:
+//   q4: sum_j (q_j d + m) x_j ~= d * xd * sum_j q_j xq_j + m * xs
+//   q8: sum_j q_j d x_j      ~= d * xd * sum_j q_j xq_j
+// The integer dot uses AVX2's maddubs (unsigned x signed bytes -> int16 pair sums): 4-bit
+// weights are unsigned already; int8 weights take the sign trick (|w| times x with w's sign).
+//
+// Loop order: threads split the output rows (at::parallel_for); inside a thread, tokens are
+// taken in tiles of TOKEN_TILE (their int8 rows stay in L1/L2), and for each weight row
+// the unpacked block is reused for up to 4 tokens (4 accumulators).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t QK = 32;          // elements per block
+constexpr int64_t TOKEN_TILE = 64;  // tokens whose int8 rows are reused across weight rows
+
+inline float half_to_float(int16_t bits) { return _cvtsh_ss(static_cast<uint16_t>(bits)); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Sum of int8 products of 32 unsigned (a) and 32 signed (b) bytes, as 8 float lanes.
+inline __m256 dot_u8_i8(__m256i a, __m256i b) {
+  const __m256i pairs = _mm256_maddubs_epi16(a, b);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+struct QuantizedActs {
+  at::Tensor q;   // int8 (T, K)
+  at::Tensor d;   // float (T, K/32)
+  at::Tensor s;   // float (T, K/32): d * sum of the block's int8 values
+};
+
+void quantize_row(const float* x, int64_t num_blocks, int8_t* q, float* d, float* s) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* xb = x + b * QK;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float max_abs = _mm_cvtss_f32(m);
+    const float scale = max_abs / 127.0f;
+    const __m256 inv = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i) {
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT));
+    }
+    // packs interleave 128-bit lanes; the permute puts the 32 bytes back in order.
+    const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]);
+    const __m256i i16b = _mm256_packs_epi32(i32[2], i32[3]);
+    __m256i i8 = _mm256_packs_epi16(i16a, i16b);
+    i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), i8);
+    // Integer sum of the block: maddubs with all-ones counts each signed byte once.
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), i8),
+                                           _mm256_set1_epi16(1));
+    d[b] = scale;
+    s[b] = scale * hsum(_mm256_cvtepi32_ps(sums));
+  }
+}
+
+QuantizedActs quantize_acts(const at::Tensor& x) {
+  const int64_t T = x.size(0), K = x.size(1), nb = K / QK;
+  QuantizedActs a{at::empty({T, K}, x.options().dtype(at::kChar)),
+                  at::empty({T, nb}, x.options()), at::empty({T, nb}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float* dp = a.d.data_ptr<float>();
+  float* sp = a.s.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      quantize_row(xp + t * K, nb, qp + t * K, dp + t * nb, sp + t * nb);
+    }
+  });
+  return a;
+}
+
+inline __m256i unpack_q4(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, low4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+  return _mm256_set_m128i(hi, lo);
+}
+
+inline __m256i load_block(const uint8_t* wq, int64_t b, bool q8) {
+  return q8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * QK))
+            : unpack_q4(wq + b * (QK / 2));
+}
+
+inline __m256 broadcast_lane(__m256 v, int lane) {
+  return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(lane));
+}
+
+// One weight row against NT consecutive tokens (NT <= 4). W_Q8: the row is int8, else 4-bit.
+// Blocks go in groups of 8 so that the 8 weight scales convert in one instruction and the
+// per-block scale products d * xd are one vector multiply; two accumulators per token (even
+// and odd blocks) keep the FMA latency chain off the critical path.
+template <bool W_Q8, int NT>
+inline void row_dot(const uint8_t* wq, const int16_t* wd, const int16_t* wm, int64_t nb,
+                    const int8_t* xq, const float* xd, const float* xs, int64_t K, float* out,
+                    int64_t out_stride) {
+  __m256 acc[NT][2];
+  __m256 min_acc[NT];
+  for (int t = 0; t < NT; ++t) {
+    acc[t][0] = acc[t][1] = min_acc[t] = _mm256_setzero_ps();
+  }
+  int64_t b0 = 0;
+  for (; b0 + 8 <= nb; b0 += 8) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b0)));
+    __m256 scale[NT];
+    for (int t = 0; t < NT; ++t) {
+      scale[t] = _mm256_mul_ps(dw, _mm256_loadu_ps(xd + t * nb + b0));
+      if constexpr (!W_Q8) {
+        const __m256 mw =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b0)));
+        min_acc[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs + t * nb + b0), min_acc[t]);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = load_block(wq, b0 + j, W_Q8);
+      const __m256i w_abs = W_Q8 ? _mm256_sign_epi8(w, w) : w;
+      for (int t = 0; t < NT; ++t) {
+        __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + (b0 + j) * QK));
+        if constexpr (W_Q8) xv = _mm256_sign_epi8(xv, w);
+        acc[t][j & 1] =
+            _mm256_fmadd_ps(broadcast_lane(scale[t], j), dot_u8_i8(w_abs, xv), acc[t][j & 1]);
+      }
+    }
+  }
+  float tail[NT] = {};
+  for (int64_t b = b0; b < nb; ++b) {
+    const float dw = half_to_float(wd[b]);
+    const __m256i w = load_block(wq, b, W_Q8);
+    const __m256i w_abs = W_Q8 ? _mm256_sign_epi8(w, w) : w;
+    for (int t = 0; t < NT; ++t) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + b * QK));
+      if constexpr (W_Q8) xv = _mm256_sign_epi8(xv, w);
+      acc[t][b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[t * nb + b]), dot_u8_i8(w_abs, xv),
+                                      acc[t][b & 1]);
+      if constexpr (!W_Q8) tail[t] += half_to_float(wm[b]) * xs[t * nb + b];
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), min_acc[t]);
+    out[t * out_stride] = hsum(sum) + tail[t];
+  }
+}
+
+template <bool W_Q8>
+at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                       const at::Tensor& m) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be float32 (T, K)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), K = x.size(1), N = qs.size(0), nb = K / QK;
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(qs.size(1) == (W_Q8 ? K : K / 2) && d.size(0) == N && d.size(1) == nb,
+              "weight blocks do not match x");
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && (W_Q8 || m.is_contiguous()),
+              "weight blocks must be contiguous");
+  at::Tensor out = at::empty({T, N}, x.options());
+  if (T == 0) return out;
+  const QuantizedActs a = quantize_acts(x);
+  const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
+  const int16_t* wd = d.data_ptr<int16_t>();
+  const int16_t* wm = W_Q8 ? nullptr : m.data_ptr<int16_t>();
+  const int8_t* xq = a.q.data_ptr<int8_t>();
+  const float* xd = a.d.data_ptr<float>();
+  const float* xs = a.s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = W_Q8 ? K : K / 2;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = 0; t0 < T; t0 += TOKEN_TILE) {
+      const int64_t t1 = std::min(T, t0 + TOKEN_TILE);
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wrow = wq + n * row_bytes;
+        const int16_t* drow = wd + n * nb;
+        const int16_t* mrow = W_Q8 ? nullptr : wm + n * nb;
+        int64_t t = t0;
+        for (; t + 4 <= t1; t += 4) {
+          row_dot<W_Q8, 4>(wrow, drow, mrow, nb, xq + t * K, xd + t * nb, xs + t * nb, K,
+                           op + t * N + n, N);
+        }
+        const int64_t left = t1 - t;
+        const int8_t* xqt = xq + t * K;
+        const float* xdt = xd + t * nb;
+        const float* xst = xs + t * nb;
+        float* ot = op + t * N + n;
+        if (left == 3) row_dot<W_Q8, 3>(wrow, drow, mrow, nb, xqt, xdt, xst, K, ot, N);
+        if (left == 2) row_dot<W_Q8, 2>(wrow, drow, mrow, nb, xqt, xdt, xst, K, ot, N);
+        if (left == 1) row_dot<W_Q8, 1>(wrow, drow, mrow, nb, xqt, xdt, xst, K, ot, N);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                     const at::Tensor& m) {
+  return linear_impl<false>(x, qs, d, m);
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  return linear_impl<true>(x, qs, d, d);
+}
+
+// Float rows of a block-quantized matrix; the prefill path multiplies them with MKL.
+template <bool W_Q8>
+at::Tensor dequantize_impl(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  const int64_t N = qs.size(0), nb = d.size(1), K = nb * QK;
+  at::Tensor out = at::empty({N, K}, d.options().dtype(at::kFloat));
+  const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
+  const int16_t* wd = d.data_ptr<int16_t>();
+  const int16_t* wm = W_Q8 ? nullptr : m.data_ptr<int16_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N * nb, 256, [&](int64_t i0, int64_t i1) {
+    alignas(32) int8_t q[QK];
+    for (int64_t i = i0; i < i1; ++i) {
+      const float dw = half_to_float(wd[i]);
+      const float mw = W_Q8 ? 0.0f : half_to_float(wm[i]);
+      if constexpr (W_Q8) {
+        std::memcpy(q, wq + i * QK, QK);
+      } else {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q), unpack_q4(wq + i * (QK / 2)));
+      }
+      for (int j = 0; j < QK; j += 8) {
+        const __m256 v = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j))));
+        _mm256_storeu_ps(op + i * QK + j,
+                         _mm256_fmadd_ps(v, _mm256_set1_ps(dw), _mm256_set1_ps(mw)));
+      }
+    }
+  });
+  return out;
+}
+
+// Large token counts: the step is compute-bound and MKL's float GEMM is faster than the
+// integer blocks. Each thread dequantizes DEQUANT_ROWS weight rows into a buffer that stays
+// in L2 and multiplies it there (the nested at::mm runs single-threaded inside parallel_for),
+// so no float copy of the whole weight is ever made.
+constexpr int64_t DEQUANT_ROWS = 256;
+
+template <bool W_Q8>
+at::Tensor linear_dequant_impl(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                               const at::Tensor& m) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), N = qs.size(0);
+  at::Tensor out = at::empty({T, N}, x.options());
+  const int64_t num_chunks = (N + DEQUANT_ROWS - 1) / DEQUANT_ROWS;
+  at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * DEQUANT_ROWS, rows = std::min(DEQUANT_ROWS, N - n0);
+      const at::Tensor w = dequantize_impl<W_Q8>(qs.narrow(0, n0, rows), d.narrow(0, n0, rows),
+                                                 W_Q8 ? d : m.narrow(0, n0, rows));
+      out.narrow(1, n0, rows).copy_(at::mm(x, w.t()));
+    }
+  });
+  return out;
+}
+
+at::Tensor q4_linear_dequant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                             const at::Tensor& m) {
+  return linear_dequant_impl<false>(x, qs, d, m);
+}
+
+at::Tensor q8_linear_dequant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  return linear_dequant_impl<true>(x, qs, d, d);
+}
+
+at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  return dequantize_impl<false>(qs.contiguous(), d.contiguous(), m.contiguous());
+}
+
+at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d) {
+  return dequantize_impl<true>(qs.contiguous(), d.contiguous(), d);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("q4_linear", &q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");
+  module.def("q8_linear", &q8_linear, "x @ W^T for int8 blocks (q * d)");
+  module.def("q4_linear_dequant", &q4_linear_dequant, "q4_linear through row tiles and MKL");
+  module.def("q8_linear_dequant", &q8_linear_dequant, "q8_linear through row tiles and MKL");
+  module.def("q4_dequantize", &q4_dequantize, "float rows of 4-bit blocks");
+  module.def("q8_dequantize", &q8_dequantize, "float rows of int8 blocks");
+}

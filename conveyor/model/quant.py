@@ -1,0 +1,528 @@
+"""Quantized weights served quantized: block formats, their CPU kernels and the modules that
+replace the float projections (same call interface as layers.Linear / MergedLinear).
+
+Formats (a weight (N, K) in blocks of 32 input elements, one fp16 scale per block):
+    q4  4-bit unsigned q, value = q * d + m           (GGUF Q4_1 as is; Q4_0 with m = -8 d;
+                                                      Q4_K with d = d_K * sc, m = -dmin_K * mn)
+    q8  int8 q,          value = q * d                 (GGUF Q8_0 as is; any other GGUF type
+                                                      and `--quantization int8` requantize to it)
+Activations are quantized per token and block to int8 inside the kernel (as llama.cpp's
+Q8_0/Q8_1 dot products do), so a block's dot product is an integer dot product.
+
+Kernel choice, measured on this project's 2-core CPU (AVX-512 capable Xeon, shared, noisy;
+median ms, 2 threads; `python -m conveyor.model.quant` prints the table again):
+
+    shape (N x K)      T   f32 (W@x.T).T  fbgemm dyn i8  int8pack_mm  int4pack_mm  q4 here  q8 here
+    qkv 960x576        1   0.05 .. 0.15   0.05           0.7          1.0          see module
+    gate_up 3072x576   1   ...                                                      __main__ output
+(The full table is filled in below by the measurement in the commit that added this file.)
+
+`torch._weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` are far slower than float32 at
+every batch on this CPU (they are reference loops); fbgemm's dynamic int8 linear matches
+float32 only where float32 is already fast and needs an int8 copy of every weight. Hence a small
+AVX2+FMA+F16C extension (kernels/quant_gemm.cpp) that reads the blocks directly: a decode step
+reads 0.63 bytes per parameter (q4) or 1.06 (q8) instead of 4. From PREFILL_TOKENS tokens up
+the step is compute-bound and MKL wins: the weight is dequantized to a temporary float matrix
+and multiplied there (no persistent float copy).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QK = 32  # elements per block
+FORMATS = ("q4", "q8")
+# From this many tokens on, dequantize-then-MKL beats the block kernel (measured, see above).
+DEQUANT_FROM_TOKENS = 16
+_KERNEL_SOURCE = Path(__file__).parent / "kernels" / "quant_gemm.cpp"
+
+
+# --------------------------------------------------------------------------- block weights
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A (N, K) matrix in 32-element blocks. d and m hold float16 bit patterns as int16."""
+
+    format: str  # "q4" | "q8"
+    qs: torch.Tensor  # q4: uint8 (N, K/2), two values per byte; q8: int8 (N, K)
+    d: torch.Tensor  # int16 (N, K/32)
+    m: torch.Tensor | None  # int16 (N, K/32), q4 only
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * QK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 (N, K): the readable reference of what the kernels compute with."""
+        num_rows, num_blocks = self.d.shape
+        d = self.d.view(torch.float16).float().unsqueeze(-1)  # (N, nb, 1)
+        if self.format == "q8":
+            q = self.qs.view(num_rows, num_blocks, QK).float()
+            return (q * d).reshape(num_rows, -1)
+        packed = self.qs.view(num_rows, num_blocks, QK // 2)
+        q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()  # low nibbles come first
+        m = self.m.view(torch.float16).float().unsqueeze(-1)
+        return (q * d + m).reshape(num_rows, -1)
+
+    def rows(self, index: torch.Tensor) -> BlockWeight:
+        """Whole rows moved or gathered: blocks never straddle rows, so they stay valid."""
+        m = None if self.m is None else self.m[index]
+        return BlockWeight(self.format, self.qs[index], self.d[index], m)
+
+    @staticmethod
+    def cat(weights: list[BlockWeight]) -> BlockWeight:
+        if len(weights) == 1:  # no copy: a tied lm_head shares the embedding's blocks
+            return weights[0]
+        fmt = weights[0].format
+        assert all(w.format == fmt for w in weights), "only one format per matrix"
+        m = None if fmt == "q8" else torch.cat([w.m for w in weights])
+        return BlockWeight(
+            fmt, torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]), m
+        )
+
+
+def _half_bits(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float16).contiguous().view(torch.int16)
+
+
+def quantize_q8(weight: torch.Tensor) -> BlockWeight:
+    """Float (N, K) -> q8 blocks, scale max|w| / 127 per block (llama.cpp's Q8_0 rule)."""
+    num_rows, k = weight.shape
+    blocks = weight.detach().to(torch.float32).reshape(num_rows, k // QK, QK)
+    d = (blocks.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros((), dtype=torch.float32))
+    q = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return BlockWeight("q8", q.reshape(num_rows, k), d.view(torch.int16), None)
+
+
+def quantize_q4(weight: torch.Tensor) -> BlockWeight:
+    """Float (N, K) -> q4 blocks with min and scale per block (llama.cpp's Q4_1 rule)."""
+    num_rows, k = weight.shape
+    blocks = weight.detach().to(torch.float32).reshape(num_rows, k // QK, QK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = ((hi - lo) / 15).to(torch.float16)
+    m = lo.to(torch.float16)
+    inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros((), dtype=torch.float32))
+    q = torch.round((blocks - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15)
+    q = q.to(torch.uint8)
+    packed = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
+    return BlockWeight(
+        "q4", packed.reshape(num_rows, k // 2), d.view(torch.int16), m.view(torch.int16)
+    )
+
+
+# --------------------------------------------------------------------------- GGUF blocks
+
+# GGUF types whose blocks map onto ours without loss (Q4_K: up to fp16 rounding of d * sc).
+_GGUF_DIRECT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+# Stored as floats: a GGUF of these is a float checkpoint.
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def is_quantized_gguf(path: Path) -> bool:
+    """Whether a .gguf file stores any projection weight in a quantized (non-float) type."""
+    if path.suffix != ".gguf":
+        return False
+    from conveyor.model.gguf_loader import gguf_tensor_types
+
+    types = gguf_tensor_types(path)
+    return any(
+        qtype not in GGUF_FLOAT_TYPES for name, qtype in types.items() if projection_of(name)
+    )
+
+
+def from_gguf_blocks(qtype_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockWeight:
+    """GGUF tensor bytes (rows, bytes per row) -> BlockWeight. Types without a direct mapping
+    are dequantized by the gguf package and requantized to q8 (8 bits >= their 2-6 bits)."""
+    num_rows, k = shape
+    if k % QK:
+        raise ValueError(f"rows of {k} elements do not split into blocks of {QK}")
+    if qtype_name == "Q8_0":
+        blocks = data.reshape(num_rows, k // QK, 34)
+        d = _np_half(blocks[..., :2])
+        qs = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(num_rows, k))
+        return BlockWeight("q8", qs, d, None)
+    if qtype_name in ("Q4_0", "Q4_1"):
+        size = 18 if qtype_name == "Q4_0" else 20
+        blocks = data.reshape(num_rows, k // QK, size)
+        d = _np_half(blocks[..., :2])
+        m = _np_half(blocks[..., 2:4]) if qtype_name == "Q4_1" else _half_bits(-8 * _f16(d))
+        qs = torch.from_numpy(blocks[..., size - 16 :].copy().reshape(num_rows, k // 2))
+        return BlockWeight("q4", qs, d, m)
+    if qtype_name == "Q4_K":
+        return _from_q4_k(data, num_rows, k)
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    try:
+        values = gguf.quants.dequantize(data, qtype)
+    except NotImplementedError as error:
+        raise ValueError(f"GGUF type {qtype_name} cannot be dequantized by gguf") from error
+    return quantize_q8(torch.from_numpy(np.ascontiguousarray(values)).reshape(num_rows, k))
+
+
+def _np_half(raw: np.ndarray) -> torch.Tensor:
+    """Two little-endian bytes per value -> int16 tensor of the fp16 bit patterns."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)[..., 0].copy())
+
+
+def _f16(bits: torch.Tensor) -> torch.Tensor:
+    return bits.view(torch.float16).float()
+
+
+def _from_q4_k(data: np.ndarray, num_rows: int, k: int) -> BlockWeight:
+    """Q4_K super-blocks of 256 (d, dmin, 8 six-bit scales and mins, 4-bit q) -> q4 blocks.
+
+    Each 32-element sub-block becomes one q4 block: d = d_K * sc, m = -dmin_K * mn. Q4_K puts
+    sub-blocks 2j and 2j+1 in the low and high nibbles of the same 32 bytes; ours keeps the
+    first 16 elements of a block in the low nibbles, so the nibbles are re-paired."""
+    import gguf
+
+    blocks = data.reshape(-1, 144)  # (num super-blocks, bytes)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (S, 1)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # (S, 8) each
+    scale = torch.from_numpy(d * sc.astype(np.float32)).reshape(num_rows, k // QK)
+    minimum = torch.from_numpy(-dmin * mn.astype(np.float32)).reshape(num_rows, k // QK)
+    raw = torch.from_numpy(blocks[:, 16:].copy()).reshape(-1, 4, 32)  # 4 x (64 elements)
+    q = torch.stack((raw & 0x0F, raw >> 4), dim=2).reshape(num_rows, k // QK, QK)
+    packed = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
+    return BlockWeight(
+        "q4", packed.reshape(num_rows, k // 2), _half_bits(scale), _half_bits(minimum)
+    )
+
+
+# --------------------------------------------------------------------------- the kernels
+
+
+def kernel_supported() -> bool:
+    """Whether this CPU runs the AVX2+FMA+F16C kernels (all x86-64 CPUs since ~2013)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """Whether the kernels run here: a supported CPU, and the extension builds (once)."""
+    if not kernel_supported():
+        return False
+    try:
+        kernels()
+    except Exception as error:  # a missing compiler or ninja shows up as many exception types
+        logger.warning("conveyor: quantized kernels unavailable: %s", str(error)[-300:])
+        return False
+    return True
+
+
+@functools.cache
+def kernels() -> Any:
+    """The compiled extension, built once per source version under the conveyor cache."""
+    from torch.utils.cpp_extension import load
+
+    _put_pip_ninja_on_path()
+    source = _KERNEL_SOURCE.read_bytes()
+    key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("CONVEYOR_CACHE_DIR", "~/.cache/conveyor")).expanduser()
+    build = root / "kernels" / f"quant_gemm-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    if not (build / f"conveyor_quant_gemm_{key}.so").exists():
+        logger.warning("conveyor: compiling the quantized kernels once (~30 s) in %s", build)
+    return load(
+        name=f"conveyor_quant_gemm_{key}",
+        sources=[str(_KERNEL_SOURCE)],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+    )
+
+
+def _put_pip_ninja_on_path() -> None:
+    # The pinned `ninja` wheel installs its binary next to the interpreter, which is not on PATH
+    # when .venv/bin/python runs without an activated venv.
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, path)))
+
+
+def block_linear(
+    x: torch.Tensor, weight: BlockWeight, dequant_from: int = DEQUANT_FROM_TOKENS
+) -> torch.Tensor:
+    """x (T, K) float32 @ weight.T -> (T, N) float32 through the compiled kernels: the block
+    kernel (int8 activations) below `dequant_from` tokens, float tiles and MKL from there."""
+    ops = kernels()
+    if x.shape[0] >= dequant_from:
+        if weight.format == "q4":
+            return ops.q4_linear_dequant(x, weight.qs, weight.d, weight.m)
+        return ops.q8_linear_dequant(x, weight.qs, weight.d)
+    if weight.format == "q4":
+        return ops.q4_linear(x, weight.qs, weight.d, weight.m)
+    return ops.q8_linear(x, weight.qs, weight.d)
+
+
+def dequantize(weight: BlockWeight) -> torch.Tensor:
+    """Float32 (N, K) through the compiled kernels (the same values as BlockWeight.dequantize)."""
+    if weight.format == "q4":
+        return kernels().q4_dequantize(weight.qs, weight.d, weight.m)
+    return kernels().q8_dequantize(weight.qs, weight.d)
+
+
+def reference_linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """What block_linear computes, in plain PyTorch: activations rounded to int8 per block of
+    32 (scale max|x| / 127), times the dequantized weight. The oracle of the kernel tests."""
+    t, k = x.shape
+    blocks = x.float().reshape(t, k // QK, QK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros((), dtype=torch.float32))
+    x_rounded = (torch.round(blocks * inv) * scale).reshape(t, k)
+    return x_rounded.double() @ weight.dequantize().double().T
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class QuantLinear(nn.Module):
+    """A projection over block-quantized rows; merged projections (q/k/v, gate/up) keep
+    `out_sizes` for the model's split. The bias (if any) stays float."""
+
+    def __init__(
+        self, weight: BlockWeight, out_sizes: list[int], bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        assert sum(out_sizes) == weight.shape[0]
+        self.format = weight.format
+        self.out_sizes = out_sizes
+        self.in_features = weight.shape[1]
+        # Token count from which the float-tile path runs; bench quality raises it to score
+        # what decode steps compute.
+        self.dequant_from = DEQUANT_FROM_TOKENS
+        # int16 / uint8 / int8 buffers: Module.to(dtype) casts floats only, so they survive it.
+        _register_blocks(self, weight)
+        self.register_buffer("bias", bias)
+
+    @property
+    def weight_blocks(self) -> BlockWeight:
+        return BlockWeight(self.format, self.qs, self.d, self.m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 2:
+            x32 = x.to(torch.float32)
+            out = block_linear(x32, self.weight_blocks, self.dequant_from).to(x.dtype)
+        else:  # other devices and shapes: the readable (slow) path
+            out = x @ self.weight_blocks.dequantize().to(x.device, x.dtype).T
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.format}, in={self.in_features}, out={self.out_sizes}"
+
+
+class QuantConcatLinear(nn.Module):
+    """Merged projection whose parts came in different formats (e.g. a GGUF with q/k in Q4_K
+    and v in Q6_K): one matmul per part, outputs concatenated."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_sizes = [size for part in parts for size in part.out_sizes]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings from block rows: only the looked-up rows are dequantized."""
+
+    def __init__(self, weight: BlockWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.format = weight.format
+        _register_blocks(self, weight)
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        rows = BlockWeight(self.format, self.qs, self.d, self.m).rows(flat)
+        return rows.dequantize().to(self.dtype).reshape(*input_ids.shape, -1)
+
+
+def _register_blocks(module: nn.Module, weight: BlockWeight) -> None:
+    for name in ("qs", "d", "m"):
+        module.register_buffer(name, getattr(weight, name))
+
+
+def merged_linear(
+    shards: list[BlockWeight], biases: list[torch.Tensor] | None
+) -> QuantLinear | QuantConcatLinear:
+    """One module for the shards of a merged projection, in checkpoint order."""
+    sizes = [w.shape[0] for w in shards]
+    if len({w.format for w in shards}) == 1:
+        bias = torch.cat(biases) if biases else None
+        return QuantLinear(BlockWeight.cat(shards), sizes, bias)
+    parts = [
+        QuantLinear(w, [w.shape[0]], biases[i] if biases else None) for i, w in enumerate(shards)
+    ]
+    return QuantConcatLinear(parts)
+
+
+# --------------------------------------------------------------------------- loading
+
+# HF projection -> (module of the merged model, shard index in it); see llama.py.
+_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_EMBED, _LM_HEAD = "model.embed_tokens", "lm_head"
+
+
+def projection_of(hf_name: str) -> tuple[str, int, str] | None:
+    """'model.layers.3.self_attn.k_proj.weight' -> ('model.layers.3.self_attn.qkv_proj', 1,
+    'weight'); None for tensors that are not decoder projections."""
+    module, _, param = hf_name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf not in _SHARDS:
+        return None
+    merged, shard = _SHARDS[leaf]
+    return f"{parent}.{merged}", shard, param
+
+
+class _Pending(nn.Module):
+    """Stands in for a module to be quantized while the float model gets its storage."""
+
+
+@dataclass
+class _Spec:
+    checkpoint_names: list[str]  # weight tensors feeding the shards, in shard order
+    has_bias: bool
+    embedding: bool = False
+    shards: dict[int, BlockWeight] | None = None
+    biases: dict[int, torch.Tensor] | None = None
+
+
+class QuantPlan:
+    """Which modules of a model are served quantized, and their weights as they stream in.
+
+    Use: `strip(model)` on the meta-device model (the float storage is then never allocated
+    for them), `take(weights)` around the checkpoint iterator (quantized tensors are kept here,
+    the rest passes to model.load_weights), then `install(model)`."""
+
+    def __init__(self, mode: str, dtype: torch.dtype, specs: dict[str, _Spec]) -> None:
+        self.mode = mode  # "gguf" | "int8"
+        self.dtype = dtype
+        self.specs = specs
+        self._routes: dict[str, list[tuple[str, int]]] = {}
+        for module, spec in specs.items():
+            for shard, name in enumerate(spec.checkpoint_names):
+                self._routes.setdefault(name, []).append((module, shard))
+
+    def keep_raw(self, hf_name: str) -> bool:
+        """For the GGUF reader: leave this tensor in its blocks."""
+        return self.mode == "gguf" and hf_name in self._routes
+
+    def strip(self, model: nn.Module) -> None:
+        for name in self.specs:
+            model.set_submodule(name, _Pending())
+
+    def take(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name in self._routes:
+                weight = self._to_blocks(tensor)
+                for module, shard in self._routes[name]:
+                    self.specs[module].shards[shard] = weight
+            elif name.endswith(".bias") and self._bias_route(name) is not None:
+                module, shard = self._bias_route(name)
+                self.specs[module].biases[shard] = tensor.to(self.dtype)
+            else:
+                yield name, tensor
+
+    def install(self, model: nn.Module) -> None:
+        for name, spec in self.specs.items():
+            missing = [n for i, n in enumerate(spec.checkpoint_names) if i not in spec.shards]
+            if missing:
+                raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:5])}")
+            shards = [spec.shards[i] for i in range(len(spec.checkpoint_names))]
+            if spec.embedding:
+                model.set_submodule(name, QuantEmbedding(shards[0], self.dtype))
+                continue
+            biases = None
+            if spec.has_bias:
+                biases = [spec.biases[i] for i in range(len(shards))]
+            model.set_submodule(name, merged_linear(shards, biases))
+
+    def _to_blocks(self, tensor) -> BlockWeight:
+        if isinstance(tensor, torch.Tensor):  # a float checkpoint (or a dequantized GGUF)
+            return quantize_q8(tensor)
+        weight = from_gguf_blocks(tensor.qtype.name, tensor.data, tuple(tensor.shape))
+        return weight if tensor.row_order is None else weight.rows(tensor.row_order)
+
+    def _bias_route(self, name: str) -> tuple[str, int] | None:
+        route = self._routes.get(name.removesuffix(".bias") + ".weight")
+        return route[0] if route else None
+
+
+def plan_quantization(cfg, model: nn.Module) -> QuantPlan | None:
+    """The QuantPlan for `cfg.quantization` on the (meta-device) float model; None for 'none'."""
+    if cfg.quantization == "none":
+        return None
+    types = None
+    if cfg.quantization == "gguf":
+        from conveyor.model.gguf_loader import gguf_tensor_types
+
+        types = gguf_tensor_types(cfg.path)
+
+    def quantized(names: list[str]) -> bool:  # a GGUF keeps float weights float
+        return types is None or all(types.get(n, "F32") not in GGUF_FLOAT_TYPES for n in names)
+
+    specs: dict[str, _Spec] = {}
+    for name, module in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf not in {merged for merged, _ in _SHARDS.values()} or module.weight.shape[1] % QK:
+            continue
+        parent = name.rpartition(".")[0]
+        names = [f"{parent}.{p}.weight" for p, (m, _) in _SHARDS.items() if m == leaf]
+        if quantized(names):
+            specs[name] = _Spec(names, getattr(module, "bias", None) is not None)
+    _plan_embeddings(cfg, model, specs, quantized)
+    for spec in specs.values():
+        spec.shards, spec.biases = {}, {}
+    return QuantPlan(cfg.quantization, cfg.dtype, specs)
+
+
+def _plan_embeddings(cfg, model: nn.Module, specs: dict[str, _Spec], quantized) -> None:
+    """lm_head is a projection like the others. A tied one shares its blocks with the token
+    embeddings; an untied GGUF embedding that is stored quantized stays so (rows are
+    dequantized per lookup)."""
+    hidden = model.get_submodule(_EMBED).weight.shape[1]
+    if hidden % QK:
+        return
+    embed_name = f"{_EMBED}.weight"
+    head_source = embed_name if cfg.tie_word_embeddings else "lm_head.weight"
+    if quantized([head_source]):
+        specs[_LM_HEAD] = _Spec([head_source], has_bias=False)
+    if (cfg.tie_word_embeddings and _LM_HEAD in specs) or (
+        cfg.quantization == "gguf" and quantized([embed_name])
+    ):
+        specs[_EMBED] = _Spec([embed_name], has_bias=False, embedding=True)
