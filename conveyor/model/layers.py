@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -13,6 +15,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; the same arithmetic as below for float32
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # As transformers: normalize in float32 (also for float64 models), scale in the model dtype.
         dtype = x.dtype
         h = x.to(torch.float32)
@@ -34,11 +38,23 @@ class RotaryEmbedding(nn.Module):
         self.cos = nn.Buffer((emb.cos() * scaling).to(dtype), persistent=False)
         self.sin = nn.Buffer((emb.sin() * scaling).to(dtype), persistent=False)
 
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) of the step's positions: gathered once per step, used by every layer."""
+        return self.cos[positions], self.sin[positions]
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        q: torch.Tensor,  # (T, H, D)
+        k: torch.Tensor,  # (T, Hkv, D)
+        cos: torch.Tensor,  # (T, D)
+        sin: torch.Tensor,
+        ops: ModuleType | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1)
+        """Rotated q, k; with the compiled ops (CPU) rotated in place, in one call for both."""
+        if ops is not None and q.device.type == "cpu" and q.dtype == cos.dtype:
+            ops.rotary_embedding(q, k, cos, sin)
+            return q, k
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (T, 1, D)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

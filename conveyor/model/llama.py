@@ -9,6 +9,7 @@ reads each request's KV through its block table (see attention.py).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,6 +17,11 @@ from torch import nn
 from conveyor.config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
+
+
+class RopeRows(NamedTuple):
+    cos: torch.Tensor  # (T, head_dim): rotary cos of each row's position
+    sin: torch.Tensor
 
 
 class LlamaAttention(nn.Module):
@@ -34,7 +40,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(
+        self, x, rope: RopeRows, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata
+    ):
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
@@ -42,7 +50,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(q, k, rope.cos, rope.sin, meta.ops)
         out = paged_attention(q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -55,8 +63,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of a fresh tensor: in place
+        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -67,8 +75,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, rope: RopeRows, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -98,8 +106,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        rope = RopeRows(*self.rotary.rows(positions))  # once per step, for every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, self.rotary, kv_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

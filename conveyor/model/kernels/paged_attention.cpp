@@ -475,7 +475,48 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
   });
 }
 
+// Rotary embedding in place, rotate-half (GPT-NeoX) form as transformers' Llama:
+// x[:h] <- x[:h] cos[:h] - x[h:] sin[:h],  x[h:] <- x[h:] cos[h:] + x[:h] sin[h:],  h = D / 2.
+// q (T, H, D), k (T, Hkv, D) with any strides; cos, sin (T, D) contiguous: the rows of the
+// step's positions, gathered once per step.
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "rotary_embedding: q (T, H, D), k (T, Hkv, D)");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == q.size(0) && cos.size(1) == q.size(2),
+              "rotary_embedding: cos, sin (T, D) contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type(),
+              "rotary_embedding: one dtype for q, k, cos, sin");
+  const int64_t num_tokens = q.size(0), dim = q.size(2), half = dim / 2;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rotary_embedding", [&] {
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    auto rotate = [&](at::Tensor& x, int64_t t) {
+      scalar_t* base = x.data_ptr<scalar_t>() + t * x.stride(0);
+      const scalar_t* c = cp + t * dim;
+      const scalar_t* s = sp + t * dim;
+      const int64_t sd = x.stride(2);
+      for (int64_t h = 0; h < x.size(1); ++h) {
+        scalar_t* row = base + h * x.stride(1);
+        for (int64_t i = 0; i < half; ++i) {
+          const scalar_t x1 = row[i * sd], x2 = row[(i + half) * sd];
+          row[i * sd] = x1 * c[i] - x2 * s[i];
+          row[(i + half) * sd] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    };
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        rotate(q, t);
+        rotate(k, t);
+      }
+    });
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place (CPU)");
   m.def("paged_attention", &paged_attention, "paged attention over a whole step (CPU)");
   m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
 }
