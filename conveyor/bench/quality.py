@@ -148,7 +148,9 @@ def _runner(cfg, context: int):
 
 
 def _stats(mode: str, runner) -> VariantStats:
-    tensors = {id(t): t for t in (*runner.model.parameters(), *runner.model.buffers())}
+    # state_dict: weights and quantized blocks, not derived buffers (rotary tables); a tied
+    # head appears twice there, under one storage.
+    tensors = {t.data_ptr(): t for t in runner.model.state_dict().values()}
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return VariantStats(mode, runner.cfg.quantization, weight_bytes)
 
