@@ -155,3 +155,17 @@ def test_rotary_in_place_matches_reference(ops, dtype):
     assert out_q.data_ptr() == qkv.data_ptr(), "the compiled path rotates in place"
     assert (out_q - ref_q).abs().max() < TOLERANCE[dtype]
     assert (out_k - ref_k).abs().max() < TOLERANCE[dtype]
+
+
+def test_engine_num_threads_sets_torch_threads_and_rejects_zero(tiny_checkpoint):
+    from conveyor.engine.llm_engine import LLMEngine
+
+    path = str(tiny_checkpoint("llama"))
+    threads = torch.get_num_threads()
+    try:
+        LLMEngine(path, dtype="float64", num_threads=1, num_blocks=8)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="num_threads"):
+        LLMEngine(path, dtype="float64", num_threads=0, num_blocks=8)

@@ -80,7 +80,12 @@ class LLMEngine:
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         record_trace: bool = False,
+        num_threads: int | None = None,
     ) -> None:
+        if num_threads is not None:  # None: torch's default, one thread per physical core
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
         self.device = _resolve_device(device)
         self.model_config = ModelConfig.from_hf(
             model, dtype, self.device.type, max_model_len, quantization

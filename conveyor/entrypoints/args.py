@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="CPU threads (default: physical cores)"
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -62,4 +65,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
+        num_threads=args.num_threads,
     )
