@@ -141,30 +141,42 @@ inline void qk_block(const T* q, const T* kt, T* s, int rows, Shape sh) {
   if (r < rows) qk_tail<T, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh);
 }
 
-// acc[r][:] += sum_{j < n} p[r][j] * v[j][:] for all rows; v is one (block_size, head_dim) tile.
-// Each row's accumulator is held in registers, up to 8 vectors (64 floats) at a time.
+// acc[r][:] += sum_{j < n} p[r][j] * v[j][:] for RP rows at once (each V row loaded once for
+// them); the accumulators stay in registers, 8 vectors of each row at a time.
+template <typename T, int D, int RP>
+inline void pv_rows(const T* __restrict p, int bs, const T* __restrict v, T* __restrict acc, int n) {
+  constexpr int L = kLanes<T>;
+  constexpr int NV = D / L;
+  constexpr int C = NV < 8 ? NV : 8;
+  for (int c0 = 0; c0 < NV; c0 += C) {
+    Vec<T> a[RP][C];
+    for (int r = 0; r < RP; ++r)
+      for (int i = 0; i < C; ++i) a[r][i] = load(acc + r * D + (c0 + i) * L);
+    for (int j = 0; j < n; ++j) {
+      Vec<T> pb[RP];
+      for (int r = 0; r < RP; ++r) pb[r] = broadcast(p[r * bs + j]);
+      const T* vrow = v + j * D + c0 * L;
+      for (int i = 0; i < C; ++i) {
+        const Vec<T> vi = load(vrow + i * L);
+        for (int r = 0; r < RP; ++r) a[r][i] += pb[r] * vi;
+      }
+    }
+    for (int r = 0; r < RP; ++r)
+      for (int i = 0; i < C; ++i) store(acc + r * D + (c0 + i) * L, a[r][i]);
+  }
+}
+
+// acc += P V for all rows; v is one (block_size, head_dim) tile. Rows in pairs where the
+// registers allow it (AVX-512 machines have 32 of them for 32-byte vectors).
 template <typename T, int BS, int D>
 inline void pv_block(const T* __restrict p, const T* __restrict v, T* __restrict acc, int rows,
                      int n, Shape sh) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   if constexpr (D != 0) {
-    constexpr int L = kLanes<T>;
-    constexpr int NV = D / L;
-    constexpr int C = NV < kRegisters / 2 ? NV : kRegisters / 2;
-    for (int r = 0; r < rows; ++r) {
-      const T* prow = p + r * bs;
-      for (int c0 = 0; c0 < NV; c0 += C) {
-        T* arow = acc + r * D + c0 * L;
-        Vec<T> a[C];
-        for (int i = 0; i < C; ++i) a[i] = load(arow + i * L);
-        for (int j = 0; j < n; ++j) {
-          const Vec<T> pb = broadcast(prow[j]);
-          const T* vrow = v + j * D + c0 * L;
-          for (int i = 0; i < C; ++i) a[i] += pb * load(vrow + i * L);
-        }
-        for (int i = 0; i < C; ++i) store(arow + i * L, a[i]);
-      }
-    }
+    constexpr int RP = kRegisters >= 32 ? 2 : 1;
+    int r = 0;
+    for (; r + RP <= rows; r += RP) pv_rows<T, D, RP>(p + r * bs, bs, v, acc + r * D, n);
+    for (; r < rows; ++r) pv_rows<T, D, 1>(p + r * bs, bs, v, acc + r * D, n);
   } else {
     const int dim = static_cast<int>(sh.head_dim);
     for (int r = 0; r < rows; ++r) {
