@@ -1,11 +1,12 @@
 """Compiled CPU ops, built once per machine from the C++ sources shipped in this folder.
 
 `load()` JIT-compiles them with torch's own extension tooling into
-~/.cache/conveyor/kernels/<hash>/, the hash covering the sources, torch and Python versions,
-the compiler flags and the CPU's feature flags (the code is built with -march=native), so a
-machine builds once and later processes just import. Without a compiler, or if the build
-fails, `load()` logs one warning and returns None; callers then use the pure-PyTorch
-reference ops (conveyor/model/attention.py), which stay the readable oracle.
+~/.cache/conveyor/kernels/conveyor_kernels-<hash>/, the hash covering the sources, torch and
+Python versions, the compiler flags and the CPU's feature flags (the code is built with
+-march=native), so a machine builds once (~30 s) and later processes just load the library.
+Without a compiler, or if the build fails, `load()` logs one warning and returns None; callers
+then use the pure-PyTorch reference ops (conveyor/model/attention.py), which stay the readable
+oracle. CONVEYOR_ATTENTION=reference forces the reference (see worker/model_runner.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.cpp",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+NAME = "conveyor_kernels"
 
 
 def build_dir() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return root / "conveyor" / "kernels" / _build_key()
+    return root / "conveyor" / "kernels" / f"{NAME}-{_build_key()}"
 
 
 @functools.cache
@@ -54,7 +56,7 @@ def _build() -> ModuleType:
     folder.mkdir(parents=True, exist_ok=True)
     here = Path(__file__).parent
     return cpp_extension.load(
-        name="conveyor_kernels",
+        name=NAME,
         sources=[str(here / name) for name in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"],
