@@ -58,6 +58,20 @@ def test_float_tile_path_equals_dequantized_matmul(fmt, num_tokens):
     torch.testing.assert_close(out, x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
+def test_float_tile_path_runs_in_inference_mode_on_several_threads():
+    """The runner's forward is in inference mode, which OpenMP workers do not inherit."""
+    weight = random_blocks("q4", 512, 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            x = torch.randn(40, 64)
+            out = quant.block_linear(x, weight, dequant_from=1)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 def test_compiled_dequantize_equals_reference(fmt):
     weight = random_blocks(fmt, 50, 160)

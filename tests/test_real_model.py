@@ -19,7 +19,8 @@ def gguf_path():
 
 
 def test_smollm2_chat_answer_equals_transformers(gguf_path):
-    llm = LLM(dtype="float32")  # no model given: the default one
+    # No model given: the default one; dequantized, as transformers computes it.
+    llm = LLM(dtype="float32", quantization="none")
     assert llm.engine.model_config.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     params = SamplingParams(temperature=0, max_tokens=40)
     out = llm.chat(QUESTION, params, use_tqdm=False)[0]

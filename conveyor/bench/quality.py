@@ -12,7 +12,8 @@ Variants: `int8` (projections requantized to int8 blocks) and, for a quantized G
 (its own blocks served by the quantized kernels). They are scored through the block kernels
 that decode steps use (activations rounded to int8 per block of 32), also where a chunk is
 long enough for the float-tile path, which prefill takes (that path computes with the
-dequantized blocks in float32: for `auto` it is the float32 model). The default text is a few
+dequantized blocks in float32: for `auto` it is the float32 model). The lm_head always runs
+float tiles, as in serving. The default text is a few
 KB of public-domain prose shipped in conveyor/bench/data/.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from conveyor.model.quant import QuantLinear
+from conveyor.model.quant import DEQUANT_FROM_TOKENS, QuantLinear
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 VARIANTS = ("int8", "auto")
@@ -142,8 +143,9 @@ def _runner(cfg, context: int):
     runner = ModelRunner(cfg, torch.device("cpu"), block_size=16, seed=0)
     runner.allocate_kv_cache(-(-context // 16))
     for module in runner.model.modules():
-        if isinstance(module, QuantLinear):
-            module.dequant_from = math.inf  # score the decode path (see the module docstring)
+        # Score the decode path (see the module docstring); the lm_head, always float tiles, stays.
+        if isinstance(module, QuantLinear) and module.dequant_from == DEQUANT_FROM_TOKENS:
+            module.dequant_from = math.inf
     return runner
 
 

@@ -9,21 +9,45 @@ Formats (a weight (N, K) in blocks of 32 input elements, one fp16 scale per bloc
 Activations are quantized per token and block to int8 inside the kernel (as llama.cpp's
 Q8_0/Q8_1 dot products do), so a block's dot product is an integer dot product.
 
-Kernel choice, measured on this project's 2-core CPU (AVX-512 capable Xeon, shared, noisy;
-median ms, 2 threads; `python -m conveyor.model.quant` prints the table again):
+Kernel choice. `python -m conveyor.model.quant 1 30` prints ms per call of each candidate for
+SmolLM2-135M's shapes, one thread, cycling through 30 weights so that they stream from memory
+as in a real step. On this project's shared 2-core Xeon (AVX-512 VNNI/AMX capable; the
+kernels here use AVX2+FMA+F16C only, for Zen 3 and older CPUs):
 
-    shape (N x K)      T   f32 (W@x.T).T  fbgemm dyn i8  int8pack_mm  int4pack_mm  q4 here  q8 here
-    qkv 960x576        1   0.05 .. 0.15   0.05           0.7          1.0          see module
-    gate_up 3072x576   1   ...                                                      __main__ output
-(The full table is filled in below by the measurement in the commit that added this file.)
+    shape (N x K)     T    f32   fbgemm_i8  i8pack_mm  i4pack_mm  q4_block  q8_block  q4_tiles
+    qkv 960x576       1   0.128    0.038      0.380      0.839     0.026     0.042     0.108
+                      8   0.336    0.073      2.398      6.515     0.165     0.139     0.148
+                     32   0.379    0.106        -          -       0.615     0.565     0.341
+                    512   3.076    1.168        -          -       9.588     7.948     3.485
+    gate_up 3072x576  1   0.515    0.130      1.205      2.717     0.133     0.213     0.403
+                      8   1.023    0.229      7.617     20.734     0.656     0.496     0.507
+                     32   1.300    0.383        -          -       1.936     1.568     1.031
+                    512   9.033    3.434        -          -      30.335    25.101    10.324
+    down 576x1536     1   0.216    0.057      0.599      1.342     0.047     0.081     0.241
+                      8   0.392    0.111      3.726     10.393     0.239     0.352     0.328
+                     32   0.460    0.159        -          -       0.800     0.781     0.682
+    o 576x576         1   0.059    0.026      0.200      0.505     0.016     0.022     0.079
+                     32   0.176    0.069        -          -       0.366     0.354     0.207
+    logits 49152x576  1   8.099    1.675     19.255     43.344     2.031     3.272     6.287
+                      8  15.974    3.623    128.077    339.553    10.797     7.989     8.296
+                     32  21.239    6.923        -          -      33.568    27.032    18.558
+    (T = 64 in the printout: the same ordering as T = 32.)
 
 `torch._weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` are far slower than float32 at
-every batch on this CPU (they are reference loops); fbgemm's dynamic int8 linear matches
-float32 only where float32 is already fast and needs an int8 copy of every weight. Hence a small
-AVX2+FMA+F16C extension (kernels/quant_gemm.cpp) that reads the blocks directly: a decode step
-reads 0.63 bytes per parameter (q4) or 1.06 (q8) instead of 4. From PREFILL_TOKENS tokens up
-the step is compute-bound and MKL wins: the weight is dequantized to a temporary float matrix
-and multiplied there (no persistent float copy).
+every T on this CPU. fbgemm's dynamic int8 linear (`quantized.linear_dynamic`) is the fastest
+from 8 tokens up here (VNNI), but it rounds activations per tensor and would need its own
+per-channel int8 copy of every weight; it is not used (yet). So: a small AVX2 extension
+(kernels/quant_gemm.cpp) reads the GGUF-style blocks directly, with activations rounded to int8
+per block of 32 (q4_block/q8_block: at T = 1 it streams weights at memory speed, 0.63 bytes
+per parameter for q4 instead of 4); from DEQUANT_FROM_TOKENS tokens on, the step is
+compute-bound and MKL wins: rows are dequantized in L2-sized tiles and multiplied there
+(q4_tiles; no float copy of the whole weight is kept). The lm_head always takes the tiles:
+its logits pick the sampled token, and int8 activations flipped a 0.08-nat near tie in the
+default model's greedy answer to "What is the capital of France?".
+
+Whole model, one thread, ModelRunner decode steps (ctx 256), float32 vs the Q4_1 file served
+quantized, side by side: batch 1: 48.3 -> 23.2 ms, batch 8: 113.5 -> 68.5 ms, batch 32:
+175.5 -> 159.8 ms; a 512-token prefill 861 -> 934 ms. Weights 513 -> 92 MiB.
 """
 
 from __future__ import annotations
@@ -470,7 +494,13 @@ class QuantPlan:
             biases = None
             if spec.has_bias:
                 biases = [spec.biases[i] for i in range(len(shards))]
-            model.set_submodule(name, merged_linear(shards, biases))
+            module = merged_linear(shards, biases)
+            if name == _LM_HEAD:
+                # Logits decide the sampled token: near ties (0.1 nat apart happen in greedy
+                # chat answers) must not flip on the activations' int8 rounding, so the head
+                # always takes the float-tile path (float32 arithmetic on the stored blocks).
+                module.dequant_from = 1
+            model.set_submodule(name, module)
 
     def _to_blocks(self, tensor) -> BlockWeight:
         if isinstance(tensor, torch.Tensor):  # a float checkpoint (or a dequantized GGUF)
@@ -526,3 +556,75 @@ def _plan_embeddings(cfg, model: nn.Module, specs: dict[str, _Spec], quantized) 
         cfg.quantization == "gguf" and quantized([embed_name])
     ):
         specs[_EMBED] = _Spec([embed_name], has_bias=False, embedding=True)
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _benchmark(num_threads: int = 1, copies: int = 30) -> None:
+    """Prints ms per call of each candidate for SmolLM2-135M's shapes; each candidate cycles
+    through `copies` random weights (as a step's layers do) so they stream from memory."""
+    import statistics
+    import time
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)  # quantize_per_channel deprecation
+    torch.set_num_threads(num_threads)
+    shapes = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "o": (576, 576)}
+    shapes["logits"] = (49152, 576)
+    print("shape      T  " + "".join(f"{name:>10}" for name in _candidates(torch.ones(16, 32), 1)))
+    for label, (n, k) in shapes.items():
+        weights = [torch.randn(n, k) * 0.02 for _ in range(copies if n < 10000 else 2)]
+        for num_tokens in (1, 8, 32, 64, 512):
+            if label == "logits" and num_tokens == 512:
+                continue  # logits are computed for the sampled rows only
+            x = torch.randn(num_tokens, k)
+            calls = [_candidates(w, num_tokens) for w in weights]
+            row = []
+            for name in calls[0]:
+                fns = [c[name](x) for c in calls]
+                if fns[0] is None:
+                    row.append(float("nan"))
+                    continue
+                times = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    for fn in fns:
+                        fn()
+                    times.append((time.perf_counter() - start) / len(fns))
+                row.append(statistics.median(times) * 1e3)
+            print(f"{label:<8}{num_tokens:>5}  " + "".join(f"{ms:>10.3f}" for ms in row))
+
+
+def _candidates(w: torch.Tensor, num_tokens: int) -> dict[str, Any]:
+    """name -> (x -> zero-argument call, or None where too slow to bother)."""
+    n, k = w.shape
+    scale = w.abs().amax(1) / 127
+    zero = torch.zeros(n, dtype=torch.long)
+    packed = torch.ops.quantized.linear_prepack(
+        torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8), None
+    )
+    w8 = torch.round(w / scale[:, None]).to(torch.int8)
+    w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, k), dtype=torch.int32), 1
+    )
+    scales_zeros = torch.randn(k // QK, n, 2)
+    q4, q8 = quantize_q4(w), quantize_q8(w)
+    slow = num_tokens > 8  # the int8/int4 pack ops are far behind already at 8 tokens
+    return {
+        "f32": lambda x: lambda: (w @ x.T).T,
+        "fbgemm_i8": lambda x: lambda: torch.ops.quantized.linear_dynamic(x, packed),
+        "i8pack_mm": lambda x: None if slow else lambda: torch._weight_int8pack_mm(x, w8, scale),
+        "i4pack_mm": lambda x: (
+            None if slow else lambda: torch._weight_int4pack_mm_for_cpu(x, w4, QK, scales_zeros)
+        ),
+        "q4_block": lambda x: lambda: kernels().q4_linear(x, q4.qs, q4.d, q4.m),
+        "q8_block": lambda x: lambda: kernels().q8_linear(x, q8.qs, q8.d),
+        "q4_tiles": lambda x: lambda: kernels().q4_linear_dequant(x, q4.qs, q4.d, q4.m),
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    _benchmark(*(int(arg) for arg in sys.argv[1:3]))

@@ -285,7 +285,14 @@ at::Tensor linear_dequant_impl(const at::Tensor& x_in, const at::Tensor& qs, con
       const int64_t n0 = c * DEQUANT_ROWS, rows = std::min(DEQUANT_ROWS, N - n0);
       const at::Tensor w = dequantize_impl<W_Q8>(qs.narrow(0, n0, rows), d.narrow(0, n0, rows),
                                                  W_Q8 ? d : m.narrow(0, n0, rows));
-      out.narrow(1, n0, rows).copy_(at::mm(x, w.t()));
+      // Raw copy: worker threads do not inherit InferenceMode, so an in-place ATen op on an
+      // inference-mode `out` would be refused there.
+      const at::Tensor tile = at::mm(x, w.t()).contiguous();  // (T, rows)
+      const float* src = tile.data_ptr<float>();
+      float* dst = out.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) {
+        std::memcpy(dst + t * N + n0, src + t * rows, rows * sizeof(float));
+      }
     }
   });
   return out;
