@@ -39,10 +39,13 @@ class ModelRunner:
         # One contiguous (block, kv head) tile per block and head: see model/attention.py.
         tile = self.block_size * self.cfg.head_dim
         shape = (2, num_blocks, self.cfg.num_kv_heads, tile)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.cfg.dtype, device=self.device)
-            for _ in range(self.cfg.num_layers)
-        ]
+        self.kv_caches = [self._new_cache(shape) for _ in range(self.cfg.num_layers)]
+
+    def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        cache = torch.empty(shape, dtype=self.cfg.dtype, device=self.device)
+        if self.attention_ops is not None:  # huge pages must be asked for before the first touch
+            self.attention_ops.advise_huge_pages(cache)
+        return cache.zero_()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

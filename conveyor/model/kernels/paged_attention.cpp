@@ -34,6 +34,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -527,7 +530,25 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
   });
 }
 
+// Transparent huge pages for a large tensor not yet touched (Linux, THP in "madvise" mode):
+// the KV cache is read tile by tile at scattered places, and with 4 KiB pages nearly every
+// tile is a TLB miss (about 3% of a decode step's attention time here). Returns whether the
+// advice was taken.
+bool advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (start + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t last = (start + t.nbytes()) & ~(kHuge - 1);
+  if (last <= first) return false;
+  return madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) == 0;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("advise_huge_pages", &advise_huge_pages, "madvise(MADV_HUGEPAGE) over a tensor");
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place (CPU)");
   m.def("paged_attention", &paged_attention, "paged attention over a whole step (CPU)");
   m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
