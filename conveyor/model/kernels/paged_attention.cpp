@@ -82,9 +82,9 @@ inline void store(T* p, Vec<T> v) {
 }
 template <typename T>
 inline Vec<T> broadcast(T x) {
-  Vec<T> v;
-  for (int i = 0; i < kLanes<T>; ++i) v[i] = x;
-  return v;
+  // Folds to one broadcast, or into the FMA's memory operand (x - 0 == x for every x, -0
+  // included); a lane-by-lane fill compiled to shuffles.
+  return x - Vec<T>{};
 }
 
 // S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
