@@ -169,3 +169,15 @@ def test_engine_num_threads_sets_torch_threads_and_rejects_zero(tiny_checkpoint)
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="num_threads"):
         LLMEngine(path, dtype="float64", num_threads=0, num_blocks=8)
+
+
+def test_tables_pointing_outside_the_cache_raise(ops):
+    q = torch.randn(1, 2, 8)
+    cache = torch.zeros(2, 4, 1, 4 * 8)
+    one = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.paged_attention(q, cache, 4, one, torch.tensor([3]), torch.tensor([[9]]), 1.0)
+    with pytest.raises(RuntimeError, match="table of 1 blocks"):
+        ops.paged_attention(q, cache, 4, one, torch.tensor([5]), torch.tensor([[0]]), 1.0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), cache, torch.tensor([16]), 4)

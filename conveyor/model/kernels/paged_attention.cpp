@@ -404,15 +404,35 @@ void dispatch_shape(const Inputs& in, int64_t num_seqs, const T* qp, const T* kc
   attention_impl<T, 0, 0>(in, num_seqs, qp, kc, vc, out, sh);
 }
 
+// Shapes, and every block the kernel will read inside the cache: a bad table must raise, not
+// read out of bounds (O(blocks read), small next to the attention itself).
 void check_metadata(const at::Tensor& query_start, const at::Tensor& seq_lens,
-                    const at::Tensor& block_tables) {
+                    const at::Tensor& block_tables, int64_t block_size, int64_t num_blocks,
+                    int64_t num_rows) {
   for (const auto* t : {&query_start, &seq_lens, &block_tables}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "paged_attention: metadata must be contiguous int64 CPU tensors");
   }
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
-                  query_start.size(0) == seq_lens.size(0) + 1,
+  const int64_t num_seqs = seq_lens.size(0), width = block_tables.size(1);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  query_start.size(0) == num_seqs + 1,
               "paged_attention: block_tables (S, W), seq_lens (S,), query_start (S + 1,)");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[num_seqs] == num_rows,
+              "paged_attention: query_start must run from 0 to q.size(0)");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qs[s + 1] - qs[s], needed = (lens[s] + block_size - 1) / block_size;
+    TORCH_CHECK(q_len >= 0 && lens[s] >= q_len && needed <= width,
+                "paged_attention: sequence ", s, " has ", q_len, " new rows, length ", lens[s],
+                " and a table of ", width, " blocks");
+    for (int64_t b = 0; b < needed; ++b) {
+      const int64_t block = tables[s * width + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_attention: block id ", block,
+                  " outside the cache of ", num_blocks, " blocks");
+    }
+  }
 }
 
 }  // namespace
@@ -426,12 +446,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
               "paged_attention: q (T, H, D), kv_cache (2, blocks, kv heads, block_size * D)");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == q.scalar_type(),
               "paged_attention: kv_cache must be contiguous and of q's dtype");
-  check_metadata(query_start, seq_lens, block_tables);
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = kv_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && kv_cache.size(3) == block_size * head_dim,
+  TORCH_CHECK(block_size > 0 && num_heads % num_kv_heads == 0 &&
+                  kv_cache.size(3) == block_size * head_dim,
               "paged_attention: head counts or cache tile size do not match");
-  TORCH_CHECK(query_start.data_ptr<int64_t>()[seq_lens.size(0)] == q.size(0),
-              "paged_attention: query_start must end at q.size(0)");
+  check_metadata(query_start, seq_lens, block_tables, block_size, kv_cache.size(1), q.size(0));
   at::Tensor out = at::empty({q.size(0), num_heads, head_dim}, q.options());
   const Inputs in{query_start.data_ptr<int64_t>(),
                   seq_lens.data_ptr<int64_t>(),
@@ -466,6 +485,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
               "write_kv: cache tile does not match k");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t tile = block_size * dim;
+  const int64_t num_slots = kv_cache.size(1) * block_size;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " outside the cache");
+  }
   AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "write_kv", [&] {
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
