@@ -56,6 +56,7 @@ import functools
 import hashlib
 import logging
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,12 @@ QK = 32  # elements per block
 FORMATS = ("q4", "q8")
 # From this many tokens on, dequantize-then-MKL beats the block kernel (measured, see above).
 DEQUANT_FROM_TOKENS = 16
+# From this many tokens on, a per-channel int8 copy through fbgemm beats both (measured, above).
+INT8_FROM_TOKENS = 8
+# Input channels above this many times a token's RMS skip the int8 route (see int8_linear).
+OUTLIER_RATIO = float(os.environ.get("CONVEYOR_QUANT_OUTLIER_RATIO", "4"))
+# CONVEYOR_QUANT_INT8=0 builds no int8 copies at load (the block / tile routes only).
+INT8_ENV = "CONVEYOR_QUANT_INT8"
 _KERNEL_SOURCE = Path(__file__).parent / "kernels" / "quant_gemm.cpp"
 
 
@@ -322,6 +329,77 @@ def reference_linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     return x_rounded.double() @ weight.dequantize().double().T
 
 
+# --------------------------------------------------------------------------- int8 route
+
+
+@functools.cache
+def int8_gemm_available() -> bool:
+    """Whether PyTorch's x86 quantized engine (fbgemm; VNNI/AMX where present) runs here."""
+    engines = torch.backends.quantized.supported_engines
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        usable = [e for e in ("x86", "fbgemm") if e in engines]
+        if not usable:
+            logger.info("conveyor: no x86/fbgemm quantized engine; int8 GEMM route off")
+            return False
+        torch.backends.quantized.engine = usable[0]
+    return True
+
+
+def int8_route_enabled() -> bool:
+    return os.environ.get(INT8_ENV, "1") != "0" and int8_gemm_available()
+
+
+def pack_int8(weight: BlockWeight, tile_rows: int = 1024) -> torch.ScriptObject:
+    """fbgemm's prepacked per-output-channel int8 copy of the blocks (symmetric, scale
+    max|row| / 127). Rows are dequantized a tile at a time: no float copy of the whole weight."""
+    num_rows, _ = weight.shape
+    tiles, scales = [], []
+    for start in range(0, num_rows, tile_rows):
+        rows = dequantize(weight.rows(torch.arange(start, min(start + tile_rows, num_rows))))
+        scale = (rows.abs().amax(1) / 127).clamp_min(1e-12)
+        tiles.append(torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        scales.append(scale)
+    scale = torch.cat(scales).double()
+    q = torch._make_per_channel_quantized_tensor(
+        torch.cat(tiles), scale, torch.zeros(num_rows, dtype=torch.long), 0
+    )
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def int8_linear(
+    x: torch.Tensor, packed: torch.ScriptObject, weight: BlockWeight, outlier_ratio: float
+) -> torch.Tensor:
+    """x (T, K) float32 @ the packed weight.T. fbgemm rounds activations with one scale per
+    tensor. Two fixes keep that close to the block kernel's per-block rounding: input channels
+    where some token exceeds `outlier_ratio` x its RMS (a few fixed "massive activation"
+    channels in LLMs) are multiplied in float32 with their columns read from the blocks, and
+    each row is scaled to max|x| = 1 (undone on the output), so the scale is per token."""
+    scaled, amax, cols, x_out = kernels().int8_prepare(x, outlier_ratio)
+    out = torch.ops.quantized.linear_dynamic(scaled, packed).mul_(amax)
+    return out.addmm_(x_out, weight_columns(weight, cols).T) if cols.numel() else out
+
+
+def weight_columns(weight: BlockWeight, cols: torch.Tensor) -> torch.Tensor:
+    """Float32 (N, len(cols)): the given input columns of the blocks, dequantized."""
+    if weight.format == "q8":
+        return kernels().q8_columns(weight.qs, weight.d, cols)
+    return kernels().q4_columns(weight.qs, weight.d, weight.m, cols)
+
+
+def reference_int8_linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """What int8_linear computes, in float64: per-channel int8 weights times activations that
+    fbgemm rounds to uint8 (asymmetric, min/max of the tensor and 0) after the per-row scaling."""
+    w = weight.dequantize().double()
+    w_scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+    amax = x.abs().amax(1, keepdim=True).clamp_min(1e-30)
+    xn = (x / amax).double()
+    lo, hi = min(xn.min().item(), 0.0), max(xn.max().item(), 0.0)
+    scale = (hi - lo) / 255
+    zero = round(-lo / scale)
+    x_rounded = ((torch.round(xn / scale) + zero).clamp(0, 255) - zero) * scale * amax.double()
+    return x_rounded @ (torch.round(w / w_scale).clamp(-127, 127) * w_scale).T
+
+
 # --------------------------------------------------------------------------- modules
 
 
@@ -340,9 +418,19 @@ class QuantLinear(nn.Module):
         # Token count from which the float-tile path runs; bench quality raises it to score
         # what decode steps compute.
         self.dequant_from = DEQUANT_FROM_TOKENS
+        # Token count from which the int8 copy runs (once pack_int8 has made one).
+        self.int8_from = INT8_FROM_TOKENS
+        self.int8_weight: torch.ScriptObject | None = None
+        self.outlier_ratio = OUTLIER_RATIO
         # int16 / uint8 / int8 buffers: Module.to(dtype) casts floats only, so they survive it.
         _register_blocks(self, weight)
         self.register_buffer("bias", bias)
+
+    def pack_int8(self) -> None:
+        """Adds fbgemm's int8 copy (about 1 byte per parameter) for T >= int8_from."""
+        with warnings.catch_warnings():  # quantized tensor creation is deprecated, not gone
+            warnings.simplefilter("ignore", UserWarning)
+            self.int8_weight = pack_int8(self.weight_blocks)
 
     @property
     def weight_blocks(self) -> BlockWeight:
@@ -351,7 +439,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dim() == 2:
             x32 = x.to(torch.float32)
-            out = block_linear(x32, self.weight_blocks, self.dequant_from).to(x.dtype)
+            if self.int8_weight is not None and x.shape[0] >= self.int8_from:
+                out = int8_linear(x32, self.int8_weight, self.weight_blocks, self.outlier_ratio)
+                out = out.to(x.dtype)
+            else:
+                out = block_linear(x32, self.weight_blocks, self.dequant_from).to(x.dtype)
         else:  # other devices and shapes: the readable (slow) path
             out = x @ self.weight_blocks.dequantize().to(x.device, x.dtype).T
         return out if self.bias is None else out + self.bias
@@ -386,6 +478,19 @@ class QuantEmbedding(nn.Module):
         flat = input_ids.reshape(-1)
         rows = BlockWeight(self.format, self.qs, self.d, self.m).rows(flat)
         return rows.dequantize().to(self.dtype).reshape(*input_ids.shape, -1)
+
+
+def pack_int8_modules(model: nn.Module) -> int:
+    """Gives every QuantLinear but the lm_head its int8 copy where the route is on; returns
+    how many got one."""
+    if not int8_route_enabled():
+        return 0
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear) and name != _LM_HEAD:
+            module.pack_int8()
+            count += 1
+    return count
 
 
 def _register_blocks(module: nn.Module, weight: BlockWeight) -> None:
@@ -501,6 +606,7 @@ class QuantPlan:
                 # always takes the float-tile path (float32 arithmetic on the stored blocks).
                 module.dequant_from = 1
             model.set_submodule(name, module)
+        pack_int8_modules(model)
 
     def _to_blocks(self, tensor) -> BlockWeight:
         if isinstance(tensor, torch.Tensor):  # a float checkpoint (or a dequantized GGUF)

@@ -28,7 +28,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
+#include <vector>
 #include <cstring>
 
 namespace {
@@ -315,6 +317,81 @@ at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d) {
   return dequantize_impl<true>(qs.contiguous(), d.contiguous(), d);
 }
 
+// Activations for fbgemm's per-tensor int8 route (quant.py int8_linear), in one pass over x:
+// input channels where some token exceeds ratio x its RMS are the outliers; they are zeroed in
+// the scaled copy and returned gathered (float), and every row is scaled to max|x| = 1 over the
+// remaining channels. Returns (scaled (T, K), row max (T, 1), cols (C,) int64, outliers (T, C)).
+std::vector<at::Tensor> int8_prepare(const at::Tensor& x_in, double ratio) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t t_count = x.size(0), k = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  std::vector<uint8_t> outlier(k, 0);
+  for (int64_t t = 0; t < t_count; ++t) {
+    const float* row = xp + t * k;
+    double sumsq = 0;
+    for (int64_t i = 0; i < k; ++i) sumsq += row[i] * row[i];
+    const float limit = static_cast<float>(ratio * std::sqrt(sumsq / k));
+    for (int64_t i = 0; i < k; ++i) outlier[i] |= std::fabs(row[i]) > limit;
+  }
+  std::vector<int64_t> cols;
+  for (int64_t i = 0; i < k; ++i)
+    if (outlier[i]) cols.push_back(i);
+  const int64_t c = static_cast<int64_t>(cols.size());
+  at::Tensor scaled = at::empty_like(x), amax = at::empty({t_count, 1}, x.options());
+  at::Tensor gathered = at::empty({t_count, c}, x.options());
+  float *sp = scaled.data_ptr<float>(), *ap = amax.data_ptr<float>();
+  float* gp = gathered.data_ptr<float>();
+  for (int64_t t = 0; t < t_count; ++t) {
+    const float* row = xp + t * k;
+    float top = 1e-30f;
+    for (int64_t i = 0; i < k; ++i)
+      if (!outlier[i]) top = std::max(top, std::fabs(row[i]));
+    const float inv = 1.0f / top;
+    for (int64_t i = 0; i < k; ++i) sp[t * k + i] = outlier[i] ? 0.0f : row[i] * inv;
+    for (int64_t j = 0; j < c; ++j) gp[t * c + j] = row[cols[j]];
+    ap[t] = top;
+  }
+  at::Tensor col_tensor = at::empty({c}, x.options().dtype(at::kLong));
+  if (c) std::memcpy(col_tensor.data_ptr<int64_t>(), cols.data(), c * sizeof(int64_t));
+  return {scaled, amax, col_tensor, gathered};
+}
+
+// Float (N, C): the given input columns of a block matrix, dequantized (q4 when m is defined).
+template <bool W_Q8>
+at::Tensor columns_impl(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                        const at::Tensor& cols) {
+  const int64_t n = d.size(0), nb = d.size(1), c = cols.size(0);
+  const int64_t row_bytes = W_Q8 ? nb * 32 : nb * 16;
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const int16_t *dp = d.data_ptr<int16_t>(), *mp = m.data_ptr<int16_t>();
+  const int64_t* cp = cols.data_ptr<int64_t>();
+  at::Tensor out = at::empty({n, c}, d.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < c; ++j) {
+      const int64_t b = cp[j] / 32, pos = cp[j] % 32;
+      const float dw = half_to_float(dp[r * nb + b]);
+      if constexpr (W_Q8) {
+        op[r * c + j] = static_cast<int8_t>(q[r * row_bytes + cp[j]]) * dw;
+      } else {
+        const uint8_t byte = q[r * row_bytes + b * 16 + pos % 16];
+        const int v = pos < 16 ? (byte & 0x0F) : (byte >> 4);
+        op[r * c + j] = v * dw + half_to_float(mp[r * nb + b]);
+      }
+    }
+  }
+  return out;
+}
+
+at::Tensor q4_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                      const at::Tensor& cols) {
+  return columns_impl<false>(qs.contiguous(), d.contiguous(), m.contiguous(), cols.contiguous());
+}
+
+at::Tensor q8_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& cols) {
+  return columns_impl<true>(qs.contiguous(), d.contiguous(), d.contiguous(), cols.contiguous());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -324,4 +401,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q8_linear_dequant", &q8_linear_dequant, "q8_linear through row tiles and MKL");
   module.def("q4_dequantize", &q4_dequantize, "float rows of 4-bit blocks");
   module.def("q8_dequantize", &q8_dequantize, "float rows of int8 blocks");
+  module.def("int8_prepare", &int8_prepare, "outlier split and per-row scaling for fbgemm");
+  module.def("q4_columns", &q4_columns, "float columns of 4-bit blocks");
+  module.def("q8_columns", &q8_columns, "float columns of int8 blocks");
 }
