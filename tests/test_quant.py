@@ -290,3 +290,43 @@ def _text() -> Path:
     from conveyor.bench.quality import DEFAULT_TEXT
 
     return DEFAULT_TEXT
+
+
+# ---- fbgemm int8 route ---------------------------------------------------------------------
+
+needs_int8 = pytest.mark.skipif(not quant.int8_gemm_available(), reason="no x86 quantized engine")
+
+
+@needs_int8
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("shape", [(7, 64), (130, 96), (960, 576), (33, 1536)])
+def test_int8_route_equals_the_float_reference(fmt, shape):
+    weight = random_blocks(fmt, *shape)
+    x = torch.randn(24, shape[1])
+    x[:, 5] *= 30  # an outlier channel: it must take the float columns, not spoil the rounding
+    out = quant.int8_linear(x, quant.pack_int8(weight), weight, quant.OUTLIER_RATIO)
+    ref = x.double() @ weight.dequantize().double().T
+    # int8 weights per channel and 8-bit activations per token: ~1% of the largest output.
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1.5e-2 * ref.abs().max())
+
+
+@needs_int8
+def test_int8_route_takes_outlier_columns_from_the_blocks_exactly():
+    weight = random_blocks("q4", 40, 128)
+    cols = torch.tensor([0, 15, 16, 31, 32, 127])
+    assert torch.equal(quant.weight_columns(weight, cols), weight.dequantize()[:, cols])
+
+
+@needs_int8
+def test_quantized_linear_switches_to_int8_from_the_threshold():
+    weight = random_blocks("q4", 64, 96)
+    module = QuantLinear(weight, [64])
+    module.pack_int8()
+    for num_tokens in (1, quant.INT8_FROM_TOKENS - 1, quant.INT8_FROM_TOKENS, 40):
+        x = torch.randn(num_tokens, 96)
+        out = module(x)
+        if num_tokens >= quant.INT8_FROM_TOKENS:
+            expected = quant.int8_linear(x, module.int8_weight, weight, module.outlier_ratio)
+        else:
+            expected = quant.block_linear(x, weight)
+        assert torch.equal(out, expected), num_tokens
