@@ -1,5 +1,6 @@
 // Paged attention over a whole step (decode rows and prompt chunks together), reading the KV
-// cache in place, and the KV write through a slot mapping. CPU, float32 and float64.
+// cache in place; the KV write through a slot mapping; rotary embedding in place. CPU, float32
+// and float64 (the equivalence tests run the model in float64 through this same code).
 //
 // Data layout
 //   kv_cache   (2, num_blocks, num_kv_heads, block_size * head_dim), contiguous. One (block,
@@ -16,21 +17,25 @@
 //   block_tables (S, W) int64: block ids of s, only the first ceil(seq_len / block_size) read.
 //
 // Work split and loop order
-//   A work item is (sequence, kv head, tile of up to `rows_per_tile` query tokens). The query
-//   heads that share the kv head (GQA group of G) are processed together: a tile holds
-//   tokens x G rows, so each K/V tile loaded from memory serves all of them. Items are sorted by
+//   A work item is (sequence, kv head, tile of up to 64 / G query tokens), G the GQA group:
+//   the query heads that share a kv head are processed together, a tile holding tokens x G
+//   rows, so each K/V tile loaded from memory serves all of them. Items are sorted by
 //   decreasing cost (keys x rows) and handed out through an atomic counter inside one
-//   at::parallel_for region (the costs differ a lot: a decode row against 2k keys vs. a chunk's
+//   at::parallel_for region (costs differ a lot: a decode row against 2k keys vs. a chunk's
 //   first tile), so threads finish together.
 //   Per item: the scaled query rows are copied into a local tile (M x D); then for each KV block
 //   up to the tile's last causal position:
-//     1. S = Q K^T for the block (M x block_size), rows in register groups of 8/4/2/1;
-//     2. online softmax per row: running max m and sum l, P = exp(S - m_new), causal and
-//        sequence-end masking by a per-row key limit, accumulator rescaled only when m grows;
-//     3. acc += P V (M x D).
+//     1. S = Q K^T for the block (M x block_size): rows in register groups (up to 8 rows x
+//        block_size keys of accumulators), one key row loaded per d for the whole group;
+//     2. online softmax per row: running max m and sum l, P = exp(S - m_new) (vector exp for
+//        float32), causal and sequence-end masking by a per-row key limit, the accumulator
+//        rescaled only when m grows;
+//     3. acc += P V (M x D): accumulators in registers, 8 vectors of a row at a time, two rows
+//        sharing each V load where 32 vector registers exist (AVX-512 machines).
 //   Finally out = acc / l. Memory traffic per item: each K/V tile of the sequence read once.
-//   Head dims 64/128 and block sizes 16/32 are compiled with constant trip counts (vectorised
-//   by the compiler, -O3 -march=native); other shapes run the same code with runtime bounds.
+//   Vectors are 32 bytes (GCC vector extensions; AVX2 + FMA, -O3 -march=native); 64-byte
+//   vectors measured no faster on an AVX-512 machine. Head dims 64/128 with block sizes 16/32
+//   are compiled with constant trip counts; other shapes run scalar loops with runtime bounds.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
