@@ -261,14 +261,23 @@ def _as_set(value) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | float | str | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; a half type halves the KV bytes
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_blocks is not None and (

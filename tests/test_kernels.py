@@ -25,9 +25,12 @@ def ops():
     return module
 
 
-def run_both(ops, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+def run_both(
+    ops, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, cache_dtype=None
+):
     """seqs: (context_len, query_len) per sequence. Runs one attention layer of the step through
-    the kernel and through the reference, on identical random caches and inputs."""
+    the kernel and through the reference, on identical random caches and inputs (the cache in
+    `cache_dtype`, default `dtype`)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     query_lens = np.array([q for _, q in seqs], dtype=np.int64)
@@ -46,7 +49,7 @@ def run_both(ops, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, se
     _, slots = positions_and_slots(query_lens, context_lens, tables, block_size)
     num_tokens = int(query_lens.sum())
     cache = torch.randn(2, num_blocks, num_kv_heads, block_size * head_dim, generator=gen)
-    cache = cache.to(dtype)
+    cache = cache.to(cache_dtype or dtype)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen, dtype=dtype)
     # k and v as strided views, like the projections' transposed outputs.
     k = torch.randn(num_kv_heads, head_dim, num_tokens, generator=gen, dtype=dtype).permute(2, 0, 1)
@@ -181,3 +184,127 @@ def test_tables_pointing_outside_the_cache_raise(ops):
         ops.paged_attention(q, cache, 4, one, torch.tensor([5]), torch.tensor([[0]]), 1.0)
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), cache, torch.tensor([16]), 4)
+
+
+# ---- a float16 / bfloat16 KV cache under a float32 model ----------------------------------
+
+HALF_TYPES = [torch.float16, torch.bfloat16]
+MIXED_STEP = [(0, 37), (40, 1), (32, 16), (5, 70), (0, 1), (100, 3), (0, 16), (300, 1)]
+
+
+@pytest.mark.parametrize("cache_dtype", HALF_TYPES)
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128), (8, 32)])
+def test_half_cache_matches_reference(ops, cache_dtype, block_size, head_dim):
+    # Both paths read the same rounded values and compute in float32: float32 tolerance, and
+    # the writes (round to nearest even on both sides) must agree bit for bit. (8, 32): the
+    # runtime-shape scalar loops.
+    results = run_both(ops, MIXED_STEP, 9, 3, head_dim, block_size, torch.float32, 0, cache_dtype)
+    assert results[0][1].dtype == cache_dtype
+    assert_close(results, torch.float32)
+
+
+@pytest.mark.parametrize("cache_dtype", HALF_TYPES)
+@pytest.mark.parametrize("seed", range(3))
+def test_half_cache_random_steps_match_reference(ops, cache_dtype, seed):
+    rng = random.Random(seed)
+    seqs = [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 30))]
+    seqs += [(rng.choice([0, rng.randrange(0, 200)]), rng.randrange(2, 90)) for _ in range(3)]
+    group = rng.choice([1, 3, 4])
+    results = run_both(ops, seqs, 2 * group, 2, 64, 16, torch.float32, seed, cache_dtype)
+    assert_close(results, torch.float32)
+
+
+@pytest.mark.parametrize("cache_dtype,tolerance", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_half_cache_output_is_close_to_a_float32_cache(ops, cache_dtype, tolerance):
+    # The loss itself: the same step with a float32 cache holding the same (unrounded) values.
+    # Outputs are averages of unit-variance values; half an ulp of float16 is 2^-11 = 4.9e-4
+    # relative (bfloat16: 2^-8 = 3.9e-3), the output error stays below a few of those.
+    wide = run_both(ops, MIXED_STEP, 9, 3, 64, 16, torch.float32)[0][0]
+    half = run_both(ops, MIXED_STEP, 9, 3, 64, 16, torch.float32, 0, cache_dtype)[0][0]
+    relative = ((half - wide).norm() / wide.norm()).item()
+    assert 0 < relative < tolerance, f"relative error {relative}"
+
+
+@pytest.mark.parametrize("cache_dtype", HALF_TYPES)
+def test_write_rounds_like_torch(ops, cache_dtype):
+    # Random float32 bit patterns over the whole exponent range (subnormals, overflow to inf)
+    # plus exact ties, which only round-to-nearest-even gets right.
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
+    values = bits.to(torch.int32).view(torch.float32)
+    values = values[torch.isfinite(values)]
+    mantissa_bits = 10 if cache_dtype == torch.float16 else 7
+    step = 2.0**-mantissa_bits
+    ties = torch.arange(1, 65, dtype=torch.float32) * step + step / 2  # halfway between two
+    small = torch.randn(2048, generator=gen) * torch.logspace(-8, 5, 2048)
+    values = torch.cat([values, -values, ties, -ties, small, torch.tensor([0.0, -0.0])])
+    num = values.numel() // 32 * 32
+    k = values[:num].view(-1, 1, 32)
+    v = k.flip(0)
+    cache = torch.zeros(2, k.shape[0], 1, 32, dtype=cache_dtype)  # block_size 1: tile = a row
+    ops.write_kv(k, v, cache, torch.arange(k.shape[0]), 1)
+    for stored, source in ((cache[0, :, 0], k[:, 0]), (cache[1, :, 0], v[:, 0])):
+        expected = source.to(cache_dtype)
+        assert torch.equal(stored.view(torch.int16), expected.view(torch.int16))
+
+
+def test_half_cache_is_refused_for_other_model_dtypes(ops):
+    with pytest.raises(RuntimeError, match="cache dtype"):
+        ops.write_kv(
+            torch.ones(1, 1, 8, dtype=torch.float64),
+            torch.ones(1, 1, 8, dtype=torch.float64),
+            torch.zeros(2, 2, 1, 32, dtype=torch.float16),
+            torch.tensor([0]),
+            4,
+        )
+
+
+def greedy_tokens(path, prompts, **kwargs) -> list[list[int]]:
+    from conveyor import LLMEngine, SamplingParams
+
+    engine = LLMEngine(path, dtype="float32", **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = list(out.outputs[0].token_ids)
+    return [done[i] for i in range(len(prompts))]
+
+
+def test_float16_cache_engine_generates_nearly_the_same_greedy_tokens(tiny_checkpoint):
+    from conftest import random_prompts
+
+    path = str(tiny_checkpoint("llama"))
+    prompts = random_prompts(16, 200, seed=1)
+    auto = greedy_tokens(path, prompts)
+    half = greedy_tokens(path, prompts, kv_cache_dtype="float16")
+    # A random tiny model has near-tied logits, so one rounding of K/V may flip a greedy choice
+    # and the continuation diverges from there: compare the prefix before the first mismatch.
+    # Requiring most of all tokens to match catches a cache that is read wrong (that would
+    # diverge at once), without pinning near-ties.
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+        for x, y in zip(auto, half, strict=True)
+    ]
+    assert sum(agree) >= 0.75 * sum(map(len, auto)), f"tokens agreeing per prompt: {agree}"
+
+
+def test_half_cache_halves_kv_bytes_and_doubles_blocks(tiny_checkpoint):
+    from conveyor import LLMEngine
+
+    path = str(tiny_checkpoint("llama"))
+    auto = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB")
+    half = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB", kv_cache_dtype="bfloat16")
+    assert half.runner.kv_bytes_per_block() * 2 == auto.runner.kv_bytes_per_block()
+    assert half.runner.kv_caches[0].dtype == torch.bfloat16
+    assert half.num_blocks in (2 * auto.num_blocks, 2 * auto.num_blocks + 1)
+
+
+def test_bad_kv_cache_dtype_is_refused():
+    from conveyor.config import CacheConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16"):
+        CacheConfig(kv_cache_dtype="fp8")

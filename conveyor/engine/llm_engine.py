@@ -77,6 +77,7 @@ class LLMEngine:
         num_blocks: int | None = None,
         kv_cache_memory: int | float | str | None = None,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         record_trace: bool = False,
@@ -91,13 +92,15 @@ class LLMEngine:
             model, dtype, self.device.type, max_model_len, quantization
         )
         self.cache_config = CacheConfig(
-            block_size, num_blocks, kv_cache_memory, enable_prefix_caching
+            block_size, num_blocks, kv_cache_memory, enable_prefix_caching, kv_cache_dtype
         )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
         )
         torch.manual_seed(seed)
-        self.runner = ModelRunner(self.model_config, self.device, block_size, seed)
+        self.runner = ModelRunner(
+            self.model_config, self.device, block_size, seed, kv_cache_dtype
+        )
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.kv_cache = KVCacheManager(self.num_blocks, block_size, enable_prefix_caching)

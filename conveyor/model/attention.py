@@ -9,7 +9,8 @@ values as (block_size, head_dim). That is the layout the compiled CPU kernel rea
 (see kernels/paged_attention.cpp); `key_blocks` / `value_blocks` give its shaped views.
 
 Two implementations of the same op:
-  - the compiled kernel (CPU, float32/float64): varlen over all rows, no copies of the cache;
+  - the compiled kernel (CPU, float32/float64; a float16/bfloat16 cache for float32 models):
+    varlen over all rows, no copies of the cache;
   - the reference in PyTorch, the readable oracle and the path for CUDA, other dtypes or when
     no compiler is present: decode rows as one batch over a padded gather of their blocks,
     masked past each sequence's length; prompt chunks one at a time, causally, over the cached
@@ -156,22 +157,24 @@ def write_kv(
 ) -> None:
     head_dim = k.shape[-1]
     blocks, offsets = slots // block_size, slots % block_size
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)  # a half cache: round to nearest even
     key_blocks(kv_cache, head_dim)[blocks, :, :, offsets] = k  # indexed view: (T, Hkv, D)
     value_blocks(kv_cache, head_dim)[blocks, :, offsets, :] = v
 
 
-def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, head_dim: int):
-    """Keys and values of the blocks in `tables` (..., N) as (..., Hkv, N * block_size, D)."""
+def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, head_dim: int, dtype: torch.dtype):
+    """Keys and values of the blocks in `tables` (..., N) as (..., Hkv, N * block_size, D),
+    converted to `dtype` (the query's: a half cache is computed with in the model dtype)."""
     keys = key_blocks(kv_cache, head_dim)[tables]  # (..., N, Hkv, D, bs)
     values = value_blocks(kv_cache, head_dim)[tables]  # (..., N, Hkv, bs, D)
     keys = keys.transpose(-1, -2).transpose(-3, -4)  # (..., Hkv, N, bs, D)
     values = values.transpose(-3, -4)
-    return keys.flatten(-3, -2), values.flatten(-3, -2)
+    return keys.flatten(-3, -2).to(dtype), values.flatten(-3, -2).to(dtype)
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: ReferencePlan):
     tables = plan.decode_block_tables  # (B, N)
-    keys, values = _gather(kv_cache, tables, q.shape[-1])  # (B, Hkv, L, D)
+    keys, values = _gather(kv_cache, tables, q.shape[-1], q.dtype)  # (B, Hkv, L, D)
     positions = torch.arange(keys.shape[2], device=q.device)
     mask = (positions[None, :] < plan.decode_seq_lens[:, None])[:, None, None, :]  # (B,1,1,L)
     out = F.scaled_dot_product_attention(
@@ -188,11 +191,13 @@ def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk):
     num_q = q.shape[0]
     if chunk.context_len == 0:
         # The whole sequence is in this chunk: attend to the fresh K/V, no gather needed.
+        # Rounded as the cache holds them, so the chunk sees the same keys as later steps.
+        k, v = (x.to(kv_cache.dtype).to(q.dtype) for x in (k, v))
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, Tq, D)
         mask, causal = None, True
     else:
         seq_len = chunk.context_len + num_q
-        keys, values = _gather(kv_cache, chunk.block_table, q.shape[-1])  # (Hkv, L, D)
+        keys, values = _gather(kv_cache, chunk.block_table, q.shape[-1], q.dtype)  # (Hkv, L, D)
         keys, values = keys[:, :seq_len], values[:, :seq_len]
         rows = torch.arange(num_q, device=q.device)[:, None] + chunk.context_len
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (Tq, L)

@@ -22,18 +22,26 @@ from conveyor.sample.sampler import Sampler
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, device: torch.device, block_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        block_size: int,
+        seed: int,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg.dtype)
         self.model = load_model(cfg, device)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
-        self.attention_ops = select_attention_ops(device, cfg.dtype)
+        self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype)
 
     def kv_bytes_per_block(self) -> int:
         per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim
-        return per_token * self.block_size * self.cfg.dtype.itemsize
+        return per_token * self.block_size * self.kv_dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # One contiguous (block, kv head) tile per block and head: see model/attention.py.
@@ -42,7 +50,7 @@ class ModelRunner:
         self.kv_caches = [self._new_cache(shape) for _ in range(self.cfg.num_layers)]
 
     def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        cache = torch.empty(shape, dtype=self.cfg.dtype, device=self.device)
+        cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         if self.attention_ops is not None:  # huge pages must be asked for before the first touch
             self.attention_ops.advise_huge_pages(cache)
         return cache.zero_()
@@ -90,12 +98,29 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
 
-def select_attention_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    """The compiled attention kernels where they apply (CPU, float32/float64, built here);
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto" -> the model dtype; otherwise the named half type (validated in CacheConfig)."""
+    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+
+
+# (model dtype, cache dtype) pairs the compiled kernel reads; a half cache is converted to
+# float32 on load, so only float32 models read it there (float64 + half runs the reference).
+KERNEL_DTYPES = {
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+}
+
+
+def select_attention_ops(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> ModuleType | None:
+    """The compiled attention kernels where they apply (CPU, see KERNEL_DTYPES, built here);
     None -> the PyTorch reference. CONVEYOR_ATTENTION=reference forces the reference."""
     if os.environ.get("CONVEYOR_ATTENTION", "").lower() == "reference":
         return None
-    if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+    if device.type != "cpu" or (dtype, kv_dtype or dtype) not in KERNEL_DTYPES:
         return None
     return kernels.load()
 

@@ -1,6 +1,9 @@
 // Paged attention over a whole step (decode rows and prompt chunks together), reading the KV
 // cache in place; the KV write through a slot mapping; rotary embedding in place. CPU, float32
 // and float64 (the equivalence tests run the model in float64 through this same code).
+// The cache may also hold float16 or bfloat16 for a float32 model (--kv-cache-dtype): half the
+// bytes of the bandwidth-bound inner loops; values are widened to float32 as they are loaded
+// (F16C for float16, a 16-bit shift for bfloat16) and rounded to nearest even when written.
 //
 // Data layout
 //   kv_cache   (2, num_blocks, num_kv_heads, block_size * head_dim), contiguous. One (block,
@@ -39,6 +42,11 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -92,9 +100,38 @@ inline Vec<T> broadcast(T x) {
   return x - Vec<T>{};
 }
 
+// One vector of T from kLanes<T> cache values of type C: the cache type is T itself, or a
+// 16-bit float (float32 models only) widened exactly on the way in.
+template <typename T, typename C>
+inline Vec<T> load_cache(const C* p) {
+  if constexpr (std::is_same_v<T, C>) {
+    return load(p);
+  } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    static_assert(std::is_same_v<T, float>, "a bfloat16 cache is read by float32 models only");
+    typedef uint16_t Bits16 __attribute__((vector_size(kVecBytes / 2)));
+    typedef uint32_t Bits32 __attribute__((vector_size(kVecBytes)));
+    Bits16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const Bits32 bits = __builtin_convertvector(h, Bits32) << 16;  // bf16 = float's top half
+    return reinterpret_cast<const Vec<T>&>(bits);
+  } else {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<C, c10::Half>,
+                  "a float16 cache is read by float32 models only");
+#if defined(__F16C__)
+    __m128i h;
+    std::memcpy(&h, p, sizeof(h));
+    return (Vec<T>)_mm256_cvtph_ps(h);
+#else
+    Vec<T> v;
+    for (int i = 0; i < kLanes<T>; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+#endif
+  }
+}
+
 // S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
-template <typename T, int R, int BS, int D>
-inline void qk_rows(const T* __restrict q, const T* __restrict kt, T* __restrict s, Shape sh) {
+template <typename T, typename C, int R, int BS, int D>
+inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict s, Shape sh) {
   if constexpr (BS != 0) {
     constexpr int NV = BS / kLanes<T>;
     Vec<T> acc[R][NV];
@@ -102,7 +139,7 @@ inline void qk_rows(const T* __restrict q, const T* __restrict kt, T* __restrict
       for (int i = 0; i < NV; ++i) acc[r][i] = Vec<T>{};
     for (int d = 0; d < D; ++d) {
       Vec<T> k[NV];
-      for (int i = 0; i < NV; ++i) k[i] = load(kt + d * BS + i * kLanes<T>);
+      for (int i = 0; i < NV; ++i) k[i] = load_cache<T>(kt + d * BS + i * kLanes<T>);
       for (int r = 0; r < R; ++r) {
         const Vec<T> qb = broadcast(q[r * D + d]);
         for (int i = 0; i < NV; ++i) acc[r][i] += qb * k[i];
@@ -118,8 +155,8 @@ inline void qk_rows(const T* __restrict q, const T* __restrict kt, T* __restrict
       for (int j = 0; j < bs; ++j) srow[j] = 0;
       for (int d = 0; d < dim; ++d) {
         const T qv = q[r * dim + d];
-        const T* krow = kt + d * bs;
-        for (int j = 0; j < bs; ++j) srow[j] += qv * krow[j];
+        const C* krow = kt + d * bs;
+        for (int j = 0; j < bs; ++j) srow[j] += qv * static_cast<T>(krow[j]);
       }
     }
   }
@@ -131,60 +168,60 @@ template <typename T, int BS>
 constexpr int kRowGroup =
     BS == 0 ? 4 : std::max(1, std::min(8, (kRegisters - 4) / (BS / kLanes<T>)));
 
-template <typename T, int BS, int D, int R>
-inline void qk_tail(const T* q, const T* kt, T* s, int rows, Shape sh) {
+template <typename T, typename C, int BS, int D, int R>
+inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh) {
   if constexpr (R > 0) {
-    if (rows == R) return qk_rows<T, R, BS, D>(q, kt, s, sh);
-    return qk_tail<T, BS, D, R - 1>(q, kt, s, rows, sh);
+    if (rows == R) return qk_rows<T, C, R, BS, D>(q, kt, s, sh);
+    return qk_tail<T, C, BS, D, R - 1>(q, kt, s, rows, sh);
   }
 }
 
-template <typename T, int BS, int D>
-inline void qk_block(const T* q, const T* kt, T* s, int rows, Shape sh) {
+template <typename T, typename C, int BS, int D>
+inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh) {
   const int dim = D ? D : static_cast<int>(sh.head_dim);
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   constexpr int G = kRowGroup<T, BS>;
   int r = 0;
-  for (; r + G <= rows; r += G) qk_rows<T, G, BS, D>(q + r * dim, kt, s + r * bs, sh);
-  if (r < rows) qk_tail<T, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh);
+  for (; r + G <= rows; r += G) qk_rows<T, C, G, BS, D>(q + r * dim, kt, s + r * bs, sh);
+  if (r < rows) qk_tail<T, C, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh);
 }
 
 // acc[r][:] += sum_{j < n} p[r][j] * v[j][:] for RP rows at once (each V row loaded once for
 // them); the accumulators stay in registers, 8 vectors of each row at a time.
-template <typename T, int D, int RP>
-inline void pv_rows(const T* __restrict p, int bs, const T* __restrict v, T* __restrict acc, int n) {
+template <typename T, typename C, int D, int RP>
+inline void pv_rows(const T* __restrict p, int bs, const C* __restrict v, T* __restrict acc, int n) {
   constexpr int L = kLanes<T>;
   constexpr int NV = D / L;
-  constexpr int C = NV < 8 ? NV : 8;
-  for (int c0 = 0; c0 < NV; c0 += C) {
-    Vec<T> a[RP][C];
+  constexpr int NC = NV < 8 ? NV : 8;
+  for (int c0 = 0; c0 < NV; c0 += NC) {
+    Vec<T> a[RP][NC];
     for (int r = 0; r < RP; ++r)
-      for (int i = 0; i < C; ++i) a[r][i] = load(acc + r * D + (c0 + i) * L);
+      for (int i = 0; i < NC; ++i) a[r][i] = load(acc + r * D + (c0 + i) * L);
     for (int j = 0; j < n; ++j) {
       Vec<T> pb[RP];
       for (int r = 0; r < RP; ++r) pb[r] = broadcast(p[r * bs + j]);
-      const T* vrow = v + j * D + c0 * L;
-      for (int i = 0; i < C; ++i) {
-        const Vec<T> vi = load(vrow + i * L);
+      const C* vrow = v + j * D + c0 * L;
+      for (int i = 0; i < NC; ++i) {
+        const Vec<T> vi = load_cache<T>(vrow + i * L);
         for (int r = 0; r < RP; ++r) a[r][i] += pb[r] * vi;
       }
     }
     for (int r = 0; r < RP; ++r)
-      for (int i = 0; i < C; ++i) store(acc + r * D + (c0 + i) * L, a[r][i]);
+      for (int i = 0; i < NC; ++i) store(acc + r * D + (c0 + i) * L, a[r][i]);
   }
 }
 
 // acc += P V for all rows; v is one (block_size, head_dim) tile. Rows in pairs where the
 // registers allow it (AVX-512 machines have 32 of them for 32-byte vectors).
-template <typename T, int BS, int D>
-inline void pv_block(const T* __restrict p, const T* __restrict v, T* __restrict acc, int rows,
+template <typename T, typename C, int BS, int D>
+inline void pv_block(const T* __restrict p, const C* __restrict v, T* __restrict acc, int rows,
                      int n, Shape sh) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   if constexpr (D != 0) {
     constexpr int RP = kRegisters >= 32 ? 2 : 1;
     int r = 0;
-    for (; r + RP <= rows; r += RP) pv_rows<T, D, RP>(p + r * bs, bs, v, acc + r * D, n);
-    for (; r < rows; ++r) pv_rows<T, D, 1>(p + r * bs, bs, v, acc + r * D, n);
+    for (; r + RP <= rows; r += RP) pv_rows<T, C, D, RP>(p + r * bs, bs, v, acc + r * D, n);
+    for (; r < rows; ++r) pv_rows<T, C, D, 1>(p + r * bs, bs, v, acc + r * D, n);
   } else {
     const int dim = static_cast<int>(sh.head_dim);
     for (int r = 0; r < rows; ++r) {
@@ -192,8 +229,8 @@ inline void pv_block(const T* __restrict p, const T* __restrict v, T* __restrict
       const T* prow = p + r * bs;
       for (int j = 0; j < n; ++j) {
         const T pj = prow[j];
-        const T* vrow = v + j * dim;
-        for (int d = 0; d < dim; ++d) arow[d] += pj * vrow[d];
+        const C* vrow = v + j * dim;
+        for (int d = 0; d < dim; ++d) arow[d] += pj * static_cast<T>(vrow[d]);
       }
     }
   }
@@ -305,8 +342,8 @@ inline void softmax_block(T* s, const int* limit, Scratch<T>& w, int rows, Shape
   }
 }
 
-template <typename T, int BS, int D>
-void run_item(const WorkItem& item, const Inputs& in, const T* qp, const T* kc, const T* vc,
+template <typename T, typename C, int BS, int D>
+void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, const C* vc,
               T* out, Scratch<T>& w, Shape sh) {
   const int bs = static_cast<int>(sh.block_size);
   const int dim = static_cast<int>(sh.head_dim);
@@ -342,10 +379,10 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const T* kc, 
       const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
       limit[r] = static_cast<int>(std::min<int64_t>(visible, bs));
     }
-    qk_block<T, BS, D>(w.q.data(), kc + offset, w.s.data(), rows, sh);
+    qk_block<T, C, BS, D>(w.q.data(), kc + offset, w.s.data(), rows, sh);
     softmax_block<T, BS>(w.s.data(), limit, w, rows, sh);
     const int n = static_cast<int>(std::min<int64_t>(num_keys - base, bs));
-    pv_block<T, BS, D>(w.s.data(), vc + offset, w.acc.data(), rows, n, sh);
+    pv_block<T, C, BS, D>(w.s.data(), vc + offset, w.acc.data(), rows, n, sh);
   }
 
   for (int64_t t = 0; t < item.num_tokens; ++t) {
@@ -375,8 +412,8 @@ std::vector<WorkItem> plan(const Inputs& in, int64_t num_seqs, int64_t tokens_pe
   return items;
 }
 
-template <typename T, int BS, int D>
-void attention_impl(const Inputs& in, int64_t num_seqs, const T* qp, const T* kc, const T* vc,
+template <typename T, typename C, int BS, int D>
+void attention_impl(const Inputs& in, int64_t num_seqs, const T* qp, const C* kc, const C* vc,
                     T* out, Shape sh) {
   const int64_t group = in.num_heads / in.num_kv_heads;
   // Up to 64 rows (tokens x group) per tile: the tile's Q, S and accumulator stay in L1/L2.
@@ -389,24 +426,24 @@ void attention_impl(const Inputs& in, int64_t num_seqs, const T* qp, const T* kc
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch<T> scratch(max_rows, sh);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-      run_item<T, BS, D>(items[i], in, qp, kc, vc, out, scratch, sh);
+      run_item<T, C, BS, D>(items[i], in, qp, kc, vc, out, scratch, sh);
     }
   });
 }
 
-template <typename T>
-void dispatch_shape(const Inputs& in, int64_t num_seqs, const T* qp, const T* kc, const T* vc,
+template <typename T, typename C>
+void dispatch_shape(const Inputs& in, int64_t num_seqs, const T* qp, const C* kc, const C* vc,
                     T* out, Shape sh) {
-#define CONVEYOR_CASE(BS, D)                                                \
-  if (sh.block_size == BS && sh.head_dim == D) {                          \
-    return attention_impl<T, BS, D>(in, num_seqs, qp, kc, vc, out, sh); \
+#define CONVEYOR_CASE(BS, D)                                                   \
+  if (sh.block_size == BS && sh.head_dim == D) {                             \
+    return attention_impl<T, C, BS, D>(in, num_seqs, qp, kc, vc, out, sh); \
   }
   CONVEYOR_CASE(16, 64)
   CONVEYOR_CASE(16, 128)
   CONVEYOR_CASE(32, 64)
   CONVEYOR_CASE(32, 128)
 #undef CONVEYOR_CASE
-  attention_impl<T, 0, 0>(in, num_seqs, qp, kc, vc, out, sh);
+  attention_impl<T, C, 0, 0>(in, num_seqs, qp, kc, vc, out, sh);
 }
 
 // Shapes, and every block the kernel will read inside the cache: a bad table must raise, not
@@ -440,6 +477,18 @@ void check_metadata(const at::Tensor& query_start, const at::Tensor& seq_lens,
   }
 }
 
+// f(T{}, C{}) for the model dtype T and the cache dtype C: the same floating type, or a 16-bit
+// float cache for a float32 model.
+template <typename F>
+void dispatch_types(at::ScalarType model, at::ScalarType cache, const char* name, F&& f) {
+  if (model == at::kFloat && cache == at::kFloat) return f(float{}, float{});
+  if (model == at::kDouble && cache == at::kDouble) return f(double{}, double{});
+  if (model == at::kFloat && cache == at::kHalf) return f(float{}, c10::Half{});
+  if (model == at::kFloat && cache == at::kBFloat16) return f(float{}, c10::BFloat16{});
+  TORCH_CHECK(false, name, ": cache dtype ", cache, " with model dtype ", model,
+              " (supported: the same float32/float64, or a float16/bfloat16 cache for float32)");
+}
+
 }  // namespace
 
 // Attention of all rows of a step: q (T, H, D) -> out (T, H, D). The step's K/V must already
@@ -449,8 +498,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                            const at::Tensor& block_tables, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
               "paged_attention: q (T, H, D), kv_cache (2, blocks, kv heads, block_size * D)");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == q.scalar_type(),
-              "paged_attention: kv_cache must be contiguous and of q's dtype");
+  TORCH_CHECK(kv_cache.is_contiguous(), "paged_attention: kv_cache must be contiguous");
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = kv_cache.size(2);
   TORCH_CHECK(block_size > 0 && num_heads % num_kv_heads == 0 &&
                   kv_cache.size(3) == block_size * head_dim,
@@ -467,21 +515,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                   scale};
   const Shape sh{block_size, head_dim};
   const int64_t half = kv_cache.stride(0);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_attention", [&] {
-    const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
-    dispatch_shape<scalar_t>(in, seq_lens.size(0), q.data_ptr<scalar_t>(), cache, cache + half,
-                             out.data_ptr<scalar_t>(), sh);
+  dispatch_types(q.scalar_type(), kv_cache.scalar_type(), "paged_attention", [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    const C* cache = kv_cache.data_ptr<C>();
+    dispatch_shape<T, C>(in, seq_lens.size(0), q.data_ptr<T>(), cache, cache + half,
+                         out.data_ptr<T>(), sh);
   });
   return out;
 }
 
 // Scatter the step's new keys/values (T, Hkv, D), any strides, into their cache slots
-// (slot = block * block_size + offset; a negative slot is skipped).
+// (slot = block * block_size + offset; a negative slot is skipped). A 16-bit cache gets the
+// values rounded to nearest even, bit for bit as torch's .to(float16 / bfloat16).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
               const at::Tensor& slot_mapping, int64_t block_size) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && kv_cache.is_contiguous() &&
-                  kv_cache.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type(),
-              "write_kv: k, v (T, Hkv, D) of the cache's dtype; contiguous cache");
+                  v.scalar_type() == k.scalar_type(),
+              "write_kv: k, v (T, Hkv, D) of one dtype; contiguous cache");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == k.size(0),
               "write_kv: slot_mapping (T,) int64");
@@ -494,23 +545,25 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
   for (int64_t t = 0; t < num_tokens; ++t) {
     TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " outside the cache");
   }
-  AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "write_kv", [&] {
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    scalar_t* kc = kv_cache.data_ptr<scalar_t>();
-    scalar_t* vc = kc + kv_cache.stride(0);
+  dispatch_types(k.scalar_type(), kv_cache.scalar_type(), "write_kv", [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    const T* kp = k.data_ptr<T>();
+    const T* vp = v.data_ptr<T>();
+    C* kc = kv_cache.data_ptr<C>();
+    C* vc = kc + kv_cache.stride(0);
     at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         if (slots[t] < 0) continue;
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const scalar_t* ks = kp + t * k.stride(0) + h * k.stride(1);
-          const scalar_t* vs = vp + t * v.stride(0) + h * v.stride(1);
-          scalar_t* kt = kc + (block * num_kv_heads + h) * tile + offset;
-          scalar_t* vt = vc + (block * num_kv_heads + h) * tile + offset * dim;
-          for (int64_t d = 0; d < dim; ++d) {
-            kt[d * block_size] = ks[d * k.stride(2)];
-            vt[d] = vs[d * v.stride(2)];
+          const T* ks = kp + t * k.stride(0) + h * k.stride(1);
+          const T* vs = vp + t * v.stride(0) + h * v.stride(1);
+          C* kt = kc + (block * num_kv_heads + h) * tile + offset;
+          C* vt = vc + (block * num_kv_heads + h) * tile + offset * dim;
+          for (int64_t d = 0; d < dim; ++d) {  // c10's conversions round to nearest even
+            kt[d * block_size] = static_cast<C>(ks[d * k.stride(2)]);
+            vt[d] = static_cast<C>(vs[d * v.stride(2)]);
           }
         }
       }
