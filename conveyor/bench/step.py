@@ -140,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV budget; decode cases that do not fit in it are skipped (default 2GiB)",
     )
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--kv-cache-dtype", default=None, help="passed to the engine as kv_cache_dtype= when given"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps (default 5)")
@@ -221,6 +224,8 @@ def build_engine(args: argparse.Namespace, grid: list[Case]):
     )
     if args.quantization is not None:  # only engines that know the keyword get it
         kwargs["quantization"] = args.quantization
+    if args.kv_cache_dtype is not None:
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     try:
         return LLMEngine(args.model, **kwargs)
     except TypeError as error:
@@ -594,6 +599,7 @@ def build_report(args, engine, limits: Limits, results: list[dict], skipped: lis
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "device": str(engine.device),
         "quantization": getattr(cfg, "quantization", args.quantization),
+        "kv_cache_dtype": str(getattr(engine.runner, "kv_dtype", cfg.dtype)).removeprefix("torch."),
         "num_threads": torch.get_num_threads(),
         "cpu_count": _cpu_count(),
         "platform": platform.platform(),

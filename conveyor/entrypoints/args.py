@@ -32,6 +32,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None, help="bytes, or e.g. 2GiB, 512MiB")
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float16", "bfloat16"],
+        help="auto: the model dtype; float16/bfloat16 halve the KV bytes (lossy)",
+    )
+    parser.add_argument(
         "--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"]
     )
     parser.add_argument(
@@ -61,6 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory=memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,
