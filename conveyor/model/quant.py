@@ -323,8 +323,11 @@ def reference_linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     32 (scale max|x| / 127), times the dequantized weight. The oracle of the kernel tests."""
     t, k = x.shape
     blocks = x.float().reshape(t, k // QK, QK)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros((), dtype=torch.float32))
+    max_abs = blocks.abs().amax(-1, keepdim=True)
+    scale = max_abs / 127
+    # 127 / max, as the kernel computes it: 1 / (max / 127) can differ by an ulp and flip the
+    # rounding of a value that lands on .5.
+    inv = torch.where(max_abs > 0, 127.0 / max_abs, torch.zeros((), dtype=torch.float32))
     x_rounded = (torch.round(blocks * inv) * scale).reshape(t, k)
     return x_rounded.double() @ weight.dequantize().double().T
 
