@@ -44,7 +44,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__linux__)
@@ -108,12 +108,19 @@ inline Vec<T> load_cache(const C* p) {
     return load(p);
   } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
     static_assert(std::is_same_v<T, float>, "a bfloat16 cache is read by float32 models only");
+#if defined(__AVX2__)
+    __m128i h;
+    std::memcpy(&h, p, sizeof(h));
+    // bf16 is float's top half: zero-extend each lane to 32 bits and shift it up.
+    return (Vec<T>)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
     typedef uint16_t Bits16 __attribute__((vector_size(kVecBytes / 2)));
     typedef uint32_t Bits32 __attribute__((vector_size(kVecBytes)));
     Bits16 h;
     std::memcpy(&h, p, sizeof(h));
-    const Bits32 bits = __builtin_convertvector(h, Bits32) << 16;  // bf16 = float's top half
+    const Bits32 bits = __builtin_convertvector(h, Bits32) << 16;
     return reinterpret_cast<const Vec<T>&>(bits);
+#endif
   } else {
     static_assert(std::is_same_v<T, float> && std::is_same_v<C, c10::Half>,
                   "a float16 cache is read by float32 models only");
@@ -247,11 +254,24 @@ struct WorkItem {
 template <typename T>
 struct Scratch {
   std::vector<T> q, s, acc, m, l;
+  std::vector<T> k, v;  // one K/V tile widened from a 16-bit cache (items with many rows)
   std::vector<int> limit;  // per row: keys of the current block it may see
   explicit Scratch(int64_t rows, Shape sh)
       : q(rows * sh.head_dim), s(rows * sh.block_size), acc(rows * sh.head_dim), m(rows),
-        l(rows), limit(rows) {}
+        l(rows), k(sh.block_size * sh.head_dim), v(sh.block_size * sh.head_dim), limit(rows) {}
 };
+
+// Rows from which a 16-bit tile is widened once into scratch rather than at every load: a
+// prompt tile's rows reload each V vector (one or two FMAs per load), decode rows (a GQA group)
+// read it about once.
+constexpr int kWidenRows = 8;
+
+template <typename T, typename C>
+inline void widen(const C* src, T* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes<T> <= n; i += kLanes<T>) store(dst + i, load_cache<T>(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
 
 struct Inputs {
   const int64_t* query_start;
@@ -379,9 +399,17 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
       const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
       limit[r] = static_cast<int>(std::min<int64_t>(visible, bs));
     }
+    const int n = static_cast<int>(std::min<int64_t>(num_keys - base, bs));
+    if (!std::is_same_v<T, C> && rows >= kWidenRows) {
+      widen(kc + offset, w.k.data(), tile);
+      widen(vc + offset, w.v.data(), tile);
+      qk_block<T, T, BS, D>(w.q.data(), w.k.data(), w.s.data(), rows, sh);
+      softmax_block<T, BS>(w.s.data(), limit, w, rows, sh);
+      pv_block<T, T, BS, D>(w.s.data(), w.v.data(), w.acc.data(), rows, n, sh);
+      continue;
+    }
     qk_block<T, C, BS, D>(w.q.data(), kc + offset, w.s.data(), rows, sh);
     softmax_block<T, BS>(w.s.data(), limit, w, rows, sh);
-    const int n = static_cast<int>(std::min<int64_t>(num_keys - base, bs));
     pv_block<T, C, BS, D>(w.s.data(), vc + offset, w.acc.data(), rows, n, sh);
   }
 
