@@ -104,7 +104,13 @@ def test_32_concurrent_streams_finish_and_batch_together(server):
 
     async def one(client, i):
         stream = await client.completions.create(
-            model=MODEL, prompt=f"Story {i}:", max_tokens=24, temperature=0.8, seed=i, stream=True
+            model=MODEL,
+            prompt=f"Story {i}:",
+            max_tokens=24,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True},  # every stream runs its full length
         )
         finish = None
         async for chunk in stream:
