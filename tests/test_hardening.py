@@ -5,6 +5,7 @@ that stay exact while their cost no longer grows with a request's history."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -232,3 +233,33 @@ def test_logit_bias_forces_and_forbids_tokens(engine):
     banned = {str(t): -100.0 for t in set(free)}
     engine.add_request("banned", [5, 6, 7], greedy(6, logit_bias=banned))
     assert not set(run(engine)["banned"].outputs[0].token_ids) & set(free)
+
+
+def test_the_engine_is_built_and_stepped_on_the_engine_thread(checkpoint):
+    """One thread does all torch work (see AsyncEngine): the factory runs on it."""
+    built_on = []
+
+    def factory():
+        built_on.append(threading.current_thread().name)
+        return LLMEngine(checkpoint, dtype="float32")
+
+    async_engine = AsyncEngine(factory)
+
+    async def generate():
+        stream = await async_engine.add_request("r", [5, 6, 7], greedy(3))
+        return [out async for out in stream]
+
+    try:
+        outputs = asyncio.run(generate())
+    finally:
+        async_engine.shutdown()
+    assert built_on == ["conveyor-engine"]
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == 3
+
+
+def test_a_factory_that_raises_raises_in_the_caller():
+    def factory():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(factory)

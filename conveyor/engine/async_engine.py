@@ -77,19 +77,30 @@ class RequestStream:
 class AsyncEngine:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | Callable[[], LLMEngine],
         on_step: Callable[[LLMEngine, list], None] | None = None,
         on_abort: Callable[[LLMEngine, str], None] | None = None,
     ) -> None:
-        self.engine = engine
+        """`engine` may be a function that builds it: it then runs on the engine thread, so all
+        torch work of the process happens on that one thread. (libgomp throttles the spinning
+        of its workers once two threads own OpenMP pools, more than this machine's cores: every
+        parallel op then wakes sleeping threads, and a decode step runs ~1.7x slower.)"""
+        factory = None if isinstance(engine, LLMEngine) else engine
+        self.engine: LLMEngine = engine if factory is None else None  # type: ignore[assignment]
         # Called on the engine thread after every step and every abort (metrics).
         self.on_step = on_step
         self.on_abort = on_abort
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
-        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
         self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(factory,), name="conveyor-engine", daemon=True
+        )
         self._thread.start()
+        self._ready.wait()
+        if self.engine is None:  # the factory raised; its error is the caller's
+            raise self._error
 
     @property
     def tokenizer(self):
@@ -131,7 +142,16 @@ class AsyncEngine:
 
     # ---- engine thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, factory: Callable[[], LLMEngine] | None) -> None:
+        if factory is not None:
+            try:
+                self.engine = factory()
+            except BaseException as error:  # noqa: BLE001 - re-raised by __init__
+                self._error = error
+                return
+            finally:
+                self._ready.set()
+        self._ready.set()
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()

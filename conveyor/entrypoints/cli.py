@@ -46,10 +46,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from conveyor.entrypoints.openai.api_server import build_app, run_server
 
     limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
-    engine = LLMEngine(**engine_kwargs(args))
-    name = args.served_model_name or _default_model_name(engine)
+    kwargs = engine_kwargs(args)
     api_key = args.api_key or os.environ.get("CONVEYOR_API_KEY") or None
-    app = build_app(engine, name, api_key, limits, metrics_auth=not args.metrics_no_auth)
+    app = build_app(
+        lambda: LLMEngine(**kwargs),  # built on the engine thread, where it runs
+        args.served_model_name,
+        api_key,
+        limits,
+        metrics_auth=not args.metrics_no_auth,
+    )
+    name = app.state.metrics.model_name
     print(f"conveyor: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
     return 0
@@ -77,11 +83,6 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         group.add_argument(flag, type=int, default=default, help=f"{meaning} (default {default})")
-
-
-def _default_model_name(engine) -> str:
-    path = engine.model_config.path
-    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -110,15 +110,20 @@ class _Guard:
 
 
 def build_app(
-    engine: LLMEngine,
-    model_name: str,
+    engine: LLMEngine | Callable[[], LLMEngine],
+    model_name: str | None,
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     metrics_auth: bool = True,
 ) -> FastAPI:
     limits = limits or RequestLimits()
+    # Given a factory, the engine is built on the engine thread (see AsyncEngine).
+    async_engine = AsyncEngine(engine)
+    engine = async_engine.engine
+    model_name = model_name or default_model_name(engine)
     metrics = EngineMetrics(model_name)
-    async_engine = AsyncEngine(engine, on_step=metrics.on_step, on_abort=metrics.on_abort)
+    # Attached before the app exists, so before any request can make a step.
+    async_engine.on_step, async_engine.on_abort = metrics.on_step, metrics.on_abort
     serving = OpenAIServing(async_engine, model_name, limits)
 
     @asynccontextmanager
@@ -314,6 +319,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _location(error: dict) -> str:
     return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+
+
+def default_model_name(engine: LLMEngine) -> str:
+    path = engine.model_config.path
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 class GracefulServer(uvicorn.Server):
