@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import time
 from types import ModuleType
 
 import torch
@@ -77,18 +79,51 @@ def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias). On CPU computed as (weight @ x.T).T: MKL runs that form about
-    2x faster for the small token counts of decode steps (SmolLM2-135M, 2 cores, float32:
-    4 requests 211 -> 94 ms per step, 32 requests 367 -> 312 ms, a 2048-token prefill
-    5.4 -> 4.4 s). Re-checked with the compiled attention in place (MKL, float32, 1 and 2
-    threads, the model's four projection shapes at 1/8/32/64/512 tokens): this form is faster
-    or within noise everywhere, e.g. the fused gate/up at 8 tokens 0.23 vs 0.35 ms and at 32
-    tokens 0.32 vs 0.46 ms (2 threads); from 512 tokens the forms tie. The result is a
-    transposed view, which every consumer here accepts."""
+    """x @ weight.T (+ bias). On CPU, MKL runs either x @ W.T or (W @ x.T).T much faster than the
+    other at the small token counts of decode steps, and which one depends on the CPU: on a
+    2-core Zen 3, (W @ x.T).T made 4-request steps 211 -> 94 ms; on a 2-core Sapphire Rapids
+    Xeon, x @ W.T is 2.3x faster at 2 tokens and 1.15x at 8 (SmolLM2-135M's projections, 30
+    layers streamed from memory). So each process measures both once per power-of-two token
+    count (`_transposed_is_faster`) and uses the winner. (W @ x.T).T is a transposed view,
+    which every consumer here accepts."""
     if x.device.type != "cpu" or x.dim() != 2:
         return nn.functional.linear(x, weight, bias)
-    out = (weight @ x.T).T
-    return out if bias is None else out + bias
+    if _bucket(x.shape[0]) in transposed_buckets(x.dtype):
+        out = (weight @ x.T).T
+        return out if bias is None else out + bias
+    return nn.functional.linear(x, weight, bias)
+
+
+def _bucket(num_tokens: int) -> int:
+    return 1 << max(num_tokens - 1, 0).bit_length()
+
+
+@functools.cache
+def transposed_buckets(dtype: torch.dtype) -> frozenset[int]:
+    """The power-of-two token counts (1 to 64) at which (W @ x.T).T beats x @ W.T here; above
+    64 the two tie within noise and x @ W.T is used. Measured once per process and dtype over
+    24 weights of 3072 x 576 (170 MB in float32: streamed from memory, as a step streams a
+    model's weights, not from the caches), best of 3 passes; ~0.3 s. The runner calls it at
+    load, so no request pays for it."""
+    weights = torch.full((24, 3072, 576), 0.5, dtype=dtype)
+    winners = set()
+    for bucket in (1, 2, 4, 8, 16, 32, 64):
+        x = torch.full((bucket, 576), 0.25, dtype=dtype)
+        if _best_time(weights, lambda w, x=x: w @ x.T) < _best_time(
+            weights, lambda w, x=x: x @ w.T
+        ):
+            winners.add(bucket)
+    return frozenset(winners)
+
+
+def _best_time(weights: torch.Tensor, form) -> float:
+    times = []
+    for _ in range(4):  # the first pass warms up and is not counted
+        start = time.perf_counter()
+        for weight in weights:
+            form(weight)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
 
 
 class Linear(nn.Module):

@@ -16,6 +16,7 @@ import torch
 from conveyor.config import ModelConfig
 from conveyor.model import kernels
 from conveyor.model.attention import build_metadata
+from conveyor.model.layers import transposed_buckets
 from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.sample.sampler import Sampler
@@ -33,6 +34,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
+        if device.type == "cpu":
+            transposed_buckets(cfg.dtype)  # the matmul form per token count, measured once
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg.dtype)
         self.model = load_model(cfg, device)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
