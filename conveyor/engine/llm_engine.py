@@ -98,9 +98,7 @@ class LLMEngine:
             max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
         )
         torch.manual_seed(seed)
-        self.runner = ModelRunner(
-            self.model_config, self.device, block_size, seed, kv_cache_dtype
-        )
+        self.runner = ModelRunner(self.model_config, self.device, block_size, seed, kv_cache_dtype)
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.kv_cache = KVCacheManager(self.num_blocks, block_size, enable_prefix_caching)

@@ -102,7 +102,7 @@ class ModelRunner:
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """"auto" -> the model dtype; otherwise the named half type (validated in CacheConfig)."""
+    """ "auto" -> the model dtype; otherwise the named half type (validated in CacheConfig)."""
     return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
 
 
