@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import math
 import mmap
-import os
 import re
 import shutil
 import struct
@@ -300,7 +299,7 @@ def gguf_hf_folder(path: str | Path) -> Path:
 
     transformers rebuilds config and tokenizer from GGUF metadata, but slowly (tens of seconds
     for a 49k-token vocabulary), so the result is stored once per file under
-    $CONVEYOR_CACHE_DIR (default ~/.cache/conveyor) and reused while the file is unchanged.
+    conveyor.config.cache_dir() (default ~/.cache/conveyor) and reused while the file is unchanged.
     """
     path = Path(path).resolve()
     architecture = gguf_architecture(path)
@@ -335,4 +334,6 @@ def gguf_hf_folder(path: str | Path) -> Path:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("CONVEYOR_CACHE_DIR", "~/.cache/conveyor")).expanduser()
+    from conveyor.config import cache_dir
+
+    return cache_dir()

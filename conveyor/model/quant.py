@@ -66,6 +66,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from conveyor.config import cache_dir
+from conveyor.model.kernels import put_ninja_on_path
+
 logger = logging.getLogger(__name__)
 
 QK = 32  # elements per block
@@ -267,11 +270,10 @@ def kernels() -> Any:
     """The compiled extension, built once per source version under the conveyor cache."""
     from torch.utils.cpp_extension import load
 
-    _put_pip_ninja_on_path()
+    put_ninja_on_path()
     source = _KERNEL_SOURCE.read_bytes()
     key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
-    root = Path(os.environ.get("CONVEYOR_CACHE_DIR", "~/.cache/conveyor")).expanduser()
-    build = root / "kernels" / f"quant_gemm-{key}"
+    build = cache_dir() / "kernels" / f"quant_gemm-{key}"
     build.mkdir(parents=True, exist_ok=True)
     if not (build / f"conveyor_quant_gemm_{key}.so").exists():
         logger.warning("conveyor: compiling the quantized kernels once (~30 s) in %s", build)
@@ -282,18 +284,6 @@ def kernels() -> Any:
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
     )
-
-
-def _put_pip_ninja_on_path() -> None:
-    # The pinned `ninja` wheel installs its binary next to the interpreter, which is not on PATH
-    # when .venv/bin/python runs without an activated venv.
-    try:
-        import ninja
-    except ImportError:
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, path)))
 
 
 def block_linear(

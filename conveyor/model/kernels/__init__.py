@@ -30,8 +30,9 @@ NAME = "conveyor_kernels"
 
 
 def build_dir() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return root / "conveyor" / "kernels" / f"{NAME}-{_build_key()}"
+    from conveyor.config import cache_dir
+
+    return cache_dir() / "kernels" / f"{NAME}-{_build_key()}"
 
 
 @functools.cache
@@ -51,7 +52,7 @@ def load() -> ModuleType | None:
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
-    _put_pip_ninja_on_path()
+    put_ninja_on_path()
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     here = Path(__file__).parent
@@ -86,7 +87,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _put_pip_ninja_on_path() -> None:
+def put_ninja_on_path() -> None:
     # The pinned `ninja` wheel puts its binary next to the interpreter, which is not on PATH
     # when .venv/bin/python runs without an activated venv.
     try:
