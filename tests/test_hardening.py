@@ -42,6 +42,19 @@ def run(engine: LLMEngine) -> dict:
     return finished
 
 
+def generate_once(async_engine: AsyncEngine, max_tokens: int) -> list:
+    """Runs one greedy request through the engine thread, then shuts it down."""
+
+    async def generate():
+        stream = await async_engine.add_request("r", [5, 6, 7], greedy(max_tokens))
+        return [out async for out in stream]
+
+    try:
+        return asyncio.run(generate())
+    finally:
+        async_engine.shutdown()
+
+
 def assert_idle(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.get_num_unfinished_requests() == 0
@@ -138,15 +151,7 @@ def test_a_failing_metrics_callback_does_not_stop_the_engine(checkpoint):
         raise RuntimeError("metrics exporter broke")
 
     async_engine = AsyncEngine(LLMEngine(checkpoint, dtype="float32"), on_step=on_step)
-
-    async def generate():
-        stream = await async_engine.add_request("r", [5, 6, 7], greedy(5))
-        return [out async for out in stream]
-
-    try:
-        outputs = asyncio.run(generate())
-    finally:
-        async_engine.shutdown()
+    outputs = generate_once(async_engine, 5)
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == 5
     assert len(calls) >= 5 and async_engine.error is None
@@ -244,15 +249,7 @@ def test_the_engine_is_built_and_stepped_on_the_engine_thread(checkpoint):
         return LLMEngine(checkpoint, dtype="float32")
 
     async_engine = AsyncEngine(factory)
-
-    async def generate():
-        stream = await async_engine.add_request("r", [5, 6, 7], greedy(3))
-        return [out async for out in stream]
-
-    try:
-        outputs = asyncio.run(generate())
-    finally:
-        async_engine.shutdown()
+    outputs = generate_once(async_engine, 3)
     assert built_on == ["conveyor-engine"]
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == 3
 
