@@ -88,21 +88,21 @@ def test_child_seeds_wrap_and_are_reproducible(engine):
 
 
 def test_a_request_refused_halfway_through_its_children_leaves_no_trace(engine, monkeypatch):
-    make_child = engine._make_child
+    make_request = engine.core._make_request
     calls = []
 
     def failing(*args):
         calls.append(1)
         if len(calls) == 3:
             raise ValueError("refused while building the third child")
-        return make_child(*args)
+        return make_request(*args)
 
-    monkeypatch.setattr(engine, "_make_child", failing)
+    monkeypatch.setattr(engine.core, "_make_request", failing)
     with pytest.raises(ValueError, match="third child"):
         engine.add_request("bad", [5, 6, 7], SamplingParams(n=4, max_tokens=4))
     monkeypatch.undo()
     assert_idle(engine)
-    assert not engine._detokenizers and not engine._child_to_parent
+    assert not engine.outputs.has_unfinished() and not engine.outputs._sequences
     engine.add_request("bad", [5, 6, 7], greedy(3))  # the id is free again
     assert len(run(engine)["bad"].outputs[0].token_ids) == 3
 
@@ -127,7 +127,7 @@ def test_a_request_whose_detokenizer_raises_fails_alone(engine):
     for request_id in ("ok-1", "broken", "ok-2"):
         engine.add_request(request_id, [5, 6, 7, 8], greedy(6), output_kind=OutputKind.DELTA)
     engine.step()
-    detokenizer = engine._detokenizers["broken"]
+    detokenizer = engine.outputs._sequences["broken"].detokenizer
 
     def explode(token_ids):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")

@@ -56,7 +56,12 @@ class RequestStream:
     accepted: asyncio.Future | None = None
     finished: bool = False
 
+    def put_local(self, item: RequestOutput | BaseException) -> None:
+        """From the stream's own event loop."""
+        self.queue.put_nowait(item)
+
     def put(self, item: RequestOutput | BaseException) -> None:
+        """From any thread."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -90,6 +95,9 @@ class AsyncEngine:
         # Called on the engine thread after every step and every abort (metrics).
         self.on_step = on_step
         self.on_abort = on_abort
+        # Called once, on the engine thread, when the loop died (the server then exits).
+        self.on_fatal: Callable[[], None] | None = None
+        self.fatal = False
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._error: BaseException | None = None
@@ -105,6 +113,17 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def start(self) -> None:
+        """Nothing to start: the engine thread runs from construction."""
 
     @property
     def is_alive(self) -> bool:
@@ -163,6 +182,9 @@ class AsyncEngine:
             self._error = error
             logger.exception("the engine loop died; every open request fails")
             self._fail_all(EngineDeadError(f"the engine loop died: {error!r}"))
+            self.fatal = True
+            if self.on_fatal is not None:
+                self.on_fatal()
             return
         self._abort_all()
 
@@ -249,7 +271,7 @@ class AsyncEngine:
         """On shutdown: every open stream ends with finish_reason "abort"."""
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
-            stream.put(_aborted_output(request_id))
+            stream.put(aborted_output(request_id))
         self._streams.clear()
 
 
@@ -262,7 +284,7 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
-def _aborted_output(request_id: str) -> RequestOutput:
+def aborted_output(request_id: str) -> RequestOutput:
     from conveyor.outputs import CompletionOutput
 
     done = CompletionOutput(0, "", [], None, None, finish_reason="abort")

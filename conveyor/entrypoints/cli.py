@@ -42,14 +42,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from conveyor.config import RequestLimits
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.core_client import AsyncMPEngine
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.entrypoints.openai.api_server import build_app, run_server
 
     limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
     kwargs = engine_kwargs(args)
     api_key = args.api_key or os.environ.get("CONVEYOR_API_KEY") or None
+    if args.engine_process:
+        engine = AsyncMPEngine(
+            kwargs, iteration_timeout=args.engine_iteration_timeout, restart=args.restart_engine
+        )
+    else:  # built on the engine thread, where it runs
+        engine = AsyncEngine(lambda: LLMEngine(**kwargs))
     app = build_app(
-        lambda: LLMEngine(**kwargs),  # built on the engine thread, where it runs
+        engine,
         args.served_model_name,
         api_key,
         limits,
@@ -57,8 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     name = app.state.metrics.model_name
     print(f"conveyor: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
-    return 0
+    return run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
 
 
 # RequestLimits field -> what its flag means; defaults come from RequestLimits.
@@ -83,6 +90,30 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         group.add_argument(flag, type=int, default=default, help=f"{meaning} (default {default})")
+
+
+def add_process_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine process")
+    group.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core (scheduler, KV cache, model) in its own process, apart from "
+        "the HTTP front end; --no-engine-process runs it on a thread of the server",
+    )
+    group.add_argument(
+        "--restart-engine",
+        action="store_true",
+        help="when the engine core dies, start a new one (open requests fail) instead of "
+        "exiting with status 1",
+    )
+    group.add_argument(
+        "--engine-iteration-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a finished step, while requests are open, after which the "
+        "engine core counts as hung and is killed (default 60)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds open responses get to finish after SIGTERM",
     )
+    add_process_args(serve)
     add_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
     from conveyor.bench.cli import add_bench_parser

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.config import RequestLimits
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from conveyor.engine.core_client import AsyncMPEngine
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -110,17 +111,21 @@ class _Guard:
 
 
 def build_app(
-    engine: LLMEngine | Callable[[], LLMEngine],
+    engine: AsyncEngine | AsyncMPEngine | LLMEngine | Callable[[], LLMEngine],
     model_name: str | None,
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     metrics_auth: bool = True,
 ) -> FastAPI:
+    """`engine`: the engine-core process (AsyncMPEngine), or an in-process engine: an
+    AsyncEngine, an LLMEngine, or a function that builds one (then built on the engine thread,
+    see AsyncEngine)."""
     limits = limits or RequestLimits()
-    # Given a factory, the engine is built on the engine thread (see AsyncEngine).
-    async_engine = AsyncEngine(engine)
-    engine = async_engine.engine
-    model_name = model_name or default_model_name(engine)
+    if isinstance(engine, (AsyncEngine, AsyncMPEngine)):
+        async_engine = engine
+    else:
+        async_engine = AsyncEngine(engine)
+    model_name = model_name or default_model_name(async_engine.model_config)
     metrics = EngineMetrics(model_name)
     # Attached before the app exists, so before any request can make a step.
     async_engine.on_step, async_engine.on_abort = metrics.on_step, metrics.on_abort
@@ -128,6 +133,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await async_engine.start()
         yield
         async_engine.shutdown()  # ends open streams with finish_reason "abort"
 
@@ -153,9 +159,8 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_alive:
-            return error_response(
-                503, f"the engine loop died: {async_engine.error!r}", "ServiceUnavailableError"
-            )
+            reason = async_engine.error or "the engine is starting"
+            return error_response(503, f"engine unavailable: {reason}", "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -169,7 +174,7 @@ def build_app(
             "object": "model",
             "created": int(time.time()),
             "owned_by": "conveyor",
-            "max_model_len": engine.max_model_len,
+            "max_model_len": async_engine.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -199,12 +204,12 @@ def build_app(
         else:
             work = serving.off_loop(serving.encode, body.prompt, body.add_special_tokens)
         ids = await _bad_request(work)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
-        vocab = engine.model_config.vocab_size
+        vocab = async_engine.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise APIError(
                 400, f"tokens must be integers in [0, {vocab})", "BadRequestError", "tokens"
@@ -248,7 +253,10 @@ async def _run(
             serving.abort_unfinished(streams)  # the client went away: free its KV now
     if task.cancelled():
         return Response(status_code=499)
-    return task.result()
+    try:
+        return task.result()
+    except EngineDeadError as error:  # died while this request ran: a 500, not a 503
+        return error_response(500, str(error), "InternalServerError")
 
 
 async def _guarded(serving: OpenAIServing, streams, chunks: AsyncIterator[str]):
@@ -321,19 +329,28 @@ def _location(error: dict) -> str:
     return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
 
 
-def default_model_name(engine: LLMEngine) -> str:
-    path = engine.model_config.path
+def default_model_name(model_config) -> str:
+    path = model_config.path
     return path.stem if path.suffix == ".gguf" else path.name
 
 
 class GracefulServer(uvicorn.Server):
     """On SIGINT/SIGTERM uvicorn stops accepting and waits for open responses. Streams still
     open shortly before its deadline are ended cleanly (finish_reason "abort", then [DONE])
-    instead of being cut mid-chunk."""
+    instead of being cut mid-chunk. When the engine dies for good, the server answers 503 for
+    DEAD_LINGER seconds (so probes see why) and then exits, non-zero."""
+
+    DEAD_LINGER = 2.0
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
         super().__init__(config)
         self.engine, self.grace = engine, grace
+        engine.on_fatal = self._engine_died
+
+    def _engine_died(self) -> None:  # any thread; uvicorn's loop polls should_exit
+        timer = threading.Timer(self.DEAD_LINGER, setattr, (self, "should_exit", True))
+        timer.daemon = True
+        timer.start()
 
     def handle_exit(self, sig, frame) -> None:
         first = not self.should_exit
@@ -349,8 +366,14 @@ class GracefulServer(uvicorn.Server):
 
 def run_server(
     app: FastAPI, host: str, port: int, log_level: str = "info", grace: float = 10.0
-) -> None:
+) -> int:
+    """Serves until SIGTERM / SIGINT (exit status 0) or until the engine died (1)."""
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace
     )
-    GracefulServer(config, app.state.engine, grace).run()
+    engine = app.state.engine
+    GracefulServer(config, engine, grace).run()
+    if engine.fatal:
+        logger.error("exiting with status 1: %s", engine.error)
+        return 1
+    return 0

@@ -1,0 +1,327 @@
+"""The engine core: scheduler, KV cache and model runner, driven one step at a time.
+
+It speaks only token ids. A front end (LLMEngine in-process, or the server's front end over
+a socket, see core_proc.py) validates and tokenizes requests, hands the core `CoreRequest`s,
+and turns the `CoreOutput`s of each step into text (detokenizer, stop strings) and
+RequestOutputs (output_processor.py). The core never needs a tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.config import CacheConfig, ModelConfig, SchedulerConfig, parse_memory
+from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.scheduler import Scheduler, SchedulerStats
+from conveyor.outputs import PositionLogprobs
+from conveyor.request import PenaltyCounts, Request, RequestStatus
+from conveyor.sampling_params import SamplingParams
+from conveyor.worker.model_runner import ModelRunner
+
+DEFAULT_CPU_KV_MEMORY = 2 * 2**30
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(slots=True)
+class CoreRequest:
+    """One sequence for the core: validated and tokenized by the front end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens resolved against the context length
+    priority: int
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one request gained in one step: its new tokens, their logprobs, and how it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None
+    status: RequestStatus  # finished when status.finished
+    stop_reason: int | None  # the stop token id that ended it
+    num_cached_tokens: int
+    first_scheduled_time: float | None
+    num_preemptions: int
+    error: str | None = None  # set when the core refused or failed this sequence
+
+    @classmethod
+    def failed(cls, request_id: str, error: str) -> CoreOutput:
+        return cls(request_id, [], None, RequestStatus.FINISHED_ERROR, None, 0, None, 0, error)
+
+
+@dataclass(slots=True)
+class CoreStats:
+    scheduler: SchedulerStats
+    num_steps: int
+    num_generation_tokens_total: int
+    num_blocks: int
+    # Seconds of the last step: all of it, and the model forward (runner.execute) within it.
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class CoreInfo:
+    """What a front end needs to know of its core to validate requests."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    num_blocks: int
+    device: str
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """Batch occupancy of one step: who ran, with how many tokens, and who left."""
+
+    step: int
+    time: float
+    num_scheduled_tokens: dict[str, int]
+    finished_request_ids: list[str]
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        quantization: str = "auto",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | float | str | None = None,
+        enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        record_trace: bool = False,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads is not None:  # None: torch's default, one thread per physical core
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
+        self.device = resolve_device(device)
+        self.model_config = ModelConfig.from_hf(
+            model, dtype, self.device.type, max_model_len, quantization
+        )
+        self.cache_config = CacheConfig(
+            block_size, num_blocks, kv_cache_memory, enable_prefix_caching, kv_cache_dtype
+        )
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
+        )
+        torch.manual_seed(seed)
+        self.runner = ModelRunner(self.model_config, self.device, block_size, seed, kv_cache_dtype)
+        self.num_blocks = self._num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.kv_cache = KVCacheManager(self.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.record_trace = record_trace
+        self.trace: list[StepTrace] = []
+        self._num_steps = 0
+        self._num_generation_tokens = 0
+        self._step_seconds = self._forward_seconds = 0.0
+        self._fault = Fault.from_env()
+
+    @property
+    def info(self) -> CoreInfo:
+        return CoreInfo(
+            self.model_config,
+            self.cache_config,
+            self.scheduler_config,
+            self.num_blocks,
+            str(self.device),
+        )
+
+    def _num_blocks(self) -> int:
+        if self.cache_config.num_blocks is not None:
+            return self.cache_config.num_blocks
+        per_block = self.runner.kv_bytes_per_block()
+        memory = self.cache_config.kv_cache_memory
+        if memory is not None:
+            budget = parse_memory(memory)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_MEMORY_UTILIZATION)
+        else:
+            # Enough for every seat at full length, capped: CPU memory is shared with the host.
+            full = self.scheduler_config.max_num_seqs * self.model_config.max_model_len * per_block
+            budget = min(DEFAULT_CPU_KV_MEMORY, full // self.cache_config.block_size)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds no block of {per_block} bytes"
+            )
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_requests(self, specs: list[CoreRequest]) -> None:
+        """Admits validated sequences, all or none: everything that can fail (duplicate ids,
+        generators) is built before any state is registered."""
+        ids = [spec.request_id for spec in specs]
+        duplicate = [i for i in ids if i in self.scheduler.requests] or len(set(ids)) < len(ids)
+        if duplicate:
+            raise ValueError(f"duplicate request_id among {ids[:5]!r}")
+        for request in [self._make_request(spec) for spec in specs]:
+            self.scheduler.add_request(request)
+
+    def _make_request(self, spec: CoreRequest) -> Request:
+        params = spec.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        request = Request(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids,
+            params=params,
+            max_tokens=spec.max_tokens,
+            eos_token_ids=self.model_config.eos_token_ids,
+            priority=spec.priority,
+            arrival_time=spec.arrival_time,
+            generator=generator,
+        )
+        if params.has_penalties:
+            request.penalty_counts = PenaltyCounts(
+                spec.prompt_token_ids, self.model_config.vocab_size
+            )
+        return request
+
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Ends requests (aborted, or stopped by a stop string the front end found) and frees
+        their blocks. Unknown or finished ids are ignored: the request may have ended in a
+        step the front end had not yet seen."""
+        for request in self.scheduler.finish_requests(request_ids, status):
+            self.scheduler.forget(request.request_id)
+        if self.record_trace and self.trace and status != RequestStatus.FINISHED_ABORTED:
+            self.trace[-1].finished_request_ids.extend(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[CoreOutput]:
+        if self._fault is not None:
+            self._fault.check(self._num_steps + 1)
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            # Every request that could never fit is refused by the front end, so with work
+            # waiting and nothing preempted an empty step is a scheduler bug: fail loudly
+            # instead of spinning forever.
+            if self.scheduler.has_unfinished_requests() and not sched.preempted_request_ids:
+                raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
+            return []
+        forward_start = time.perf_counter()
+        runner_out = self.runner.execute(sched)
+        forward = time.perf_counter() - forward_start
+        requests = self.scheduler.requests
+        before = [requests[i].num_output_tokens for i in runner_out.request_ids]
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        self._num_steps += 1
+        outputs = []
+        for request, num_before in zip(updated, before, strict=True):
+            # A stop condition may end a request before all of its sampled tokens.
+            num_new = request.num_output_tokens - num_before
+            self._num_generation_tokens += num_new
+            logprobs = request.logprobs[-num_new:] if request.logprobs is not None else None
+            outputs.append(
+                CoreOutput(
+                    request.request_id,
+                    request.output_token_ids[-num_new:],
+                    logprobs,
+                    request.status,
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                    request.first_scheduled_time,
+                    request.num_preemptions,
+                )
+            )
+            if request.is_finished:
+                self.scheduler.forget(request.request_id)
+        if self.record_trace:
+            finished = [o.request_id for o in outputs if o.status.finished]
+            self.trace.append(
+                StepTrace(
+                    self._num_steps,
+                    time.monotonic(),
+                    sched.num_scheduled_tokens,
+                    finished,
+                    sched.preempted_request_ids,
+                )
+            )
+        self._step_seconds, self._forward_seconds = time.perf_counter() - start, forward
+        return outputs
+
+    def get_stats(self) -> CoreStats:
+        return CoreStats(
+            scheduler=self.scheduler.stats(),
+            num_steps=self._num_steps,
+            num_generation_tokens_total=self._num_generation_tokens,
+            num_blocks=self.num_blocks,
+            step_seconds=self._step_seconds,
+            forward_seconds=self._forward_seconds,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    return dev
+
+
+class Fault:
+    """A test hook, set through the environment of the process that runs the core:
+    CONVEYOR_FAULT_INJECT="raise@N" raises in step N, "hang@N" blocks forever in it, and
+    "exit@N" ends the process abruptly (like the out-of-memory killer) in it."""
+
+    def __init__(self, kind: str, step: int) -> None:
+        if kind not in ("raise", "hang", "exit"):
+            raise ValueError(f"CONVEYOR_FAULT_INJECT: unknown fault {kind!r}")
+        self.kind, self.step = kind, step
+
+    @classmethod
+    def from_env(cls) -> Fault | None:
+        spec = os.environ.get("CONVEYOR_FAULT_INJECT")
+        if not spec:
+            return None
+        kind, _, step = spec.partition("@")
+        return cls(kind, int(step or 1))
+
+    def check(self, step: int) -> None:
+        if step != self.step:
+            return
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault in step {step} (CONVEYOR_FAULT_INJECT)")
+        if self.kind == "exit":
+            os._exit(137)
+        while True:  # hang
+            time.sleep(3600)

@@ -1,0 +1,440 @@
+"""The front end's side of the engine-core process.
+
+CoreProcess starts the process (multiprocessing, spawn) and owns the two ZeroMQ sockets: PUSH
+for commands, PULL for step messages. SyncCoreClient gives it EngineCore's methods for the
+offline LLM (`engine_process=True`); AsyncMPEngine is the server's engine: it validates and
+tokenizes on the event loop, sends sequences to the core, and turns each step message into
+stream outputs (detokenizer, stop strings) while the core already runs the next step.
+
+Faults: if the core raises, is killed, or finishes no step for `iteration_timeout` seconds
+while requests are open, every open request fails with EngineDeadError at once, and the engine
+either reports itself fatal (the server exits non-zero) or, with restart=True, starts a new core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from conveyor.core.scheduler import SchedulerStats
+from conveyor.engine.async_engine import EngineDeadError, RequestStream, aborted_output
+from conveyor.engine.core import CoreInfo, CoreOutput, CoreStats
+from conveyor.engine.core_proc import ADD, DEAD, FAILED, FINISH, READY, STOP, decode, encode
+from conveyor.engine.input_processor import InputProcessor
+from conveyor.engine.llm_engine import EngineStats
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.model.loader import load_tokenizer
+from conveyor.outputs import OutputKind
+from conveyor.request import RequestStatus
+from conveyor.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.5
+
+
+class CoreProcess:
+    """One engine-core process and the front end's ends of its sockets."""
+
+    def __init__(self, kwargs: dict, context: zmq.Context) -> None:
+        from conveyor.engine.core_proc import run_engine_core
+
+        self._dir = tempfile.mkdtemp(prefix="conveyor-core-")
+        input_address, output_address = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self.input = context.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # never block the front end on a slow core
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(input_address)
+        self.output = context.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(output_address)
+        # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only the
+        # main thread lives as long as the process.
+        pdeathsig = threading.current_thread() is threading.main_thread()
+        spawn = multiprocessing.get_context("spawn")
+        self.proc = spawn.Process(
+            target=run_engine_core,
+            args=(kwargs, input_address, output_address, os.getpid(), pdeathsig),
+            name="conveyor-engine-core",
+            daemon=True,
+        )
+        self.proc.start()
+        self._lock = threading.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def exit_description(self) -> str:
+        self.proc.join(timeout=1)
+        code = self.proc.exitcode
+        if code is None:
+            return "the engine core process is still running"
+        if code < 0:
+            return f"the engine core process was killed by {signal.Signals(-code).name}"
+        return f"the engine core process exited with code {code}"
+
+    def wait_ready(self) -> tuple[CoreInfo, CoreStats]:
+        """Blocks until the core has loaded the model; raises its error if it could not."""
+        while not self.output.poll(int(POLL_SECONDS * 1000)):
+            if not self.alive:
+                raise RuntimeError(f"{self.exit_description()} before it was ready")
+        message = decode(self.output.recv())
+        if message[0] == READY:
+            return message[1], message[2]
+        if message[0] == FAILED:
+            _, kind, text, trace = message
+            if kind == "ValueError":
+                raise ValueError(text)
+            raise RuntimeError(f"the engine core failed to start: {kind}: {text}\n{trace}")
+        raise RuntimeError(f"unexpected first message from the engine core: {message[0]!r}")
+
+    def send(self, message) -> None:
+        """Thread-safe; a message to a core that is gone is dropped (it has failed already)."""
+        with self._lock:
+            try:
+                self.input.send(encode(message), zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.alive:
+            self.send((STOP, None))
+            self.proc.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        for sock in (self.input, self.output):
+            sock.close(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _empty_stats(num_blocks: int) -> CoreStats:
+    return CoreStats(SchedulerStats(0, 0, 0, 0.0, 0, 0, 0), 0, 0, num_blocks)
+
+
+class SyncCoreClient:
+    """EngineCore's methods, carried out by an engine-core process (LLMEngine's core when
+    engine_process=True)."""
+
+    def __init__(self, kwargs: dict) -> None:
+        self._context = zmq.Context()
+        self.process = CoreProcess(kwargs, self._context)
+        try:
+            self.info, self._stats = self.process.wait_ready()
+        except BaseException:
+            self.process.kill()
+            raise
+
+    def add_requests(self, specs) -> None:
+        self.process.send((ADD, specs))
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.process.send((FINISH, (request_ids, status)))
+
+    def step(self) -> list[CoreOutput]:
+        """The outputs of the core's next step (it runs ahead: a step already made is waiting)."""
+        while not self.process.output.poll(int(POLL_SECONDS * 1000)):
+            if not self.process.alive:
+                raise EngineDeadError(f"the engine core died: {self.process.exit_description()}")
+        message = decode(self.process.output.recv())
+        if message[0] == DEAD:
+            raise EngineDeadError(f"the engine core died: {message[1]}")
+        _, outputs, self._stats = message
+        return outputs
+
+    def get_stats(self) -> CoreStats:
+        return self._stats
+
+    def check_integrity(self) -> None:
+        raise RuntimeError("check_integrity() needs the in-process core (engine_process=False)")
+
+    def close(self) -> None:
+        self.process.stop()
+
+    def __del__(self) -> None:
+        process = getattr(self, "process", None)
+        if process is not None and process.alive:
+            process.kill()
+
+
+class AsyncMPEngine:
+    """The server's engine with the core in its own process; AsyncEngine's interface."""
+
+    def __init__(
+        self, kwargs: dict, *, iteration_timeout: float = 60.0, restart: bool = False
+    ) -> None:
+        if iteration_timeout <= 0:
+            raise ValueError(f"iteration_timeout must be > 0, got {iteration_timeout}")
+        self.kwargs = dict(kwargs)
+        self.iteration_timeout, self.restart = iteration_timeout, restart
+        # Called on the event loop after every step and every abort (metrics), and once when
+        # the core died for good (the server then exits non-zero).
+        self.on_step: Callable | None = None
+        self.on_abort: Callable | None = None
+        self.on_fatal: Callable[[], None] | None = None
+        self.fatal = False
+        self.num_restarts = 0
+        self._context = zmq.Context()
+        self._process = CoreProcess(self.kwargs, self._context)
+        try:
+            self.info, self._stats = self._process.wait_ready()
+        except BaseException:
+            self._process.kill()
+            raise
+        self.model_config = self.info.model_config
+        self.tokenizer = load_tokenizer(self.model_config)
+        self.inputs = InputProcessor(self.info, self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._streams: dict[str, RequestStream] = {}
+        self._error: BaseException | None = None
+        self._num_prompt_tokens = 0
+        self._last_message = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._stopping = False
+
+    # ---- the interface AsyncEngine shares ------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        return self._error is None and self._process.alive
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    async def start(self) -> None:
+        """Starts reading the core's outputs; call on the server's event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._attach()
+        self._watchdog = self._loop.create_task(self._watch())
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Submits a request; raises ValueError here if it is refused."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine core is not running: {self._error!r}")
+        if self._loop is None:
+            await self.start()
+        if request_id in self.outputs:
+            raise ValueError(f"duplicate request_id {request_id!r}: a request with it is running")
+        text, token_ids, sequences = self.inputs.process(request_id, prompt, params, priority)
+        self.outputs.add(
+            request_id,
+            text,
+            token_ids,
+            [(s.request_id, s.params) for s in sequences],
+            sequences[0].arrival_time,
+            OutputKind.DELTA,
+        )
+        if not self._streams:  # the deadline counts from the first open request
+            self._last_message = time.monotonic()
+        stream = RequestStream(request_id, self._loop)
+        self._streams[request_id] = stream
+        self._process.send((ADD, sequences))
+        self._num_prompt_tokens += len(token_ids) * len(sequences)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the core frees the request's blocks before its next step."""
+        self._call(self._abort, request_id)
+
+    def abort_all(self) -> None:
+        """Thread-safe: ends every open request now, its stream with finish_reason "abort"."""
+        self._call(self._abort_all)
+
+    def shutdown(self) -> None:
+        """Ends open streams with "abort" and stops the core process (no orphan is left)."""
+        self._stopping = True
+        self._abort_all()
+        self._detach()
+        self._process.stop()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def get_stats(self) -> EngineStats:
+        core = self._stats
+        return EngineStats(
+            scheduler=core.scheduler,
+            num_steps=core.num_steps,
+            num_prompt_tokens_total=self._num_prompt_tokens,
+            num_generation_tokens_total=core.num_generation_tokens_total,
+            num_blocks=core.num_blocks,
+        )
+
+    def arrival_time(self, request_id: str) -> float | None:
+        return self.outputs.arrival_time(request_id)
+
+    # ---- event loop ----------------------------------------------------------------------
+
+    def _call(self, fn: Callable, *args) -> None:
+        loop = self._loop
+        if loop is None or _running_loop() is loop:
+            fn(*args)
+        else:
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed: nothing is open any more
+                pass
+
+    def _attach(self) -> None:
+        process = self._process
+        sock = zmq.asyncio.Socket.from_socket(process.output)
+        self._reader = self._loop.create_task(self._read(process, sock))
+        self._loop.add_reader(process.proc.sentinel, self._on_exit, process)
+
+    def _detach(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._loop is not None:
+            self._loop.remove_reader(self._process.proc.sentinel)
+
+    async def _read(self, process: CoreProcess, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frame = await sock.recv()
+            self._last_message = time.monotonic()
+            message = decode(frame)
+            if message[0] == DEAD:
+                logger.error("the engine core raised:\n%s", message[2])
+                self._die(message[1])
+                return
+            try:
+                self._on_step_message(message[1], message[2])
+            except Exception as error:  # noqa: BLE001 - a bug here must not hang the clients
+                logger.exception("handling a step's outputs failed")
+                self._die(f"the front end failed to handle a step: {error!r}")
+                return
+            await asyncio.sleep(0)  # let accepted connections and /health in between steps
+
+    def _on_step_message(self, outputs: list[CoreOutput], stats: CoreStats) -> None:
+        self._stats = stats
+        processed = self.outputs.process(outputs)
+        if processed.stopped:
+            self._process.send((FINISH, (processed.stopped, RequestStatus.FINISHED_STOPPED)))
+        if processed.failed:
+            self._process.send((FINISH, (processed.failed, RequestStatus.FINISHED_ERROR)))
+        self._callback(self.on_step, processed.outputs)
+        for out in processed.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put_local(out)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        sequence_ids = self.outputs.abort(request_id)
+        if sequence_ids:
+            self._process.send((FINISH, (sequence_ids, RequestStatus.FINISHED_ABORTED)))
+        if stream is not None:
+            self._callback(self.on_abort, request_id)
+
+    def _abort_all(self) -> None:
+        for request_id, sequence_ids in self.outputs.abort_all():
+            self._process.send((FINISH, (sequence_ids, RequestStatus.FINISHED_ABORTED)))
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_local(aborted_output(request_id))
+
+    def _callback(self, callback: Callable | None, argument) -> None:
+        """A failing observer (metrics) is logged, never allowed to stop the engine."""
+        if callback is None:
+            return
+        try:
+            callback(self, argument)
+        except Exception:  # noqa: BLE001
+            logger.exception("engine callback %s failed; the engine goes on", callback)
+
+    # ---- faults --------------------------------------------------------------------------
+
+    def _on_exit(self, process: CoreProcess) -> None:
+        self._loop.remove_reader(process.proc.sentinel)
+        if process is not self._process or self._stopping:
+            return
+        # A core that raised sends its reason before it exits: give that message a moment.
+        self._loop.call_later(0.2, self._exited, process)
+
+    def _exited(self, process: CoreProcess) -> None:
+        if process is self._process and self._error is None:
+            self._die(process.exit_description())
+
+    async def _watch(self) -> None:
+        period = min(1.0, self.iteration_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            stalled = time.monotonic() - self._last_message
+            if self._error is None and self._streams and stalled > self.iteration_timeout:
+                self._die(
+                    f"no step finished in {self.iteration_timeout:g} s with requests open: "
+                    "the engine core hung and was killed"
+                )
+
+    def _die(self, reason: str) -> None:
+        if self._error is not None or self._stopping:
+            return
+        self._error = error = EngineDeadError(f"the engine core died: {reason}")
+        logger.error("%s; failing %d open request(s)", error, len(self._streams))
+        for stream in self._streams.values():
+            stream.put_local(error)
+        self._streams.clear()
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._detach()
+        self._process.kill()
+        if self.restart:
+            self._loop.create_task(self._restart())
+        else:
+            self.fatal = True
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    async def _restart(self) -> None:
+        logger.warning("starting a new engine core (--restart-engine)")
+        try:
+            process = CoreProcess(self.kwargs, self._context)
+            info, stats = await self._loop.run_in_executor(None, process.wait_ready)
+        except Exception:  # noqa: BLE001 - cannot recover: exit as without restart
+            logger.exception("the new engine core failed to start")
+            self.fatal = True
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        if self._stopping:
+            process.kill()
+            return
+        self._process, self._stats = process, stats
+        self.inputs = InputProcessor(info, self.tokenizer)
+        self._attach()
+        self.num_restarts += 1
+        self._error = None
+        logger.warning("the engine core is back (restart %d)", self.num_restarts)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

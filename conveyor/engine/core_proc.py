@@ -1,0 +1,122 @@
+"""The engine-core process: an EngineCore behind two ZeroMQ sockets.
+
+It pulls commands (add, finish, stop) from the front end and pushes one message per step
+(every sequence that advanced, plus the core's stats). While it has no work it blocks on its
+input socket; while it has work it applies whatever commands are pending between steps, so a new
+request joins the very next step. It dies with its parent: PR_SET_PDEATHSIG where the kernel
+has it, and a check of the parent's pid whenever it is idle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import traceback
+
+import zmq
+
+# Front end -> core.
+ADD, FINISH, STOP = "add", "finish", "stop"
+# Core -> front end.
+READY, FAILED, STEP, DEAD = "ready", "failed", "step", "dead"
+
+IDLE_POLL_MS = 1000
+PR_SET_PDEATHSIG = 1
+
+
+def encode(message) -> bytes:
+    return pickle.dumps(message, protocol=5)
+
+
+def decode(frame: bytes):
+    return pickle.loads(frame)
+
+
+def run_engine_core(
+    kwargs: dict, input_address: str, output_address: str, parent_pid: int, pdeathsig: bool
+) -> None:
+    """Entry point of the child process (multiprocessing, spawn)."""
+    # Ctrl-C and SIGTERM go to the whole process group: the front end drains its streams
+    # and then stops this process itself, so the core must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if pdeathsig:
+        _die_with_parent()
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.connect(output_address)
+    try:
+        from conveyor.engine.core import EngineCore
+
+        core = EngineCore(**kwargs)
+    except BaseException as error:  # noqa: BLE001 - the front end re-raises it
+        outputs.send(encode((FAILED, type(error).__name__, str(error), traceback.format_exc())))
+        outputs.close()
+        sys.exit(1)
+    outputs.send(encode((READY, core.info, core.get_stats())))
+    try:
+        _busy_loop(core, inputs, outputs, parent_pid)
+    except BaseException as error:  # noqa: BLE001 - tell the front end, then exit non-zero
+        outputs.send(encode((DEAD, f"{type(error).__name__}: {error}", traceback.format_exc())))
+        outputs.close()
+        sys.exit(1)
+    outputs.close()
+
+
+def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while True:
+        if not core.has_unfinished_requests() and not poller.poll(IDLE_POLL_MS):
+            if os.getppid() != parent_pid:
+                return  # orphaned: the front end is gone
+            continue
+        applied = 0
+        while True:  # every pending command, between two steps
+            try:
+                frame = inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if not _apply(core, decode(frame), outputs):
+                return
+            applied += 1
+        if core.has_unfinished_requests():
+            step_outputs = core.step()
+            outputs.send(encode((STEP, step_outputs, core.get_stats())))
+        elif applied:  # the last requests were aborted: the front end's gauges go to idle
+            outputs.send(encode((STEP, [], core.get_stats())))
+
+
+def _apply(core, message, outputs: zmq.Socket) -> bool:
+    """Applies one command; False on stop."""
+    kind, payload = message
+    if kind == STOP:
+        return False
+    if kind == FINISH:
+        request_ids, status = payload
+        core.finish_requests(request_ids, status)
+    elif kind == ADD:
+        try:
+            core.add_requests(payload)
+        except Exception as error:  # noqa: BLE001 - refused: the front end fails this request
+            from conveyor.engine.core import CoreOutput
+
+            message = f"the engine core refused it: {type(error).__name__}: {error}"
+            failed = [CoreOutput.failed(spec.request_id, message) for spec in payload]
+            outputs.send(encode((STEP, failed, core.get_stats())))
+    return True
+
+
+def _die_with_parent() -> None:
+    """Asks Linux to SIGKILL this process when the thread that started it exits."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the idle pid check still applies
+        pass

@@ -1,0 +1,283 @@
+"""The front end's half of a step: token ids from the core in, RequestOutputs out.
+
+Per sequence it keeps the generated tokens, the detokenizer (text, stop strings) and the
+logprobs; per user request it groups the n sequences of one prompt into one RequestOutput
+(DELTA, CUMULATIVE or FINAL_ONLY). It never touches the scheduler: sequences that a stop string
+ended, or whose handling failed, are returned so that the caller tells the core to free them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.engine.core import CoreOutput
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.outputs import (
+    CompletionOutput,
+    OutputKind,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from conveyor.request import RequestStatus
+from conveyor.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    request_id: str
+    index: int
+    parent: _Parent
+    detokenizer: IncrementalDetokenizer
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    # What the last processed step added.
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[PositionLogprobs] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Parent:
+    """A user request: n > 1 completions run as n sequences that share the prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    output_kind: OutputKind
+    sequences: list[_Sequence] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Processed:
+    outputs: list[RequestOutput]
+    stopped: list[str]  # sequences a stop string ended: the core must free them
+    failed: list[str]  # sequences of requests whose handling raised: the core must free them
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._sequences: dict[str, _Sequence] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def num_unfinished(self) -> int:
+        return len(self._parents)
+
+    def arrival_time(self, request_id: str) -> float | None:
+        parent = self._parents.get(request_id)
+        return None if parent is None else parent.arrival_time
+
+    def sequence_ids(self, request_id: str) -> list[str]:
+        """The ids the core knows one user request's sequences by."""
+        parent = self._parents.get(request_id)
+        return [] if parent is None else [s.request_id for s in parent.sequences]
+
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: list[tuple[str, SamplingParams]],
+        arrival_time: float,
+        output_kind: OutputKind,
+    ) -> None:
+        """Registers a request and its sequences (id, params each). Builds every detokenizer
+        before registering anything, so a failure leaves no state behind."""
+        parent = _Parent(request_id, prompt, prompt_token_ids, arrival_time, output_kind)
+        for index, (sequence_id, sequence_params) in enumerate(params):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sequence_params)
+            sequence = _Sequence(sequence_id, index, parent, detokenizer)
+            if sequence_params.logprobs is not None:
+                sequence.logprobs = []
+            parent.sequences.append(sequence)
+        self._parents[request_id] = parent
+        for sequence in parent.sequences:
+            self._sequences[sequence.request_id] = sequence
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forgets a request; returns its sequence ids for the core to free."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        self._forget(parent)
+        return [s.request_id for s in parent.sequences]
+
+    def abort_all(self) -> list[tuple[str, list[str]]]:
+        """Forgets every request; returns (request id, its sequence ids) for each."""
+        return [(request_id, self.abort(request_id)) for request_id in list(self._parents)]
+
+    def fail(self, request_id: str, message: str) -> tuple[RequestOutput | None, list[str]]:
+        """Ends a request with finish_reason "error": its last output and its sequence ids."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None, []
+        self._forget(parent)
+        return _error_output(parent, message), [s.request_id for s in parent.sequences]
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def process(self, core_outputs: list[CoreOutput]) -> Processed:
+        now = time.monotonic()
+        changed: dict[str, list[_Sequence]] = {}
+        errors: dict[str, str] = {}
+        stopped: list[str] = []
+        for out in core_outputs:
+            sequence = self._sequences.get(out.request_id)
+            if sequence is None or sequence.status.finished:
+                continue  # aborted, or ended by a stop string before the core heard of it
+            parent_id = sequence.parent.request_id
+            if parent_id in errors:
+                continue
+            try:
+                if self._update(sequence, out, now):
+                    stopped.append(sequence.request_id)
+            except Exception as error:  # noqa: BLE001 - one request's fault must not stop the rest
+                errors[parent_id] = f"{type(error).__name__}: {error}"
+            changed.setdefault(parent_id, []).append(sequence)
+        outputs, failed = [], []
+        for parent_id, sequences in changed.items():
+            parent = self._parents[parent_id]
+            error = errors.get(parent_id)
+            out = None
+            if error is None:
+                try:
+                    out = self._parent_output(parent, sequences, now)
+                except Exception as failure:  # noqa: BLE001 - fail this request only
+                    error = f"{type(failure).__name__}: {failure}"
+            if error is not None:
+                out = _error_output(parent, error)
+                failed.extend(s.request_id for s in parent.sequences if not s.status.finished)
+            if out is not None:
+                outputs.append(out)
+                if out.finished:
+                    del self._parents[parent_id]
+                    self._forget(parent)
+        return Processed(outputs, stopped, failed)
+
+    def _update(self, sequence: _Sequence, out: CoreOutput, now: float) -> bool:
+        """Takes one step's tokens; True when a stop string ended the sequence."""
+        if sequence.first_token_time is None and out.new_token_ids:
+            sequence.first_token_time = now
+        sequence.new_token_ids = out.new_token_ids
+        sequence.output_token_ids.extend(out.new_token_ids)
+        sequence.status, sequence.stop_reason = out.status, out.stop_reason
+        sequence.num_cached_tokens = out.num_cached_tokens
+        sequence.first_scheduled_time = out.first_scheduled_time
+        sequence.num_preemptions = out.num_preemptions
+        if out.error is not None:  # the core refused or failed this sequence
+            raise RuntimeError(out.error)
+        detokenizer = sequence.detokenizer
+        stop = detokenizer.update(out.new_token_ids)
+        if out.new_logprobs is not None and sequence.logprobs is not None:
+            decoded = [_decoded(position, detokenizer) for position in out.new_logprobs]
+            sequence.new_logprobs = decoded
+            sequence.logprobs.extend(decoded)
+            for token_id, position in zip(out.new_token_ids, decoded, strict=False):
+                sequence.cumulative_logprob += position[token_id].logprob
+        if stop is not None and not out.status.finished:
+            sequence.status, sequence.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            return True
+        if stop is None and out.status.finished:
+            # Ended by EOS or length: flush a held-back UTF-8 tail. A stop string completed by
+            # that tail still ends the text there, and is reported as the reason.
+            stop = detokenizer.finish()
+            if stop is not None:
+                sequence.status, sequence.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        return False
+
+    def _parent_output(
+        self, parent: _Parent, changed: list[_Sequence], now: float
+    ) -> RequestOutput | None:
+        sequences = parent.sequences
+        finished = all(s.status.finished for s in sequences)
+        if parent.output_kind == OutputKind.DELTA:
+            completions = [_delta(s) for s in changed]
+        elif finished or parent.output_kind == OutputKind.CUMULATIVE:
+            completions = [_completion(s) for s in sequences]
+        else:
+            return None
+        metrics = None
+        if finished:
+            first_token = [s.first_token_time for s in sequences if s.first_token_time]
+            metrics = RequestMetrics(
+                arrival_time=parent.arrival_time,
+                first_scheduled_time=sequences[0].first_scheduled_time,
+                first_token_time=min(first_token) if first_token else None,
+                finished_time=now,
+                num_preemptions=sum(s.num_preemptions for s in sequences),
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=sequences[0].num_cached_tokens,
+            metrics=metrics,
+        )
+
+    def _forget(self, parent: _Parent) -> None:
+        for sequence in parent.sequences:
+            self._sequences.pop(sequence.request_id, None)
+
+
+def _delta(sequence: _Sequence) -> CompletionOutput:
+    """What the last step added: its tokens, their text and logprobs."""
+    finished = sequence.status.finished
+    return CompletionOutput(
+        index=sequence.index,
+        text=sequence.detokenizer.get_delta(finished=finished),
+        token_ids=list(sequence.new_token_ids),
+        cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
+        logprobs=sequence.new_logprobs if sequence.logprobs is not None else None,
+        finish_reason=sequence.status.finish_reason,
+        stop_reason=sequence.stop_reason,
+    )
+
+
+def _completion(sequence: _Sequence) -> CompletionOutput:
+    return CompletionOutput(
+        index=sequence.index,
+        text=sequence.detokenizer.output_text,
+        token_ids=list(sequence.output_token_ids),
+        cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
+        logprobs=list(sequence.logprobs) if sequence.logprobs is not None else None,
+        finish_reason=sequence.status.finish_reason,
+        stop_reason=sequence.stop_reason,
+    )
+
+
+def _error_output(parent: _Parent, message: str) -> RequestOutput:
+    """The last output of a request whose handling failed: every completion ends with "error"."""
+    completions = [
+        CompletionOutput(i, "", [], None, None, finish_reason="error")
+        for i in range(len(parent.sequences))
+    ]
+    return RequestOutput(
+        request_id=parent.request_id,
+        prompt=parent.prompt,
+        prompt_token_ids=parent.prompt_token_ids,
+        outputs=completions,
+        finished=True,
+        error=message,
+    )
+
+
+def _decoded(position: PositionLogprobs, detok: IncrementalDetokenizer) -> PositionLogprobs:
+    return {t: lp._replace(decoded_token=detok.decode_token(t)) for t, lp in position.items()}
