@@ -124,9 +124,6 @@ class CoreProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _empty_stats(num_blocks: int) -> CoreStats:
-    return CoreStats(SchedulerStats(0, 0, 0, 0.0, 0, 0, 0), 0, 0, num_blocks)
-
 
 class SyncCoreClient:
     """EngineCore's methods, carried out by an engine-core process (LLMEngine's core when
@@ -207,6 +204,7 @@ class AsyncMPEngine:
         self._last_message = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task | None = None
+        self._socket: zmq.asyncio.Socket | None = None
         self._watchdog: asyncio.Task | None = None
         self._stopping = False
 
@@ -301,14 +299,19 @@ class AsyncMPEngine:
 
     def _attach(self) -> None:
         process = self._process
-        sock = zmq.asyncio.Socket.from_socket(process.output)
-        self._reader = self._loop.create_task(self._read(process, sock))
+        self._socket = zmq.asyncio.Socket.from_socket(process.output)
+        self._reader = self._loop.create_task(self._read(process, self._socket))
         self._loop.add_reader(process.proc.sentinel, self._on_exit, process)
 
     def _detach(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
+        if self._socket is not None:
+            # Closed through its asyncio face, so that the loop forgets its file descriptor
+            # before a new core's socket may get the same number.
+            self._socket.close(linger=0)
+            self._socket = None
         if self._loop is not None:
             self._loop.remove_reader(self._process.proc.sentinel)
 

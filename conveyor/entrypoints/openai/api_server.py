@@ -251,7 +251,7 @@ async def _run(
         if not task.done():
             task.cancel()
             serving.abort_unfinished(streams)  # the client went away: free its KV now
-    if task.cancelled():
+    if not task.done() or task.cancelled():
         return Response(status_code=499)
     try:
         return task.result()

@@ -1,0 +1,243 @@
+"""The engine core in its own process: faults reach every client at once, the server exits
+non-zero (or, with --restart-engine, recovers), no process is left behind, and the offline LLM
+gives the same tokens through the process as in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import random_prompts
+from server_util import ServerProcess
+
+from conveyor import LLM, SamplingParams
+
+MODEL = "tiny"
+COMPLETIONS = "/v1/completions"
+BODY = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True}
+
+
+def start(tiny_checkpoint, tmp_path: Path, *extra: str) -> ServerProcess:
+    args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--served-model-name", MODEL]
+    return ServerProcess([*args, *extra], tmp_path / "server.log")
+
+
+def children(pid: int) -> list[int]:
+    """Live processes whose parent is pid (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def core_pid(server: ServerProcess) -> int:
+    """The engine-core process (multiprocessing's resource tracker is the other child)."""
+    pids = [
+        pid
+        for pid in children(server.proc.pid)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(pids) == 1, f"expected one engine-core process, found {pids}"
+    return pids[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def open_streams(server: ServerProcess, count: int, fault) -> list[list[str]]:
+    """Opens `count` streams; once every one has a first chunk, calls fault(); returns each
+    stream's lines."""
+    started = asyncio.Event()
+    begun: set[int] = set()
+
+    async def one(client: httpx.AsyncClient, i: int) -> list[str]:
+        lines = []
+        body = BODY | {"stream": True}
+        async with client.stream("POST", COMPLETIONS, json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line:
+                    lines.append(line)
+                    begun.add(i)
+                    if len(begun) == count:
+                        started.set()
+        return lines
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+        tasks = [asyncio.create_task(one(client, i)) for i in range(count)]
+        await asyncio.wait_for(started.wait(), 60)
+        fault()
+        began = time.monotonic()
+        results = await asyncio.gather(*tasks)
+        return results, time.monotonic() - began
+
+
+def assert_ended_with_an_error(lines: list[str], *words: str) -> None:
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2][len("data: ") :])["error"]
+    for word in words:
+        assert word in error["message"], error["message"]
+
+
+def assert_503_then_exit_1(server: ServerProcess, *words: str) -> None:
+    health = httpx.get(f"{server.base_url}/health", timeout=5)
+    assert health.status_code == 503, health.text
+    for word in words:
+        assert word in health.json()["error"]["message"]
+    server.proc.wait(30)
+    assert server.stop() == 1, server.log_path.read_text()[-2000:]
+
+
+def test_sigkill_of_the_core_during_16_streams_fails_every_stream_and_exits_1(
+    tiny_checkpoint, tmp_path
+):
+    server = start(tiny_checkpoint, tmp_path)
+    pid = core_pid(server)
+    results, elapsed = asyncio.run(open_streams(server, 16, lambda: os.kill(pid, signal.SIGKILL)))
+    assert elapsed < 5, f"clients heard of the death after {elapsed:.1f} s"
+    for lines in results:
+        assert_ended_with_an_error(lines, "engine core died", "SIGKILL")
+    assert_503_then_exit_1(server, "SIGKILL")
+
+
+def test_sigkill_during_non_streamed_requests_is_a_500_each(tiny_checkpoint, tmp_path):
+    # One seat: the tiny model makes 500 tokens in well under a second, so eight requests
+    # queue behind each other and are all still open when the core is killed.
+    server = start(tiny_checkpoint, tmp_path, "--max-num-seqs", "1")
+    pid = core_pid(server)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            requests = [asyncio.create_task(client.post(COMPLETIONS, json=BODY)) for _ in range(8)]
+            await asyncio.sleep(0.3)
+            os.kill(pid, signal.SIGKILL)
+            began = time.monotonic()
+            responses = await asyncio.gather(*requests)
+            return responses, time.monotonic() - began
+
+    responses, elapsed = asyncio.run(run())
+    assert elapsed < 5
+    failed = [r for r in responses if r.status_code != 200]
+    assert len(failed) >= 4, [r.status_code for r in responses]
+    for response in failed:
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert "engine core died" in error["message"]
+    assert_503_then_exit_1(server, "engine core died")
+
+
+def test_a_step_that_raises_fails_the_streams_and_exits_1(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_FAULT_INJECT", "raise@40")
+    server = start(tiny_checkpoint, tmp_path)
+    results, elapsed = asyncio.run(open_streams(server, 4, lambda: None))
+    for lines in results:
+        assert_ended_with_an_error(lines, "engine core died", "injected fault in step 40")
+    assert_503_then_exit_1(server, "injected fault")
+    assert "Traceback" in server.log_path.read_text()  # the core's traceback is logged
+
+
+def test_a_hung_step_is_detected_killed_and_reported(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_FAULT_INJECT", "hang@40")
+    server = start(tiny_checkpoint, tmp_path, "--engine-iteration-timeout", "2")
+    pid = core_pid(server)
+    results, elapsed = asyncio.run(open_streams(server, 4, lambda: None))
+    assert elapsed < 10
+    for lines in results:
+        assert_ended_with_an_error(lines, "hung")
+    assert not alive(pid), "the hung core was not killed"
+    assert_503_then_exit_1(server, "hung")
+
+
+def test_restart_engine_recovers_after_sigkill(tiny_checkpoint, tmp_path):
+    server = start(tiny_checkpoint, tmp_path, "--restart-engine")
+    try:
+        pid = core_pid(server)
+        results, _ = asyncio.run(open_streams(server, 4, lambda: os.kill(pid, signal.SIGKILL)))
+        for lines in results:
+            assert_ended_with_an_error(lines, "engine core died")
+        deadline, statuses = time.monotonic() + 120, []
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{server.base_url}/health", timeout=5).status_code
+            statuses.append(status)
+            if status == 200:
+                break
+            time.sleep(0.2)
+        assert statuses[0] == 503 and statuses[-1] == 200, statuses
+        response = httpx.post(f"{server.base_url}{COMPLETIONS}", json=BODY | {"max_tokens": 4})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"][0]["text"]) > 0
+        assert core_pid(server) != pid
+    finally:
+        assert server.stop() == 0, server.log_path.read_text()[-2000:]
+
+
+def test_sigterm_leaves_no_process_behind(tiny_checkpoint, tmp_path):
+    server = start(tiny_checkpoint, tmp_path)
+    pids = children(server.proc.pid)
+    assert core_pid(server) in pids
+    assert server.stop(signal.SIGTERM) == 0, server.log_path.read_text()[-2000:]
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), "a child outlived its server"
+
+
+def test_the_core_dies_with_a_sigkilled_server(tiny_checkpoint, tmp_path):
+    server = start(tiny_checkpoint, tmp_path)
+    pid = core_pid(server)
+    server.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), "the engine core outlived its SIGKILLed server"
+
+
+# ---- the offline LLM through the same process -------------------------------------------
+
+
+@pytest.mark.parametrize("stop", [None, ["a"]])
+def test_llm_through_the_engine_process_gives_the_same_tokens(tiny_checkpoint, stop):
+    path = str(tiny_checkpoint("llama"))
+    prompts = random_prompts(6, 384, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop)
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=12, n=2, logprobs=2)
+    local = LLM(path, dtype="float64")
+    expected = local.generate(prompts, params) + local.generate(prompts[:2], sampled)
+    remote = LLM(path, dtype="float64", engine_process=True)
+    try:
+        got = remote.generate(prompts, params) + remote.generate(prompts[:2], sampled)
+        assert remote.engine.get_stats().num_steps > 0
+    finally:
+        remote.engine.shutdown()
+    for want, have in zip(expected, got, strict=True):
+        for a, b in zip(want.outputs, have.outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            # Same tokens and ranks; the values may differ in the last bits, since the core
+            # process runs with its own thread count (another summation order).
+            assert (a.logprobs is None) == (b.logprobs is None)
+            for pos_a, pos_b in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                assert pos_a.keys() == pos_b.keys()
+                for token, logprob in pos_a.items():
+                    assert pos_b[token].rank == logprob.rank
+                    assert pos_b[token].decoded_token == logprob.decoded_token
+                    assert pos_b[token].logprob == pytest.approx(logprob.logprob, abs=1e-9)
