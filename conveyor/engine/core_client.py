@@ -27,7 +27,6 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from conveyor.core.scheduler import SchedulerStats
 from conveyor.engine.async_engine import EngineDeadError, RequestStream, aborted_output
 from conveyor.engine.core import CoreInfo, CoreOutput, CoreStats
 from conveyor.engine.core_proc import ADD, DEAD, FAILED, FINISH, READY, STOP, decode, encode
@@ -122,7 +121,6 @@ class CoreProcess:
         for sock in (self.input, self.output):
             sock.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
-
 
 
 class SyncCoreClient:
