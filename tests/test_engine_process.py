@@ -45,11 +45,11 @@ def children(pid: int) -> list[int]:
 
 
 def core_pid(server: ServerProcess) -> int:
-    """The engine-core process (multiprocessing's resource tracker is the other child)."""
+    """The engine-core process."""
     pids = [
         pid
         for pid in children(server.proc.pid)
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"conveyor.engine.core_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
     assert len(pids) == 1, f"expected one engine-core process, found {pids}"
     return pids[0]

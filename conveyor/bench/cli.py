@@ -33,7 +33,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
     add_throughput_args(throughput)
     throughput.set_defaults(func=_run_throughput)
-    from conveyor.bench import compare, quality, step
+    from conveyor.bench import compare, quality, split, step
 
     parser = bench_sub.add_parser(
         "compare",
@@ -51,6 +51,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     quality.add_arguments(parser)
     parser.set_defaults(func=quality.main)
+    parser = bench_sub.add_parser(
+        "split",
+        help="the engine-core process vs the engine on a thread vs offline: throughput, "
+        "/health latency, engine time per step",
+    )
+    split.add_arguments(parser)
+    parser.set_defaults(func=split.main)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -57,15 +58,32 @@ class CoreOutput:
         return cls(request_id, [], None, RequestStatus.FINISHED_ERROR, None, 0, None, 0, error)
 
 
+class StepTiming(NamedTuple):
+    """Seconds of one step's parts. Only `forward` (the model and its logits) is the model's
+    work; everything else is the engine's own."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0  # input tensors, block tables, attention metadata
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0  # appending tokens, stop checks, caching blocks, building outputs
+
+    @property
+    def total(self) -> float:
+        return sum(self)
+
+    @property
+    def engine(self) -> float:
+        return self.total - self.forward
+
+
 @dataclass(slots=True)
 class CoreStats:
     scheduler: SchedulerStats
     num_steps: int
     num_generation_tokens_total: int
     num_blocks: int
-    # Seconds of the last step: all of it, and the model forward (runner.execute) within it.
-    step_seconds: float = 0.0
-    forward_seconds: float = 0.0
+    last_step: StepTiming = StepTiming()
 
 
 @dataclass(slots=True)
@@ -88,6 +106,7 @@ class StepTrace:
     num_scheduled_tokens: dict[str, int]
     finished_request_ids: list[str]
     preempted_request_ids: list[str] = field(default_factory=list)
+    timing: StepTiming = StepTiming()
 
 
 class EngineCore:
@@ -136,7 +155,7 @@ class EngineCore:
         self.trace: list[StepTrace] = []
         self._num_steps = 0
         self._num_generation_tokens = 0
-        self._step_seconds = self._forward_seconds = 0.0
+        self._last_step = StepTiming()
         self._fault = Fault.from_env()
 
     @property
@@ -231,9 +250,9 @@ class EngineCore:
             if self.scheduler.has_unfinished_requests() and not sched.preempted_request_ids:
                 raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
             return []
-        forward_start = time.perf_counter()
+        scheduled = time.perf_counter()
         runner_out = self.runner.execute(sched)
-        forward = time.perf_counter() - forward_start
+        executed = time.perf_counter()
         requests = self.scheduler.requests
         before = [requests[i].num_output_tokens for i in runner_out.request_ids]
         updated = self.scheduler.update_from_output(sched, runner_out)
@@ -258,6 +277,10 @@ class EngineCore:
             )
             if request.is_finished:
                 self.scheduler.forget(request.request_id)
+        timing = StepTiming(
+            scheduled - start, *self.runner.last_timing, time.perf_counter() - executed
+        )
+        self._last_step = timing
         if self.record_trace:
             finished = [o.request_id for o in outputs if o.status.finished]
             self.trace.append(
@@ -267,9 +290,9 @@ class EngineCore:
                     sched.num_scheduled_tokens,
                     finished,
                     sched.preempted_request_ids,
+                    timing,
                 )
             )
-        self._step_seconds, self._forward_seconds = time.perf_counter() - start, forward
         return outputs
 
     def get_stats(self) -> CoreStats:
@@ -278,8 +301,7 @@ class EngineCore:
             num_steps=self._num_steps,
             num_generation_tokens_total=self._num_generation_tokens,
             num_blocks=self.num_blocks,
-            step_seconds=self._step_seconds,
-            forward_seconds=self._forward_seconds,
+            last_step=self._last_step,
         )
 
     def check_integrity(self) -> None:

@@ -1,10 +1,10 @@
 """The front end's side of the engine-core process.
 
-CoreProcess starts the process (multiprocessing, spawn) and owns the two ZeroMQ sockets: PUSH
-for commands, PULL for step messages. SyncCoreClient gives it EngineCore's methods for the
-offline LLM (`engine_process=True`); AsyncMPEngine is the server's engine: it validates and
-tokenizes on the event loop, sends sequences to the core, and turns each step message into
-stream outputs (detokenizer, stop strings) while the core already runs the next step.
+CoreProcess starts the process (`python -m conveyor.engine.core_proc`) and owns the two
+ZeroMQ sockets: PUSH for commands, PULL for step messages. SyncCoreClient gives it EngineCore's
+methods for the offline LLM (`engine_process=True`); AsyncMPEngine is the server's engine: it
+validates and tokenizes on the event loop, sends sequences to the core, and turns each step
+message into stream outputs (detokenizer, stop strings) while the core runs the next step.
 
 Faults: if the core raises, is killed, or finishes no step for `iteration_timeout` seconds
 while requests are open, every open request fails with EngineDeadError at once, and the engine
@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
+import pickle
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -44,11 +46,10 @@ POLL_SECONDS = 0.5
 
 
 class CoreProcess:
-    """One engine-core process and the front end's ends of its sockets."""
+    """One engine-core process (`python -m conveyor.engine.core_proc`) and the front end's ends
+    of its sockets."""
 
     def __init__(self, kwargs: dict, context: zmq.Context) -> None:
-        from conveyor.engine.core_proc import run_engine_core
-
         self._dir = tempfile.mkdtemp(prefix="conveyor-core-")
         input_address, output_address = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self.input = context.socket(zmq.PUSH)
@@ -59,27 +60,31 @@ class CoreProcess:
         self.output.setsockopt(zmq.RCVHWM, 0)
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.bind(output_address)
+        config = os.path.join(self._dir, "config.pickle")
+        with open(config, "wb") as file:
+            pickle.dump(kwargs, file, protocol=5)
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only the
         # main thread lives as long as the process.
         pdeathsig = threading.current_thread() is threading.main_thread()
-        spawn = multiprocessing.get_context("spawn")
-        self.proc = spawn.Process(
-            target=run_engine_core,
-            args=(kwargs, input_address, output_address, os.getpid(), pdeathsig),
-            name="conveyor-engine-core",
-            daemon=True,
-        )
-        self.proc.start()
+        args = [config, input_address, output_address, str(os.getpid()), str(int(pdeathsig))]
+        command = [sys.executable, "-m", "conveyor.engine.core_proc", *args]
+        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        # Readable once the process has exited (Linux 5.3+); None: the watchdog polls instead.
+        self.exit_fd = _pidfd(self.proc.pid)
         self._lock = threading.Lock()
 
     @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
     def alive(self) -> bool:
-        return self.proc.is_alive()
+        return self.proc.poll() is None
 
     def exit_description(self) -> str:
-        self.proc.join(timeout=1)
-        code = self.proc.exitcode
-        if code is None:
+        try:
+            code = self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
             return "the engine core process is still running"
         if code < 0:
             return f"the engine core process was killed by {signal.Signals(-code).name}"
@@ -111,13 +116,22 @@ class CoreProcess:
     def stop(self, timeout: float = 10.0) -> None:
         if self.alive:
             self.send((STOP, None))
-            self.proc.join(timeout)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
 
     def kill(self) -> None:
         if self.alive:
             self.proc.kill()
-        self.proc.join(timeout=5)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # in uninterruptible sleep; reaped by the OS later
+            pass
+        if self.exit_fd is not None:
+            os.close(self.exit_fd)
+            self.exit_fd = None
         for sock in (self.input, self.output):
             sock.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -299,7 +313,8 @@ class AsyncMPEngine:
         process = self._process
         self._socket = zmq.asyncio.Socket.from_socket(process.output)
         self._reader = self._loop.create_task(self._read(process, self._socket))
-        self._loop.add_reader(process.proc.sentinel, self._on_exit, process)
+        if process.exit_fd is not None:
+            self._loop.add_reader(process.exit_fd, self._on_exit, process)
 
     def _detach(self) -> None:
         if self._reader is not None:
@@ -310,8 +325,8 @@ class AsyncMPEngine:
             # before a new core's socket may get the same number.
             self._socket.close(linger=0)
             self._socket = None
-        if self._loop is not None:
-            self._loop.remove_reader(self._process.proc.sentinel)
+        if self._loop is not None and self._process.exit_fd is not None:
+            self._loop.remove_reader(self._process.exit_fd)
 
     async def _read(self, process: CoreProcess, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -373,7 +388,8 @@ class AsyncMPEngine:
     # ---- faults --------------------------------------------------------------------------
 
     def _on_exit(self, process: CoreProcess) -> None:
-        self._loop.remove_reader(process.proc.sentinel)
+        if process.exit_fd is not None:
+            self._loop.remove_reader(process.exit_fd)
         if process is not self._process or self._stopping:
             return
         # A core that raised sends its reason before it exits: give that message a moment.
@@ -387,6 +403,8 @@ class AsyncMPEngine:
         period = min(1.0, self.iteration_timeout / 4)
         while True:
             await asyncio.sleep(period)
+            if self._error is None and self._process.exit_fd is None and not self._process.alive:
+                self._die(self._process.exit_description())  # no pidfd: found by polling
             stalled = time.monotonic() - self._last_message
             if self._error is None and self._streams and stalled > self.iteration_timeout:
                 self._die(
@@ -432,6 +450,13 @@ class AsyncMPEngine:
         self.num_restarts += 1
         self._error = None
         logger.warning("the engine core is back (restart %d)", self.num_restarts)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -35,10 +35,20 @@ def decode(frame: bytes):
     return pickle.loads(frame)
 
 
+def main(argv: list[str]) -> None:
+    """`python -m conveyor.engine.core_proc CONFIG INPUT OUTPUT PARENT_PID PDEATHSIG`, started by
+    core_client.CoreProcess. A plain subprocess rather than multiprocessing's spawn: the
+    user's main module is not imported again (a script without a __main__ guard works) and no
+    resource-tracker process comes along."""
+    config, input_address, output_address, parent_pid, pdeathsig = argv
+    with open(config, "rb") as file:
+        kwargs = pickle.load(file)
+    run_engine_core(kwargs, input_address, output_address, int(parent_pid), pdeathsig == "1")
+
+
 def run_engine_core(
     kwargs: dict, input_address: str, output_address: str, parent_pid: int, pdeathsig: bool
 ) -> None:
-    """Entry point of the child process (multiprocessing, spawn)."""
     # Ctrl-C and SIGTERM go to the whole process group: the front end drains its streams
     # and then stops this process itself, so the core must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -120,3 +130,7 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the idle pid check still applies
         pass
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

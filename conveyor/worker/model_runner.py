@@ -7,6 +7,7 @@ The one host sync of a step is reading the sampled tokens back.
 from __future__ import annotations
 
 import os
+import time
 from itertools import chain
 from types import ModuleType
 
@@ -41,6 +42,9 @@ class ModelRunner:
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype)
+        # Seconds of the last execute: (input preparation, model forward + logits, sampling).
+        # On CUDA the split is approximate: kernels run asynchronously until sampling syncs.
+        self.last_timing: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def kv_bytes_per_block(self) -> int:
         per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim
@@ -60,13 +64,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
         input_ids, positions, meta, logits_rows = self._prepare(sched.scheduled)
+        prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampled = [s for s in sched.scheduled if s.sampling is not None]
         if not sampled:
+            self.last_timing = (prepared - start, time.perf_counter() - prepared, 0.0)
             return ModelRunnerOutput([], [], [])
         logits = self.model.compute_logits(hidden[logits_rows])
+        forwarded = time.perf_counter()
         out = self.sampler(logits, [s.sampling for s in sampled])
+        self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return ModelRunnerOutput(
             request_ids=[s.request_id for s in sampled],
             sampled_token_ids=[[t] for t in out.token_ids],

@@ -275,6 +275,11 @@ class OpenAIServing:
         self, streams: list[RequestStream], n: int
     ) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """(choice index, delta) in arrival order, merged across the prompts' streams."""
+        if len(streams) == 1:  # the common case: no merging, no task per output
+            async for out in streams[0]:
+                for completion in out.outputs:
+                    yield completion.index, completion
+            return
         iterators = [stream.__aiter__() for stream in streams]
         pending = {asyncio.ensure_future(_anext(it)): i for i, it in enumerate(iterators)}
         try:

@@ -1,0 +1,347 @@
+"""`conveyor bench split`: the engine-core process measured against its alternatives, in one run.
+
+Systems, on the same requests (random token prompts, exact output lengths, greedy):
+  offline        LLM.generate in this process: no HTTP, no second process (the ceiling);
+  http-process   `conveyor serve` (the engine core in its own process), streamed over HTTP;
+  http-thread    `conveyor serve --no-engine-process` (the engine on a thread of the server).
+
+For each concurrency: output tokens/s of each system and its ratio to offline, and /health
+latency seen by a separate prober process while the streams run (p50 / p99). Then /health
+under many short streams (the front end's worst case). Finally the engine's own time per step
+at a batch of decoding requests: scheduling, input preparation, sampling and output handling
+(including encoding the step message for the front end) against the model forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import pickle
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+SYSTEMS = ("offline", "http-process", "http-thread")
+SERVER_FLAGS = {"http-process": [], "http-thread": ["--no-engine-process"]}
+PROBE_PERIOD = 0.05
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from conveyor.entrypoints.args import add_model_args
+
+    add_model_args(parser)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=3,
+        help="requests per concurrency = concurrency x waves (the batch refills as they finish)",
+    )
+    parser.add_argument(
+        "--health-streams",
+        type=int,
+        default=1000,
+        help="concurrent short streams for the /health test (0 skips it)",
+    )
+    parser.add_argument("--health-output-len", type=int, default=8)
+    parser.add_argument(
+        "--overhead-batch", type=int, default=64, help="decoding requests for the overhead part"
+    )
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-file", default=None, help="write the results as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    from conveyor import LLM, SamplingParams
+    from conveyor.bench.datasets import random_requests
+
+    engine = {"dtype": args.dtype, "device": args.device, "num_threads": args.num_threads}
+    llm = LLM(args.model, record_trace=True, **engine)
+    tokenizer = llm.get_tokenizer()
+    report: dict = {"model": str(llm.engine.model_config.path), "throughput": [], "health": {}}
+    workloads = {
+        c: random_requests(
+            tokenizer, c * args.waves, args.input_len, args.output_len, seed=args.seed + c
+        )
+        for c in args.concurrency
+    }
+    print(f"offline: LLM.generate, {args.input_len} prompt / {args.output_len} output tokens")
+    offline = {}
+    for c, requests in workloads.items():
+        # At most c requests in the batch, the next joining as one finishes: what a client
+        # holding c streams open gives the server.
+        batch_llm = LLM(args.model, max_num_seqs=c, **engine)
+        offline[c] = _offline(batch_llm, requests, SamplingParams)
+        del batch_llm
+        print(f"  concurrency {c}: {offline[c]:.1f} output tok/s")
+    overhead = _overhead(llm, args, SamplingParams)
+    del llm
+    serve_args = _serve_args(args)
+    for c, requests in workloads.items():
+        row = {"concurrency": c, "offline": offline[c]}
+        for system, flags in SERVER_FLAGS.items():
+            with Server(serve_args + flags) as server:
+                tok_s, health, errors = server.measure(requests, c)
+            row[system] = tok_s
+            row[f"{system}_health_ms"] = health
+            row[f"{system}_errors"] = errors
+        report["throughput"].append(row)
+    if args.health_streams > 0:
+        requests = random_requests(
+            tokenizer, args.health_streams, 16, args.health_output_len, seed=args.seed
+        )
+        for system, flags in SERVER_FLAGS.items():
+            with Server(serve_args + flags) as server:
+                tok_s, health, errors = server.measure(requests, args.health_streams)
+            report["health"][system] = {"health_ms": health, "errors": errors, "tok_s": tok_s}
+    report["overhead"] = overhead
+    print(format_report(report, args))
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(report, indent=2))
+        print(f"results written to {args.result_file}")
+    return 0
+
+
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    flags = ["--dtype", args.dtype, "--device", args.device, "--max-num-seqs", "1024"]
+    if args.model:
+        flags.insert(0, args.model)
+    if args.num_threads:
+        flags += ["--num-threads", str(args.num_threads)]
+    return flags
+
+
+# ---- offline ------------------------------------------------------------------------------
+
+
+def _offline(llm, requests, sampling_params) -> float:
+    llm.generate([[5, 6, 7]], sampling_params(max_tokens=4), use_tqdm=False)  # warm-up
+    params = [
+        sampling_params(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def _overhead(llm, args: argparse.Namespace, sampling_params) -> dict:
+    """Median parts of the steps in which `overhead_batch` requests decode together, and the
+    cost of encoding such a step's message for the front end."""
+    from conveyor.engine.core_proc import STEP, encode
+
+    batch = args.overhead_batch
+    rng = np.random.default_rng(args.seed)
+    vocab = min(llm.engine.model_config.vocab_size, len(llm.get_tokenizer()))
+    prompts = [rng.integers(0, vocab, size=16).tolist() for _ in range(batch)]
+    params = sampling_params(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+    core = llm.engine.core
+    core.trace.clear()
+    outputs = []
+    original_step = core.step
+
+    def step():  # keep the last full-batch step's outputs, to time their encoding
+        out = original_step()
+        if len(out) == batch:
+            outputs[:] = out
+        return out
+
+    core.step = step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del core.step
+    steps = [t.timing for t in core.trace if len(t.num_scheduled_tokens) == batch]
+    steps = [t for t in steps if t.sample > 0]  # decode steps: every request samples
+    stats = core.get_stats()
+    encode_s = statistics.median(_timed(lambda: encode((STEP, outputs, stats))) for _ in range(50))
+    parts = {
+        name: statistics.median(getattr(t, name) for t in steps) * 1e3
+        for name in ("schedule", "prepare", "forward", "sample", "update")
+    }
+    parts["encode"] = encode_s * 1e3
+    total = sum(parts.values())
+    return {
+        "batch": batch,
+        "num_steps": len(steps),
+        "parts_ms": parts,
+        "step_ms": total,
+        "engine_share": (total - parts["forward"]) / total,
+        "message_bytes": len(pickle.dumps((STEP, outputs, stats), protocol=5)),
+    }
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---- servers ------------------------------------------------------------------------------
+
+
+class Server:
+    """A `conveyor serve` child process on a free local port, stopped with SIGTERM."""
+
+    def __init__(self, flags: list[str]) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.flags = flags
+
+    def __enter__(self) -> Server:
+        cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", *self.flags]
+        cmd += ["--port", str(self.port), "--log-level", "warning"]
+        print(f"starting: conveyor serve {' '.join(self.flags)}", flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("the server did not become ready in 600 s")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def measure(self, requests, concurrency: int) -> tuple[float, dict, int]:
+        """Output tok/s of the requests at this concurrency, /health latency percentiles (ms)
+        seen by a prober process meanwhile, and the number of failed requests."""
+        asyncio.run(self._run(requests[:2], 2))  # warm-up
+        probe = Probe(f"{self.base_url}/health")
+        try:
+            results, duration = asyncio.run(self._run(requests, concurrency))
+        finally:
+            latencies = probe.stop()
+        tokens = sum(r.output_tokens for r in results if r.success)
+        errors = sum(1 for r in results if not r.success)
+        health = {
+            "p50": float(np.percentile(latencies, 50)) if latencies else None,
+            "p99": float(np.percentile(latencies, 99)) if latencies else None,
+            "max": max(latencies, default=None),
+            "probes": len(latencies),
+        }
+        print(
+            f"  {concurrency} streams: {tokens / duration:.1f} output tok/s, /health p99 "
+            f"{health['p99']:.1f} ms, {errors} failed",
+            flush=True,
+        )
+        return tokens / duration, health, errors
+
+    async def _run(self, requests, concurrency: int):
+        from conveyor.bench.serve import Target, build_payload, first_model, run_requests
+
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        timeout = httpx.Timeout(3600.0, connect=60.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            model = await first_model(client, self.base_url, {})
+            target = Target(f"{self.base_url}/v1/completions", model, False, {}, True, 0.0)
+            payloads = [build_payload(target, r, None) for r in requests]
+            with tqdm(total=len(requests), disable=True) as bar:
+                return await run_requests(
+                    client,
+                    target,
+                    payloads,
+                    [r.prompt_len for r in requests],
+                    [0.0] * len(requests),
+                    concurrency,
+                    bar,
+                )
+
+
+class Probe:
+    """GET /health every PROBE_PERIOD s from a process of its own (so the client's own load
+    does not count), until stop(); the latencies in ms."""
+
+    def __init__(self, url: str) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self._stop = spawn.Event()
+        self._receive, send = spawn.Pipe(duplex=False)
+        self._proc = spawn.Process(target=_probe, args=(url, self._stop, send), daemon=True)
+        self._proc.start()
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        latencies = self._receive.recv() if self._receive.poll(30) else []
+        self._proc.join(10)
+        return latencies
+
+
+def _probe(url: str, stop, send) -> None:
+    latencies = []
+    with httpx.Client(timeout=30) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            try:
+                client.get(url)
+                latencies.append((time.perf_counter() - start) * 1e3)
+            except httpx.HTTPError:
+                pass
+            time.sleep(PROBE_PERIOD)
+    send.send(latencies)
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def format_report(report: dict, args: argparse.Namespace) -> str:
+    lines = [
+        "",
+        f"model {report['model']}; {args.input_len}-token prompts, {args.output_len} output "
+        "tokens, greedy, EOS ignored",
+        "",
+        "| concurrency | offline tok/s | http-process tok/s (x offline) | http-thread tok/s "
+        "(x offline) | /health p99 ms: process / thread |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["throughput"]:
+        off = row["offline"]
+        lines.append(
+            f"| {row['concurrency']} | {off:.1f} | {row['http-process']:.1f} "
+            f"({row['http-process'] / off:.2f}x) | {row['http-thread']:.1f} "
+            f"({row['http-thread'] / off:.2f}x) | {row['http-process_health_ms']['p99']:.1f} / "
+            f"{row['http-thread_health_ms']['p99']:.1f} |"
+        )
+    if report["health"]:
+        lines += ["", f"/health under {args.health_streams} concurrent short streams:", ""]
+        lines += ["| system | p50 ms | p99 ms | max ms | failed streams |", "|---|---|---|---|---|"]
+        for system, result in report["health"].items():
+            h = result["health_ms"]
+            lines.append(
+                f"| {system} | {h['p50']:.1f} | {h['p99']:.1f} | {h['max']:.1f} | "
+                f"{result['errors']} |"
+            )
+    o = report["overhead"]
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in o["parts_ms"].items())
+    lines += [
+        "",
+        f"engine time per step at {o['batch']} decoding requests (median of {o['num_steps']} "
+        f"steps, ms): {parts}",
+        f"engine share outside the forward: {o['engine_share']:.1%} of a {o['step_ms']:.1f} ms "
+        f"step; the step message is {o['message_bytes']} bytes",
+    ]
+    return "\n".join(lines)
