@@ -97,22 +97,38 @@ class EngineMetrics:
         self.prefix_hits = counter("prefix_cache_hits_total", "Prefix-cache hits (tokens).")
         self.success = counter("request_success_total", "Finished requests.", ("finished_reason",))
         self.model_name = model_name
-        # Create every labelled series now, so /metrics lists them all from the start.
-        for collector in (
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.queue,
-            self.running,
-            self.waiting,
-            self.kv_usage,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.preemptions,
-            self.prefix_queries,
-            self.prefix_hits,
-        ):
-            collector.labels(model_name)
+        # Every labelled series is created now, so /metrics lists them all from the start;
+        # the step path uses these children directly (no label lookup per token).
+        (
+            self._ttft,
+            self._itl,
+            self._e2e,
+            self._queue,
+            self._running,
+            self._waiting,
+            self._kv_usage,
+        ) = (
+            c.labels(model_name)
+            for c in (
+                self.ttft,
+                self.itl,
+                self.e2e,
+                self.queue,
+                self.running,
+                self.waiting,
+                self.kv_usage,
+            )
+        )
+        self._counters = {
+            key: counter.labels(model_name)
+            for key, counter in (
+                ("prompt", self.prompt_tokens),
+                ("gen", self.generation_tokens),
+                ("preempt", self.preemptions),
+                ("queries", self.prefix_queries),
+                ("hits", self.prefix_hits),
+            )
+        }
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         self._last_token_time: dict[str, float] = {}
@@ -121,47 +137,45 @@ class EngineMetrics:
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         stats = engine.get_stats()
-        m = self.model_name
-        self.running.labels(m).set(stats.scheduler.num_running)
-        self.waiting.labels(m).set(stats.scheduler.num_waiting)
-        self.kv_usage.labels(m).set(stats.scheduler.kv_cache_usage)
-        self._add(self.prompt_tokens, "prompt", stats.num_prompt_tokens_total)
-        self._add(self.generation_tokens, "gen", stats.num_generation_tokens_total)
-        self._add(self.preemptions, "preempt", stats.scheduler.num_preemptions_total)
-        self._add(self.prefix_queries, "queries", stats.scheduler.prefix_cache_queries)
-        self._add(self.prefix_hits, "hits", stats.scheduler.prefix_cache_hits)
+        self._running.set(stats.scheduler.num_running)
+        self._waiting.set(stats.scheduler.num_waiting)
+        self._kv_usage.set(stats.scheduler.kv_cache_usage)
+        self._add("prompt", stats.num_prompt_tokens_total)
+        self._add("gen", stats.num_generation_tokens_total)
+        self._add("preempt", stats.scheduler.num_preemptions_total)
+        self._add("queries", stats.scheduler.prefix_cache_queries)
+        self._add("hits", stats.scheduler.prefix_cache_hits)
         for out in outputs:
             self._observe(engine, out, now)
 
     def _observe(self, engine: LLMEngine, out: RequestOutput, now: float) -> None:
-        m = self.model_name
         if any(c.token_ids for c in out.outputs):
             last = self._last_token_time.get(out.request_id)
             if last is not None:
-                self.itl.labels(m).observe(now - last)
+                self._itl.observe(now - last)
             else:
                 arrival = engine.arrival_time(out.request_id)
                 if arrival is None and out.metrics is not None:
                     arrival = out.metrics.arrival_time
                 if arrival is not None:
-                    self.ttft.labels(m).observe(now - arrival)
+                    self._ttft.observe(now - arrival)
             self._last_token_time[out.request_id] = now
         if out.metrics is not None:  # finished
             self._last_token_time.pop(out.request_id, None)
             metrics = out.metrics
             if metrics.first_scheduled_time is not None:
-                self.queue.labels(m).observe(metrics.first_scheduled_time - metrics.arrival_time)
-            self.e2e.labels(m).observe(metrics.finished_time - metrics.arrival_time)
+                self._queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
+            self._e2e.observe(metrics.finished_time - metrics.arrival_time)
             reason = out.outputs[0].finish_reason if out.outputs else None
-            self.success.labels(m, reason or "stop").inc()
+            self.success.labels(self.model_name, reason or "stop").inc()
 
     def on_abort(self, engine: LLMEngine, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)
         self.success.labels(self.model_name, "abort").inc()
         self.on_step(engine, [])
 
-    def _add(self, counter: Counter, key: str, total: int) -> None:
+    def _add(self, key: str, total: int) -> None:
         delta = total - self._seen[key]
         if delta > 0:
-            counter.labels(self.model_name).inc(delta)
+            self._counters[key].inc(delta)
         self._seen[key] = total

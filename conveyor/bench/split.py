@@ -253,11 +253,15 @@ class Server:
         return tokens / duration, health, errors
 
     async def _run(self, requests, concurrency: int):
-        from conveyor.bench.serve import Target, build_payload, first_model, run_requests
+        from conveyor.bench.serve import (
+            Target,
+            build_payload,
+            client_session,
+            first_model,
+            run_requests,
+        )
 
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        timeout = httpx.Timeout(3600.0, connect=60.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with client_session(concurrency) as client:
             model = await first_model(client, self.base_url, {})
             target = Target(f"{self.base_url}/v1/completions", model, False, {}, True, 0.0)
             payloads = [build_payload(target, r, None) for r in requests]

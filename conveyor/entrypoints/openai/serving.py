@@ -143,6 +143,8 @@ class OpenAIServing:
         self, request: CompletionRequest, prompts, streams
     ) -> AsyncIterator[str]:
         created, rid = int(time.time()), streams[0].request_id
+        head = {"id": rid, "object": "text_completion", "created": created}
+        chunk = _ChunkWriter(head | {"model": self.model_name})
         choices: dict[int, _Choice] = {}
         async for index, delta in self._deltas(streams, request.n):
             choice = choices.setdefault(index, _Choice(index))
@@ -154,33 +156,10 @@ class OpenAIServing:
                 )
             if not delta.text and delta.finish_reason is None and not logprobs:
                 continue
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [
-                        {
-                            "index": index,
-                            "text": delta.text,
-                            "logprobs": logprobs,
-                            "finish_reason": delta.finish_reason,
-                        }
-                    ],
-                }
-            )
+            body = {"index": index, "text": delta.text, "logprobs": logprobs}
+            yield chunk(body | {"finish_reason": delta.finish_reason})
         if request.stream_options and request.stream_options.include_usage:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [],
-                    "usage": _usage(prompts, list(choices.values())),
-                }
-            )
+            yield chunk.usage(_usage(prompts, list(choices.values())))
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions ------------------------------------------------------------
@@ -219,28 +198,13 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, prompts, streams
     ) -> AsyncIterator[str]:
         created, rid = int(time.time()), streams[0].request_id
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created}
+        chunk = _ChunkWriter(head | {"model": self.model_name})
         choices: dict[int, _Choice] = {}
-        head = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model_name,
-        }
         for index in range(request.n):
             choices[index] = _Choice(index)
-            yield _sse(
-                head
-                | {
-                    "choices": [
-                        {
-                            "index": index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                }
-            )
+            delta = {"role": "assistant", "content": ""}
+            yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
         async for index, delta in self._deltas(streams, request.n):
             choice = choices[index]
             choice.num_tokens += len(delta.token_ids)
@@ -252,21 +216,11 @@ class OpenAIServing:
                 )
             if not delta.text and delta.finish_reason is None and not logprobs:
                 continue
-            yield _sse(
-                head
-                | {
-                    "choices": [
-                        {
-                            "index": index,
-                            "delta": {"content": delta.text} if delta.text else {},
-                            "logprobs": logprobs,
-                            "finish_reason": delta.finish_reason,
-                        }
-                    ]
-                }
-            )
+            content = {"content": delta.text} if delta.text else {}
+            body = {"index": index, "delta": content, "logprobs": logprobs}
+            yield chunk(body | {"finish_reason": delta.finish_reason})
         if request.stream_options and request.stream_options.include_usage:
-            yield _sse(head | {"choices": [], "usage": _usage(prompts, list(choices.values()))})
+            yield chunk.usage(_usage(prompts, list(choices.values())))
         yield "data: [DONE]\n\n"
 
     # ---- shared --------------------------------------------------------------------------
@@ -386,5 +340,19 @@ def _offsets(tokens: list[str]) -> list[int]:
     return offsets
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class _ChunkWriter:
+    """SSE chunks of one stream: the fields every chunk repeats (id, object, created, model)
+    are encoded once, so a token costs the encoding of its own choice only."""
+
+    def __init__(self, head: dict) -> None:
+        self._head = "data: " + _json(head)[:-1] + ',"choices":['
+
+    def __call__(self, choice: dict) -> str:
+        return f"{self._head}{_json(choice)}]}}\n\n"
+
+    def usage(self, usage: dict) -> str:
+        return f'{self._head}],"usage":{_json(usage)}}}\n\n'
