@@ -10,13 +10,14 @@ import time
 import pytest
 from server_util import ServerProcess
 
-from conveyor.bench.cli import parse_goodput, parse_percentiles
 from conveyor.bench.datasets import arrival_times
 from conveyor.bench.serve import (
     RequestResult,
     compute_metrics,
     count_good,
     format_result,
+    parse_goodput,
+    parse_percentiles,
     summarize,
 )
 from conveyor.bench.serve import main as serve_main

@@ -13,7 +13,8 @@ from conftest import hf_greedy, random_prompts
 from transformers import AutoModelForCausalLM
 
 from conveyor import LLMEngine, SamplingParams
-from conveyor.engine.async_engine import AsyncEngine, EngineDeadError
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.streams import EngineDeadError
 from conveyor.outputs import OutputKind
 
 

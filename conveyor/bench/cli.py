@@ -9,17 +9,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from conveyor.bench.datasets import (
-    SampleRequest,
-    prefix_repetition_requests,
-    random_requests,
-    sharegpt_requests,
-)
 from conveyor.entrypoints.args import add_engine_args
 
 DATASETS = ("random", "prefix-repetition", "sharegpt")
-PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
-GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -163,85 +155,3 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)  # it brings --seed, which the workload uses too
     add_dataset_args(parser, with_seed=False)
     add_result_args(parser)
-
-
-def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
-    """['ttft:500', 'tpot:50'] -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
-    slos: dict[str, float] = {}
-    for pair in pairs or []:
-        name, _, value = pair.partition(":")
-        if name not in GOODPUT_METRICS:
-            allowed = ", ".join(GOODPUT_METRICS)
-            raise ValueError(f"--goodput: unknown metric {name!r}; use {allowed}")
-        try:
-            slos[name] = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput: {pair!r} is not NAME:MILLISECONDS") from None
-        if not slos[name] >= 0:
-            raise ValueError(f"--goodput: {name} must be >= 0 ms, got {value}")
-    return slos
-
-
-def parse_percentile_metrics(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PERCENTILE_METRICS]
-    if unknown:
-        allowed = ",".join(PERCENTILE_METRICS)
-        raise ValueError(f"--percentile-metrics: unknown {unknown}; use {allowed}")
-    return names
-
-
-def parse_percentiles(text: str) -> list[float]:
-    try:
-        values = [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"--metric-percentiles: {text!r} is not a list of numbers") from None
-    if not values or not all(0 < p <= 100 for p in values):
-        raise ValueError(f"--metric-percentiles: each must be in (0, 100], got {text!r}")
-    return values
-
-
-def check_workload_args(args: argparse.Namespace) -> None:
-    positive = [
-        "num_prompts",
-        "random_input_len",
-        "random_output_len",
-        "prefix_repetition_prefix_len",
-        "prefix_repetition_num_prefixes",
-        "prefix_repetition_output_len",
-    ]
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.prefix_repetition_suffix_len < 0:
-        raise ValueError("--prefix-repetition-suffix-len must be >= 0")
-    if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
-        raise ValueError("--sharegpt-output-len must be >= 1")
-
-
-def sample_requests(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
-    check_workload_args(args)
-    if args.dataset_name == "random":
-        return random_requests(
-            tokenizer,
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            args.seed,
-        )
-    if args.dataset_name == "prefix-repetition":
-        return prefix_repetition_requests(
-            tokenizer,
-            args.num_prompts,
-            args.prefix_repetition_prefix_len,
-            args.prefix_repetition_suffix_len,
-            args.prefix_repetition_num_prefixes,
-            args.prefix_repetition_output_len,
-            args.seed,
-        )
-    if not args.dataset_path:
-        raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
-    return sharegpt_requests(
-        args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed
-    )

@@ -135,3 +135,49 @@ def arrival_times(
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
+
+
+def check_workload_args(args) -> None:
+    positive = [
+        "num_prompts",
+        "random_input_len",
+        "random_output_len",
+        "prefix_repetition_prefix_len",
+        "prefix_repetition_num_prefixes",
+        "prefix_repetition_output_len",
+    ]
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prefix_repetition_suffix_len < 0:
+        raise ValueError("--prefix-repetition-suffix-len must be >= 0")
+    if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
+        raise ValueError("--sharegpt-output-len must be >= 1")
+
+
+def sample_requests(args, tokenizer) -> list[SampleRequest]:
+    check_workload_args(args)
+    if args.dataset_name == "random":
+        return random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
+    if args.dataset_name == "prefix-repetition":
+        return prefix_repetition_requests(
+            tokenizer,
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            args.seed,
+        )
+    if not args.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
+    return sharegpt_requests(
+        args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed
+    )

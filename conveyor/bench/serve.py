@@ -24,13 +24,10 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from conveyor.bench.cli import (
-    parse_goodput,
-    parse_percentile_metrics,
-    parse_percentiles,
-    sample_requests,
-)
-from conveyor.bench.datasets import SampleRequest, arrival_times
+from conveyor.bench.datasets import SampleRequest, arrival_times, sample_requests
+
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 METRIC_HEADERS = {  # name -> (label, section header), as in vLLM's result block
     "ttft": ("TTFT", "Time to First Token"),
@@ -82,6 +79,42 @@ class BenchmarkMetrics:
 
 
 # ---- metrics -----------------------------------------------------------------------------
+
+
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """['ttft:500', 'tpot:50'] -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
+    slos: dict[str, float] = {}
+    for pair in pairs or []:
+        name, _, value = pair.partition(":")
+        if name not in GOODPUT_METRICS:
+            allowed = ", ".join(GOODPUT_METRICS)
+            raise ValueError(f"--goodput: unknown metric {name!r}; use {allowed}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {pair!r} is not NAME:MILLISECONDS") from None
+        if not slos[name] >= 0:
+            raise ValueError(f"--goodput: {name} must be >= 0 ms, got {value}")
+    return slos
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PERCENTILE_METRICS]
+    if unknown:
+        allowed = ",".join(PERCENTILE_METRICS)
+        raise ValueError(f"--percentile-metrics: unknown {unknown}; use {allowed}")
+    return names
+
+
+def parse_percentiles(text: str) -> list[float]:
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles: {text!r} is not a list of numbers") from None
+    if not values or not all(0 < p <= 100 for p in values):
+        raise ValueError(f"--metric-percentiles: each must be in (0, 100], got {text!r}")
+    return values
 
 
 def summarize(values_s: list[float], percentiles: list[float]) -> Summary:

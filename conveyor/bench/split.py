@@ -5,7 +5,8 @@ Systems, on the same requests (random token prompts, exact output lengths, greed
   http-process   `conveyor serve` (the engine core in its own process), streamed over HTTP;
   http-thread    `conveyor serve --no-engine-process` (the engine on a thread of the server).
 
-For each concurrency: output tokens/s of each system and its ratio to offline, and /health
+For each concurrency: output tokens/s of each system and its ratio to offline (the mean of an
+offline run before and one after the servers), and /health
 latency seen by a separate prober process while the streams run (p50 / p99). Then /health
 under many short streams (the front end's worst case). Finally the engine's own time per step
 at a batch of decoding requests: scheduling, input preparation, sampling and output handling
@@ -78,26 +79,28 @@ def main(args: argparse.Namespace) -> int:
         )
         for c in args.concurrency
     }
-    print(f"offline: LLM.generate, {args.input_len} prompt / {args.output_len} output tokens")
-    offline = {}
-    for c, requests in workloads.items():
-        # At most c requests in the batch, the next joining as one finishes: what a client
-        # holding c streams open gives the server.
-        batch_llm = LLM(args.model, max_num_seqs=c, **engine)
-        offline[c] = _offline(batch_llm, requests, SamplingParams)
-        del batch_llm
-        print(f"  concurrency {c}: {offline[c]:.1f} output tok/s")
     overhead = _overhead(llm, args, SamplingParams)
     del llm
     serve_args = _serve_args(args)
+    print(f"{args.input_len}-token prompts, {args.output_len} output tokens, greedy")
     for c, requests in workloads.items():
-        row = {"concurrency": c, "offline": offline[c]}
+        # Offline: at most c requests in the batch, the next joining as one finishes (what a
+        # client holding c streams open gives a server), measured before and after the servers
+        # so that a drift of the machine's speed during the row cancels out.
+        batch_llm = LLM(args.model, max_num_seqs=c, **engine)
+        before = _offline(batch_llm, requests, SamplingParams)
+        print(f"  offline, {c} in the batch: {before:.1f} output tok/s", flush=True)
+        row = {"concurrency": c}
         for system, flags in SERVER_FLAGS.items():
             with Server(serve_args + flags) as server:
                 tok_s, health, errors = server.measure(requests, c)
             row[system] = tok_s
             row[f"{system}_health_ms"] = health
             row[f"{system}_errors"] = errors
+        after = _offline(batch_llm, requests, SamplingParams)
+        print(f"  offline, {c} in the batch, again: {after:.1f} output tok/s", flush=True)
+        del batch_llm
+        row["offline"], row["offline_runs"] = (before + after) / 2, [before, after]
         report["throughput"].append(row)
     if args.health_streams > 0:
         requests = random_requests(
@@ -247,7 +250,7 @@ class Server:
         }
         print(
             f"  {concurrency} streams: {tokens / duration:.1f} output tok/s, /health p99 "
-            f"{health['p99']:.1f} ms, {errors} failed",
+            f"{_ms(health['p99'])} ms, {errors} failed",
             flush=True,
         )
         return tokens / duration, health, errors
@@ -283,10 +286,13 @@ class Probe:
 
     def __init__(self, url: str) -> None:
         spawn = multiprocessing.get_context("spawn")
-        self._stop = spawn.Event()
+        self._stop, ready = spawn.Event(), spawn.Event()
         self._receive, send = spawn.Pipe(duplex=False)
-        self._proc = spawn.Process(target=_probe, args=(url, self._stop, send), daemon=True)
+        args = (url, self._stop, ready, send)
+        self._proc = spawn.Process(target=_probe, args=args, daemon=True)
         self._proc.start()
+        if not ready.wait(60):  # the first probe has answered: the run may start
+            raise RuntimeError("the /health prober did not start")
 
     def stop(self) -> list[float]:
         self._stop.set()
@@ -295,9 +301,11 @@ class Probe:
         return latencies
 
 
-def _probe(url: str, stop, send) -> None:
+def _probe(url: str, stop, ready, send) -> None:
     latencies = []
     with httpx.Client(timeout=30) as client:
+        client.get(url)
+        ready.set()
         while not stop.is_set():
             start = time.perf_counter()
             try:
@@ -318,17 +326,18 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
         f"model {report['model']}; {args.input_len}-token prompts, {args.output_len} output "
         "tokens, greedy, EOS ignored",
         "",
-        "| concurrency | offline tok/s | http-process tok/s (x offline) | http-thread tok/s "
-        "(x offline) | /health p99 ms: process / thread |",
+        "| concurrency | offline tok/s (before / after) | http-process tok/s (x offline) | "
+        "http-thread tok/s (x offline) | /health p99 ms: process / thread |",
         "|---|---|---|---|---|",
     ]
     for row in report["throughput"]:
-        off = row["offline"]
+        off, (before, after) = row["offline"], row["offline_runs"]
         lines.append(
-            f"| {row['concurrency']} | {off:.1f} | {row['http-process']:.1f} "
+            f"| {row['concurrency']} | {off:.1f} ({before:.1f} / {after:.1f}) | "
+            f"{row['http-process']:.1f} "
             f"({row['http-process'] / off:.2f}x) | {row['http-thread']:.1f} "
-            f"({row['http-thread'] / off:.2f}x) | {row['http-process_health_ms']['p99']:.1f} / "
-            f"{row['http-thread_health_ms']['p99']:.1f} |"
+            f"({row['http-thread'] / off:.2f}x) | {_ms(row['http-process_health_ms']['p99'])} / "
+            f"{_ms(row['http-thread_health_ms']['p99'])} |"
         )
     if report["health"]:
         lines += ["", f"/health under {args.health_streams} concurrent short streams:", ""]
@@ -336,7 +345,7 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
         for system, result in report["health"].items():
             h = result["health_ms"]
             lines.append(
-                f"| {system} | {h['p50']:.1f} | {h['p99']:.1f} | {h['max']:.1f} | "
+                f"| {system} | {_ms(h['p50'])} | {_ms(h['p99'])} | {_ms(h['max'])} | "
                 f"{result['errors']} |"
             )
     o = report["overhead"]
@@ -349,3 +358,7 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
         f"step; the step message is {o['message_bytes']} bytes",
     ]
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
-from conveyor.bench.cli import sample_requests
+from conveyor.bench.datasets import sample_requests
 
 
 class ThroughputResult(NamedTuple):

@@ -12,24 +12,22 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.outputs import OutputKind, RequestOutput
+from conveyor.engine.streams import (
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+    aborted_output,
+)
+from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
 
 _STOP = object()
 _ABORT_ALL = object()
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop died: no request can be served until the server is restarted."""
-
-
-class RequestFailedError(RuntimeError):
-    """Handling this one request failed inside the engine; the engine goes on."""
 
 
 @dataclass(slots=True)
@@ -44,39 +42,6 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
-
-
-@dataclass(slots=True, eq=False)
-class RequestStream:
-    """Outputs of one request, delivered on the event loop that created it."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    accepted: asyncio.Future | None = None
-    finished: bool = False
-
-    def put_local(self, item: RequestOutput | BaseException) -> None:
-        """From the stream's own event loop."""
-        self.queue.put_nowait(item)
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """From any thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            self.finished = item.finished
-            if item.error is not None:
-                raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
-            yield item
 
 
 class AsyncEngine:
@@ -282,10 +247,3 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-def aborted_output(request_id: str) -> RequestOutput:
-    from conveyor.outputs import CompletionOutput
-
-    done = CompletionOutput(0, "", [], None, None, finish_reason="abort")
-    return RequestOutput(request_id, None, [], [done], finished=True, metrics=None)

@@ -87,6 +87,17 @@ class CoreStats:
 
 
 @dataclass(slots=True)
+class EngineStats:
+    """The core's stats plus what only the front end counts (prompt tokens received)."""
+
+    scheduler: SchedulerStats
+    num_steps: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_blocks: int
+
+
+@dataclass(slots=True)
 class CoreInfo:
     """What a front end needs to know of its core to validate requests."""
 

@@ -29,12 +29,11 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from conveyor.engine.async_engine import EngineDeadError, RequestStream, aborted_output
-from conveyor.engine.core import CoreInfo, CoreOutput, CoreStats
+from conveyor.engine.core import CoreInfo, CoreOutput, CoreStats, EngineStats
 from conveyor.engine.core_proc import ADD, DEAD, FAILED, FINISH, READY, STOP, decode, encode
 from conveyor.engine.input_processor import InputProcessor
-from conveyor.engine.llm_engine import EngineStats
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.streams import EngineDeadError, RequestStream, aborted_output
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind
 from conveyor.request import RequestStatus

@@ -10,10 +10,7 @@ AsyncEngine (or, split across processes, through AsyncMPEngine).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from conveyor.core.scheduler import SchedulerStats
-from conveyor.engine.core import EngineCore, StepTrace
+from conveyor.engine.core import EngineCore, EngineStats, StepTrace
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.model.loader import load_tokenizer
@@ -22,15 +19,6 @@ from conveyor.request import RequestStatus
 from conveyor.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "LLMEngine", "StepTrace"]
-
-
-@dataclass(slots=True)
-class EngineStats:
-    scheduler: SchedulerStats
-    num_steps: int
-    num_prompt_tokens_total: int
-    num_generation_tokens_total: int
-    num_blocks: int
 
 
 class LLMEngine:

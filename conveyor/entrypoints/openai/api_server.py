@@ -19,9 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.config import RequestLimits
-from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import AsyncMPEngine
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.streams import EngineDeadError, RequestFailedError
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

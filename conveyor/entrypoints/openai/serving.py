@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from conveyor.config import RequestLimits
-from conveyor.engine.async_engine import AsyncEngine, RequestStream
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.streams import RequestStream
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
