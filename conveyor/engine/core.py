@@ -96,6 +96,16 @@ class EngineStats:
     num_generation_tokens_total: int
     num_blocks: int
 
+    @classmethod
+    def of(cls, core: CoreStats, num_prompt_tokens: int) -> EngineStats:
+        return cls(
+            scheduler=core.scheduler,
+            num_steps=core.num_steps,
+            num_prompt_tokens_total=num_prompt_tokens,
+            num_generation_tokens_total=core.num_generation_tokens_total,
+            num_blocks=core.num_blocks,
+        )
+
 
 @dataclass(slots=True)
 class CoreInfo:

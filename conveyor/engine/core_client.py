@@ -247,16 +247,8 @@ class AsyncMPEngine:
             raise EngineDeadError(f"the engine core is not running: {self._error!r}")
         if self._loop is None:
             await self.start()
-        if request_id in self.outputs:
-            raise ValueError(f"duplicate request_id {request_id!r}: a request with it is running")
-        text, token_ids, sequences = self.inputs.process(request_id, prompt, params, priority)
-        self.outputs.add(
-            request_id,
-            text,
-            token_ids,
-            [(s.request_id, s.params) for s in sequences],
-            sequences[0].arrival_time,
-            OutputKind.DELTA,
+        token_ids, sequences = self.inputs.admit(
+            self.outputs, request_id, prompt, params, priority, None, OutputKind.DELTA
         )
         if not self._streams:  # the deadline counts from the first open request
             self._last_message = time.monotonic()
@@ -284,14 +276,7 @@ class AsyncMPEngine:
             self._watchdog.cancel()
 
     def get_stats(self) -> EngineStats:
-        core = self._stats
-        return EngineStats(
-            scheduler=core.scheduler,
-            num_steps=core.num_steps,
-            num_prompt_tokens_total=self._num_prompt_tokens,
-            num_generation_tokens_total=core.num_generation_tokens_total,
-            num_blocks=core.num_blocks,
-        )
+        return EngineStats.of(self._stats, self._num_prompt_tokens)
 
     def arrival_time(self, request_id: str) -> float | None:
         return self.outputs.arrival_time(request_id)

@@ -7,6 +7,8 @@ import time
 from typing import Any
 
 from conveyor.engine.core import CoreInfo, CoreRequest
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
 
 
@@ -18,6 +20,29 @@ class InputProcessor:
     @property
     def max_model_len(self) -> int:
         return self.info.model_config.max_model_len
+
+    def admit(
+        self,
+        outputs: OutputProcessor,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        priority: int,
+        arrival_time: float | None,
+        output_kind: OutputKind,
+    ) -> tuple[list[int], list[CoreRequest]]:
+        """Checks a request and registers it with the output processor; returns its prompt
+        token ids and the sequences for the core. ValueError, with nothing registered, if
+        it is refused."""
+        if isinstance(request_id, str) and request_id in outputs:
+            raise ValueError(f"duplicate request_id {request_id!r}: a request with it is running")
+        text, token_ids, sequences = self.process(
+            request_id, prompt, params, priority, arrival_time
+        )
+        children = [(s.request_id, s.params) for s in sequences]
+        arrival = sequences[0].arrival_time
+        outputs.add(request_id, text, token_ids, children, arrival, output_kind)
+        return token_ids, sequences
 
     def process(
         self,

@@ -78,18 +78,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
-        if isinstance(request_id, str) and request_id in self.outputs:
-            raise ValueError(f"duplicate request_id {request_id!r}: a request with it is running")
-        text, token_ids, sequences = self.inputs.process(
-            request_id, prompt, params, priority, arrival_time
-        )
-        self.outputs.add(
-            request_id,
-            text,
-            token_ids,
-            [(s.request_id, s.params) for s in sequences],
-            sequences[0].arrival_time,
-            output_kind,
+        token_ids, sequences = self.inputs.admit(
+            self.outputs, request_id, prompt, params, priority, arrival_time, output_kind
         )
         try:
             self.core.add_requests(sequences)
@@ -124,14 +114,7 @@ class LLMEngine:
         return processed.outputs
 
     def get_stats(self) -> EngineStats:
-        core = self.core.get_stats()
-        return EngineStats(
-            scheduler=core.scheduler,
-            num_steps=core.num_steps,
-            num_prompt_tokens_total=self._num_prompt_tokens,
-            num_generation_tokens_total=core.num_generation_tokens_total,
-            num_blocks=core.num_blocks,
-        )
+        return EngineStats.of(self.core.get_stats(), self._num_prompt_tokens)
 
     def check_integrity(self) -> None:
         self.core.check_integrity()

@@ -239,25 +239,28 @@ class OutputProcessor:
 
 def _delta(sequence: _Sequence) -> CompletionOutput:
     """What the last step added: its tokens, their text and logprobs."""
-    finished = sequence.status.finished
-    return CompletionOutput(
-        index=sequence.index,
-        text=sequence.detokenizer.get_delta(finished=finished),
-        token_ids=list(sequence.new_token_ids),
-        cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
-        logprobs=sequence.new_logprobs if sequence.logprobs is not None else None,
-        finish_reason=sequence.status.finish_reason,
-        stop_reason=sequence.stop_reason,
-    )
+    text = sequence.detokenizer.get_delta(finished=sequence.status.finished)
+    return _output(sequence, text, list(sequence.new_token_ids), sequence.new_logprobs)
 
 
 def _completion(sequence: _Sequence) -> CompletionOutput:
+    logprobs = sequence.logprobs
+    return _output(
+        sequence,
+        sequence.detokenizer.output_text,
+        list(sequence.output_token_ids),
+        list(logprobs) if logprobs is not None else None,
+    )
+
+
+def _output(sequence: _Sequence, text: str, token_ids: list[int], logprobs) -> CompletionOutput:
+    wants_logprobs = sequence.logprobs is not None
     return CompletionOutput(
         index=sequence.index,
-        text=sequence.detokenizer.output_text,
-        token_ids=list(sequence.output_token_ids),
-        cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
-        logprobs=list(sequence.logprobs) if sequence.logprobs is not None else None,
+        text=text,
+        token_ids=token_ids,
+        cumulative_logprob=sequence.cumulative_logprob if wants_logprobs else None,
+        logprobs=logprobs if wants_logprobs else None,
         finish_reason=sequence.status.finish_reason,
         stop_reason=sequence.stop_reason,
     )
