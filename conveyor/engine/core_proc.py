@@ -43,6 +43,7 @@ def main(argv: list[str]) -> None:
     config, input_address, output_address, parent_pid, pdeathsig = argv
     with open(config, "rb") as file:
         kwargs = pickle.load(file)
+    os.unlink(config)  # read once: the settings do not stay on disk while the core runs
     run_engine_core(kwargs, input_address, output_address, int(parent_pid), pdeathsig == "1")
 
 
