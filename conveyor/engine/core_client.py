@@ -42,6 +42,8 @@ from conveyor.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
+CUDA_ITERATION_TIMEOUT = 60.0
+CPU_ITERATION_TIMEOUT = 300.0
 
 
 class CoreProcess:
@@ -185,9 +187,15 @@ class AsyncMPEngine:
     """The server's engine with the core in its own process; AsyncEngine's interface."""
 
     def __init__(
-        self, kwargs: dict, *, iteration_timeout: float = 60.0, restart: bool = False
+        self, kwargs: dict, *, iteration_timeout: float | None = None, restart: bool = False
     ) -> None:
-        if iteration_timeout <= 0:
+        """iteration_timeout: seconds without a finished step, while requests are open, after
+        which the core counts as hung. None: 60 s on CUDA (as vLLM), 300 s on CPU, where one
+        2048-token prefill chunk of a large model may take minutes."""
+        if iteration_timeout is None:
+            on_cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
+            iteration_timeout = CUDA_ITERATION_TIMEOUT if on_cuda else CPU_ITERATION_TIMEOUT
+        if not iteration_timeout > 0:
             raise ValueError(f"iteration_timeout must be > 0, got {iteration_timeout}")
         self.kwargs = dict(kwargs)
         self.iteration_timeout, self.restart = iteration_timeout, restart

@@ -110,9 +110,9 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--engine-iteration-timeout",
         type=float,
-        default=60.0,
+        default=None,
         help="seconds without a finished step, while requests are open, after which the "
-        "engine core counts as hung and is killed (default 60)",
+        "engine core counts as hung and is killed (default 60 on CUDA, 300 on CPU)",
     )
 
 
