@@ -30,7 +30,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from tqdm import tqdm
 
 SYSTEMS = ("offline", "http-process", "http-thread")
 SERVER_FLAGS = {"http-process": [], "http-thread": ["--no-engine-process"]}
@@ -245,8 +244,8 @@ class Server:
             results, duration = asyncio.run(self._run(requests, concurrency))
         finally:
             latencies = probe.stop()
-        tokens = sum(r.output_tokens for r in results if r.success)
-        errors = sum(1 for r in results if not r.success)
+        tokens = sum(count for count in results if count is not None)
+        errors = sum(1 for count in results if count is None)
         health = {
             "p50": float(np.percentile(latencies, 50)) if latencies else None,
             "p99": float(np.percentile(latencies, 99)) if latencies else None,
@@ -260,29 +259,55 @@ class Server:
         )
         return tokens / duration, health, errors
 
-    async def _run(self, requests, concurrency: int):
-        from conveyor.bench.serve import (
-            Target,
-            build_payload,
-            client_session,
-            first_model,
-            run_requests,
-        )
+    async def _run(self, requests, concurrency: int) -> tuple[list[int | None], float]:
+        """Streams every request at this concurrency; the output tokens of each (None: it
+        failed) and the wall time. Only the last chunk (usage) is parsed: this throughput
+        figure needs no per-token timing, and parsing every chunk takes CPU from the server
+        under test on a machine that runs both."""
+        from conveyor.bench.serve import client_session, first_model
 
+        limit = asyncio.Semaphore(concurrency)
         async with client_session(concurrency) as client:
             model = await first_model(client, self.base_url, {})
-            target = Target(f"{self.base_url}/v1/completions", model, False, {}, True, 0.0)
-            payloads = [build_payload(target, r, None) for r in requests]
-            with tqdm(total=len(requests), disable=True) as bar:
-                return await run_requests(
-                    client,
-                    target,
-                    payloads,
-                    [r.prompt_len for r in requests],
-                    [0.0] * len(requests),
-                    concurrency,
-                    bar,
-                )
+            url = f"{self.base_url}/v1/completions"
+
+            async def one(request) -> int | None:
+                payload = {
+                    "model": model,
+                    "prompt": request.prompt_token_ids,
+                    "max_tokens": request.output_len,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                async with limit:
+                    return await _stream_tokens(client, url, payload)
+
+            start = time.perf_counter()
+            counts = await asyncio.gather(*(one(r) for r in requests))
+            return list(counts), time.perf_counter() - start
+
+
+async def _stream_tokens(client, url: str, payload: dict) -> int | None:
+    """Completion tokens of one streamed request from its usage chunk; None on any failure
+    (an HTTP error, an error event, no usage, no [DONE])."""
+    import aiohttp
+
+    last = None
+    try:
+        async with client.post(url, json=payload) as response:
+            if response.status != 200:
+                return None
+            async for line in response.content:
+                if line.startswith(b"data: [DONE]"):
+                    usage = json.loads(last[6:]).get("usage") if last else None
+                    return usage["completion_tokens"] if usage else None
+                if line.startswith(b"data: "):
+                    last = line
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        return None
+    return None
 
 
 class Probe:
