@@ -216,8 +216,7 @@ class EngineCore:
         """Admits validated sequences, all or none: everything that can fail (duplicate ids,
         generators) is built before any state is registered."""
         ids = [spec.request_id for spec in specs]
-        duplicate = [i for i in ids if i in self.scheduler.requests] or len(set(ids)) < len(ids)
-        if duplicate:
+        if len(set(ids)) < len(ids) or any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"duplicate request_id among {ids[:5]!r}")
         for request in [self._make_request(spec) for spec in specs]:
             self.scheduler.add_request(request)
@@ -249,10 +248,11 @@ class EngineCore:
         """Ends requests (aborted, or stopped by a stop string the front end found) and frees
         their blocks. Unknown or finished ids are ignored: the request may have ended in a
         step the front end had not yet seen."""
-        for request in self.scheduler.finish_requests(request_ids, status):
-            self.scheduler.forget(request.request_id)
+        finished = [r.request_id for r in self.scheduler.finish_requests(request_ids, status)]
+        for request_id in finished:
+            self.scheduler.forget(request_id)
         if self.record_trace and self.trace and status != RequestStatus.FINISHED_ABORTED:
-            self.trace[-1].finished_request_ids.extend(request_ids)
+            self.trace[-1].finished_request_ids.extend(finished)  # ended with the last step
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

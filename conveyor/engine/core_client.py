@@ -242,7 +242,9 @@ class AsyncMPEngine:
         return self._error
 
     async def start(self) -> None:
-        """Starts reading the core's outputs; call on the server's event loop."""
+        """Starts reading the core's outputs; call on the server's event loop (once)."""
+        if self._loop is not None:
+            return
         self._loop = asyncio.get_running_loop()
         self._attach()
         self._watchdog = self._loop.create_task(self._watch())
