@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -339,3 +340,74 @@ class RequestLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, spelled as vLLM's `speculative_config`:
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": k}. A "model" without a "method" means draft_model; ngram
+    lookup bounds default as in vLLM (both 5; one given sets the other)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # the draft model (draft_model)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be >= 1, got {k!r}")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config: method 'draft_model' needs a 'model'")
+            return
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low = high if low is None else low
+        high = low if high is None else high
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be >= 1, got {value!r}")
+        if low > high:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({low}) must be <= "
+                f"prompt_lookup_max ({high})"
+            )
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a dict, a JSON string (the command line) or None (speculation off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        fields = dict(value)
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        if fields.get("method") is None:
+            if not fields.get("model"):
+                raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
+            fields["method"] = "draft_model"
+        if fields.get("num_speculative_tokens") is None:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        return cls(**fields)

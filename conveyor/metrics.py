@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.outputs import RequestOutput
+from conveyor.spec.stats import SpecDecodingStats
 
 _LATENCY_BUCKETS = [
     0.001,
@@ -96,6 +97,20 @@ class EngineMetrics:
         )
         self.prefix_hits = counter("prefix_cache_hits_total", "Prefix-cache hits (tokens).")
         self.success = counter("request_success_total", "Finished requests.", ("finished_reason",))
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts_total", "Speculative verifications (requests x steps)."
+        )
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified."
+        )
+        self.spec_accepted = counter(
+            "spec_decode_num_accepted_tokens_total", "Draft tokens accepted."
+        )
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by position in the draft (0 = first).",
+            ("position",),
+        )
         self.model_name = model_name
         # Every labelled series is created now, so /metrics lists them all from the start;
         # the step path uses these children directly (no label lookup per token).
@@ -127,12 +142,15 @@ class EngineMetrics:
                 ("preempt", self.preemptions),
                 ("queries", self.prefix_queries),
                 ("hits", self.prefix_hits),
+                ("drafts", self.spec_drafts),
+                ("draft_tokens", self.spec_draft_tokens),
+                ("accepted", self.spec_accepted),
             )
         }
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         self._last_token_time: dict[str, float] = {}
-        self._seen = {"prompt": 0, "gen": 0, "preempt": 0, "queries": 0, "hits": 0}
+        self._seen = dict.fromkeys(self._counters, 0)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -145,6 +163,8 @@ class EngineMetrics:
         self._add("preempt", stats.scheduler.num_preemptions_total)
         self._add("queries", stats.scheduler.prefix_cache_queries)
         self._add("hits", stats.scheduler.prefix_cache_hits)
+        if stats.spec is not None:
+            self._observe_spec(stats.spec)
         for out in outputs:
             self._observe(engine, out, now)
 
@@ -168,6 +188,19 @@ class EngineMetrics:
             self._e2e.observe(metrics.finished_time - metrics.arrival_time)
             reason = out.outputs[0].finish_reason if out.outputs else None
             self.success.labels(self.model_name, reason or "stop").inc()
+
+    def _observe_spec(self, spec: SpecDecodingStats) -> None:
+        self._add("drafts", spec.num_drafts)
+        self._add("draft_tokens", spec.num_draft_tokens)
+        self._add("accepted", spec.num_accepted_tokens)
+        for position, total in enumerate(spec.accepted_per_position):
+            key = f"pos{position}"
+            if key not in self._counters:
+                self._counters[key] = self.spec_accepted_per_pos.labels(
+                    self.model_name, str(position)
+                )
+                self._seen[key] = 0
+            self._add(key, total)
 
     def on_abort(self, engine: LLMEngine, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)

@@ -42,6 +42,18 @@ class ScheduledRequest:
     num_computed_tokens: int
     block_ids: list[int]  # the whole block table after this step's allocation
     sampling: SamplingRow | None  # set when the chunk reaches the end: sample a token
+    # Speculative decoding: tokens proposed after `token_ids`, computed and verified in this
+    # step (their KV slots are allocated). None with num_drafts > 0: the runner's draft model
+    # proposes them.
+    num_drafts: int = 0
+    draft_token_ids: list[int] | None = None
+    # The token before `token_ids[0]` of a decoding row, for the draft model (see
+    # spec/draft_model.py: its KV may lag the target's by that one token).
+    prev_token_id: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_drafts
 
 
 @dataclass(slots=True)
@@ -55,7 +67,7 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: len(s.token_ids) for s in self.scheduled}
+        return {s.request_id: s.num_tokens for s in self.scheduled}
 
     @property
     def is_empty(self) -> bool:
@@ -65,7 +77,9 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     request_ids: list[str]  # the requests that sampled, in scheduled order
-    sampled_token_ids: list[list[int]]  # one list per request (more than one with speculation)
+    # One list per request: its accepted drafts (speculative decoding), then one token of the
+    # model's own; so len - 1 of its drafts were accepted.
+    sampled_token_ids: list[list[int]]
     logprobs: list[list[PositionLogprobs] | None]
 
 

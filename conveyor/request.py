@@ -54,6 +54,15 @@ class PenaltyCounts:
         if token_id < self.output_counts.shape[0]:
             self.output_counts[token_id] += 1
 
+    def with_tokens(self, token_ids: list[int]) -> PenaltyCounts:
+        """A copy as if `token_ids` had been generated too (a position inside a run of drafts)."""
+        copy = PenaltyCounts.__new__(PenaltyCounts)
+        copy.in_prompt = self.in_prompt
+        copy.output_counts = self.output_counts.copy()
+        for token_id in token_ids:
+            copy.add(token_id)
+        return copy
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -107,6 +116,8 @@ class Request:
     first_token_time: float | None = None
     # Set by the engine for requests with penalties (needs the vocabulary size).
     penalty_counts: PenaltyCounts | None = None
+    # Speculative decoding: tokens proposed (n-gram lookup) to verify in the next step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

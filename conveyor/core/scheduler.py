@@ -27,10 +27,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from conveyor.config import SchedulerConfig
+from conveyor.config import SchedulerConfig, SpeculativeConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.outputs import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
 from conveyor.request import Request, RequestStatus
+from conveyor.spec.stats import SpecDecodingStats
 
 
 @dataclass(slots=True)
@@ -83,8 +84,17 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = config
+        self.speculative = speculative
+        self._draft_by_model = speculative is not None and speculative.method == "draft_model"
+        self._drafts: dict[str, int] = {}  # this step's drafts per request
+        self.spec_stats = SpecDecodingStats.empty(speculative)
         self.kv_cache = kv_cache
         self.policy = config.policy
         self.requests: dict[str, Request] = {}
@@ -142,7 +152,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled, preempted)
         finished_ids, self._finished_ids = self._finished_ids, []
-        return self._make_output(scheduled, preempted, finished_ids)
+        drafts, self._drafts = self._drafts, {}
+        return self._make_output(scheduled, drafts, preempted, finished_ids)
 
     def _schedule_running(
         self, budget: int, scheduled: dict[str, int], preempted: list[Request]
@@ -152,10 +163,19 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_drafts = self._num_drafts(request, budget) if remaining == 1 else 0
+            if num_drafts and self.kv_cache.allocate_slots(request, 1 + num_drafts) is not None:
+                scheduled[request.request_id] = 1 + num_drafts
+                self._drafts[request.request_id] = num_drafts
+                budget -= 1 + num_drafts
+                continue
+            # No drafts, or no room to verify them: compute the request's own tokens, and
+            # preempt only for those.
+            num_new = min(remaining, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
-                budget += scheduled.pop(victim.request_id, 0)
+                budget += self._unschedule(victim, scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -164,6 +184,23 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
         return budget
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Drafts a decoding request verifies this step: what was proposed (n-gram) or k
+        (draft model), cut by the budget and so that 1 + drafts never passes max_tokens."""
+        spec = self.speculative
+        if spec is None:
+            return 0
+        if self._draft_by_model:
+            wanted = spec.num_speculative_tokens
+        else:
+            wanted = len(request.spec_token_ids)
+        return max(0, min(wanted, budget - 1, request.max_tokens - request.num_output_tokens - 1))
+
+    def _unschedule(self, victim: Request, scheduled: dict[str, int]) -> int:
+        """Takes a request about to be preempted out of this step; returns its tokens."""
+        self._drafts.pop(victim.request_id, None)
+        return scheduled.pop(victim.request_id, 0)
 
     def _schedule_waiting(
         self, budget: int, scheduled: dict[str, int], preempted: list[Request]
@@ -192,7 +229,7 @@ class Scheduler:
             victim = self._priority_victim(request)
             if victim is None:
                 break
-            budget += scheduled.pop(victim.request_id, 0)
+            budget += self._unschedule(victim, scheduled)
             self._preempt(victim)
             preempted.append(victim)
 
@@ -237,6 +274,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add(request, front=True)
@@ -246,22 +284,32 @@ class Scheduler:
         self.static_batch = {r.request_id for r in members}
 
     def _make_output(
-        self, scheduled: dict[str, int], preempted: list[Request], finished_ids: list[str]
+        self,
+        scheduled: dict[str, int],
+        drafts: dict[str, int],
+        preempted: list[Request],
+        finished_ids: list[str],
     ) -> SchedulerOutput:
         out = []
-        for request_id, num_new in scheduled.items():
+        for request_id, num_scheduled in scheduled.items():
             request = self.requests[request_id]
             start = request.num_computed_tokens
+            num_drafts = drafts.get(request_id, 0)
+            num_new = num_scheduled - num_drafts
             samples = start + num_new == request.num_tokens
-            out.append(
-                ScheduledRequest(
-                    request_id=request_id,
-                    token_ids=request.all_token_ids[start : start + num_new],
-                    num_computed_tokens=start,
-                    block_ids=self.kv_cache.block_ids(request_id),
-                    sampling=_sampling_row(request) if samples else None,
-                )
+            item = ScheduledRequest(
+                request_id=request_id,
+                token_ids=request.all_token_ids[start : start + num_new],
+                num_computed_tokens=start,
+                block_ids=self.kv_cache.block_ids(request_id),
+                sampling=_sampling_row(request) if samples else None,
+                num_drafts=num_drafts,
             )
+            if num_drafts and not self._draft_by_model:
+                item.draft_token_ids = request.spec_token_ids[:num_drafts]
+            if self._draft_by_model and samples and num_new == 1 and start > 0:
+                item.prev_token_id = request.all_token_ids[start - 1]
+            out.append(item)
         return SchedulerOutput(
             scheduled=out,
             total_num_scheduled_tokens=sum(scheduled.values()),
@@ -273,11 +321,20 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
         """Advances computed tokens, appends sampled tokens, finishes requests that hit a
-        stop condition. Returns the requests that got new tokens this step."""
+        stop condition. Returns the requests that got new tokens this step.
+
+        A request that verified d drafts and got back a + 1 tokens (a drafts accepted) has
+        computed its own token and those a drafts: the d - a rejected positions are dropped
+        from num_computed_tokens (their KV is overwritten later) before any full block is
+        hashed into the prefix cache, so no unverified token is ever cached."""
+        drafts = {}
         for item in scheduler_output.scheduled:
             request = self.requests[item.request_id]
             request.num_computed_tokens += len(item.token_ids)
-            self.kv_cache.cache_blocks(request)
+            if item.num_drafts:
+                drafts[item.request_id] = item.num_drafts
+            else:
+                self.kv_cache.cache_blocks(request)
         updated = []
         for request_id, token_ids, logprobs in zip(
             runner_output.request_ids,
@@ -286,11 +343,20 @@ class Scheduler:
             strict=True,
         ):
             request = self.requests[request_id]
-            self._append_tokens(request, token_ids, logprobs)
+            num_drafts = drafts.get(request_id, 0)
+            if num_drafts:
+                num_accepted = len(token_ids) - 1
+                self.spec_stats.observe(num_drafts, num_accepted)
+                request.num_computed_tokens += num_accepted
+            self._append_tokens(request, token_ids, logprobs, cache=num_drafts > 0)
             updated.append(request)
         return updated
 
-    def _append_tokens(self, request: Request, token_ids: list[int], logprobs) -> None:
+    def _append_tokens(
+        self, request: Request, token_ids: list[int], logprobs, cache: bool = False
+    ) -> None:
+        """Appends tokens up to the first that ends the request. cache: hash the request's
+        full blocks once its accepted drafts are among its tokens (before a stop frees them)."""
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         for i, token_id in enumerate(token_ids):
@@ -300,10 +366,17 @@ class Scheduler:
                 request.cumulative_logprob += logprobs[i][token_id].logprob
             status = request.check_stop(token_id)
             if status is not None:
+                if cache:  # the accepted drafts after the stop are not its tokens
+                    request.num_computed_tokens = min(
+                        request.num_computed_tokens, request.num_tokens
+                    )
+                    self.kv_cache.cache_blocks(request)
                 self.running.remove(request)
                 request.status = status
                 self._free(request)
-                break
+                return
+        if cache:
+            self.kv_cache.cache_blocks(request)
 
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)

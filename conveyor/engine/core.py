@@ -15,12 +15,21 @@ from typing import NamedTuple
 
 import torch
 
-from conveyor.config import CacheConfig, ModelConfig, SchedulerConfig, parse_memory
+from conveyor.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_memory,
+)
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler, SchedulerStats
 from conveyor.outputs import PositionLogprobs
 from conveyor.request import PenaltyCounts, Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
+from conveyor.spec.draft_model import DraftModelProposer
+from conveyor.spec.ngram import NgramProposer
+from conveyor.spec.stats import SpecDecodingStats
 from conveyor.worker.model_runner import ModelRunner
 
 DEFAULT_CPU_KV_MEMORY = 2 * 2**30
@@ -84,6 +93,7 @@ class CoreStats:
     num_generation_tokens_total: int
     num_blocks: int
     last_step: StepTiming = StepTiming()
+    spec: SpecDecodingStats | None = None  # set when speculative decoding is on
 
 
 @dataclass(slots=True)
@@ -95,6 +105,7 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
     num_blocks: int
+    spec: SpecDecodingStats | None = None  # set when speculative decoding is on
 
     @classmethod
     def of(cls, core: CoreStats, num_prompt_tokens: int) -> EngineStats:
@@ -104,6 +115,7 @@ class EngineStats:
             num_prompt_tokens_total=num_prompt_tokens,
             num_generation_tokens_total=core.num_generation_tokens_total,
             num_blocks=core.num_blocks,
+            spec=core.spec,
         )
 
 
@@ -151,6 +163,7 @@ class EngineCore:
         seed: int = 0,
         record_trace: bool = False,
         num_threads: int | None = None,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
     ) -> None:
         if num_threads is not None:  # None: torch's default, one thread per physical core
             if num_threads < 1:
@@ -166,12 +179,30 @@ class EngineCore:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
         )
+        self.speculative_config = spec = SpeculativeConfig.parse(speculative_config)
         torch.manual_seed(seed)
-        self.runner = ModelRunner(self.model_config, self.device, block_size, seed, kv_cache_dtype)
+        self.draft_runner = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft_runner = self._draft_runner(spec, block_size, seed, kv_cache_dtype)
+        self.runner = ModelRunner(
+            self.model_config,
+            self.device,
+            block_size,
+            seed,
+            kv_cache_dtype,
+            propose_drafts=self.draft_runner and DraftModelProposer(self.draft_runner).propose,
+        )
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(self.num_blocks)
         self.kv_cache = KVCacheManager(self.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec)
+        self.proposer = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
         self.record_trace = record_trace
         self.trace: list[StepTrace] = []
         self._num_steps = 0
@@ -189,10 +220,26 @@ class EngineCore:
             str(self.device),
         )
 
+    def _draft_runner(
+        self, spec: SpeculativeConfig, block_size: int, seed: int, kv_cache_dtype: str
+    ) -> ModelRunner:
+        target = self.model_config
+        draft = ModelConfig.from_hf(
+            spec.model, target.dtype, self.device.type, target.max_model_len, "auto"
+        )
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) "
+                f"differs from the target's ({target.vocab_size})"
+            )
+        return ModelRunner(draft, self.device, block_size, seed, kv_cache_dtype)
+
     def _num_blocks(self) -> int:
         if self.cache_config.num_blocks is not None:
             return self.cache_config.num_blocks
         per_block = self.runner.kv_bytes_per_block()
+        if self.draft_runner is not None:  # the draft's KV lives in the same block ids
+            per_block += self.draft_runner.kv_bytes_per_block()
         memory = self.cache_config.kv_cache_memory
         if memory is not None:
             budget = parse_memory(memory)
@@ -277,6 +324,8 @@ class EngineCore:
         requests = self.scheduler.requests
         before = [requests[i].num_output_tokens for i in runner_out.request_ids]
         updated = self.scheduler.update_from_output(sched, runner_out)
+        if self.proposer is not None:
+            self.proposer.propose_for(self.scheduler.running)
         self._num_steps += 1
         outputs = []
         for request, num_before in zip(updated, before, strict=True):
@@ -323,6 +372,7 @@ class EngineCore:
             num_generation_tokens_total=self._num_generation_tokens,
             num_blocks=self.num_blocks,
             last_step=self._last_step,
+            spec=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.copy(),
         )
 
     def check_integrity(self) -> None:

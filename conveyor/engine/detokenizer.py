@@ -65,6 +65,11 @@ class IncrementalDetokenizer:
             self._head = ["".join(self._head)]
         return self._head[0] + self._recent if self._head else self._recent
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens taken so far (update() stops taking them at a stop string)."""
+        return self._num_tokens
+
     def update(self, new_token_ids: list[int]) -> str | None:
         """Appends generated tokens. Returns the stop string if one now matched; the text is then
         truncated (stop string excluded unless include_stop_str_in_output) and the request must

@@ -174,8 +174,6 @@ class OutputProcessor:
         """Takes one step's tokens; True when a stop string ended the sequence."""
         if sequence.first_token_time is None and out.new_token_ids:
             sequence.first_token_time = now
-        sequence.new_token_ids = out.new_token_ids
-        sequence.output_token_ids.extend(out.new_token_ids)
         sequence.status, sequence.stop_reason = out.status, out.stop_reason
         sequence.num_cached_tokens = out.num_cached_tokens
         sequence.first_scheduled_time = out.first_scheduled_time
@@ -183,12 +181,19 @@ class OutputProcessor:
         if out.error is not None:  # the core refused or failed this sequence
             raise RuntimeError(out.error)
         detokenizer = sequence.detokenizer
+        num_before = detokenizer.num_tokens
         stop = detokenizer.update(out.new_token_ids)
+        # A step may bring several tokens (speculative decoding): a stop string drops those
+        # after the token that completed it, as if they had never been generated.
+        new_token_ids = out.new_token_ids[: detokenizer.num_tokens - num_before]
+        sequence.new_token_ids = new_token_ids
+        sequence.output_token_ids.extend(new_token_ids)
         if out.new_logprobs is not None and sequence.logprobs is not None:
-            decoded = [_decoded(position, detokenizer) for position in out.new_logprobs]
+            kept = out.new_logprobs[: len(new_token_ids)]
+            decoded = [_decoded(position, detokenizer) for position in kept]
             sequence.new_logprobs = decoded
             sequence.logprobs.extend(decoded)
-            for token_id, position in zip(out.new_token_ids, decoded, strict=False):
+            for token_id, position in zip(new_token_ids, decoded, strict=True):
                 sequence.cumulative_logprob += position[token_id].logprob
         if stop is not None and not out.status.finished:
             sequence.status, sequence.stop_reason = RequestStatus.FINISHED_STOPPED, stop

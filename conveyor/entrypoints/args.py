@@ -59,6 +59,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads (default: physical cores)"
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 4}\'',
+    )
+
+
+def _speculative_config(text: str):
+    """Checked while parsing, so a bad config is a usage error before any model loads."""
+    from conveyor.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -82,4 +101,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         num_threads=args.num_threads,
+        speculative_config=args.speculative_config,
     )

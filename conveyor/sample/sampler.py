@@ -52,7 +52,7 @@ class Sampler:
         logits = logits.to(work_dtype(logits.dtype))
         processed = self.process_logits(logits, rows)
         token_ids = self._sample(processed, rows)
-        logprobs = _collect_logprobs(logits, rows, token_ids)
+        logprobs = collect_logprobs(logits, rows, token_ids)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -114,7 +114,7 @@ class Sampler:
         if any(row.generator is None for row in rows):
             # Seeded rows' slots are drawn too and then overwritten: simpler than a scatter,
             # and only unseeded rows read the default generator's stream.
-            uniform.uniform_(generator=self._default_generator(like.device))
+            uniform.uniform_(generator=self.default_generator(like.device))
         for i, row in enumerate(rows):
             if row.generator is not None:
                 uniform[i].uniform_(generator=row.generator)
@@ -122,7 +122,7 @@ class Sampler:
         # E is in (0, inf]: an infinite E scores 0 and never makes 0/0 = nan out of a masked 0.
         return uniform.log_().neg_()
 
-    def _default_generator(self, device: torch.device) -> torch.Generator:
+    def default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
@@ -243,7 +243,7 @@ def _nucleus_end(
     return cutoff, (num_kept < sorted_logits.shape[1]).squeeze(1)
 
 
-def _collect_logprobs(
+def collect_logprobs(
     logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
 ) -> list[PositionLogprobs | None]:
     """Raw-distribution logprobs: the sampled token first, then the top-N by rank."""

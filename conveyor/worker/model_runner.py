@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from itertools import chain
 from types import ModuleType
 
@@ -21,6 +22,10 @@ from conveyor.model.layers import transposed_buckets
 from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.sample.sampler import Sampler
+from conveyor.spec.verifier import verify
+
+# Proposes the drafts of a step's requests (the draft model's `propose`); see _drafts.
+ProposeDrafts = Callable[[list[ScheduledRequest]], list[list[int]]]
 
 
 class ModelRunner:
@@ -31,8 +36,10 @@ class ModelRunner:
         block_size: int,
         seed: int,
         kv_cache_dtype: str = "auto",
+        propose_drafts: ProposeDrafts | None = None,
     ) -> None:
         self.cfg = cfg
+        self.propose_drafts = propose_drafts
         self.device = device
         self.block_size = block_size
         if device.type == "cpu":
@@ -65,31 +72,54 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        input_ids, positions, meta, logits_rows = self._prepare(sched.scheduled)
+        drafts = self._drafts(sched.scheduled)
+        input_ids, positions, meta, logits_rows = self._prepare(sched.scheduled, drafts)
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampled = [s for s in sched.scheduled if s.sampling is not None]
+        sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
         if not sampled:
             self.last_timing = (prepared - start, time.perf_counter() - prepared, 0.0)
             return ModelRunnerOutput([], [], [])
         logits = self.model.compute_logits(hidden[logits_rows])
         forwarded = time.perf_counter()
-        out = self.sampler(logits, [s.sampling for s in sampled])
+        rows = [sched.scheduled[i].sampling for i in sampled]
+        if any(drafts[i] for i in sampled):
+            token_ids, logprobs = verify(self.sampler, logits, rows, [drafts[i] for i in sampled])
+        else:
+            out = self.sampler(logits, rows)
+            token_ids = [[t] for t in out.token_ids]
+            logprobs = [None if lp is None else [lp] for lp in out.logprobs]
         self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return ModelRunnerOutput(
-            request_ids=[s.request_id for s in sampled],
-            sampled_token_ids=[[t] for t in out.token_ids],
-            logprobs=[None if lp is None else [lp] for lp in out.logprobs],
+            request_ids=[sched.scheduled[i].request_id for i in sampled],
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
         )
 
-    def _prepare(self, scheduled: list[ScheduledRequest]):
+    def _drafts(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
+        """The tokens each request verifies after its own: the scheduler's (n-gram lookup), or
+        this step's proposals of the draft model, which also mirrors every scheduled token
+        into its own KV cache."""
+        if self.propose_drafts is not None:
+            return self.propose_drafts(scheduled)
+        return [s.draft_token_ids or [] for s in scheduled]
+
+    def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[list[int]]):
         """Inputs of the step, vectorised over requests; everything the layers share is built
-        here once (slots, lengths, block tables, causal positions), not per layer."""
+        here once (slots, lengths, block tables, causal positions), not per layer. A request's
+        drafts follow its own tokens; it brings logits rows for its last 1 + drafts rows."""
         num_seqs = len(scheduled)
+        num_drafts = np.fromiter((len(d) for d in drafts), np.int64, num_seqs)
         query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_seqs)
+        query_lens += num_drafts
         context_lens = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_seqs)
         num_tokens = int(query_lens.sum())
-        token_ids = chain.from_iterable(s.token_ids for s in scheduled)
+        if num_drafts.any():
+            token_ids = chain.from_iterable(
+                chain(s.token_ids, d) for s, d in zip(scheduled, drafts, strict=True)
+            )
+        else:
+            token_ids = chain.from_iterable(s.token_ids for s in scheduled)
         input_ids = np.fromiter(token_ids, np.int64, num_tokens)
         tables = pad_block_tables([s.block_ids for s in scheduled])
         positions, slots = positions_and_slots(query_lens, context_lens, tables, self.block_size)
@@ -103,10 +133,11 @@ class ModelRunner:
             self.attention_ops,
         )
         sampled = np.fromiter((s.sampling is not None for s in scheduled), bool, num_seqs)
-        logits_rows = np.cumsum(query_lens)[sampled] - 1
-        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows)
+        logits_rows = last_rows(np.cumsum(query_lens)[sampled], num_drafts[sampled] + 1)
+        tensor = self.as_tensor
+        return tensor(input_ids), tensor(positions), meta, tensor(logits_rows)
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+    def as_tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
 
@@ -135,6 +166,15 @@ def select_attention_ops(
     if device.type != "cpu" or (dtype, kv_dtype or dtype) not in KERNEL_DTYPES:
         return None
     return kernels.load()
+
+
+def last_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The last counts[i] rows before ends[i], for every i, in order."""
+    total = int(counts.sum())
+    if total == len(counts):  # one row each: the common case
+        return ends - 1
+    group_start = np.cumsum(counts) - counts
+    return np.repeat(ends - counts - group_start, counts) + np.arange(total)
 
 
 def pad_block_tables(block_ids: list[list[int]]) -> np.ndarray:
