@@ -2,12 +2,22 @@
 
 Prompts are token ids drawn at random from the vocabulary's ordinary tokens (no special
 tokens), so their lengths are exact; `prompt_text` gives a text form for chat endpoints.
+The speculative-decoding workloads (spec-edit, spec-control) are chat requests in real text
+instead, since what they measure is whether the answer repeats the prompt.
 """
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
+import keyword
 import math
+import re
+import sysconfig
+import textwrap
+import tokenize
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +132,170 @@ def sharegpt_requests(
     return requests
 
 
+# ---- speculative decoding: answers that repeat the prompt, and answers that do not ---------
+
+# "Keep every other line exactly" makes SmolLM2-135M-Instruct copy instead of paraphrase.
+EDIT_REQUEST = (
+    "Rewrite the following Python code, renaming the variable {old} to {new}. Keep every "
+    "other line exactly as it is, docstrings and comments included. Output only the code."
+    "\n```python\n{code}\n```"
+)
+CONTROL_REQUEST = (
+    "Keep these house rules in mind, but do not repeat or quote them.\n{rules}\n\n"
+    "Now write an original short story about {topic}."
+)
+CONTROL_TOPICS = (
+    "a lighthouse keeper who finds a map in a bottle",
+    "a robot learning to bake bread",
+    "two rival chess players stranded in a snowstorm",
+    "a city where it rains only on Tuesdays",
+    "a child who can hear what trees think",
+    "the last bookshop on the moon",
+    "a detective who is afraid of the dark",
+    "a river that changes its course overnight",
+    "a violinist who loses her hearing",
+    "an old dog guarding a forgotten garden",
+    "a train that never reaches its last station",
+    "a beekeeper who receives a letter from the queen bee",
+    "a painter who can only paint the future",
+    "a village that trades in memories",
+    "a sailor who counts the stars every night",
+    "the first winter on a new planet",
+)
+# An instruction preamble with nothing for the answer to copy: style rules for the story.
+CONTROL_RULES = (
+    "Prefer concrete nouns and active verbs over abstractions.",
+    "Give every character a small, specific habit the reader can picture.",
+    "Open in the middle of an action rather than with the weather.",
+    "Keep paragraphs short, rarely more than four sentences.",
+    "Let the dialogue carry the conflict instead of the narration.",
+    "Avoid clichés such as a heart pounding or a blood running cold.",
+    "Use the senses of smell and touch at least once each.",
+    "End on an image, not on a moral or an explanation.",
+    "Vary the length of sentences so the rhythm never settles.",
+    "Do not name more than three characters.",
+    "Show the passing of time through objects that change.",
+    "Cut adverbs wherever a stronger verb can replace them.",
+    "Let the setting shape what the characters are able to do.",
+    "Give the main character a want and an obstacle in the first page.",
+    "Write in the past tense and keep the point of view steady.",
+    "Use humour sparingly, and never at the expense of the stakes.",
+    "Avoid dream sequences and flashbacks longer than a paragraph.",
+    "Make the turning point depend on a choice the character makes.",
+    "Keep technical words to a minimum and explain none of them.",
+    "Let a minor character surprise the reader once.",
+    "Prefer plain words to rare ones when both fit.",
+    "Do not begin two consecutive sentences with the same word.",
+    "Let silence and pauses appear in at least one conversation.",
+    "Describe a place through what is missing from it.",
+    "Make the title a phrase that appears nowhere in the text.",
+    "Keep exclamation marks out of the narration.",
+    "Give the weather a role only if it changes the plot.",
+    "Use numbers sparingly, spelled out when they are small.",
+    "Make the reader guess one thing before the character does.",
+    "Keep the ending open enough to invite a second reading.",
+)
+_NOT_VARIABLES = set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins))
+_NOT_VARIABLES |= {"self", "cls"}
+
+
+def _chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """The prompt a chat endpoint would build for one user message: the tokenizer's chat
+    template with the assistant's turn opened, or the plain text when it has none (a base or
+    tiny test model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(text).input_ids
+    messages = [{"role": "user", "content": text}]
+    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(templated, add_special_tokens=False).input_ids
+
+
+def _stdlib_sources() -> list[Path]:
+    """Real code that every installation has: the top-level modules of Python's stdlib."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def _code_snippet(tokenizer, rng: np.random.Generator, files: list[Path], min_tokens: int) -> str:
+    """Whole lines from a random `def` or `class` of a random stdlib module on, until they
+    hold at least min_tokens tokens (counted line by line, so roughly)."""
+    while True:
+        lines = files[rng.integers(len(files))].read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if re.match(r"\s*(def|class) ", line)]
+        if not starts:
+            continue
+        start = starts[rng.integers(len(starts))]
+        count = 0
+        for end in range(start, len(lines)):
+            count += len(tokenizer("\n" + lines[end], add_special_tokens=False).input_ids)
+            if count >= min_tokens:
+                return textwrap.dedent("\n".join(lines[start : end + 1]))
+
+
+def _variable(code: str) -> str | None:
+    """The name the code uses most (in code, not in strings or comments; not a keyword,
+    builtin, self or attribute; ties: the first seen), so that renaming it changes many
+    lines; None when it has none. A snippet may end inside a bracket or a string: the names
+    before that point count."""
+    names: Counter[str] = Counter()
+    previous = ""
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(code).readline):
+            name = token.string
+            if token.type == tokenize.NAME and previous != "." and name not in _NOT_VARIABLES:
+                names[name] += 1
+            previous = name
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return names.most_common(1)[0][0] if names else None
+
+
+def spec_edit_requests(
+    tokenizer, num: int, input_len: int, output_len: int, seed: int = 0
+) -> list[SampleRequest]:
+    """Code-editing chat requests whose answer is mostly the prompt's code again (the case
+    n-gram speculation is for): rename a variable in a stdlib snippet, about input_len prompt
+    tokens in all. The snippet has at least output_len tokens, so that an answer that copies
+    it runs to the full output length, and more where that makes the prompt longer."""
+    rng = np.random.default_rng(seed)
+    files = _stdlib_sources()
+    empty = EDIT_REQUEST.format(old="name", new="new_name", code="")
+    code_tokens = max(input_len - len(_chat_prompt_ids(tokenizer, empty)), output_len)
+    requests = []
+    while len(requests) < num:
+        code = _code_snippet(tokenizer, rng, files, code_tokens)
+        old = _variable(code)
+        if old is None:
+            continue
+        text = EDIT_REQUEST.format(old=old, new=f"new_{old.lstrip('_')}", code=code)
+        requests.append(SampleRequest(_chat_prompt_ids(tokenizer, text), output_len, text))
+    return requests
+
+
+def spec_control_requests(
+    tokenizer, num: int, input_len: int, output_len: int, seed: int = 0
+) -> list[SampleRequest]:
+    """The control for spec-edit: chat requests of about the same length whose answer (an
+    original story) has nothing in the prompt to copy. The length comes from a preamble of
+    style rules in a random order (cycled when one pass is too short)."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(num):
+        topic = CONTROL_TOPICS[rng.integers(len(CONTROL_TOPICS))]
+        order = rng.permutation(len(CONTROL_RULES))
+        rules: list[str] = []
+        while True:
+            rules.append(f"- {CONTROL_RULES[order[len(rules) % len(order)]]}")
+            text = CONTROL_REQUEST.format(rules="\n".join(rules), topic=topic)
+            prompt_ids = _chat_prompt_ids(tokenizer, text)
+            if len(prompt_ids) >= input_len:
+                break
+        requests.append(SampleRequest(prompt_ids, output_len, text))
+    return requests
+
+
+SPEC_WORKLOADS = {"spec-edit": spec_edit_requests, "spec-control": spec_control_requests}
+
+
 def arrival_times(
     num: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
 ) -> list[float]:
@@ -145,6 +319,8 @@ def check_workload_args(args) -> None:
         "prefix_repetition_prefix_len",
         "prefix_repetition_num_prefixes",
         "prefix_repetition_output_len",
+        "spec_input_len",
+        "spec_output_len",
     ]
     for name in positive:
         if getattr(args, name) < 1:
@@ -175,6 +351,11 @@ def sample_requests(args, tokenizer) -> list[SampleRequest]:
             args.prefix_repetition_num_prefixes,
             args.prefix_repetition_output_len,
             args.seed,
+        )
+    if args.dataset_name in SPEC_WORKLOADS:
+        build = SPEC_WORKLOADS[args.dataset_name]
+        return build(
+            tokenizer, args.num_prompts, args.spec_input_len, args.spec_output_len, args.seed
         )
     if not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")

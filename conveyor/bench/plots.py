@@ -1,7 +1,8 @@
 """PNG plots of the benchmarks. `conveyor bench compare`: throughput and normalized latency
 against request rate (one line per system, as in the Orca and vLLM papers), and a
 batch-occupancy timeline. `conveyor bench step`: a roofline of each step against its measured
-floor, and where each step's time goes.
+floor, and where each step's time goes. `conveyor bench spec`: the speed-up of n-gram
+speculation over none, against concurrency.
 
 Figures are built with matplotlib's object API (no pyplot, so no global figure state and no
 display backend); savefig renders them with Agg.
@@ -251,3 +252,37 @@ def _draw_breakdown(ax, cases: list[dict], categories: list[str]) -> None:
 
 def _parts_total(case: dict) -> float:
     return sum(case["breakdown_ms"].values()) or 1.0
+
+
+# ---- conveyor bench spec ------------------------------------------------------------------
+
+
+def plot_spec(report: dict, path: Path) -> Path:
+    """One panel per workload: output tok/s over no speculation's at each concurrency, one
+    line per k; the concurrencies sit evenly spaced (they are usually powers of two)."""
+    workloads = list(dict.fromkeys(r["workload"] for r in report["rows"]))
+    concurrencies = report["concurrency"]
+    fig = Figure(figsize=(5 * len(workloads), 4), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, len(workloads), sharey=True, squeeze=False)[0]
+    for ax, workload in zip(axes, workloads, strict=True):
+        ax.axhline(1.0, color="gray", linestyle=":", label="no speculation")
+        for k in report["num_speculative_tokens"]:
+            by_c = {
+                r["concurrency"]: r["speedup"]
+                for r in report["rows"]
+                if r["workload"] == workload and r["k"] == k
+            }
+            xs = [i for i, c in enumerate(concurrencies) if by_c.get(c) is not None]
+            ax.plot(xs, [by_c[concurrencies[i]] for i in xs], marker="o", label=f"ngram k={k}")
+        ax.set_xticks(range(len(concurrencies)), [str(c) for c in concurrencies])
+        ax.set_xlabel("concurrency (open streams)")
+        ax.set_title(workload)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("output tok/s / no speculation's")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"n-gram speculation: {Path(report['model']).name}, {report['output_len']} output tokens"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path

@@ -1,0 +1,118 @@
+"""Flags shared by the bench commands: workloads, results, the serve and throughput clients.
+
+Its own module so that bench/cli.py and the commands (spec.py, ...) both import it instead of
+each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from conveyor.entrypoints.args import add_engine_args
+
+DATASETS = ("random", "prefix-repetition", "sharegpt", "spec-edit", "spec-control")
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -> None:
+    parser.add_argument("--dataset-name", default="random", choices=DATASETS)
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len*(1-r), len*(1+r)]",
+    )
+    parser.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    parser.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    parser.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="output length for every sharegpt request (default: the reply's)",
+    )
+    add_spec_workload_args(parser)
+    if with_seed:
+        parser.add_argument("--seed", type=int, default=0)
+
+
+def add_spec_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--spec-input-len",
+        type=int,
+        default=300,
+        help="spec-edit / spec-control: about this many prompt tokens, chat template included",
+    )
+    parser.add_argument("--spec-output-len", type=int, default=128)
+
+
+def add_result_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save-result", action="store_true", help="write the results as JSON")
+    parser.add_argument("--result-dir", default=None, help="folder of the JSON file (default: .)")
+    parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_dataset_args(parser)
+    parser.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--host", default="127.0.0.1", help="used when --base-url is not given")
+    parser.add_argument("--port", type=int, default=8000, help="used when --base-url is not given")
+    parser.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="/v1/completions (token-id prompts) or /v1/chat/completions (text)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model name sent to the server (default: the first of /v1/models)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF folder or .gguf file (default: --model if it is a local path, "
+        "else conveyor's default model)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s (default inf: all sent at once)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the inter-arrival times; 1 is a Poisson process",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:3000",
+    )
+    parser.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl",
+        help="comma-separated, from ttft,tpot,itl,e2el",
+    )
+    parser.add_argument(
+        "--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 25,50,99"
+    )
+    add_result_args(parser)
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)  # it brings --seed, which the workload uses too
+    add_dataset_args(parser, with_seed=False)
+    add_result_args(parser)
