@@ -75,8 +75,12 @@ QK = 32  # elements per block
 FORMATS = ("q4", "q8")
 # From this many tokens on, dequantize-then-MKL beats the block kernel (measured, see above).
 DEQUANT_FROM_TOKENS = 16
-# From this many tokens on, a per-channel int8 copy through fbgemm beats both (measured, above).
-INT8_FROM_TOKENS = 8
+# From this many tokens on, a per-channel int8 copy through fbgemm beats both. Alone (random
+# activations) it wins from 8; in whole-model steps of the default model (real activations,
+# two threads) the block kernel still wins below 16: at 8 tokens 52-68 ms vs 66-78 ms, at 12
+# tokens of one sequence (a speculative verification) 48-51 vs 74-75; from 16 on int8 ties or
+# wins (16: 92-102 vs 99-106 ms; 32: 124-163 vs 172-192).
+INT8_FROM_TOKENS = 16
 # Input channels above this many times a token's RMS skip the int8 route (see int8_linear).
 OUTLIER_RATIO = float(os.environ.get("CONVEYOR_QUANT_OUTLIER_RATIO", "4"))
 # CONVEYOR_QUANT_INT8=0 builds no int8 copies at load (the block / tile routes only).
