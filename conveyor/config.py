@@ -351,19 +351,27 @@ class SpeculativeConfig:
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH,
     "num_speculative_tokens": k}. A "model" without a "method" means draft_model; ngram
-    lookup bounds default as in vLLM (both 5; one given sets the other)."""
+    lookup bounds default as in vLLM (both 5; one given sets the other). conveyor's own key,
+    "adaptive" (default true), verifies only the drafts expected to pay at the step's load."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None  # the draft model (draft_model)
+    # True: verify only the drafts expected to raise tokens/s at this step's load
+    # (spec/policy.py); False: every proposed draft, always (as vLLM does).
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
                 f"got {self.method!r}"
+            )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(
+                f"speculative_config: adaptive must be true or false, got {self.adaptive!r}"
             )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:

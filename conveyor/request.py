@@ -116,8 +116,10 @@ class Request:
     first_token_time: float | None = None
     # Set by the engine for requests with penalties (needs the vocabulary size).
     penalty_counts: PenaltyCounts | None = None
-    # Speculative decoding: tokens proposed (n-gram lookup) to verify in the next step.
+    # Speculative decoding: tokens proposed (n-gram lookup) to verify in the next step, and
+    # decayed counts of this request's [accepted, tried] drafts (spec/policy.py).
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -139,6 +139,7 @@ def test_bench_spec_runs_the_whole_grid(model_path, tmp_path, capsys):
         "--spec-output-len",
         "8",
         "--disable-tqdm",
+        "--fixed",
         "--save-result",
         "--result-dir",
         str(tmp_path),
@@ -148,12 +149,13 @@ def test_bench_spec_runs_the_whole_grid(model_path, tmp_path, capsys):
     assert cli_main(argv) == 0
     report = json.loads((tmp_path / "spec.json").read_text())
     assert (tmp_path / "spec.png").stat().st_size > 0
-    rows = {(r["workload"], r["k"], r["concurrency"]): r for r in report["rows"]}
+    rows = {(r["workload"], r["k"], r["policy"], r["concurrency"]): r for r in report["rows"]}
+    configs = [(None, None), (2, "adaptive"), (2, "fixed")]
     assert sorted(rows, key=str) == sorted(
-        [(w, k, c) for w in ("spec-edit", "spec-control") for k in (None, 2) for c in (1, 2)],
+        [(w, k, p, c) for w in ("spec-edit", "spec-control") for k, p in configs for c in (1, 2)],
         key=str,
     )
-    for (_, k, _), row in rows.items():
+    for (_, k, _, _), row in rows.items():
         assert row["completed"] == 2 and row["failed"] == 0
         assert row["total_output_tokens"] == 2 * 8  # exact lengths, speculation or not
         assert row["output_throughput"] > 0 and row["speedup"] > 0
@@ -169,5 +171,6 @@ def test_bench_spec_runs_the_whole_grid(model_path, tmp_path, capsys):
                 assert row["acceptance_rate"] == accepted / proposed
                 assert row["mean_accepted_length"] == 1 + accepted / drafts
     out = capsys.readouterr().out
-    assert out.count("ngram k=2, spec-") == 4 and "[8/8]" in out
+    assert out.count("ngram k=2, spec-") == 4 and out.count("ngram k=2 fixed, spec-") == 4
+    assert "[12/12]" in out
     assert "| workload | k | concurrency | acceptance | mean accepted len |" in out

@@ -27,6 +27,7 @@ from conveyor.outputs import SamplingRow
 from conveyor.request import PenaltyCounts
 from conveyor.sample.sampler import Sampler, sampling_probs
 from conveyor.spec.ngram import NgramProposer
+from conveyor.spec.policy import DraftPolicy
 from conveyor.spec.verifier import rejection_sample, verify
 
 MAX_TOKENS = 24
@@ -75,10 +76,18 @@ def reference(model_path, prompts):
 
 
 def spec_configs(model_path: str, other_draft: str) -> dict[str, dict]:
+    """Drafts verified every step ("adaptive": false), to exercise verification everywhere;
+    and the default adaptive policy, which verifies fewer."""
     return {
-        "ngram": NGRAM,
-        "draft-self": {"method": "draft_model", "model": model_path, "num_speculative_tokens": 3},
-        "draft-other": {"model": other_draft, "num_speculative_tokens": 5},
+        "ngram": NGRAM | {"adaptive": False},
+        "ngram-adaptive": NGRAM,
+        "draft-self": {
+            "method": "draft_model",
+            "model": model_path,
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        },
+        "draft-other": {"model": other_draft, "num_speculative_tokens": 5, "adaptive": False},
     }
 
 
@@ -319,10 +328,76 @@ def test_sampled_verification_through_the_sampler_pipeline():
     assert chi_square_p(counts, target_distribution(logits[0], params)) > 1e-3
 
 
+# ---- the draft policy ------------------------------------------------------------------------
+
+
+def policy_with_costs(costs: dict[int, float]) -> DraftPolicy:
+    policy = DraftPolicy()
+    for _ in range(3):  # a width counts from its third step
+        for num_tokens, seconds in costs.items():
+            policy.observe_step(num_tokens, seconds)
+    return policy
+
+
+def test_policy_takes_likely_drafts_while_the_step_is_bound_by_reading_weights():
+    # 25 ms for one token, +2.5 ms per token: the first drafts nearly free.
+    policy = policy_with_costs({1: 0.025, 8: 0.0425, 32: 0.1025})
+    likely, unlikely = [8.0, 10.0], [0.0, 10.0]  # accepted / tried so far
+    chosen = policy.choose([("a", likely, 4), ("b", unlikely, 4)], 2, 2, 100)
+    assert chosen.get("a") == 4  # 0.8 ** 4 = 0.41 still pays
+    assert "b" not in chosen
+    # Without a cost model yet, every draft is taken (that is how wider steps get seen).
+    assert DraftPolicy().choose([("a", likely, 4), ("b", unlikely, 4)], 2, 2, 100) == {
+        "a": 4,
+        "b": 4,
+    }
+    # The budget caps them.
+    assert sum(policy.choose([("a", likely, 4)], 1, 1, 3).values()) == 3
+
+
+def test_policy_drops_drafts_once_the_step_is_bound_by_arithmetic():
+    # 32 decoding requests; each token of width costs nearly as much as a token of output
+    # (20 ms + 4.4 ms per token).
+    policy = policy_with_costs({32: 0.1608, 64: 0.3016, 128: 0.5832})
+    candidates = [(str(i), [6.0, 10.0], 4) for i in range(32)]  # 60% acceptance
+    assert policy.choose(candidates, 32, 32, 2048) == {}
+    # Accepted nearly always: worth it even there.
+    sure = [(str(i), [50.0, 50.5], 4) for i in range(32)]
+    assert len(policy.choose(sure, 32, 32, 2048)) >= 16
+    assert DraftPolicy(adaptive=False).choose(candidates, 32, 32, 2048) == {
+        str(i): 4 for i in range(32)
+    }
+
+
+def test_policy_measures_again_a_width_it_stopped_taking():
+    """A width that looked too costly (noise) is forgotten after 100 steps without it, so
+    drafts are taken again and the width is measured anew."""
+    policy = policy_with_costs({1: 0.025, 2: 0.030, 5: 0.500})  # 5 wide: a noisy 500 ms
+    likely = [8.0, 10.0]
+    assert policy.choose([("a", likely, 4)], 1, 1, 100) == {"a": 1}
+    for _ in range(101):
+        policy.observe_step(1, 0.025)
+    assert policy.choose([("a", likely, 4)], 1, 1, 100) == {"a": 4}
+
+
+def test_policy_tries_a_written_off_request_again_after_a_while():
+    policy = policy_with_costs({1: 0.025, 8: 0.0425})
+    counts = [0.0, 0.0]
+    for _ in range(5):  # five verifications, nothing accepted
+        policy.observe_verification(counts, 4, 0)
+    assert policy.choose([("a", counts, 4)], 1, 1, 100) == {}
+    retried = None
+    for step in range(60):
+        if policy.choose([("a", counts, 4)], 1, 1, 100):
+            retried = step
+            break
+    assert retried is not None and retried > 3
+
+
 # ---- exact greedy output in the engine -------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft-self", "draft-other"])
+@pytest.mark.parametrize("name", ["ngram", "ngram-adaptive", "draft-self", "draft-other"])
 def test_greedy_with_speculation_equals_transformers(
     name, model_path, other_draft, prompts, reference
 ):
@@ -384,7 +459,12 @@ def test_budget_cuts_prefix_cache_and_preemption_keep_outputs_exact(
 def test_stop_tokens_strings_and_max_tokens_inside_an_accepted_run(model_path, prompts, reference):
     """The target drafting for itself accepts every draft, so each stop lands inside a run of
     accepted tokens; what follows the stop is dropped exactly as without speculation."""
-    config = {"method": "draft_model", "model": model_path, "num_speculative_tokens": 5}
+    config = {
+        "method": "draft_model",
+        "model": model_path,
+        "num_speculative_tokens": 5,
+        "adaptive": False,
+    }
     spec = LLM(model_path, dtype="float64", speculative_config=config)
     plain = LLM(model_path, dtype="float64")
     tokenizer = plain.get_tokenizer()
@@ -414,7 +494,7 @@ def test_stop_tokens_strings_and_max_tokens_inside_an_accepted_run(model_path, p
 
 
 def test_seeded_sampling_with_speculation_is_reproducible_whatever_the_batch(model_path, prompts):
-    config = {"method": "draft_model", "model": model_path, "num_speculative_tokens": 3}
+    config = {"model": model_path, "num_speculative_tokens": 3, "adaptive": False}
     params = SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=16)
     other = SamplingParams(temperature=1.0, max_tokens=16)
     llm = LLM(model_path, dtype="float64", speculative_config=config)
@@ -423,3 +503,59 @@ def test_seeded_sampling_with_speculation_is_reproducible_whatever_the_batch(mod
     batch = llm.generate(prompts[:4], [params, other, other, other], use_tqdm=False)
     assert alone == again == batch[0].outputs[0].token_ids
     assert llm.engine.get_stats().spec.num_draft_tokens > 0
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_server(model_path, tmp_path_factory):
+    """The tiny model drafting for itself: every draft is accepted, so each decode step
+    streams 1 + 3 tokens at once."""
+    from server_util import ServerProcess
+
+    config = {"model": model_path, "num_speculative_tokens": 3, "adaptive": False}
+    log = tmp_path_factory.mktemp("spec-server") / "server.log"
+    proc = ServerProcess(
+        [model_path, "--dtype", "float64", "--speculative-config", json.dumps(config)], log
+    )
+    yield proc
+    assert proc.stop() == 0, log.read_text()[-2000:]
+
+
+def test_server_streams_each_steps_accepted_tokens_as_one_delta(spec_server, model_path, prompts):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{spec_server.base_url}/v1", api_key="x", max_retries=0)
+    before = spec_server.metrics()
+    stream = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompts[2],
+        max_tokens=14,
+        temperature=0,
+        logprobs=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    tokens_per_chunk = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert max(tokens_per_chunk) == 4  # the step's own token and its 3 accepted drafts
+    assert sum(tokens_per_chunk) == chunks[-1].usage.completion_tokens == 14
+    plain = LLM(model_path, dtype="float64").generate(
+        [prompts[2]], SamplingParams(temperature=0, max_tokens=14), use_tqdm=False
+    )
+    assert text == plain[0].outputs[0].text
+    after = spec_server.metrics()
+
+    def grew(name: str) -> float:
+        return after[f"conveyor:{name}"] - before.get(f"conveyor:{name}", 0.0)
+
+    drafts = grew("spec_decode_num_drafts_total")
+    assert drafts > 0
+    assert grew("spec_decode_num_draft_tokens_total") == grew(
+        "spec_decode_num_accepted_tokens_total"
+    )
+    per_pos = "conveyor:spec_decode_num_accepted_tokens_per_pos_total"
+    first = next(k for k in after if k.startswith(per_pos + "{") and "position=0" in k)
+    assert after[first] - before.get(first, 0.0) == drafts

@@ -259,21 +259,27 @@ def _parts_total(case: dict) -> float:
 
 def plot_spec(report: dict, path: Path) -> Path:
     """One panel per workload: output tok/s over no speculation's at each concurrency, one
-    line per k; the concurrencies sit evenly spaced (they are usually powers of two)."""
+    line per k (dashed: every draft verified, "fixed"); the concurrencies sit evenly spaced
+    (they are usually powers of two)."""
     workloads = list(dict.fromkeys(r["workload"] for r in report["rows"]))
     concurrencies = report["concurrency"]
     fig = Figure(figsize=(5 * len(workloads), 4), dpi=DPI, layout="constrained")
     axes = fig.subplots(1, len(workloads), sharey=True, squeeze=False)[0]
     for ax, workload in zip(axes, workloads, strict=True):
         ax.axhline(1.0, color="gray", linestyle=":", label="no speculation")
-        for k in report["num_speculative_tokens"]:
-            by_c = {
-                r["concurrency"]: r["speedup"]
-                for r in report["rows"]
-                if r["workload"] == workload and r["k"] == k
-            }
-            xs = [i for i, c in enumerate(concurrencies) if by_c.get(c) is not None]
-            ax.plot(xs, [by_c[concurrencies[i]] for i in xs], marker="o", label=f"ngram k={k}")
+        for policy in report.get("policies", ["adaptive"]):
+            for k in report["num_speculative_tokens"]:
+                by_c = {
+                    r["concurrency"]: r["speedup"]
+                    for r in report["rows"]
+                    if r["workload"] == workload
+                    and r["k"] == k
+                    and r.get("policy", "adaptive") == policy
+                }
+                xs = [i for i, c in enumerate(concurrencies) if by_c.get(c) is not None]
+                label = f"ngram k={k}" + (" fixed" if policy == "fixed" else "")
+                style = "--" if policy == "fixed" else "-"
+                ax.plot(xs, [by_c[concurrencies[i]] for i in xs], style, marker="o", label=label)
         ax.set_xticks(range(len(concurrencies)), [str(c) for c in concurrencies])
         ax.set_xlabel("concurrency (open streams)")
         ax.set_title(workload)

@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="2,4,8",
         help="comma-separated k, tokens proposed per step; '' runs no speculation only",
     )
+    parser.add_argument(
+        "--fixed",
+        action="store_true",
+        help='also run each k with every draft verified every step ("adaptive": false, as '
+        "vLLM does), next to the default adaptive policy",
+    )
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated, e.g. 1,8,32")
@@ -125,13 +131,17 @@ def main(args: argparse.Namespace) -> int:
         "concurrency": concurrencies,
         "rows": [],
     }
-    total = (1 + len(ks)) * len(workloads) * len(concurrencies)
-    for k in [None, *ks]:
-        with Server(_serve_args(args) + _spec_flags(args, k)) as server:
+    configs = [(None, None)] + [(k, "adaptive") for k in ks]
+    if args.fixed:
+        configs += [(k, "fixed") for k in ks]
+    report["policies"] = sorted({policy for _, policy in configs if policy})
+    total = len(configs) * len(workloads) * len(concurrencies)
+    for k, policy in configs:
+        with Server(_serve_args(args) + _spec_flags(args, k, policy)) as server:
             asyncio.run(_stream(server.base_url, warmup, 2, disable_tqdm=True))
             for workload, runs in workloads.items():
                 for c, requests in zip(concurrencies, runs, strict=True):
-                    row = {"workload": workload, "k": k, "concurrency": c}
+                    row = {"workload": workload, "k": k, "policy": policy, "concurrency": c}
                     row |= _measure(server.base_url, requests, c, args)
                     report["rows"].append(row)
                     print(f"[{len(report['rows'])}/{total}] {_progress(row)}", flush=True)
@@ -151,7 +161,7 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _spec_flags(args: argparse.Namespace, k: int | None) -> list[str]:
+def _spec_flags(args: argparse.Namespace, k: int | None, policy: str | None) -> list[str]:
     if k is None:
         return []
     config = {
@@ -159,6 +169,7 @@ def _spec_flags(args: argparse.Namespace, k: int | None) -> list[str]:
         "num_speculative_tokens": k,
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
+        "adaptive": policy == "adaptive",
     }
     return ["--speculative-config", json.dumps(config)]
 
@@ -277,7 +288,7 @@ def _add_speedups(rows: list[dict]) -> None:
 
 COLUMNS = (  # header, cell of a row
     ("workload", lambda r: r["workload"]),
-    ("k", lambda r: "off" if r["k"] is None else str(r["k"])),
+    ("k", lambda r: _k(r)),
     ("concurrency", lambda r: str(r["concurrency"])),
     ("acceptance", lambda r: _number(r["acceptance_rate"], ".2f")),
     ("mean accepted len", lambda r: _number(r["mean_accepted_length"], ".2f")),
@@ -301,7 +312,10 @@ def format_report(report: dict) -> str:
         "| " + " | ".join(header for header, _ in COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
     ]
-    rows = sorted(report["rows"], key=lambda r: (r["workload"], r["concurrency"], r["k"] or 0))
+    rows = sorted(
+        report["rows"],
+        key=lambda r: (r["workload"], r["concurrency"], r["k"] or 0, r["policy"] or ""),
+    )
     for row in rows:
         lines.append("| " + " | ".join(cell(row) for _, cell in COLUMNS) + " |")
     failed = sum(r["failed"] for r in rows)
@@ -311,13 +325,20 @@ def format_report(report: dict) -> str:
 
 
 def _progress(row: dict) -> str:
-    k = "no speculation" if row["k"] is None else f"ngram k={row['k']}"
+    k = "no speculation" if row["k"] is None else f"ngram k={_k(row)}"
     return (
         f"{k}, {row['workload']}, concurrency {row['concurrency']}: "
         f"{row['output_throughput']:.1f} output tok/s, TPOT p50 {row['median_tpot_ms']:.1f} ms, "
         f"acceptance {_number(row['acceptance_rate'], '.2f')}, mean accepted length "
         f"{_number(row['mean_accepted_length'], '.2f')}, {row['failed']} failed"
     )
+
+
+def _k(row: dict) -> str:
+    """off, k (the adaptive policy) or "k fixed" (every draft verified)."""
+    if row["k"] is None:
+        return "off"
+    return f"{row['k']} fixed" if row["policy"] == "fixed" else str(row["k"])
 
 
 def _number(value: float | None, fmt: str, suffix: str = "") -> str:

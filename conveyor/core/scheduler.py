@@ -31,6 +31,7 @@ from conveyor.config import SchedulerConfig, SpeculativeConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.outputs import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
 from conveyor.request import Request, RequestStatus
+from conveyor.spec.policy import DraftPolicy
 from conveyor.spec.stats import SpecDecodingStats
 
 
@@ -95,6 +96,7 @@ class Scheduler:
         self._draft_by_model = speculative is not None and speculative.method == "draft_model"
         self._drafts: dict[str, int] = {}  # this step's drafts per request
         self.spec_stats = SpecDecodingStats.empty(speculative)
+        self.draft_policy = DraftPolicy(speculative is None or speculative.adaptive)
         self.kv_cache = kv_cache
         self.policy = config.policy
         self.requests: dict[str, Request] = {}
@@ -150,7 +152,9 @@ class Scheduler:
         preempted: list[Request] = []
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
-            self._schedule_waiting(budget, scheduled, preempted)
+            budget = self._schedule_waiting(budget, scheduled, preempted)
+        if self.speculative is not None and budget > 0:
+            self._schedule_drafts(budget, scheduled)
         finished_ids, self._finished_ids = self._finished_ids, []
         drafts, self._drafts = self._drafts, {}
         return self._make_output(scheduled, drafts, preempted, finished_ids)
@@ -163,19 +167,10 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_drafts = self._num_drafts(request, budget) if remaining == 1 else 0
-            if num_drafts and self.kv_cache.allocate_slots(request, 1 + num_drafts) is not None:
-                scheduled[request.request_id] = 1 + num_drafts
-                self._drafts[request.request_id] = num_drafts
-                budget -= 1 + num_drafts
-                continue
-            # No drafts, or no room to verify them: compute the request's own tokens, and
-            # preempt only for those.
-            num_new = min(remaining, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
-                budget += self._unschedule(victim, scheduled)
+                budget += scheduled.pop(victim.request_id, 0)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -185,26 +180,38 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _num_drafts(self, request: Request, budget: int) -> int:
-        """Drafts a decoding request verifies this step: what was proposed (n-gram) or k
-        (draft model), cut by the budget and so that 1 + drafts never passes max_tokens."""
-        spec = self.speculative
-        if spec is None:
-            return 0
-        if self._draft_by_model:
-            wanted = spec.num_speculative_tokens
-        else:
-            wanted = len(request.spec_token_ids)
-        return max(0, min(wanted, budget - 1, request.max_tokens - request.num_output_tokens - 1))
-
-    def _unschedule(self, victim: Request, scheduled: dict[str, int]) -> int:
-        """Takes a request about to be preempted out of this step; returns its tokens."""
-        self._drafts.pop(victim.request_id, None)
-        return scheduled.pop(victim.request_id, 0)
+    def _schedule_drafts(self, budget: int, scheduled: dict[str, int]) -> None:
+        """Speculative decoding: once every running request has its own tokens and new
+        prompts their chunks, decoding requests add drafts to verify, under the budget left,
+        as many as the draft policy expects to pay (spec/policy.py); never past max_tokens,
+        never at the cost of a preemption (no free block for a draft's KV: no draft)."""
+        candidates = []
+        for request in self.running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining != 1 or scheduled.get(request.request_id) != 1:
+                continue  # prefilling, or not scheduled this step
+            if self._draft_by_model:
+                wanted = self.speculative.num_speculative_tokens
+            else:
+                wanted = len(request.spec_token_ids)
+            max_drafts = min(wanted, request.max_tokens - request.num_output_tokens - 1)
+            if max_drafts > 0:
+                candidates.append((request.request_id, request.spec_counts, max_drafts))
+        if not candidates:
+            return
+        num_sampling = 0
+        for request_id, num_new in scheduled.items():
+            request = self.requests[request_id]
+            num_sampling += request.num_computed_tokens + num_new == request.num_tokens
+        chosen = self.draft_policy.choose(candidates, sum(scheduled.values()), num_sampling, budget)
+        for request_id, num_drafts in chosen.items():
+            if self.kv_cache.allocate_slots(self.requests[request_id], 1 + num_drafts) is not None:
+                scheduled[request_id] += num_drafts
+                self._drafts[request_id] = num_drafts
 
     def _schedule_waiting(
         self, budget: int, scheduled: dict[str, int], preempted: list[Request]
-    ) -> None:
+    ) -> int:
         if self.policy == "static" and not self.running and not self.static_batch:
             self._form_static_batch()
         while len(self.waiting) > 0 and budget > 0:
@@ -229,9 +236,10 @@ class Scheduler:
             victim = self._priority_victim(request)
             if victim is None:
                 break
-            budget += self._unschedule(victim, scheduled)
+            budget += scheduled.pop(victim.request_id, 0)
             self._preempt(victim)
             preempted.append(victim)
+        return budget
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Allocates a waiting request's first chunk; returns its token count or None."""
@@ -347,6 +355,9 @@ class Scheduler:
             if num_drafts:
                 num_accepted = len(token_ids) - 1
                 self.spec_stats.observe(num_drafts, num_accepted)
+                self.draft_policy.observe_verification(
+                    request.spec_counts, num_drafts, num_accepted
+                )
                 request.num_computed_tokens += num_accepted
             self._append_tokens(request, token_ids, logprobs, cache=num_drafts > 0)
             updated.append(request)

@@ -350,6 +350,10 @@ class EngineCore:
         timing = StepTiming(
             scheduled - start, *self.runner.last_timing, time.perf_counter() - executed
         )
+        if self.speculative_config is not None:  # what a step of this width costs
+            self.scheduler.draft_policy.observe_step(
+                sched.total_num_scheduled_tokens, timing.prepare + timing.forward + timing.sample
+            )
         self._last_step = timing
         if self.record_trace:
             finished = [o.request_id for o in outputs if o.status.finished]

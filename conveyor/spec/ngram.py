@@ -3,8 +3,8 @@
 After each step, for every decoding request: the longest suffix of its tokens (prompt +
 output), between prompt_lookup_min and prompt_lookup_max tokens long, that occurred earlier
 in them, and the up to k tokens that followed that occurrence are its drafts. Among matches
-of max length, the one whose context agrees furthest back wins, then the latest. No match: no drafts, and
-the request decodes as without speculation.
+of max length, the one whose context agrees furthest back wins, then the latest. No match:
+no drafts, and the request decodes as without speculation.
 
 Vectorised over the request's tokens: candidates are the positions holding the last token;
 each grows backwards while it keeps matching, max_n - 1 numpy passes over the candidates.
