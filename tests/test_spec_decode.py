@@ -493,6 +493,26 @@ def test_stop_tokens_strings_and_max_tokens_inside_an_accepted_run(model_path, p
     assert spec.engine.kv_cache.pool.num_free_blocks == spec.engine.num_blocks
 
 
+def test_abort_while_verifying_drafts_frees_everything(model_path, prompts):
+    config = {"model": model_path, "num_speculative_tokens": 4, "adaptive": False}
+    engine = LLMEngine(model_path, dtype="float64", block_size=4, speculative_config=config)
+    requests = greedy_requests(prompts[:4], [MAX_TOKENS] * 4)
+    aborted = []
+
+    def abort_midway(engine):
+        request = engine.scheduler.requests.get("1")
+        if not aborted and request is not None and request.num_output_tokens >= 5:
+            engine.abort_request("1")
+            aborted.append(request.num_output_tokens)
+
+    done = run(engine, requests, abort_midway)
+    assert aborted and done["1"].finish_reason == "abort"
+    assert len(done["1"].token_ids) < MAX_TOKENS
+    assert all(done[str(i)].finish_reason == "length" for i in (0, 2, 3))
+    assert engine.kv_cache.req_to_blocks == {}
+    assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
+
+
 def test_seeded_sampling_with_speculation_is_reproducible_whatever_the_batch(model_path, prompts):
     config = {"model": model_path, "num_speculative_tokens": 3, "adaptive": False}
     params = SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=16)

@@ -6,8 +6,9 @@ Layout of one request's table (block_size 4, 10 tokens, 6 of them computed):
     tokens:  [xxxx|xx..|....]          x: KV computed  .: allocated, written this step
     hashed:  [ h0 ]                    only full, computed blocks are hashed and cached
 
-Allocated-but-unused KV is always under one block per request: allocate_slots() only adds
-the blocks that this step's tokens need.
+allocate_slots() only adds the blocks that this step's tokens need, so allocated-but-unused KV
+is under one block per request, plus the slots of rejected drafts (speculative decoding),
+which the request's next tokens write again.
 """
 
 from __future__ import annotations

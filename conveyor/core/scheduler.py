@@ -13,7 +13,13 @@ cache) and `all_token_ids` (prompt + output). Every step hands out at most
   2. then waiting requests, in policy order, while budget, seats and blocks last. A prefix
      cache hit simply starts a request with num_computed_tokens > 0.
 
-A request whose chunk reaches the end of its tokens samples one token this step. Policies:
+  3. with speculative decoding, decoding requests then add drafts to verify (1 + d tokens),
+     under the budget left and as many as the draft policy expects to pay at this step's
+     width (spec/policy.py). After verification num_computed_tokens counts only the request's
+     own token and the accepted drafts; the rejected ones' slots are simply written again.
+
+A request whose chunk reaches the end of its tokens samples one token this step (with drafts:
+the accepted ones and one more). Policies:
 fcfs; priority (lower value first, ties by arrival; may preempt lower-priority running
 requests to admit a waiting one); static (request-level batching: a batch forms from the
 waiting queue, and nobody joins until all of its members have finished).
