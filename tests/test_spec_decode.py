@@ -506,8 +506,8 @@ def test_abort_while_verifying_drafts_frees_everything(model_path, prompts):
             aborted.append(request.num_output_tokens)
 
     done = run(engine, requests, abort_midway)
-    assert aborted and done["1"].finish_reason == "abort"
-    assert len(done["1"].token_ids) < MAX_TOKENS
+    assert aborted and aborted[0] < MAX_TOKENS
+    assert "1" not in done  # an aborted request gets no finished output from step()
     assert all(done[str(i)].finish_reason == "length" for i in (0, 2, 3))
     assert engine.kv_cache.req_to_blocks == {}
     assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks

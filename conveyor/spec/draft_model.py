@@ -16,6 +16,11 @@ draft's holds the same except the last draft when all d were accepted (it was pr
 fed). So a decoding request's mirror in step 1 also rewrites the token before its own
 (`prev_token_id`), which fills that one gap. Draft KV at rejected positions is overwritten
 later, like the target's. The drafts are greedy: the verifier treats each as a point mass.
+
+One gap remains: a request that ends right after accepting all its drafts leaves the draft's
+KV of its last draft unwritten, in a block that the prefix cache may hand to a later request.
+That later request's drafts may then be worse at that one position; its output is not
+affected (verification decides every token).
 """
 
 from __future__ import annotations

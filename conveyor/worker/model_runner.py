@@ -104,11 +104,12 @@ class ModelRunner:
             return self.propose_drafts(scheduled)
         return [s.draft_token_ids or [] for s in scheduled]
 
-    def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[list[int]]):
+    def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[list[int]] | None = None):
         """Inputs of the step, vectorised over requests; everything the layers share is built
         here once (slots, lengths, block tables, causal positions), not per layer. A request's
         drafts follow its own tokens; it brings logits rows for its last 1 + drafts rows."""
         num_seqs = len(scheduled)
+        drafts = drafts or [[] for _ in scheduled]
         num_drafts = np.fromiter((len(d) for d in drafts), np.int64, num_seqs)
         query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_seqs)
         query_lens += num_drafts
