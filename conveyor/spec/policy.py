@@ -9,8 +9,11 @@ throughput. So the scheduler adds drafts one at a time, most likely first, while
     (E + p) / t(T + 1) > E / t(T)    i.e.    p * t(T) > E * (t(T + 1) - t(T)),
 
 where T is the step's width so far, E its expected output tokens, t the step time and p the
-chance that this draft is accepted: rate_r ** j for the j-th draft of request r, from that
-request's own acceptance so far (a decayed count, started from the engine-wide rate).
+chance that this draft is accepted. For the j-th draft of request r, p = rate_r * c_2 * ...
+* c_j: rate_r from that request's own acceptance so far (a decayed count, started from the
+engine-wide rate), c_i the engine-wide chance that draft i is accepted once draft i - 1 was.
+Acceptance comes in runs (a copied passage accepts draft after draft, an edit rejects the
+first), so c_i is usually well above rate_r, and rate_r ** j would cut runs short.
 
 t(T) is learned from the engine's own steps (StepCostModel): no calibration, and it follows
 the machine, the model, the device and the load. Until two widths have been seen, drafts are
@@ -23,8 +26,10 @@ import heapq
 import statistics
 from collections import deque
 
-# Decay of the acceptance counts per verification: about the last 5 verifications count.
+# Decay of the acceptance counts per verification: about the last 5 verifications count; the
+# engine-wide chances by position keep about the last 50.
 ACCEPTANCE_DECAY = 0.8
+POSITION_DECAY = 0.98
 # Decay per step of the counts of a request that proposed drafts but verified none: a request
 # (and the engine) written off as hopeless drifts back to the prior and is tried again, about
 # every 6 steps at batch 1 while it keeps failing, one draft each time: ~2% of the steps.
@@ -92,6 +97,10 @@ class DraftPolicy:
         # Engine-wide decayed counts of accepted drafts / drafts tried, over a prior of 1 / 2.
         self._accepted = 0.0
         self._tried = 0.0
+        # By draft position i: verifications that reached draft i (all before it accepted),
+        # and those that accepted it.
+        self._reached: list[float] = []
+        self._kept: list[float] = []
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
@@ -104,6 +113,22 @@ class DraftPolicy:
         counts[1] = counts[1] * ACCEPTANCE_DECAY + tried
         self._accepted = self._accepted * ACCEPTANCE_DECAY + num_accepted
         self._tried = self._tried * ACCEPTANCE_DECAY + tried
+        if len(self._reached) < num_drafts:
+            grow = num_drafts - len(self._reached)
+            self._reached += [0.0] * grow
+            self._kept += [0.0] * grow
+        for i in range(len(self._reached)):
+            self._reached[i] = self._reached[i] * POSITION_DECAY + (
+                i < num_drafts and i <= num_accepted
+            )
+            self._kept[i] = self._kept[i] * POSITION_DECAY + (i < num_accepted)
+
+    def _continuation(self, position: int) -> float:
+        """Chance that draft `position` (0-based, >= 1) is accepted given the one before it
+        was, engine-wide, over a prior of 3 / 4."""
+        if position >= len(self._reached):
+            return 0.75
+        return (self._kept[position] + 1.5) / (self._reached[position] + 2.0)
 
     def rate(self, counts: list[float]) -> float:
         prior = (self._accepted + 1.0) / (self._tried + 2.0)
@@ -142,7 +167,8 @@ class DraftPolicy:
             chosen[request_id] = j
             width, expected, seconds, budget = width + 1, expected + p, wider, budget - 1
             if j < max_drafts:
-                heapq.heappush(heap, (-(p * rate), request_id, rate, j + 1, max_drafts))
+                p_next = p * self._continuation(j)
+                heapq.heappush(heap, (-p_next, request_id, rate, j + 1, max_drafts))
         if len(chosen) < len(candidates):
             for request_id, counts, _ in candidates:
                 if request_id not in chosen:
