@@ -30,9 +30,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from conveyor.model.attention import build_metadata
 from conveyor.outputs import ScheduledRequest
-from conveyor.worker.model_runner import ModelRunner, pad_block_tables, positions_and_slots
+from conveyor.worker.model_runner import ModelRunner
 
 
 class DraftModelProposer:
@@ -76,17 +75,8 @@ class DraftModelProposer:
         input_ids = np.fromiter(
             chain.from_iterable(feeds[i] for i in which), np.int64, int(query_lens.sum())
         )
-        tables = pad_block_tables([scheduled[i].block_ids for i in which])
-        positions, slots = positions_and_slots(query_lens, context_lens, tables, runner.block_size)
-        meta = build_metadata(
-            query_lens,
-            context_lens,
-            tables,
-            slots,
-            runner.block_size,
-            runner.device,
-            runner.attention_ops,
-        )
+        block_ids = [scheduled[i].block_ids for i in which]
+        positions, meta = runner.positions_and_metadata(query_lens, context_lens, block_ids)
         hidden = runner.model(
             runner.as_tensor(input_ids), runner.as_tensor(positions), runner.kv_caches, meta
         )

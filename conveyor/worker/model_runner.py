@@ -17,7 +17,7 @@ import torch
 
 from conveyor.config import ModelConfig
 from conveyor.model import kernels
-from conveyor.model.attention import build_metadata
+from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.layers import transposed_buckets
 from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -122,7 +122,18 @@ class ModelRunner:
         else:
             token_ids = chain.from_iterable(s.token_ids for s in scheduled)
         input_ids = np.fromiter(token_ids, np.int64, num_tokens)
-        tables = pad_block_tables([s.block_ids for s in scheduled])
+        block_ids = [s.block_ids for s in scheduled]
+        positions, meta = self.positions_and_metadata(query_lens, context_lens, block_ids)
+        sampled = np.fromiter((s.sampling is not None for s in scheduled), bool, num_seqs)
+        logits_rows = last_rows(np.cumsum(query_lens)[sampled], num_drafts[sampled] + 1)
+        tensor = self.as_tensor
+        return tensor(input_ids), tensor(positions), meta, tensor(logits_rows)
+
+    def positions_and_metadata(
+        self, query_lens: np.ndarray, context_lens: np.ndarray, block_ids: list[list[int]]
+    ) -> tuple[np.ndarray, AttentionMetadata]:
+        """Every row's position, and the attention metadata all layers share."""
+        tables = pad_block_tables(block_ids)
         positions, slots = positions_and_slots(query_lens, context_lens, tables, self.block_size)
         meta = build_metadata(
             query_lens,
@@ -133,10 +144,7 @@ class ModelRunner:
             self.device,
             self.attention_ops,
         )
-        sampled = np.fromiter((s.sampling is not None for s in scheduled), bool, num_seqs)
-        logits_rows = last_rows(np.cumsum(query_lens)[sampled], num_drafts[sampled] + 1)
-        tensor = self.as_tensor
-        return tensor(input_ids), tensor(positions), meta, tensor(logits_rows)
+        return positions, meta
 
     def as_tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
