@@ -1,0 +1,7 @@
+"""`python -m conveyor ...` runs the `conveyor` command (serve, generate, bench)."""
+
+import sys
+
+from conveyor.entrypoints.cli import main
+
+sys.exit(main())
