@@ -182,15 +182,12 @@ class EngineCore:
         self.speculative_config = spec = SpeculativeConfig.parse(speculative_config)
         torch.manual_seed(seed)
         self.draft_runner = None
+        propose_drafts = None
         if spec is not None and spec.method == "draft_model":
             self.draft_runner = self._draft_runner(spec, block_size, seed, kv_cache_dtype)
+            propose_drafts = DraftModelProposer(self.draft_runner).propose
         self.runner = ModelRunner(
-            self.model_config,
-            self.device,
-            block_size,
-            seed,
-            kv_cache_dtype,
-            propose_drafts=self.draft_runner and DraftModelProposer(self.draft_runner).propose,
+            self.model_config, self.device, block_size, seed, kv_cache_dtype, propose_drafts
         )
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
