@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.outputs import RequestOutput
 from conveyor.spec.stats import SpecDecodingStats
+from conveyor.structured.backend import GrammarCompiler
 
 _LATENCY_BUCKETS = [
     0.001,
@@ -32,6 +33,23 @@ _LATENCY_BUCKETS = [
     80.0,
     160.0,
     640.0,
+]
+_GRAMMAR_BUCKETS = [
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 ]
 _REQUEST_BUCKETS = [
     0.3,
@@ -111,6 +129,17 @@ class EngineMetrics:
             "Draft tokens accepted, by position in the draft (0 = first).",
             ("position",),
         )
+        self.grammar_compile = histogram(
+            "grammar_compile_seconds",
+            "Structured output: time to compile a grammar (cache misses).",
+            _GRAMMAR_BUCKETS,
+        )
+        self.grammar_queries = counter(
+            "grammar_cache_queries_total", "Structured output: grammar cache lookups."
+        )
+        self.grammar_hits = counter(
+            "grammar_cache_hits_total", "Structured output: grammar cache hits."
+        )
         self.model_name = model_name
         # Every labelled series is created now, so /metrics lists them all from the start;
         # the step path uses these children directly (no label lookup per token).
@@ -145,8 +174,11 @@ class EngineMetrics:
                 ("drafts", self.spec_drafts),
                 ("draft_tokens", self.spec_draft_tokens),
                 ("accepted", self.spec_accepted),
+                ("grammar_queries", self.grammar_queries),
+                ("grammar_hits", self.grammar_hits),
             )
         }
+        self._grammar_compile = self.grammar_compile.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         self._last_token_time: dict[str, float] = {}
@@ -201,6 +233,15 @@ class EngineMetrics:
                 )
                 self._seen[key] = 0
             self._add(key, total)
+
+    def observe_grammars(self, compiler: GrammarCompiler) -> None:
+        """The front end's grammar compiler (every constrained request is checked there, so
+        its cache sees them all); called when /metrics is scraped."""
+        queries, hits, seconds = compiler.take_stats()
+        self._add("grammar_queries", queries)
+        self._add("grammar_hits", hits)
+        for value in seconds:
+            self._grammar_compile.observe(value)
 
     def on_abort(self, engine: LLMEngine, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)

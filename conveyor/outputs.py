@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
     from conveyor.request import PenaltyCounts
     from conveyor.sampling_params import SamplingParams
+    from conveyor.structured.grammar import Grammar
 
 
 class Logprob(NamedTuple):
@@ -30,6 +31,7 @@ class SamplingRow(NamedTuple):
     generator: torch.Generator | None  # None -> the sampler's own generator
     output_token_ids: list[int]  # tokens generated so far (before this step)
     penalty_counts: PenaltyCounts | None = None  # set when params has penalties
+    grammar: Grammar | None = None  # set when params has structured_outputs
 
 
 @dataclass(slots=True)

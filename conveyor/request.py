@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from conveyor.outputs import PositionLogprobs
+    from conveyor.structured.grammar import Grammar
 
 
 class BlockHash(NamedTuple):
@@ -120,6 +121,9 @@ class Request:
     # decayed counts of this request's [accepted, tried] drafts (spec/policy.py).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # Structured output: the request's own matcher, set by the engine once it has compiled.
+    grammar: Grammar | None = None
+    error: str | None = None  # why it ended with FINISHED_ERROR
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -156,6 +160,25 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
             if not self.params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None:  # a grammar complete at max_tokens is a stop
+            status = self._advance_grammar(token_id)
+            if status is not None:
+                return status
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _advance_grammar(self, token_id: int) -> RequestStatus | None:
+        """A token that did not end the request advances its grammar; the request stops as
+        soon as the grammar is complete and allows nothing more. A stop token that reaches
+        here (below min_tokens, or with ignore_eos) ends it where the grammar may end."""
+        grammar = self.grammar
+        is_eos = token_id in self.eos_token_ids
+        if (is_eos or token_id in self.params.stop_token_ids) and grammar.is_accepting:
+            if not is_eos:
+                self.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not is_eos and grammar.accept(token_id):
+            return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
+        self.error = f"the grammar does not allow token {token_id} here ({grammar.error})"
+        return RequestStatus.FINISHED_ERROR

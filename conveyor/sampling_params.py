@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from conveyor.structured.params import StructuredOutputs
+
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
@@ -39,6 +41,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # Constrained decoding: a JSON schema, regex, choice or grammar (a dict of one is accepted).
+    structured_outputs: StructuredOutputs | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +53,7 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must be a mapping of token id to bias")
         self.logit_bias = _int_keys(self.logit_bias) if self.logit_bias else None
+        self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
         self.validate()
 
     @property

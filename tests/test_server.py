@@ -296,14 +296,6 @@ def test_empty_messages_and_empty_prompt_are_400(server):
     [
         ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "Hi", "suffix": "x"}, "suffix"),
-        (
-            "/v1/chat/completions",
-            {
-                "messages": [{"role": "user", "content": "Hi"}],
-                "response_format": {"type": "json_object"},
-            },
-            "response_format",
-        ),
     ],
 )
 def test_unsupported_features_are_refused_not_ignored(server, path, extra, word):

@@ -96,7 +96,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Saves a float64 random checkpoint with tokenizer to `path` and returns it."""
     tokenizer = build_tokenizer()
-    config = tiny_config(arch, len(tokenizer), **overrides)
+    vocab_size = overrides.pop("vocab_size", len(tokenizer))  # more: a padded vocabulary
+    config = tiny_config(arch, vocab_size, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

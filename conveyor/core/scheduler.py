@@ -200,6 +200,9 @@ class Scheduler:
                 wanted = self.speculative.num_speculative_tokens
             else:
                 wanted = len(request.spec_token_ids)
+                if request.grammar is not None:  # only drafts the grammar allows
+                    stops = request.eos_token_ids | set(request.params.stop_token_ids)
+                    wanted = request.grammar.valid_prefix(request.spec_token_ids, stops)
             max_drafts = min(wanted, request.max_tokens - request.num_output_tokens - 1)
             if max_drafts > 0:
                 candidates.append((request.request_id, request.spec_counts, max_drafts))
@@ -417,4 +420,5 @@ def _sampling_row(request: Request) -> SamplingRow:
         generator=request.generator,
         output_token_ids=request.output_token_ids,
         penalty_counts=request.penalty_counts,
+        grammar=request.grammar,
     )

@@ -80,6 +80,10 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def inputs(self):
+        return self.engine.inputs
+
+    @property
     def model_config(self):
         return self.engine.model_config
 

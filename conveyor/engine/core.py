@@ -3,13 +3,17 @@
 It speaks only token ids. A front end (LLMEngine in-process, or the server's front end over
 a socket, see core_proc.py) validates and tokenizes requests, hands the core `CoreRequest`s,
 and turns the `CoreOutput`s of each step into text (detokenizer, stop strings) and
-RequestOutputs (output_processor.py). The core never needs a tokenizer.
+RequestOutputs (output_processor.py). The core needs a tokenizer only to compile the
+grammars of structured output (llguidance maps grammar bytes to token ids), on first use.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -24,16 +28,21 @@ from conveyor.config import (
 )
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler, SchedulerStats
+from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import PositionLogprobs
 from conveyor.request import PenaltyCounts, Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.draft_model import DraftModelProposer
 from conveyor.spec.ngram import NgramProposer
 from conveyor.spec.stats import SpecDecodingStats
+from conveyor.structured.backend import DEFAULT_COMPILE_TIMEOUT, GrammarCompiler
+from conveyor.structured.grammar import Grammar
 from conveyor.worker.model_runner import ModelRunner
 
 DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 GPU_MEMORY_UTILIZATION = 0.9
+# With nothing to run but requests whose grammar compiles, a step waits this long for one.
+GRAMMAR_POLL_SECONDS = 0.05
 
 
 @dataclass(slots=True)
@@ -128,6 +137,7 @@ class CoreInfo:
     scheduler_config: SchedulerConfig
     num_blocks: int
     device: str
+    grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
 
 
 @dataclass(slots=True)
@@ -164,6 +174,7 @@ class EngineCore:
         record_trace: bool = False,
         num_threads: int | None = None,
         speculative_config: SpeculativeConfig | dict | str | None = None,
+        grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
     ) -> None:
         if num_threads is not None:  # None: torch's default, one thread per physical core
             if num_threads < 1:
@@ -200,6 +211,16 @@ class EngineCore:
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
+        # Structured output: grammars compile on worker threads while steps go on; a request
+        # waits here, outside the scheduler, until its grammar is ready (or fails).
+        self.grammars = GrammarCompiler(
+            lambda: load_tokenizer(self.model_config),
+            self.model_config.vocab_size,
+            sorted(self.model_config.eos_token_ids),
+            grammar_compile_timeout,
+        )
+        self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
+        self._failed: list[CoreOutput] = []
         self.record_trace = record_trace
         self.trace: list[StepTrace] = []
         self._num_steps = 0
@@ -215,6 +236,7 @@ class EngineCore:
             self.scheduler_config,
             self.num_blocks,
             str(self.device),
+            self.grammars.timeout,
         )
 
     def _draft_runner(
@@ -262,8 +284,37 @@ class EngineCore:
         ids = [spec.request_id for spec in specs]
         if len(set(ids)) < len(ids) or any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"duplicate request_id among {ids[:5]!r}")
+        waiting = self._grammar_waiting
+        if any(i in waiting for i in ids):
+            raise ValueError(f"duplicate request_id among {ids[:5]!r}")
         for request in [self._make_request(spec) for spec in specs]:
-            self.scheduler.add_request(request)
+            constraint = request.params.structured_outputs
+            if constraint is None:
+                self.scheduler.add_request(request)
+                continue
+            deadline = time.monotonic() + self.grammars.timeout
+            waiting[request.request_id] = (request, self.grammars.submit(constraint), deadline)
+        self._admit_compiled()
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled go to the scheduler with a matcher of their
+        own; those whose grammar failed, or is past the time limit, end with an error."""
+        now = time.monotonic()
+        for request_id, (request, future, deadline) in list(self._grammar_waiting.items()):
+            if future.done():
+                error = future.exception()
+                if error is None:
+                    stops = request.params.stop_token_ids
+                    request.grammar = Grammar(future.result().deep_copy(), stops)
+                    self.scheduler.add_request(request)
+                else:
+                    self._failed.append(CoreOutput.failed(request_id, str(error)))
+            elif now > deadline:
+                message = f"its grammar did not compile within {self.grammars.timeout:g} s"
+                self._failed.append(CoreOutput.failed(request_id, message))
+            else:
+                continue
+            del self._grammar_waiting[request_id]
 
     def _make_request(self, spec: CoreRequest) -> Request:
         params = spec.params
@@ -292,6 +343,8 @@ class EngineCore:
         """Ends requests (aborted, or stopped by a stop string the front end found) and frees
         their blocks. Unknown or finished ids are ignored: the request may have ended in a
         step the front end had not yet seen."""
+        for request_id in request_ids:
+            self._grammar_waiting.pop(request_id, None)
         finished = [r.request_id for r in self.scheduler.finish_requests(request_ids, status)]
         for request_id in finished:
             self.scheduler.forget(request_id)
@@ -299,7 +352,11 @@ class EngineCore:
             self.trace[-1].finished_request_ids.extend(finished)  # ended with the last step
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._grammar_waiting)
+            or bool(self._failed)
+        )
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -307,6 +364,16 @@ class EngineCore:
         if self._fault is not None:
             self._fault.check(self._num_steps + 1)
         start = time.perf_counter()
+        if self._grammar_waiting:
+            if not self.scheduler.has_unfinished_requests() and not self._failed:
+                futures = [future for _, future, _ in self._grammar_waiting.values()]
+                concurrent.futures.wait(
+                    futures, GRAMMAR_POLL_SECONDS, concurrent.futures.FIRST_COMPLETED
+                )
+            self._admit_compiled()
+        failed, self._failed = self._failed, []
+        if not self.scheduler.has_unfinished_requests():
+            return failed
         sched = self.scheduler.schedule()
         if sched.is_empty:
             # Every request that could never fit is refused by the front end, so with work
@@ -314,7 +381,7 @@ class EngineCore:
             # instead of spinning forever.
             if self.scheduler.has_unfinished_requests() and not sched.preempted_request_ids:
                 raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
-            return []
+            return failed
         scheduled = time.perf_counter()
         runner_out = self.runner.execute(sched)
         executed = time.perf_counter()
@@ -324,7 +391,7 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.propose_for(self.scheduler.running)
         self._num_steps += 1
-        outputs = []
+        outputs = failed
         for request, num_before in zip(updated, before, strict=True):
             # A stop condition may end a request before all of its sampled tokens.
             num_new = request.num_output_tokens - num_before
@@ -340,6 +407,7 @@ class EngineCore:
                     request.num_cached_tokens,
                     request.first_scheduled_time,
                     request.num_preemptions,
+                    request.error,
                 )
             )
             if request.is_finished:
@@ -367,8 +435,13 @@ class EngineCore:
         return outputs
 
     def get_stats(self) -> CoreStats:
+        scheduler = self.scheduler.stats()
+        if self._grammar_waiting:
+            scheduler = dataclasses.replace(
+                scheduler, num_waiting=scheduler.num_waiting + len(self._grammar_waiting)
+            )
         return CoreStats(
-            scheduler=self.scheduler.stats(),
+            scheduler=scheduler,
             num_steps=self._num_steps,
             num_generation_tokens_total=self._num_generation_tokens,
             num_blocks=self.num_blocks,

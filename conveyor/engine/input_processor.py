@@ -10,12 +10,26 @@ from conveyor.engine.core import CoreInfo, CoreRequest
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.backend import GrammarCompiler
 
 
 class InputProcessor:
-    def __init__(self, info: CoreInfo, tokenizer: Any) -> None:
+    def __init__(
+        self, info: CoreInfo, tokenizer: Any, grammars: GrammarCompiler | None = None
+    ) -> None:
+        """grammars: the core's compiler when it runs in this process (a grammar checked
+        here is then compiled once); otherwise the front end keeps its own."""
         self.info = info
         self.tokenizer = tokenizer
+        if grammars is None:
+            model = info.model_config
+            grammars = GrammarCompiler(
+                lambda: tokenizer,
+                model.vocab_size,
+                sorted(model.eos_token_ids),
+                info.grammar_compile_timeout,
+            )
+        self.grammars = grammars
 
     @property
     def max_model_len(self) -> int:
@@ -63,6 +77,8 @@ class InputProcessor:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         self._check_token_ids(params)
+        if params.structured_outputs is not None:  # compiled once, then cached
+            self.grammars.validate(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if params.n == 1:
             children = [(request_id, params)]

@@ -38,7 +38,7 @@ class LLMEngine:
         self.scheduler_config = info.scheduler_config
         self.num_blocks = info.num_blocks
         self.tokenizer = load_tokenizer(self.model_config)
-        self.inputs = InputProcessor(info, self.tokenizer)
+        self.inputs = InputProcessor(info, self.tokenizer, getattr(self.core, "grammars", None))
         self.outputs = OutputProcessor(self.tokenizer)
         self._num_prompt_tokens = 0
 

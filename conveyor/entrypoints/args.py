@@ -68,6 +68,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 4}\'',
     )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="structured output: a request whose grammar takes longer to compile fails (400)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _speculative_config(text: str):
@@ -102,4 +119,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         num_threads=args.num_threads,
         speculative_config=args.speculative_config,
+        grammar_compile_timeout=args.grammar_compile_timeout,
     )

@@ -4,9 +4,11 @@ Pipeline, as in vLLM, on the rows of one engine step:
 
     raw logits ──> logprobs (log_softmax of the raw logits, for rows that ask)
         │
-        ├─ logit_bias (added)                            ─┐
+        ├─ grammar: tokens it forbids -> -inf             ─┐
+        ├─ logit_bias (added)                              │
         ├─ penalties (repetition, presence, frequency)    │ process_logits
-        ├─ min_tokens: stop ids and EOS -> -inf          ─┘
+        ├─ min_tokens: stop ids and EOS -> -inf           ─┘
+        │    (unless the grammar allows nothing else: it wins)
         │
         ├─ greedy rows: argmax
         └─ other rows: / temperature -> top_k -> top_p -> min_p -> exponential race
@@ -26,6 +28,7 @@ import torch
 
 from conveyor.outputs import Logprob, PositionLogprobs, SamplingRow
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.grammar import StepMask, apply_bitmask, step_mask
 
 NEG_INF = float("-inf")
 # top-p looks for its nucleus among this many most likely tokens first and falls back to a full
@@ -50,27 +53,39 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         logits = logits.to(work_dtype(logits.dtype))
-        processed = self.process_logits(logits, rows)
+        mask = step_mask([row.grammar for row in rows], logits.shape[1])
+        processed = self.process_logits(logits, rows, mask)
         token_ids = self._sample(processed, rows)
         logprobs = collect_logprobs(logits, rows, token_ids)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Logit bias, penalties and min_tokens applied. Never writes into `logits`; returns it
-        (in the work dtype) when no row needs any of them."""
+    def process_logits(
+        self, logits: torch.Tensor, rows: list[SamplingRow], mask: StepMask | None = None
+    ) -> torch.Tensor:
+        """Grammar mask, logit bias, penalties and min_tokens applied. Never writes into
+        `logits`; returns it (in the work dtype) when no row needs any of them."""
         logits = logits.to(work_dtype(logits.dtype))
         biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
         banned = self._min_tokens_bans(rows, logits.shape[1])
-        if not biased and not penalized and not banned[0]:
+        if mask is None and not biased and not penalized and not banned[0]:
             return logits
         logits = logits.clone()  # the raw logits stay intact for logprobs
+        if mask is not None:
+            apply_bitmask(logits, mask.rows, mask.bitmask)
         if biased:
             _apply_logit_bias(logits, rows, biased)
         if penalized:
             _apply_penalties(logits, rows, penalized)
         if banned[0]:
+            both = sorted(set(mask.rows) & set(banned[0])) if mask is not None else []
+            kept = logits[both] if both else None
             logits[banned] = NEG_INF
+            if both:  # a grammar that allows only stop tokens wins over min_tokens
+                dead = torch.isinf(logits[both]).all(dim=-1).tolist()
+                for row, saved, is_dead in zip(both, kept, dead, strict=True):
+                    if is_dead:
+                        logits[row] = saved
         return logits
 
     def _min_tokens_bans(

@@ -25,6 +25,7 @@ import torch
 
 from conveyor.outputs import PositionLogprobs, SamplingRow
 from conveyor.sample.sampler import Sampler, collect_logprobs, sampling_probs, work_dtype
+from conveyor.structured.grammar import step_mask
 
 
 def verify(
@@ -42,7 +43,12 @@ def verify(
         starts.append(len(position_rows))
     assert logits.shape[0] == len(position_rows), (logits.shape, len(position_rows))
     logits = logits.to(work_dtype(logits.dtype))
-    processed = sampler.process_logits(logits, position_rows)
+    mask = None
+    if any(row.grammar is not None for row in rows):
+        stops = [sampler.eos_token_ids | set(row.params.stop_token_ids) for row in rows]
+        grammars = [row.grammar for row in rows]
+        mask = step_mask(grammars, logits.shape[1], drafts, stops)
+    processed = sampler.process_logits(logits, position_rows, mask)
     greedy = [row.params.greedy for row in position_rows]
     if any(greedy):
         argmax = processed.argmax(dim=-1).tolist()
@@ -75,6 +81,7 @@ def row_at(row: SamplingRow, earlier_drafts: list[int]) -> SamplingRow:
         row.generator,
         row.output_token_ids + earlier_drafts,
         None if counts is None else counts.with_tokens(earlier_drafts),
+        row.grammar,
     )
 
 

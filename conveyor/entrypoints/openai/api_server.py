@@ -166,6 +166,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        metrics.observe_grammars(async_engine.inputs.grammars)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -224,7 +225,8 @@ async def _bad_request(awaitable: Awaitable):
     try:
         return await awaitable
     except ValueError as error:
-        raise APIError(400, str(error), "BadRequestError") from error
+        param = getattr(error, "param", None)  # InvalidParam, GrammarError
+        raise APIError(400, str(error), "BadRequestError", param) from error
 
 
 async def _run(

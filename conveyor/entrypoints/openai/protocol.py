@@ -1,25 +1,82 @@
 """OpenAI request bodies (pydantic). Fields beyond OpenAI's are vLLM's: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority,
-include_stop_str_in_output, skip_special_tokens.
+include_stop_str_in_output, skip_special_tokens, structured_outputs.
 
 Unknown fields are refused (400 naming them), not ignored: a client that sends a field it
 relies on must not get an answer that silently did not honour it. Accepted and ignored, as
 harmless hints: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`, and `parallel_tool_calls` (no tools run here). Non-finite floats
-(JSON 1e999) are refused as well.
+`safety_identifier`. Non-finite floats (JSON 1e999) are refused as well.
+
+Constrained output comes from one of: `response_format` (json_object, json_schema),
+`structured_outputs` (vLLM's: json, json_object, regex, choice, grammar), or, on chat,
+`tool_choice` "required" or a named function (see conveyor/structured/tools.py).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from conveyor.config import RequestLimits
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.backend import strict_schema
+from conveyor.structured.params import StructuredOutputs
+from conveyor.structured.tools import required_schema
 
 # strict: no bool where a number is due (JSON true is not n=1), no "2" for an integer.
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+_ALIASED = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class InvalidParam(ValueError):
+    """A request field with a value conveyor refuses: HTTP 400 whose error names `param`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _ALIASED
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of its fields."""
+
+    model_config = _ALIASED
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputs:
+        try:
+            return StructuredOutputs(
+                json=self.json_,
+                json_object=bool(self.json_object),
+                regex=self.regex,
+                choice=self.choice,
+                grammar=self.grammar,
+            )
+        except ValueError as error:
+            raise InvalidParam(str(error), "structured_outputs") from None
 
 
 class StreamOptions(BaseModel):
@@ -52,6 +109,8 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     # Harmless hints: accepted, ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -66,6 +125,37 @@ class _SamplingFields(BaseModel):
 
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
+
+    def constraint(self) -> tuple[StructuredOutputs | None, str | None]:
+        """(what the output is constrained to, the field it came from); InvalidParam if the
+        fields asking for one are malformed or contradict each other."""
+        found = None
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found = StructuredOutputs(json_object=True), "response_format"
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise InvalidParam(
+                    "response_format: json_schema is required when type is json_schema",
+                    "response_format",
+                )
+            schema = fmt.json_schema.schema_
+            if schema is None:
+                found = StructuredOutputs(json_object=True), "response_format"
+            else:
+                found = (
+                    StructuredOutputs(
+                        json=strict_schema(schema) if fmt.json_schema.strict else schema
+                    ),
+                    "response_format",
+                )
+        if self.structured_outputs is not None:
+            if found is not None:
+                raise InvalidParam(
+                    "give response_format or structured_outputs, not both", "structured_outputs"
+                )
+            found = self.structured_outputs.constraint(), "structured_outputs"
+        return found or (None, None)
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Raises ValueError (-> 400) naming the first field beyond the server's limits."""
@@ -87,7 +177,9 @@ class _SamplingFields(BaseModel):
                 f"got {longest}"
             )
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, constraint: StructuredOutputs | None = None
+    ) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) for values out of range or not supported."""
         if names := self.unsupported():
             raise ValueError(f"not supported by this server: {', '.join(names)}")
@@ -116,6 +208,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
+            structured_outputs=constraint,
             **values,
         )
 
@@ -161,6 +254,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn that called tools
 
     @field_validator("content", mode="before")
     @classmethod
@@ -181,24 +275,98 @@ class ChatMessage(BaseModel):
         return self.content
 
 
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
-    response_format: dict | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # a hint that only matters with tools
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def unsupported(self) -> list[str]:
-        names = ["tools"] if self.tools else []
-        if self.tool_choice not in (None, "none"):
-            names.append(f"tool_choice {self.tool_choice!r}")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            names.append(f"response_format {self.response_format.get('type')!r}")
-        return names
+    @property
+    def tool_mode(self) -> str:
+        """ "none", "auto", "required" or "named": how this request uses its tools."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_dicts(self) -> list[dict]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    def check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or []]
+        for name in names:
+            if not _FUNCTION_NAME.match(name):
+                raise InvalidParam(
+                    f"tools: function name {name!r} must be 1-64 letters, digits, _ or -",
+                    "tools",
+                )
+        if len(set(names)) < len(names):
+            raise InvalidParam("tools: function names must be unique", "tools")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise InvalidParam("tool_choice: a forced tool call needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidParam(
+                f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice"
+            )
+
+    def constraint(self) -> tuple[StructuredOutputs | None, str | None]:
+        self.check_tools()
+        found, param = super().constraint()
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return found, param
+        if found is not None:
+            raise InvalidParam(
+                f"tool_choice: a forced tool call cannot be combined with {param}", "tool_choice"
+            )
+        tools = self.tool_dicts()
+        if mode == "named":
+            name = self.tool_choice.function.name
+            tool = next(t for t in tools if t["function"]["name"] == name)
+            parameters = tool["function"].get("parameters") or {"type": "object"}
+            if tool["function"].get("strict"):
+                parameters = strict_schema(parameters)
+            return StructuredOutputs(json=parameters), "tools"
+        try:
+            schema = required_schema(tools, parallel=self.parallel_tool_calls is not False)
+        except ValueError as error:
+            raise InvalidParam(str(error), "tools") from None
+        return StructuredOutputs(json=schema), "tools"
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:

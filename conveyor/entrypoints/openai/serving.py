@@ -17,9 +17,19 @@ from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    InvalidParam,
 )
 from conveyor.outputs import CompletionOutput, PositionLogprobs
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.backend import GrammarError
+from conveyor.structured.params import StructuredOutputs
+from conveyor.structured.tools import (
+    ToolCall,
+    may_be_tool_call,
+    parse_auto,
+    parse_required,
+    tools_prompt,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -68,22 +78,53 @@ class OpenAIServing:
             raise ValueError(f"prompt could not be tokenized: {error}") from error
 
     def chat_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice=None,
     ) -> list[int]:
-        if not self.tokenizer.chat_template:
+        """The prompt's token ids. With tools: the template's own tool prompt when it reads
+        `tools`, otherwise a system message that describes them (tools.tools_prompt)."""
+        template = self.tokenizer.chat_template
+        if not template:
             raise ValueError("this model has no chat template; use /v1/completions")
+        native = "tools" in template
+        dicts = [message_dict(m, native) for m in messages]
+        kwargs = {}
+        if tools and native:
+            kwargs["tools"] = tools
+        elif tools:
+            hint = tools_prompt(tools, tool_choice)
+            if dicts[0].get("role") == "system":
+                dicts[0]["content"] = f"{dicts[0].get('content') or ''}\n\n{hint}".lstrip()
+            else:
+                dicts.insert(0, {"role": "system", "content": hint})
         try:
             ids = self.tokenizer.apply_chat_template(
-                [message_dict(m) for m in messages],
+                dicts,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
+                **kwargs,
             )
         except Exception as error:  # the template refused the conversation (jinja raise)
             raise ValueError(
                 f"messages could not be rendered by the chat template: {error}"
             ) from error
         return list(ids)
+
+    async def check_constraint(self, constraint: StructuredOutputs | None, param: str) -> None:
+        """Compiles the request's grammar off the event loop (then cached for admission);
+        a schema, regex or grammar that does not compile is a 400 naming `param`."""
+        if constraint is None:
+            return
+        try:
+            await self.off_loop(self.engine.inputs.grammars.validate, constraint)
+        except GrammarError as error:
+            if param == "structured_outputs":  # name its field: structured_outputs.regex
+                param = error.param
+            raise InvalidParam(f"{param}: {error.detail}", param) from None
 
     # ---- submission ----------------------------------------------------------------------
 
@@ -115,7 +156,9 @@ class OpenAIServing:
         max_tokens = (
             request.max_tokens if request.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         )
-        params = request.sampling_params(max_tokens)
+        constraint, param = request.constraint()
+        params = request.sampling_params(max_tokens, constraint)
+        await self.check_constraint(constraint, param)
         prompts = await self.off_loop(self.completion_prompts, request.prompt)
         return prompts, params
 
@@ -168,14 +211,22 @@ class OpenAIServing:
     async def chat_params(self, request: ChatCompletionRequest) -> tuple[list, SamplingParams]:
         request.check_limits(self.limits)
         max_tokens = request.max_completion_tokens or request.max_tokens
-        params = request.sampling_params(max_tokens)
+        constraint, param = request.constraint()
+        params = request.sampling_params(max_tokens, constraint)
+        await self.check_constraint(constraint, param)
+        mode = request.tool_mode
         prompt = await self.off_loop(
-            self.chat_prompt, request.messages, request.add_generation_prompt
+            self.chat_prompt,
+            request.messages,
+            request.add_generation_prompt,
+            request.tool_dicts() if mode != "none" else None,
+            request.tool_choice,
         )
         return [prompt], params
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
         choices = await self._collect(streams, request.n)
+        replies = [_ToolReply(request).message(c.text, c.finish_reason) for c in choices]
         return {
             "id": streams[0].request_id,
             "object": "chat.completion",
@@ -184,13 +235,13 @@ class OpenAIServing:
             "choices": [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": self._chat_logprobs(c.logprobs, request.top_logprobs or 0)
                     if request.logprobs
                     else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                 }
-                for c in choices
+                for c, (message, finish_reason) in zip(choices, replies, strict=True)
             ],
             "usage": _usage(prompts, choices),
         }
@@ -206,20 +257,21 @@ class OpenAIServing:
             choices[index] = _Choice(index)
             delta = {"role": "assistant", "content": ""}
             yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+        replies = {index: _ToolReply(request) for index in range(request.n)}
         async for index, delta in self._deltas(streams, request.n):
             choice = choices[index]
             choice.num_tokens += len(delta.token_ids)
-            logprobs = None
+            entries = []
             if request.logprobs and delta.logprobs:
-                logprobs = self._chat_logprobs(
-                    list(zip(delta.token_ids, delta.logprobs, strict=True)),
-                    request.top_logprobs or 0,
-                )
-            if not delta.text and delta.finish_reason is None and not logprobs:
-                continue
-            content = {"content": delta.text} if delta.text else {}
-            body = {"index": index, "delta": content, "logprobs": logprobs}
-            yield chunk(body | {"finish_reason": delta.finish_reason})
+                entries = list(zip(delta.token_ids, delta.logprobs, strict=True))
+            for content, held, finish in replies[index].feed(
+                delta.text, entries, delta.finish_reason
+            ):
+                logprobs = None
+                if held:
+                    logprobs = self._chat_logprobs(held, request.top_logprobs or 0)
+                body = {"index": index, "delta": content, "logprobs": logprobs}
+                yield chunk(body | {"finish_reason": finish})
         if request.stream_options and request.stream_options.include_usage:
             yield chunk.usage(_usage(prompts, list(choices.values())))
         yield "data: [DONE]\n\n"
@@ -315,12 +367,112 @@ async def _anext(iterator):
         return None
 
 
-def message_dict(message: ChatMessage) -> dict:
-    """A message as chat templates expect it: content parts (all text) joined into one string."""
+def message_dict(message: ChatMessage, native_tools: bool = True) -> dict:
+    """A message as chat templates expect it: content parts (all text) joined into one string.
+    For a template that does not know tools, an assistant turn's tool calls become its text,
+    in the JSON shape tools_prompt asks for."""
     data = message.model_dump(exclude_none=True)
     if message.content is not None:
         data["content"] = message.text()
+    if message.tool_calls and not native_tools:
+        calls = [_call_json(call) for call in message.tool_calls]
+        text = json.dumps(calls if len(calls) > 1 else calls[0], ensure_ascii=False)
+        data["content"] = f"{data['content']}\n{text}" if data.get("content") else text
+        del data["tool_calls"]
+    if data.get("content") is None:
+        data["content"] = ""
     return data
+
+
+def _call_json(call: dict) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ValueError("messages: each tool call needs a function with a name and arguments")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return {"name": function.get("name"), "arguments": arguments}
+
+
+class _ToolReply:
+    """One choice's reply in the request's tool mode: its message (whole) or its stream of
+    deltas. named: the text is the function's arguments, streamed as they come; required:
+    the text is a JSON list of calls, sent once complete; auto: text that may be a call is
+    held back until it is known (it either parses as calls of declared tools, or is sent
+    as content)."""
+
+    def __init__(self, request: ChatCompletionRequest) -> None:
+        self.mode = request.tool_mode
+        self.names = {tool.function.name for tool in request.tools or []}
+        self.name = request.tool_choice.function.name if self.mode == "named" else None
+        self.holding = self.mode in ("required", "auto")
+        self.text = ""
+        self.held: list = []
+        self.started = False
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.mode == "named":
+            return None, [ToolCall(self.name, text)]
+        if self.mode == "required":
+            return None, parse_required(text) or []
+        if self.mode == "auto":
+            return parse_auto(text, self.names)
+        return text, []
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        content, calls = self.calls(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        message = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [call.to_openai() for call in calls],
+        }
+        return message, _tool_finish(finish_reason)
+
+    def feed(self, text: str, logprobs: list, finish: str | None) -> list[tuple]:
+        """(delta, logprob entries, finish_reason) chunks for one delta of output."""
+        if self.mode == "named":
+            out = []
+            if not self.started:
+                self.started = True
+                head = ToolCall(self.name, "").to_openai(0)
+                out.append(({"tool_calls": [head]}, [], None))
+            if text or logprobs:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+                out.append((delta if text else {}, logprobs, None))
+            if finish is not None:
+                out.append(({}, [], _tool_finish(finish)))
+            return out
+        if self.holding:
+            self.text += text
+            self.held += logprobs
+            if self.mode == "auto" and not may_be_tool_call(self.text):
+                self.holding = False  # plain text after all: send what was held
+                text, logprobs = self.text, self.held
+            elif finish is None:
+                return []
+            else:
+                return self._final(finish)
+        if not text and not logprobs and finish is None:
+            return []
+        return [({"content": text} if text else {}, logprobs, finish)]
+
+    def _final(self, finish: str) -> list[tuple]:
+        content, calls = self.calls(self.text)
+        if not calls:
+            return [({"content": self.text} if self.text else {}, self.held, finish)]
+        out = [({"content": content}, [], None)] if content else []
+        out += [({"tool_calls": [call.to_openai(i)]}, [], None) for i, call in enumerate(calls)]
+        out.append(({}, self.held, _tool_finish(finish)))
+        return out
+
+
+def _tool_finish(finish_reason: str | None) -> str | None:
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _usage(prompts: list[list[int]], choices) -> dict:
