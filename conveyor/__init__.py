@@ -2,8 +2,17 @@
 
 from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.params import StructuredOutputs
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "StructuredOutputs",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]
 __version__ = "0.1.0"
 
 

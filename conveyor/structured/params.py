@@ -15,7 +15,7 @@ the front end with the tokenizer (conveyor/structured/backend.py), before the co
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -28,6 +28,9 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
+    # The cache key, computed once (a big schema's JSON text takes milliseconds to write) and
+    # carried with the constraint to the engine core.
+    _key: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in KINDS if _is_set(getattr(self, name))]
@@ -73,7 +76,7 @@ class StructuredOutputs:
                 f"structured_outputs must be a mapping of one of {', '.join(KINDS)}, "
                 f"got {type(value).__name__}"
             )
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(
@@ -90,6 +93,8 @@ class StructuredOutputs:
     def key(self) -> tuple[str, str]:
         """(kind, its text): the grammar cache's key. Dicts keep their key order, which is
         the order a schema's properties are generated in."""
+        if self._key is not None:
+            return self._key
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json" and not isinstance(value, str):
@@ -98,6 +103,7 @@ class StructuredOutputs:
             value = json.dumps(list(value), ensure_ascii=False)
         elif kind == "json_object":
             value = ""
+        object.__setattr__(self, "_key", (kind, value))
         return kind, value
 
     @property

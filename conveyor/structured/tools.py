@@ -2,7 +2,9 @@
 found in free text.
 
     tool_choice {"type": "function", "function": {"name": F}}
-        the output is F's arguments: a JSON object fitting F's `parameters`
+        the output is F's arguments: a JSON object fitting F's `parameters`, with no keys
+        beyond those declared unless the schema says otherwise (a function cannot use them,
+        and a small model would otherwise ramble on in made-up ones)
     tool_choice "required"
         the output is a JSON list of one or more {"name": ..., "arguments": {...}}, each
         fitting one tool (one at most with parallel_tool_calls false)
@@ -22,6 +24,8 @@ import json
 import re
 import uuid
 from typing import Any, NamedTuple
+
+from conveyor.structured.backend import strict_schema
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -52,7 +56,7 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     branches = []
     for tool in tools:
         function = tool["function"]
-        parameters = copy.deepcopy(parameters_of(tool))
+        parameters = strict_schema(copy.deepcopy(parameters_of(tool)))
         for name, definition in (parameters.pop("$defs", None) or {}).items():
             if name in defs and defs[name] != definition:
                 raise ValueError(

@@ -359,9 +359,7 @@ class ChatCompletionRequest(_SamplingFields):
             name = self.tool_choice.function.name
             tool = next(t for t in tools if t["function"]["name"] == name)
             parameters = tool["function"].get("parameters") or {"type": "object"}
-            if tool["function"].get("strict"):
-                parameters = strict_schema(parameters)
-            return StructuredOutputs(json=parameters), "tools"
+            return StructuredOutputs(json=strict_schema(parameters)), "tools"
         try:
             schema = required_schema(tools, parallel=self.parallel_tool_calls is not False)
         except ValueError as error:
