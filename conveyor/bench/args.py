@@ -11,11 +11,19 @@ import math
 
 from conveyor.entrypoints.args import add_engine_args
 
-DATASETS = ("random", "prefix-repetition", "sharegpt", "spec-edit", "spec-control")
+DATASETS = (
+    "random",
+    "prefix-repetition",
+    "sharegpt",
+    "spec-edit",
+    "spec-control",
+    "json-schema",
+)
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -> None:
-    parser.add_argument("--dataset-name", default="random", choices=DATASETS)
+    # --dataset: the name vLLM's structured-output benchmark gives this flag.
+    parser.add_argument("--dataset-name", "--dataset", default="random", choices=DATASETS)
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--random-input-len", type=int, default=1024)
@@ -37,6 +45,15 @@ def add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) ->
         help="output length for every sharegpt request (default: the reply's)",
     )
     add_spec_workload_args(parser)
+    add_structured_workload_args(parser)
+    parser.add_argument(
+        "--structured-ratio",
+        "--structured-output-ratio",
+        type=float,
+        default=1.0,
+        help="json-schema: the share of requests constrained to their schema (round(R x n), "
+        "spread evenly); the rest ask for the same JSON unconstrained",
+    )
     if with_seed:
         parser.add_argument("--seed", type=int, default=0)
 
@@ -49,6 +66,16 @@ def add_spec_workload_args(parser: argparse.ArgumentParser) -> None:
         help="spec-edit / spec-control: about this many prompt tokens, chat template included",
     )
     parser.add_argument("--spec-output-len", type=int, default=128)
+
+
+def add_structured_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--structured-output-len",
+        type=int,
+        default=256,
+        help="json-schema: max tokens of each answer (EOS is never ignored: a constrained "
+        "answer ends when its JSON is complete)",
+    )
 
 
 def add_result_args(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""`conveyor bench serve | throughput | compare | step | quality | split | spec`: the commands.
+"""`conveyor bench serve | throughput | compare | step | quality | split | spec | structured`: the
+commands.
 
 Flag names follow `vllm bench serve` / `vllm bench throughput`, so a command line written for
 one runs against the other (the shared flags are in bench/args.py). Each command's module is
@@ -23,7 +24,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
     add_throughput_args(throughput)
     throughput.set_defaults(func=_run_throughput)
-    from conveyor.bench import compare, quality, spec, split, step
+    from conveyor.bench import compare, quality, spec, split, step, structured
 
     parser = bench_sub.add_parser(
         "compare",
@@ -55,6 +56,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     spec.add_arguments(parser)
     parser.set_defaults(func=spec.main)
+    parser = bench_sub.add_parser(
+        "structured",
+        help="the json-schema workload with 0%%, 50%% and 100%% of requests constrained, side "
+        "by side: output tok/s, TPOT, validity, and the grammar mask's cost per step",
+    )
+    structured.add_arguments(parser)
+    parser.set_defaults(func=structured.main)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 Prompts are token ids drawn at random from the vocabulary's ordinary tokens (no special
 tokens), so their lengths are exact; `prompt_text` gives a text form for chat endpoints.
 The speculative-decoding workloads (spec-edit, spec-control) are chat requests in real text
-instead, since what they measure is whether the answer repeats the prompt.
+instead, since what they measure is whether the answer repeats the prompt; so is json-schema,
+the structured-output workload, since a model asked for a JSON record in words writes one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tokenize
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,6 +31,8 @@ class SampleRequest:
     prompt_token_ids: list[int]
     output_len: int
     prompt_text: str | None = None
+    # A JSON schema the output is constrained to (json-schema workload); None: free text.
+    schema: dict | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -296,6 +300,259 @@ def spec_control_requests(
 SPEC_WORKLOADS = {"spec-edit": spec_edit_requests, "spec-control": spec_control_requests}
 
 
+# ---- structured output: chat requests for a JSON record, constrained to its schema or free ---
+
+JSON_REQUEST_END = " Reply with the JSON object only."
+NAME_SYLLABLES = "ka lo mer vi tan so rel do pim zu ar be nix ol qua ren sha tor ul wen".split()
+
+
+class JsonTask(NamedTuple):
+    """One kind of JSON record: the request (naming every field, so that a model without the
+    constraint writes much the same JSON), what it is about, its schema (every string and
+    array bounded, so a complete record is short) and a record that fits the schema."""
+
+    prompt: str  # with {subject} and {name}
+    subjects: list[str]
+    schema: dict  # its "title" names it in response_format
+    example: dict
+
+
+def _object(properties: dict, required: list[str], title: str | None = None) -> dict:
+    """An object with no keys but its properties (what `strict` makes of it anyway)."""
+    return ({"title": title} if title else {}) | {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+def _text(max_length: int) -> dict:
+    return {"type": "string", "maxLength": max_length}
+
+
+def _list(items: dict, max_items: int) -> dict:
+    return {"type": "array", "items": items, "maxItems": max_items}
+
+
+def _enum(values: str) -> dict:
+    return {"type": "string", "enum": _phrases(values)}
+
+
+def _phrases(text: str) -> list[str]:
+    return text.split(", ")
+
+
+JSON_TASKS = (
+    JsonTask(
+        "Describe a fictional product, {subject} called {name}, as a JSON object with the "
+        "fields name, price (a number), currency (USD, EUR, GBP or JPY), tags (a list of at "
+        "most 4 keywords), in_stock (true or false) and, if it has one, sku (three capital "
+        "letters, a dash and four digits).",
+        _phrases(
+            "a hiking backpack, a desk lamp, a coffee grinder, a pair of running shoes, "
+            "a board game, a mechanical keyboard, a garden hose, a travel mug"
+        ),
+        _object(
+            {
+                "name": _text(40),
+                "price": {"type": "number", "minimum": 0, "maximum": 10000},
+                "currency": _enum("USD, EUR, GBP, JPY"),
+                "tags": _list(_text(16), 4),
+                "in_stock": {"type": "boolean"},
+                "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+            },
+            ["name", "price", "currency", "tags", "in_stock"],
+            title="product",
+        ),
+        {
+            "name": "Trail Pack 30",
+            "price": 89.5,
+            "currency": "EUR",
+            "tags": ["outdoor", "light"],
+            "in_stock": True,
+            "sku": "TRL-0030",
+        },
+    ),
+    JsonTask(
+        "Write the profile of a fictional {subject} named {name} as a JSON object with the "
+        "fields name, age (18 to 99), email (like first.last@example.com), address (an object "
+        "with street, city and postal_code, five digits) and skills (a list of at most 3).",
+        _phrases(
+            "carpenter, nurse, software engineer, baker, pilot, librarian, photographer, farmer"
+        ),
+        _object(
+            {
+                "name": _text(32),
+                "age": {"type": "integer", "minimum": 18, "maximum": 99},
+                "email": {
+                    "type": "string",
+                    "pattern": "^[a-z]{1,12}\\.[a-z]{1,12}@[a-z]{1,10}\\.(com|org|net)$",
+                },
+                "address": _object(
+                    {
+                        "street": _text(40),
+                        "city": _text(24),
+                        "postal_code": {"type": "string", "pattern": "^[0-9]{5}$"},
+                    },
+                    ["street", "city", "postal_code"],
+                ),
+                "skills": _list(_text(24), 3),
+            },
+            ["name", "age", "email", "address"],
+            title="person",
+        ),
+        {
+            "name": "Ana Berg",
+            "age": 41,
+            "email": "ana.berg@example.com",
+            "address": {"street": "12 Mill Road", "city": "Leeds", "postal_code": "40210"},
+            "skills": ["joinery", "restoration"],
+        },
+    ),
+    JsonTask(
+        "Announce a fictional {subject} called {name} as a JSON object with the fields title, "
+        "category (concert, conference, sports, festival, meetup or exhibition), date "
+        "(YYYY-MM-DD), venue (an object with name, city and capacity, a whole number), "
+        "speakers (up to 3 names) and, if tickets are sold, ticket_price (a number).",
+        _phrases(
+            "jazz concert, science conference, football match, food festival, chess meetup, "
+            "photo exhibition, film festival, marathon"
+        ),
+        _object(
+            {
+                "title": _text(48),
+                "category": _enum("concert, conference, sports, festival, meetup, exhibition"),
+                "date": {
+                    "type": "string",
+                    "pattern": "^20[2-3][0-9]-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])$",
+                },
+                "venue": _object(
+                    {
+                        "name": _text(32),
+                        "city": _text(24),
+                        "capacity": {"type": "integer", "minimum": 10, "maximum": 100000},
+                    },
+                    ["name", "city", "capacity"],
+                ),
+                "speakers": _list(_text(24), 3),
+                "ticket_price": {"type": "number", "minimum": 0, "maximum": 500},
+            },
+            ["title", "category", "date", "venue", "speakers"],
+            title="event",
+        ),
+        {
+            "title": "Night of Brass",
+            "category": "concert",
+            "date": "2025-06-14",
+            "venue": {"name": "Blue Hall", "city": "Lyon", "capacity": 800},
+            "speakers": ["Mia Holt"],
+            "ticket_price": 25,
+        },
+    ),
+    JsonTask(
+        "Invent a {subject} recipe called {name} and give it as a JSON object with the fields "
+        "name, cuisine (italian, mexican, indian, japanese, french or other), servings (1 to "
+        "12), minutes (5 to 240), vegetarian (true or false) and ingredients (up to 5 objects "
+        "with item and amount).",
+        _phrases("soup, pasta, curry, salad, cake, stew, sandwich, noodle"),
+        _object(
+            {
+                "name": _text(40),
+                "cuisine": _enum("italian, mexican, indian, japanese, french, other"),
+                "servings": {"type": "integer", "minimum": 1, "maximum": 12},
+                "minutes": {"type": "integer", "minimum": 5, "maximum": 240},
+                "vegetarian": {"type": "boolean"},
+                "ingredients": _list(
+                    _object({"item": _text(20), "amount": _text(12)}, ["item", "amount"]), 5
+                ),
+            },
+            ["name", "cuisine", "servings", "minutes", "vegetarian", "ingredients"],
+            title="recipe",
+        ),
+        {
+            "name": "Green Soup",
+            "cuisine": "french",
+            "servings": 4,
+            "minutes": 35,
+            "vegetarian": True,
+            "ingredients": [{"item": "leeks", "amount": "2"}, {"item": "peas", "amount": "300 g"}],
+        },
+    ),
+    JsonTask(
+        "Review a fictional {subject} titled {name} as a JSON object with the fields title, "
+        "author, year (between 1900 and 2025), rating (a number from 0 to 5), genres (up to 3 of "
+        "fiction, mystery, romance, science, history, fantasy or biography) and summary (one "
+        "short sentence).",
+        _phrases(
+            "novel, detective story, travel book, history book, cookbook, fantasy saga, "
+            "biography, poetry collection"
+        ),
+        _object(
+            {
+                "title": _text(48),
+                "author": _text(32),
+                "year": {"type": "integer", "minimum": 1900, "maximum": 2025},
+                "rating": {"type": "number", "minimum": 0, "maximum": 5},
+                "genres": _list(
+                    _enum("fiction, mystery, romance, science, history, fantasy, biography"), 3
+                ),
+                "summary": _text(120),
+            },
+            ["title", "author", "year", "rating", "genres", "summary"],
+            title="review",
+        ),
+        {
+            "title": "The Salt Road",
+            "author": "J. Marr",
+            "year": 1998,
+            "rating": 4.5,
+            "genres": ["fiction", "history"],
+            "summary": "A trader crosses the desert.",
+        },
+    ),
+)
+
+
+def _fictional_name(rng: np.random.Generator) -> str:
+    """A made-up name of 2-3 syllables: it keeps every prompt of a run distinct (so no prompt
+    is in the prefix cache from another run) without telling the model what to write."""
+    count = 2 + int(rng.integers(2))
+    name = "".join(NAME_SYLLABLES[i] for i in rng.integers(len(NAME_SYLLABLES), size=count))
+    return name.capitalize()
+
+
+def constrained_indices(num: int, ratio: float) -> list[int]:
+    """Which of num requests are constrained: round(ratio * num) of them (halves up), spread
+    evenly from the first, so any stretch of the run holds about the same share."""
+    if not 0 <= ratio <= 1:
+        raise ValueError(f"structured ratio must be in [0, 1], got {ratio}")
+    count = math.floor(ratio * num + 0.5)
+    return [j * num // count for j in range(count)] if count else []
+
+
+def json_schema_requests(
+    tokenizer, num: int, output_len: int, ratio: float = 1.0, seed: int = 0
+) -> list[SampleRequest]:
+    """Chat requests for a JSON record (JSON_TASKS: products, people, events, recipes,
+    reviews), each about a random subject and a made-up name; round(ratio * num) of them,
+    spread evenly, carry the task's schema, the rest are the same kind of request unconstrained.
+    Each part cycles through the tasks on its own, so both hold every schema about equally."""
+    rng = np.random.default_rng(seed)
+    constrained = set(constrained_indices(num, ratio))
+    seen = {True: 0, False: 0}
+    requests = []
+    for i in range(num):
+        is_constrained = i in constrained
+        task = JSON_TASKS[seen[is_constrained] % len(JSON_TASKS)]
+        seen[is_constrained] += 1
+        subject = task.subjects[rng.integers(len(task.subjects))]
+        text = task.prompt.format(subject=subject, name=_fictional_name(rng)) + JSON_REQUEST_END
+        schema = task.schema if is_constrained else None
+        requests.append(SampleRequest(_chat_prompt_ids(tokenizer, text), output_len, text, schema))
+    return requests
+
+
 def arrival_times(
     num: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
 ) -> list[float]:
@@ -321,6 +578,7 @@ def check_workload_args(args) -> None:
         "prefix_repetition_output_len",
         "spec_input_len",
         "spec_output_len",
+        "structured_output_len",
     ]
     for name in positive:
         if getattr(args, name) < 1:
@@ -329,6 +587,8 @@ def check_workload_args(args) -> None:
         raise ValueError("--prefix-repetition-suffix-len must be >= 0")
     if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
         raise ValueError("--sharegpt-output-len must be >= 1")
+    if not 0 <= args.structured_ratio <= 1:
+        raise ValueError(f"--structured-ratio must be in [0, 1], got {args.structured_ratio}")
 
 
 def sample_requests(args, tokenizer) -> list[SampleRequest]:
@@ -356,6 +616,14 @@ def sample_requests(args, tokenizer) -> list[SampleRequest]:
         build = SPEC_WORKLOADS[args.dataset_name]
         return build(
             tokenizer, args.num_prompts, args.spec_input_len, args.spec_output_len, args.seed
+        )
+    if args.dataset_name == "json-schema":
+        return json_schema_requests(
+            tokenizer,
+            args.num_prompts,
+            args.structured_output_len,
+            args.structured_ratio,
+            args.seed,
         )
     if not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")

@@ -2,7 +2,8 @@
 against request rate (one line per system, as in the Orca and vLLM papers), and a
 batch-occupancy timeline. `conveyor bench step`: a roofline of each step against its measured
 floor, and where each step's time goes. `conveyor bench spec`: the speed-up of n-gram
-speculation over none, against concurrency.
+speculation over none, against concurrency. `conveyor bench structured`: output tok/s per
+share of constrained requests, and what the grammar mask costs a step.
 
 Figures are built with matplotlib's object API (no pyplot, so no global figure state and no
 display backend); savefig renders them with Agg.
@@ -292,3 +293,92 @@ def plot_spec(report: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return path
+
+
+# ---- conveyor bench structured ------------------------------------------------------------
+
+
+def plot_structured(report: dict, path: Path) -> Path:
+    """Left: mean output tok/s per share of constrained requests (a dot per round), each bar
+    labelled with its ratio to the unconstrained run and its valid outputs; the target (0.9x
+    the unconstrained) dotted. Right: the grammar mask's ms per step against constrained rows,
+    split into filling the bitmask and applying it."""
+    summary = report["ratios"]
+    fig = Figure(figsize=(11, 4.2), dpi=DPI, layout="constrained")
+    speed_ax, mask_ax = fig.subplots(1, 2, width_ratios=[1.4, 1])
+    xs = list(range(len(summary)))
+    speed_ax.bar(xs, [s["output_throughput"] for s in summary], color="#1f77b4", width=0.6)
+    for x, s in zip(xs, summary, strict=True):
+        rounds = s["output_throughput_rounds"]
+        speed_ax.scatter([x] * len(rounds), rounds, color="black", s=12, zorder=3)
+        speed_ax.annotate(
+            _structured_label(s),
+            (x, max(rounds)),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+        )
+    base = next((s["output_throughput"] for s in summary if s["structured_ratio"] == 0), None)
+    if base:
+        speed_ax.axhline(0.9 * base, color="gray", linestyle=":", label="target: 0.9x of 0%")
+        speed_ax.legend(fontsize=8, loc="lower right")
+    speed_ax.set_xticks(
+        xs,
+        [
+            "0%, lengths\nof 100%"
+            if s["structured_ratio"] == "matched"
+            else f"{s['structured_ratio']:.0%}"
+            for s in summary
+        ],
+    )
+    speed_ax.set_xlabel("requests constrained to their JSON schema")
+    speed_ax.set_ylabel("output tok/s (mean over rounds)")
+    speed_ax.set_ylim(0, max(max(s["output_throughput_rounds"]) for s in summary) * 1.18)
+    speed_ax.set_title(f"{report['concurrency']} streams", fontsize=10)
+    speed_ax.grid(alpha=0.3, axis="y")
+    _draw_mask(mask_ax, report["mask"])
+    fig.suptitle(
+        f"Structured output: {Path(report['model']).name}, {report['num_prompts']} requests "
+        f"per run, {_count(report['rounds'], 'round')}"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def _structured_label(summary: dict) -> str:
+    speed = summary["vs_unconstrained"]
+    label = "" if speed is None else f"{speed:.2f}x"
+    if summary.get("vs_matched") is not None:
+        label += f" ({summary['vs_matched']:.2f}x of control)"
+    if summary["num_structured"]:
+        label += f"\nvalid {summary['num_valid']}/{summary['num_structured']}"
+    return label
+
+
+def _draw_mask(ax, mask: list[dict]) -> None:
+    xs = list(range(len(mask)))
+    fill, apply = [m["fill_ms"] for m in mask], [m["apply_ms"] for m in mask]
+    ax.bar(xs, fill, width=0.6, color="#ff7f0e", label="fill the bitmask")
+    ax.bar(xs, apply, width=0.6, bottom=fill, color="#9467bd", label="apply it")
+    for x, m in zip(xs, mask, strict=True):
+        ax.annotate(
+            f"{m['step_ms']:.3g}",
+            (x, m["step_ms"]),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+        )
+    ax.set_xticks(xs, [str(m["rows"]) for m in mask])
+    ax.set_ylim(0, max(m["step_ms"] for m in mask) * 1.15)
+    ax.set_xlabel("constrained rows in the step")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title("grammar mask, in process", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -5,6 +5,10 @@ Per request: TTFT is the time from sending to the first chunk that carries a tok
 times between such chunks; E2E the time to the end of the stream; TPOT, excluding the first
 token, (E2E - TTFT) / (output tokens - 1). Output token counts come from the server's usage
 (`stream_options.include_usage`), so a chunk that carries several tokens is counted right.
+
+A request that carries a JSON schema (the json-schema workload) asks for it with
+`response_format` (json_schema, strict); after the run, each such output is checked: valid
+when the text streamed back parses as JSON and fits the schema (jsonschema).
 """
 
 from __future__ import annotations
@@ -168,10 +172,72 @@ def compute_metrics(
     )
 
 
+class Validity(NamedTuple):
+    """Outputs of requests with a schema that fit it, out of all such requests."""
+
+    valid: int
+    total: int
+
+    @property
+    def rate(self) -> float | None:
+        return self.valid / self.total if self.total else None
+
+    def __str__(self) -> str:
+        return f"{self.valid}/{self.total}" + (f" ({self.rate:.1%})" if self.total else "")
+
+
+def is_valid(text: str, schema: dict) -> bool:
+    """Whether the text is one JSON value that fits the schema (an output cut short by
+    max_tokens is not). A broken schema raises: it is the workload's bug, not the server's."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def check_outputs(requests: list[SampleRequest], results: list[RequestResult]) -> list[bool | None]:
+    """Per request: whether its output fits its schema (a failed request's does not); None
+    for a request without a schema."""
+    return [
+        None if r.schema is None else result.success and is_valid(result.generated_text, r.schema)
+        for r, result in zip(requests, results, strict=True)
+    ]
+
+
+def validity(checks: list[bool | None]) -> Validity:
+    return Validity(sum(1 for c in checks if c), sum(1 for c in checks if c is not None))
+
+
+def mean_output_tokens(
+    results: list[RequestResult], checks: list[bool | None]
+) -> dict[str, float | None]:
+    """Mean output tokens of the successful requests: of all, of those with a schema
+    ("structured") and of those without ("unconstrained"); None where there are none."""
+
+    def mean(rs: list[RequestResult]) -> float | None:
+        done = [r.output_tokens for r in rs if r.success]
+        return sum(done) / len(done) if done else None
+
+    pairs = list(zip(results, checks, strict=True))
+    return {
+        "all": mean(results),
+        "structured": mean([r for r, c in pairs if c is not None]),
+        "unconstrained": mean([r for r, c in pairs if c is None]),
+    }
+
+
 def format_result(
-    m: BenchmarkMetrics, metric_names: list[str], max_concurrency: int | None, request_rate: float
+    m: BenchmarkMetrics,
+    metric_names: list[str],
+    max_concurrency: int | None,
+    request_rate: float,
+    structured: Validity | None = None,
 ) -> str:
-    """The result block, with vLLM's labels and layout (40-wide labels, 50-wide rules)."""
+    """The result block, with vLLM's labels and layout (40-wide labels, 50-wide rules); with a
+    structured workload, a section on its outputs' validity and lengths."""
     lines = ["{:=^50}".format(" Serving Benchmark Result ")]
 
     def row(label: str, value, fmt: str = "") -> None:
@@ -191,6 +257,10 @@ def format_result(
         row("Request goodput (req/s):", m.request_goodput, ".2f")
     row("Output token throughput (tok/s):", m.output_throughput, ".2f")
     row("Total Token throughput (tok/s):", m.total_token_throughput, ".2f")
+    if structured is not None:
+        lines.append("{:-^50}".format("Structured Output"))
+        row("Valid structured outputs:", str(structured))
+        row("Mean output tokens:", m.total_output / m.completed if m.completed else 0.0, ".2f")
     for name in metric_names:
         label, header = METRIC_HEADERS[name]
         summary = m.summaries[name]
@@ -221,20 +291,32 @@ class Target:
 
 
 def build_payload(target: Target, request: SampleRequest, tokenizer) -> dict:
-    """Token ids to /v1/completions (exact prompt lengths); text to chat."""
+    """Token ids to /v1/completions (exact prompt lengths); text to chat. A request with a
+    schema never ignores EOS: its output ends when its JSON is complete."""
     payload = {
         "model": target.model,
         "temperature": target.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": target.ignore_eos,
+        "ignore_eos": target.ignore_eos and request.schema is None,
     }
+    if request.schema is not None:
+        payload["response_format"] = response_format(request.schema)
     if not target.chat:
         return payload | {"prompt": request.prompt_token_ids, "max_tokens": request.output_len}
     text = request.prompt_text or tokenizer.decode(request.prompt_token_ids)
     return payload | {
         "messages": [{"role": "user", "content": text}],
         "max_completion_tokens": request.output_len,
+    }
+
+
+def response_format(schema: dict) -> dict:
+    """OpenAI's json_schema response format (strict: no keys beyond the schema's), named
+    after the schema's title."""
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": schema.get("title", "output"), "schema": schema, "strict": True},
     }
 
 
@@ -444,8 +526,10 @@ async def benchmark(args: argparse.Namespace) -> dict:
             )
     _print_errors(results)
     metrics = compute_metrics(results, duration, percentiles, slos)
-    print(format_result(metrics, metric_names, args.max_concurrency, args.request_rate))
-    return result_dict(args, model, metrics, results, slos)
+    checks = check_outputs(requests, results)
+    structured = validity(checks) if args.dataset_name == "json-schema" else None
+    print(format_result(metrics, metric_names, args.max_concurrency, args.request_rate, structured))
+    return result_dict(args, model, metrics, results, slos) | structured_dict(results, checks)
 
 
 def _print_plan(args: argparse.Namespace, model: str) -> None:
@@ -505,6 +589,23 @@ def result_dict(
         }
         out |= {f"p{_percentile_word(p)}_{name}_ms": v for p, v in s.percentiles_ms}
     return out | _per_request(results)
+
+
+def structured_dict(results: list[RequestResult], checks: list[bool | None]) -> dict:
+    """The result's structured-output keys: how many requests had a schema, how many of
+    their outputs fit it (and the rate; None without any), mean output tokens, and per
+    request whether it was valid (None: no schema)."""
+    counts = validity(checks)
+    means = mean_output_tokens(results, checks)
+    return {
+        "num_structured": counts.total,
+        "num_valid": counts.valid,
+        "validity_rate": counts.rate,
+        "mean_output_tokens": means["all"],
+        "mean_output_tokens_structured": means["structured"],
+        "mean_output_tokens_unconstrained": means["unconstrained"],
+        "valid": checks,
+    }
 
 
 def _per_request(results: list[RequestResult]) -> dict[str, list]:

@@ -1,5 +1,6 @@
 """`conveyor bench throughput`: offline throughput of `LLM.generate` on a whole workload at
-once, as `vllm bench throughput` measures it. Outputs ignore EOS, so their lengths are exact."""
+once, as `vllm bench throughput` measures it. Outputs ignore EOS, so their lengths are exact,
+except those constrained to a JSON schema (json-schema), which end when their JSON does."""
 
 from __future__ import annotations
 
@@ -48,13 +49,20 @@ class ThroughputResult(NamedTuple):
 def run(args: argparse.Namespace) -> ThroughputResult:
     from conveyor import LLM, SamplingParams
     from conveyor.entrypoints.args import engine_kwargs
+    from conveyor.structured import StructuredOutputs
 
     kwargs = engine_kwargs(args)
     llm = LLM(kwargs.pop("model"), **kwargs)
     requests = sample_requests(args, llm.get_tokenizer())
     # vLLM's sampling for this benchmark: temperature 1, no top-p cut, exact output lengths.
     params = [
-        SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+        SamplingParams(
+            temperature=1.0,
+            top_p=1.0,
+            ignore_eos=r.schema is None,
+            max_tokens=r.output_len,
+            structured_outputs=None if r.schema is None else StructuredOutputs(json=r.schema),
+        )
         for r in requests
     ]
     start = time.perf_counter()

@@ -219,6 +219,7 @@ class EngineCore:
             sorted(self.model_config.eos_token_ids),
             grammar_compile_timeout,
         )
+        self.grammars.warm_up()
         self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
         self._failed: list[CoreOutput] = []
         self.record_trace = record_trace
@@ -305,7 +306,8 @@ class EngineCore:
                 error = future.exception()
                 if error is None:
                     stops = request.params.stop_token_ids
-                    request.grammar = Grammar(future.result().deep_copy(), stops)
+                    vocab = self.grammars.lltokenizer.vocab_size
+                    request.grammar = Grammar(future.result().deep_copy(), stops, vocab)
                     self.scheduler.add_request(request)
                 else:
                     self._failed.append(CoreOutput.failed(request_id, str(error)))

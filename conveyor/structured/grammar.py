@@ -22,12 +22,17 @@ NEG_INF = float("-inf")
 
 
 class Grammar:
-    __slots__ = ("matcher", "stop_token_ids", "num_consumed")
+    __slots__ = ("matcher", "stop_token_ids", "vocab_size", "num_consumed")
 
-    def __init__(self, matcher: Any, stop_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, matcher: Any, stop_token_ids: list[int] | None = None, vocab_size: int = 0
+    ) -> None:
         self.matcher = matcher  # the request's own copy
         # The request's stop_token_ids: allowed wherever the grammar may end, as EOS is.
         self.stop_token_ids = [t for t in stop_token_ids or ()]
+        # llguidance's vocabulary (a bitmask row must have exactly its words); it may exceed
+        # the logits' width when a tokenizer has more tokens than the model has logits.
+        self.vocab_size = vocab_size
         self.num_consumed = 0
 
     @property
@@ -127,6 +132,7 @@ def step_mask(
     constrained = [i for i, g in enumerate(grammars) if g is not None]
     if not constrained:
         return None
+    vocab_size = max(vocab_size, *(grammars[i].vocab_size for i in constrained))
     if drafts is None or not any(drafts[i] for i in constrained):
         bitmask = new_bitmask(len(constrained), vocab_size)
         chosen = [grammars[i] for i in constrained]
@@ -158,10 +164,11 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) ->
     """In place: logits of `rows` whose token is not allowed by its bitmask row become -inf
     (bitmask row k belongs to logits row rows[k]); columns beyond the mask too."""
     vocab = logits.shape[1]
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-    if bits.shape[1] < vocab:
-        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
-    banned = torch.from_numpy(bits[:, :vocab] == 0).to(logits.device, non_blocking=True)
+    # The inverted words unpacked are the banned tokens, as bools without another pass.
+    banned = np.unpackbits(
+        (~bitmask).view(np.uint8), axis=1, count=vocab, bitorder="little"
+    ).view(np.bool_)
+    banned = torch.from_numpy(banned).to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         logits.masked_fill_(banned, NEG_INF)
         return
