@@ -165,9 +165,9 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) ->
     (bitmask row k belongs to logits row rows[k]); columns beyond the mask too."""
     vocab = logits.shape[1]
     # The inverted words unpacked are the banned tokens, as bools without another pass.
-    banned = np.unpackbits(
-        (~bitmask).view(np.uint8), axis=1, count=vocab, bitorder="little"
-    ).view(np.bool_)
+    banned = np.unpackbits((~bitmask).view(np.uint8), axis=1, count=vocab, bitorder="little").view(
+        np.bool_
+    )
     banned = torch.from_numpy(banned).to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         logits.masked_fill_(banned, NEG_INF)
