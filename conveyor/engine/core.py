@@ -283,10 +283,9 @@ class EngineCore:
         """Admits validated sequences, all or none: everything that can fail (duplicate ids,
         generators) is built before any state is registered."""
         ids = [spec.request_id for spec in specs]
-        if len(set(ids)) < len(ids) or any(i in self.scheduler.requests for i in ids):
-            raise ValueError(f"duplicate request_id among {ids[:5]!r}")
         waiting = self._grammar_waiting
-        if any(i in waiting for i in ids):
+        known = [i for i in ids if i in self.scheduler.requests or i in waiting]
+        if len(set(ids)) < len(ids) or known:
             raise ValueError(f"duplicate request_id among {ids[:5]!r}")
         for request in [self._make_request(spec) for spec in specs]:
             constraint = request.params.structured_outputs
