@@ -75,22 +75,64 @@ _REQUEST_BUCKETS = [
 ]
 
 
-class EngineMetrics:
-    """Updated from the engine thread after every step (AsyncEngine's on_step)."""
+class _ReplicaSeries:
+    """The series one engine core feeds from its stats (label replica="i"), and the totals
+    last seen from it: stats carry totals, counters take increments."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    __slots__ = ("labels", "running", "waiting", "kv_usage", "counters", "seen", "per_position")
+
+    def __init__(self, metrics: EngineMetrics, labels: tuple[str, str]) -> None:
+        self.labels = labels
+        self.running = metrics.running.labels(*labels)
+        self.waiting = metrics.waiting.labels(*labels)
+        self.kv_usage = metrics.kv_usage.labels(*labels)
+        self.counters = {
+            key: counter.labels(*labels)
+            for key, counter in (
+                ("prompt", metrics.prompt_tokens),
+                ("gen", metrics.generation_tokens),
+                ("preempt", metrics.preemptions),
+                ("queries", metrics.prefix_queries),
+                ("hits", metrics.prefix_hits),
+                ("drafts", metrics.spec_drafts),
+                ("draft_tokens", metrics.spec_draft_tokens),
+                ("accepted", metrics.spec_accepted),
+            )
+        }
+        self.seen = dict.fromkeys(self.counters, 0)
+        self.per_position = metrics.spec_accepted_per_pos
+
+    def add(self, key: str, total: int) -> None:
+        delta = total - self.seen[key]
+        if delta > 0:
+            self.counters[key].inc(delta)
+        self.seen[key] = total
+
+
+class EngineMetrics:
+    """Updated after every step (AsyncEngine's on_step, on the engine thread; AsyncMPEngine's,
+    on the event loop). The series an engine core feeds from its stats carry a `replica`
+    label ("0" for a single engine), one per data-parallel replica."""
+
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, num_replicas: int = 1
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         labels = ["model_name"]
+        per_replica = ["model_name", "replica"]
         reg = self.registry
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(f"conveyor:{name}", doc, labels, registry=reg, buckets=buckets)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"conveyor:{name}", doc, labels, registry=reg)
+            return Gauge(f"conveyor:{name}", doc, per_replica, registry=reg)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"conveyor:{name}", doc, labels + list(extra), registry=reg)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = (), base=labels) -> Counter:
+            return Counter(f"conveyor:{name}", doc, base + list(extra), registry=reg)
+
+        def replica_counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return counter(name, doc, extra, per_replica)
 
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
@@ -107,24 +149,24 @@ class EngineMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting (incl. preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens received.")
-        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
-        self.preemptions = counter("num_preemptions_total", "Preemptions (recompute).")
-        self.prefix_queries = counter(
+        self.prompt_tokens = replica_counter("prompt_tokens_total", "Prompt tokens received.")
+        self.generation_tokens = replica_counter("generation_tokens_total", "Tokens generated.")
+        self.preemptions = replica_counter("num_preemptions_total", "Preemptions (recompute).")
+        self.prefix_queries = replica_counter(
             "prefix_cache_queries_total", "Prefix-cache lookups (tokens)."
         )
-        self.prefix_hits = counter("prefix_cache_hits_total", "Prefix-cache hits (tokens).")
+        self.prefix_hits = replica_counter("prefix_cache_hits_total", "Prefix-cache hits (tokens).")
         self.success = counter("request_success_total", "Finished requests.", ("finished_reason",))
-        self.spec_drafts = counter(
+        self.spec_drafts = replica_counter(
             "spec_decode_num_drafts_total", "Speculative verifications (requests x steps)."
         )
-        self.spec_draft_tokens = counter(
+        self.spec_draft_tokens = replica_counter(
             "spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified."
         )
-        self.spec_accepted = counter(
+        self.spec_accepted = replica_counter(
             "spec_decode_num_accepted_tokens_total", "Draft tokens accepted."
         )
-        self.spec_accepted_per_pos = counter(
+        self.spec_accepted_per_pos = replica_counter(
             "spec_decode_num_accepted_tokens_per_pos_total",
             "Draft tokens accepted, by position in the draft (0 = first).",
             ("position",),
@@ -143,60 +185,43 @@ class EngineMetrics:
         self.model_name = model_name
         # Every labelled series is created now, so /metrics lists them all from the start;
         # the step path uses these children directly (no label lookup per token).
-        (
-            self._ttft,
-            self._itl,
-            self._e2e,
-            self._queue,
-            self._running,
-            self._waiting,
-            self._kv_usage,
-        ) = (
-            c.labels(model_name)
-            for c in (
-                self.ttft,
-                self.itl,
-                self.e2e,
-                self.queue,
-                self.running,
-                self.waiting,
-                self.kv_usage,
-            )
+        self._ttft, self._itl, self._e2e, self._queue = (
+            c.labels(model_name) for c in (self.ttft, self.itl, self.e2e, self.queue)
         )
-        self._counters = {
-            key: counter.labels(model_name)
-            for key, counter in (
-                ("prompt", self.prompt_tokens),
-                ("gen", self.generation_tokens),
-                ("preempt", self.preemptions),
-                ("queries", self.prefix_queries),
-                ("hits", self.prefix_hits),
-                ("drafts", self.spec_drafts),
-                ("draft_tokens", self.spec_draft_tokens),
-                ("accepted", self.spec_accepted),
-                ("grammar_queries", self.grammar_queries),
-                ("grammar_hits", self.grammar_hits),
-            )
+        self._replicas = {
+            str(i): _ReplicaSeries(self, (model_name, str(i))) for i in range(num_replicas)
         }
+        self._counters = {
+            "grammar_queries": self.grammar_queries.labels(model_name),
+            "grammar_hits": self.grammar_hits.labels(model_name),
+        }
+        self._seen = dict.fromkeys(self._counters, 0)
         self._grammar_compile = self.grammar_compile.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         self._last_token_time: dict[str, float] = {}
-        self._seen = dict.fromkeys(self._counters, 0)
+
+    def _replica(self, engine) -> _ReplicaSeries:
+        key = str(getattr(engine, "replica_index", 0))
+        series = self._replicas.get(key)
+        if series is None:
+            series = self._replicas[key] = _ReplicaSeries(self, (self.model_name, key))
+        return series
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         stats = engine.get_stats()
-        self._running.set(stats.scheduler.num_running)
-        self._waiting.set(stats.scheduler.num_waiting)
-        self._kv_usage.set(stats.scheduler.kv_cache_usage)
-        self._add("prompt", stats.num_prompt_tokens_total)
-        self._add("gen", stats.num_generation_tokens_total)
-        self._add("preempt", stats.scheduler.num_preemptions_total)
-        self._add("queries", stats.scheduler.prefix_cache_queries)
-        self._add("hits", stats.scheduler.prefix_cache_hits)
+        series = self._replica(engine)
+        series.running.set(stats.scheduler.num_running)
+        series.waiting.set(stats.scheduler.num_waiting)
+        series.kv_usage.set(stats.scheduler.kv_cache_usage)
+        series.add("prompt", stats.num_prompt_tokens_total)
+        series.add("gen", stats.num_generation_tokens_total)
+        series.add("preempt", stats.scheduler.num_preemptions_total)
+        series.add("queries", stats.scheduler.prefix_cache_queries)
+        series.add("hits", stats.scheduler.prefix_cache_hits)
         if stats.spec is not None:
-            self._observe_spec(stats.spec)
+            self._observe_spec(series, stats.spec)
         for out in outputs:
             self._observe(engine, out, now)
 
@@ -221,18 +246,16 @@ class EngineMetrics:
             reason = out.outputs[0].finish_reason if out.outputs else None
             self.success.labels(self.model_name, reason or "stop").inc()
 
-    def _observe_spec(self, spec: SpecDecodingStats) -> None:
-        self._add("drafts", spec.num_drafts)
-        self._add("draft_tokens", spec.num_draft_tokens)
-        self._add("accepted", spec.num_accepted_tokens)
+    def _observe_spec(self, series: _ReplicaSeries, spec: SpecDecodingStats) -> None:
+        series.add("drafts", spec.num_drafts)
+        series.add("draft_tokens", spec.num_draft_tokens)
+        series.add("accepted", spec.num_accepted_tokens)
         for position, total in enumerate(spec.accepted_per_position):
             key = f"pos{position}"
-            if key not in self._counters:
-                self._counters[key] = self.spec_accepted_per_pos.labels(
-                    self.model_name, str(position)
-                )
-                self._seen[key] = 0
-            self._add(key, total)
+            if key not in series.counters:
+                series.counters[key] = series.per_position.labels(*series.labels, str(position))
+                series.seen[key] = 0
+            series.add(key, total)
 
     def observe_grammars(self, compiler: GrammarCompiler) -> None:
         """The front end's grammar compiler (every constrained request is checked there, so

@@ -50,7 +50,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
     kwargs = engine_kwargs(args)
     api_key = args.api_key or os.environ.get("CONVEYOR_API_KEY") or None
-    if args.engine_process:
+    if args.data_parallel_size != 1:
+        if not args.engine_process:
+            print("conveyor serve: --data-parallel-size needs --engine-process", file=sys.stderr)
+            return 2
+        from conveyor.engine.data_parallel import AsyncDPEngine
+
+        engine = AsyncDPEngine(
+            kwargs,
+            args.data_parallel_size,
+            routing=args.data_parallel_routing,
+            iteration_timeout=args.engine_iteration_timeout,
+            restart=args.restart_engine,
+        )
+    elif args.engine_process:
         engine = AsyncMPEngine(
             kwargs, iteration_timeout=args.engine_iteration_timeout, restart=args.restart_engine
         )
@@ -106,6 +119,20 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="when the engine core dies, start a new one (open requests fail) instead of "
         "exiting with status 1",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine-core replicas behind this server, each in its own process (each gets "
+        "an equal share of the CPU threads unless --num-threads is given)",
+    )
+    group.add_argument(
+        "--data-parallel-routing",
+        default="cache",
+        choices=["cache", "round_robin"],
+        help="cache: to the replica holding the longest prefix of the prompt, else the least "
+        "loaded; round_robin: in turn",
     )
     group.add_argument(
         "--engine-iteration-timeout",

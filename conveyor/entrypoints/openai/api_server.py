@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from conveyor.config import RequestLimits
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import AsyncMPEngine
+from conveyor.engine.data_parallel import AsyncDPEngine
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.streams import EngineDeadError, RequestFailedError
 from conveyor.entrypoints.openai.protocol import (
@@ -112,22 +113,22 @@ class _Guard:
 
 
 def build_app(
-    engine: AsyncEngine | AsyncMPEngine | LLMEngine | Callable[[], LLMEngine],
+    engine: AsyncEngine | AsyncMPEngine | AsyncDPEngine | LLMEngine | Callable[[], LLMEngine],
     model_name: str | None,
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     metrics_auth: bool = True,
 ) -> FastAPI:
-    """`engine`: the engine-core process (AsyncMPEngine), or an in-process engine: an
-    AsyncEngine, an LLMEngine, or a function that builds one (then built on the engine thread,
-    see AsyncEngine)."""
+    """`engine`: the engine-core process (AsyncMPEngine), data-parallel replicas of it
+    (AsyncDPEngine), or an in-process engine: an AsyncEngine, an LLMEngine, or a function that
+    builds one (then built on the engine thread, see AsyncEngine)."""
     limits = limits or RequestLimits()
-    if isinstance(engine, (AsyncEngine, AsyncMPEngine)):
+    if isinstance(engine, (AsyncEngine, AsyncMPEngine, AsyncDPEngine)):
         async_engine = engine
     else:
         async_engine = AsyncEngine(engine)
     model_name = model_name or default_model_name(async_engine.model_config)
-    metrics = EngineMetrics(model_name)
+    metrics = EngineMetrics(model_name, num_replicas=getattr(async_engine, "num_replicas", 1))
     # Attached before the app exists, so before any request can make a step.
     async_engine.on_step, async_engine.on_abort = metrics.on_step, metrics.on_abort
     serving = OpenAIServing(async_engine, model_name, limits)

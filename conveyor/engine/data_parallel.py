@@ -1,0 +1,278 @@
+"""Data-parallel replicas: N engine cores behind the one front end, each in its own process.
+
+AsyncDPEngine has AsyncEngine's interface. Each replica is an AsyncMPEngine (its own core
+process, detokenizer and streams); a request lives on one replica from admission to its end.
+Which one is the router's choice:
+
+  cache (default)  the replica that already holds the longest prefix of the prompt, judged
+                   by the chained hashes of its full blocks that earlier requests sent there
+                   (what that replica's prefix cache most likely holds), ties and misses to
+                   the least loaded (prompt + output tokens of its open requests);
+  round_robin      in turn, for comparison.
+
+A replica that dies fails its own open requests with an error (the others go on), the router
+stops sending it work, and /health stays 200 while one replica serves; with restart, a dead
+replica starts a new core and rejoins. Only when every replica is gone is the engine dead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import numpy as np
+
+from conveyor.engine.core import EngineStats
+from conveyor.engine.core_client import AsyncMPEngine
+from conveyor.engine.streams import EngineDeadError, RequestStream
+from conveyor.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+ROUTING_POLICIES = ("cache", "round_robin")
+TRACKED_BLOCKS = 1 << 16  # block hashes remembered per replica (LRU)
+
+
+class PrefixRouter:
+    """Chooses a replica per prompt. Tracks, per replica, the block hashes of the prompts it
+    was given (an LRU, like the replica's own prefix cache), and the tokens it has open."""
+
+    def __init__(self, num_replicas: int, block_size: int, policy: str = "cache") -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(
+                f"data-parallel routing must be one of {', '.join(ROUTING_POLICIES)}, "
+                f"got {policy!r}"
+            )
+        self.policy = policy
+        self.block_size = block_size
+        self.blocks: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self.load = [0] * num_replicas  # prompt + max output tokens of open requests
+        self._next = 0
+
+    def block_hashes(self, prompt: list[int]) -> list[bytes]:
+        """Chained digests of the prompt's full blocks: block i's covers blocks 0..i."""
+        digests, parent = [], b""
+        data = np.asarray(prompt, dtype=np.int64)
+        for end in range(self.block_size, len(prompt) + 1, self.block_size):
+            parent = hashlib.sha256(parent + data[end - self.block_size : end].tobytes()).digest()
+            digests.append(parent)
+        return digests
+
+    def choose(self, prompt: list[int] | None, alive: list[bool]) -> int:
+        candidates = [i for i, ok in enumerate(alive) if ok]
+        if not candidates:
+            raise EngineDeadError("every data-parallel replica is down")
+        if self.policy == "round_robin":
+            for _ in range(len(alive)):
+                index, self._next = self._next, (self._next + 1) % len(alive)
+                if alive[index]:
+                    return index
+        hashes = self.block_hashes(prompt) if prompt else []
+
+        def matched(i: int) -> int:
+            count = 0
+            for digest in hashes:
+                if digest not in self.blocks[i]:
+                    break
+                count += 1
+            return count
+
+        return max(candidates, key=lambda i: (matched(i), -self.load[i], -i))
+
+    def assign(self, replica: int, prompt: list[int] | None, tokens: int) -> None:
+        self.load[replica] += tokens
+        if not prompt:
+            return
+        blocks = self.blocks[replica]
+        for digest in self.block_hashes(prompt):
+            blocks[digest] = None
+            blocks.move_to_end(digest)
+        while len(blocks) > TRACKED_BLOCKS:
+            blocks.popitem(last=False)
+
+    def release(self, replica: int, tokens: int) -> None:
+        self.load[replica] = max(0, self.load[replica] - tokens)
+
+    def forget(self, replica: int) -> None:
+        """A replica that died lost its cache."""
+        self.blocks[replica].clear()
+        self.load[replica] = 0
+
+
+class AsyncDPEngine:
+    """N AsyncMPEngine replicas behind one interface (AsyncEngine's)."""
+
+    def __init__(
+        self,
+        kwargs: dict,
+        num_replicas: int,
+        *,
+        routing: str = "cache",
+        iteration_timeout: float | None = None,
+        restart: bool = False,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}")
+        kwargs = dict(kwargs)
+        if kwargs.get("num_threads") is None and str(kwargs.get("device", "cpu")) == "cpu":
+            import torch
+
+            # The cores are shared out: N replicas with all threads each would oversubscribe.
+            kwargs["num_threads"] = max(1, torch.get_num_threads() // num_replicas)
+        self.num_replicas = num_replicas
+        self.on_step: Callable | None = None
+        self.on_abort: Callable | None = None
+        self.on_fatal: Callable[[], None] | None = None
+        self.fatal = False
+        # Started side by side: each waits for its core process to load the model.
+        with ThreadPoolExecutor(num_replicas, thread_name_prefix="conveyor-replica") as pool:
+            futures = [
+                pool.submit(
+                    AsyncMPEngine, kwargs, iteration_timeout=iteration_timeout, restart=restart
+                )
+                for _ in range(num_replicas)
+            ]
+            wait(futures)
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            for future in futures:
+                if future.exception() is None:
+                    future.result().shutdown()
+            raise failed[0]
+        self.replicas: list[AsyncMPEngine] = [f.result() for f in futures]
+        for index, replica in enumerate(self.replicas):
+            replica.replica_index = index
+            replica.on_step = self._on_step
+            replica.on_abort = self._on_abort
+            replica.on_fatal = self._replica_died
+        first = self.replicas[0]
+        self.info = first.info
+        self.model_config = first.model_config
+        self.tokenizer = first.tokenizer
+        self.router = PrefixRouter(num_replicas, self.info.cache_config.block_size, routing)
+        self._placed: dict[str, tuple[int, int]] = {}  # request id -> (replica, tokens)
+        self._restarts = [0] * num_replicas
+
+    # ---- the interface AsyncEngine shares ------------------------------------------------
+
+    @property
+    def inputs(self):
+        return self.replicas[0].inputs
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        return any(r.is_alive for r in self.replicas)
+
+    @property
+    def error(self) -> BaseException | None:
+        if self.is_alive:
+            return None
+        return next((r.error for r in self.replicas if r.error is not None), None)
+
+    async def start(self) -> None:
+        for replica in self.replicas:
+            await replica.start()
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Admits the request on the router's replica; ValueError if it is refused."""
+        self._forget_restarted()
+        alive = [r.is_alive for r in self.replicas]
+        ids = prompt if isinstance(prompt, list) else None
+        index = self.router.choose(ids, alive)
+        stream = await self.replicas[index].add_request(request_id, prompt, params, priority)
+        max_tokens = params.max_tokens or self.max_model_len
+        tokens = (len(ids) if ids else 0) + max_tokens * params.n
+        self.router.assign(index, ids, tokens)
+        self._placed[request_id] = (index, tokens)
+        return stream
+
+    def _forget_restarted(self) -> None:
+        """A replica that restarted (--restart-engine) lost its cache and its requests."""
+        for index, replica in enumerate(self.replicas):
+            if replica.num_restarts != self._restarts[index]:
+                self._restarts[index] = replica.num_restarts
+                self.router.forget(index)
+                for request_id, (i, _) in list(self._placed.items()):
+                    if i == index:
+                        del self._placed[request_id]
+
+    def abort(self, request_id: str) -> None:
+        placed = self._placed.get(request_id)
+        if placed is not None:
+            self.replicas[placed[0]].abort(request_id)
+
+    def abort_all(self) -> None:
+        for replica in self.replicas:
+            replica.abort_all()
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.shutdown()
+
+    def get_stats(self) -> EngineStats:
+        """The replicas' stats summed (KV usage: their mean)."""
+        import dataclasses
+
+        stats = [r.get_stats() for r in self.replicas]
+        scheduler = stats[0].scheduler
+        summed = {
+            f.name: sum(getattr(s.scheduler, f.name) for s in stats)
+            for f in dataclasses.fields(scheduler)
+        }
+        summed["kv_cache_usage"] /= len(stats)
+        return EngineStats(
+            scheduler=type(scheduler)(**summed),
+            num_steps=sum(s.num_steps for s in stats),
+            num_prompt_tokens_total=sum(s.num_prompt_tokens_total for s in stats),
+            num_generation_tokens_total=sum(s.num_generation_tokens_total for s in stats),
+            num_blocks=sum(s.num_blocks for s in stats),
+        )
+
+    def arrival_time(self, request_id: str) -> float | None:
+        placed = self._placed.get(request_id)
+        return None if placed is None else self.replicas[placed[0]].arrival_time(request_id)
+
+    # ---- replicas' callbacks -------------------------------------------------------------
+
+    def _on_step(self, replica: AsyncMPEngine, outputs: list) -> None:
+        for out in outputs:
+            if out.finished:
+                self._release(out.request_id)
+        if self.on_step is not None:
+            self.on_step(replica, outputs)
+
+    def _on_abort(self, replica: AsyncMPEngine, request_id: str) -> None:
+        self._release(request_id)
+        if self.on_abort is not None:
+            self.on_abort(replica, request_id)
+
+    def _release(self, request_id: str) -> None:
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            self.router.release(*placed)
+
+    def _replica_died(self) -> None:
+        """A replica is gone for good (no restart, or its restart failed): its requests have
+        ended with an error; the router no longer sees it as alive."""
+        for index, replica in enumerate(self.replicas):
+            if replica.fatal:
+                self.router.forget(index)
+        for request_id, (index, _) in list(self._placed.items()):
+            if self.replicas[index].fatal:
+                del self._placed[request_id]
+        dead = [i for i, r in enumerate(self.replicas) if r.fatal]
+        logger.error(
+            "data-parallel replica(s) %s down; %d serving", dead, self.num_replicas - len(dead)
+        )
+        if len(dead) == self.num_replicas:
+            self.fatal = True
+            if self.on_fatal is not None:
+                self.on_fatal()

@@ -1,0 +1,179 @@
+"""Data-parallel replicas behind one server (conveyor serve --data-parallel-size 2): real
+engine-core processes on a tiny checkpoint, the real `openai` client."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from server_util import ServerProcess
+
+from conveyor.engine.data_parallel import PrefixRouter
+
+# ---- the router ---------------------------------------------------------------------------
+
+
+def test_the_router_prefers_the_longest_cached_prefix_then_the_least_loaded():
+    router = PrefixRouter(3, block_size=4)
+    shared = list(range(10, 26))  # 4 full blocks
+    router.assign(1, shared + [1, 2, 3, 4], tokens=100)
+    router.assign(2, shared[:8] + [9, 9, 9, 9], tokens=10)
+    assert router.choose(shared + [7, 7, 7, 7], [True] * 3) == 1  # 4 blocks match there
+    assert router.choose(shared[:8] + [5] * 8, [True] * 3) in (1, 2)
+    assert router.choose([1, 1, 1, 1, 2, 2, 2, 2], [True] * 3) == 0  # no match: least loaded
+    router.release(1, 100)
+    assert router.load == [0, 0, 10]
+    assert router.choose(shared + [7, 7, 7, 7], [True, False, True]) == 2  # 1 is down
+    router.forget(2)
+    assert router.choose(shared, [False, False, True]) == 2
+    with pytest.raises(Exception, match="every data-parallel replica is down"):
+        router.choose(shared, [False, False, False])
+
+
+def test_round_robin_takes_turns_and_skips_the_dead():
+    router = PrefixRouter(3, block_size=4, policy="round_robin")
+    assert [router.choose([1] * 8, [True, True, True]) for _ in range(4)] == [0, 1, 2, 0]
+    assert [router.choose([1] * 8, [True, False, True]) for _ in range(3)] == [2, 0, 2]
+    with pytest.raises(ValueError, match="routing must be one of"):
+        PrefixRouter(2, 4, policy="random")
+
+
+# ---- through the server -------------------------------------------------------------------
+
+
+def _serve(model, tmp_path, name: str, *flags: str) -> ServerProcess:
+    args = [str(model), "--dtype", "float32", "--served-model-name", "tiny", *flags]
+    return ServerProcess(args, tmp_path / f"{name}.log")
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _shared_prefix_load(server: ServerProcess, num_prefixes: int = 8, per_prefix: int = 8):
+    """64 requests: 8 prompts of 64 shared tokens each, with their own 8-token tails, sent in
+    a shuffled order at 16 streams. Returns the server's prefix-cache hit rate over them."""
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 384) for _ in range(64)] for _ in range(num_prefixes)]
+    prompts = [p + [rng.randrange(3, 384) for _ in range(8)] for p in prefixes] * per_prefix
+    rng.shuffle(prompts)
+    before = server.metrics()
+    client = _client(server)
+    with ThreadPoolExecutor(16) as pool:
+        list(
+            pool.map(
+                lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=4), prompts
+            )
+        )
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    return delta("conveyor:prefix_cache_hits_total") / delta("conveyor:prefix_cache_queries_total")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def dp(model, tmp_path_factory):
+    """Two replicas, cache-aware routing; the last test here kills one of them."""
+    server = _serve(model, tmp_path_factory.mktemp("dp"), "dp2", "--data-parallel-size", "2")
+    yield server
+    server.stop()
+
+
+def test_two_replicas_serve_64_streams(dp):
+    client = _client(dp)
+
+    def stream(i: int) -> int:
+        chunks = client.completions.create(
+            model="tiny",
+            prompt=f"request {i} says",
+            max_tokens=12,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return sum(len(c.choices[0].text) > 0 for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(64) as pool:
+        counts = list(pool.map(stream, range(64)))
+    assert len(counts) == 64 and min(counts) > 0
+    metrics = dp.metrics()
+    for replica in ("0", "1"):  # both served, each counted under its own label
+        key = f"conveyor:generation_tokens_total{{model_name=tiny,replica={replica}}}"
+        assert metrics[key] > 0, key
+
+
+def test_cache_aware_routing_keeps_the_hit_rate_of_one_replica(dp, model, tmp_path, capsys):
+    rates = {"cache-aware, 2 replicas": _shared_prefix_load(dp)}
+    flags = ["--data-parallel-size", "2", "--data-parallel-routing", "round_robin"]
+    rr = _serve(model, tmp_path, "rr", *flags)
+    try:
+        rates["round robin, 2 replicas"] = _shared_prefix_load(rr)
+    finally:
+        assert rr.stop() == 0
+    one = _serve(model, tmp_path, "dp1")
+    try:
+        rates["1 replica"] = _shared_prefix_load(one)
+    finally:
+        assert one.stop() == 0
+    with capsys.disabled():
+        print("\nprefix-cache hit rate:", {k: round(v, 3) for k, v in rates.items()})
+    assert rates["cache-aware, 2 replicas"] >= rates["1 replica"] - 0.02
+    assert rates["cache-aware, 2 replicas"] > rates["round robin, 2 replicas"] + 0.05
+
+
+def test_a_killed_replica_fails_only_its_own_requests(dp):
+    client = _client(dp)
+    cores = subprocess.run(
+        ["pgrep", "-P", str(dp.proc.pid), "-f", "conveyor.engine.core_proc"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert len(cores) == 2
+
+    started = threading.Semaphore(0)
+
+    def stream(i: int) -> tuple[str, int]:
+        got, finish = 0, None
+        try:
+            chunks = client.completions.create(
+                model="tiny",
+                prompt=f"load {i}",
+                max_tokens=480,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in chunks:
+                got += 1
+                if got == 3:
+                    started.release()
+                finish = chunk.choices[0].finish_reason if chunk.choices else finish
+            return ("complete" if finish == "length" else f"cut: {finish}"), got
+        except openai.APIError as error:
+            assert "engine core died" in str(error)
+            return "error", got
+
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(stream, i) for i in range(16)]
+        for _ in range(16):  # every stream is under way
+            assert started.acquire(timeout=60)
+        os.kill(int(cores[0]), signal.SIGKILL)
+        results = [f.result(timeout=120) for f in futures]
+    kinds = [kind for kind, _ in results]
+    # Every client heard: tokens to the end, or an error; the other replica's finished.
+    assert kinds.count("complete") >= 1 and kinds.count("error") >= 1, results
+    assert httpx.get(f"{dp.base_url}/health", timeout=10).status_code == 200
+    after = client.completions.create(model="tiny", prompt="still there?", max_tokens=3)
+    assert after.choices[0].finish_reason in ("stop", "length")
