@@ -6,8 +6,11 @@ Which one is the router's choice:
 
   cache (default)  the replica that already holds the longest prefix of the prompt, judged
                    by the chained hashes of its full blocks that earlier requests sent there
-                   (what that replica's prefix cache most likely holds), ties and misses to
-                   the least loaded (prompt + output tokens of its open requests);
+                   (what that replica's prefix cache most likely holds); ties and misses go
+                   to the least loaded (prompt + output tokens of its open requests), then to
+                   the one holding the fewest blocks, so that new prefixes spread out; and a
+                   replica loaded beyond twice the least loaded one (plus IMBALANCE_SLACK
+                   tokens) gives way to it: a cache hit is not worth a queue;
   round_robin      in turn, for comparison.
 
 A replica that dies fails its own open requests with an error (the others go on), the router
@@ -33,6 +36,7 @@ from conveyor.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 ROUTING_POLICIES = ("cache", "round_robin")
 TRACKED_BLOCKS = 1 << 16  # block hashes remembered per replica (LRU)
+IMBALANCE_SLACK = 2048  # tokens of open requests a cache hit may cost in balance
 
 
 class PrefixRouter:
@@ -79,7 +83,12 @@ class PrefixRouter:
                 count += 1
             return count
 
-        return max(candidates, key=lambda i: (matched(i), -self.load[i], -i))
+        load, blocks = self.load, self.blocks
+        best = max(candidates, key=lambda i: (matched(i), -load[i], -len(blocks[i]), -i))
+        least = min(candidates, key=lambda i: (load[i], len(blocks[i]), i))
+        if load[best] > 2 * load[least] + IMBALANCE_SLACK:
+            return least
+        return best
 
     def assign(self, replica: int, prompt: list[int] | None, tokens: int) -> None:
         self.load[replica] += tokens
