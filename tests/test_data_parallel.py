@@ -3,6 +3,7 @@ engine-core processes on a tiny checkpoint, the real `openai` client."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -144,6 +145,38 @@ def test_cache_aware_routing_keeps_the_hit_rate_of_one_replica(dp, model, tmp_pa
     hits = dp.metrics()
     for replica in ("0", "1"):
         assert hits[f"conveyor:prefix_cache_hits_total{{model_name=tiny,replica={replica}}}"] > 0
+
+
+def test_structured_output_on_every_replica(dp):
+    """The replicas share one grammar compiler: each fits its outputs to the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    client = _client(dp)
+
+    def ask(i: int) -> str:
+        return (
+            client.completions.create(
+                model="tiny",
+                prompt=f"json {i}",
+                max_tokens=20,
+                extra_body={"structured_outputs": {"json": schema}},
+            )
+            .choices[0]
+            .text
+        )
+
+    before = dp.metrics()
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(ask, range(8)))
+    assert all(0 <= json.loads(t)["a"] <= 9 for t in texts), texts
+    after = dp.metrics()
+    for replica in ("0", "1"):
+        key = f"conveyor:generation_tokens_total{{model_name=tiny,replica={replica}}}"
+        assert after[key] > before[key], key
 
 
 def test_a_killed_replica_fails_only_its_own_requests(dp):

@@ -219,7 +219,6 @@ class EngineCore:
             sorted(self.model_config.eos_token_ids),
             grammar_compile_timeout,
         )
-        self.grammars.warm_up()
         self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
         self._failed: list[CoreOutput] = []
         self.record_trace = record_trace

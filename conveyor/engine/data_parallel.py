@@ -151,6 +151,7 @@ class AsyncDPEngine:
                     future.result().shutdown()
             raise failed[0]
         self.replicas: list[AsyncMPEngine] = [f.result() for f in futures]
+        self._share_grammars()
         for index, replica in enumerate(self.replicas):
             replica.replica_index = index
             replica.on_step = self._on_step
@@ -203,12 +204,20 @@ class AsyncDPEngine:
         self._placed[request_id] = (index, tokens)
         return stream
 
+    def _share_grammars(self) -> None:
+        """One grammar compiler for all replicas: the serving layer compiles a constraint off
+        the event loop before admission, and the chosen replica must find it cached."""
+        shared = self.replicas[0].inputs.grammars
+        for replica in self.replicas[1:]:
+            replica.inputs.grammars = shared
+
     def _forget_restarted(self) -> None:
         """A replica that restarted (--restart-engine) lost its cache and its requests."""
         for index, replica in enumerate(self.replicas):
             if replica.num_restarts != self._restarts[index]:
                 self._restarts[index] = replica.num_restarts
                 self.router.forget(index)
+                self._share_grammars()
                 for request_id, (i, _) in list(self._placed.items()):
                     if i == index:
                         del self._placed[request_id]

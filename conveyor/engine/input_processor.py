@@ -29,7 +29,6 @@ class InputProcessor:
                 sorted(model.eos_token_ids),
                 info.grammar_compile_timeout,
             )
-            grammars.warm_up()
         self.grammars = grammars
 
     @property

@@ -101,7 +101,9 @@ class GrammarCompiler:
 
     @property
     def lltokenizer(self):
-        """llguidance's view of the tokenizer (built once: ~0.4 s for a 49k vocabulary)."""
+        """llguidance's view of the tokenizer, built on first use (~0.4 s for a 49k
+        vocabulary, on a compile thread), so that a server without constrained requests
+        never pays for it."""
         with self._lock:
             if self._lltok is None:
                 import llguidance
@@ -112,11 +114,6 @@ class GrammarCompiler:
                     hf, n_vocab=max(self.vocab_size, len(hf)), eos_token=self.eos_token_ids
                 )
             return self._lltok
-
-    def warm_up(self) -> None:
-        """Builds llguidance's tokenizer on a compile thread now, so the first constrained
-        request does not wait for it (~0.4 s, partly under the interpreter lock)."""
-        self._pool.submit(lambda: self.lltokenizer)
 
     def submit(self, constraint: StructuredOutputs) -> Future:
         """A future of the constraint's compiled matcher (a template: copy it, never advance
