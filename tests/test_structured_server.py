@@ -410,7 +410,7 @@ def _slow_schema(tag: str, num_fields: int = 3000) -> dict:
 
 def test_slow_grammars_do_not_hold_back_a_free_stream(client):
     """Four big schemas (~0.5 s each to compile, twice: front end and core) sent while a
-    free request streams: its tokens keep coming at the step rate."""
+    free request streams: its tokens keep coming, with no stall the length of a compile."""
     stamps: list[float] = []
     started = threading.Event()
 
@@ -452,7 +452,9 @@ def test_slow_grammars_do_not_hold_back_a_free_stream(client):
     during = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if sent <= b <= compiled]
     assert compiled - sent > 1.0, "the grammars compiled too fast to tell"
     assert during, "the free stream sent nothing while the grammars compiled"
-    assert max(during) < 0.5, f"a {max(during):.2f} s gap in the free stream"
+    # Compiled on the step loop (or under its lock), two grammars per worker would stall it
+    # for >= 1.1 s at once; reading four 560 KB bodies costs the loop ~0.1-0.4 s.
+    assert max(during) < 0.8, f"a {max(during):.2f} s gap in the free stream"
 
 
 def test_unconstrained_greedy_output_is_unchanged_by_constrained_neighbours(client):

@@ -24,6 +24,7 @@ from conveyor.config import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    hf_folder,
     parse_memory,
 )
 from conveyor.core.kv_cache_manager import KVCacheManager
@@ -218,7 +219,9 @@ class EngineCore:
             self.model_config.vocab_size,
             sorted(self.model_config.eos_token_ids),
             grammar_compile_timeout,
+            tokenizer_file=hf_folder(self.model_config.path) / "tokenizer.json",
         )
+        self.grammars.prepare()
         self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
         self._failed: list[CoreOutput] = []
         self.record_trace = record_trace

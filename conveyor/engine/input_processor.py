@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from conveyor.config import hf_folder
 from conveyor.engine.core import CoreInfo, CoreRequest
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.outputs import OutputKind
@@ -28,7 +29,9 @@ class InputProcessor:
                 model.vocab_size,
                 sorted(model.eos_token_ids),
                 info.grammar_compile_timeout,
+                tokenizer_file=hf_folder(model.path) / "tokenizer.json",
             )
+            grammars.prepare()
         self.grammars = grammars
 
     @property
