@@ -11,7 +11,7 @@ import time
 import jsonschema
 import pytest
 from conftest import random_prompts
-from tiny import build_tokenizer, make_scripted_checkpoint, make_tiny_checkpoint
+from tiny import build_tokenizer, make_scripted_checkpoint, make_tiny_checkpoint, slow_schema
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.core import CoreRequest, EngineCore
@@ -238,22 +238,9 @@ def test_malformed_structured_outputs_are_value_errors(value, words):
         SamplingParams(structured_outputs=value)
 
 
-def _slow_schema(num_fields: int = 3000) -> dict:
-    """A schema that takes ~0.5 s to compile here (4000 fields are over llguidance's size limit)."""
-    field = {
-        "anyOf": [
-            {"type": "string", "pattern": "[a-z]{3,9}[0-9]+"},
-            {"type": "integer", "minimum": -5, "maximum": 123456},
-            {"type": "array", "items": {"type": "number"}},
-        ]
-    }
-    props = {f"field_{i}": field for i in range(num_fields)}
-    return {"type": "object", "properties": props, "required": list(props)}
-
-
 def test_a_slow_grammar_waits_on_its_own_while_the_batch_runs(tiny):
     core = EngineCore(str(tiny), dtype="float64")
-    slow = SamplingParams(max_tokens=5, structured_outputs={"json": _slow_schema()})
+    slow = SamplingParams(max_tokens=5, structured_outputs={"json": slow_schema()})
     free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     core.add_requests(
         [
@@ -277,7 +264,7 @@ def test_a_slow_grammar_waits_on_its_own_while_the_batch_runs(tiny):
 
 def test_a_grammar_past_the_time_limit_fails_its_request_only(tiny):
     core = EngineCore(str(tiny), dtype="float64", grammar_compile_timeout=0.05)
-    slow = SamplingParams(max_tokens=5, structured_outputs={"json": _slow_schema()})
+    slow = SamplingParams(max_tokens=5, structured_outputs={"json": slow_schema()})
     free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     core.add_requests(
         [
@@ -313,7 +300,7 @@ def test_a_bad_grammar_that_reaches_the_core_fails_with_its_error(tiny):
 
 def test_aborting_a_request_that_waits_for_its_grammar(tiny):
     core = EngineCore(str(tiny), dtype="float64")
-    slow = SamplingParams(max_tokens=5, structured_outputs={"json": _slow_schema(2000)})
+    slow = SamplingParams(max_tokens=5, structured_outputs={"json": slow_schema(num_fields=2000)})
     core.add_requests([CoreRequest("slow", [5], slow, 5, 0, time.monotonic())])
     assert core.has_unfinished_requests()
     core.finish_requests(["slow"])

@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 from server_util import ServerProcess
+from tiny import slow_schema
 
 MODEL = "smollm2"
 
@@ -396,18 +397,6 @@ def test_bad_constraints_are_400_naming_the_parameter(server, body, param, words
     assert words in error["message"], error
 
 
-def _slow_schema(tag: str, num_fields: int = 3000) -> dict:
-    field = {
-        "anyOf": [
-            {"type": "string", "pattern": "[a-z]{3,9}[0-9]+"},
-            {"type": "integer", "minimum": -5, "maximum": 123456},
-            {"type": "array", "items": {"type": "number"}},
-        ]
-    }
-    props = {f"{tag}_{i}": field for i in range(num_fields)}
-    return {"type": "object", "properties": props, "required": list(props)}
-
-
 def test_slow_grammars_do_not_hold_back_a_free_stream(client):
     """Four big schemas (~0.5 s each to compile, twice: front end and core) sent while a
     free request streams: its tokens keep coming, with no stall the length of a compile."""
@@ -436,7 +425,7 @@ def test_slow_grammars_do_not_hold_back_a_free_stream(client):
             max_tokens=3,
             response_format={
                 "type": "json_schema",
-                "json_schema": {"name": tag, "schema": _slow_schema(tag)},
+                "json_schema": {"name": tag, "schema": slow_schema(tag)},
             },
         )
 

@@ -155,3 +155,18 @@ def _gpt2_byte_chars() -> dict[int, str]:
             chars[b] = chr(256 + extra)
             extra += 1
     return chars
+
+
+def slow_schema(tag: str = "field", num_fields: int = 3000) -> dict:
+    """A JSON schema that takes ~0.5 s to compile here (4000 such properties are over
+    llguidance's grammar size limit); `tag` names its properties, so that schemas with other
+    tags miss the grammar cache."""
+    field = {
+        "anyOf": [
+            {"type": "string", "pattern": "[a-z]{3,9}[0-9]+"},
+            {"type": "integer", "minimum": -5, "maximum": 123456},
+            {"type": "array", "items": {"type": "number"}},
+        ]
+    }
+    props = {f"{tag}_{i}": field for i in range(num_fields)}
+    return {"type": "object", "properties": props, "required": list(props)}
