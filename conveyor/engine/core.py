@@ -29,6 +29,7 @@ from conveyor.config import (
 )
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler, SchedulerStats
+from conveyor.distributed.parallel import check_tensor_parallel
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import PositionLogprobs
 from conveyor.request import PenaltyCounts, Request, RequestStatus
@@ -176,15 +177,36 @@ class EngineCore:
         num_threads: int | None = None,
         speculative_config: SpeculativeConfig | dict | str | None = None,
         grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        if num_threads is not None:  # None: torch's default, one thread per physical core
-            if num_threads < 1:
-                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-            torch.set_num_threads(num_threads)
+        """tensor_parallel_size N > 1 splits the model over N ranks (this process is rank 0,
+        see distributed/executor.py); on CPU they share num_threads (default: the physical
+        cores) evenly. Quantized weights do not split: "auto" then dequantizes."""
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}"
+            )
+        tp_size = tensor_parallel_size
         self.device = resolve_device(device)
+        if tp_size > 1 and self.device.type == "cpu":
+            num_threads = max(1, (num_threads or torch.get_num_threads()) // tp_size)
+        if num_threads is not None:  # None: torch's default, one thread per physical core
+            torch.set_num_threads(num_threads)
+        if tp_size > 1 and quantization == "auto":
+            quantization = "none"
         self.model_config = ModelConfig.from_hf(
             model, dtype, self.device.type, max_model_len, quantization
         )
+        check_tensor_parallel(self.model_config, tp_size)
+        if tp_size > 1 and self.model_config.quantization != "none":
+            raise ValueError(
+                "tensor parallelism splits float weights only: use quantization='none' "
+                f"with tensor_parallel_size={tp_size}"
+            )
+        self.tensor_parallel_size = tp_size
+        self.tp_workers = None
         self.cache_config = CacheConfig(
             block_size, num_blocks, kv_cache_memory, enable_prefix_caching, kv_cache_dtype
         )
@@ -198,10 +220,38 @@ class EngineCore:
         if spec is not None and spec.method == "draft_model":
             self.draft_runner = self._draft_runner(spec, block_size, seed, kv_cache_dtype)
             propose_drafts = DraftModelProposer(self.draft_runner).propose
-        self.runner = ModelRunner(
-            self.model_config, self.device, block_size, seed, kv_cache_dtype, propose_drafts
-        )
-        self.num_blocks = self._num_blocks()
+        tp = publish = None
+        if tp_size > 1:
+            from conveyor.distributed.executor import TPWorkers
+
+            worker_kwargs = dict(
+                model_config=self.model_config,
+                block_size=block_size,
+                seed=seed,
+                kv_cache_dtype=kv_cache_dtype,
+                num_threads=num_threads,
+            )
+            self.tp_workers = TPWorkers(worker_kwargs, tp_size, self.device)
+            tp, publish = self.tp_workers.group, self.tp_workers.publish
+        try:
+            self.runner = ModelRunner(
+                self.model_config,
+                self.device,
+                block_size,
+                seed,
+                kv_cache_dtype,
+                propose_drafts,
+                tp=tp,
+                publish=publish,
+            )
+            self.num_blocks = self._num_blocks()
+            if self.tp_workers is not None:  # they started while this rank loaded
+                self.tp_workers.connect()
+                self.tp_workers.wait_ready()
+                self.tp_workers.allocate(self.num_blocks)
+        except BaseException:
+            self.close()
+            raise
         self.runner.allocate_kv_cache(self.num_blocks)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.num_blocks)
@@ -386,7 +436,12 @@ class EngineCore:
                 raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
             return failed
         scheduled = time.perf_counter()
-        runner_out = self.runner.execute(sched)
+        try:
+            runner_out = self.runner.execute(sched)
+        except Exception as error:
+            if self.tp_workers is None:
+                raise
+            raise self.tp_workers.failure(error) from error
         executed = time.perf_counter()
         requests = self.scheduler.requests
         before = [requests[i].num_output_tokens for i in runner_out.request_ids]
@@ -454,6 +509,12 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (idempotent)."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+            self.tp_workers = None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -76,8 +76,10 @@ def run_engine_core(
     except BaseException as error:  # noqa: BLE001 - tell the front end, then exit non-zero
         outputs.send(encode((DEAD, f"{type(error).__name__}: {error}", traceback.format_exc())))
         outputs.close()
+        core.close()
         sys.exit(1)
     outputs.close()
+    core.close()
 
 
 def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:

@@ -60,6 +60,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-threads", type=int, default=None, help="CPU threads (default: physical cores)"
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N worker processes (torch.distributed: gloo on CPU, "
+        "NCCL on CUDA, one GPU each); on CPU they share --num-threads",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=_speculative_config,
         default=None,
@@ -120,4 +129,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_threads=args.num_threads,
         speculative_config=args.speculative_config,
         grammar_compile_timeout=args.grammar_compile_timeout,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -4,6 +4,10 @@ load by name; q/k/v and gate/up are merged into one matmul each.
 
 All non-attention work runs once over the step's flattened tokens (T, hidden); attention
 reads each request's KV through its block table (see attention.py).
+
+With tensor parallelism (a TPGroup of size N > 1) each rank builds its share of the model: its
+heads, MLP columns and vocabulary rows, and adds the others' partial results through the
+group's collectives (see distributed/parallel.py for the split).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from torch import nn
 
 from conveyor.config import ModelConfig
+from conveyor.distributed.parallel import TPGroup
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
 
@@ -25,13 +30,12 @@ class RopeRows(NamedTuple):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
+        self.tp = tp
+        self.num_heads = tp.shard.heads(cfg.num_heads)[1]
+        self.num_kv_heads = tp.shard.kv_heads(cfg.num_kv_heads)[1]
+        self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size)
@@ -52,28 +56,29 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, rope.cos, rope.sin, meta.ops)
         out = paged_attention(q, k, v, kv_cache, meta)  # (T, H, D)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        size = cfg.intermediate_size
+        self.tp = tp
+        size = tp.shard.part(cfg.intermediate_size)[1]
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=False)
         self.down_proj = Linear(size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of a fresh tensor: in place
-        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
+        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x, rope: RopeRows, rotary, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, rotary, kv_cache, meta)
@@ -81,20 +86,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(tp.shard.vocab(cfg.vocab_size)[2], cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.tp = tp = tp or TPGroup()
+        self.model = LlamaModel(cfg, tp)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, cfg.dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, tp.shard.vocab(cfg.vocab_size)[2])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -105,14 +111,25 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        x = self._embed(input_ids)  # (T, hidden)
         rope = RopeRows(*self.rotary.rows(positions))  # once per step, for every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, self.rotary, kv_cache, meta)
         return self.model.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        first, stop, _ = self.tp.shard.vocab(self.config.vocab_size)
+        outside = (input_ids < first) | (input_ids >= stop)
+        x = self.model.embed_tokens((input_ids - first).masked_fill_(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).contiguous()  # (N, vocab), row-major for the sampler
+        logits = self.lm_head(hidden)
+        if self.tp.size > 1:  # every rank's vocabulary rows, the padding cut off
+            logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]
+        return logits.contiguous()  # (N, vocab), row-major for the sampler
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -14,15 +14,23 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from conveyor.config import ModelConfig, hf_folder
+from conveyor.distributed.parallel import TPGroup, TPShard
 from conveyor.model.layers import RotaryEmbedding
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.quant import QuantPlan, plan_quantization
 
 
-def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
+def load_model(
+    cfg: ModelConfig, device: torch.device, tp: TPGroup | None = None
+) -> LlamaForCausalLM:
+    """The model on `device`; with a TPGroup of size > 1, this rank's share of it, read from
+    the checkpoint as slices (see distributed/parallel.py)."""
+    shard = TPShard() if tp is None else tp.shard
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     plan = plan_quantization(cfg, model)
+    if plan is not None and shard.size > 1:
+        raise ValueError("quantized weights do not split over tensor-parallel ranks")
     if plan is not None:  # quantized modules never get float storage
         plan.strip(model)
     # Real storage on the target device; weights are then copied in by name.
@@ -33,7 +41,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
     if cfg.tie_word_embeddings and (plan is None or "lm_head" not in plan.specs):
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty() made two tensors
     weights = tqdm(
-        iter_weights(cfg, plan),
+        iter_weights(cfg, plan, shard),
         desc=f"Loading {cfg.path.name}",
         unit=" tensors",
         leave=False,
@@ -45,21 +53,46 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
     return model.eval()
 
 
-def iter_weights(cfg: ModelConfig, plan: QuantPlan | None = None) -> Iterator[tuple[str, Any]]:
+def iter_weights(
+    cfg: ModelConfig, plan: QuantPlan | None = None, shard: TPShard | None = None
+) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of every checkpoint weight; with a shard of size > 1, only this rank's
+    slice of each split tensor. safetensors files are read slice by slice; a GGUF tensor is
+    dequantized whole from its memory map, then cut."""
+    shard = shard or TPShard()
     if cfg.is_gguf:
         from conveyor.model.gguf_loader import iter_gguf_weights
 
         keep_raw = None if plan is None else plan.keep_raw
-        yield from iter_gguf_weights(cfg.path, cfg.dtype, keep_raw)
+        for name, tensor in iter_gguf_weights(cfg.path, cfg.dtype, keep_raw):
+            cut = shard.slice_of(name, cfg)
+            yield name, tensor if cut is None else _cut(tensor, cut).clone()
     else:
-        yield from iter_safetensors(cfg.path, cfg.dtype)
+        yield from iter_safetensors(cfg.path, cfg.dtype, lambda name: shard.slice_of(name, cfg))
 
 
-def iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    folder: Path, dtype: torch.dtype, slice_of=None
+) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _safetensors_files(folder):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                cut = None if slice_of is None else slice_of(name)
+                if cut is None:
+                    yield name, f.get_tensor(name).to(dtype)
+                else:
+                    yield name, _cut(f.get_slice(name), cut).to(dtype)
+
+
+def _cut(tensor, cut: tuple[int, int, int, int]) -> torch.Tensor:
+    """tensor[start:stop] along dim (a tensor, or a safetensors slice that reads only those
+    bytes), zero-padded to `length` along dim."""
+    dim, start, stop, length = cut
+    part = tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+    if stop - start == length:
+        return part
+    padding = [0, 0] * (part.dim() - 1 - dim) + [0, length - (stop - start)]
+    return torch.nn.functional.pad(part, padding)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -2,6 +2,10 @@
 
 The runner keeps no per-request state: everything it needs arrives in the SchedulerOutput.
 The one host sync of a step is reading the sampled tokens back.
+
+With tensor parallelism this runner is rank 0: it turns the SchedulerOutput into the step's
+inputs (StepInputs, plain arrays), hands them to the other ranks (distributed/executor.py),
+and runs its own share of the forward alongside them; it alone samples.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ import time
 from collections.abc import Callable
 from itertools import chain
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from conveyor.config import ModelConfig
+from conveyor.distributed.parallel import TPGroup
 from conveyor.model import kernels
 from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.layers import transposed_buckets
@@ -28,6 +34,17 @@ from conveyor.spec.verifier import verify
 ProposeDrafts = Callable[[list[ScheduledRequest]], list[list[int]]]
 
 
+class StepInputs(NamedTuple):
+    """One step's model inputs, as arrays: all that every tensor-parallel rank needs to run
+    its share of the forward (the step description rank 0 sends the others)."""
+
+    input_ids: np.ndarray  # (T,) the step's tokens, requests concatenated
+    query_lens: np.ndarray  # (S,) tokens of each request in this step (drafts included)
+    context_lens: np.ndarray  # (S,) tokens of each request already in the KV cache
+    block_tables: np.ndarray  # (S, W) padded with block 0
+    logits_rows: np.ndarray  # rows whose logits the sampler needs (may be empty)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -37,15 +54,22 @@ class ModelRunner:
         seed: int,
         kv_cache_dtype: str = "auto",
         propose_drafts: ProposeDrafts | None = None,
+        tp: TPGroup | None = None,
+        publish: Callable[[StepInputs], None] | None = None,
     ) -> None:
+        """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
+        rank 0, sends each step's inputs to the other ranks before the forward."""
         self.cfg = cfg
+        self.tp = tp or TPGroup()
+        self.publish = publish
+        self.num_kv_heads = self.tp.shard.kv_heads(cfg.num_kv_heads)[1]
         self.propose_drafts = propose_drafts
         self.device = device
         self.block_size = block_size
         if device.type == "cpu":
             transposed_buckets(cfg.dtype)  # the matmul form per token count, measured once
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg.dtype)
-        self.model = load_model(cfg, device)
+        self.model = load_model(cfg, device, self.tp)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype)
@@ -54,13 +78,13 @@ class ModelRunner:
         self.last_timing: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def kv_bytes_per_block(self) -> int:
-        per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim
+        per_token = 2 * self.cfg.num_layers * self.num_kv_heads * self.cfg.head_dim
         return per_token * self.block_size * self.kv_dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # One contiguous (block, kv head) tile per block and head: see model/attention.py.
         tile = self.block_size * self.cfg.head_dim
-        shape = (2, num_blocks, self.cfg.num_kv_heads, tile)
+        shape = (2, num_blocks, self.num_kv_heads, tile)
         self.kv_caches = [self._new_cache(shape) for _ in range(self.cfg.num_layers)]
 
     def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -73,7 +97,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         drafts = self._drafts(sched.scheduled)
-        input_ids, positions, meta, logits_rows = self._prepare(sched.scheduled, drafts)
+        step = self.step_inputs(sched.scheduled, drafts)
+        if self.publish is not None:
+            self.publish(step)
+        input_ids, positions, meta, logits_rows = self.tensors(step)
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
@@ -104,10 +131,33 @@ class ModelRunner:
             return self.propose_drafts(scheduled)
         return [s.draft_token_ids or [] for s in scheduled]
 
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> None:
+        """A tensor-parallel rank > 0: its share of rank 0's step (the logits are gathered
+        on every rank; only rank 0 samples)."""
+        input_ids, positions, meta, logits_rows = self.tensors(step)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if len(step.logits_rows):
+            self.model.compute_logits(hidden[logits_rows])
+
     def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[list[int]] | None = None):
-        """Inputs of the step, vectorised over requests; everything the layers share is built
-        here once (slots, lengths, block tables, causal positions), not per layer. A request's
-        drafts follow its own tokens; it brings logits rows for its last 1 + drafts rows."""
+        """The step's input tensors and attention metadata (see step_inputs and tensors)."""
+        return self.tensors(self.step_inputs(scheduled, drafts))
+
+    def tensors(self, step: StepInputs):
+        """input ids, positions, attention metadata, logits rows: everything the layers share
+        is built here once (slots, lengths, block tables, causal positions), not per layer."""
+        positions, meta = self.positions_and_metadata(
+            step.query_lens, step.context_lens, step.block_tables
+        )
+        tensor = self.as_tensor
+        return tensor(step.input_ids), tensor(positions), meta, tensor(step.logits_rows)
+
+    def step_inputs(
+        self, scheduled: list[ScheduledRequest], drafts: list[list[int]] | None = None
+    ) -> StepInputs:
+        """The step's inputs as arrays, vectorised over requests. A request's drafts follow
+        its own tokens; it brings logits rows for its last 1 + drafts rows."""
         num_seqs = len(scheduled)
         drafts = drafts or [[] for _ in scheduled]
         num_drafts = np.fromiter((len(d) for d in drafts), np.int64, num_seqs)
@@ -122,18 +172,19 @@ class ModelRunner:
         else:
             token_ids = chain.from_iterable(s.token_ids for s in scheduled)
         input_ids = np.fromiter(token_ids, np.int64, num_tokens)
-        block_ids = [s.block_ids for s in scheduled]
-        positions, meta = self.positions_and_metadata(query_lens, context_lens, block_ids)
+        tables = pad_block_tables([s.block_ids for s in scheduled])
         sampled = np.fromiter((s.sampling is not None for s in scheduled), bool, num_seqs)
         logits_rows = last_rows(np.cumsum(query_lens)[sampled], num_drafts[sampled] + 1)
-        tensor = self.as_tensor
-        return tensor(input_ids), tensor(positions), meta, tensor(logits_rows)
+        return StepInputs(input_ids, query_lens, context_lens, tables, logits_rows)
 
     def positions_and_metadata(
-        self, query_lens: np.ndarray, context_lens: np.ndarray, block_ids: list[list[int]]
+        self, query_lens: np.ndarray, context_lens: np.ndarray, block_tables
     ) -> tuple[np.ndarray, AttentionMetadata]:
-        """Every row's position, and the attention metadata all layers share."""
-        tables = pad_block_tables(block_ids)
+        """Every row's position, and the attention metadata all layers share. block_tables:
+        per request its block ids, or those already padded into an (S, W) array."""
+        tables = block_tables
+        if not isinstance(tables, np.ndarray):
+            tables = pad_block_tables(tables)
         positions, slots = positions_and_slots(query_lens, context_lens, tables, self.block_size)
         meta = build_metadata(
             query_lens,

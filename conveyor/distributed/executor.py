@@ -1,0 +1,207 @@
+"""Rank 0's side of tensor parallelism: the other ranks as worker processes.
+
+The engine core stays single: its scheduler runs on rank 0, which starts ranks 1..N-1
+(`python -m conveyor.distributed.worker`), joins them in one torch.distributed process group
+(gloo on CPU, NCCL on CUDA) and, every step, sends them the step's inputs (StepInputs) before
+it runs its own share of the forward. The collectives inside the forward (two all-reduces per
+layer, the embedding's all-reduce and the logits' all-gather) keep the ranks in lockstep.
+
+Step descriptions travel over ZeroMQ (one PUSH socket per worker), not over a collective: a
+worker idles on its socket between steps as long as the engine has nothing to do, while every
+collective has a timeout. So a rank that dies or hangs fails the step it is in (at once when
+its sockets close, after the timeout when it hangs), and the engine goes down with an error
+that names the rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+
+import torch
+import zmq
+
+from conveyor.distributed.parallel import DEFAULT_TIMEOUT, TPGroup, TPShard, connect, serve_store
+
+# Rank 0 -> worker.
+ALLOCATE, STEP, STOP = "allocate", "step", "stop"
+# Worker -> rank 0.
+HELLO, READY, FAILED = "hello", "ready", "failed"
+
+POLL_MS = 200
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the CPU, or CUDA device r (after the first rank's own index)."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+class TPWorkers:
+    """Ranks 1..N-1 of one engine, each in its own process, and rank 0's process group."""
+
+    def __init__(
+        self,
+        worker_kwargs: dict,
+        size: int,
+        device: torch.device,
+        timeout: float = DEFAULT_TIMEOUT,
+        start_timeout: float = 600.0,
+    ) -> None:
+        """Starts the workers and returns at once: rank 0 loads its share of the model while
+        they start (`group` is its TPGroup, without a process group until `connect`), then
+        calls `connect` and `wait_ready`. worker_kwargs: what each worker needs to build its
+        runner (model_config, block_size, seed, kv_cache_dtype, num_threads)."""
+        self.size = size
+        self.device, self.timeout = rank_device(device, 0), timeout
+        self.start_timeout = start_timeout
+        self.group = TPGroup(TPShard(0, size))
+        self._dir = tempfile.mkdtemp(prefix="conveyor-tp-")
+        self._context = zmq.Context()
+        self._back = self._context.socket(zmq.PULL)
+        self._back.setsockopt(zmq.LINGER, 0)
+        back_address = f"ipc://{self._dir}/back"
+        self._back.bind(back_address)
+        self._store = serve_store("127.0.0.1", size, timeout)
+        self._steps: list[zmq.Socket] = []
+        self.procs: list[subprocess.Popen] = []
+        # PR_SET_PDEATHSIG fires when the thread that started the child exits.
+        pdeathsig = threading.current_thread() is threading.main_thread()
+        for rank in range(1, size):
+            sock = self._context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            address = f"ipc://{self._dir}/steps{rank}"
+            sock.bind(address)
+            self._steps.append(sock)
+            config = os.path.join(self._dir, f"rank{rank}.pickle")
+            settings = dict(
+                worker_kwargs,
+                rank=rank,
+                size=size,
+                device=str(rank_device(device, rank)),
+                store=("127.0.0.1", self._store.port),
+                timeout=timeout,
+                steps=address,
+                back=back_address,
+                parent_pid=os.getpid(),
+                pdeathsig=pdeathsig,
+            )
+            with open(config, "wb") as file:
+                pickle.dump(settings, file, protocol=5)
+            command = [sys.executable, "-m", "conveyor.distributed.worker", config]
+            self.procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
+        self._finalizer = weakref.finalize(self, _kill, list(self.procs), self._dir)
+
+    def connect(self) -> None:
+        """Waits for every worker to be up, then joins the process group with them."""
+        self._await(HELLO)
+        joined = connect(self.group.shard, self.device, store=self._store, timeout=self.timeout)
+        self.group.pg = joined.pg
+
+    def wait_ready(self) -> None:
+        """Blocks until every worker has loaded its share of the model; raises its error."""
+        self._await(READY)
+
+    def _await(self, kind: str) -> None:
+        pending = set(range(1, self.size))
+        deadline = time.monotonic() + self.start_timeout
+        while pending:
+            if self._back.poll(POLL_MS):
+                message = pickle.loads(self._back.recv())
+                if message[0] == FAILED:
+                    _, rank, error_kind, text, trace = message
+                    if error_kind == "ValueError":
+                        raise ValueError(text)
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} failed to start: "
+                        f"{error_kind}: {text}\n{trace}"
+                    )
+                if message[0] == kind:
+                    pending.discard(message[1])
+                continue
+            dead = self.dead_ranks()
+            if dead:
+                raise RuntimeError(f"{self.describe(dead)} before it was {kind}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tensor-parallel ranks {sorted(pending)} not {kind} "
+                    f"after {self.start_timeout:g} s"
+                )
+
+    def send(self, kind: str, payload=None) -> None:
+        """To every worker; never blocks: a worker that is gone raises here."""
+        frame = pickle.dumps((kind, payload), protocol=5)
+        for rank, sock in enumerate(self._steps, 1):
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:  # its end of the socket closed with it
+                raise RuntimeError(f"tensor-parallel rank {rank} is not listening") from None
+
+    def publish(self, step) -> None:
+        """Rank 0's runner calls it with each step's inputs, before its own forward."""
+        self.send(STEP, step)
+
+    def allocate(self, num_blocks: int) -> None:
+        self.send(ALLOCATE, num_blocks)
+
+    def dead_ranks(self) -> list[int]:
+        return [rank for rank, proc in enumerate(self.procs, 1) if proc.poll() is not None]
+
+    def describe(self, ranks: list[int]) -> str:
+        parts = []
+        for rank in ranks:
+            code = self.procs[rank - 1].poll()
+            if code is not None and code < 0:
+                how = f"was killed by {signal.Signals(-code).name}"
+            else:
+                how = f"exited with code {code}"
+            parts.append(f"tensor-parallel rank {rank} {how}")
+        return "; ".join(parts)
+
+    def failure(self, error: BaseException) -> RuntimeError:
+        """The error a failed collective becomes: which rank died, if one did."""
+        for _ in range(10):  # a killed peer's exit may lag its closed sockets a little
+            dead = self.dead_ranks()
+            if dead:
+                return RuntimeError(f"{self.describe(dead)}; the engine stops: {error}")
+            time.sleep(0.05)
+        return RuntimeError(f"a tensor-parallel collective failed: {error}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the workers (killed if they do not exit in time) and frees the sockets."""
+        if self._steps and not self._back.closed:
+            try:
+                self.send(STOP)
+            except (zmq.ZMQError, RuntimeError):
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._finalizer()
+        for sock in [*self._steps, self._back]:
+            sock.close(linger=0)
+        self._context.term()
+
+
+def _kill(procs: list[subprocess.Popen], directory: str) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,179 @@
+"""Tensor parallelism: one rank's share of the model, and the collectives between the ranks.
+
+The Llama family splits Megatron-style across N ranks:
+
+  qkv_proj, gate_up_proj  column-parallel: a rank holds the rows of its query heads, of the
+                          key/value heads they read, and of its slice of the MLP;
+  o_proj, down_proj       row-parallel: a rank multiplies its columns into a partial sum, and
+                          one all-reduce per projection adds the partial sums up;
+  embed_tokens, lm_head   vocabulary-parallel: a rank holds ceil(V / N) rows of the vocabulary
+                          (the last one padded with zeros); an id outside its rows embeds as
+                          zeros, so an all-reduce completes the embedding; each rank computes
+                          the logits of its rows, and an all-gather hands the sampler all of them.
+
+Norms, rotary tables and biases of the row-parallel projections (none in this family) are
+replicated. With fewer key/value heads than ranks (MQA, or GQA with N > its KV heads), each KV
+head is replicated on the N / num_kv_heads ranks whose query heads read it, as in vLLM.
+Each rank's KV cache holds only its own KV heads.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for a rank before it fails
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """Which part of the model one rank holds: rank `rank` of `size`."""
+
+    rank: int = 0
+    size: int = 1
+
+    def heads(self, num_heads: int) -> tuple[int, int]:
+        """(first, count) of this rank's query heads."""
+        count = num_heads // self.size
+        return self.rank * count, count
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first, count) of the key/value heads this rank's query heads read."""
+        if num_kv_heads >= self.size:
+            count = num_kv_heads // self.size
+            return self.rank * count, count
+        return self.rank * num_kv_heads // self.size, 1  # replicated
+
+    def part(self, total: int) -> tuple[int, int]:
+        """(first, count) of an evenly divided dimension (the MLP's intermediate size)."""
+        count = total // self.size
+        return self.rank * count, count
+
+    def vocab(self, vocab_size: int) -> tuple[int, int, int]:
+        """(first, stop, rows): this rank's vocabulary rows [first, stop), held in `rows`
+        rows (the last rank's padded with zeros to the others' count)."""
+        rows = -(-vocab_size // self.size)
+        first = min(self.rank * rows, vocab_size)
+        return first, min(first + rows, vocab_size), rows
+
+    def slice_of(self, name: str, cfg) -> tuple[int, int, int, int] | None:
+        """How a checkpoint tensor (by its transformers name) is cut for this rank:
+        (dim, start, stop, padded length along dim), or None for a replicated tensor."""
+        if self.size == 1:
+            return None
+        leaf = name.rsplit(".", 2)
+        module, param = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
+        d = cfg.head_dim
+        if module == "q_proj":
+            first, count = self.heads(cfg.num_heads)
+            return 0, first * d, (first + count) * d, count * d
+        if module in ("k_proj", "v_proj"):
+            first, count = self.kv_heads(cfg.num_kv_heads)
+            return 0, first * d, (first + count) * d, count * d
+        if module == "o_proj" and param == "weight":
+            first, count = self.heads(cfg.num_heads)
+            return 1, first * d, (first + count) * d, count * d
+        if module in ("gate_proj", "up_proj"):
+            first, count = self.part(cfg.intermediate_size)
+            return 0, first, first + count, count
+        if module == "down_proj" and param == "weight":
+            first, count = self.part(cfg.intermediate_size)
+            return 1, first, first + count, count
+        if module in ("embed_tokens", "lm_head"):
+            first, stop, rows = self.vocab(cfg.vocab_size)
+            return 0, first, stop, rows
+        return None
+
+
+def check_tensor_parallel(cfg, size: int) -> None:
+    """Refuses, with the reason, a model that does not split over `size` ranks."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"its {cfg.num_heads} attention heads")
+    kv = cfg.num_kv_heads
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        problems.append(f"its {kv} key/value heads (nor does {size} divide by them)")
+    if cfg.intermediate_size % size:
+        problems.append(f"its MLP's intermediate size {cfg.intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide {' or '.join(problems)}; "
+            "choose a size that divides the head counts"
+        )
+
+
+class TPGroup:
+    """This rank's shard and its collectives. A single rank (`TPGroup()`) has no process
+    group and its collectives return their input as is."""
+
+    def __init__(self, shard: TPShard | None = None, process_group=None) -> None:
+        self.shard = shard or TPShard()
+        self.pg = process_group
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (in place where `tensor` is contiguous)."""
+        if self.pg is not None:
+            tensor = tensor.contiguous()  # a CPU projection may return a transposed view
+            self.pg.allreduce([tensor]).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ranks' tensors side by side along the last dimension (rank order)."""
+        if self.pg is None:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.pg.allgather([parts], [tensor]).wait()
+        return torch.cat(parts, dim=-1)
+
+
+def serve_store(host: str, size: int, timeout: float = DEFAULT_TIMEOUT):
+    """Rank 0's TCPStore, on a free port of `host` (read it from `.port`); the other ranks
+    find each other through it."""
+    import torch.distributed as dist
+
+    wait = datetime.timedelta(seconds=timeout)
+    return dist.TCPStore(host, 0, size, True, timeout=wait, wait_for_workers=False)
+
+
+def connect(
+    shard: TPShard,
+    device: torch.device,
+    *,
+    store=None,
+    address: tuple[str, int] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> TPGroup:
+    """Joins the ranks' process group, gloo on CPU and NCCL on CUDA: rank 0 with the store it
+    serves, the others with that store's address. The group is an object of its own (not
+    torch.distributed's global default group), so that an engine in a user's process leaves
+    no global state behind. Every collective fails after `timeout` seconds without its
+    peers: a rank that died or hangs takes the engine down with an error, never a hang."""
+    import torch.distributed as dist
+
+    wait = datetime.timedelta(seconds=timeout)
+    if store is None:
+        host, port = address
+        store = dist.TCPStore(host, port, shard.size, False, timeout=wait)
+    prefixed = dist.PrefixStore("conveyor-tp", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = wait
+        pg = dist.ProcessGroupNCCL(prefixed, shard.rank, shard.size, options)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, shard.rank, shard.size, wait)
+    return TPGroup(shard, pg)

@@ -1,0 +1,110 @@
+"""Tensor parallelism on CPU: two ranks over gloo, each holding half of the heads, the MLP and
+the vocabulary, give transformers' greedy tokens (float64) on tiny random checkpoints: GQA,
+MQA (its one KV head replicated), tied embeddings with a vocabulary that does not split
+evenly. A model that does not divide is refused; a rank that dies stops the engine with an
+error naming it, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import assert_matches_reference, hf_greedy, random_prompts
+from tiny import make_tiny_checkpoint
+from transformers import AutoModelForCausalLM
+
+from conveyor import LLM, SamplingParams
+from conveyor.distributed.parallel import TPShard, check_tensor_parallel
+
+MAX_TOKENS = 8
+GREEDY = [
+    SamplingParams(temperature=0, max_tokens=MAX_TOKENS - i % 3, logprobs=0) for i in range(8)
+]
+
+CASES = {
+    # llama: GQA (4 query heads over 2 KV heads), head_dim 32 != hidden / heads, llama3 rope.
+    "gqa": ("llama", {}),
+    # qwen2: q/k/v biases, tied embeddings, 387 tokens: the vocabulary splits 194 + 193.
+    "tied-odd-vocab": ("qwen2", {"vocab_size": 387}),
+    # MQA: one KV head, replicated on both ranks.
+    "mqa": ("llama", {"num_key_value_heads": 1}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    arch, overrides = CASES[request.param]
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    prompts = random_prompts(len(GREEDY), ref.config.vocab_size, seed=3)
+    reference = [
+        (tokens[: p.max_tokens], logprobs[: p.max_tokens])
+        for (tokens, logprobs), p in zip(hf_greedy(ref, prompts, MAX_TOKENS), GREEDY, strict=True)
+    ]
+    return request.param, path, prompts, reference
+
+
+def test_two_ranks_match_transformers(case):
+    name, path, prompts, reference = case
+    # A small token budget: prompts arrive in chunks, mixed with decoding rows.
+    llm = LLM(str(path), dtype="float64", tensor_parallel_size=2, max_num_batched_tokens=32)
+    try:
+        workers = llm.engine.core.tp_workers
+        assert workers.size == 2 and len(workers.procs) == 1 and workers.group.pg is not None
+        attn = llm.engine.core.runner.model.model.layers[0].self_attn
+        assert attn.num_heads == 2  # half of the 4 query heads on this rank
+        assert attn.num_kv_heads == 1  # half of GQA's 2; MQA's one, replicated
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert_matches_reference(outputs, reference)
+        if name == "gqa":  # the last case of this engine: a rank dies
+            _kill_rank_and_expect_an_error(llm)
+    finally:
+        llm.engine.shutdown()
+    assert all(p.poll() is not None for p in workers.procs), "a worker outlived its engine"
+
+
+def _kill_rank_and_expect_an_error(llm) -> None:
+    worker = llm.engine.core.tp_workers.procs[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 was killed by SIGKILL"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 30  # an error, not a wait for the collective timeout
+
+
+def test_a_model_that_does_not_divide_is_refused(tmp_path):
+    path = make_tiny_checkpoint(
+        tmp_path, "llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=16
+    )
+    with pytest.raises(ValueError, match="does not divide its 3 attention heads"):
+        LLM(str(path), dtype="float64", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        LLM(str(path), dtype="float64", tensor_parallel_size=0)
+
+
+def test_shards_cover_every_head_and_vocabulary_row():
+    class Cfg:
+        num_heads, num_kv_heads, intermediate_size, head_dim, vocab_size = 8, 2, 96, 4, 50
+
+    for size in (2, 4, 8):
+        check_tensor_parallel(Cfg, size)
+        shards = [TPShard(r, size) for r in range(size)]
+        q = [s.slice_of("model.layers.0.self_attn.q_proj.weight", Cfg) for s in shards]
+        assert [c[1:3] for c in q] == [(r * 32 // size, (r + 1) * 32 // size) for r in range(size)]
+        kv = [s.kv_heads(2) for s in shards]
+        for r, (first, count) in enumerate(kv):  # the KV head this rank's queries read
+            heads_first, heads = shards[r].heads(8)
+            assert count == max(1, 2 // size)
+            assert first == heads_first // 4 if size > 2 else first == r
+        rows = [s.vocab(50) for s in shards]
+        assert rows[0][0] == 0 and rows[-1][1] == 50
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+        assert len({r[2] for r in rows}) == 1  # the same padded row count on every rank
+    with pytest.raises(ValueError, match="key/value heads"):
+        check_tensor_parallel(type("C", (), dict(vars(Cfg), num_kv_heads=3)), 2)
+    with pytest.raises(ValueError, match="intermediate size"):
+        check_tensor_parallel(type("C", (), dict(vars(Cfg), intermediate_size=97)), 2)
