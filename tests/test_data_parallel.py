@@ -1,5 +1,7 @@
 """Data-parallel replicas behind one server (conveyor serve --data-parallel-size 2): real
-engine-core processes on a tiny checkpoint, the real `openai` client."""
+engine cores on a tiny checkpoint, the real `openai` client; each server test runs twice,
+with the cores as local processes and as Ray actors on a local Ray cluster (skipped only
+where Ray is not installed: the test environment installs it)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import random
 import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -94,12 +97,39 @@ def model(tiny_checkpoint):
     return tiny_checkpoint("llama")
 
 
-@pytest.fixture(scope="module")
-def dp(model, tmp_path_factory):
-    """Two replicas, cache-aware routing; the last test here kills one of them."""
-    server = _serve(model, tmp_path_factory.mktemp("dp"), "dp2", "--data-parallel-size", "2")
+@pytest.fixture(scope="module", params=["mp", "ray"])
+def dp(request, model, tmp_path_factory):
+    """Two replicas, cache-aware routing, restarted when they die (Ray's default); the last
+    tests here kill one of them."""
+    flags = ["--data-parallel-size", "2", "--restart-engine"]
+    if request.param == "ray":
+        pytest.importorskip("ray")
+        flags += ["--distributed-executor-backend", "ray"]
+    server = _serve(model, tmp_path_factory.mktemp(request.param), request.param, *flags)
+    server.backend = request.param
     yield server
-    server.stop()
+    assert server.stop() == 0
+
+
+def _cores(server: ServerProcess) -> list[int]:
+    """The pids of the server's engine cores: its children, or its Ray actors."""
+    if server.backend == "ray":
+        command = ["pgrep", "-f", "ray::EngineCoreActor"]
+    else:
+        command = ["pgrep", "-P", str(server.proc.pid), "-f", "conveyor.engine.core_proc"]
+    return [int(p) for p in subprocess.run(command, capture_output=True, text=True).stdout.split()]
+
+
+def _wait_for_cores(server: ServerProcess, count: int, restarts: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        back = server.log_path.read_text().count("the engine core is back")
+        if len(_cores(server)) == count and back >= restarts:
+            return
+        time.sleep(0.5)
+    raise AssertionError(
+        f"no {count} cores after a restart:\n{server.log_path.read_text()[-2000:]}"
+    )
 
 
 def test_two_replicas_serve_64_streams(dp):
@@ -125,6 +155,8 @@ def test_two_replicas_serve_64_streams(dp):
 
 
 def test_cache_aware_routing_keeps_the_hit_rate_of_one_replica(dp, model, tmp_path, capsys):
+    if dp.backend != "mp":
+        pytest.skip("routing does not depend on where the cores run: measured once, on mp")
     rates = {"cache-aware, 2 replicas": _shared_prefix_load(dp)}
     flags = ["--data-parallel-size", "2", "--data-parallel-routing", "round_robin"]
     rr = _serve(model, tmp_path, "rr", *flags)
@@ -179,13 +211,48 @@ def test_structured_output_on_every_replica(dp):
         assert after[key] > before[key], key
 
 
+def test_requests_without_output_move_off_a_dying_replica(dp):
+    """A replica frozen with requests queued, then killed: they start again on the other
+    replica and every client gets its whole answer; the dead one is restarted and rejoins."""
+    client = _client(dp)
+    cores = _cores(dp)
+    assert len(cores) == 2
+    os.kill(cores[0], signal.SIGSTOP)
+
+    def ask(i: int) -> str | None:
+        reply = client.completions.create(
+            model="tiny", prompt=f"retry {i}", max_tokens=6, extra_body={"ignore_eos": True}
+        )
+        return reply.choices[0].finish_reason
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(ask, i) for i in range(8)]
+            time.sleep(3)  # all placed; the frozen replica's have produced nothing
+            os.kill(cores[0], signal.SIGKILL)
+            reasons = [f.result(timeout=120) for f in futures]
+    finally:
+        try:
+            os.kill(cores[0], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert reasons == ["length"] * 8
+    log = dp.log_path.read_text()
+    moved = [line for line in log.splitlines() if "moved" in line and "request(s)" in line]
+    assert moved, log[-2000:]
+    _wait_for_cores(dp, 2, restarts=1)
+    before = dp.metrics()
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask, range(8, 16))) == ["length"] * 8
+    after = dp.metrics()
+    for replica in ("0", "1"):  # the restarted replica rejoined: both serve again
+        key = f"conveyor:generation_tokens_total{{model_name=tiny,replica={replica}}}"
+        assert after[key] > before[key], key
+
+
 def test_a_killed_replica_fails_only_its_own_requests(dp):
     client = _client(dp)
-    cores = subprocess.run(
-        ["pgrep", "-P", str(dp.proc.pid), "-f", "conveyor.engine.core_proc"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
+    cores = _cores(dp)
     assert len(cores) == 2
 
     started = threading.Semaphore(0)
@@ -214,7 +281,7 @@ def test_a_killed_replica_fails_only_its_own_requests(dp):
         futures = [pool.submit(stream, i) for i in range(16)]
         for _ in range(16):  # every stream is under way
             assert started.acquire(timeout=60)
-        os.kill(int(cores[0]), signal.SIGKILL)
+        os.kill(cores[0], signal.SIGKILL)
         results = [f.result(timeout=120) for f in futures]
     kinds = [kind for kind, _ in results]
     # Every client heard: tokens to the end, or an error; the other replica's finished.

@@ -52,15 +52,9 @@ class CoreProcess:
 
     def __init__(self, kwargs: dict, context: zmq.Context) -> None:
         self._dir = tempfile.mkdtemp(prefix="conveyor-core-")
-        input_address, output_address = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self.input = context.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.SNDHWM, 0)  # never block the front end on a slow core
-        self.input.setsockopt(zmq.LINGER, 0)
-        self.input.bind(input_address)
-        self.output = context.socket(zmq.PULL)
-        self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.setsockopt(zmq.LINGER, 0)
-        self.output.bind(output_address)
+        input_address, output_address = self._bind(
+            context, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        )
         config = os.path.join(self._dir, "config.pickle")
         with open(config, "wb") as file:
             pickle.dump(kwargs, file, protocol=5)
@@ -72,7 +66,21 @@ class CoreProcess:
         self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         # Readable once the process has exited (Linux 5.3+); None: the watchdog polls instead.
         self.exit_fd = _pidfd(self.proc.pid)
+
+    def _bind(self, context: zmq.Context, input_address: str, output_address: str):
+        """Binds the front end's two sockets; returns their addresses (a tcp://HOST:* address
+        gets a free port)."""
         self._lock = threading.Lock()
+        self.input = context.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # never block the front end on a slow core
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(input_address)
+        self.output = context.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(output_address)
+        endpoint = zmq.LAST_ENDPOINT
+        return self.input.getsockopt_string(endpoint), self.output.getsockopt_string(endpoint)
 
     @property
     def pid(self) -> int:
@@ -187,27 +195,37 @@ class AsyncMPEngine:
     """The server's engine with the core in its own process; AsyncEngine's interface."""
 
     def __init__(
-        self, kwargs: dict, *, iteration_timeout: float | None = None, restart: bool = False
+        self,
+        kwargs: dict,
+        *,
+        iteration_timeout: float | None = None,
+        restart: bool = False,
+        spawn: Callable[[dict, zmq.Context], CoreProcess] = CoreProcess,
     ) -> None:
         """iteration_timeout: seconds without a finished step, while requests are open, after
         which the core counts as hung. None: 60 s on CUDA (as vLLM), 300 s on CPU, where one
-        2048-token prefill chunk of a large model may take minutes."""
+        2048-token prefill chunk of a large model may take minutes. spawn: starts the core
+        (a local process; distributed/ray_placement.py places it on a Ray cluster)."""
         if iteration_timeout is None:
             on_cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
             iteration_timeout = CUDA_ITERATION_TIMEOUT if on_cuda else CPU_ITERATION_TIMEOUT
         if not iteration_timeout > 0:
             raise ValueError(f"iteration_timeout must be > 0, got {iteration_timeout}")
         self.kwargs = dict(kwargs)
-        self.iteration_timeout, self.restart = iteration_timeout, restart
+        self.iteration_timeout, self.restart, self.spawn = iteration_timeout, restart, spawn
         # Called on the event loop after every step and every abort (metrics), and once when
         # the core died for good (the server then exits non-zero).
         self.on_step: Callable | None = None
         self.on_abort: Callable | None = None
         self.on_fatal: Callable[[], None] | None = None
+        # Called on the event loop when the core died, with the open requests that had no
+        # output yet: returns the ids it took over (a data-parallel engine retries them on
+        # another replica); the others fail with the error.
+        self.on_lost: Callable[[AsyncMPEngine, list[RequestStream]], set[str]] | None = None
         self.fatal = False
         self.num_restarts = 0
         self._context = zmq.Context()
-        self._process = CoreProcess(self.kwargs, self._context)
+        self._process = spawn(self.kwargs, self._context)
         try:
             self.info, self._stats = self._process.wait_ready()
         except BaseException:
@@ -253,16 +271,28 @@ class AsyncMPEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         """Submits a request; raises ValueError here if it is refused."""
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine core is not running: {self._error!r}")
         if self._loop is None:
             await self.start()
+        return self.admit(request_id, prompt, params, priority)
+
+    def admit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        stream: RequestStream | None = None,
+    ) -> RequestStream:
+        """add_request on the running event loop; `stream`: go on feeding that one (a request
+        moved here from a replica that died before it produced anything)."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine core is not running: {self._error!r}")
         token_ids, sequences = self.inputs.admit(
             self.outputs, request_id, prompt, params, priority, None, OutputKind.DELTA
         )
         if not self._streams:  # the deadline counts from the first open request
             self._last_message = time.monotonic()
-        stream = RequestStream(request_id, self._loop)
+        stream = stream or RequestStream(request_id, self._loop)
         self._streams[request_id] = stream
         self._process.send((ADD, sequences))
         self._num_prompt_tokens += len(token_ids) * len(sequences)
@@ -410,9 +440,22 @@ class AsyncMPEngine:
         if self._error is not None or self._stopping:
             return
         self._error = error = EngineDeadError(f"the engine core died: {reason}")
-        logger.error("%s; failing %d open request(s)", error, len(self._streams))
-        for stream in self._streams.values():
-            stream.put_local(error)
+        taken: set[str] = set()
+        if self.on_lost is not None:
+            untouched = [s for s in self._streams.values() if s.num_outputs == 0]
+            try:
+                taken = self.on_lost(self, untouched) if untouched else set()
+            except Exception:  # noqa: BLE001 - they fail with the error below instead
+                logger.exception("moving the requests of a dead core failed")
+        logger.error(
+            "%s; failing %d open request(s)%s",
+            error,
+            len(self._streams) - len(taken),
+            f", {len(taken)} moved to another replica" if taken else "",
+        )
+        for request_id, stream in self._streams.items():
+            if request_id not in taken:
+                stream.put_local(error)
         self._streams.clear()
         self.outputs = OutputProcessor(self.tokenizer)
         self._detach()
@@ -427,7 +470,7 @@ class AsyncMPEngine:
     async def _restart(self) -> None:
         logger.warning("starting a new engine core (--restart-engine)")
         try:
-            process = CoreProcess(self.kwargs, self._context)
+            process = await self._loop.run_in_executor(None, self.spawn, self.kwargs, self._context)
             info, stats = await self._loop.run_in_executor(None, process.wait_ready)
         except Exception:  # noqa: BLE001 - cannot recover: exit as without restart
             logger.exception("the new engine core failed to start")

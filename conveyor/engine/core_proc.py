@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 
 import zmq
@@ -44,16 +45,21 @@ def main(argv: list[str]) -> None:
     with open(config, "rb") as file:
         kwargs = pickle.load(file)
     os.unlink(config)  # read once: the settings do not stay on disk while the core runs
-    run_engine_core(kwargs, input_address, output_address, int(parent_pid), pdeathsig == "1")
+    sys.exit(
+        run_engine_core(kwargs, input_address, output_address, int(parent_pid), pdeathsig == "1")
+    )
 
 
 def run_engine_core(
     kwargs: dict, input_address: str, output_address: str, parent_pid: int, pdeathsig: bool
-) -> None:
-    # Ctrl-C and SIGTERM go to the whole process group: the front end drains its streams
-    # and then stops this process itself, so the core must not die first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+) -> int:
+    """Runs the core until the front end stops it, is gone, or the core fails; the exit
+    status. Also the body of a Ray actor (distributed/ray_placement.py)."""
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C and SIGTERM go to the whole process group: the front end drains its streams
+        # and then stops this process itself, so the core must not die first.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if pdeathsig:
         _die_with_parent()
     context = zmq.Context()
@@ -69,7 +75,7 @@ def run_engine_core(
     except BaseException as error:  # noqa: BLE001 - the front end re-raises it
         outputs.send(encode((FAILED, type(error).__name__, str(error), traceback.format_exc())))
         outputs.close()
-        sys.exit(1)
+        return 1
     outputs.send(encode((READY, core.info, core.get_stats())))
     try:
         _busy_loop(core, inputs, outputs, parent_pid)
@@ -77,9 +83,10 @@ def run_engine_core(
         outputs.send(encode((DEAD, f"{type(error).__name__}: {error}", traceback.format_exc())))
         outputs.close()
         core.close()
-        sys.exit(1)
+        return 1
     outputs.close()
     core.close()
+    return 0
 
 
 def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:

@@ -13,9 +13,11 @@ Which one is the router's choice:
                    tokens) gives way to it: a cache hit is not worth a queue;
   round_robin      in turn, for comparison.
 
-A replica that dies fails its own open requests with an error (the others go on), the router
-stops sending it work, and /health stays 200 while one replica serves; with restart, a dead
-replica starts a new core and rejoins. Only when every replica is gone is the engine dead.
+A replica that dies moves its open requests that have produced nothing yet to another
+replica (the client never notices), fails the others with an error (the other replicas go on),
+the router stops sending it work, and /health stays 200 while one replica serves; with
+restart, a dead replica starts a new core and rejoins. Only when every replica is gone is the
+engine dead.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 
 from conveyor.engine.core import EngineStats
-from conveyor.engine.core_client import AsyncMPEngine
+from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
 from conveyor.engine.streams import EngineDeadError, RequestStream
 from conveyor.sampling_params import SamplingParams
 
@@ -121,7 +123,10 @@ class AsyncDPEngine:
         routing: str = "cache",
         iteration_timeout: float | None = None,
         restart: bool = False,
+        spawn: Callable = CoreProcess,
     ) -> None:
+        """spawn: starts one replica's core (CoreProcess: a local process; RayCoreProcess:
+        a Ray actor). On CUDA, replica i's ranks take GPUs i * TP .. i * TP + TP - 1."""
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}")
         kwargs = dict(kwargs)
@@ -130,6 +135,12 @@ class AsyncDPEngine:
 
             # The cores are shared out: N replicas with all threads each would oversubscribe.
             kwargs["num_threads"] = max(1, torch.get_num_threads() // num_replicas)
+        check_capacity = getattr(spawn, "check_capacity", None)
+        if check_capacity is not None:
+            check_capacity(kwargs, num_replicas)
+        per_replica = [
+            _replica_kwargs(kwargs, i, spawn is CoreProcess) for i in range(num_replicas)
+        ]
         self.num_replicas = num_replicas
         self.on_step: Callable | None = None
         self.on_abort: Callable | None = None
@@ -139,9 +150,13 @@ class AsyncDPEngine:
         with ThreadPoolExecutor(num_replicas, thread_name_prefix="conveyor-replica") as pool:
             futures = [
                 pool.submit(
-                    AsyncMPEngine, kwargs, iteration_timeout=iteration_timeout, restart=restart
+                    AsyncMPEngine,
+                    replica_kwargs,
+                    iteration_timeout=iteration_timeout,
+                    restart=restart,
+                    spawn=spawn,
                 )
-                for _ in range(num_replicas)
+                for replica_kwargs in per_replica
             ]
             wait(futures)
         failed = [f.exception() for f in futures if f.exception() is not None]
@@ -163,7 +178,12 @@ class AsyncDPEngine:
         self.tokenizer = first.tokenizer
         self.router = PrefixRouter(num_replicas, self.info.cache_config.block_size, routing)
         self._placed: dict[str, tuple[int, int]] = {}  # request id -> (replica, tokens)
+        # request id -> (prompt, params, priority): what a retry on another replica needs
+        self._submitted: dict[str, tuple[str | list[int], SamplingParams, int]] = {}
         self._restarts = [0] * num_replicas
+        self.num_moved = 0  # requests moved off a dying replica before their first output
+        for replica in self.replicas:
+            replica.on_lost = self._move_lost
 
     # ---- the interface AsyncEngine shares ------------------------------------------------
 
@@ -194,15 +214,43 @@ class AsyncDPEngine:
     ) -> RequestStream:
         """Admits the request on the router's replica; ValueError if it is refused."""
         self._forget_restarted()
+        await self.start()
+        return self._place(request_id, prompt, params, priority)
+
+    def _place(self, request_id, prompt, params: SamplingParams, priority, stream=None):
         alive = [r.is_alive for r in self.replicas]
         ids = prompt if isinstance(prompt, list) else None
         index = self.router.choose(ids, alive)
-        stream = await self.replicas[index].add_request(request_id, prompt, params, priority)
+        stream = self.replicas[index].admit(request_id, prompt, params, priority, stream)
         max_tokens = params.max_tokens or self.max_model_len
         tokens = (len(ids) if ids else 0) + max_tokens * params.n
         self.router.assign(index, ids, tokens)
         self._placed[request_id] = (index, tokens)
+        self._submitted[request_id] = (prompt, params, priority)
         return stream
+
+    def _move_lost(self, dying: AsyncMPEngine, streams: list[RequestStream]) -> set[str]:
+        """A replica died: its requests that produced nothing yet start again on another
+        replica, into the same streams. Returns the ids moved."""
+        moved = set()
+        for stream in streams:
+            submitted = self._submitted.get(stream.request_id)
+            if submitted is None:
+                continue
+            self._release(stream.request_id)
+            try:
+                self._place(stream.request_id, *submitted, stream=stream)
+            except (ValueError, EngineDeadError):
+                continue  # no replica takes it: it fails with the dead replica's error
+            moved.add(stream.request_id)
+        self.num_moved += len(moved)
+        if moved:
+            logger.warning(
+                "moved %d request(s) without output off replica %d",
+                len(moved),
+                dying.replica_index,
+            )
+        return moved
 
     def _share_grammars(self) -> None:
         """One grammar compiler for all replicas: the serving layer compiles a constraint off
@@ -221,6 +269,7 @@ class AsyncDPEngine:
                 for request_id, (i, _) in list(self._placed.items()):
                     if i == index:
                         del self._placed[request_id]
+                        self._submitted.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         placed = self._placed.get(request_id)
@@ -273,6 +322,7 @@ class AsyncDPEngine:
             self.on_abort(replica, request_id)
 
     def _release(self, request_id: str) -> None:
+        self._submitted.pop(request_id, None)
         placed = self._placed.pop(request_id, None)
         if placed is not None:
             self.router.release(*placed)
@@ -286,6 +336,7 @@ class AsyncDPEngine:
         for request_id, (index, _) in list(self._placed.items()):
             if self.replicas[index].fatal:
                 del self._placed[request_id]
+                self._submitted.pop(request_id, None)
         dead = [i for i, r in enumerate(self.replicas) if r.fatal]
         logger.error(
             "data-parallel replica(s) %s down; %d serving", dead, self.num_replicas - len(dead)
@@ -294,3 +345,14 @@ class AsyncDPEngine:
             self.fatal = True
             if self.on_fatal is not None:
                 self.on_fatal()
+
+
+def _replica_kwargs(kwargs: dict, index: int, local: bool) -> dict:
+    """Replica `index`'s engine settings: on CUDA, local replicas take GPUs of their own
+    (Ray gives each actor its own GPUs already, as its device 0)."""
+    device = str(kwargs.get("device", "cpu"))
+    if not local or not device.startswith("cuda") or index == 0:
+        return kwargs
+    tp = kwargs.get("tensor_parallel_size", 1) or 1
+    first = int(device.partition(":")[2] or 0)
+    return dict(kwargs, device=f"cuda:{first + index * tp}")

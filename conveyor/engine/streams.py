@@ -27,9 +27,12 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     accepted: asyncio.Future | None = None
     finished: bool = False
+    num_outputs: int = 0  # outputs handed to it so far (0: the client has seen nothing)
 
     def put_local(self, item: RequestOutput | BaseException) -> None:
         """From the stream's own event loop."""
+        if not isinstance(item, BaseException):
+            self.num_outputs += 1
         self.queue.put_nowait(item)
 
     def put(self, item: RequestOutput | BaseException) -> None:

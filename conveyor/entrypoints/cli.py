@@ -43,25 +43,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from conveyor.config import RequestLimits
     from conveyor.engine.async_engine import AsyncEngine
-    from conveyor.engine.core_client import AsyncMPEngine
+    from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.entrypoints.openai.api_server import build_app, run_server
 
     limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
     kwargs = engine_kwargs(args)
     api_key = args.api_key or os.environ.get("CONVEYOR_API_KEY") or None
-    if args.data_parallel_size != 1:
+    ray = args.distributed_executor_backend == "ray"
+    if args.data_parallel_size != 1 or ray:
         if not args.engine_process:
-            print("conveyor serve: --data-parallel-size needs --engine-process", file=sys.stderr)
+            print(
+                "conveyor serve: --data-parallel-size and --distributed-executor-backend ray "
+                "need --engine-process",
+                file=sys.stderr,
+            )
             return 2
         from conveyor.engine.data_parallel import AsyncDPEngine
 
+        spawn, restart = CoreProcess, args.restart_engine
+        if ray:  # Ray places each replica's core; a dead one is placed again and rejoins
+            from conveyor.distributed.ray_placement import RayCoreProcess, init_ray
+
+            init_ray(args.ray_address)
+            spawn, restart = RayCoreProcess, True
         engine = AsyncDPEngine(
             kwargs,
             args.data_parallel_size,
             routing=args.data_parallel_routing,
             iteration_timeout=args.engine_iteration_timeout,
-            restart=args.restart_engine,
+            restart=restart,
+            spawn=spawn,
         )
     elif args.engine_process:
         engine = AsyncMPEngine(
@@ -133,6 +145,18 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
         choices=["cache", "round_robin"],
         help="cache: to the replica holding the longest prefix of the prompt, else the least "
         "loaded; round_robin: in turn",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        default="mp",
+        choices=["mp", "ray"],
+        help="mp: engine cores are local processes; ray: Ray actors, placed on the cluster "
+        "of --ray-address (restarted when they die; pip install 'conveyor[ray]')",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join (e.g. auto, or HEAD_IP:6379); default: start a local one",
     )
     group.add_argument(
         "--engine-iteration-timeout",
