@@ -1,5 +1,5 @@
-"""`conveyor bench serve | throughput | compare | step | quality | split | spec | structured`: the
-commands.
+"""`conveyor bench serve | throughput | compare | step | quality | split | spec | structured |
+scaling`: the commands.
 
 Flag names follow `vllm bench serve` / `vllm bench throughput`, so a command line written for
 one runs against the other (the shared flags are in bench/args.py). Each command's module is
@@ -24,7 +24,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
     add_throughput_args(throughput)
     throughput.set_defaults(func=_run_throughput)
-    from conveyor.bench import compare, quality, spec, split, step, structured
+    from conveyor.bench import compare, quality, scaling, spec, split, step, structured
 
     parser = bench_sub.add_parser(
         "compare",
@@ -63,6 +63,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     structured.add_arguments(parser)
     parser.set_defaults(func=structured.main)
+    parser = bench_sub.add_parser(
+        "scaling",
+        help="one engine vs data-parallel replicas vs tensor-parallel ranks, side by side",
+    )
+    scaling.add_arguments(parser)
+    parser.set_defaults(func=scaling.main)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
