@@ -108,3 +108,4 @@ def test_shards_cover_every_head_and_vocabulary_row():
         check_tensor_parallel(type("C", (), dict(vars(Cfg), num_kv_heads=3)), 2)
     with pytest.raises(ValueError, match="intermediate size"):
         check_tensor_parallel(type("C", (), dict(vars(Cfg), intermediate_size=97)), 2)
+
