@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU: two ranks over gloo, each holding half of the heads, the MLP and
-the vocabulary, give transformers' greedy tokens (float64) on tiny random checkpoints: GQA,
-MQA (its one KV head replicated), tied embeddings with a vocabulary that does not split
-evenly. A model that does not divide is refused; a rank that dies stops the engine with an
+the vocabulary, give transformers' greedy tokens (float64) on tiny random checkpoints: GQA;
+MQA (its one KV head replicated) with biases and tied embeddings over a vocabulary that does
+not split evenly. A model that does not divide is refused; a rank that dies stops the engine with an
 error naming it, never a hang."""
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ GREEDY = [
 CASES = {
     # llama: GQA (4 query heads over 2 KV heads), head_dim 32 != hidden / heads, llama3 rope.
     "gqa": ("llama", {}),
-    # qwen2: q/k/v biases, tied embeddings, 387 tokens: the vocabulary splits 194 + 193.
-    "tied-odd-vocab": ("qwen2", {"vocab_size": 387}),
-    # MQA: one KV head, replicated on both ranks.
-    "mqa": ("llama", {"num_key_value_heads": 1}),
+    # qwen2 with MQA (one KV head, replicated on both ranks), q/k/v biases, tied embeddings
+    # and 387 tokens: the vocabulary splits 194 + 193.
+    "mqa-tied-odd-vocab": ("qwen2", {"num_key_value_heads": 1, "vocab_size": 387}),
 }
 
 
@@ -57,6 +56,10 @@ def test_two_ranks_match_transformers(case):
         attn = llm.engine.core.runner.model.model.layers[0].self_attn
         assert attn.num_heads == 2  # half of the 4 query heads on this rank
         assert attn.num_kv_heads == 1  # half of GQA's 2; MQA's one, replicated
+        if name != "gqa":
+            assert (
+                attn.qkv_proj.bias is not None and llm.engine.core.model_config.tie_word_embeddings
+            )
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_matches_reference(outputs, reference)
         if name == "gqa":  # the last case of this engine: a rank dies
@@ -108,4 +111,3 @@ def test_shards_cover_every_head_and_vocabulary_row():
         check_tensor_parallel(type("C", (), dict(vars(Cfg), num_kv_heads=3)), 2)
     with pytest.raises(ValueError, match="intermediate size"):
         check_tensor_parallel(type("C", (), dict(vars(Cfg), intermediate_size=97)), 2)
-
