@@ -46,13 +46,19 @@ def case(request, tmp_path_factory):
     return request.param, path, prompts, reference
 
 
-def test_two_ranks_match_transformers(case):
+def test_two_ranks_match_transformers(case, monkeypatch):
     name, path, prompts, reference = case
+    # GQA adds its partial sums through shared memory (the CPU default), the other case
+    # through gloo alone.
+    shm = name == "gqa"
+    if not shm:
+        monkeypatch.setenv("CONVEYOR_TP_SHM", "0")
     # A small token budget: prompts arrive in chunks, mixed with decoding rows.
     llm = LLM(str(path), dtype="float64", tensor_parallel_size=2, max_num_batched_tokens=32)
     try:
         workers = llm.engine.core.tp_workers
         assert workers.size == 2 and len(workers.procs) == 1 and workers.group.pg is not None
+        assert (workers.group.shm is not None) == shm
         attn = llm.engine.core.runner.model.model.layers[0].self_attn
         assert attn.num_heads == 2  # half of the 4 query heads on this rank
         assert attn.num_kv_heads == 1  # half of GQA's 2; MQA's one, replicated
@@ -62,7 +68,7 @@ def test_two_ranks_match_transformers(case):
             )
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_matches_reference(outputs, reference)
-        if name == "gqa":  # the last case of this engine: a rank dies
+        if name == "gqa":  # the last use of this engine: a rank dies mid-collective wait
             _kill_rank_and_expect_an_error(llm)
     finally:
         llm.engine.shutdown()
@@ -111,3 +117,28 @@ def test_shards_cover_every_head_and_vocabulary_row():
         check_tensor_parallel(type("C", (), dict(vars(Cfg), num_kv_heads=3)), 2)
     with pytest.raises(ValueError, match="intermediate size"):
         check_tensor_parallel(type("C", (), dict(vars(Cfg), intermediate_size=97)), 2)
+
+
+def test_a_shared_memory_wait_ends_when_a_peer_is_gone_or_late():
+    import subprocess
+
+    from conveyor.distributed import shm
+
+    if not shm.available():
+        pytest.skip("the shared-memory collectives run on x86-64 Linux only")
+    path = shm.create(2)
+    try:
+        group = shm.ShmCollectives(path, 0, 2, timeout=0.3)
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        group._pids[1] = gone.pid  # a peer that exited
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 is gone"):
+            group.all_reduce(torch.ones(4))
+        assert time.monotonic() - start < 0.2
+        group._pids[1] = os.getpid()  # alive, but it never arrives
+        with pytest.raises(RuntimeError, match=r"ranks \[1\] did not reach a collective in 0.3 s"):
+            group.all_reduce(torch.ones(4))
+        group.close()
+    finally:
+        shm.remove(path)

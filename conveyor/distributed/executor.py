@@ -72,6 +72,13 @@ class TPWorkers:
         back_address = f"ipc://{self._dir}/back"
         self._back.bind(back_address)
         self._store = serve_store("127.0.0.1", size, timeout)
+        # Ranks on one CPU node add their tensors up through shared memory, not loopback TCP.
+        from conveyor.distributed import shm
+
+        use_shm = device.type == "cpu" and shm.available()
+        if os.environ.get("CONVEYOR_TP_SHM", "1") == "0":  # gloo only (tests, comparisons)
+            use_shm = False
+        self.shm_path = shm.create(size) if use_shm else None
         self._steps: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         # PR_SET_PDEATHSIG fires when the thread that started the child exits.
@@ -93,6 +100,7 @@ class TPWorkers:
                 timeout=timeout,
                 steps=address,
                 back=back_address,
+                shm_path=self.shm_path,
                 parent_pid=os.getpid(),
                 pdeathsig=pdeathsig,
             )
@@ -100,13 +108,19 @@ class TPWorkers:
                 pickle.dump(settings, file, protocol=5)
             command = [sys.executable, "-m", "conveyor.distributed.worker", config]
             self.procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
-        self._finalizer = weakref.finalize(self, _kill, list(self.procs), self._dir)
+        self._finalizer = weakref.finalize(self, _kill, list(self.procs), self._dir, self.shm_path)
 
     def connect(self) -> None:
         """Waits for every worker to be up, then joins the process group with them."""
         self._await(HELLO)
-        joined = connect(self.group.shard, self.device, store=self._store, timeout=self.timeout)
-        self.group.pg = joined.pg
+        joined = connect(
+            self.group.shard,
+            self.device,
+            store=self._store,
+            timeout=self.timeout,
+            shm_path=self.shm_path,
+        )
+        self.group.pg, self.group.shm = joined.pg, joined.shm
 
     def wait_ready(self) -> None:
         """Blocks until every worker has loaded its share of the model; raises its error."""
@@ -196,7 +210,7 @@ class TPWorkers:
         self._context.term()
 
 
-def _kill(procs: list[subprocess.Popen], directory: str) -> None:
+def _kill(procs: list[subprocess.Popen], directory: str, shm_path: str | None) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
@@ -205,3 +219,7 @@ def _kill(procs: list[subprocess.Popen], directory: str) -> None:
         except subprocess.TimeoutExpired:
             pass
     shutil.rmtree(directory, ignore_errors=True)
+    if shm_path is not None:
+        from conveyor.distributed.shm import remove
+
+        remove(shm_path)

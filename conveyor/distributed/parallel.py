@@ -112,9 +112,12 @@ class TPGroup:
     """This rank's shard and its collectives. A single rank (`TPGroup()`) has no process
     group and its collectives return their input as is."""
 
-    def __init__(self, shard: TPShard | None = None, process_group=None) -> None:
+    def __init__(self, shard: TPShard | None = None, process_group=None, shm=None) -> None:
+        """shm: shared-memory collectives (distributed/shm.py) for ranks on one CPU node,
+        used for every tensor that fits; the process group carries the rest."""
         self.shard = shard or TPShard()
         self.pg = process_group
+        self.shm = shm
 
     @property
     def size(self) -> int:
@@ -128,6 +131,8 @@ class TPGroup:
         """The sum over ranks (in place where `tensor` is contiguous)."""
         if self.pg is not None:
             tensor = tensor.contiguous()  # a CPU projection may return a transposed view
+            if self.shm is not None and self.shm.fits(tensor):
+                return self.shm.all_reduce(tensor)
             self.pg.allreduce([tensor]).wait()
         return tensor
 
@@ -136,6 +141,8 @@ class TPGroup:
         if self.pg is None:
             return tensor
         tensor = tensor.contiguous()
+        if self.shm is not None and self.shm.fits(tensor):
+            return self.shm.all_gather(tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.pg.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
@@ -157,12 +164,14 @@ def connect(
     store=None,
     address: tuple[str, int] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    shm_path: str | None = None,
 ) -> TPGroup:
     """Joins the ranks' process group, gloo on CPU and NCCL on CUDA: rank 0 with the store it
     serves, the others with that store's address. The group is an object of its own (not
     torch.distributed's global default group), so that an engine in a user's process leaves
     no global state behind. Every collective fails after `timeout` seconds without its
-    peers: a rank that died or hangs takes the engine down with an error, never a hang."""
+    peers: a rank that died or hangs takes the engine down with an error, never a hang.
+    shm_path: the shared file of the CPU collectives (distributed/shm.py), if any."""
     import torch.distributed as dist
 
     wait = datetime.timedelta(seconds=timeout)
@@ -176,4 +185,9 @@ def connect(
         pg = dist.ProcessGroupNCCL(prefixed, shard.rank, shard.size, options)
     else:
         pg = dist.ProcessGroupGloo(prefixed, shard.rank, shard.size, wait)
-    return TPGroup(shard, pg)
+    shm = None
+    if shm_path is not None:
+        from conveyor.distributed.shm import ShmCollectives
+
+        shm = ShmCollectives(shm_path, shard.rank, shard.size, timeout)
+    return TPGroup(shard, pg, shm)

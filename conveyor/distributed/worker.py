@@ -87,6 +87,7 @@ def _build_runner(settings: dict):
         device,
         address=settings["store"],
         timeout=settings["timeout"],
+        shm_path=settings["shm_path"],
     )
     torch.manual_seed(settings["seed"])
     return ModelRunner(
