@@ -115,10 +115,16 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     hf_config: Any = field(repr=False, compare=False)
     quantization: str = "none"  # none | gguf | int8 (see QUANTIZATION_MODES)
+    tokenizer: Path | None = None  # a tokenizer of its own; None: the checkpoint's
 
     @property
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf"
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """The folder the tokenizer loads from."""
+        return hf_folder(self.tokenizer or self.path)
 
     @classmethod
     def from_hf(
@@ -128,7 +134,9 @@ class ModelConfig:
         device: str = "cpu",
         max_model_len: int | None = None,
         quantization: str = "auto",
+        tokenizer: str | Path | None = None,
     ) -> ModelConfig:
+        """tokenizer: a folder (or .gguf file) whose tokenizer replaces the checkpoint's."""
         from transformers import AutoConfig
 
         path = resolve_model_path(model)
@@ -156,6 +164,30 @@ class ModelConfig:
             eos_token_ids=_eos_ids(path, hf),
             hf_config=hf,
             quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
+            tokenizer=_resolve_tokenizer(tokenizer),
+        )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _resolve_tokenizer(tokenizer: str | Path | None) -> Path | None:
+    if tokenizer is None:
+        return None
+    path = Path(tokenizer).expanduser()
+    if not path.exists():
+        raise ValueError(f"tokenizer {str(tokenizer)!r} does not exist")
+    return path
+
+
+def check_tokenizer(cfg: ModelConfig) -> None:
+    """One clear error for a checkpoint without a tokenizer, before anything loads."""
+    folder = cfg.tokenizer_path
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        where = "the tokenizer folder" if cfg.tokenizer else "the checkpoint"
+        raise ValueError(
+            f"{where} {str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+            "pass tokenizer=PATH (--tokenizer PATH) with the folder of the model's tokenizer"
         )
 
 

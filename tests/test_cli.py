@@ -1,10 +1,15 @@
-"""`python -m conveyor` is the `conveyor` command: same help, same usage errors."""
+"""The first minutes of a new user: `python -m conveyor` is the `conveyor` command (same help,
+same usage errors); `conveyor serve --help` groups its flags and explains each; a checkpoint
+without a tokenizer gets one clear error, runs with tokenizer=PATH / --tokenizer, or with
+skip_tokenizer_init=True on token ids alone."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:
@@ -25,3 +30,86 @@ def test_python_m_conveyor_reports_usage_errors_like_the_command():
     result = run(sys.executable, "-m", "conveyor", "serve", "--max-num-seqs", "many")
     assert result.returncode == 2
     assert "conveyor serve: error: argument --max-num-seqs" in result.stderr
+
+
+def test_serve_help_groups_its_flags_and_explains_each():
+    import argparse
+
+    from conveyor.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    serve = commands.choices["serve"]
+    groups = {g.title: [a.dest for a in g._group_actions] for g in serve._action_groups}
+    for title, member in [
+        ("model", "tokenizer"),
+        ("engine", "max_num_batched_tokens"),
+        ("scale-out", "tensor_parallel_size"),
+        ("speculative decoding", "speculative_config"),
+        ("structured output", "grammar_compile_timeout"),
+        ("server", "port"),
+        ("replicas (scale-out)", "data_parallel_size"),
+    ]:
+        assert member in groups.get(title, []), (title, groups)
+    unexplained = [a.dest for a in serve._actions if not a.help]
+    assert unexplained == []
+    text = run(sys.executable, "-m", "conveyor", "serve", "--help").stdout
+    assert "\nstructured output:\n" in text and "\nspeculative decoding:\n" in text
+
+
+def test_a_checkpoint_without_a_tokenizer_needs_one_given(tmp_path):
+    """tokenizer=PATH / --tokenizer for a checkpoint that ships without one; without it, one
+    clear error that says what to pass."""
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny import make_tiny_checkpoint
+
+    from conveyor import LLM, SamplingParams
+
+    model = make_tiny_checkpoint(tmp_path / "model")
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for file in model.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.move(file, tokenizer / file.name)
+    try:
+        LLM(str(model), dtype="float64")
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a checkpoint without a tokenizer was accepted")
+    assert "has no tokenizer" in message and "--tokenizer PATH" in message
+    result = run(sys.executable, "-m", "conveyor", "generate", str(model), "--max-tokens", "2")
+    assert result.returncode == 2 and "has no tokenizer" in result.stderr, result.stderr
+    llm = LLM(str(model), dtype="float64", tokenizer=str(tokenizer))
+    assert llm.get_tokenizer().name_or_path == str(tokenizer)
+    (out,) = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.prompt_token_ids
+    result = run(
+        sys.executable, "-m", "conveyor", "generate", str(model), "--tokenizer", str(tokenizer),
+        "--dtype", "float64", "--prompt", "hello", "--max-tokens", "3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    with_missing = run(
+        sys.executable, "-m", "conveyor", "generate", str(model), "--tokenizer", "/nonexistent"
+    )
+    assert with_missing.returncode == 2 and "does not exist" in with_missing.stderr
+
+    # skip_tokenizer_init: token ids in, token ids out; the same greedy tokens, no text.
+    greedy = SamplingParams(max_tokens=5, temperature=0, logprobs=1)
+    (expected,) = llm.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)
+    bare = LLM(str(model), dtype="float64", skip_tokenizer_init=True)
+    assert bare.get_tokenizer() is None
+    (out,) = bare.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert out.outputs[0].text == ""
+    assert all(lp.decoded_token is None for pos in out.outputs[0].logprobs for lp in pos.values())
+    for prompt, params, refusal in [
+        ("text", greedy, "give the prompt as a list of token ids"),
+        ([5, 6], SamplingParams(stop=["x"]), "stop strings need a tokenizer"),
+    ]:
+        with pytest.raises(ValueError, match=refusal):
+            bare.generate([prompt], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer"):
+        bare.chat([{"role": "user", "content": "hi"}])

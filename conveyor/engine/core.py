@@ -24,7 +24,7 @@ from conveyor.config import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
-    hf_folder,
+    check_tokenizer,
     parse_memory,
 )
 from conveyor.core.kv_cache_manager import KVCacheManager
@@ -140,6 +140,7 @@ class CoreInfo:
     num_blocks: int
     device: str
     grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
+    skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out
 
 
 @dataclass(slots=True)
@@ -178,6 +179,8 @@ class EngineCore:
         speculative_config: SpeculativeConfig | dict | str | None = None,
         grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
         tensor_parallel_size: int = 1,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         """tensor_parallel_size N > 1 splits the model over N ranks (this process is rank 0,
         see distributed/executor.py); on CPU they share num_threads (default: the physical
@@ -197,8 +200,11 @@ class EngineCore:
         if tp_size > 1 and quantization == "auto":
             quantization = "none"
         self.model_config = ModelConfig.from_hf(
-            model, dtype, self.device.type, max_model_len, quantization
+            model, dtype, self.device.type, max_model_len, quantization, tokenizer
         )
+        self.skip_tokenizer_init = bool(skip_tokenizer_init)
+        if not skip_tokenizer_init:
+            check_tokenizer(self.model_config)
         check_tensor_parallel(self.model_config, tp_size)
         if tp_size > 1 and self.model_config.quantization != "none":
             raise ValueError(
@@ -269,9 +275,10 @@ class EngineCore:
             self.model_config.vocab_size,
             sorted(self.model_config.eos_token_ids),
             grammar_compile_timeout,
-            tokenizer_file=hf_folder(self.model_config.path) / "tokenizer.json",
+            tokenizer_file=self.model_config.tokenizer_path / "tokenizer.json",
         )
-        self.grammars.prepare()
+        if not skip_tokenizer_init:  # without a tokenizer, constrained requests are refused
+            self.grammars.prepare()
         self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
         self._failed: list[CoreOutput] = []
         self.record_trace = record_trace
@@ -290,6 +297,7 @@ class EngineCore:
             self.num_blocks,
             str(self.device),
             self.grammars.timeout,
+            self.skip_tokenizer_init,
         )
 
     def _draft_runner(

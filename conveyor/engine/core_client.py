@@ -232,7 +232,8 @@ class AsyncMPEngine:
             self._process.kill()
             raise
         self.model_config = self.info.model_config
-        self.tokenizer = load_tokenizer(self.model_config)
+        skip = self.info.skip_tokenizer_init
+        self.tokenizer = None if skip else load_tokenizer(self.model_config)
         self.inputs = InputProcessor(self.info, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}

@@ -43,10 +43,13 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer
-        self._backend = _backend_of(tokenizer)
-        self._decoder = _make_decoder(
-            tokenizer, self._backend, prompt_token_ids, params.skip_special_tokens
-        )
+        if tokenizer is None:  # skip_tokenizer_init: token ids in, token ids out, no text
+            self._backend, self._decoder = None, _NoText()
+        else:
+            self._backend = _backend_of(tokenizer)
+            self._decoder = _make_decoder(
+                tokenizer, self._backend, prompt_token_ids, params.skip_special_tokens
+            )
         self._stops = list(params.stop_strings)
         self._stop_first_chars = {stop[0] for stop in self._stops}
         self._max_hold = max((len(stop) for stop in self._stops), default=1) - 1
@@ -114,8 +117,11 @@ class IncrementalDetokenizer:
         self._num_sent = end
         return delta
 
-    def decode_token(self, token_id: int) -> str:
-        """One token's own text, for logprobs; special tokens are shown, a lone byte is U+FFFD."""
+    def decode_token(self, token_id: int) -> str | None:
+        """One token's own text, for logprobs; special tokens are shown, a lone byte is U+FFFD
+        (None without a tokenizer)."""
+        if self._tokenizer is None:
+            return None
         if self._backend is not None:
             return self._backend.decode([token_id], skip_special_tokens=False)
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
@@ -170,6 +176,16 @@ class IncrementalDetokenizer:
             return self._recent[len(self._recent) - num_chars :]
         text = self.output_text
         return text[max(0, len(text) - num_chars) :]
+
+
+class _NoText:
+    """The decoder of an engine without a tokenizer: every token adds no text."""
+
+    def step(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 class _StreamDecoder:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from conveyor.config import hf_folder
 from conveyor.engine.core import CoreInfo, CoreRequest
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.outputs import OutputKind
@@ -22,14 +21,14 @@ class InputProcessor:
         here is then compiled once); otherwise the front end keeps its own."""
         self.info = info
         self.tokenizer = tokenizer
-        if grammars is None:
+        if grammars is None and tokenizer is not None:
             model = info.model_config
             grammars = GrammarCompiler(
                 lambda: tokenizer,
                 model.vocab_size,
                 sorted(model.eos_token_ids),
                 info.grammar_compile_timeout,
-                tokenizer_file=hf_folder(model.path) / "tokenizer.json",
+                tokenizer_file=model.tokenizer_path / "tokenizer.json",
             )
             grammars.prepare()
         self.grammars = grammars
@@ -77,6 +76,8 @@ class InputProcessor:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if self.tokenizer is None:
+            self._check_without_tokenizer(params)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         self._check_token_ids(params)
@@ -93,7 +94,28 @@ class InputProcessor:
         ]
         return text, token_ids, sequences
 
+    def _check_without_tokenizer(self, params: SamplingParams) -> None:
+        """skip_tokenizer_init: what needs text is refused."""
+        needs = [
+            name
+            for name, used in (
+                ("stop strings", params.stop_strings),
+                ("structured output", params.structured_outputs is not None),
+            )
+            if used
+        ]
+        if needs:
+            raise ValueError(
+                f"{' and '.join(needs)} need a tokenizer; this engine has none "
+                "(skip_tokenizer_init=True)"
+            )
+
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError(
+                "this engine has no tokenizer (skip_tokenizer_init=True): "
+                "give the prompt as a list of token ids"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")

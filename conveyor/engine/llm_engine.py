@@ -37,7 +37,8 @@ class LLMEngine:
         self.cache_config = info.cache_config
         self.scheduler_config = info.scheduler_config
         self.num_blocks = info.num_blocks
-        self.tokenizer = load_tokenizer(self.model_config)
+        # skip_tokenizer_init=True: token ids in, token ids out (the outputs' text stays "").
+        self.tokenizer = None if info.skip_tokenizer_init else load_tokenizer(self.model_config)
         self.inputs = InputProcessor(info, self.tokenizer, getattr(self.core, "grammars", None))
         self.outputs = OutputProcessor(self.tokenizer)
         self._num_prompt_tokens = 0

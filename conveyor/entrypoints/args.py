@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 
-def add_model_arg(parser: argparse.ArgumentParser) -> None:
+def add_model_arg(parser) -> None:
     parser.add_argument(
         "model",
         nargs="?",
@@ -18,48 +18,96 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser) -> None:
     """The model and where it runs: shared by the engine flags and the benchmarks."""
     add_model_arg(parser)
-    parser.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto|float32|bfloat16|float16|float64 (auto: the checkpoint's, half types "
+        "computed in float32 on CPU)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu|cuda")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument(
+    """The engine's flags, in groups: model, engine, scale-out, speculative decoding,
+    structured output."""
+    model = parser.add_argument_group("model")
+    add_model_args(model)
+    model.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="folder (or .gguf file) of the tokenizer, for checkpoints that ship without one",
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context length)",
+    )
+    model.add_argument(
         "--quantization",
         default="auto",
         choices=["auto", "none", "int8"],
         help="auto: a quantized GGUF runs quantized (CPU); none: dequantize to --dtype; "
         "int8: quantize a float checkpoint's projections to int8 blocks",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", default=None, help="bytes, or e.g. 2GiB, 512MiB")
-    parser.add_argument(
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests in one step's batch"
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step (prompt chunks + decode tokens)",
+    )
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    engine.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks (default: as many as --kv-cache-memory holds)",
+    )
+    engine.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV-cache size: bytes, or e.g. 2GiB, 512MiB (default: 2 GiB on CPU, 90%% of "
+        "free GPU memory)",
+    )
+    engine.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "float16", "bfloat16"],
         help="auto: the model dtype; float16/bfloat16 halve the KV bytes (lossy)",
     )
-    parser.add_argument(
-        "--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"]
+    engine.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority", "static"],
+        help="fcfs: arrival order; priority: by the request's priority; static: "
+        "request-level batching (the baseline)",
     )
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompts that share a prefix",
     )
-    parser.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    engine.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over steps, mixed with decoding requests",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
+    engine.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    engine.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads (default: physical cores)"
     )
-    parser.add_argument(
+    scale = parser.add_argument_group("scale-out")
+    scale.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -68,21 +116,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split the model over N worker processes (torch.distributed: gloo on CPU, "
         "NCCL on CUDA, one GPU each); on CPU they share --num-threads",
     )
-    parser.add_argument(
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
         "--speculative-config",
         type=_speculative_config,
         default=None,
         metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 4}\'',
     )
-    parser.add_argument(
+    structured = parser.add_argument_group("structured output")
+    structured.add_argument(
         "--grammar-compile-timeout",
         type=_positive_seconds,
         default=30.0,
         metavar="SECONDS",
-        help="structured output: a request whose grammar takes longer to compile fails (400)",
+        help="a request whose grammar takes longer to compile fails (400)",
     )
 
 
@@ -112,6 +162,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         memory = int(memory)
     return dict(
         model=args.model,
+        tokenizer=args.tokenizer,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,

@@ -133,6 +133,14 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
         "exiting with status 1",
     )
     group.add_argument(
+        "--engine-iteration-timeout",
+        type=float,
+        default=None,
+        help="seconds without a finished step, while requests are open, after which the "
+        "engine core counts as hung and is killed (default 60 on CUDA, 300 on CPU)",
+    )
+    group = parser.add_argument_group("replicas (scale-out)")
+    group.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
@@ -158,13 +166,6 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the Ray cluster to join (e.g. auto, or HEAD_IP:6379); default: start a local one",
     )
-    group.add_argument(
-        "--engine-iteration-timeout",
-        type=float,
-        default=None,
-        help="seconds without a finished step, while requests are open, after which the "
-        "engine core counts as hung and is killed (default 60 on CUDA, 300 on CPU)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,21 +179,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument(
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the checkpoint's file or folder name)",
+    )
+    server.add_argument(
         "--api-key",
         default=None,
         help="required on every route but /health (also read from CONVEYOR_API_KEY)",
     )
-    serve.add_argument(
+    server.add_argument(
         "--metrics-no-auth",
         action="store_true",
         help="serve /metrics without the API key (for a Prometheus scraper)",
     )
-    serve.add_argument("--log-level", default="info")
-    serve.add_argument(
+    server.add_argument(
+        "--log-level", default="info", help="uvicorn's: critical|error|warning|info|debug"
+    )
+    server.add_argument(
         "--graceful-timeout",
         type=float,
         default=10.0,

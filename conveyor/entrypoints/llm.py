@@ -72,6 +72,8 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[int]:
         tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; this LLM has none (skip_tokenizer_init)")
         if chat_template is None and not tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
         ids = tokenizer.apply_chat_template(

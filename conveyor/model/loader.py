@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from conveyor.config import ModelConfig, hf_folder
+from conveyor.config import ModelConfig, check_tokenizer
 from conveyor.distributed.parallel import TPGroup, TPShard
 from conveyor.model.layers import RotaryEmbedding
 from conveyor.model.llama import LlamaForCausalLM
@@ -113,4 +113,5 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(hf_folder(cfg.path))
+    check_tokenizer(cfg)
+    return AutoTokenizer.from_pretrained(cfg.tokenizer_path)
