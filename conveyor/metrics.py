@@ -75,38 +75,48 @@ _REQUEST_BUCKETS = [
 ]
 
 
-class _ReplicaSeries:
-    """The series one engine core feeds from its stats (label replica="i"), and the totals
-    last seen from it: stats carry totals, counters take increments."""
+class _Totals:
+    """Counters fed from running totals: stats carry totals, counters take increments."""
 
-    __slots__ = ("labels", "running", "waiting", "kv_usage", "counters", "seen", "per_position")
+    __slots__ = ("counters", "seen")
 
-    def __init__(self, metrics: EngineMetrics, labels: tuple[str, str]) -> None:
-        self.labels = labels
-        self.running = metrics.running.labels(*labels)
-        self.waiting = metrics.waiting.labels(*labels)
-        self.kv_usage = metrics.kv_usage.labels(*labels)
-        self.counters = {
-            key: counter.labels(*labels)
-            for key, counter in (
-                ("prompt", metrics.prompt_tokens),
-                ("gen", metrics.generation_tokens),
-                ("preempt", metrics.preemptions),
-                ("queries", metrics.prefix_queries),
-                ("hits", metrics.prefix_hits),
-                ("drafts", metrics.spec_drafts),
-                ("draft_tokens", metrics.spec_draft_tokens),
-                ("accepted", metrics.spec_accepted),
-            )
-        }
-        self.seen = dict.fromkeys(self.counters, 0)
-        self.per_position = metrics.spec_accepted_per_pos
+    def __init__(self, counters: dict) -> None:
+        self.counters = counters
+        self.seen = dict.fromkeys(counters, 0)
 
     def add(self, key: str, total: int) -> None:
         delta = total - self.seen[key]
         if delta > 0:
             self.counters[key].inc(delta)
         self.seen[key] = total
+
+
+class _ReplicaSeries(_Totals):
+    """The series one engine core feeds from its stats (label replica="i")."""
+
+    __slots__ = ("labels", "running", "waiting", "kv_usage", "per_position")
+
+    def __init__(self, metrics: EngineMetrics, labels: tuple[str, str]) -> None:
+        self.labels = labels
+        self.running = metrics.running.labels(*labels)
+        self.waiting = metrics.waiting.labels(*labels)
+        self.kv_usage = metrics.kv_usage.labels(*labels)
+        super().__init__(
+            {
+                key: counter.labels(*labels)
+                for key, counter in (
+                    ("prompt", metrics.prompt_tokens),
+                    ("gen", metrics.generation_tokens),
+                    ("preempt", metrics.preemptions),
+                    ("queries", metrics.prefix_queries),
+                    ("hits", metrics.prefix_hits),
+                    ("drafts", metrics.spec_drafts),
+                    ("draft_tokens", metrics.spec_draft_tokens),
+                    ("accepted", metrics.spec_accepted),
+                )
+            }
+        )
+        self.per_position = metrics.spec_accepted_per_pos
 
 
 class EngineMetrics:
@@ -191,11 +201,12 @@ class EngineMetrics:
         self._replicas = {
             str(i): _ReplicaSeries(self, (model_name, str(i))) for i in range(num_replicas)
         }
-        self._counters = {
-            "grammar_queries": self.grammar_queries.labels(model_name),
-            "grammar_hits": self.grammar_hits.labels(model_name),
-        }
-        self._seen = dict.fromkeys(self._counters, 0)
+        self._grammar_totals = _Totals(
+            {
+                "grammar_queries": self.grammar_queries.labels(model_name),
+                "grammar_hits": self.grammar_hits.labels(model_name),
+            }
+        )
         self._grammar_compile = self.grammar_compile.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
@@ -261,8 +272,8 @@ class EngineMetrics:
         """The front end's grammar compiler (every constrained request is checked there, so
         its cache sees them all); called when /metrics is scraped."""
         queries, hits, seconds = compiler.take_stats()
-        self._add("grammar_queries", queries)
-        self._add("grammar_hits", hits)
+        self._grammar_totals.add("grammar_queries", queries)
+        self._grammar_totals.add("grammar_hits", hits)
         for value in seconds:
             self._grammar_compile.observe(value)
 
@@ -270,9 +281,3 @@ class EngineMetrics:
         self._last_token_time.pop(request_id, None)
         self.success.labels(self.model_name, "abort").inc()
         self.on_step(engine, [])
-
-    def _add(self, key: str, total: int) -> None:
-        delta = total - self._seen[key]
-        if delta > 0:
-            self._counters[key].inc(delta)
-        self._seen[key] = total

@@ -129,7 +129,7 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
-def _ask_json(client, name: str, schema: dict, n: int, seed: int):
+def _ask_json(client, name: str, schema: dict, n: int, seed: int, stream: bool = False):
     return client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": f"Write a {name} record as JSON."}],
@@ -141,6 +141,7 @@ def _ask_json(client, name: str, schema: dict, n: int, seed: int):
         n=n,
         seed=seed,
         max_tokens=300,
+        stream=stream,
     )
 
 
@@ -456,18 +457,7 @@ def test_unconstrained_greedy_output_is_unchanged_by_constrained_neighbours(clie
     ends: dict[str, float] = {}
 
     def neighbour(name: str, schema: dict) -> str:
-        stream = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": f"Write a {name} record as JSON."}],
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": name, "schema": schema, "strict": True},
-            },
-            temperature=1.0,
-            seed=9,
-            max_tokens=300,
-            stream=True,
-        )
+        stream = _ask_json(client, name, schema, 1, 9, stream=True)
         text, waited = "", False
         for chunk in stream:
             delta = chunk.choices[0].delta.content or ""

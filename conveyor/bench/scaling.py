@@ -72,11 +72,9 @@ def run_order(count: int, rounds: int) -> list[int]:
 
 
 def serve_flags(args: argparse.Namespace, kind: str, size: int) -> list[str]:
-    flags = ["--dtype", args.dtype, "--device", args.device]
-    if args.model:
-        flags.insert(0, args.model)
-    if args.num_threads:
-        flags += ["--num-threads", str(args.num_threads)]
+    from conveyor.bench.split import model_flags
+
+    flags = model_flags(args)
     if kind == "dp":
         return flags + ["--data-parallel-size", str(size)]
     return flags + ["--tensor-parallel-size", str(size), "--quantization", "none"]

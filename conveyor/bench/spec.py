@@ -102,7 +102,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def main(args: argparse.Namespace) -> int:
     from conveyor.bench.serve import load_tokenizer
-    from conveyor.bench.split import Server
+    from conveyor.bench.split import Server, model_flags
     from conveyor.config import resolve_model_path
 
     ks, concurrencies = check_args(args)
@@ -137,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     report["policies"] = sorted({policy for _, policy in configs if policy})
     total = len(configs) * len(workloads) * len(concurrencies)
     for k, policy in configs:
-        with Server(_serve_args(args) + _spec_flags(args, k, policy)) as server:
+        with Server(model_flags(args) + _spec_flags(args, k, policy)) as server:
             asyncio.run(_stream(server.base_url, warmup, 2, disable_tqdm=True))
             for workload, runs in workloads.items():
                 for c, requests in zip(concurrencies, runs, strict=True):
@@ -150,15 +150,6 @@ def main(args: argparse.Namespace) -> int:
     for path in save(report, args):
         print(f"written: {path}")
     return 0
-
-
-def _serve_args(args: argparse.Namespace) -> list[str]:
-    flags = ["--dtype", args.dtype, "--device", args.device]
-    if args.model:
-        flags.insert(0, args.model)
-    if args.num_threads:
-        flags += ["--num-threads", str(args.num_threads)]
-    return flags
 
 
 def _spec_flags(args: argparse.Namespace, k: int | None, policy: str | None) -> list[str]:

@@ -121,7 +121,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _serve_args(args: argparse.Namespace) -> list[str]:
-    flags = ["--dtype", args.dtype, "--device", args.device, "--max-num-seqs", "1024"]
+    return model_flags(args) + ["--max-num-seqs", "1024"]
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """`conveyor serve` flags for a benchmark's model flags (model, dtype, device, threads):
+    what every command that starts its own servers passes on."""
+    flags = ["--dtype", args.dtype, "--device", args.device]
     if args.model:
         flags.insert(0, args.model)
     if args.num_threads:

@@ -211,14 +211,9 @@ def _server(args: argparse.Namespace):
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
-    from conveyor.bench.split import Server
+    from conveyor.bench.split import Server, model_flags
 
-    flags = ["--dtype", args.dtype, "--device", args.device]
-    if args.model:
-        flags.insert(0, args.model)
-    if args.num_threads:
-        flags += ["--num-threads", str(args.num_threads)]
-    with Server(flags) as server:
+    with Server(model_flags(args)) as server:
         yield server.base_url
 
 

@@ -123,10 +123,6 @@ class TPGroup:
     def size(self) -> int:
         return self.shard.size
 
-    @property
-    def rank(self) -> int:
-        return self.shard.rank
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (in place where `tensor` is contiguous)."""
         if self.pg is not None:

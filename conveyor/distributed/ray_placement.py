@@ -95,11 +95,6 @@ class EngineCoreActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def node(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
 
 class RayCoreProcess(CoreProcess):
     """CoreProcess's interface over an engine core that runs in a Ray actor."""
@@ -110,7 +105,7 @@ class RayCoreProcess(CoreProcess):
         host = ray.util.get_node_ip_address()
         self._dir = None
         input_address, output_address = self._bind(context, f"tcp://{host}:*", f"tcp://{host}:*")
-        # Two method slots: pid() and node() answer while run() holds the core.
+        # Two method slots: pid() answers while run() holds the core.
         actor = ray.remote(max_concurrency=2, max_restarts=0)(EngineCoreActor)
         self.actor = actor.options(**actor_resources(kwargs)).remote()
         self.ref = self.actor.run.remote(kwargs, input_address, output_address)

@@ -211,7 +211,6 @@ class EngineCore:
                 "tensor parallelism splits float weights only: use quantization='none' "
                 f"with tensor_parallel_size={tp_size}"
             )
-        self.tensor_parallel_size = tp_size
         self.tp_workers = None
         self.cache_config = CacheConfig(
             block_size, num_blocks, kv_cache_memory, enable_prefix_caching, kv_cache_dtype

@@ -27,6 +27,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,6 +40,17 @@ logger = logging.getLogger(__name__)
 ROUTING_POLICIES = ("cache", "round_robin")
 TRACKED_BLOCKS = 1 << 16  # block hashes remembered per replica (LRU)
 IMBALANCE_SLACK = 2048  # tokens of open requests a cache hit may cost in balance
+
+
+class Placement(NamedTuple):
+    """Where an open request runs, the load it counts there, and what it was submitted
+    with (to start it again elsewhere if its replica dies before it produced anything)."""
+
+    replica: int
+    tokens: int
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
 
 
 class PrefixRouter:
@@ -177,11 +189,8 @@ class AsyncDPEngine:
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
         self.router = PrefixRouter(num_replicas, self.info.cache_config.block_size, routing)
-        self._placed: dict[str, tuple[int, int]] = {}  # request id -> (replica, tokens)
-        # request id -> (prompt, params, priority): what a retry on another replica needs
-        self._submitted: dict[str, tuple[str | list[int], SamplingParams, int]] = {}
+        self._placed: dict[str, Placement] = {}  # open requests, by id
         self._restarts = [0] * num_replicas
-        self.num_moved = 0  # requests moved off a dying replica before their first output
         for replica in self.replicas:
             replica.on_lost = self._move_lost
 
@@ -225,8 +234,7 @@ class AsyncDPEngine:
         max_tokens = params.max_tokens or self.max_model_len
         tokens = (len(ids) if ids else 0) + max_tokens * params.n
         self.router.assign(index, ids, tokens)
-        self._placed[request_id] = (index, tokens)
-        self._submitted[request_id] = (prompt, params, priority)
+        self._placed[request_id] = Placement(index, tokens, prompt, params, priority)
         return stream
 
     def _move_lost(self, dying: AsyncMPEngine, streams: list[RequestStream]) -> set[str]:
@@ -234,16 +242,17 @@ class AsyncDPEngine:
         replica, into the same streams. Returns the ids moved."""
         moved = set()
         for stream in streams:
-            submitted = self._submitted.get(stream.request_id)
-            if submitted is None:
+            placed = self._placed.get(stream.request_id)
+            if placed is None:
                 continue
             self._release(stream.request_id)
             try:
-                self._place(stream.request_id, *submitted, stream=stream)
+                self._place(
+                    stream.request_id, placed.prompt, placed.params, placed.priority, stream
+                )
             except (ValueError, EngineDeadError):
                 continue  # no replica takes it: it fails with the dead replica's error
             moved.add(stream.request_id)
-        self.num_moved += len(moved)
         if moved:
             logger.warning(
                 "moved %d request(s) without output off replica %d",
@@ -266,15 +275,14 @@ class AsyncDPEngine:
                 self._restarts[index] = replica.num_restarts
                 self.router.forget(index)
                 self._share_grammars()
-                for request_id, (i, _) in list(self._placed.items()):
-                    if i == index:
+                for request_id, placed in list(self._placed.items()):
+                    if placed.replica == index:
                         del self._placed[request_id]
-                        self._submitted.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         placed = self._placed.get(request_id)
         if placed is not None:
-            self.replicas[placed[0]].abort(request_id)
+            self.replicas[placed.replica].abort(request_id)
 
     def abort_all(self) -> None:
         for replica in self.replicas:
@@ -305,7 +313,7 @@ class AsyncDPEngine:
 
     def arrival_time(self, request_id: str) -> float | None:
         placed = self._placed.get(request_id)
-        return None if placed is None else self.replicas[placed[0]].arrival_time(request_id)
+        return None if placed is None else self.replicas[placed.replica].arrival_time(request_id)
 
     # ---- replicas' callbacks -------------------------------------------------------------
 
@@ -322,10 +330,9 @@ class AsyncDPEngine:
             self.on_abort(replica, request_id)
 
     def _release(self, request_id: str) -> None:
-        self._submitted.pop(request_id, None)
         placed = self._placed.pop(request_id, None)
         if placed is not None:
-            self.router.release(*placed)
+            self.router.release(placed.replica, placed.tokens)
 
     def _replica_died(self) -> None:
         """A replica is gone for good (no restart, or its restart failed): its requests have
@@ -333,10 +340,9 @@ class AsyncDPEngine:
         for index, replica in enumerate(self.replicas):
             if replica.fatal:
                 self.router.forget(index)
-        for request_id, (index, _) in list(self._placed.items()):
-            if self.replicas[index].fatal:
+        for request_id, placed in list(self._placed.items()):
+            if self.replicas[placed.replica].fatal:
                 del self._placed[request_id]
-                self._submitted.pop(request_id, None)
         dead = [i for i, r in enumerate(self.replicas) if r.fatal]
         logger.error(
             "data-parallel replica(s) %s down; %d serving", dead, self.num_replicas - len(dead)
