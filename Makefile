@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve demo test lint clean
+.PHONY: serve demo test browser lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,17 @@ serve: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/conveyor generate $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q
+
+# The dashboard's browser test drives Debian's chromium (Playwright launches it; no browser
+# download). Installed when missing and run as root with apt-get (as in CI); else skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the browser test"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; \
+	  else echo "chromium is not installed: the dashboard's browser test will be skipped"; fi; }
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check conveyor tests

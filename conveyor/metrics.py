@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import threading
 import time
+from collections import Counter as Tally
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.engine.llm_engine import LLMEngine
@@ -75,6 +79,48 @@ _REQUEST_BUCKETS = [
 ]
 
 
+class RecentLatencies:
+    """The observations of the last `window` seconds, for percentiles at a constant cost
+    whatever the rate: one array of log-spaced buckets (2% wide, 10 us to 1000 s) per second
+    of the window. A percentile is the middle of its bucket: within 1% of the exact value."""
+
+    LOW, RATIO, NUM_BUCKETS = 1e-5, 1.02, 931  # LOW * RATIO**NUM_BUCKETS > 1000 s
+
+    def __init__(self, window: float = 60.0) -> None:
+        self.window = window
+        self._log_ratio = math.log(self.RATIO)
+        self._seconds: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()  # observed on the engine thread, read on the event loop
+
+    def observe(self, value: float, now: float) -> None:
+        index = int(math.log(max(value, self.LOW) / self.LOW) / self._log_ratio)
+        second = int(now)
+        counts = self._seconds.get(second)
+        if counts is None:
+            with self._lock:
+                counts = self._seconds[second] = np.zeros(self.NUM_BUCKETS, np.int64)
+                for old in [s for s in self._seconds if s <= second - self.window]:
+                    del self._seconds[old]
+        counts[min(index, self.NUM_BUCKETS - 1)] += 1
+
+    def summary(self, now: float, quantiles=(0.5, 0.9, 0.99)) -> dict:
+        """{"n", "p50", "p90", "p99"} over the window (seconds; None without observations)."""
+        with self._lock:
+            recent = [c for s, c in self._seconds.items() if s > now - self.window]
+        total = np.sum(recent, axis=0) if recent else np.zeros(self.NUM_BUCKETS, np.int64)
+        count = int(total.sum())
+        out: dict = {"n": count}
+        cumulative = np.cumsum(total)
+        for q in quantiles:
+            key = f"p{q * 100:g}"
+            if count == 0:
+                out[key] = None
+                continue
+            index = int(np.searchsorted(cumulative, q * count))
+            out[key] = self.LOW * self.RATIO ** (index + 0.5)
+        return out
+
+
 class _Totals:
     """Counters fed from running totals: stats carry totals, counters take increments."""
 
@@ -125,8 +171,13 @@ class EngineMetrics:
     label ("0" for a single engine), one per data-parallel replica."""
 
     def __init__(
-        self, model_name: str, registry: CollectorRegistry | None = None, num_replicas: int = 1
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        num_replicas: int = 1,
+        recent: bool = False,
     ) -> None:
+        """recent: also keep the last minute's TTFT and inter-token latencies (the dashboard)."""
         self.registry = registry or CollectorRegistry()
         labels = ["model_name"]
         per_replica = ["model_name", "replica"]
@@ -211,6 +262,9 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         self._last_token_time: dict[str, float] = {}
+        self.finished: Tally[str] = Tally()  # finished requests by reason, as request_success
+        self.recent_ttft = RecentLatencies() if recent else None
+        self.recent_itl = RecentLatencies() if recent else None
 
     def _replica(self, engine) -> _ReplicaSeries:
         key = str(getattr(engine, "replica_index", 0))
@@ -241,12 +295,16 @@ class EngineMetrics:
             last = self._last_token_time.get(out.request_id)
             if last is not None:
                 self._itl.observe(now - last)
+                if self.recent_itl is not None:
+                    self.recent_itl.observe(now - last, now)
             else:
                 arrival = engine.arrival_time(out.request_id)
                 if arrival is None and out.metrics is not None:
                     arrival = out.metrics.arrival_time
                 if arrival is not None:
                     self._ttft.observe(now - arrival)
+                    if self.recent_ttft is not None:
+                        self.recent_ttft.observe(now - arrival, now)
             self._last_token_time[out.request_id] = now
         if out.metrics is not None:  # finished
             self._last_token_time.pop(out.request_id, None)
@@ -254,8 +312,9 @@ class EngineMetrics:
             if metrics.first_scheduled_time is not None:
                 self._queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
             self._e2e.observe(metrics.finished_time - metrics.arrival_time)
-            reason = out.outputs[0].finish_reason if out.outputs else None
-            self.success.labels(self.model_name, reason or "stop").inc()
+            reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
+            self.success.labels(self.model_name, reason).inc()
+            self.finished[reason] += 1
 
     def _observe_spec(self, series: _ReplicaSeries, spec: SpecDecodingStats) -> None:
         series.add("drafts", spec.num_drafts)
@@ -280,4 +339,5 @@ class EngineMetrics:
     def on_abort(self, engine: LLMEngine, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)
         self.success.labels(self.model_name, "abort").inc()
+        self.finished["abort"] += 1
         self.on_step(engine, [])

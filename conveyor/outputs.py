@@ -66,6 +66,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    joined_request_ids: list[str] = field(default_factory=list)  # admitted in this step
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

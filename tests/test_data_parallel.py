@@ -152,6 +152,11 @@ def test_two_replicas_serve_64_streams(dp):
     for replica in ("0", "1"):  # both served, each counted under its own label
         key = f"conveyor:generation_tokens_total{{model_name=tiny,replica={replica}}}"
         assert metrics[key] > 0, key
+    # The dashboard shows both: a block map each, and the steps of each in its records.
+    state = httpx.get(f"{dp.base_url}/dashboard/state", timeout=10).json()
+    assert state["replicas"] == 2 and [m["replica"] for m in state["kv"]] == [0, 1]
+    assert {row[0] for row in state["records"]} == {0, 1}
+    assert state["totals"]["generation_tokens"] == metrics["conveyor:generation_tokens_total"]
 
 
 def test_cache_aware_routing_keeps_the_hit_rate_of_one_replica(dp, model, tmp_path, capsys):

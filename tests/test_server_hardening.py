@@ -19,6 +19,7 @@ from conveyor.config import RequestLimits
 from conveyor.entrypoints.openai.api_server import build_app
 
 KEY = "hardening-key"
+AUTH_HEADERS = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 MAX_BODY = 2**20
 CHAT = "/v1/chat/completions"
@@ -296,6 +297,8 @@ def test_include_stop_str_in_output_over_http(server):
         ("POST", "/tokenize"),
         ("POST", "/detokenize"),
         ("GET", "/metrics"),
+        ("GET", "/dashboard/state"),
+        ("GET", "/dashboard/events"),
         ("GET", "/v1/models"),
         ("GET", "/docs"),
         ("GET", "/openapi.json"),
@@ -311,13 +314,18 @@ def test_every_route_but_health_needs_the_key(server, method, path):
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
 
 
-def test_metrics_no_auth_opens_metrics_only(tiny_checkpoint, tmp_path):
+def test_metrics_no_auth_opens_metrics_only_and_no_dashboard_has_none(tiny_checkpoint, tmp_path):
     args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--api-key", KEY]
-    proc = ServerProcess(args + ["--metrics-no-auth"], tmp_path / "server.log")
+    proc = ServerProcess(args + ["--metrics-no-auth", "--no-dashboard"], tmp_path / "server.log")
     try:
         assert httpx.get(f"{proc.base_url}/metrics", timeout=10).status_code == 200
         response = httpx.post(f"{proc.base_url}/tokenize", json={"prompt": "x"}, timeout=10)
         assert response.status_code == 401
+        # --no-dashboard: the page is neither open nor behind the key, it is not there.
+        assert httpx.get(f"{proc.base_url}/dashboard", timeout=10).status_code == 401
+        for path in ("/dashboard", "/dashboard/state", "/dashboard/events"):
+            response = httpx.get(f"{proc.base_url}{path}", headers=AUTH_HEADERS, timeout=10)
+            assert_error(response, 404, "Not Found")
     finally:
         assert proc.stop() == 0
 

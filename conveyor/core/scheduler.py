@@ -156,14 +156,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
+        joined: list[str] = []
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, preempted)
+            budget = self._schedule_waiting(budget, scheduled, preempted, joined)
         if self.speculative is not None and budget > 0:
             self._schedule_drafts(budget, scheduled)
         finished_ids, self._finished_ids = self._finished_ids, []
         drafts, self._drafts = self._drafts, {}
-        return self._make_output(scheduled, drafts, preempted, finished_ids)
+        out = self._make_output(scheduled, drafts, preempted, finished_ids)
+        out.joined_request_ids = joined
+        return out
 
     def _schedule_running(
         self, budget: int, scheduled: dict[str, int], preempted: list[Request]
@@ -219,7 +222,7 @@ class Scheduler:
                 self._drafts[request_id] = num_drafts
 
     def _schedule_waiting(
-        self, budget: int, scheduled: dict[str, int], preempted: list[Request]
+        self, budget: int, scheduled: dict[str, int], preempted: list[Request], joined: list[str]
     ) -> int:
         if self.policy == "static" and not self.running and not self.static_batch:
             self._form_static_batch()
@@ -240,6 +243,7 @@ class Scheduler:
                 num_new = self._admit(request, budget)
             if num_new is not None:
                 scheduled[request.request_id] = num_new
+                joined.append(request.request_id)
                 budget -= num_new
                 continue
             victim = self._priority_victim(request)

@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.llm_engine import EngineStats, LLMEngine
+from conveyor.engine.records import SNAPSHOT_TIMEOUT, CoreSnapshot
 from conveyor.engine.streams import (
     EngineDeadError,
     RequestFailedError,
@@ -42,6 +43,11 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    future: asyncio.Future
 
 
 class AsyncEngine:
@@ -94,6 +100,14 @@ class AsyncEngine:
     async def start(self) -> None:
         """Nothing to start: the engine thread runs from construction."""
 
+    def get_stats(self) -> EngineStats:
+        """The stats as of the last step or abort (any thread: the engine's own state is only
+        read on the engine thread)."""
+        return self._stats
+
+    def arrival_time(self, request_id: str) -> float | None:
+        return self.engine.arrival_time(request_id)
+
     @property
     def is_alive(self) -> bool:
         return self._error is None and self._thread.is_alive()
@@ -116,6 +130,18 @@ class AsyncEngine:
         await stream.accepted
         return stream
 
+    async def snapshots(self) -> list[CoreSnapshot | None]:
+        """The core's KV block map and request list, built on the engine thread between two
+        steps (one; None if the engine did not answer in time)."""
+        if not self.is_alive:
+            return [None]
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Snapshot(future))
+        try:
+            return [await asyncio.wait_for(future, SNAPSHOT_TIMEOUT)]
+        except TimeoutError:
+            return [None]
+
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request is aborted before the next step and its blocks freed."""
         self._commands.put(_Abort(request_id))
@@ -134,11 +160,14 @@ class AsyncEngine:
         if factory is not None:
             try:
                 self.engine = factory()
+                self._stats = self.engine.get_stats()
             except BaseException as error:  # noqa: BLE001 - re-raised by __init__
                 self._error = error
                 return
             finally:
                 self._ready.set()
+        else:
+            self._stats = self.engine.get_stats()
         self._ready.set()
         try:
             while True:
@@ -189,7 +218,12 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Snapshot) -> None:
+        if isinstance(command, _Snapshot):
+            future = command.future
+            snapshot = self.engine.core.snapshot()
+            future.get_loop().call_soon_threadsafe(_resolve, future, snapshot)
+            return
         if isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 self.engine.abort_request(command.request_id)
@@ -228,11 +262,13 @@ class AsyncEngine:
             stream.put(out)
 
     def _callback(self, callback: Callable | None, argument) -> None:
-        """A failing observer (metrics) is logged, never allowed to stop the engine."""
+        """A failing observer (metrics) is logged, never allowed to stop the engine. It gets
+        this engine, whose get_stats() is then the engine's stats of this moment."""
         if callback is None:
             return
         try:
-            callback(self.engine, argument)
+            self._stats = self.engine.get_stats()
+            callback(self, argument)
         except Exception:  # noqa: BLE001
             logger.exception("engine callback %s failed; the engine goes on", callback)
 
@@ -242,6 +278,11 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             stream.put(aborted_output(request_id))
         self._streams.clear()
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

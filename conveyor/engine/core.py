@@ -30,6 +30,13 @@ from conveyor.config import (
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler, SchedulerStats
 from conveyor.distributed.parallel import check_tensor_parallel
+from conveyor.engine.records import (
+    CoreSnapshot,
+    StepRecord,
+    core_snapshot,
+    count_tokens,
+    step_record,
+)
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import PositionLogprobs
 from conveyor.request import PenaltyCounts, Request, RequestStatus
@@ -105,6 +112,7 @@ class CoreStats:
     num_blocks: int
     last_step: StepTiming = StepTiming()
     spec: SpecDecodingStats | None = None  # set when speculative decoding is on
+    last_record: StepRecord | None = None  # the last step's batch (the dashboard's feed)
 
 
 @dataclass(slots=True)
@@ -117,6 +125,7 @@ class EngineStats:
     num_generation_tokens_total: int
     num_blocks: int
     spec: SpecDecodingStats | None = None  # set when speculative decoding is on
+    last_record: StepRecord | None = None
 
     @classmethod
     def of(cls, core: CoreStats, num_prompt_tokens: int) -> EngineStats:
@@ -127,6 +136,7 @@ class EngineStats:
             num_generation_tokens_total=core.num_generation_tokens_total,
             num_blocks=core.num_blocks,
             spec=core.spec,
+            last_record=core.last_record,
         )
 
 
@@ -285,6 +295,8 @@ class EngineCore:
         self._num_steps = 0
         self._num_generation_tokens = 0
         self._last_step = StepTiming()
+        self._last_record: StepRecord | None = None
+        self._left: list[str] = []  # ended between steps: joins the next step's record
         self._fault = Fault.from_env()
 
     @property
@@ -408,6 +420,7 @@ class EngineCore:
         finished = [r.request_id for r in self.scheduler.finish_requests(request_ids, status)]
         for request_id in finished:
             self.scheduler.forget(request_id)
+        self._left += finished
         if self.record_trace and self.trace and status != RequestStatus.FINISHED_ABORTED:
             self.trace[-1].finished_request_ids.extend(finished)  # ended with the last step
 
@@ -452,6 +465,7 @@ class EngineCore:
         executed = time.perf_counter()
         requests = self.scheduler.requests
         before = [requests[i].num_output_tokens for i in runner_out.request_ids]
+        tokens = count_tokens(sched, requests)
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.proposer is not None:
             self.proposer.propose_for(self.scheduler.running)
@@ -485,6 +499,11 @@ class EngineCore:
                 sched.total_num_scheduled_tokens, timing.prepare + timing.forward + timing.sample
             )
         self._last_step = timing
+        left, self._left = self._left, []
+        left += [o.request_id for o in outputs if o.status.finished]
+        self._last_record = step_record(
+            self._num_steps, timing.total, sched, tokens, updated, before, left
+        )
         if self.record_trace:
             finished = [o.request_id for o in outputs if o.status.finished]
             self.trace.append(
@@ -512,7 +531,12 @@ class EngineCore:
             num_blocks=self.num_blocks,
             last_step=self._last_step,
             spec=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.copy(),
+            last_record=self._last_record,
         )
+
+    def snapshot(self) -> CoreSnapshot:
+        """The KV block map and the requests held, for the dashboard (built on demand)."""
+        return core_snapshot(self.scheduler)
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()

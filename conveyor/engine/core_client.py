@@ -30,9 +30,20 @@ import zmq
 import zmq.asyncio
 
 from conveyor.engine.core import CoreInfo, CoreOutput, CoreStats, EngineStats
-from conveyor.engine.core_proc import ADD, DEAD, FAILED, FINISH, READY, STOP, decode, encode
+from conveyor.engine.core_proc import (
+    ADD,
+    DEAD,
+    FAILED,
+    FINISH,
+    READY,
+    SNAPSHOT,
+    STOP,
+    decode,
+    encode,
+)
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.records import SNAPSHOT_TIMEOUT, CoreSnapshot
 from conveyor.engine.streams import EngineDeadError, RequestStream, aborted_output
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind
@@ -245,6 +256,7 @@ class AsyncMPEngine:
         self._socket: zmq.asyncio.Socket | None = None
         self._watchdog: asyncio.Task | None = None
         self._stopping = False
+        self._snapshot: asyncio.Future | None = None
 
     # ---- the interface AsyncEngine shares ------------------------------------------------
 
@@ -322,6 +334,19 @@ class AsyncMPEngine:
     def arrival_time(self, request_id: str) -> float | None:
         return self.outputs.arrival_time(request_id)
 
+    async def snapshots(self) -> list[CoreSnapshot | None]:
+        """The core's KV block map and request list (one; None if it did not answer in time).
+        Callers at the same time share one request to the core."""
+        if not self.is_alive or self._loop is None:
+            return [None]
+        if self._snapshot is None or self._snapshot.done():
+            self._snapshot = self._loop.create_future()
+            self._process.send((SNAPSHOT, None))
+        try:
+            return [await asyncio.wait_for(asyncio.shield(self._snapshot), SNAPSHOT_TIMEOUT)]
+        except TimeoutError:
+            return [None]
+
     # ---- event loop ----------------------------------------------------------------------
 
     def _call(self, fn: Callable, *args) -> None:
@@ -362,6 +387,10 @@ class AsyncMPEngine:
                 logger.error("the engine core raised:\n%s", message[2])
                 self._die(message[1])
                 return
+            if message[0] == SNAPSHOT:
+                if self._snapshot is not None and not self._snapshot.done():
+                    self._snapshot.set_result(message[1])
+                continue
             try:
                 self._on_step_message(message[1], message[2])
             except Exception as error:  # noqa: BLE001 - a bug here must not hang the clients

@@ -23,6 +23,8 @@ import zmq
 ADD, FINISH, STOP = "add", "finish", "stop"
 # Core -> front end.
 READY, FAILED, STEP, DEAD = "ready", "failed", "step", "dead"
+# Both ways: the front end asks for a snapshot (the dashboard), the core answers with one.
+SNAPSHOT = "snapshot"
 
 IDLE_POLL_MS = 1000
 PR_SET_PDEATHSIG = 1
@@ -103,7 +105,11 @@ def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -
                 frame = inputs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if not _apply(core, decode(frame), outputs):
+            message = decode(frame)
+            if message[0] == SNAPSHOT:  # answered between steps; the step path is untouched
+                outputs.send(encode((SNAPSHOT, core.snapshot())))
+                continue
+            if not _apply(core, message, outputs):
                 return
             applied += 1
         if core.has_unfinished_requests():

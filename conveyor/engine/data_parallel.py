@@ -22,6 +22,7 @@ engine dead.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import numpy as np
 
 from conveyor.engine.core import EngineStats
 from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
+from conveyor.engine.records import CoreSnapshot
 from conveyor.engine.streams import EngineDeadError, RequestStream
 from conveyor.sampling_params import SamplingParams
 
@@ -310,6 +312,11 @@ class AsyncDPEngine:
             num_generation_tokens_total=sum(s.num_generation_tokens_total for s in stats),
             num_blocks=sum(s.num_blocks for s in stats),
         )
+
+    async def snapshots(self) -> list[CoreSnapshot | None]:
+        """Each replica's KV block map and request list (None where one did not answer)."""
+        answers = await asyncio.gather(*(r.snapshots() for r in self.replicas))
+        return [snapshot for answer in answers for snapshot in answer]
 
     def arrival_time(self, request_id: str) -> float | None:
         placed = self._placed.get(request_id)

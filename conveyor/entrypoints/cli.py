@@ -87,9 +87,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key,
         limits,
         metrics_auth=not args.metrics_no_auth,
+        dashboard=args.dashboard,
     )
     name = app.state.metrics.model_name
-    print(f"conveyor: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    base = f"http://{args.host}:{args.port}"
+    print(f"conveyor: serving {name!r} on {base}/v1", flush=True)
+    if args.dashboard:
+        print(f"conveyor: dashboard on {base}/dashboard", flush=True)
     return run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
 
 
@@ -196,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-no-auth",
         action="store_true",
         help="serve /metrics without the API key (for a Prometheus scraper)",
+    )
+    server.add_argument(
+        "--dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the live view of the scheduler at /dashboard (behind --api-key like the "
+        "API); --no-dashboard turns it off",
     )
     server.add_argument(
         "--log-level", default="info", help="uvicorn's: critical|error|warning|info|debug"

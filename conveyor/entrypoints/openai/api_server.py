@@ -24,6 +24,7 @@ from conveyor.engine.core_client import AsyncMPEngine
 from conveyor.engine.data_parallel import AsyncDPEngine
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.streams import EngineDeadError, RequestFailedError
+from conveyor.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -118,19 +119,26 @@ def build_app(
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     metrics_auth: bool = True,
+    dashboard: bool = True,
 ) -> FastAPI:
     """`engine`: the engine-core process (AsyncMPEngine), data-parallel replicas of it
     (AsyncDPEngine), or an in-process engine: an AsyncEngine, an LLMEngine, or a function that
-    builds one (then built on the engine thread, see AsyncEngine)."""
+    builds one (then built on the engine thread, see AsyncEngine). dashboard: serve the live
+    page at /dashboard (see entrypoints/openai/dashboard)."""
     limits = limits or RequestLimits()
     if isinstance(engine, (AsyncEngine, AsyncMPEngine, AsyncDPEngine)):
         async_engine = engine
     else:
         async_engine = AsyncEngine(engine)
     model_name = model_name or default_model_name(async_engine.model_config)
-    metrics = EngineMetrics(model_name, num_replicas=getattr(async_engine, "num_replicas", 1))
+    num_replicas = getattr(async_engine, "num_replicas", 1)
+    metrics = EngineMetrics(model_name, num_replicas=num_replicas, recent=dashboard)
+    feed = None
+    if dashboard:
+        feed = DashboardFeed(async_engine, metrics, model_name, _device(async_engine))
     # Attached before the app exists, so before any request can make a step.
-    async_engine.on_step, async_engine.on_abort = metrics.on_step, metrics.on_abort
+    async_engine.on_step = metrics.on_step if feed is None else _both(metrics.on_step, feed.on_step)
+    async_engine.on_abort = metrics.on_abort
     serving = OpenAIServing(async_engine, model_name, limits)
 
     @asynccontextmanager
@@ -140,10 +148,14 @@ def build_app(
         async_engine.shutdown()  # ends open streams with finish_reason "abort"
 
     app = FastAPI(title="conveyor", lifespan=lifespan)
-    app.state.engine, app.state.metrics = async_engine, metrics
+    app.state.engine, app.state.metrics, app.state.dashboard = async_engine, metrics, feed
     _install_error_handlers(app)
+    if feed is not None:
+        add_dashboard_routes(app, feed)
 
     open_paths = {"/health"} | (set() if metrics_auth else {"/metrics"})
+    if feed is not None:
+        open_paths.add("/dashboard")  # the page holds no data; its feed needs the key
     app.add_middleware(
         _Guard, api_key=api_key, open_paths=open_paths, max_body=limits.max_body_bytes
     )
@@ -220,6 +232,23 @@ def build_app(
         return {"prompt": await serving.off_loop(serving.tokenizer.decode, body.tokens)}
 
     return app
+
+
+def _both(first: Callable, second: Callable) -> Callable:
+    def call(engine, outputs) -> None:
+        first(engine, outputs)
+        second(engine, outputs)
+
+    return call
+
+
+def _device(engine) -> str:
+    info = getattr(engine, "info", None)  # the engine-core process
+    if info is None and getattr(engine, "replicas", None):  # data-parallel replicas
+        info = engine.replicas[0].info
+    if info is not None:
+        return str(info.device)
+    return str(engine.engine.core.device)  # in-process
 
 
 async def _bad_request(awaitable: Awaitable):
@@ -346,9 +375,11 @@ class GracefulServer(uvicorn.Server):
 
     DEAD_LINGER = 2.0
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, grace: float, dashboard=None
+    ) -> None:
         super().__init__(config)
-        self.engine, self.grace = engine, grace
+        self.engine, self.grace, self.dashboard = engine, grace, dashboard
         engine.on_fatal = self._engine_died
 
     def _engine_died(self) -> None:  # any thread; uvicorn's loop polls should_exit
@@ -362,6 +393,8 @@ class GracefulServer(uvicorn.Server):
         # uvicorn re-raises the captured signal after shutdown, which makes the exit status
         # "killed by SIGTERM"; a clean, graceful shutdown exits 0 instead.
         self._captured_signals.clear()
+        if self.dashboard is not None:
+            self.dashboard.closed = True  # its event streams end, not held open to the deadline
         if first:
             timer = threading.Timer(max(self.grace - 1.0, 0.0), self.engine.abort_all)
             timer.daemon = True
@@ -376,7 +409,7 @@ def run_server(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace
     )
     engine = app.state.engine
-    GracefulServer(config, engine, grace).run()
+    GracefulServer(config, engine, grace, app.state.dashboard).run()
     if engine.fatal:
         logger.error("exiting with status 1: %s", engine.error)
         return 1

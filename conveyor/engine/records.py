@@ -1,0 +1,169 @@
+"""What the engine core tells observers (the dashboard) about itself: one small record per
+step, and on request a snapshot of its KV cache and of the requests it holds.
+
+A StepRecord is built in every step from what the step already has at hand (the schedule, the
+sampled rows): a few microseconds, sent to the front end with the step's stats. A CoreSnapshot
+walks the block pool and the queues, so it is built only when someone asks (the dashboard, at
+most a few times a second), never in the step path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+from conveyor.request import RequestStatus
+
+if TYPE_CHECKING:
+    from conveyor.core.scheduler import Scheduler
+    from conveyor.outputs import SchedulerOutput
+    from conveyor.request import Request
+
+# Block states in a snapshot's map: bit 0 = held by a request, bit 1 = has a prefix-cache hash.
+FREE, USED, CACHED, USED_CACHED = 0, 1, 2, 3
+# A pool beyond this many blocks is drawn by a regular sample of them (one cell per stride).
+MAX_MAP_CELLS = 16384
+# The snapshot lists at most this many requests (running ones first).
+MAX_ROWS = 256
+# Seconds a front end waits for a snapshot; a core busy with one long step answers late, and
+# the dashboard goes on with the last one.
+SNAPSHOT_TIMEOUT = 2.0
+
+
+class StepRecord(NamedTuple):
+    """One step of the batch: who ran, with how many tokens of which kind, who came and went."""
+
+    step: int
+    time: float  # time.time() at the end of the step
+    seconds: float  # the step's duration
+    num_requests: int  # requests that computed tokens in this step
+    prefill_tokens: int  # prompt (or recomputed) tokens
+    decode_tokens: int  # one per decoding request, plus its draft tokens
+    generated_tokens: int  # output tokens the step produced
+    joined: tuple[str, ...]  # admitted to the batch (new, or resumed after preemption)
+    first_token: tuple[str, ...]  # finished their prompt: decoding from now on
+    left: tuple[str, ...]  # finished, aborted or stopped since the last record
+    preempted: tuple[str, ...]  # sent back to the queue
+
+
+def count_tokens(sched: SchedulerOutput, requests: dict[str, Request]) -> tuple[int, int]:
+    """(prefill, decode) tokens of a step, before its outputs update the requests."""
+    prefill = decode = 0
+    for row in sched.scheduled:
+        if len(row.token_ids) == 1 and (
+            row.num_computed_tokens >= requests[row.request_id].num_prompt_tokens
+        ):
+            decode += row.num_tokens
+        else:
+            prefill += row.num_tokens
+    return prefill, decode
+
+
+def step_record(
+    step: int,
+    seconds: float,
+    sched: SchedulerOutput,
+    tokens: tuple[int, int],
+    updated: list[Request],
+    before: list[int],
+    left: list[str],
+) -> StepRecord:
+    """`tokens`: count_tokens() of the step; `updated` / `before`: the requests that sampled
+    and their output counts before the step; `left`: the ids that ended (in this step, or
+    between steps)."""
+    generated = 0
+    first = []
+    for request, num_before in zip(updated, before, strict=True):
+        generated += request.num_output_tokens - num_before
+        if num_before == 0 and request.num_output_tokens > 0:
+            first.append(request.request_id)
+    return StepRecord(
+        step,
+        time.time(),
+        seconds,
+        len(sched.scheduled),
+        *tokens,
+        generated,
+        tuple(sched.joined_request_ids),
+        tuple(first),
+        tuple(left),
+        tuple(sched.preempted_request_ids),
+    )
+
+
+class RequestRow(NamedTuple):
+    request_id: str
+    state: str  # "running", "waiting" or "preempted"
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose KV is in the cache
+    num_cached_tokens: int  # of the prompt, found in the prefix cache
+    num_output_tokens: int
+    max_tokens: int
+    age: float  # seconds since arrival
+    num_preemptions: int
+
+
+class CoreSnapshot(NamedTuple):
+    time: float  # time.time()
+    num_blocks: int
+    block_size: int
+    stride: int  # blocks per map cell (1: every block has its cell)
+    cells: bytes  # one state (FREE, USED, CACHED, USED_CACHED) per cell
+    counts: dict[str, int]  # free, used, cached, used_cached (exact when stride == 1)
+    num_running: int
+    num_waiting: int
+    requests: list[RequestRow]  # running first, at most MAX_ROWS
+    build_seconds: float  # what building this snapshot cost the core
+
+
+def core_snapshot(scheduler: Scheduler) -> CoreSnapshot:
+    start = time.perf_counter()
+    pool = scheduler.kv_cache.pool
+    stride = -(-pool.num_blocks // MAX_MAP_CELLS)
+    blocks = pool.blocks[::stride]
+    cells = bytes([(b.ref_cnt > 0) | ((b.block_hash is not None) << 1) for b in blocks])
+    counts = {
+        name: cells.count(state) * stride
+        for name, state in (("free", FREE), ("used", USED), ("cached", CACHED))
+    }
+    counts["used_cached"] = cells.count(USED_CACHED) * stride
+    if stride > 1:  # the in-use total is known exactly; the split of the rest is sampled
+        used_total = pool.num_blocks - pool.num_free_blocks
+        counts["used"] = max(used_total - counts["used_cached"], 0)
+    now = time.monotonic()
+    rows: list[RequestRow] = []
+    for request in scheduler.running:
+        if len(rows) >= MAX_ROWS:
+            break
+        rows.append(_row(request, "running", now))
+    for request in scheduler.waiting:
+        if len(rows) >= MAX_ROWS:
+            break
+        preempted = request.status == RequestStatus.PREEMPTED
+        rows.append(_row(request, "preempted" if preempted else "waiting", now))
+    return CoreSnapshot(
+        time.time(),
+        pool.num_blocks,
+        scheduler.kv_cache.block_size,
+        stride,
+        cells,
+        counts,
+        len(scheduler.running),
+        len(scheduler.waiting),
+        rows,
+        time.perf_counter() - start,
+    )
+
+
+def _row(request: Request, state: str, now: float) -> RequestRow:
+    return RequestRow(
+        request.request_id,
+        state,
+        request.num_prompt_tokens,
+        request.num_computed_tokens,
+        request.num_cached_tokens,
+        request.num_output_tokens,
+        request.max_tokens,
+        max(now - request.arrival_time, 0.0),
+        request.num_preemptions,
+    )
