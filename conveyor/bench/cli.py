@@ -1,5 +1,5 @@
 """`conveyor bench serve | throughput | compare | step | quality | split | spec | structured |
-scaling`: the commands.
+scaling | dashboard`: the commands.
 
 Flag names follow `vllm bench serve` / `vllm bench throughput`, so a command line written for
 one runs against the other (the shared flags are in bench/args.py). Each command's module is
@@ -24,7 +24,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
     add_throughput_args(throughput)
     throughput.set_defaults(func=_run_throughput)
-    from conveyor.bench import compare, quality, scaling, spec, split, step, structured
+    from conveyor.bench import compare, dashboard, quality, scaling, spec, split, step, structured
 
     parser = bench_sub.add_parser(
         "compare",
@@ -69,6 +69,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     scaling.add_arguments(parser)
     parser.set_defaults(func=scaling.main)
+    parser = bench_sub.add_parser(
+        "dashboard",
+        help="what watching /dashboard costs: served with it watched vs --no-dashboard, "
+        "side by side",
+    )
+    dashboard.add_arguments(parser)
+    parser.set_defaults(func=dashboard.main)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -297,6 +297,8 @@ class EngineCore:
         self._last_step = StepTiming()
         self._last_record: StepRecord | None = None
         self._left: list[str] = []  # ended between steps: joins the next step's record
+        self._record_seconds = 0.0  # spent building step records (what observing costs)
+        self._step_seconds = 0.0
         self._fault = Fault.from_env()
 
     @property
@@ -465,7 +467,9 @@ class EngineCore:
         executed = time.perf_counter()
         requests = self.scheduler.requests
         before = [requests[i].num_output_tokens for i in runner_out.request_ids]
+        record_start = time.perf_counter()
         tokens = count_tokens(sched, requests)
+        record_seconds = time.perf_counter() - record_start
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.proposer is not None:
             self.proposer.propose_for(self.scheduler.running)
@@ -499,11 +503,14 @@ class EngineCore:
                 sched.total_num_scheduled_tokens, timing.prepare + timing.forward + timing.sample
             )
         self._last_step = timing
+        record_start = time.perf_counter()
         left, self._left = self._left, []
         left += [o.request_id for o in outputs if o.status.finished]
         self._last_record = step_record(
             self._num_steps, timing.total, sched, tokens, updated, before, left
         )
+        self._record_seconds += record_seconds + time.perf_counter() - record_start
+        self._step_seconds += timing.total
         if self.record_trace:
             finished = [o.request_id for o in outputs if o.status.finished]
             self.trace.append(
@@ -536,7 +543,7 @@ class EngineCore:
 
     def snapshot(self) -> CoreSnapshot:
         """The KV block map and the requests held, for the dashboard (built on demand)."""
-        return core_snapshot(self.scheduler)
+        return core_snapshot(self.scheduler, self._record_seconds, self._step_seconds)
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()

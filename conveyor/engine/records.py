@@ -114,9 +114,13 @@ class CoreSnapshot(NamedTuple):
     num_waiting: int
     requests: list[RequestRow]  # running first, at most MAX_ROWS
     build_seconds: float  # what building this snapshot cost the core
+    record_seconds: float  # spent building step records so far
+    step_seconds: float  # spent in steps so far (the records' share of it: their cost)
 
 
-def core_snapshot(scheduler: Scheduler) -> CoreSnapshot:
+def core_snapshot(
+    scheduler: Scheduler, record_seconds: float = 0.0, step_seconds: float = 0.0
+) -> CoreSnapshot:
     start = time.perf_counter()
     pool = scheduler.kv_cache.pool
     stride = -(-pool.num_blocks // MAX_MAP_CELLS)
@@ -152,6 +156,8 @@ def core_snapshot(scheduler: Scheduler) -> CoreSnapshot:
         len(scheduler.waiting),
         rows,
         time.perf_counter() - start,
+        record_seconds,
+        step_seconds,
     )
 
 

@@ -102,11 +102,13 @@ class DashboardFeed:
         spec = stats.spec
         finished = dict(self.metrics.finished)
         kv_maps, rows = [], []
-        snapshot_seconds = 0.0
+        snapshot_seconds = record_seconds = step_seconds = 0.0
         for replica, snapshot in enumerate(snapshots):
             if snapshot is None:
                 continue
             snapshot_seconds += snapshot.build_seconds
+            record_seconds += snapshot.record_seconds
+            step_seconds += snapshot.step_seconds
             kv_maps.append(
                 {
                     "replica": replica,
@@ -163,9 +165,11 @@ class DashboardFeed:
             "kv": kv_maps,
             "requests": rows[:MAX_REQUEST_ROWS],
             "num_requests": sum(s.num_running + s.num_waiting for s in snapshots if s),
-            "cost": {
-                "hook_seconds": self._hook_seconds,
-                "snapshot_ms": 1000 * snapshot_seconds,
+            "cost": {  # what watching costs the engine
+                "record_seconds": record_seconds,  # in the core, every step (totals)
+                "step_seconds": step_seconds,
+                "hook_seconds": self._hook_seconds,  # in the front end, every step
+                "snapshot_ms": 1000 * snapshot_seconds,  # in the core, per update
                 "watchers": self.num_watchers,
             },
         }
