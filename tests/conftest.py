@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -14,6 +15,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
 
 torch.set_num_threads(2)
+
+# Where the engines under test run: CONVEYOR_TEST_DEVICE=cuda runs the in-process engines of the
+# equivalence, engine, speculative-decoding and structured-output tests on the GPU (the
+# transformers references stay on the CPU in float64).
+DEVICE = os.environ.get("CONVEYOR_TEST_DEVICE", "cpu")
+# By default an engine on CUDA takes 90% of the free GPU memory for its KV cache: millions of
+# blocks for a tiny model (slow to build and to check after every step), and engines that live
+# side by side (module fixtures, pytest-xdist workers) would compete for it. The tests use a
+# fixed budget instead, about what the CPU default gives the tiny models.
+CUDA_KV_CACHE_MEMORY = "256MiB"
+# Keyword arguments for LLM / LLMEngine / EngineCore, and the same as `conveyor serve` flags.
+DEVICE_KWARGS: dict = {"device": DEVICE}
+DEVICE_FLAGS: list[str] = ["--device", DEVICE]
+if DEVICE != "cpu":
+    DEVICE_KWARGS["kv_cache_memory"] = CUDA_KV_CACHE_MEMORY
+    DEVICE_FLAGS += ["--kv-cache-memory", CUDA_KV_CACHE_MEMORY]
 
 
 @pytest.fixture(scope="session")
@@ -71,4 +88,12 @@ def assert_matches_reference(outputs, reference, tol: float = 1e-6) -> None:
             assert worst < tol, f"prompt {i}: logprob differs by {worst}"
 
 
-__all__ = ["ARCHS", "random_prompts", "hf_greedy", "assert_matches_reference"]
+__all__ = [
+    "ARCHS",
+    "DEVICE",
+    "DEVICE_FLAGS",
+    "DEVICE_KWARGS",
+    "random_prompts",
+    "hf_greedy",
+    "assert_matches_reference",
+]

@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from conftest import random_prompts
+from conftest import DEVICE_KWARGS, random_prompts
 from tiny import build_tokenizer, byte_token_ids, make_scripted_checkpoint
 
 from conveyor import LLM, LLMEngine, SamplingParams
@@ -15,7 +15,7 @@ from conveyor import LLM, LLMEngine, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    return LLM(str(tiny_checkpoint("llama")), dtype="float64", record_trace=True)
+    return LLM(str(tiny_checkpoint("llama")), dtype="float64", **DEVICE_KWARGS, record_trace=True)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -23,7 +23,9 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 
 def test_trace_shows_a_request_joining_mid_generation_and_one_leaving_early(tiny_checkpoint):
-    engine = LLMEngine(str(tiny_checkpoint("llama")), dtype="float64", record_trace=True)
+    engine = LLMEngine(
+        str(tiny_checkpoint("llama")), dtype="float64", **DEVICE_KWARGS, record_trace=True
+    )
     engine.add_request("short", [5, 6, 7], greedy(2))
     engine.add_request("long", [8, 9, 10, 11], greedy(8))
     for _ in range(2):
@@ -77,7 +79,9 @@ def eos_case(tiny_checkpoint, tmp_path_factory):
     """A copy of the tiny model whose EOS is the 4th token of a greedy run of `prompt`."""
     src = tiny_checkpoint("llama")
     prompt = [20, 21, 22, 23]
-    base = LLM(str(src), dtype="float64").generate(prompt, greedy(12), use_tqdm=False)
+    base = LLM(str(src), dtype="float64", **DEVICE_KWARGS).generate(
+        prompt, greedy(12), use_tqdm=False
+    )
     tokens = base[0].outputs[0].token_ids
     eos = tokens[3]
     assert eos not in tokens[:3]
@@ -87,7 +91,7 @@ def eos_case(tiny_checkpoint, tmp_path_factory):
         data = json.loads((path / name).read_text())
         data["eos_token_id"] = eos
         (path / name).write_text(json.dumps(data))
-    return LLM(str(path), dtype="float64"), prompt, tokens, eos
+    return LLM(str(path), dtype="float64", **DEVICE_KWARGS), prompt, tokens, eos
 
 
 def test_eos_ends_generation_and_ignore_eos_runs_on(eos_case):
@@ -149,7 +153,7 @@ def scripted(tiny_checkpoint, tmp_path_factory):
     ids = byte_token_ids(tokenizer, TEXT)
     successor = dict(zip(ids, ids[1:], strict=False)) | {ids[-1]: tokenizer.eos_token_id}
     path = make_scripted_checkpoint(tmp_path_factory.mktemp("scripted"), successor)
-    engine = LLMEngine(str(path), dtype="float64")
+    engine = LLMEngine(str(path), dtype="float64", **DEVICE_KWARGS)
     return engine, ids
 
 
@@ -186,7 +190,11 @@ def test_stop_string_inside_a_multibyte_run(scripted):
 
 def test_allocated_kv_stays_under_one_spare_block_per_request(tiny_checkpoint):
     engine = LLMEngine(
-        str(tiny_checkpoint("llama")), dtype="float64", block_size=4, max_num_batched_tokens=24
+        str(tiny_checkpoint("llama")),
+        dtype="float64",
+        **DEVICE_KWARGS,
+        block_size=4,
+        max_num_batched_tokens=24,
     )
     for i, prompt in enumerate(random_prompts(12, 384, seed=9, max_len=40)):
         engine.add_request(str(i), prompt, greedy(6 + i))

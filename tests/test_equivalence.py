@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, assert_matches_reference, hf_greedy, random_prompts
+from conftest import ARCHS, DEVICE_KWARGS, assert_matches_reference, hf_greedy, random_prompts
 from transformers import AutoModelForCausalLM
 
 from conveyor import LLM, LLMEngine, SamplingParams
@@ -32,7 +32,9 @@ def case(request, tiny_checkpoint):
 
 def test_all_requests_in_one_step_match_transformers(case):
     path, prompts, reference = case
-    llm = LLM(str(path), dtype="float64", max_num_batched_tokens=4096, record_trace=True)
+    llm = LLM(
+        str(path), dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=4096, record_trace=True
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert len(llm.engine.trace[0].num_scheduled_tokens) == NUM_PROMPTS  # one step, all prompts
     assert_matches_reference(outputs, reference)
@@ -40,7 +42,9 @@ def test_all_requests_in_one_step_match_transformers(case):
 
 def test_chunked_prefill_matches_transformers(case):
     path, prompts, reference = case
-    llm = LLM(str(path), dtype="float64", max_num_batched_tokens=16, record_trace=True)
+    llm = LLM(
+        str(path), dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=16, record_trace=True
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     longest = max(range(NUM_PROMPTS), key=lambda i: len(prompts[i]))
     chunks = [s.num_scheduled_tokens.get(f"{_ids(outputs)[longest]}", 0) for s in llm.engine.trace]
@@ -50,7 +54,7 @@ def test_chunked_prefill_matches_transformers(case):
 
 def test_requests_waiting_for_seats_join_mid_flight_and_match(case):
     path, prompts, reference = case
-    llm = LLM(str(path), dtype="float64", max_num_seqs=3, record_trace=True)
+    llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS, max_num_seqs=3, record_trace=True)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert max(len(s.num_scheduled_tokens) for s in llm.engine.trace) <= 3
     assert _joined_mid_flight(llm.engine.trace), "no request joined a batch already decoding"
@@ -59,7 +63,9 @@ def test_requests_waiting_for_seats_join_mid_flight_and_match(case):
 
 def test_requests_added_while_others_decode_match(case):
     path, prompts, reference = case
-    engine = LLMEngine(str(path), dtype="float64", max_num_batched_tokens=64, record_trace=True)
+    engine = LLMEngine(
+        str(path), dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=64, record_trace=True
+    )
     pending = list(enumerate(prompts))
     done = {}
     while pending or engine.has_unfinished_requests():
@@ -120,5 +126,5 @@ def gguf_case(request, tiny_checkpoint, tmp_path_factory):
 )
 def test_gguf_checkpoint_matches_transformers(gguf_case, engine_kwargs):
     path, prompts, reference = gguf_case
-    llm = LLM(str(path), dtype="float64", **engine_kwargs)
+    llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS, **engine_kwargs)
     assert_matches_reference(llm.generate(prompts, GREEDY, use_tqdm=False), reference)

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts
+from conftest import DEVICE_FLAGS, DEVICE_KWARGS, hf_greedy, random_prompts
 from scipy import stats as scipy_stats
 from tiny import build_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
@@ -165,6 +165,7 @@ def test_draft_with_another_vocabulary_is_refused(model_path, tmp_path):
         LLM(
             model_path,
             dtype="float64",
+            **DEVICE_KWARGS,
             speculative_config={"model": str(draft), "num_speculative_tokens": 2},
         )
 
@@ -402,7 +403,9 @@ def test_greedy_with_speculation_equals_transformers(
     name, model_path, other_draft, prompts, reference
 ):
     config = spec_configs(model_path, other_draft)[name]
-    engine = LLMEngine(model_path, dtype="float64", block_size=4, speculative_config=config)
+    engine = LLMEngine(
+        model_path, dtype="float64", **DEVICE_KWARGS, block_size=4, speculative_config=config
+    )
     free = engine.kv_cache.pool.num_free_blocks
     done = run(engine, greedy_requests(prompts, [MAX_TOKENS] * len(prompts)))
     for i, expected in enumerate(reference):
@@ -431,7 +434,9 @@ def test_budget_cuts_prefix_cache_and_preemption_keep_outputs_exact(
     extra = [shared + p[:9] for p in prompts[6:]]
     all_prompts = prompts + extra
     requests = greedy_requests(all_prompts)
-    kwargs = dict(dtype="float64", block_size=4, num_blocks=32, max_num_batched_tokens=6)
+    kwargs = dict(
+        dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=32, max_num_batched_tokens=6
+    )
     spec_engine = LLMEngine(model_path, speculative_config=config, record_trace=True, **kwargs)
     plain_engine = LLMEngine(model_path, **kwargs)
     budget_cut = []
@@ -465,8 +470,8 @@ def test_stop_tokens_strings_and_max_tokens_inside_an_accepted_run(model_path, p
         "num_speculative_tokens": 5,
         "adaptive": False,
     }
-    spec = LLM(model_path, dtype="float64", speculative_config=config)
-    plain = LLM(model_path, dtype="float64")
+    spec = LLM(model_path, dtype="float64", **DEVICE_KWARGS, speculative_config=config)
+    plain = LLM(model_path, dtype="float64", **DEVICE_KWARGS)
     tokenizer = plain.get_tokenizer()
     params = []
     for i, expected in enumerate(reference[:6]):
@@ -495,7 +500,9 @@ def test_stop_tokens_strings_and_max_tokens_inside_an_accepted_run(model_path, p
 
 def test_abort_while_verifying_drafts_frees_everything(model_path, prompts):
     config = {"model": model_path, "num_speculative_tokens": 4, "adaptive": False}
-    engine = LLMEngine(model_path, dtype="float64", block_size=4, speculative_config=config)
+    engine = LLMEngine(
+        model_path, dtype="float64", **DEVICE_KWARGS, block_size=4, speculative_config=config
+    )
     requests = greedy_requests(prompts[:4], [MAX_TOKENS] * 4)
     aborted = []
 
@@ -517,7 +524,7 @@ def test_seeded_sampling_with_speculation_is_reproducible_whatever_the_batch(mod
     config = {"model": model_path, "num_speculative_tokens": 3, "adaptive": False}
     params = SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=16)
     other = SamplingParams(temperature=1.0, max_tokens=16)
-    llm = LLM(model_path, dtype="float64", speculative_config=config)
+    llm = LLM(model_path, dtype="float64", **DEVICE_KWARGS, speculative_config=config)
     alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
     again = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
     batch = llm.generate(prompts[:4], [params, other, other, other], use_tqdm=False)
@@ -537,7 +544,15 @@ def spec_server(model_path, tmp_path_factory):
     config = {"model": model_path, "num_speculative_tokens": 3, "adaptive": False}
     log = tmp_path_factory.mktemp("spec-server") / "server.log"
     proc = ServerProcess(
-        [model_path, "--dtype", "float64", "--speculative-config", json.dumps(config)], log
+        [
+            model_path,
+            "--dtype",
+            "float64",
+            *DEVICE_FLAGS,
+            "--speculative-config",
+            json.dumps(config),
+        ],
+        log,
     )
     yield proc
     assert proc.stop() == 0, log.read_text()[-2000:]
@@ -562,7 +577,7 @@ def test_server_streams_each_steps_accepted_tokens_as_one_delta(spec_server, mod
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert max(tokens_per_chunk) == 4  # the step's own token and its 3 accepted drafts
     assert sum(tokens_per_chunk) == chunks[-1].usage.completion_tokens == 14
-    plain = LLM(model_path, dtype="float64").generate(
+    plain = LLM(model_path, dtype="float64", **DEVICE_KWARGS).generate(
         [prompts[2]], SamplingParams(temperature=0, max_tokens=14), use_tqdm=False
     )
     assert text == plain[0].outputs[0].text

@@ -10,7 +10,7 @@ import time
 
 import jsonschema
 import pytest
-from conftest import random_prompts
+from conftest import DEVICE_KWARGS, random_prompts
 from tiny import build_tokenizer, make_scripted_checkpoint, make_tiny_checkpoint, slow_schema
 
 from conveyor import LLM, SamplingParams
@@ -81,7 +81,7 @@ def test_every_output_fits_its_constraint_against_the_models_will(scripted, tiny
     config = SPECS[spec]
     if config == "draft":  # drafts of "z" the grammar always rejects
         config = {"method": "draft_model", "model": str(scripted), "num_speculative_tokens": 3}
-    llm = LLM(str(tiny), dtype="float64", speculative_config=config, num_blocks=64)
+    llm = LLM(str(tiny), dtype="float64", **DEVICE_KWARGS, speculative_config=config, num_blocks=64)
     params = [
         SamplingParams(temperature=temperature, seed=i, max_tokens=150, structured_outputs=c)
         for c in CONSTRAINTS
@@ -97,7 +97,7 @@ def test_every_output_fits_its_constraint_against_the_models_will(scripted, tiny
 
 
 def test_a_model_that_wants_something_else_still_fits(scripted):
-    llm = LLM(str(scripted), dtype="float64")
+    llm = LLM(str(scripted), dtype="float64", **DEVICE_KWARGS)
     for constraint in CONSTRAINTS:
         params = SamplingParams(temperature=0, max_tokens=150, structured_outputs=constraint)
         completion = llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0]
@@ -119,7 +119,7 @@ def test_greedy_constrained_output_is_the_same_with_speculative_decoding(tiny, s
         ("ngram", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}),
         ("draft", {"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 3}),
     ]:
-        llm = LLM(str(tiny), dtype="float64", speculative_config=config)
+        llm = LLM(str(tiny), dtype="float64", **DEVICE_KWARGS, speculative_config=config)
         params = [
             SamplingParams(temperature=0, max_tokens=40, structured_outputs=c)
             for c in (CONSTRAINTS[0], CONSTRAINTS[4])
@@ -133,7 +133,7 @@ def test_greedy_constrained_output_is_the_same_with_speculative_decoding(tiny, s
 
 
 def test_unconstrained_requests_in_the_batch_are_unchanged(tiny):
-    llm = LLM(str(tiny), dtype="float64")
+    llm = LLM(str(tiny), dtype="float64", **DEVICE_KWARGS)
     prompts = random_prompts(6, 384, seed=3, max_len=30)
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
@@ -153,7 +153,7 @@ def test_unconstrained_requests_in_the_batch_are_unchanged(tiny):
 def test_padded_vocabulary_is_never_sampled(tmp_path):
     """A model with 512 logits over a 384-token tokenizer: the padding is never allowed."""
     path = make_tiny_checkpoint(tmp_path / "padded", vocab_size=512)
-    llm = LLM(str(path), dtype="float64")
+    llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
     assert llm.engine.model_config.vocab_size == 512
     params = SamplingParams(
         temperature=2.0, seed=0, n=8, max_tokens=30, structured_outputs={"json_object": True}
@@ -165,7 +165,7 @@ def test_padded_vocabulary_is_never_sampled(tmp_path):
 
 
 def test_grammar_wins_over_min_tokens_and_ignore_eos(scripted):
-    llm = LLM(str(scripted), dtype="float64")
+    llm = LLM(str(scripted), dtype="float64", **DEVICE_KWARGS)
     params = SamplingParams(
         temperature=0,
         max_tokens=30,
@@ -178,7 +178,7 @@ def test_grammar_wins_over_min_tokens_and_ignore_eos(scripted):
 
 
 def test_a_grammar_complete_at_max_tokens_is_a_stop(scripted):
-    llm = LLM(str(scripted), dtype="float64")
+    llm = LLM(str(scripted), dtype="float64", **DEVICE_KWARGS)
     tokens = build_tokenizer()("yes").input_ids
     params = SamplingParams(
         temperature=0, max_tokens=len(tokens), structured_outputs={"choice": ["yes"]}
@@ -188,7 +188,9 @@ def test_a_grammar_complete_at_max_tokens_is_a_stop(scripted):
 
 
 def test_constrained_requests_survive_preemption(tiny):
-    llm = LLM(str(tiny), dtype="float64", num_blocks=12, block_size=4, max_num_seqs=8)
+    llm = LLM(
+        str(tiny), dtype="float64", **DEVICE_KWARGS, num_blocks=12, block_size=4, max_num_seqs=8
+    )
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs=CONSTRAINTS[0])
         for i in range(6)
@@ -211,7 +213,7 @@ def test_constrained_requests_survive_preemption(tiny):
     ],
 )
 def test_a_constraint_that_does_not_compile_is_a_value_error(tiny, constraint, words):
-    llm = LLM(str(tiny), dtype="float64")
+    llm = LLM(str(tiny), dtype="float64", **DEVICE_KWARGS)
     with pytest.raises(ValueError) as error:
         llm.generate(["hi"], SamplingParams(structured_outputs=constraint), use_tqdm=False)
     for word in words:
@@ -239,7 +241,7 @@ def test_malformed_structured_outputs_are_value_errors(value, words):
 
 
 def test_a_slow_grammar_waits_on_its_own_while_the_batch_runs(tiny):
-    core = EngineCore(str(tiny), dtype="float64")
+    core = EngineCore(str(tiny), dtype="float64", **DEVICE_KWARGS)
     slow = SamplingParams(max_tokens=5, structured_outputs={"json": slow_schema()})
     free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     core.add_requests(
@@ -263,7 +265,7 @@ def test_a_slow_grammar_waits_on_its_own_while_the_batch_runs(tiny):
 
 
 def test_a_grammar_past_the_time_limit_fails_its_request_only(tiny):
-    core = EngineCore(str(tiny), dtype="float64", grammar_compile_timeout=0.05)
+    core = EngineCore(str(tiny), dtype="float64", **DEVICE_KWARGS, grammar_compile_timeout=0.05)
     slow = SamplingParams(max_tokens=5, structured_outputs={"json": slow_schema()})
     free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     core.add_requests(
@@ -282,13 +284,13 @@ def test_a_grammar_past_the_time_limit_fails_its_request_only(tiny):
     assert ends["free"].status == RequestStatus.FINISHED_LENGTH
 
     # The front end applies the same limit: a ValueError before anything is admitted.
-    llm = LLM(str(tiny), dtype="float64", grammar_compile_timeout=0.05)
+    llm = LLM(str(tiny), dtype="float64", **DEVICE_KWARGS, grammar_compile_timeout=0.05)
     with pytest.raises(ValueError, match="did not compile within"):
         llm.generate(["hi"], slow, use_tqdm=False)
 
 
 def test_a_bad_grammar_that_reaches_the_core_fails_with_its_error(tiny):
-    core = EngineCore(str(tiny), dtype="float64")
+    core = EngineCore(str(tiny), dtype="float64", **DEVICE_KWARGS)
     bad = SamplingParams(max_tokens=5, structured_outputs={"regex": "a(b"})
     core.add_requests([CoreRequest("bad", [5], bad, 5, 0, time.monotonic())])
     outs = []
@@ -299,7 +301,7 @@ def test_a_bad_grammar_that_reaches_the_core_fails_with_its_error(tiny):
 
 
 def test_aborting_a_request_that_waits_for_its_grammar(tiny):
-    core = EngineCore(str(tiny), dtype="float64")
+    core = EngineCore(str(tiny), dtype="float64", **DEVICE_KWARGS)
     slow = SamplingParams(max_tokens=5, structured_outputs={"json": slow_schema(num_fields=2000)})
     core.add_requests([CoreRequest("slow", [5], slow, 5, 0, time.monotonic())])
     assert core.has_unfinished_requests()
@@ -309,7 +311,7 @@ def test_aborting_a_request_that_waits_for_its_grammar(tiny):
 
 
 def test_compiled_grammars_are_cached_by_constraint(tiny):
-    llm = LLM(str(tiny), dtype="float64")
+    llm = LLM(str(tiny), dtype="float64", **DEVICE_KWARGS)
     compiler = llm.engine.inputs.grammars
     assert compiler is llm.engine.core.grammars  # in-process: one compile per constraint
     params = SamplingParams(n=3, max_tokens=10, structured_outputs={"json": PERSON})
