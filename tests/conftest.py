@@ -77,7 +77,13 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int):
     return results
 
 
-def assert_matches_reference(outputs, reference, tol: float = 1e-6) -> None:
+# transformers' RMSNorm computes in float32 even for a float64 model (and so does conveyor, to
+# match it), so the reference on the CPU and an engine on CUDA differ by float32 reduction
+# order: measured on an H200, greedy tokens equal, logprobs within 2.4e-6.
+LOGPROB_TOL = 1e-6 if DEVICE == "cpu" else 1e-5
+
+
+def assert_matches_reference(outputs, reference, tol: float = LOGPROB_TOL) -> None:
     assert len(outputs) == len(reference)
     for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, reference, strict=True)):
         completion = out.outputs[0]

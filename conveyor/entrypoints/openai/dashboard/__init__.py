@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from importlib import resources
 
 from fastapi import FastAPI
@@ -62,10 +63,11 @@ async def _stream(feed: DashboardFeed):
     cursor = None
     try:
         while not feed.closed:  # a client that goes away cancels this generator
-            state = await feed.state()
+            start = time.monotonic()
+            state = await feed.state()  # the core answers between two steps: it may take one
             records, cursor = feed.records_since(cursor)
             payload = json.dumps(state | {"records": records, "cursor": cursor})
             yield f"data: {payload}\n\n"
-            await asyncio.sleep(TICK)
+            await asyncio.sleep(max(TICK - (time.monotonic() - start), 0.05))
     finally:
         feed.num_watchers -= 1
