@@ -108,6 +108,9 @@ def _expected(metrics: dict[str, float]) -> dict[str, float]:
         "v-itl-n": metrics["conveyor:inter_token_latency_seconds_count"],
         # Summed by the page over the step records it holds (the last minute: all of them).
         "v-window-gen": metrics["conveyor:generation_tokens_total"],
+        # Idle: no block held (the map may lag the numbers by one update).
+        "v-kv-used": 0,
+        "v-kv-usedcached": 0,
     }
 
 
@@ -125,7 +128,7 @@ def test_the_page_moves_under_load_and_matches_metrics(server, tmp_path):
         page.wait_for_function("window.dashboardUpdates >= 1", timeout=15_000)
         assert _page_numbers(page)["v-gen-total"] == 0
 
-        load = threading.Thread(target=_load, args=(server, 24, 24))
+        load = threading.Thread(target=_load, args=(server, 48, 32))
         load.start()
         seen_running = seen_steps = 0.0
         deadline = time.monotonic() + 120
@@ -154,7 +157,6 @@ def test_the_page_moves_under_load_and_matches_metrics(server, tmp_path):
             time.sleep(0.3)
         assert shown == expected
         assert expected["v-preempt-total"] > 0, "the small KV cache should have preempted"
-        assert numbers["v-kv-used"] == 0 and numbers["v-kv-usedcached"] == 0
         counts = [numbers[k] for k in ("v-kv-free", "v-kv-cached", "v-kv-used")]
         assert sum(counts) == numbers["v-blocks"] == 24
         assert not errors, errors

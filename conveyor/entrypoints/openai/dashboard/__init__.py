@@ -2,7 +2,8 @@
 
   GET /dashboard          the page (one self-contained file: no data in it, no CDN)
   GET /dashboard/events   server-sent events: the state and the new step records, every TICK
-  GET /dashboard/state    the same as one JSON document, with the last minute's records
+  GET /dashboard/state    the same as one JSON document, with the last minute's records and
+                          a snapshot taken for it
 
 The data routes sit behind the API key like the API. A browser cannot put a header on a page
 it is sent to, so the page itself is open; it takes the key from the address's fragment
@@ -37,7 +38,7 @@ def add_dashboard_routes(app: FastAPI, feed: DashboardFeed) -> None:
     @app.get("/dashboard/state")
     async def state() -> dict:
         records, cursor = feed.records_since(None)
-        return (await feed.state()) | {"records": records, "cursor": cursor}
+        return (await feed.state(fresh=True)) | {"records": records, "cursor": cursor}
 
     @app.get("/dashboard/events")
     async def events():
@@ -64,7 +65,7 @@ async def _stream(feed: DashboardFeed):
     try:
         while not feed.closed:  # a client that goes away cancels this generator
             start = time.monotonic()
-            state = await feed.state()  # the core answers between two steps: it may take one
+            state = await feed.state()
             records, cursor = feed.records_since(cursor)
             payload = json.dumps(state | {"records": records, "cursor": cursor})
             yield f"data: {payload}\n\n"

@@ -39,7 +39,7 @@ class DashboardFeed:
         self._hook_seconds = 0.0  # spent in on_step, for the cost line
         self._state: dict | None = None
         self._state_time = 0.0
-        self._building: asyncio.Task | None = None
+        self._refresh: asyncio.Task | None = None
         self._snapshots: list[CoreSnapshot | None] = []
 
     # ---- fed after every step --------------------------------------------------------------
@@ -70,24 +70,29 @@ class DashboardFeed:
 
     # ---- built when watched ----------------------------------------------------------------
 
-    async def state(self) -> dict:
-        """The state of the moment; one build serves every page that asks within a tick."""
-        if self._state is not None and time.monotonic() - self._state_time < TICK * 0.8:
-            return self._state
-        if self._building is None or self._building.done():
-            self._building = asyncio.ensure_future(self._build())
-        return await asyncio.shield(self._building)
+    async def state(self, fresh: bool = False) -> dict:
+        """The state of the moment; one build serves every page that asks within a tick.
 
-    async def _build(self) -> dict:
+        The core answers a snapshot between two steps, and a step can take seconds (a long
+        prefill chunk on a CPU): so a page's update does not wait for it. It shows the last
+        snapshot and asks for the next one (`fresh`: waits for it, for a one-off query)."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._refresh_snapshots())
+        if fresh or not self._snapshots:
+            await asyncio.shield(self._refresh)
+        elif self._state is not None and time.monotonic() - self._state_time < TICK * 0.8:
+            return self._state
+        self._state = self._compose(self._snapshots)
+        self._state_time = time.monotonic()
+        return self._state
+
+    async def _refresh_snapshots(self) -> None:
         snapshots = await self.engine.snapshots()
         # A replica that did not answer in time keeps its last map.
         if len(self._snapshots) != len(snapshots):
             self._snapshots = list(snapshots)
         else:
             self._snapshots = [s or old for s, old in zip(snapshots, self._snapshots, strict=True)]
-        self._state = self._compose(self._snapshots)
-        self._state_time = time.monotonic()
-        return self._state
 
     def _compose(self, snapshots: list[CoreSnapshot | None]) -> dict:
         stats = self.engine.get_stats()
