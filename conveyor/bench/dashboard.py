@@ -20,7 +20,6 @@ import json
 import statistics
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -79,7 +78,7 @@ class Watcher(threading.Thread):
 
 def main(args: argparse.Namespace) -> int:
     from conveyor.bench.datasets import random_requests
-    from conveyor.bench.scaling import _stream, measure, run_order
+    from conveyor.bench.scaling import _stream, measure, report_header, run_order
     from conveyor.bench.serve import load_tokenizer
     from conveyor.bench.split import Server, model_flags
     from conveyor.config import ModelConfig
@@ -89,15 +88,7 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     lengths = (args.random_input_len, args.random_output_len)
     warmup = random_requests(tokenizer, 2, args.random_input_len, 16, 0.0, args.seed + 100_000)
-    report = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "model": str(config.path),
-        "dtype": args.dtype,
-        "device": args.device,
-        "num_prompts": args.num_prompts,
-        "max_concurrency": args.max_concurrency,
-        "input_len": args.random_input_len,
-        "output_len": args.random_output_len,
+    report = report_header(args, config) | {
         "watchers": args.watchers,
         "order": [LAYOUTS[i] for i in order],
         "runs": [],
@@ -155,22 +146,9 @@ def _watch_report(watchers: list[Watcher], elapsed: float) -> dict:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    rows = []
-    for layout in LAYOUTS:
-        mine = [r for r in runs if r["layout"] == layout]
-        rows.append(
-            {
-                "layout": layout,
-                "runs": len(mine),
-                "failed": sum(r["failed"] for r in mine),
-                "output_throughput": statistics.fmean(r["output_throughput"] for r in mine),
-                "each": [round(r["output_throughput"], 1) for r in mine],
-                "median_tpot_ms": statistics.fmean(r["median_tpot_ms"] or 0 for r in mine),
-                "median_ttft_ms": statistics.fmean(r["median_ttft_ms"] or 0 for r in mine),
-            }
-        )
-    for row in rows:
-        row["ratio"] = row["output_throughput"] / rows[0]["output_throughput"]
+    from conveyor.bench.scaling import summarize as summarize_layouts
+
+    rows = summarize_layouts(runs, LAYOUTS, baseline=lambda layout: LAYOUTS[0])
     watched = [r for r in runs if r["layout"] == "watched" and r.get("record_share") is not None]
     if watched:
         rows[1]["updates_per_s"] = statistics.fmean(r["updates_per_s"] for r in watched)

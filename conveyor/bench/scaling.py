@@ -96,15 +96,7 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     lengths = (args.random_input_len, args.random_output_len)
     warmup = random_requests(tokenizer, 2, args.random_input_len, 16, 0.0, args.seed + 100_000)
-    report = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "model": str(config.path),
-        "dtype": args.dtype,
-        "device": args.device,
-        "num_prompts": args.num_prompts,
-        "max_concurrency": args.max_concurrency,
-        "input_len": args.random_input_len,
-        "output_len": args.random_output_len,
+    report = report_header(args, config) | {
         "order": [f"{layouts[i][0]}{layouts[i][1]}" for i in order],
         "runs": [],
     }
@@ -130,6 +122,20 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def report_header(args: argparse.Namespace, config) -> dict:
+    """What a side-by-side server benchmark ran: when, which model, which workload."""
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "model": str(config.path),
+        "dtype": args.dtype,
+        "device": args.device,
+        "num_prompts": args.num_prompts,
+        "max_concurrency": args.max_concurrency,
+        "input_len": args.random_input_len,
+        "output_len": args.random_output_len,
+    }
+
+
 async def _stream(base_url: str, requests, concurrency: int, tokenizer):
     from conveyor.bench.structured import stream
 
@@ -153,8 +159,9 @@ def measure(base_url: str, requests, concurrency: int, tokenizer) -> dict:
     }
 
 
-def summarize(runs: list[dict], layouts: list[str]) -> list[dict]:
-    """Per layout: the mean over its runs, and its ratio to the first layout of its kind."""
+def summarize(runs: list[dict], layouts: list[str], baseline=None) -> list[dict]:
+    """Per layout: the mean over its runs, and its ratio to its baseline: `baseline(layout)`,
+    by default the first layout of its kind (dp1 for dpN, tp1 for tpN)."""
     rows = []
     for layout in layouts:
         mine = [r for r in runs if r["layout"] == layout]
@@ -170,7 +177,10 @@ def summarize(runs: list[dict], layouts: list[str]) -> list[dict]:
             }
         )
     for row in rows:
-        base = next(r for r in rows if r["layout"][:2] == row["layout"][:2])
+        if baseline is None:
+            base = next(r for r in rows if r["layout"][:2] == row["layout"][:2])
+        else:
+            base = next(r for r in rows if r["layout"] == baseline(row["layout"]))
         row["baseline"] = base["layout"]
         row["ratio"] = row["output_throughput"] / base["output_throughput"]
     return rows
