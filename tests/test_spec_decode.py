@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -594,3 +595,7 @@ def test_server_streams_each_steps_accepted_tokens_as_one_delta(spec_server, mod
     per_pos = "conveyor:spec_decode_num_accepted_tokens_per_pos_total"
     first = next(k for k in after if k.startswith(per_pos + "{") and "position=0" in k)
     assert after[first] - before.get(first, 0.0) == drafts
+    # The dashboard's acceptance is the same count.
+    totals = httpx.get(f"{spec_server.base_url}/dashboard/state", timeout=10).json()["totals"]
+    assert totals["spec_draft_tokens"] == after["conveyor:spec_decode_num_draft_tokens_total"]
+    assert totals["spec_accepted"] == after["conveyor:spec_decode_num_accepted_tokens_total"]
