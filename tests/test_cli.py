@@ -57,7 +57,7 @@ def test_serve_help_groups_its_flags_and_explains_each():
     assert "\nstructured output:\n" in text and "\nspeculative decoding:\n" in text
 
 
-def test_a_checkpoint_without_a_tokenizer_needs_one_given(tmp_path):
+def test_a_checkpoint_without_a_tokenizer_needs_one_given(tmp_path, capsys):
     """tokenizer=PATH / --tokenizer for a checkpoint that ships without one; without it, one
     clear error that says what to pass."""
     import shutil
@@ -80,21 +80,19 @@ def test_a_checkpoint_without_a_tokenizer_needs_one_given(tmp_path):
     else:
         raise AssertionError("a checkpoint without a tokenizer was accepted")
     assert "has no tokenizer" in message and "--tokenizer PATH" in message
-    result = run(sys.executable, "-m", "conveyor", "generate", str(model), "--max-tokens", "2")
-    assert result.returncode == 2 and "has no tokenizer" in result.stderr, result.stderr
+    # The CLI in this process (`python -m conveyor` itself is run above).
+    from conveyor.entrypoints.cli import main as cli_main
+
+    assert cli_main(["generate", str(model), "--max-tokens", "2"]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
     llm = LLM(str(model), dtype="float64", tokenizer=str(tokenizer))
     assert llm.get_tokenizer().name_or_path == str(tokenizer)
     (out,) = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4 and out.prompt_token_ids
-    result = run(
-        sys.executable, "-m", "conveyor", "generate", str(model), "--tokenizer", str(tokenizer),
-        "--dtype", "float64", "--prompt", "hello", "--max-tokens", "3",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    with_missing = run(
-        sys.executable, "-m", "conveyor", "generate", str(model), "--tokenizer", "/nonexistent"
-    )
-    assert with_missing.returncode == 2 and "does not exist" in with_missing.stderr
+    argv = ["generate", str(model), "--tokenizer", str(tokenizer), "--dtype", "float64"]
+    assert cli_main([*argv, "--prompt", "hello", "--max-tokens", "3"]) == 0
+    assert cli_main(["generate", str(model), "--tokenizer", "/nonexistent"]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
     # skip_tokenizer_init: token ids in, token ids out; the same greedy tokens, no text.
     greedy = SamplingParams(max_tokens=5, temperature=0, logprobs=1)
