@@ -8,6 +8,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -98,13 +100,32 @@ def assert_ended_with_an_error(lines: list[str], *words: str) -> None:
         assert word in error["message"], error["message"]
 
 
-def assert_503_then_exit_1(server: ServerProcess, *words: str) -> None:
+def assert_503_then_exit_1(server: ServerProcess, *words: str, within: float = 30) -> None:
     health = httpx.get(f"{server.base_url}/health", timeout=5)
     assert health.status_code == 503, health.text
     for word in words:
         assert word in health.json()["error"]["message"]
-    server.proc.wait(30)
+    try:
+        server.proc.wait(within)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the server was still up {within:g} s after 503") from None
     assert server.stop() == 1, server.log_path.read_text()[-2000:]
+
+
+def watch_dashboard(server: ServerProcess) -> threading.Thread:
+    """A dashboard's event stream, open until the server ends it."""
+
+    def read() -> None:
+        try:
+            with httpx.stream("GET", f"{server.base_url}/dashboard/events", timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_sigkill_of_the_core_during_16_streams_fails_every_stream_and_exits_1(
@@ -112,11 +133,14 @@ def test_sigkill_of_the_core_during_16_streams_fails_every_stream_and_exits_1(
 ):
     server = start(tiny_checkpoint, tmp_path)
     pid = core_pid(server)
+    watcher = watch_dashboard(server)  # an open page must not hold the exit back
     results, elapsed = asyncio.run(open_streams(server, 16, lambda: os.kill(pid, signal.SIGKILL)))
     assert elapsed < 5, f"clients heard of the death after {elapsed:.1f} s"
     for lines in results:
         assert_ended_with_an_error(lines, "engine core died", "SIGKILL")
-    assert_503_then_exit_1(server, "SIGKILL")
+    assert_503_then_exit_1(server, "SIGKILL", within=8)
+    watcher.join(5)
+    assert not watcher.is_alive()
 
 
 def test_sigkill_during_non_streamed_requests_is_a_500_each(tiny_checkpoint, tmp_path):

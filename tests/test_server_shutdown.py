@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 
 import httpx
 from server_util import ServerProcess
@@ -24,6 +25,19 @@ def test_sigterm_aborts_open_streams_cleanly_and_exits_zero(tmp_path):
         "ignore_eos": True,
         "temperature": 0,
     }
+    # An open dashboard: its event stream must end cleanly too, not be cut at the deadline.
+    watch_errors: list[str] = []
+
+    def watch() -> None:
+        try:
+            with httpx.stream("GET", f"{server.base_url}/dashboard/events", timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError as error:
+            watch_errors.append(repr(error))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     events = []
     with httpx.stream(
         "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
@@ -35,6 +49,8 @@ def test_sigterm_aborts_open_streams_cleanly_and_exits_zero(tmp_path):
             if len(events) == 5:
                 server.proc.send_signal(signal.SIGTERM)
     assert server.stop() == 0, (tmp_path / "server.log").read_text()[-2000:]
+    watcher.join(10)
+    assert not watcher.is_alive() and watch_errors == []
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]

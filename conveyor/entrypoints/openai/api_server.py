@@ -383,9 +383,14 @@ class GracefulServer(uvicorn.Server):
         engine.on_fatal = self._engine_died
 
     def _engine_died(self) -> None:  # any thread; uvicorn's loop polls should_exit
-        timer = threading.Timer(self.DEAD_LINGER, setattr, (self, "should_exit", True))
+        timer = threading.Timer(self.DEAD_LINGER, self._exit_now)
         timer.daemon = True
         timer.start()
+
+    def _exit_now(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.closed = True  # open event streams end instead of holding the exit
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         first = not self.should_exit
