@@ -57,6 +57,13 @@ def core_pid(server: ServerProcess) -> int:
     return pids[0]
 
 
+def core_pid_or_none(server: ServerProcess) -> int | None:
+    try:
+        return core_pid(server)
+    except AssertionError:
+        return None
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -211,6 +218,22 @@ def test_restart_engine_recovers_after_sigkill(tiny_checkpoint, tmp_path):
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"][0]["text"]) > 0
         assert core_pid(server) != pid
+
+        # A core that dies while the dashboard waits for its snapshot: the new core is asked
+        # again, so the page's block map comes back.
+        pid = core_pid(server)
+        os.kill(pid, signal.SIGSTOP)
+        state = f"{server.base_url}/dashboard/state"
+        httpx.get(state, timeout=10).raise_for_status()  # asked; a stopped core cannot answer
+        killed = time.time()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and core_pid_or_none(server) in (None, pid):
+            time.sleep(0.2)
+        while httpx.get(f"{server.base_url}/health", timeout=5).status_code != 200:
+            time.sleep(0.2)
+        (kv,) = httpx.get(state, timeout=10).json()["kv"]
+        assert kv["time"] > killed and kv["num_blocks"] > 0
     finally:
         assert server.stop() == 0, server.log_path.read_text()[-2000:]
 

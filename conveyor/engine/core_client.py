@@ -470,6 +470,8 @@ class AsyncMPEngine:
         if self._error is not None or self._stopping:
             return
         self._error = error = EngineDeadError(f"the engine core died: {reason}")
+        if self._snapshot is not None and not self._snapshot.done():
+            self._snapshot.set_result(None)  # never answered; a new core gets a new request
         taken: set[str] = set()
         if self.on_lost is not None:
             untouched = [s for s in self._streams.values() if s.num_outputs == 0]

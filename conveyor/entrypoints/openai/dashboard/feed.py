@@ -117,6 +117,7 @@ class DashboardFeed:
             kv_maps.append(
                 {
                     "replica": replica,
+                    "time": snapshot.time,  # when the core took it
                     "num_blocks": snapshot.num_blocks,
                     "block_size": snapshot.block_size,
                     "stride": snapshot.stride,
