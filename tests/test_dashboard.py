@@ -176,11 +176,13 @@ def test_state_agrees_with_metrics_and_with_its_own_records(server):
     records = state["records"]
     fields = ["replica", "step", "time", "seconds", "num", "prefill", "decode", "generated"]
     rows = [dict(zip(fields, r[:8], strict=True)) | {"ids": r[8:]} for r in records]
-    # Every step of the server's life is in the minute, in order, without a gap.
-    assert [r["step"] for r in rows] == list(range(1, totals["steps"] + 1))
+    # Every step of the server's life is in the minute, in order, without a gap (records of
+    # no step, for requests that ended while idle, have no requests).
+    steps = [r for r in rows if r["num"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, totals["steps"] + 1))
     assert sum(r["generated"] for r in rows) == totals["generation_tokens"]
     assert sum(r["prefill"] for r in rows) >= totals["prompt_tokens"]  # + recomputation
-    assert all(r["num"] > 0 and r["prefill"] + r["decode"] > 0 for r in rows)
+    assert all(r["prefill"] + r["decode"] > 0 for r in steps)
     joined = [i for r in rows for i in r["ids"][0]]
     first = [i for r in rows for i in r["ids"][1]]
     left = [i for r in rows for i in r["ids"][2]]
@@ -266,3 +268,26 @@ def test_in_process_engine_feeds_the_dashboard(tiny_checkpoint):
 
 
 TICK_WAIT = 0.5
+
+
+def test_a_request_aborted_while_idle_leaves_at_once(tiny_checkpoint):
+    """No step follows an abort that empties the engine: the core puts the leaver in a record
+    of its own (same step number, next record number), so a page does not show it running."""
+    from conveyor.engine.core import CoreRequest, EngineCore, RequestStatus
+
+    core = EngineCore(str(tiny_checkpoint("llama")), dtype="float32", num_blocks=16)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    requests = [CoreRequest(f"r{i}", [5, 6, 7], params, 8, 0, time.monotonic()) for i in (0, 1)]
+    core.add_requests(requests)
+    core.step()
+    stepped = core.get_stats().last_record
+    assert stepped.num_requests == 2 and set(stepped.joined) == {"r0", "r1"}
+    core.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)  # r1 still runs
+    assert core.get_stats().last_record == stepped  # the next step carries r0
+    core.step()
+    record = core.get_stats().last_record
+    assert record.left == ("r0",) and record.seq == stepped.seq + 1
+    core.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)  # idle now
+    idle = core.get_stats().last_record
+    assert idle.left == ("r1",) and idle.num_requests == 0 and idle.step == record.step
+    assert idle.seq == record.seq + 1

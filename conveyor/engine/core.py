@@ -35,6 +35,7 @@ from conveyor.engine.records import (
     StepRecord,
     core_snapshot,
     count_tokens,
+    left_while_idle,
     step_record,
 )
 from conveyor.model.loader import load_tokenizer
@@ -297,6 +298,7 @@ class EngineCore:
         self._last_step = StepTiming()
         self._last_record: StepRecord | None = None
         self._left: list[str] = []  # ended between steps: joins the next step's record
+        self._num_records = 0
         self._record_seconds = 0.0  # spent building step records (what observing costs)
         self._step_seconds = 0.0
         self._fault = Fault.from_env()
@@ -423,6 +425,11 @@ class EngineCore:
         for request_id in finished:
             self.scheduler.forget(request_id)
         self._left += finished
+        if self._left and not self.scheduler.has_unfinished_requests():
+            # No step follows to carry them: they leave in a record of their own.
+            self._num_records += 1
+            self._last_record = left_while_idle(self._num_steps, self._left, self._num_records)
+            self._left = []
         if self.record_trace and self.trace and status != RequestStatus.FINISHED_ABORTED:
             self.trace[-1].finished_request_ids.extend(finished)  # ended with the last step
 
@@ -506,8 +513,9 @@ class EngineCore:
         record_start = time.perf_counter()
         left, self._left = self._left, []
         left += [o.request_id for o in outputs if o.status.finished]
+        self._num_records += 1
         self._last_record = step_record(
-            self._num_steps, timing.total, sched, tokens, updated, before, left
+            self._num_steps, self._num_records, timing.total, sched, tokens, updated, before, left
         )
         self._record_seconds += record_seconds + time.perf_counter() - record_start
         self._step_seconds += timing.total

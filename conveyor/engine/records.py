@@ -44,6 +44,13 @@ class StepRecord(NamedTuple):
     first_token: tuple[str, ...]  # finished their prompt: decoding from now on
     left: tuple[str, ...]  # finished, aborted or stopped since the last record
     preempted: tuple[str, ...]  # sent back to the queue
+    seq: int = 0  # this record's number: a step's, or one for requests that left while idle
+
+
+def left_while_idle(step: int, left: list[str], seq: int) -> StepRecord:
+    """A record of no step: requests that ended (aborted, say) while no step was to follow,
+    so that observers hear of them now rather than at some later step."""
+    return StepRecord(step, time.time(), 0.0, 0, 0, 0, 0, (), (), tuple(left), (), seq)
 
 
 def count_tokens(sched: SchedulerOutput, requests: dict[str, Request]) -> tuple[int, int]:
@@ -61,6 +68,7 @@ def count_tokens(sched: SchedulerOutput, requests: dict[str, Request]) -> tuple[
 
 def step_record(
     step: int,
+    seq: int,
     seconds: float,
     sched: SchedulerOutput,
     tokens: tuple[int, int],
@@ -88,6 +96,7 @@ def step_record(
         tuple(first),
         tuple(left),
         tuple(sched.preempted_request_ids),
+        seq,
     )
 
 

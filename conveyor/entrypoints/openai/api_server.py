@@ -138,7 +138,9 @@ def build_app(
         feed = DashboardFeed(async_engine, metrics, model_name, _device(async_engine))
     # Attached before the app exists, so before any request can make a step.
     async_engine.on_step = metrics.on_step if feed is None else _both(metrics.on_step, feed.on_step)
-    async_engine.on_abort = metrics.on_abort
+    async_engine.on_abort = (
+        metrics.on_abort if feed is None else _both(metrics.on_abort, feed.on_abort)
+    )
     serving = OpenAIServing(async_engine, model_name, limits)
 
     @asynccontextmanager

@@ -34,7 +34,7 @@ class DashboardFeed:
         self.num_watchers = 0
         self._records: deque[tuple[int, StepRecord]] = deque()
         self._num_records = 0  # appended so far: the cursor of the next one
-        self._last_step: dict[int, int] = {}
+        self._last_seq: dict[int, int] = {}  # per replica: the last record taken
         self._lock = threading.Lock()  # records come from the engine thread in-process
         self._hook_seconds = 0.0  # spent in on_step, for the cost line
         self._state: dict | None = None
@@ -48,8 +48,8 @@ class DashboardFeed:
         start = time.perf_counter()
         record = engine.get_stats().last_record
         replica = getattr(engine, "replica_index", 0)
-        if record is not None and self._last_step.get(replica) != record.step:
-            self._last_step[replica] = record.step
+        if record is not None and self._last_seq.get(replica) != record.seq:
+            self._last_seq[replica] = record.seq
             with self._lock:
                 self._records.append((replica, record))
                 self._num_records += 1
@@ -59,6 +59,10 @@ class DashboardFeed:
                 ):
                     self._records.popleft()
         self._hook_seconds += time.perf_counter() - start
+
+    def on_abort(self, engine, request_id: str) -> None:
+        """An abort may end the last requests: the core then sends a record of no step."""
+        self.on_step(engine, [])
 
     def records_since(self, cursor: int | None) -> tuple[list[list], int]:
         """Step records after `cursor` (None: the whole window), as rows, and the new cursor."""
