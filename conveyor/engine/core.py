@@ -511,8 +511,8 @@ class EngineCore:
             )
         self._last_step = timing
         record_start = time.perf_counter()
-        left, self._left = self._left, []
-        left += [o.request_id for o in outputs if o.status.finished]
+        finished = [o.request_id for o in outputs if o.status.finished]
+        left, self._left = self._left + finished, []
         self._num_records += 1
         self._last_record = step_record(
             self._num_steps, self._num_records, timing.total, sched, tokens, updated, before, left
@@ -520,7 +520,6 @@ class EngineCore:
         self._record_seconds += record_seconds + time.perf_counter() - record_start
         self._step_seconds += timing.total
         if self.record_trace:
-            finished = [o.request_id for o in outputs if o.status.finished]
             self.trace.append(
                 StepTrace(
                     self._num_steps,
