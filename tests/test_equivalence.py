@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, DEVICE_KWARGS, assert_matches_reference, hf_greedy, random_prompts
+from conftest import ARCHS, DEVICE, DEVICE_KWARGS, assert_matches_reference, hf_greedy, random_prompts
 from transformers import AutoModelForCausalLM
 
 from conveyor import LLM, LLMEngine, SamplingParams
@@ -59,6 +59,20 @@ def test_requests_waiting_for_seats_join_mid_flight_and_match(case):
     assert max(len(s.num_scheduled_tokens) for s in llm.engine.trace) <= 3
     assert _joined_mid_flight(llm.engine.trace), "no request joined a batch already decoding"
     assert_matches_reference(outputs, reference)
+
+
+def test_small_row_kernel_matches_transformers(case, monkeypatch):
+    """Every projection through the compiled small-row kernel (kernels/small_gemm.cpp), which
+    the engine otherwise uses only where it measures fastest: prompts of 1 to 3 rows per
+    step's request, then decode steps of 1 to 3 rows."""
+    monkeypatch.setenv("CONVEYOR_MATMUL", "kernel")
+    from conveyor.model.layers import matmul_forms
+
+    if DEVICE != "cpu" or set(matmul_forms(torch.float64).values()) != {"kernel"}:
+        pytest.skip("the compiled kernels do not run here")
+    path, prompts, reference = case
+    llm = LLM(str(path), dtype="float64", max_num_seqs=3, max_num_batched_tokens=16)
+    assert_matches_reference(llm.generate(prompts, GREEDY, use_tqdm=False), reference)
 
 
 def test_requests_added_while_others_decode_match(case):

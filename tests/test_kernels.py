@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 
@@ -158,6 +159,63 @@ def test_rotary_in_place_matches_reference(ops, dtype):
     assert out_q.data_ptr() == qkv.data_ptr(), "the compiled path rotates in place"
     assert (out_q - ref_q).abs().max() < TOLERANCE[dtype]
     assert (out_k - ref_k).abs().max() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("out_dim,k_dim", [(960, 576), (67, 64), (13, 1536), (9, 21), (1, 3)])
+def test_small_gemm_matches_torch(ops, dtype, out_dim, k_dim):
+    """Every token count through every register tile and its tails: rows (8/6/4/3 at a time
+    and the rest), tokens (4/3/2/1 at a time and the rest) and input columns (vectors and the
+    rest), against torch's matmul; on 1 and 2 threads, which split the rows differently."""
+    gen = torch.Generator().manual_seed(out_dim * 31 + k_dim)
+    weight = torch.randn(out_dim, k_dim, generator=gen, dtype=dtype)
+    for threads in (1, 2):
+        with _threads(threads):
+            for n in range(1, 21):
+                x = torch.randn(n, k_dim, generator=gen, dtype=dtype)
+                got = ops.small_gemm(x, weight)
+                assert got.shape == (n, out_dim) and got.dtype == dtype
+                scale = k_dim**0.5
+                torch.testing.assert_close(got, x @ weight.T, rtol=0, atol=TOLERANCE[dtype] * scale)
+    # A strided x (a transposed view) is read as its values.
+    x = torch.randn(k_dim, 5, generator=gen, dtype=dtype).T
+    torch.testing.assert_close(ops.small_gemm(x, weight), x @ weight.T, rtol=0, atol=1e-4)
+
+
+def test_small_gemm_refuses_bad_shapes(ops):
+    with pytest.raises(RuntimeError, match="small_gemm"):
+        ops.small_gemm(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="small_gemm"):
+        ops.small_gemm(torch.randn(2, 8), torch.randn(8, 4).T)  # weight not contiguous
+    with pytest.raises(RuntimeError, match="small_gemm"):
+        ops.small_gemm(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8))
+
+
+def test_matmul_forms_are_measured_and_can_be_forced(ops, monkeypatch):
+    from conveyor.model.layers import MATMUL_BUCKETS, linear, matmul_forms
+
+    measured = matmul_forms(torch.float32)
+    assert set(measured) == set(MATMUL_BUCKETS)
+    assert set(measured.values()) <= {"linear", "transposed", "kernel"}
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    x = torch.randn(5, 24)
+    for form in ("linear", "transposed", "kernel"):
+        monkeypatch.setenv("CONVEYOR_MATMUL", form)
+        assert set(matmul_forms(torch.float32).values()) == {form}
+        torch.testing.assert_close(linear(x, weight, bias), x @ weight.T + bias)
+    monkeypatch.setenv("CONVEYOR_MATMUL", "fast")
+    with pytest.raises(ValueError, match="CONVEYOR_MATMUL"):
+        matmul_forms(torch.float32)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_engine_num_threads_sets_torch_threads_and_rejects_zero(tiny_checkpoint):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 from types import ModuleType
 
@@ -79,41 +80,74 @@ def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias). On CPU, MKL runs either x @ W.T or (W @ x.T).T much faster than the
-    other at the small token counts of decode steps, and which one depends on the CPU: on a
-    2-core Zen 3, (W @ x.T).T made 4-request steps 211 -> 94 ms; on a 2-core Sapphire Rapids
-    Xeon, x @ W.T is 2.3x faster at 2 tokens and 1.15x at 8 (SmolLM2-135M's projections, 30
-    layers streamed from memory). So each process measures both once per power-of-two token
-    count (`_transposed_is_faster`) and uses the winner. (W @ x.T).T is a transposed view,
-    which every consumer here accepts."""
+    """x @ weight.T (+ bias). On CPU the decode steps' few token rows make this a stream of the
+    weights from memory, and three ways of computing it differ a lot there, by machine and token
+    count: MKL's x @ W.T, MKL's (W @ x.T).T (a transposed view, which every consumer here
+    accepts), and the compiled small-row kernel (kernels/small_gemm.cpp). On a 2-core Zen 3,
+    (W @ x.T).T made 4-request steps 211 -> 94 ms against x @ W.T; on a 2-core Sapphire Rapids
+    Xeon x @ W.T is 2.3x faster than it at 2 tokens, and the kernel 1.6x faster than both at 8
+    (SmolLM2-135M's projections, streamed from memory). So each process measures them once per
+    power-of-two token count (`matmul_forms`) and uses the fastest."""
     if x.device.type != "cpu" or x.dim() != 2:
         return nn.functional.linear(x, weight, bias)
-    if _bucket(x.shape[0]) in transposed_buckets(x.dtype):
-        out = (weight @ x.T).T
-        return out if bias is None else out + bias
-    return nn.functional.linear(x, weight, bias)
+    form = matmul_forms(x.dtype).get(_bucket(x.shape[0]), "linear")
+    if form == "linear" or not weight.is_contiguous():
+        return nn.functional.linear(x, weight, bias)
+    out = _ops().small_gemm(x, weight) if form == "kernel" else (weight @ x.T).T
+    return out if bias is None else out + bias
 
 
 def _bucket(num_tokens: int) -> int:
     return 1 << max(num_tokens - 1, 0).bit_length()
 
 
+MATMUL_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # above 64 tokens x @ W.T is used: MKL's own ground
+
+
+def matmul_forms(dtype: torch.dtype) -> dict[int, str]:
+    """The fastest form here per power-of-two token count (1 to 64): "linear" (x @ W.T),
+    "transposed" ((W @ x.T).T) or "kernel" (the compiled small-row kernel, when it builds).
+    CONVEYOR_MATMUL=linear|transposed|kernel forces one form for every count (tests run the
+    kernel through the model this way). Measured once per process and dtype; the runner calls
+    this at load, so no request pays for it."""
+    forced = os.environ.get("CONVEYOR_MATMUL", "").lower()
+    if forced and forced != "auto":
+        if forced not in ("linear", "transposed", "kernel"):
+            raise ValueError(f"CONVEYOR_MATMUL={forced!r}: expected linear, transposed or kernel")
+        if forced == "kernel" and _kernel_ops(dtype) is None:
+            forced = "linear"
+        return dict.fromkeys(MATMUL_BUCKETS, forced)
+    return _measured_forms(dtype)
+
+
+def _kernel_ops(dtype: torch.dtype) -> ModuleType | None:
+    """The compiled ops when the small-row kernel runs this dtype (float32, float64)."""
+    return _ops() if dtype in (torch.float32, torch.float64) else None
+
+
 @functools.cache
-def transposed_buckets(dtype: torch.dtype) -> frozenset[int]:
-    """The power-of-two token counts (1 to 64) at which (W @ x.T).T beats x @ W.T here; above
-    64 the two tie within noise and x @ W.T is used. Measured once per process and dtype over
-    24 weights of 3072 x 576 (170 MB in float32: streamed from memory, as a step streams a
-    model's weights, not from the caches), best of 3 passes; ~0.3 s. The runner calls it at
-    load, so no request pays for it."""
-    weights = torch.full((24, 3072, 576), 0.5, dtype=dtype)
-    winners = set()
-    for bucket in (1, 2, 4, 8, 16, 32, 64):
+def _ops() -> ModuleType | None:
+    from conveyor.model import kernels
+
+    return kernels.load()
+
+
+@functools.cache
+def _measured_forms(dtype: torch.dtype) -> dict[int, str]:
+    """Each form timed over weights of 3072 x 576, 170 MB of them (24 in float32: streamed
+    from memory, as a step streams a model's weights, not from the caches), best of 3 passes;
+    about 1.3 s in all."""
+    weights = torch.full((96 // dtype.itemsize, 3072, 576), 0.5, dtype=dtype)
+    ops = _kernel_ops(dtype)
+    winners = {}
+    for bucket in MATMUL_BUCKETS:
         x = torch.full((bucket, 576), 0.25, dtype=dtype)
-        if _best_time(weights, lambda w, x=x: w @ x.T) < _best_time(
-            weights, lambda w, x=x: x @ w.T
-        ):
-            winners.add(bucket)
-    return frozenset(winners)
+        forms = {"linear": lambda w, x=x: x @ w.T, "transposed": lambda w, x=x: w @ x.T}
+        if ops is not None and bucket <= 32:
+            forms["kernel"] = lambda w, x=x: ops.small_gemm(x, w)
+        times = {name: _best_time(weights, form) for name, form in forms.items()}
+        winners[bucket] = min(times, key=times.__getitem__)
+    return winners
 
 
 def _best_time(weights: torch.Tensor, form) -> float:

@@ -24,7 +24,7 @@ from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import TPGroup
 from conveyor.model import kernels
 from conveyor.model.attention import AttentionMetadata, build_metadata
-from conveyor.model.layers import transposed_buckets
+from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.sample.sampler import Sampler
@@ -67,7 +67,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         if device.type == "cpu":
-            transposed_buckets(cfg.dtype)  # the matmul form per token count, measured once
+            matmul_forms(cfg.dtype)  # the matmul form per token count, measured once
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg.dtype)
         self.model = load_model(cfg, device, self.tp)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)

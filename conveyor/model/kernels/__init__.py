@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp",)
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "small_gemm.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"
 

@@ -141,19 +141,31 @@ template <typename T, typename C, int R, int BS, int D>
 inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict s, Shape sh) {
   if constexpr (BS != 0) {
     constexpr int NV = BS / kLanes<T>;
-    Vec<T> acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < NV; ++i) acc[r][i] = Vec<T>{};
-    for (int d = 0; d < D; ++d) {
-      Vec<T> k[NV];
-      for (int i = 0; i < NV; ++i) k[i] = load_cache<T>(kt + d * BS + i * kLanes<T>);
-      for (int r = 0; r < R; ++r) {
-        const Vec<T> qb = broadcast(q[r * D + d]);
-        for (int i = 0; i < NV; ++i) acc[r][i] += qb * k[i];
+    // Few rows (a decode row's GQA group) give few accumulator chains, and the loop over d
+    // then waits on the FMA latency: SPLIT independent partial sums over d, added at the end,
+    // keep at least 8 chains in flight.
+    constexpr int SPLIT = R * NV >= 8 ? 1 : (R * NV >= 4 ? 2 : 4);
+    static_assert(D % SPLIT == 0, "head_dim must divide into the partial sums");
+    Vec<T> acc[SPLIT][R][NV];
+    for (int h = 0; h < SPLIT; ++h)
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < NV; ++i) acc[h][r][i] = Vec<T>{};
+    for (int d0 = 0; d0 < D; d0 += SPLIT) {
+      for (int h = 0; h < SPLIT; ++h) {
+        const int d = d0 + h;
+        Vec<T> k[NV];
+        for (int i = 0; i < NV; ++i) k[i] = load_cache<T>(kt + d * BS + i * kLanes<T>);
+        for (int r = 0; r < R; ++r) {
+          const Vec<T> qb = broadcast(q[r * D + d]);
+          for (int i = 0; i < NV; ++i) acc[h][r][i] += qb * k[i];
+        }
       }
     }
+    for (int h = 1; h < SPLIT; ++h)
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < NV; ++i) acc[0][r][i] += acc[h][r][i];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < NV; ++i) store(s + r * BS + i * kLanes<T>, acc[r][i]);
+      for (int i = 0; i < NV; ++i) store(s + r * BS + i * kLanes<T>, acc[0][r][i]);
   } else {
     const int bs = static_cast<int>(sh.block_size);
     const int dim = static_cast<int>(sh.head_dim);
@@ -225,9 +237,15 @@ inline void pv_block(const T* __restrict p, const C* __restrict v, T* __restrict
                      int n, Shape sh) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   if constexpr (D != 0) {
-    constexpr int RP = kRegisters >= 32 ? 2 : 1;
+    // Rows in threes with 32 registers (24 accumulators: a decode row's GQA group of 3 in one
+    // pass over V), else one at a time; then the rest.
+    constexpr int RP = kRegisters >= 32 ? 3 : 1;
     int r = 0;
     for (; r + RP <= rows; r += RP) pv_rows<T, C, D, RP>(p + r * bs, bs, v, acc + r * D, n);
+    if (RP == 3 && r + 2 <= rows) {
+      pv_rows<T, C, D, 2>(p + r * bs, bs, v, acc + r * D, n);
+      r += 2;
+    }
     for (; r < rows; ++r) pv_rows<T, C, D, 1>(p + r * bs, bs, v, acc + r * D, n);
   } else {
     const int dim = static_cast<int>(sh.head_dim);
@@ -362,6 +380,19 @@ inline void softmax_block(T* s, const int* limit, Scratch<T>& w, int rows, Shape
   }
 }
 
+// Tiles sit at scattered places (a block table is any list of block ids), so the hardware
+// prefetcher, which follows a stream within a 4 KiB page, starts every tile cold. The tiles
+// kPrefetchBlocks blocks ahead are asked into L2 while this one is computed: 32 decode rows x
+// 512 tokens over 30 layers (2 threads, SmolLM2's heads) went from 53 to 39 ms with a float32
+// cache and from 47 to 25 ms with a float16 one.
+constexpr int64_t kPrefetchBlocks = 2;
+template <typename C>
+inline void prefetch(const C* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  const int64_t size = n * static_cast<int64_t>(sizeof(C));
+  for (int64_t i = 0; i < size; i += 64) __builtin_prefetch(bytes + i, 0, 1);
+}
+
 template <typename T, typename C, int BS, int D>
 void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, const C* vc,
               T* out, Scratch<T>& w, Shape sh) {
@@ -395,6 +426,11 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
   for (int64_t b = 0; b * bs < num_keys; ++b) {
     const int64_t base = b * bs;
     const int64_t offset = (table[b] * in.num_kv_heads + item.kv_head) * tile;
+    if (base + kPrefetchBlocks * bs < num_keys) {
+      const int64_t ahead = (table[b + kPrefetchBlocks] * in.num_kv_heads + item.kv_head) * tile;
+      prefetch(kc + ahead, tile);
+      prefetch(vc + ahead, tile);
+    }
     for (int r = 0; r < rows; ++r) {
       const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
       limit[r] = static_cast<int>(std::min<int64_t>(visible, bs));
@@ -654,11 +690,4 @@ bool advise_huge_pages(const at::Tensor& t) {
 #else
   return false;
 #endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("advise_huge_pages", &advise_huge_pages, "madvise(MADV_HUGEPAGE) over a tensor");
-  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place (CPU)");
-  m.def("paged_attention", &paged_attention, "paged attention over a whole step (CPU)");
-  m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
 }
