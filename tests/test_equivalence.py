@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, DEVICE, DEVICE_KWARGS, assert_matches_reference, hf_greedy, random_prompts
+from conftest import (
+    ARCHS,
+    DEVICE,
+    DEVICE_KWARGS,
+    assert_matches_reference,
+    hf_greedy,
+    random_prompts,
+)
 from transformers import AutoModelForCausalLM
 
 from conveyor import LLM, LLMEngine, SamplingParams
