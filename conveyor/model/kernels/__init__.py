@@ -25,6 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "small_gemm.cpp")
+HEADERS = ("vec.h",)  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"
 
@@ -69,7 +70,7 @@ def _build() -> ModuleType:
 def _build_key() -> str:
     digest = hashlib.sha256()
     here = Path(__file__).parent
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((here / name).read_bytes())
     for part in (torch.__version__, sys.version, platform.machine(), " ".join(CFLAGS)):
         digest.update(part.encode())

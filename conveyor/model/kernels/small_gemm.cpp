@@ -28,33 +28,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int kVecBytes = 32;
-#if defined(__AVX512F__)
-constexpr bool kManyRegisters = true;
-#else
-constexpr bool kManyRegisters = false;
-#endif
+using namespace conveyor_vec;
+constexpr bool kManyRegisters = kRegisters >= 32;
 
-template <typename T>
-struct VecOf {
-  typedef T type __attribute__((vector_size(kVecBytes)));
-};
-template <typename T>
-using Vec = typename VecOf<T>::type;
-template <typename T>
-constexpr int kLanes = kVecBytes / sizeof(T);
-
-template <typename T>
-inline Vec<T> load(const T* p) {
-  Vec<T> v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// The lanes' sum as a tree (halves added), not a chain of kLanes dependent adds: at K = 576 a
-// tile's inner loop is only 72 vector steps, and a chained reduction per output took longer.
+// The lanes' sum as a tree (halves added): log2(kLanes) dependent adds, not kLanes.
 template <typename T>
 inline T reduce(Vec<T> v) {
   T lanes[kLanes<T>];
