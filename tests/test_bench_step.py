@@ -66,7 +66,11 @@ def test_steps_have_the_asked_shape_and_positive_times(run):
 
 
 def test_breakdown_parts_add_up_to_about_the_step(run):
-    _, report, _, _ = run
+    """Also where the decode steps run the compiled layers (kernels/decoder_layer.cpp),
+    which time their own projections and attention."""
+    table, report, _, _ = run
+    assert set(report["matmul_forms"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    assert "matmul form by rows: 1 " in table
     for case in report["cases"]:
         parts = case["breakdown_ms"]
         assert set(parts) == set(step.CATEGORIES)

@@ -366,3 +366,122 @@ def test_bad_kv_cache_dtype_is_refused():
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16"):
         CacheConfig(kv_cache_dtype="fp8")
+
+
+def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, seed):
+    """A random decoder layer of the Llama family, and its rotary table."""
+    from transformers import LlamaConfig
+
+    from conveyor.config import ModelConfig
+    from conveyor.distributed.parallel import TPGroup
+    from conveyor.model.layers import RotaryEmbedding
+    from conveyor.model.llama import LlamaDecoderLayer
+
+    hidden, inner = 96, 160
+    cfg = ModelConfig(
+        path=None, architecture="test", dtype=dtype, vocab_size=32, hidden_size=hidden,
+        intermediate_size=inner, num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=qkv_bias,
+        qk_norm=qk_norm, max_model_len=512, eos_token_ids=frozenset(), hf_config=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    layer = LlamaDecoderLayer(cfg, TPGroup()).to(dtype)
+    with torch.no_grad():
+        for param in layer.parameters():  # norms near 1, projections small: a layer-like scale
+            param.copy_(1 + 0.1 * torch.randn_like(param) if param.dim() == 1 else param.normal_())
+            if param.dim() == 2:
+                param.mul_(param.shape[1] ** -0.5)
+    rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), head_dim, 512, dtype)
+    return layer, rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,qkv_bias,qk_norm",
+    [
+        (8, 2, 64, False, False),
+        (4, 1, 128, True, False),
+        (9, 3, 64, False, True),
+        (4, 4, 64, True, True),
+    ],
+    ids=["gqa-llama", "mqa-bias", "gqa-qknorm", "mha-bias-qknorm"],
+)  # fmt: skip
+def test_compiled_decoder_layers_match_the_modules(
+    ops, monkeypatch, dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm
+):
+    """decoder_layers (kernels/decoder_layer.cpp) against the model's own modules run op by op,
+    on decode rows and a short chunk: residual stream and KV cache. Both run the small-row
+    kernel, so float64 must agree bit for bit (the norms are transformers' ATen ops in both);
+    float32 norms are a loop of their own in the compiled layer."""
+    from conveyor.model.llama import RopeRows
+
+    monkeypatch.setenv("CONVEYOR_MATMUL", "kernel")
+    seqs, block_size = [(0, 3), (16, 1), (40, 1), (5, 2)], 16
+    layers = [
+        _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, seed)
+        for seed in range(2)
+    ]
+    rotary = layers[0][1]
+    query_lens = np.array([q for _, q in seqs], dtype=np.int64)
+    context_lens = np.array([c for c, _ in seqs], dtype=np.int64)
+    tables = pad_block_tables([[4 * i + j for j in range(4)] for i in range(len(seqs))])
+    positions, slots = positions_and_slots(query_lens, context_lens, tables, block_size)
+    cpu = torch.device("cpu")
+    meta = build_metadata(query_lens, context_lens, tables, slots, block_size, cpu, ops)
+    rope = RopeRows(*rotary.rows(torch.from_numpy(positions)))
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(int(query_lens.sum()), 96, generator=gen, dtype=dtype)
+    caches = [
+        torch.randn(2, 4 * len(seqs), num_kv_heads, block_size * head_dim, generator=gen).to(dtype)
+        for _ in layers
+    ]
+    with torch.inference_mode():
+        ref_x, ref_caches, before = x.clone(), [c.clone() for c in caches], x.clone()
+        for (layer, _), cache in zip(layers, ref_caches, strict=True):
+            ref_x = layer(ref_x, rope, rotary, cache, meta)
+        compiled = [layer.compiled(ops) for layer, _ in layers]
+        ops.decoder_layers(
+            compiled, x, caches, rope.cos, rope.sin, meta.slot_mapping, block_size,
+            meta.query_start, meta.seq_lens, meta.block_tables, head_dim**-0.5, None,
+        )  # fmt: skip
+    if dtype == torch.float64:
+        assert torch.equal(x, ref_x)
+        assert all(torch.equal(c, r) for c, r in zip(caches, ref_caches, strict=True))
+    else:
+        torch.testing.assert_close(x, ref_x, rtol=1e-4, atol=1e-4)
+        for cache, ref in zip(caches, ref_caches, strict=True):
+            torch.testing.assert_close(cache, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(x, before), "the residual stream is updated in place"
+
+
+def test_compiled_layers_time_their_parts_and_refuse_bad_input(ops):
+    layer, rotary = _decoder_layer(torch.float32, 4, 2, 64, False, False, seed=0)
+    compiled = layer.compiled(ops)
+    x = torch.randn(1, 96)
+    cache = torch.zeros(2, 2, 2, 16 * 64)
+    cos, sin = rotary.rows(torch.tensor([0]))
+    meta = (torch.tensor([0]), 16, torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([[0]]))
+    seconds = torch.zeros(3, dtype=torch.float64)
+    ops.decoder_layers([compiled], x, [cache], cos, sin, *meta, 0.125, seconds)
+    assert (seconds > 0).all(), "projections, attention and the rest each take some time"
+    with pytest.raises(RuntimeError, match="one KV cache per layer"):
+        ops.decoder_layers([compiled], x, [], cos, sin, *meta, 0.125, None)
+    with pytest.raises(RuntimeError, match="seconds"):
+        ops.decoder_layers([compiled], x, [cache], cos, sin, *meta, 0.125, torch.zeros(2))
+    with pytest.raises(RuntimeError, match="weight shapes"):
+        ops.DecoderLayer(
+            input_norm=torch.ones(96), post_norm=torch.ones(96), q_norm=None, k_norm=None,
+            eps=1e-5, w_qkv=torch.zeros(10, 96), b_qkv=None, w_o=torch.zeros(96, 256),
+            w_gate_up=torch.zeros(320, 96), w_down=torch.zeros(96, 160), num_heads=4,
+            num_kv_heads=2, head_dim=64,
+        )  # fmt: skip
+
+
+def test_quantized_layers_keep_the_module_path(ops):
+    """A layer whose projections are not plain float matrices (GGUF blocks, int8) has no
+    compiled form; the model then runs its modules."""
+    from torch import nn
+
+    layer, _ = _decoder_layer(torch.float32, 4, 2, 64, False, False, seed=0)
+    layer.mlp.down_proj = nn.Identity()
+    assert layer.compiled(ops) is None

@@ -50,11 +50,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from conveyor.model.layers import matmul_forms
 from conveyor.outputs import ModelRunnerOutput, OutputKind, SchedulerOutput
 
 FULL_GRID = dict(batches=(1, 8, 32, 64), contexts=(128, 512, 2048), prefill_chunks=(512, 2048))
 QUICK_GRID = dict(batches=(1, 8, 32), contexts=(128, 512), prefill_chunks=(512,))
 CATEGORIES = ("projections", "attention", "other", "logits_sampling", "engine")
+COMPILED_CATEGORIES = ("projections", "attention", "other")  # as decoder_layers reports them
 BANDWIDTH_BYTES = 256 * 2**20  # far beyond any CPU cache, small enough for a shared machine
 FIRST_TOKEN_ID = 3  # random tokens avoid the special ids at the bottom of most vocabularies
 
@@ -459,12 +461,20 @@ def profile_execute(runner, sched: SchedulerOutput) -> dict[str, float]:
     handles = _attach_hooks(runner.model, timer)
     sampler = runner.sampler
     runner.sampler = _TimedCall(sampler, timer, "logits_sampling")
+    compiled = torch.zeros(len(COMPILED_CATEGORIES), dtype=torch.float64)
+    runner.model.compiled_seconds = compiled
     try:
         total = _execute_seconds(runner, sched, timer.sync)
     finally:
         runner.sampler = sampler
+        runner.model.compiled_seconds = None
         for handle in handles:
             handle.remove()
+    # The compiled layers (model/kernels/decoder_layer.cpp) run inside the model's own scope
+    # ("other") and time their parts themselves.
+    for category, seconds in zip(COMPILED_CATEGORIES, compiled.tolist(), strict=True):
+        timer.totals["other"] -= seconds
+        timer.totals[category] += seconds
     timer.totals["engine"] = total - sum(timer.totals.values())
     return timer.totals
 
@@ -601,6 +611,7 @@ def build_report(args, engine, limits: Limits, results: list[dict], skipped: lis
         "torch": torch.__version__,
         "memory_bandwidth_gb_s": limits.bandwidth / 1e9,
         "gemm_gflops": {str(n): rate / 1e9 for n, rate in limits.gemm.items()},
+        "matmul_forms": _matmul_forms(engine),
         "kv_cache_blocks": engine.num_blocks,
         "block_size": engine.cache_config.block_size,
         "warmup": args.warmup,
@@ -609,6 +620,13 @@ def build_report(args, engine, limits: Limits, results: list[dict], skipped: lis
         "cases": results,
         "skipped": skipped,
     }
+
+
+def _matmul_forms(engine) -> dict[str, str]:
+    """The matmul form the engine's process chose per token count (model/layers.py)."""
+    if engine.device.type != "cpu":
+        return {}
+    return {str(n): form for n, form in matmul_forms(engine.model_config.dtype).items()}
 
 
 COLUMNS = (  # title, width, value of a case row
@@ -627,6 +645,10 @@ COLUMNS = (  # title, width, value of a case row
 )
 
 
+def _forms_text(forms: dict[str, str]) -> str:
+    return ", ".join(f"{n} {form}" for n, form in forms.items())
+
+
 def format_table(report: dict) -> str:
     header = "  ".join(
         f"{title:>{w}}" if i else f"{title:<{w}}" for i, (title, w, _) in enumerate(COLUMNS)
@@ -635,7 +657,12 @@ def format_table(report: dict) -> str:
         "",
         f"{report['model']}  {report['dtype']} on {report['device']}, "
         f"{report['num_threads']} threads; measured read bandwidth "
-        f"{report['memory_bandwidth_gb_s']:.1f} GB/s",
+        f"{report['memory_bandwidth_gb_s']:.1f} GB/s"
+        + (
+            f"; matmul form by rows: {_forms_text(report['matmul_forms'])}"
+            if report["matmul_forms"]
+            else ""
+        ),
         "floor = max(bytes / bandwidth, FLOPs / best GEMM rate at the step's width or wider); "
         "% floor = floor / ms per step; breakdown in ms per step",
         header,

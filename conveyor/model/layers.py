@@ -97,11 +97,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+def uses_small_gemm(x: torch.Tensor) -> bool:
+    """Whether `linear` runs x's rows through the compiled small-row kernel."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.float64):
+        return False
+    return matmul_forms(x.dtype).get(_bucket(x.shape[0])) == "kernel"
+
+
 def _bucket(num_tokens: int) -> int:
     return 1 << max(num_tokens - 1, 0).bit_length()
 
 
 MATMUL_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # above 64 tokens x @ W.T is used: MKL's own ground
+# The kernel is kept when it is at most this much slower than MKL in isolation: with it the
+# model runs its layers as one compiled call, which saved ~28% of a one-row float32 step here
+# (model/kernels/decoder_layer.cpp), far more than a near tie between matmuls could cost.
+KERNEL_MARGIN = 1.15
 
 
 def matmul_forms(dtype: torch.dtype) -> dict[int, str]:
@@ -145,19 +156,26 @@ def _measured_forms(dtype: torch.dtype) -> dict[int, str]:
         forms = {"linear": lambda w, x=x: x @ w.T, "transposed": lambda w, x=x: w @ x.T}
         if ops is not None and bucket <= 32:
             forms["kernel"] = lambda w, x=x: ops.small_gemm(x, w)
-        times = {name: _best_time(weights, form) for name, form in forms.items()}
-        winners[bucket] = min(times, key=times.__getitem__)
+        times = _best_times(weights, forms)
+        fastest = min(times, key=times.__getitem__)
+        if "kernel" in times and times["kernel"] <= KERNEL_MARGIN * times[fastest]:
+            fastest = "kernel"  # it also runs the layers as one compiled call (llama.py)
+        winners[bucket] = fastest
     return winners
 
 
-def _best_time(weights: torch.Tensor, form) -> float:
-    times = []
-    for _ in range(4):  # the first pass warms up and is not counted
-        start = time.perf_counter()
-        for weight in weights:
-            form(weight)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+def _best_times(weights: torch.Tensor, forms: dict) -> dict[str, float]:
+    """Each form's best pass over the weights. The forms take turns pass by pass, so that a
+    burst of load from elsewhere on the machine slows all of them, not the one it hits."""
+    best = dict.fromkeys(forms, float("inf"))
+    for attempt in range(4):  # the first round warms up and is not counted
+        for name, form in forms.items():
+            start = time.perf_counter()
+            for weight in weights:
+                form(weight)
+            if attempt:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 class Linear(nn.Module):

@@ -13,6 +13,7 @@ group's collectives (see distributed/parallel.py for the split).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import TPGroup
 from conveyor.model.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
+from conveyor.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, uses_small_gemm
 
 
 class RopeRows(NamedTuple):
@@ -84,6 +85,30 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def compiled(self, ops: ModuleType):
+        """This layer as the compiled ops' DecoderLayer (kernels/decoder_layer.cpp: the same
+        arithmetic in one call), or None when its projections are not plain float matrices."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(type(p) not in (Linear, MergedLinear) for p in projections):
+            return None
+        qkv_bias = attn.qkv_proj.bias
+        return ops.DecoderLayer(
+            input_norm=self.input_layernorm.weight.detach(),
+            post_norm=self.post_attention_layernorm.weight.detach(),
+            q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
+            k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
+            eps=self.input_layernorm.eps,
+            w_qkv=attn.qkv_proj.weight.detach(),
+            b_qkv=None if qkv_bias is None else qkv_bias.detach(),
+            w_o=attn.o_proj.weight.detach(),
+            w_gate_up=mlp.gate_up_proj.weight.detach(),
+            w_down=mlp.down_proj.weight.detach(),
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
@@ -103,6 +128,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, tp.shard.vocab(cfg.vocab_size)[2])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._compiled: list | None = None  # built at the first step that can use it
+        # float64 (3,): seconds the compiled layers spent in projections, attention and the
+        # rest are added here when it is set (conveyor bench step's breakdown).
+        self.compiled_seconds: torch.Tensor | None = None
 
     def forward(
         self,
@@ -113,9 +142,28 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self._embed(input_ids)  # (T, hidden)
         rope = RopeRows(*self.rotary.rows(positions))  # once per step, for every layer
+        compiled = self._compiled_layers(x, meta)
+        if compiled is not None:  # x updated in place, layer by layer
+            meta.ops.decoder_layers(
+                compiled, x, kv_caches, rope.cos, rope.sin, meta.slot_mapping, meta.block_size,
+                meta.query_start, meta.seq_lens, meta.block_tables, self.config.head_dim**-0.5,
+                self.compiled_seconds,
+            )  # fmt: skip
+            return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, self.rotary, kv_cache, meta)
         return self.model.norm(x)
+
+    def _compiled_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list | None:
+        """The layers as one compiled call, for the steps whose matmuls run the small-row
+        kernel anyway (a decode step's few rows): there the Python between the matmuls costs
+        more than the ops it runs (kernels/decoder_layer.cpp says why). None: the modules."""
+        if meta.ops is None or self.tp.size > 1 or not uses_small_gemm(x):
+            return None
+        if self._compiled is None:
+            layers = [layer.compiled(meta.ops) for layer in self.model.layers]
+            self._compiled = layers if all(layers) else []
+        return self._compiled or None
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -24,8 +24,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "small_gemm.cpp")
-HEADERS = ("vec.h",)  # included by the sources; in the build key too
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "small_gemm.cpp", "decoder_layer.cpp")
+HEADERS = ("ops.h", "vec.h")  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"
 

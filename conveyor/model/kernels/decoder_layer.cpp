@@ -1,0 +1,203 @@
+// The decoder layers of the Llama family for a decode step's few token rows, all of them in one
+// call from Python (CPU, float32 and float64).
+//
+// Why: at one to ~16 rows a layer is four weight streams (qkv, o, gate/up, down) with a dozen
+// small ops between them, and each stream evicts what the caches held: 7 MB of weights pass
+// through a 2 MB L2 per matmul. The Python interpreter's and torch dispatcher's working set is
+// evicted with them, so the first Python-level op after each matmul, even a `split`, cost
+// 15-35 us more than with warm caches here (measured: a split 3.7 us warm, 35 us after a
+// streamed matmul). Run from Python the ~15 ops per layer cost ~9 ms of a ~38 ms one-row step
+// on this machine; run here they are plain loops and a few ATen calls whose working set is
+// small.
+//
+// Per layer, for x (T, hidden), the residual stream, updated in place:
+//   h = rms_norm(x) ; qkv = h Wqkv^T (+ bias) ; q, k, v = views of qkv
+//   [q, k = rms_norm per head (qk_norm)] ; rotary(q, k) in place ; write k, v into the cache
+//   x += paged_attention(q) Wo^T
+//   h = rms_norm(x) ; gate, up = halves of h Wgu^T ; x += (silu(gate) * up) Wdown^T
+// The arithmetic is the model's (model/llama.py, model/layers.py): the matmuls are the
+// small-row kernel (small_gemm.cpp), attention, the KV write and rotary the compiled ops
+// (paged_attention.cpp), silu and the products ATen's own. RMSNorm of a float64 model is
+// transformers' (normalized in float32 through the same ATen ops), so the float64 equivalence
+// tests hold token for token; for float32 it is the loop below (sums of squares in float32,
+// as torch.rms_norm does, in another order).
+#include <torch/extension.h>
+
+#include <chrono>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace {
+
+using namespace conveyor_vec;
+
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n,
+                   float eps) {
+  const int64_t n_vec = n - n % kLanes<float>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    Vec<float> acc{};
+    for (int64_t i = 0; i < n_vec; i += kLanes<float>) {
+      const Vec<float> v = load(xr + i);
+      acc += v * v;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < kLanes<float>; ++i) sum += acc[i];
+    for (int64_t i = n_vec; i < n; ++i) sum += xr[i] * xr[i];
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+    float* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * scale * w[i];
+  }
+}
+
+// Seconds per category (projections, attention, other: norms, rotary, activation, residual
+// adds) added to `totals` when it is given (conveyor bench step's breakdown); a no-op otherwise.
+enum Category { kProjections = 0, kAttention = 1, kOther = 2 };
+
+class Stopwatch {
+ public:
+  explicit Stopwatch(double* totals) : totals_(totals), mark_(Clock::now()) {}
+  void lap(Category category) {
+    if (totals_ == nullptr) return;
+    const Clock::time_point now = Clock::now();
+    totals_[category] += std::chrono::duration<double>(now - mark_).count();
+    mark_ = now;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  double* totals_;
+  Clock::time_point mark_;
+};
+
+struct Step {
+  at::Tensor cos, sin, slot_mapping, query_start, seq_lens, block_tables;
+  int64_t block_size;
+  double scale;
+};
+
+class DecoderLayer {
+ public:
+  DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+               std::optional<at::Tensor> k_norm, double eps, at::Tensor w_qkv,
+               std::optional<at::Tensor> b_qkv, at::Tensor w_o, at::Tensor w_gate_up,
+               at::Tensor w_down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+      : input_norm_(std::move(input_norm)),
+        post_norm_(std::move(post_norm)),
+        q_norm_(q_norm.value_or(at::Tensor())),
+        k_norm_(k_norm.value_or(at::Tensor())),
+        eps_(eps),
+        w_qkv_(std::move(w_qkv)),
+        b_qkv_(b_qkv.value_or(at::Tensor())),
+        w_o_(std::move(w_o)),
+        w_gate_up_(std::move(w_gate_up)),
+        w_down_(std::move(w_down)),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim) {
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t hidden = input_norm_.size(0);
+    TORCH_CHECK(w_qkv_.size(0) == q_size + 2 * kv_size && w_qkv_.size(1) == hidden &&
+                    w_o_.size(0) == hidden && w_o_.size(1) == q_size &&
+                    w_gate_up_.size(1) == hidden && w_gate_up_.size(0) % 2 == 0 &&
+                    w_down_.size(0) == hidden && 2 * w_down_.size(1) == w_gate_up_.size(0),
+                "DecoderLayer: weight shapes do not fit together");
+  }
+
+  void forward(at::Tensor& x, at::Tensor& kv_cache, const Step& step, Stopwatch& clock) const {
+    const int64_t num_tokens = x.size(0);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    at::Tensor h = rms_norm(x, input_norm_, eps_);
+    clock.lap(kOther);
+    at::Tensor qkv = small_gemm(h, w_qkv_);  // (T, q + 2 kv)
+    if (b_qkv_.defined()) qkv.add_(b_qkv_);
+    clock.lap(kProjections);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, head_dim_});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads_, head_dim_});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view(k.sizes());
+    if (q_norm_.defined()) {
+      q = rms_norm(q, q_norm_, eps_);
+      k = rms_norm(k, k_norm_, eps_);
+    }
+    rotary_embedding(q, k, step.cos, step.sin);
+    clock.lap(kOther);
+    write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
+    at::Tensor attn = paged_attention(q, kv_cache, step.block_size, step.query_start,
+                                      step.seq_lens, step.block_tables, step.scale);
+    clock.lap(kAttention);
+    at::Tensor o = small_gemm(attn.view({num_tokens, q_size}), w_o_);
+    clock.lap(kProjections);
+    x.add_(o);
+    h = rms_norm(x, post_norm_, eps_);
+    clock.lap(kOther);
+    at::Tensor gate_up = small_gemm(h, w_gate_up_);  // (T, 2 I)
+    clock.lap(kProjections);
+    const int64_t inner = gate_up.size(1) / 2;
+    at::Tensor act = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
+    clock.lap(kOther);
+    at::Tensor down = small_gemm(act, w_down_);
+    clock.lap(kProjections);
+    x.add_(down);
+    clock.lap(kOther);
+  }
+
+ private:
+  at::Tensor input_norm_, post_norm_, q_norm_, k_norm_;
+  double eps_;
+  at::Tensor w_qkv_, b_qkv_, w_o_, w_gate_up_, w_down_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+};
+
+}  // namespace
+
+// RMSNorm over the last dim, as the model's RMSNorm module computes it (see the header).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.size(-1) == weight.size(0) && x.scalar_type() == weight.scalar_type(),
+              "rms_norm: weight (n,) of x's dtype for x (..., n)");
+  if (x.scalar_type() != at::kFloat) {
+    const at::Tensor h = x.to(at::kFloat);
+    return weight * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty(xc.sizes(), xc.options());
+  const int64_t n = x.size(-1);
+  rms_norm_rows(xc.data_ptr<float>(), weight.contiguous().data_ptr<float>(),
+                out.data_ptr<float>(), xc.numel() / n, n, static_cast<float>(eps));
+  return out;
+}
+
+// Every layer of a step, in order, over x (T, hidden) in place. seconds: a float64 (3,) CPU
+// tensor that gets each category's time added (see Stopwatch), or None.
+void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& x,
+                    std::vector<at::Tensor>& kv_caches, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t block_size,
+                    const at::Tensor& query_start, const at::Tensor& seq_lens,
+                    const at::Tensor& block_tables, double scale,
+                    std::optional<at::Tensor> seconds) {
+  TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "decoder_layers: x (T, hidden), contiguous, on the CPU");
+  TORCH_CHECK(!seconds || (seconds->scalar_type() == at::kDouble && seconds->numel() == 3 &&
+                           seconds->is_contiguous()),
+              "decoder_layers: seconds, a float64 tensor of 3");
+  const Step step{cos, sin, slot_mapping, query_start, seq_lens, block_tables, block_size, scale};
+  Stopwatch clock(seconds ? seconds->data_ptr<double>() : nullptr);
+  for (size_t i = 0; i < layers.size(); ++i) layers[i]->forward(x, kv_caches[i], step, clock);
+}
+
+void bind_decoder_layer(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecoderLayer>(m, "DecoderLayer")
+      .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
+                    double, at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor,
+                    at::Tensor, int64_t, int64_t, int64_t>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("eps"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_o"),
+           py::arg("w_gate_up"), py::arg("w_down"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"));
+  m.def("decoder_layers", &decoder_layers, "every decoder layer of a step, x in place (CPU)");
+}
