@@ -122,6 +122,28 @@ def test_random_steps_match_reference(ops, seed):
     assert_close(results, torch.float64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "seqs",
+    [[(511, 1)], [(63, 1)], [(64, 1)], [(300, 1), (40, 1)], [(200, 1), (0, 20)], [(1000, 1)]],
+    ids=["one-row", "8-blocks", "one-past", "two-rows", "row-and-chunk", "long"],
+)
+def test_few_decode_rows_split_by_keys_match_reference(ops, dtype, seqs):
+    """Steps of few items split their decode rows' keys into parts merged afterwards
+    (flash-decoding style); parts end at block edges, short rows stay whole."""
+    for heads in ((9, 3), (4, 1), (8, 8)):
+        results = run_both(ops, seqs, *heads, 64, 16, dtype, seed=len(seqs))
+        assert_close(results, dtype)
+
+
+def test_split_rows_do_not_depend_on_the_thread_count(ops):
+    seqs = [(700, 1)]
+    many = run_both(ops, seqs, 9, 3, 64, 16, torch.float32)
+    with _threads(1):
+        one = run_both(ops, seqs, 9, 3, 64, 16, torch.float32)
+    assert torch.equal(many[0][0], one[0][0])
+
+
 def test_single_thread_gives_the_same_result(ops):
     seqs = [(0, 50), (30, 1), (200, 1), (17, 9)]
     many = run_both(ops, seqs, 9, 3, 64, 16, torch.float32)

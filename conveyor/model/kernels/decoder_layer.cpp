@@ -74,6 +74,50 @@ class Stopwatch {
   Clock::time_point mark_;
 };
 
+// x += y over n values.
+template <typename T>
+void add_into(T* __restrict x, const T* __restrict y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes<T> <= n; i += kLanes<T>) store(x + i, load(x + i) + load(y + i));
+  for (; i < n; ++i) x[i] += y[i];
+}
+
+// out (T, I) = silu(gate) * up for gate_up (T, 2 I), silu(g) = g / (1 + e^-g) as torch's.
+void silu_mul_rows(const float* gate_up, float* out, int64_t rows, int64_t inner) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inner;
+    const float* u = g + inner;
+    float* o = out + r * inner;
+    int64_t i = 0;
+    for (; i + kLanes<float> <= inner; i += kLanes<float>) {
+      const Vec<float> gv = load(g + i);
+      store(o + i, gv / (1.0f + vexp<float>(-gv)) * load(u + i));
+    }
+    for (; i < inner; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+// The residual add and the MLP's activation: own loops for float32 (small code, which matters
+// right after a matmul has streamed through the caches); ATen's for float64, so that a float64
+// model computes exactly what its modules do.
+void residual_add(at::Tensor& x, const at::Tensor& y) {
+  if (x.scalar_type() != at::kFloat) {
+    x.add_(y);
+    return;
+  }
+  add_into(x.data_ptr<float>(), y.data_ptr<float>(), x.numel());
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  if (gate_up.scalar_type() != at::kFloat) {
+    return at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
+  }
+  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inner);
+  return out;
+}
+
 struct Step {
   at::Tensor cos, sin, slot_mapping, query_start, seq_lens, block_tables;
   int64_t block_size;
@@ -131,17 +175,16 @@ class DecoderLayer {
     clock.lap(kAttention);
     at::Tensor o = small_gemm(attn.view({num_tokens, q_size}), w_o_);
     clock.lap(kProjections);
-    x.add_(o);
+    residual_add(x, o);
     h = rms_norm(x, post_norm_, eps_);
     clock.lap(kOther);
     at::Tensor gate_up = small_gemm(h, w_gate_up_);  // (T, 2 I)
     clock.lap(kProjections);
-    const int64_t inner = gate_up.size(1) / 2;
-    at::Tensor act = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
+    at::Tensor act = silu_mul(gate_up);
     clock.lap(kOther);
     at::Tensor down = small_gemm(act, w_down_);
     clock.lap(kProjections);
-    x.add_(down);
+    residual_add(x, down);
     clock.lap(kOther);
   }
 

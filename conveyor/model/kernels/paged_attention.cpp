@@ -59,6 +59,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -237,6 +238,18 @@ struct WorkItem {
   int64_t num_tokens;
   int64_t kv_head;
   int64_t cost;
+  // A decode row's keys may be split into parts (see split_keys): this item reads blocks
+  // [block_begin, block_end) and leaves its softmax state in partial slot `partial`; -1: all
+  // blocks, and the item writes the output itself.
+  int64_t block_begin = 0, block_end = -1, partial = -1;
+};
+
+// Softmax state of a part of a split decode row group: per row m, l and acc (head_dim).
+template <typename T>
+struct Partials {
+  int64_t rows, dim;
+  std::vector<T> data;
+  T* slot(int64_t i) { return data.data() + i * rows * (2 + dim); }
 };
 
 template <typename T>
@@ -271,29 +284,6 @@ struct Inputs {
   double scale;
 };
 
-template <typename T>
-inline Vec<T> exp_scores(Vec<T> x) {
-  if constexpr (std::is_same_v<T, float>) {
-    typedef int32_t Int __attribute__((vector_size(kVecBytes)));
-    x = x < -87.0f ? broadcast(-87.0f) : x;
-    const Vec<T> t = x * 1.44269504088896341f + 12582912.0f;  // round(x log2 e) in low bits
-    const Int n = reinterpret_cast<const Int&>(t) - 0x4B400000;
-    const Vec<T> nf = t - 12582912.0f;
-    const Vec<T> r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-    const Vec<T> z = r * r;
-    Vec<T> y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.0f;
-    const Int scale = (n + 127) << 23;
-    return y * reinterpret_cast<const Vec<T>&>(scale);
-  } else {
-    for (int i = 0; i < kLanes<T>; ++i) x[i] = std::exp(x[i]);
-    return x;
-  }
-}
 
 // Online softmax over one block for every row; s (rows x block_size) becomes the weights P.
 // limit[r]: keys of this block row r may see (<= 0: none).
@@ -325,7 +315,7 @@ inline void softmax_block(T* s, const int* limit, Scratch<T>& w, int rows, Shape
       for (int i = 0; i < L; ++i) m_new = mx[i] > m_new ? mx[i] : m_new;
       Vec<T> total = {};
       for (int i = 0; i < NV; ++i) {
-        Vec<T> p = exp_scores<T>(x[i] - m_new);
+        Vec<T> p = vexp<T>(x[i] - m_new);
         p = x[i] == kNegInf ? Vec<T>{} : p;  // masked keys weigh exactly 0
         store(srow + i * L, p);
         total += p;
@@ -365,7 +355,7 @@ inline void prefetch(const C* p, int64_t n) {
 
 template <typename T, typename C, int BS, int D>
 void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, const C* vc,
-              T* out, Scratch<T>& w, Shape sh) {
+              T* out, Scratch<T>& w, Partials<T>& partials, Shape sh) {
   const int bs = static_cast<int>(sh.block_size);
   const int dim = static_cast<int>(sh.head_dim);
   const int64_t group = in.num_heads / in.num_kv_heads;
@@ -393,10 +383,11 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
   const int64_t* table = in.block_tables + item.seq * in.table_width;
   const int64_t tile = sh.block_size * sh.head_dim;
   int* limit = w.limit.data();
-  for (int64_t b = 0; b * bs < num_keys; ++b) {
+  const int64_t block_end = item.block_end >= 0 ? item.block_end : (num_keys + bs - 1) / bs;
+  for (int64_t b = item.block_begin; b < block_end; ++b) {
     const int64_t base = b * bs;
     const int64_t offset = (table[b] * in.num_kv_heads + item.kv_head) * tile;
-    if (base + kPrefetchBlocks * bs < num_keys) {
+    if (b + kPrefetchBlocks < block_end) {
       const int64_t ahead = (table[b + kPrefetchBlocks] * in.num_kv_heads + item.kv_head) * tile;
       prefetch(kc + ahead, tile);
       prefetch(vc + ahead, tile);
@@ -419,6 +410,16 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
     pv_block<T, C, BS, D>(w.s.data(), vc + offset, w.acc.data(), rows, n, sh);
   }
 
+  if (item.partial >= 0) {  // rows (m, l, acc) for merge_parts
+    T* slot = partials.slot(item.partial);
+    for (int r = 0; r < rows; ++r) {
+      T* row = slot + r * (2 + dim);
+      row[0] = w.m[r];
+      row[1] = w.l[r];
+      std::copy(w.acc.begin() + r * dim, w.acc.begin() + (r + 1) * dim, row + 2);
+    }
+    return;
+  }
   for (int64_t t = 0; t < item.num_tokens; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const int r = static_cast<int>(t * group + g);
@@ -446,6 +447,78 @@ std::vector<WorkItem> plan(const Inputs& in, int64_t num_seqs, int64_t tokens_pe
   return items;
 }
 
+// A step of few items (one or two requests decoding: a few kv heads each) would leave
+// threads idle, or one thread with twice another's keys (3 kv heads on 2 threads). Such a
+// step's decode items are split by key blocks into parts of at least kMinPartBlocks blocks,
+// up to kSplitTarget items in all; each part leaves its softmax state (m, l, acc) and
+// merge_parts combines them, as flash-decoding does. The split depends on the step only, not
+// on the thread count, so a row's result does too.
+constexpr int64_t kSplitTarget = 8;
+constexpr int64_t kMinPartBlocks = 4;
+
+// Returns the number of partial slots used; rewrites split items in place.
+int64_t split_keys(std::vector<WorkItem>& items, const Inputs& in, int64_t block_size) {
+  const int64_t count = static_cast<int64_t>(items.size());
+  if (count == 0 || count >= kSplitTarget) return 0;
+  const int64_t parts_wanted = (kSplitTarget + count - 1) / count;
+  std::vector<WorkItem> split;
+  int64_t slots = 0;
+  for (const WorkItem& item : items) {
+    const int64_t blocks = (in.seq_lens[item.seq] + block_size - 1) / block_size;
+    const int64_t parts = std::min(parts_wanted, blocks / kMinPartBlocks);
+    if (item.num_tokens != 1 || parts < 2) {
+      split.push_back(item);
+      continue;
+    }
+    for (int64_t p = 0; p < parts; ++p) {
+      WorkItem part = item;
+      part.block_begin = blocks * p / parts;
+      part.block_end = blocks * (p + 1) / parts;
+      part.cost = item.cost / parts;
+      part.partial = slots++;
+      split.push_back(part);
+    }
+  }
+  items.swap(split);
+  return slots;
+}
+
+// out rows of every split item from its parts' softmax states (consecutive slots).
+template <typename T>
+void merge_parts(const std::vector<WorkItem>& items, const Inputs& in, Partials<T>& partials,
+                 T* out) {
+  const int64_t group = in.num_heads / in.num_kv_heads, dim = partials.dim;
+  for (size_t i = 0; i < items.size();) {
+    const WorkItem& first = items[i];
+    size_t end = i;
+    while (end < items.size() && items[end].partial >= 0 && items[end].seq == first.seq &&
+           items[end].kv_head == first.kv_head)
+      ++end;
+    if (first.partial < 0) {
+      ++i;
+      continue;
+    }
+    const int64_t row0 = in.query_start[first.seq] + first.first_token;
+    for (int64_t g = 0; g < group; ++g) {
+      T m = -std::numeric_limits<T>::infinity();
+      for (size_t j = i; j < end; ++j) m = std::max(m, partials.slot(items[j].partial)[g * (2 + dim)]);
+      T l = 0;
+      T* dst = out + (row0 * in.num_heads + first.kv_head * group + g) * dim;
+      std::fill(dst, dst + dim, T(0));
+      for (size_t j = i; j < end; ++j) {
+        const T* row = partials.slot(items[j].partial) + g * (2 + dim);
+        if (row[1] == T(0)) continue;
+        const T weight = std::exp(row[0] - m);
+        l += row[1] * weight;
+        for (int64_t d = 0; d < dim; ++d) dst[d] += row[2 + d] * weight;
+      }
+      const T inv = T(1) / l;
+      for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+    }
+    i = end;
+  }
+}
+
 template <typename T, typename C, int BS, int D>
 void attention_impl(const Inputs& in, int64_t num_seqs, const T* qp, const C* kc, const C* vc,
                     T* out, Shape sh) {
@@ -453,16 +526,24 @@ void attention_impl(const Inputs& in, int64_t num_seqs, const T* qp, const C* kc
   // Up to 64 rows (tokens x group) per tile: the tile's Q, S and accumulator stay in L1/L2.
   const int64_t tokens_per_tile = std::max<int64_t>(1, 64 / group);
   const int64_t max_rows = tokens_per_tile * group;
-  const std::vector<WorkItem> items = plan(in, num_seqs, tokens_per_tile);
+  std::vector<WorkItem> items = plan(in, num_seqs, tokens_per_tile);
+  const int64_t num_slots = split_keys(items, in, sh.block_size);
+  Partials<T> partials{group, sh.head_dim, std::vector<T>(num_slots * group * (2 + sh.head_dim))};
+  // Parts are handed out by cost like the rest; merge_parts finds each item's parts in order.
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch<T> scratch(max_rows, sh);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-      run_item<T, C, BS, D>(items[i], in, qp, kc, vc, out, scratch, sh);
+      run_item<T, C, BS, D>(items[order[i]], in, qp, kc, vc, out, scratch, partials, sh);
     }
   });
+  if (num_slots > 0) merge_parts(items, in, partials, out);
 }
 
 template <typename T, typename C>

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {

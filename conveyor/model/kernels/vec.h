@@ -1,7 +1,10 @@
 // Vectors for the compiled CPU ops: GCC vector extensions, built with -march=native.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace conveyor_vec {
 
@@ -37,6 +40,34 @@ inline Vec<T> broadcast(T x) {
   // Folds to one broadcast, or into the FMA's memory operand (x - 0 == x for every x, -0
   // included); a lane-by-lane fill compiled to shuffles.
   return x - Vec<T>{};
+}
+
+// e^x lane by lane. float32: a range reduction to x = n ln2 + r and a degree-6 polynomial in r
+// (Cephes' expf), within ~2 ulp; inputs are clamped to [-87, 88] (e^-87 ~ 1e-38, e^88 ~ 1.7e38:
+// the softmax's and silu's results are the same for anything beyond). Other types: std::exp.
+template <typename T>
+inline Vec<T> vexp(Vec<T> x) {
+  if constexpr (std::is_same_v<T, float>) {
+    typedef int32_t Int __attribute__((vector_size(kVecBytes)));
+    x = x < -87.0f ? broadcast(-87.0f) : x;
+    x = x > 88.0f ? broadcast(88.0f) : x;
+    const Vec<T> t = x * 1.44269504088896341f + 12582912.0f;  // round(x log2 e) in low bits
+    const Int n = reinterpret_cast<const Int&>(t) - 0x4B400000;
+    const Vec<T> nf = t - 12582912.0f;
+    const Vec<T> r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+    const Vec<T> z = r * r;
+    Vec<T> y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    const Int scale = (n + 127) << 23;
+    return y * reinterpret_cast<const Vec<T>&>(scale);
+  } else {
+    for (int i = 0; i < kLanes<T>; ++i) x[i] = std::exp(x[i]);
+    return x;
+  }
 }
 
 }  // namespace conveyor_vec
