@@ -490,18 +490,23 @@ def test_compiled_layers_time_their_parts_and_refuse_bad_input(ops):
         ops.decoder_layers([compiled], x, [], cos, sin, *meta, 0.125, None)
     with pytest.raises(RuntimeError, match="seconds"):
         ops.decoder_layers([compiled], x, [cache], cos, sin, *meta, 0.125, torch.zeros(2))
+    dense = [ops.Projection(weight=torch.zeros(*shape)) for shape in ((10, 96), (96, 256))]
     with pytest.raises(RuntimeError, match="weight shapes"):
         ops.DecoderLayer(
             input_norm=torch.ones(96), post_norm=torch.ones(96), q_norm=None, k_norm=None,
-            eps=1e-5, w_qkv=torch.zeros(10, 96), b_qkv=None, w_o=torch.zeros(96, 256),
-            w_gate_up=torch.zeros(320, 96), w_down=torch.zeros(96, 160), num_heads=4,
-            num_kv_heads=2, head_dim=64,
+            eps=1e-5, qkv=dense[0], o=dense[1], gate_up=ops.Projection(weight=torch.zeros(320, 96)),
+            down=ops.Projection(weight=torch.zeros(96, 160)), num_heads=4, num_kv_heads=2,
+            head_dim=64,
         )  # fmt: skip
+    with pytest.raises(RuntimeError, match="dense weight, or block weights"):
+        ops.Projection(weight=torch.zeros(4, 4), qs=torch.zeros(4, 2, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="bias size"):
+        ops.Projection(weight=torch.zeros(4, 4), bias=torch.zeros(3))
 
 
-def test_quantized_layers_keep_the_module_path(ops):
-    """A layer whose projections are not plain float matrices (GGUF blocks, int8) has no
-    compiled form; the model then runs its modules."""
+def test_layers_without_a_compiled_form_keep_the_module_path(ops):
+    """A projection the compiled layer cannot run (here any other module) keeps the model on
+    its modules."""
     from torch import nn
 
     layer, _ = _decoder_layer(torch.float32, 4, 2, 64, False, False, seed=0)

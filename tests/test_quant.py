@@ -205,6 +205,26 @@ def test_quantized_gguf_generates_what_its_dequantized_model_generates(quantized
     assert same >= 3  # of 4: a near tie may flip one token under int8 activations
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_compiled_layers_generate_what_the_modules_generate(qtype, quantized_gguf, monkeypatch):
+    """Decode steps of a quantized model run its layers as one compiled call (block kernel
+    projections, kernels/decoder_layer.cpp); CONVEYOR_COMPILED_LAYERS=0 runs the modules."""
+    path = str(quantized_gguf(qtype))
+    prompts = random_prompts(4, 384, seed=4, max_len=12)
+    params = [SamplingParams(temperature=0, max_tokens=8, logprobs=0) for _ in prompts]
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CONVEYOR_COMPILED_LAYERS", flag)
+        llm = LLM(path, dtype="float32", num_blocks=32, max_num_seqs=2)
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+        assert bool(llm.engine.runner.model._compiled) == (flag == "1")
+    for compiled, modules in zip(*runs, strict=True):
+        assert compiled.outputs[0].token_ids == modules.outputs[0].token_ids
+        for a, b in zip(compiled.outputs[0].logprobs, modules.outputs[0].logprobs, strict=True):
+            (token, lp_a), lp_b = next(iter(a.items())), next(iter(b.values()))
+            assert abs(lp_a.logprob - lp_b.logprob) < 1e-4, token
+
+
 def test_quantization_none_of_a_q4_1_gguf_matches_transformers(quantized_gguf):
     path = quantized_gguf("Q4_1")
     ref_model = AutoModelForCausalLM.from_pretrained(

@@ -12,6 +12,7 @@ group's collectives (see distributed/parallel.py for the split).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from types import ModuleType
 from typing import NamedTuple
@@ -23,6 +24,7 @@ from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import TPGroup
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, uses_small_gemm
+from conveyor.model.quant import QuantLinear
 
 
 class RopeRows(NamedTuple):
@@ -87,27 +89,40 @@ class LlamaDecoderLayer(nn.Module):
 
     def compiled(self, ops: ModuleType):
         """This layer as the compiled ops' DecoderLayer (kernels/decoder_layer.cpp: the same
-        arithmetic in one call), or None when its projections are not plain float matrices."""
+        arithmetic in one call), or None when a projection has no compiled form there."""
         attn, mlp = self.self_attn, self.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(type(p) not in (Linear, MergedLinear) for p in projections):
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        projections = [_projection(module, ops) for module in modules]
+        if None in projections:
             return None
-        qkv_bias = attn.qkv_proj.bias
+        qkv, o, gate_up, down = projections
         return ops.DecoderLayer(
             input_norm=self.input_layernorm.weight.detach(),
             post_norm=self.post_attention_layernorm.weight.detach(),
             q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
             k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
             eps=self.input_layernorm.eps,
-            w_qkv=attn.qkv_proj.weight.detach(),
-            b_qkv=None if qkv_bias is None else qkv_bias.detach(),
-            w_o=attn.o_proj.weight.detach(),
-            w_gate_up=mlp.gate_up_proj.weight.detach(),
-            w_down=mlp.down_proj.weight.detach(),
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
         )
+
+
+def _projection(module: nn.Module, ops: ModuleType):
+    """A compiled Projection of the module's weight: a float matrix, or GGUF-style blocks in a
+    float32 model (QuantLinear; the block kernel is what it runs at a decode step's rows)."""
+    bias = getattr(module, "bias", None)
+    bias = None if bias is None else bias.detach()
+    if type(module) in (Linear, MergedLinear):
+        return ops.Projection(weight=module.weight.detach(), bias=bias)
+    if type(module) is QuantLinear and module.format in ("q4", "q8"):
+        m = module.m if module.format == "q4" else None
+        return ops.Projection(qs=module.qs, d=module.d, m=m, bias=bias)
+    return None
 
 
 class LlamaModel(nn.Module):
@@ -129,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._compiled: list | None = None  # built at the first step that can use it
+        self._quantized_rows = 0  # rows below which block weights run the block kernel
         # float64 (3,): seconds the compiled layers spent in projections, attention and the
         # rest are added here when it is set (conveyor bench step's breakdown).
         self.compiled_seconds: torch.Tensor | None = None
@@ -155,15 +171,23 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def _compiled_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list | None:
-        """The layers as one compiled call, for the steps whose matmuls run the small-row
-        kernel anyway (a decode step's few rows): there the Python between the matmuls costs
-        more than the ops it runs (kernels/decoder_layer.cpp says why). None: the modules."""
-        if meta.ops is None or self.tp.size > 1 or not uses_small_gemm(x):
+        """The layers as one compiled call, for steps of a few rows whose matmuls run the
+        compiled small-row or block kernels anyway: there the Python between the matmuls
+        costs more than the ops it runs (kernels/decoder_layer.cpp says why). None: run the
+        modules."""
+        if meta.ops is None or self.tp.size > 1 or x.device.type != "cpu" or x.dim() != 2:
             return None
-        if self._compiled is None:
+        if self._compiled is None:  # CONVEYOR_COMPILED_LAYERS=0: the modules always
             layers = [layer.compiled(meta.ops) for layer in self.model.layers]
-            self._compiled = layers if all(layers) else []
-        return self._compiled or None
+            enabled = os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") != "0"
+            self._compiled = layers if enabled and all(layers) else []
+            self._quantized_rows = _block_kernel_rows(self.model.layers)
+        if not self._compiled:
+            return None
+        if self._quantized_rows:  # block weights: below the row count where other routes run
+            quantized = x.dtype == torch.float32 and x.shape[0] < self._quantized_rows
+            return self._compiled if quantized else None
+        return self._compiled if uses_small_gemm(x) else None
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -206,6 +230,17 @@ class LlamaForCausalLM(nn.Module):
         if param.shape != tensor.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(tensor)
+
+
+def _block_kernel_rows(layers: nn.ModuleList) -> int:
+    """Rows below which every block-quantized projection runs the block kernel (QuantLinear:
+    int8 copies and float tiles take over above); 0 when the layers hold float weights."""
+    limits = [
+        min(m.dequant_from, m.int8_from if m.int8_weight is not None else m.dequant_from)
+        for m in layers.modules()
+        if isinstance(m, QuantLinear)
+    ]
+    return min(limits, default=0)
 
 
 _MERGED = {

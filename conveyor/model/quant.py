@@ -53,7 +53,6 @@ quantized, side by side: batch 1: 48.3 -> 23.2 ms, batch 8: 113.5 -> 68.5 ms, ba
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import warnings
@@ -65,9 +64,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-
-from conveyor.config import cache_dir
-from conveyor.model.kernels import put_ninja_on_path
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +81,6 @@ INT8_FROM_TOKENS = 16
 OUTLIER_RATIO = float(os.environ.get("CONVEYOR_QUANT_OUTLIER_RATIO", "4"))
 # CONVEYOR_QUANT_INT8=0 builds no int8 copies at load (the block / tile routes only).
 INT8_ENV = "CONVEYOR_QUANT_INT8"
-_KERNEL_SOURCE = Path(__file__).parent / "kernels" / "quant_gemm.cpp"
 
 
 # --------------------------------------------------------------------------- block weights
@@ -269,25 +264,15 @@ def kernels_available() -> bool:
     return True
 
 
-@functools.cache
 def kernels() -> Any:
-    """The compiled extension, built once per source version under the conveyor cache."""
-    from torch.utils.cpp_extension import load
+    """The compiled ops (model/kernels: quant_gemm.cpp is one of their sources), built once
+    per machine. Raises when they cannot be built here."""
+    from conveyor.model import kernels as compiled
 
-    put_ninja_on_path()
-    source = _KERNEL_SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / f"quant_gemm-{key}"
-    build.mkdir(parents=True, exist_ok=True)
-    if not (build / f"conveyor_quant_gemm_{key}.so").exists():
-        logger.warning("conveyor: compiling the quantized kernels once (~30 s) in %s", build)
-    return load(
-        name=f"conveyor_quant_gemm_{key}",
-        sources=[str(_KERNEL_SOURCE)],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-    )
+    ops = compiled.load()
+    if ops is None:
+        raise RuntimeError("the compiled CPU kernels did not build (see the warning above)")
+    return ops
 
 
 def block_linear(

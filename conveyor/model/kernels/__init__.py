@@ -3,7 +3,8 @@
 `load()` JIT-compiles them with torch's own extension tooling into
 ~/.cache/conveyor/kernels/conveyor_kernels-<hash>/, the hash covering the sources, torch and
 Python versions, the compiler flags and the CPU's feature flags (the code is built with
--march=native), so a machine builds once (~30 s) and later processes just load the library.
+-march=native), so a machine builds once (~1.5 min on 2 cores) and later processes just load
+the library.
 Without a compiler, or if the build fails, `load()` logs one warning and returns None; callers
 then use the pure-PyTorch reference ops (conveyor/model/attention.py), which stay the readable
 oracle. CONVEYOR_ATTENTION=reference forces the reference (see worker/model_runner.py).
@@ -24,7 +25,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "small_gemm.cpp", "decoder_layer.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "paged_attention.cpp",
+    "small_gemm.cpp",
+    "quant_gemm.cpp",
+    "decoder_layer.cpp",
+)
 HEADERS = ("ops.h", "vec.h")  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"

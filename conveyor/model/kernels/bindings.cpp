@@ -13,5 +13,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
   m.def("small_gemm", &small_gemm, "x @ weight.T for a few rows of x (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
+  namespace q = conveyor_quant;
+  m.def("q4_linear", &q::q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");
+  m.def("q8_linear", &q::q8_linear, "x @ W^T for int8 blocks (q * d)");
+  m.def("q4_linear_dequant", &q::q4_linear_dequant, "q4_linear through row tiles and MKL");
+  m.def("q8_linear_dequant", &q::q8_linear_dequant, "q8_linear through row tiles and MKL");
+  m.def("q4_dequantize", &q::q4_dequantize, "float rows of 4-bit blocks");
+  m.def("q8_dequantize", &q::q8_dequantize, "float rows of int8 blocks");
+  m.def("int8_prepare", &q::int8_prepare, "outlier split and per-row scaling for fbgemm");
+  m.def("q4_columns", &q::q4_columns, "float columns of 4-bit blocks");
+  m.def("q8_columns", &q::q8_columns, "float columns of int8 blocks");
   bind_decoder_layer(m);
 }

@@ -16,7 +16,8 @@
 //   x += paged_attention(q) Wo^T
 //   h = rms_norm(x) ; gate, up = halves of h Wgu^T ; x += (silu(gate) * up) Wdown^T
 // The arithmetic is the model's (model/llama.py, model/layers.py): the matmuls are the
-// small-row kernel (small_gemm.cpp), attention, the KV write and rotary the compiled ops
+// small-row kernel (small_gemm.cpp), or for a quantized model's block weights the block kernel
+// (quant_gemm.cpp) as QuantLinear runs it below 16 rows; attention, the KV write and rotary the compiled ops
 // (paged_attention.cpp), silu and the products ATen's own. RMSNorm of a float64 model is
 // transformers' (normalized in float32 through the same ATen ops), so the float64 equivalence
 // tests hold token for token; for float32 it is the loop below (sums of squares in float32,
@@ -118,6 +119,50 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// One projection's weight: a dense float matrix (O, K), or GGUF-style blocks (q4: qs, d, m;
+// q8: qs, d) run through the block kernel (quant_gemm.cpp, float32 models); a float bias or
+// none. y = x W^T (+ bias), as the model's Linear / QuantLinear compute it at a few rows.
+class Projection {
+ public:
+  Projection(std::optional<at::Tensor> weight, std::optional<at::Tensor> qs,
+             std::optional<at::Tensor> d, std::optional<at::Tensor> m,
+             std::optional<at::Tensor> bias)
+      : weight_(weight.value_or(at::Tensor())),
+        qs_(qs.value_or(at::Tensor())),
+        d_(d.value_or(at::Tensor())),
+        m_(m.value_or(at::Tensor())),
+        bias_(bias.value_or(at::Tensor())) {
+    const bool blocks = qs_.defined() || d_.defined() || m_.defined();
+    TORCH_CHECK(weight_.defined() ? !blocks : qs_.defined() && d_.defined(),
+                "Projection: a dense weight, or block weights (qs, d[, m])");
+    TORCH_CHECK(!weight_.defined() || (weight_.dim() == 2 && weight_.is_contiguous()),
+                "Projection: the dense weight must be a contiguous (out, in) matrix");
+    TORCH_CHECK(!bias_.defined() || bias_.size(0) == out_features(),
+                "Projection: bias size differs from the output size");
+  }
+
+  int64_t out_features() const { return weight_.defined() ? weight_.size(0) : qs_.size(0); }
+  int64_t in_features() const {
+    if (weight_.defined()) return weight_.size(1);
+    return m_.defined() ? 2 * qs_.size(1) : qs_.size(1);  // q4: two values a byte
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
+    if (weight_.defined()) {
+      y = small_gemm(x, weight_);
+    } else {
+      y = m_.defined() ? conveyor_quant::q4_linear(x, qs_, d_, m_)
+                       : conveyor_quant::q8_linear(x, qs_, d_);
+    }
+    if (bias_.defined()) y.add_(bias_);
+    return y;
+  }
+
+ private:
+  at::Tensor weight_, qs_, d_, m_, bias_;
+};
+
 struct Step {
   at::Tensor cos, sin, slot_mapping, query_start, seq_lens, block_tables;
   int64_t block_size;
@@ -127,28 +172,28 @@ struct Step {
 class DecoderLayer {
  public:
   DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-               std::optional<at::Tensor> k_norm, double eps, at::Tensor w_qkv,
-               std::optional<at::Tensor> b_qkv, at::Tensor w_o, at::Tensor w_gate_up,
-               at::Tensor w_down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+               std::optional<at::Tensor> k_norm, double eps, Projection qkv, Projection o,
+               Projection gate_up, Projection down, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim)
       : input_norm_(std::move(input_norm)),
         post_norm_(std::move(post_norm)),
         q_norm_(q_norm.value_or(at::Tensor())),
         k_norm_(k_norm.value_or(at::Tensor())),
         eps_(eps),
-        w_qkv_(std::move(w_qkv)),
-        b_qkv_(b_qkv.value_or(at::Tensor())),
-        w_o_(std::move(w_o)),
-        w_gate_up_(std::move(w_gate_up)),
-        w_down_(std::move(w_down)),
+        qkv_(std::move(qkv)),
+        o_(std::move(o)),
+        gate_up_(std::move(gate_up)),
+        down_(std::move(down)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim) {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t hidden = input_norm_.size(0);
-    TORCH_CHECK(w_qkv_.size(0) == q_size + 2 * kv_size && w_qkv_.size(1) == hidden &&
-                    w_o_.size(0) == hidden && w_o_.size(1) == q_size &&
-                    w_gate_up_.size(1) == hidden && w_gate_up_.size(0) % 2 == 0 &&
-                    w_down_.size(0) == hidden && 2 * w_down_.size(1) == w_gate_up_.size(0),
+    TORCH_CHECK(qkv_.out_features() == q_size + 2 * kv_size && qkv_.in_features() == hidden &&
+                    o_.out_features() == hidden && o_.in_features() == q_size &&
+                    gate_up_.in_features() == hidden && gate_up_.out_features() % 2 == 0 &&
+                    down_.out_features() == hidden &&
+                    2 * down_.in_features() == gate_up_.out_features(),
                 "DecoderLayer: weight shapes do not fit together");
   }
 
@@ -157,8 +202,7 @@ class DecoderLayer {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     at::Tensor h = rms_norm(x, input_norm_, eps_);
     clock.lap(kOther);
-    at::Tensor qkv = small_gemm(h, w_qkv_);  // (T, q + 2 kv)
-    if (b_qkv_.defined()) qkv.add_(b_qkv_);
+    at::Tensor qkv = qkv_(h);  // (T, q + 2 kv)
     clock.lap(kProjections);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, head_dim_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads_, head_dim_});
@@ -173,16 +217,16 @@ class DecoderLayer {
     at::Tensor attn = paged_attention(q, kv_cache, step.block_size, step.query_start,
                                       step.seq_lens, step.block_tables, step.scale);
     clock.lap(kAttention);
-    at::Tensor o = small_gemm(attn.view({num_tokens, q_size}), w_o_);
+    at::Tensor o = o_(attn.view({num_tokens, q_size}));
     clock.lap(kProjections);
     residual_add(x, o);
     h = rms_norm(x, post_norm_, eps_);
     clock.lap(kOther);
-    at::Tensor gate_up = small_gemm(h, w_gate_up_);  // (T, 2 I)
+    at::Tensor gate_up = gate_up_(h);  // (T, 2 I)
     clock.lap(kProjections);
     at::Tensor act = silu_mul(gate_up);
     clock.lap(kOther);
-    at::Tensor down = small_gemm(act, w_down_);
+    at::Tensor down = down_(act);
     clock.lap(kProjections);
     residual_add(x, down);
     clock.lap(kOther);
@@ -191,7 +235,7 @@ class DecoderLayer {
  private:
   at::Tensor input_norm_, post_norm_, q_norm_, k_norm_;
   double eps_;
-  at::Tensor w_qkv_, b_qkv_, w_o_, w_gate_up_, w_down_;
+  Projection qkv_, o_, gate_up_, down_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
 };
 
@@ -234,13 +278,18 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
 
 void bind_decoder_layer(pybind11::module& m) {
   namespace py = pybind11;
+  py::class_<Projection>(m, "Projection")
+      .def(py::init<std::optional<at::Tensor>, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>>(),
+           py::arg("weight") = py::none(), py::arg("qs") = py::none(), py::arg("d") = py::none(),
+           py::arg("m") = py::none(), py::arg("bias") = py::none());
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
-                    double, at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor,
-                    at::Tensor, int64_t, int64_t, int64_t>(),
+                    double, Projection, Projection, Projection, Projection, int64_t, int64_t,
+                    int64_t>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("eps"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_o"),
-           py::arg("w_gate_up"), py::arg("w_down"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"));
+           py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"));
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a step, x in place (CPU)");
 }

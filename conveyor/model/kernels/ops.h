@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <vector>
+
 // paged_attention.cpp
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
@@ -15,6 +17,27 @@ bool advise_huge_pages(const at::Tensor& t);
 
 // small_gemm.cpp
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight);
+
+// quant_gemm.cpp: GGUF-style block weights (x86 with AVX2, FMA and F16C; elsewhere they raise)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CONVEYOR_QUANT_KERNELS 1
+#else
+#define CONVEYOR_QUANT_KERNELS 0
+#endif
+namespace conveyor_quant {
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                     const at::Tensor& m);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d);
+at::Tensor q4_linear_dequant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                             const at::Tensor& m);
+at::Tensor q8_linear_dequant(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d);
+at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m);
+at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d);
+std::vector<at::Tensor> int8_prepare(const at::Tensor& x, double ratio);
+at::Tensor q4_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                      const at::Tensor& cols);
+at::Tensor q8_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& cols);
+}  // namespace conveyor_quant
 
 // decoder_layer.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

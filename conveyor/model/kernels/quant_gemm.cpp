@@ -25,6 +25,11 @@
 // the unpacked block is reused for up to 4 tokens (4 accumulators).
 
 #include <torch/extension.h>
+
+#include "ops.h"
+
+#if CONVEYOR_QUANT_KERNELS  // the x86 AVX2 + FMA + F16C code below; elsewhere, stubs at the end
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -33,7 +38,7 @@
 #include <vector>
 #include <cstring>
 
-namespace {
+namespace conveyor_quant {
 
 constexpr int64_t QK = 32;          // elements per block
 constexpr int64_t TOKEN_TILE = 64;  // tokens whose int8 rows are reused across weight rows
@@ -392,16 +397,29 @@ at::Tensor q8_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
   return columns_impl<true>(qs.contiguous(), d.contiguous(), d.contiguous(), cols.contiguous());
 }
 
-}  // namespace
+}  // namespace conveyor_quant
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("q4_linear", &q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");
-  module.def("q8_linear", &q8_linear, "x @ W^T for int8 blocks (q * d)");
-  module.def("q4_linear_dequant", &q4_linear_dequant, "q4_linear through row tiles and MKL");
-  module.def("q8_linear_dequant", &q8_linear_dequant, "q8_linear through row tiles and MKL");
-  module.def("q4_dequantize", &q4_dequantize, "float rows of 4-bit blocks");
-  module.def("q8_dequantize", &q8_dequantize, "float rows of int8 blocks");
-  module.def("int8_prepare", &int8_prepare, "outlier split and per-row scaling for fbgemm");
-  module.def("q4_columns", &q4_columns, "float columns of 4-bit blocks");
-  module.def("q8_columns", &q8_columns, "float columns of int8 blocks");
-}
+#else  // not an AVX2 + FMA + F16C build: every op refuses (quant.py checks the CPU first)
+
+namespace conveyor_quant {
+#define CONVEYOR_NO_KERNEL(...) \
+  { TORCH_CHECK(false, "conveyor: the quantized kernels need an x86 CPU with AVX2, FMA, F16C"); }
+at::Tensor q4_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)
+    CONVEYOR_NO_KERNEL()
+at::Tensor q8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&) CONVEYOR_NO_KERNEL()
+at::Tensor q4_linear_dequant(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&) CONVEYOR_NO_KERNEL()
+at::Tensor q8_linear_dequant(const at::Tensor&, const at::Tensor&, const at::Tensor&)
+    CONVEYOR_NO_KERNEL()
+at::Tensor q4_dequantize(const at::Tensor&, const at::Tensor&, const at::Tensor&)
+    CONVEYOR_NO_KERNEL()
+at::Tensor q8_dequantize(const at::Tensor&, const at::Tensor&) CONVEYOR_NO_KERNEL()
+std::vector<at::Tensor> int8_prepare(const at::Tensor&, double) CONVEYOR_NO_KERNEL()
+at::Tensor q4_columns(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)
+    CONVEYOR_NO_KERNEL()
+at::Tensor q8_columns(const at::Tensor&, const at::Tensor&, const at::Tensor&)
+    CONVEYOR_NO_KERNEL()
+#undef CONVEYOR_NO_KERNEL
+}  // namespace conveyor_quant
+
+#endif  // CONVEYOR_QUANT_KERNELS
