@@ -304,7 +304,7 @@ def _as_set(value) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")  # fp8: e4m3, as vLLM
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conveyor.model import kernels
-from conveyor.model.attention import build_metadata, paged_attention
+from conveyor.model.attention import build_metadata, paged_attention, to_cache_dtype
 from conveyor.worker.model_runner import pad_block_tables, positions_and_slots
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -266,9 +266,9 @@ def test_tables_pointing_outside_the_cache_raise(ops):
         ops.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), cache, torch.tensor([16]), 4)
 
 
-# ---- a float16 / bfloat16 KV cache under a float32 model ----------------------------------
+# ---- a float16 / bfloat16 / fp8 KV cache under a float32 model ----------------------------
 
-HALF_TYPES = [torch.float16, torch.bfloat16]
+HALF_TYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]  # the narrow cache types
 MIXED_STEP = [(0, 37), (40, 1), (32, 16), (5, 70), (0, 1), (100, 3), (0, 16), (300, 1)]
 
 
@@ -294,11 +294,15 @@ def test_half_cache_random_steps_match_reference(ops, cache_dtype, seed):
     assert_close(results, torch.float32)
 
 
-@pytest.mark.parametrize("cache_dtype,tolerance", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "cache_dtype,tolerance",
+    [(torch.float16, 2e-3), (torch.bfloat16, 2e-2), (torch.float8_e4m3fn, 8e-2)],
+)
 def test_half_cache_output_is_close_to_a_float32_cache(ops, cache_dtype, tolerance):
     # The loss itself: the same step with a float32 cache holding the same (unrounded) values.
     # Outputs are averages of unit-variance values; half an ulp of float16 is 2^-11 = 4.9e-4
-    # relative (bfloat16: 2^-8 = 3.9e-3), the output error stays below a few of those.
+    # relative (bfloat16: 2^-8 = 3.9e-3; fp8 e4m3: 2^-4 = 6.3e-2), the output error stays
+    # below a few of those.
     wide = run_both(ops, MIXED_STEP, 9, 3, 64, 16, torch.float32)[0][0]
     half = run_both(ops, MIXED_STEP, 9, 3, 64, 16, torch.float32, 0, cache_dtype)[0][0]
     relative = ((half - wide).norm() / wide.norm()).item()
@@ -313,7 +317,7 @@ def test_write_rounds_like_torch(ops, cache_dtype):
     bits = torch.randint(0, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
     values = bits.to(torch.int32).view(torch.float32)
     values = values[torch.isfinite(values)]
-    mantissa_bits = 10 if cache_dtype == torch.float16 else 7
+    mantissa_bits = {torch.float16: 10, torch.bfloat16: 7, torch.float8_e4m3fn: 3}[cache_dtype]
     step = 2.0**-mantissa_bits
     ties = torch.arange(1, 65, dtype=torch.float32) * step + step / 2  # halfway between two
     small = torch.randn(2048, generator=gen) * torch.logspace(-8, 5, 2048)
@@ -324,8 +328,9 @@ def test_write_rounds_like_torch(ops, cache_dtype):
     cache = torch.zeros(2, k.shape[0], 1, 32, dtype=cache_dtype)  # block_size 1: tile = a row
     ops.write_kv(k, v, cache, torch.arange(k.shape[0]), 1)
     for stored, source in ((cache[0, :, 0], k[:, 0]), (cache[1, :, 0], v[:, 0])):
-        expected = source.to(cache_dtype)
-        assert torch.equal(stored.view(torch.int16), expected.view(torch.int16))
+        expected = to_cache_dtype(source, cache_dtype)  # fp8: clamped to +-448, no NaN
+        assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
+        assert not stored.float().isnan().any()
 
 
 def test_half_cache_is_refused_for_other_model_dtypes(ops):
@@ -372,6 +377,29 @@ def test_float16_cache_engine_generates_nearly_the_same_greedy_tokens(tiny_check
     assert sum(agree) >= 0.75 * sum(map(len, auto)), f"tokens agreeing per prompt: {agree}"
 
 
+def test_fp8_cache_engine_generates_mostly_the_same_greedy_tokens(tiny_checkpoint):
+    from conftest import random_prompts
+
+    path = str(tiny_checkpoint("llama"))
+    prompts = random_prompts(16, 200, seed=1)
+    auto = greedy_tokens(path, prompts)
+    fp8 = greedy_tokens(path, prompts, kv_cache_dtype="fp8")
+    first = [a[0] == b[0] for a, b in zip(auto, fp8, strict=True)]
+    # 3 mantissa bits flip more near-ties than float16 does; a cache read wrong (scale, sign,
+    # byte order) agrees on almost nothing.
+    assert sum(first) >= 12, f"first tokens agreeing: {first}"
+
+
+def test_fp8_cache_quarters_kv_bytes(tiny_checkpoint):
+    from conveyor import LLMEngine
+
+    path = str(tiny_checkpoint("llama"))
+    auto = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB")
+    fp8 = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB", kv_cache_dtype="fp8_e4m3")
+    assert fp8.runner.kv_bytes_per_block() * 4 == auto.runner.kv_bytes_per_block()
+    assert fp8.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+
+
 def test_half_cache_halves_kv_bytes_and_doubles_blocks(tiny_checkpoint):
     from conveyor import LLMEngine
 
@@ -387,7 +415,7 @@ def test_bad_kv_cache_dtype_is_refused():
     from conveyor.config import CacheConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16"):
-        CacheConfig(kv_cache_dtype="fp8")
+        CacheConfig(kv_cache_dtype="fp8_e5m2")
 
 
 def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, seed):

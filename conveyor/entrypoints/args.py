@@ -80,8 +80,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float16", "bfloat16"],
-        help="auto: the model dtype; float16/bfloat16 halve the KV bytes (lossy)",
+        choices=["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"],
+        help="auto: the model dtype; float16/bfloat16 halve the KV bytes, fp8 (e4m3, values "
+        "clamped to +-448) quarters them (lossy; for float32 models)",
     )
     engine.add_argument(
         "--scheduling-policy",

@@ -9,7 +9,7 @@ values as (block_size, head_dim). That is the layout the compiled CPU kernel rea
 (see kernels/paged_attention.cpp); `key_blocks` / `value_blocks` give its shaped views.
 
 Two implementations of the same op:
-  - the compiled kernel (CPU, float32/float64; a float16/bfloat16 cache for float32 models):
+  - the compiled kernel (CPU, float32/float64; a float16/bfloat16/fp8 cache for float32 models):
     varlen over all rows, no copies of the cache;
   - the reference in PyTorch, the readable oracle and the path for CUDA, other dtypes or when
     no compiler is present: decode rows as one batch over a padded gather of their blocks,
@@ -157,9 +157,23 @@ def write_kv(
 ) -> None:
     head_dim = k.shape[-1]
     blocks, offsets = slots // block_size, slots % block_size
-    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)  # a half cache: round to nearest even
+    k, v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
+    if kv_cache.dtype == FP8:  # indexed writes of fp8 go through its bytes
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     key_blocks(kv_cache, head_dim)[blocks, :, :, offsets] = k  # indexed view: (T, Hkv, D)
     value_blocks(kv_cache, head_dim)[blocks, :, offsets, :] = v
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # its largest finite value; torch's conversion turns anything beyond into NaN
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: rounded to nearest even; for fp8 e4m3, clamped to
+    its range first (the compiled write does the same)."""
+    if dtype == FP8:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
 
 
 def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, head_dim: int, dtype: torch.dtype):
@@ -192,7 +206,7 @@ def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk):
     if chunk.context_len == 0:
         # The whole sequence is in this chunk: attend to the fresh K/V, no gather needed.
         # Rounded as the cache holds them, so the chunk sees the same keys as later steps.
-        k, v = (x.to(kv_cache.dtype).to(q.dtype) for x in (k, v))
+        k, v = (to_cache_dtype(x, kv_cache.dtype).to(q.dtype) for x in (k, v))
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, Tq, D)
         mask, causal = None, True
     else:

@@ -91,7 +91,7 @@ class ModelRunner:
         cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         if self.attention_ops is not None:  # huge pages must be asked for before the first touch
             self.attention_ops.advise_huge_pages(cache)
-        return cache.zero_()
+        return cache.view(torch.uint8).zero_().view(cache.dtype)  # zero bytes: 0.0 in each
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -202,8 +202,12 @@ class ModelRunner:
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """ "auto" -> the model dtype; otherwise the named half type (validated in CacheConfig)."""
-    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    """ "auto" -> the model dtype; otherwise the named type (validated in CacheConfig)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype.startswith("fp8"):
+        return torch.float8_e4m3fn
+    return getattr(torch, kv_cache_dtype)
 
 
 # (model dtype, cache dtype) pairs the compiled kernel reads; a half cache is converted to
@@ -213,6 +217,7 @@ KERNEL_DTYPES = {
     (torch.float64, torch.float64),
     (torch.float32, torch.float16),
     (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float8_e4m3fn),
 }
 
 

@@ -1,9 +1,10 @@
 // Paged attention over a whole step (decode rows and prompt chunks together), reading the KV
 // cache in place; the KV write through a slot mapping; rotary embedding in place. CPU, float32
 // and float64 (the equivalence tests run the model in float64 through this same code).
-// The cache may also hold float16 or bfloat16 for a float32 model (--kv-cache-dtype): half the
-// bytes of the bandwidth-bound inner loops; values are widened to float32 as they are loaded
-// (F16C for float16, a 16-bit shift for bfloat16) and rounded to nearest even when written.
+// The cache may also hold float16, bfloat16 or fp8 e4m3 for a float32 model (--kv-cache-dtype):
+// half or a quarter of the bytes of the bandwidth-bound inner loops; values are widened to
+// float32 as they are loaded (F16C for float16, a 16-bit shift for bfloat16, a shift and a
+// multiply for fp8) and rounded to nearest even when written (fp8: clamped to +-448 first).
 //
 // Data layout
 //   kv_cache   (2, num_blocks, num_kv_heads, block_size * head_dim), contiguous. One (block,
@@ -43,6 +44,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -65,6 +67,8 @@
 namespace {
 
 using namespace conveyor_vec;
+
+constexpr float kFp8Max = 448.0f;  // the largest finite fp8 e4m3 value
 
 struct Shape {
   int64_t block_size;
@@ -91,6 +95,23 @@ inline Vec<T> load_cache(const C* p) {
     std::memcpy(&h, p, sizeof(h));
     const Bits32 bits = __builtin_convertvector(h, Bits32) << 16;
     return reinterpret_cast<const Vec<T>&>(bits);
+#endif
+  } else if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+    static_assert(std::is_same_v<T, float>, "an fp8 cache is read by float32 models only");
+#if defined(__F16C__) && defined(__AVX2__)
+    // e4m3 (bias 7) moved into float16's bit positions (bias 15) is the value times 2^-8, for
+    // normal and subnormal codes alike: F16C widens it (no slow denormal path, unlike the same
+    // trick in float32) and one multiply restores the scale. NaN codes are never written.
+    __m128i b;
+    std::memcpy(&b, p, 8);
+    const __m128i w = _mm_cvtepu8_epi16(b);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    return (Vec<T>)_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+#else
+    Vec<T> v;
+    for (int i = 0; i < kLanes<T>; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
 #endif
   } else {
     static_assert(std::is_same_v<T, float> && std::is_same_v<C, c10::Half>,
@@ -600,8 +621,10 @@ void dispatch_types(at::ScalarType model, at::ScalarType cache, const char* name
   if (model == at::kDouble && cache == at::kDouble) return f(double{}, double{});
   if (model == at::kFloat && cache == at::kHalf) return f(float{}, c10::Half{});
   if (model == at::kFloat && cache == at::kBFloat16) return f(float{}, c10::BFloat16{});
+  if (model == at::kFloat && cache == at::kFloat8_e4m3fn) return f(float{}, c10::Float8_e4m3fn{});
   TORCH_CHECK(false, name, ": cache dtype ", cache, " with model dtype ", model,
-              " (supported: the same float32/float64, or a float16/bfloat16 cache for float32)");
+              " (supported: the same float32/float64, or a float16/bfloat16/fp8 cache for "
+              "float32)");
 }
 
 }  // namespace
@@ -638,6 +661,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                          out.data_ptr<T>(), sh);
   });
   return out;
+}
+
+// A value as the cache stores it. fp8 e4m3 has no infinity and c10's conversion turns what
+// exceeds its range into NaN: values are clamped to +-448 first (as the reference path does).
+template <typename C, typename T>
+inline C to_cache(T value) {
+  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+    return static_cast<C>(std::clamp(static_cast<float>(value), -kFp8Max, kFp8Max));
+  } else {
+    return static_cast<C>(value);
+  }
 }
 
 // Scatter the step's new keys/values (T, Hkv, D), any strides, into their cache slots
@@ -677,8 +711,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
           C* kt = kc + (block * num_kv_heads + h) * tile + offset;
           C* vt = vc + (block * num_kv_heads + h) * tile + offset * dim;
           for (int64_t d = 0; d < dim; ++d) {  // c10's conversions round to nearest even
-            kt[d * block_size] = static_cast<C>(ks[d * k.stride(2)]);
-            vt[d] = static_cast<C>(vs[d * v.stride(2)]);
+            kt[d * block_size] = to_cache<C>(ks[d * k.stride(2)]);
+            vt[d] = to_cache<C>(vs[d * v.stride(2)]);
           }
         }
       }
