@@ -504,6 +504,25 @@ def test_compiled_decoder_layers_match_the_modules(
     assert not torch.equal(x, before), "the residual stream is updated in place"
 
 
+def test_compiled_rms_norm_is_the_models(ops):
+    """float64: transformers' arithmetic bit for bit (normalized in float32); float32: a loop
+    of its own, to float32 rounding of torch.rms_norm."""
+    from conveyor.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float64, torch.float32):
+        norm = RMSNorm(200, 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.normal_(generator=gen)
+        x = torch.randn(5, 3, 200, generator=gen, dtype=dtype) * 4
+        with torch.inference_mode():
+            got, expected = ops.rms_norm(x, norm.weight.detach(), 1e-5), norm(x)
+        if dtype == torch.float64:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_layers_time_their_parts_and_refuse_bad_input(ops):
     layer, rotary = _decoder_layer(torch.float32, 4, 2, 64, False, False, seed=0)
     compiled = layer.compiled(ops)

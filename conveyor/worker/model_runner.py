@@ -210,8 +210,9 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     return getattr(torch, kv_cache_dtype)
 
 
-# (model dtype, cache dtype) pairs the compiled kernel reads; a half cache is converted to
-# float32 on load, so only float32 models read it there (float64 + half runs the reference).
+# (model dtype, cache dtype) pairs the compiled kernel reads; a narrow cache (16-bit, fp8) is
+# converted to float32 on load, so only float32 models read it there (float64 + a narrow cache
+# runs the reference).
 KERNEL_DTYPES = {
     (torch.float32, torch.float32),
     (torch.float64, torch.float64),

@@ -17,8 +17,9 @@
 //   h = rms_norm(x) ; gate, up = halves of h Wgu^T ; x += (silu(gate) * up) Wdown^T
 // The arithmetic is the model's (model/llama.py, model/layers.py): the matmuls are the
 // small-row kernel (small_gemm.cpp), or for a quantized model's block weights the block kernel
-// (quant_gemm.cpp) as QuantLinear runs it below 16 rows; attention, the KV write and rotary the compiled ops
-// (paged_attention.cpp), silu and the products ATen's own. RMSNorm of a float64 model is
+// (quant_gemm.cpp), as QuantLinear runs it below 16 rows; attention, the KV write and rotary
+// the compiled ops (paged_attention.cpp); silu and the products ATen's own for float64 and
+// loops of their own for float32 (see residual_add). RMSNorm of a float64 model is
 // transformers' (normalized in float32 through the same ATen ops), so the float64 equivalence
 // tests hold token for token; for float32 it is the loop below (sums of squares in float32,
 // as torch.rms_norm does, in another order).
