@@ -390,25 +390,21 @@ def test_fp8_cache_engine_generates_mostly_the_same_greedy_tokens(tiny_checkpoin
     assert sum(first) >= 12, f"first tokens agreeing: {first}"
 
 
-def test_fp8_cache_quarters_kv_bytes(tiny_checkpoint):
+@pytest.mark.parametrize(
+    "kv_cache_dtype,dtype,factor",
+    [("bfloat16", torch.bfloat16, 2), ("fp8_e4m3", torch.float8_e4m3fn, 4)],
+)
+def test_narrow_cache_divides_kv_bytes_and_multiplies_blocks(
+    tiny_checkpoint, kv_cache_dtype, dtype, factor
+):
     from conveyor import LLMEngine
 
     path = str(tiny_checkpoint("llama"))
     auto = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB")
-    fp8 = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB", kv_cache_dtype="fp8_e4m3")
-    assert fp8.runner.kv_bytes_per_block() * 4 == auto.runner.kv_bytes_per_block()
-    assert fp8.runner.kv_caches[0].dtype == torch.float8_e4m3fn
-
-
-def test_half_cache_halves_kv_bytes_and_doubles_blocks(tiny_checkpoint):
-    from conveyor import LLMEngine
-
-    path = str(tiny_checkpoint("llama"))
-    auto = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB")
-    half = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB", kv_cache_dtype="bfloat16")
-    assert half.runner.kv_bytes_per_block() * 2 == auto.runner.kv_bytes_per_block()
-    assert half.runner.kv_caches[0].dtype == torch.bfloat16
-    assert half.num_blocks in (2 * auto.num_blocks, 2 * auto.num_blocks + 1)
+    narrow = LLMEngine(path, dtype="float32", kv_cache_memory="1MiB", kv_cache_dtype=kv_cache_dtype)
+    assert narrow.runner.kv_bytes_per_block() * factor == auto.runner.kv_bytes_per_block()
+    assert narrow.runner.kv_caches[0].dtype == dtype
+    assert factor * auto.num_blocks <= narrow.num_blocks < factor * (auto.num_blocks + 1)
 
 
 def test_bad_kv_cache_dtype_is_refused():

@@ -152,6 +152,10 @@ def reference_paged_attention(q, k, v, kv_cache, meta: AttentionMetadata) -> tor
     return out
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # its largest finite value; torch's conversion turns anything beyond into NaN
+
+
 def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int
 ) -> None:
@@ -162,10 +166,6 @@ def write_kv(
         kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     key_blocks(kv_cache, head_dim)[blocks, :, :, offsets] = k  # indexed view: (T, Hkv, D)
     value_blocks(kv_cache, head_dim)[blocks, :, offsets, :] = v
-
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # its largest finite value; torch's conversion turns anything beyond into NaN
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
