@@ -59,6 +59,18 @@ def test_float_tile_path_equals_dequantized_matmul(fmt, num_tokens):
     torch.testing.assert_close(out, x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 7, 16, 17])
+def test_float_activation_path_equals_dequantized_matmul(fmt, num_tokens):
+    """The lm_head's route (dequant_from=1): up to 16 rows the block kernel with float
+    activations, then the tiles; both the float product with the dequantized weight."""
+    weight = random_blocks(fmt, 300, 160, seed=num_tokens)
+    x = torch.randn(num_tokens, 160) * 3
+    out = quant.block_linear(x, weight, dequant_from=1)
+    ref = x.double() @ weight.dequantize().double().T
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5 * ref.abs().max())
+
+
 def test_float_tile_path_runs_in_inference_mode_on_several_threads():
     """The runner's forward is in inference mode, which OpenMP workers do not inherit."""
     weight = random_blocks("q4", 512, 64)
@@ -315,7 +327,10 @@ def _text() -> Path:
 
 # ---- fbgemm int8 route ---------------------------------------------------------------------
 
-needs_int8 = pytest.mark.skipif(not quant.int8_gemm_available(), reason="no x86 quantized engine")
+needs_int8 = pytest.mark.skipif(
+    not (quant.int8_gemm_available() and quant.has_vnni()),
+    reason="no x86 quantized engine, or no VNNI (fbgemm's 8-bit activations saturate there)",
+)
 
 
 @needs_int8

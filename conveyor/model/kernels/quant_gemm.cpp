@@ -280,11 +280,106 @@ at::Tensor dequantize_impl(const at::Tensor& qs, const at::Tensor& d, const at::
 // so no float copy of the whole weight is ever made.
 constexpr int64_t DEQUANT_ROWS = 256;
 
+// A few float rows against block weights without rounding the activations: each block's
+// values are widened once and multiplied with every token's float values,
+//   sum_j (q_j d + m) x_j = d * sum_j q_j x_j + m * sum_j x_j,
+// so the result is the float product with the dequantized weight (up to summation order), as
+// the tiles give it, but the weight is read once as blocks (a tied Q8_0 lm_head: 30 MB, not
+// 113 MB of float tiles through the caches). Tokens in groups of up to 4 per weight row.
+constexpr int64_t FLOAT_ACTS_MAX_TOKENS = 16;
+
+template <bool W_Q8, int NT>
+inline void row_float(const uint8_t* wq, const int16_t* wd, const int16_t* wm, int64_t nb,
+                      const float* x, const float* xsum, int64_t K, float* out, int64_t N) {
+  __m256 acc[NT];
+  float mins[NT] = {};
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  alignas(32) int8_t q[QK];
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 dw = _mm256_set1_ps(half_to_float(wd[b]));
+    const int8_t* qb;
+    if constexpr (W_Q8) {
+      qb = reinterpret_cast<const int8_t*>(wq + b * QK);
+    } else {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), unpack_q4(wq + b * (QK / 2)));
+      qb = q;
+    }
+    __m256 w[4];
+    for (int i = 0; i < 4; ++i) {
+      w[i] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i))));
+    }
+    for (int t = 0; t < NT; ++t) {
+      const float* xb = x + t * K + b * QK;
+      __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+      for (int i = 1; i < 4; ++i) s = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), s);
+      acc[t] = _mm256_fmadd_ps(dw, s, acc[t]);
+      if constexpr (!W_Q8) mins[t] += half_to_float(wm[b]) * xsum[t * nb + b];
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t * N] = hsum(acc[t]) + mins[t];
+}
+
+template <bool W_Q8>
+at::Tensor linear_float_acts_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                  const at::Tensor& m) {
+  const int64_t T = x.size(0), K = x.size(1), N = qs.size(0), nb = K / QK;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && qs.size(1) == (W_Q8 ? K : K / 2) &&
+                  d.size(0) == N && d.size(1) == nb,
+              "weight blocks do not match x");
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && (W_Q8 || m.is_contiguous()),
+              "weight blocks must be contiguous");
+  at::Tensor out = at::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xsum(T * nb);  // the m term's block sums (q4)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0;
+      for (int64_t j = 0; j < QK; ++j) s += xp[t * K + b * QK + j];
+      xsum[t * nb + b] = s;
+    }
+  const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
+  const int16_t* wd = d.data_ptr<int16_t>();
+  const int16_t* wm = W_Q8 ? nullptr : m.data_ptr<int16_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = W_Q8 ? K : K / 2;
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wrow = wq + n * row_bytes;
+      const int16_t* drow = wd + n * nb;
+      const int16_t* mrow = W_Q8 ? nullptr : wm + n * nb;
+      for (int64_t t = 0; t < T;) {
+        const int64_t left = T - t;
+        const float* xt = xp + t * K;
+        const float* st = xsum.data() + t * nb;
+        float* ot = op + t * N + n;
+        if (left >= 4) {
+          row_float<W_Q8, 4>(wrow, drow, mrow, nb, xt, st, K, ot, N);
+          t += 4;
+        } else if (left == 3) {
+          row_float<W_Q8, 3>(wrow, drow, mrow, nb, xt, st, K, ot, N);
+          t += 3;
+        } else if (left == 2) {
+          row_float<W_Q8, 2>(wrow, drow, mrow, nb, xt, st, K, ot, N);
+          t += 2;
+        } else {
+          row_float<W_Q8, 1>(wrow, drow, mrow, nb, xt, st, K, ot, N);
+          t += 1;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 template <bool W_Q8>
 at::Tensor linear_dequant_impl(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                                const at::Tensor& m) {
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), N = qs.size(0);
+  if (T <= FLOAT_ACTS_MAX_TOKENS && x.size(1) % QK == 0) {
+    return linear_float_acts_impl<W_Q8>(x, qs, d, m);
+  }
   at::Tensor out = at::empty({T, N}, x.options());
   const int64_t num_chunks = (N + DEQUANT_ROWS - 1) / DEQUANT_ROWS;
   at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
