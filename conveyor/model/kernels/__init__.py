@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -63,6 +64,7 @@ def _build() -> ModuleType:
     put_ninja_on_path()
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(folder)
     here = Path(__file__).parent
     return cpp_extension.load(
         name=NAME,
@@ -72,6 +74,32 @@ def _build() -> ModuleType:
         build_directory=str(folder),
         verbose=False,
     )
+
+
+# torch's build lock has no owner: a build killed mid-way (Ctrl-C at the first start) leaves
+# it behind, and every later start then waited on it silently, for ever. A build takes 1.5-5
+# minutes on 2 cores; a lock much older than that belongs to nobody.
+STALE_LOCK_SECONDS = 900
+
+
+def clear_stale_lock(folder: Path, stale_after: float = STALE_LOCK_SECONDS) -> None:
+    """Removes the build lock in `folder` when it is older than `stale_after` seconds; says
+    that it waits on a younger one."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > stale_after:
+        logger.warning("conveyor: removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+    else:
+        logger.warning(
+            "conveyor: waiting for another process's kernel build (lock %s, %.0f s old; "
+            "delete it if no build is running)",
+            lock,
+            age,
+        )
 
 
 def _build_key() -> str:
