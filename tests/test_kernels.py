@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import shutil
 
@@ -228,6 +229,37 @@ def test_matmul_forms_are_measured_and_can_be_forced(ops, monkeypatch):
     monkeypatch.setenv("CONVEYOR_MATMUL", "fast")
     with pytest.raises(ValueError, match="CONVEYOR_MATMUL"):
         matmul_forms(torch.float32)
+
+
+def test_matmul_forms_are_kept_per_machine_and_measured_again_when_unreadable(
+    ops, monkeypatch, tmp_path
+):
+    from conveyor.model import layers
+
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CONVEYOR_MATMUL", raising=False)
+    layers._measured_forms.cache_clear()
+    try:
+        measured = layers.matmul_forms(torch.float64)
+        (kept,) = (tmp_path / "matmul_forms").glob("*.json")
+        assert {int(k): v for k, v in json.loads(kept.read_text()).items()} == measured
+        # A later process reads the file instead of measuring: what it holds is what it gets.
+        chosen = {str(n): "transposed" if n % 2 else "linear" for n in layers.MATMUL_BUCKETS}
+        kept.write_text(json.dumps(chosen))
+        layers._measured_forms.cache_clear()
+        assert layers.matmul_forms(torch.float64) == {int(k): v for k, v in chosen.items()}
+        # Another dtype is another measurement, in its own file.
+        layers.matmul_forms(torch.float32)
+        assert len(list((tmp_path / "matmul_forms").glob("*.json"))) == 2
+        # A file that is cut short or names an unknown form is measured again and rewritten.
+        for bad in ('{"1": "linear"', json.dumps(dict.fromkeys(chosen, "fast"))):
+            kept.write_text(bad)
+            layers._measured_forms.cache_clear()
+            again = layers.matmul_forms(torch.float64)
+            assert set(again) == set(layers.MATMUL_BUCKETS)
+            assert json.loads(kept.read_text()) == {str(k): v for k, v in again.items()}
+    finally:
+        layers._measured_forms.cache_clear()
 
 
 @contextlib.contextmanager

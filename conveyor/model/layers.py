@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
 import os
 import time
+from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -119,8 +125,10 @@ def matmul_forms(dtype: torch.dtype) -> dict[int, str]:
     """The fastest form here per power-of-two token count (1 to 64): "linear" (x @ W.T),
     "transposed" ((W @ x.T).T) or "kernel" (the compiled small-row kernel, when it builds).
     CONVEYOR_MATMUL=linear|transposed|kernel forces one form for every count (tests run the
-    kernel through the model this way). Measured once per process and dtype; the runner calls
-    this at load, so no request pays for it."""
+    kernel through the model this way). Measured once per machine, thread count and dtype and
+    kept in conveyor's cache (matmul_forms/, next to the compiled kernels; delete a file to
+    measure again): the runner calls this at load, so no request pays for it, and later starts
+    neither pay ~1.5 s for it nor pick other forms from a noisy measurement."""
     forced = os.environ.get("CONVEYOR_MATMUL", "").lower()
     if forced and forced != "auto":
         if forced not in ("linear", "transposed", "kernel"):
@@ -145,11 +153,52 @@ def _ops() -> ModuleType | None:
 
 @functools.cache
 def _measured_forms(dtype: torch.dtype) -> dict[int, str]:
+    """The forms kept for this machine, else measured now and kept."""
+    ops = _kernel_ops(dtype)
+    path = _forms_file(dtype, ops)
+    allowed = {"linear", "transposed"} | ({"kernel"} if ops is not None else set())
+    try:
+        kept = {int(k): v for k, v in json.loads(path.read_text()).items()}
+        if set(kept) == set(MATMUL_BUCKETS) and set(kept.values()) <= allowed:
+            return kept
+    except (OSError, ValueError, AttributeError):
+        pass  # not measured yet here, or unreadable: measure again
+    winners = _measure_forms(dtype, ops)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({str(k): v for k, v in winners.items()}))
+        os.replace(partial, path)  # atomic: a concurrent start reads the old file or this one
+    except OSError as exc:
+        logger.warning("conveyor: could not keep the measured matmul forms in %s: %s", path, exc)
+    return winners
+
+
+def _forms_file(dtype: torch.dtype, ops: ModuleType | None) -> Path:
+    """Where the forms of this machine (CPU model and flags, torch, Python, kernel sources),
+    thread count and dtype are kept."""
+    from conveyor.config import cache_dir
+    from conveyor.model import kernels
+
+    digest = hashlib.sha256()
+    for part in (
+        kernels.cpu_identity(),
+        kernels.build_key(),
+        str(ops is not None),
+        str(dtype),
+        str(torch.get_num_threads()),
+        repr(MATMUL_BUCKETS),
+        repr(KERNEL_MARGIN),
+    ):
+        digest.update(part.encode())
+    return cache_dir() / "matmul_forms" / f"{digest.hexdigest()[:16]}.json"
+
+
+def _measure_forms(dtype: torch.dtype, ops: ModuleType | None) -> dict[int, str]:
     """Each form timed over weights of 3072 x 576, 170 MB of them (24 in float32: streamed
     from memory, as a step streams a model's weights, not from the caches), best of 3 passes;
     about 1.3 s in all."""
     weights = torch.full((96 // dtype.itemsize, 3072, 576), 0.5, dtype=dtype)
-    ops = _kernel_ops(dtype)
     winners = {}
     for bucket in MATMUL_BUCKETS:
         x = torch.full((bucket, 576), 0.25, dtype=dtype)

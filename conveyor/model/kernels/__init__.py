@@ -41,7 +41,7 @@ NAME = "conveyor_kernels"
 def build_dir() -> Path:
     from conveyor.config import cache_dir
 
-    return cache_dir() / "kernels" / f"{NAME}-{_build_key()}"
+    return cache_dir() / "kernels" / f"{NAME}-{build_key()}"
 
 
 @functools.cache
@@ -102,7 +102,7 @@ def clear_stale_lock(folder: Path, stale_after: float = STALE_LOCK_SECONDS) -> N
         )
 
 
-def _build_key() -> str:
+def build_key() -> str:
     digest = hashlib.sha256()
     here = Path(__file__).parent
     for name in SOURCES + HEADERS:
@@ -111,6 +111,16 @@ def _build_key() -> str:
         digest.update(part.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags (what makes a measurement hold on a machine)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    name = next((line for line in lines if line.startswith("model name")), "")
+    return f"{name}\n{_cpu_flags()}"
 
 
 def _cpu_flags() -> str:
