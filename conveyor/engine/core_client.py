@@ -15,31 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import pickle
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
-from conveyor.engine.core import CoreInfo, CoreOutput, CoreStats, EngineStats
+from conveyor.engine.core import CoreOutput, CoreStats, EngineStats
 from conveyor.engine.core_proc import (
     ADD,
     DEAD,
-    FAILED,
     FINISH,
-    READY,
+    POLL_SECONDS,
     SNAPSHOT,
-    STOP,
+    CoreProcess,
     decode,
-    encode,
 )
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
@@ -52,109 +42,8 @@ from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.5
 CUDA_ITERATION_TIMEOUT = 60.0
 CPU_ITERATION_TIMEOUT = 300.0
-
-
-class CoreProcess:
-    """One engine-core process (`python -m conveyor.engine.core_proc`) and the front end's ends
-    of its sockets."""
-
-    def __init__(self, kwargs: dict, context: zmq.Context) -> None:
-        self._dir = tempfile.mkdtemp(prefix="conveyor-core-")
-        input_address, output_address = self._bind(
-            context, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        )
-        config = os.path.join(self._dir, "config.pickle")
-        with open(config, "wb") as file:
-            pickle.dump(kwargs, file, protocol=5)
-        # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only the
-        # main thread lives as long as the process.
-        pdeathsig = threading.current_thread() is threading.main_thread()
-        args = [config, input_address, output_address, str(os.getpid()), str(int(pdeathsig))]
-        command = [sys.executable, "-m", "conveyor.engine.core_proc", *args]
-        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-        # Readable once the process has exited (Linux 5.3+); None: the watchdog polls instead.
-        self.exit_fd = _pidfd(self.proc.pid)
-
-    def _bind(self, context: zmq.Context, input_address: str, output_address: str):
-        """Binds the front end's two sockets; returns their addresses (a tcp://HOST:* address
-        gets a free port)."""
-        self._lock = threading.Lock()
-        self.input = context.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.SNDHWM, 0)  # never block the front end on a slow core
-        self.input.setsockopt(zmq.LINGER, 0)
-        self.input.bind(input_address)
-        self.output = context.socket(zmq.PULL)
-        self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.setsockopt(zmq.LINGER, 0)
-        self.output.bind(output_address)
-        endpoint = zmq.LAST_ENDPOINT
-        return self.input.getsockopt_string(endpoint), self.output.getsockopt_string(endpoint)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def exit_description(self) -> str:
-        try:
-            code = self.proc.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            return "the engine core process is still running"
-        if code < 0:
-            return f"the engine core process was killed by {signal.Signals(-code).name}"
-        return f"the engine core process exited with code {code}"
-
-    def wait_ready(self) -> tuple[CoreInfo, CoreStats]:
-        """Blocks until the core has loaded the model; raises its error if it could not."""
-        while not self.output.poll(int(POLL_SECONDS * 1000)):
-            if not self.alive:
-                raise RuntimeError(f"{self.exit_description()} before it was ready")
-        message = decode(self.output.recv())
-        if message[0] == READY:
-            return message[1], message[2]
-        if message[0] == FAILED:
-            _, kind, text, trace = message
-            if kind == "ValueError":
-                raise ValueError(text)
-            raise RuntimeError(f"the engine core failed to start: {kind}: {text}\n{trace}")
-        raise RuntimeError(f"unexpected first message from the engine core: {message[0]!r}")
-
-    def send(self, message) -> None:
-        """Thread-safe; a message to a core that is gone is dropped (it has failed already)."""
-        with self._lock:
-            try:
-                self.input.send(encode(message), zmq.NOBLOCK)
-            except (zmq.Again, zmq.ZMQError):
-                pass
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.alive:
-            self.send((STOP, None))
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        if self.alive:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # in uninterruptible sleep; reaped by the OS later
-            pass
-        if self.exit_fd is not None:
-            os.close(self.exit_fd)
-            self.exit_fd = None
-        for sock in (self.input, self.output):
-            sock.close(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class SyncCoreClient:
@@ -212,11 +101,14 @@ class AsyncMPEngine:
         iteration_timeout: float | None = None,
         restart: bool = False,
         spawn: Callable[[dict, zmq.Context], CoreProcess] = CoreProcess,
+        started: tuple[CoreProcess, zmq.Context] | None = None,
     ) -> None:
         """iteration_timeout: seconds without a finished step, while requests are open, after
         which the core counts as hung. None: 60 s on CUDA (as vLLM), 300 s on CPU, where one
         2048-token prefill chunk of a large model may take minutes. spawn: starts the core
-        (a local process; distributed/ray_placement.py places it on a Ray cluster)."""
+        (a local process; distributed/ray_placement.py places it on a Ray cluster). started: a
+        core spawned already with kwargs, and the context its sockets belong to (`conveyor serve`
+        starts it before importing the server)."""
         if iteration_timeout is None:
             on_cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
             iteration_timeout = CUDA_ITERATION_TIMEOUT if on_cuda else CPU_ITERATION_TIMEOUT
@@ -235,8 +127,11 @@ class AsyncMPEngine:
         self.on_lost: Callable[[AsyncMPEngine, list[RequestStream]], set[str]] | None = None
         self.fatal = False
         self.num_restarts = 0
-        self._context = zmq.Context()
-        self._process = spawn(self.kwargs, self._context)
+        if started is None:
+            self._context = zmq.Context()
+            self._process = spawn(self.kwargs, self._context)
+        else:
+            self._process, self._context = started
         try:
             self.info, self._stats = self._process.wait_ready()
         except BaseException:
@@ -519,13 +414,6 @@ class AsyncMPEngine:
         self.num_restarts += 1
         self._error = None
         logger.warning("the engine core is back (restart %d)", self.num_restarts)
-
-
-def _pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -5,6 +5,10 @@ It pulls commands (add, finish, stop) from the front end and pushes one message 
 input socket; while it has work it applies whatever commands are pending between steps, so a new
 request joins the very next step. It dies with its parent: PR_SET_PDEATHSIG where the kernel
 has it, and a check of the parent's pid whenever it is idle.
+
+CoreProcess is the front end's handle on one such process. This module imports neither torch
+nor the engine, so that `conveyor serve` starts the core first and imports the server while
+the core loads the model (~2 s of a start on 2 cores).
 """
 
 from __future__ import annotations
@@ -12,12 +16,19 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
+
+if TYPE_CHECKING:
+    from conveyor.engine.core import CoreInfo, CoreStats
 
 # Front end -> core.
 ADD, FINISH, STOP = "add", "finish", "stop"
@@ -27,6 +38,7 @@ READY, FAILED, STEP, DEAD = "ready", "failed", "step", "dead"
 SNAPSHOT = "snapshot"
 
 IDLE_POLL_MS = 1000
+POLL_SECONDS = 0.5  # the front end's check that a starting core is still alive
 PR_SET_PDEATHSIG = 1
 
 
@@ -36,6 +48,113 @@ def encode(message) -> bytes:
 
 def decode(frame: bytes):
     return pickle.loads(frame)
+
+
+class CoreProcess:
+    """One engine-core process (`python -m conveyor.engine.core_proc`) and the front end's ends
+    of its sockets."""
+
+    def __init__(self, kwargs: dict, context: zmq.Context) -> None:
+        self._dir = tempfile.mkdtemp(prefix="conveyor-core-")
+        input_address, output_address = self._bind(
+            context, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        )
+        config = os.path.join(self._dir, "config.pickle")
+        with open(config, "wb") as file:
+            pickle.dump(kwargs, file, protocol=5)
+        # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only the
+        # main thread lives as long as the process.
+        pdeathsig = threading.current_thread() is threading.main_thread()
+        args = [config, input_address, output_address, str(os.getpid()), str(int(pdeathsig))]
+        command = [sys.executable, "-m", "conveyor.engine.core_proc", *args]
+        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        # Readable once the process has exited (Linux 5.3+); None: the watchdog polls instead.
+        self.exit_fd = _pidfd(self.proc.pid)
+
+    def _bind(self, context: zmq.Context, input_address: str, output_address: str):
+        """Binds the front end's two sockets; returns their addresses (a tcp://HOST:* address
+        gets a free port)."""
+        self._lock = threading.Lock()
+        self.input = context.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # never block the front end on a slow core
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(input_address)
+        self.output = context.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(output_address)
+        endpoint = zmq.LAST_ENDPOINT
+        return self.input.getsockopt_string(endpoint), self.output.getsockopt_string(endpoint)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_description(self) -> str:
+        try:
+            code = self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            return "the engine core process is still running"
+        if code < 0:
+            return f"the engine core process was killed by {signal.Signals(-code).name}"
+        return f"the engine core process exited with code {code}"
+
+    def wait_ready(self) -> tuple[CoreInfo, CoreStats]:
+        """Blocks until the core has loaded the model; raises its error if it could not."""
+        while not self.output.poll(int(POLL_SECONDS * 1000)):
+            if not self.alive:
+                raise RuntimeError(f"{self.exit_description()} before it was ready")
+        message = decode(self.output.recv())
+        if message[0] == READY:
+            return message[1], message[2]
+        if message[0] == FAILED:
+            _, kind, text, trace = message
+            if kind == "ValueError":
+                raise ValueError(text)
+            raise RuntimeError(f"the engine core failed to start: {kind}: {text}\n{trace}")
+        raise RuntimeError(f"unexpected first message from the engine core: {message[0]!r}")
+
+    def send(self, message) -> None:
+        """Thread-safe; a message to a core that is gone is dropped (it has failed already)."""
+        with self._lock:
+            try:
+                self.input.send(encode(message), zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.alive:
+            self.send((STOP, None))
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # in uninterruptible sleep; reaped by the OS later
+            pass
+        if self.exit_fd is not None:
+            os.close(self.exit_fd)
+            self.exit_fd = None
+        for sock in (self.input, self.output):
+            sock.close(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def main(argv: list[str]) -> None:
