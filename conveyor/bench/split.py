@@ -6,7 +6,7 @@ Systems, on the same requests (random token prompts, exact output lengths, greed
   http-thread    `conveyor serve --no-engine-process` (the engine on a thread of the server).
 
 For each concurrency: output tokens/s of each system and its ratio to offline (the mean of an
-offline run before and one after the servers), and /health
+offline run before and one after the servers; each server starts once), and /health
 latency seen by a separate prober process while the streams run (p50 / p99). Then /health
 under many short streams (the front end's worst case). Finally the engine's own time per step
 at a batch of decoding requests: scheduling, input preparation, sampling and output handling
@@ -85,39 +85,46 @@ def main(args: argparse.Namespace) -> int:
     del llm
     serve_args = _serve_args(args)
     print(f"{args.input_len}-token prompts, {args.output_len} output tokens, greedy")
-    for c, requests in workloads.items():
-        # Offline: at most c requests in the batch, the next joining as one finishes (what a
-        # client holding c streams open gives a server), measured before and after the servers
-        # so that a drift of the machine's speed during the row cancels out.
-        batch_llm = LLM(args.model, max_num_seqs=c, **engine)
-        before = _offline(batch_llm, requests, SamplingParams)
-        print(f"  offline, {c} in the batch: {before:.1f} output tok/s", flush=True)
-        row = {"concurrency": c}
-        for system, flags in SERVER_FLAGS.items():
-            with Server(serve_args + flags) as server:
+    # Offline: at most c requests in the batch, the next joining as one finishes (what a client
+    # holding c streams open gives a server), measured before and after the servers so that a
+    # drift of the machine's speed during the run cancels out. Each server starts once and
+    # serves every concurrency, then the many-stream /health test.
+    before = {c: _offline_at(args, engine, c, requests) for c, requests in workloads.items()}
+    rows = {c: {"concurrency": c} for c in workloads}
+    for system, flags in SERVER_FLAGS.items():
+        with Server(serve_args + flags) as server:
+            for c, requests in workloads.items():
                 tok_s, health, errors = server.measure(requests, c, THROUGHPUT_PROBE_PERIOD)
-            row[system] = tok_s
-            row[f"{system}_health_ms"] = health
-            row[f"{system}_errors"] = errors
-        after = _offline(batch_llm, requests, SamplingParams)
-        print(f"  offline, {c} in the batch, again: {after:.1f} output tok/s", flush=True)
-        del batch_llm
-        row["offline"], row["offline_runs"] = (before + after) / 2, [before, after]
-        report["throughput"].append(row)
-    if args.health_streams > 0:
-        requests = random_requests(
-            tokenizer, args.health_streams, 16, args.health_output_len, seed=args.seed
-        )
-        for system, flags in SERVER_FLAGS.items():
-            with Server(serve_args + flags) as server:
+                rows[c][system] = tok_s
+                rows[c][f"{system}_health_ms"] = health
+                rows[c][f"{system}_errors"] = errors
+            if args.health_streams > 0:
+                print(f"  /health under {args.health_streams} short streams:", flush=True)
+                requests = random_requests(
+                    tokenizer, args.health_streams, 16, args.health_output_len, seed=args.seed
+                )
                 tok_s, health, errors = server.measure(requests, args.health_streams)
-            report["health"][system] = {"health_ms": health, "errors": errors, "tok_s": tok_s}
+                report["health"][system] = {"health_ms": health, "errors": errors, "tok_s": tok_s}
+    for c, requests in workloads.items():
+        after = _offline_at(args, engine, c, requests, again=True)
+        row = rows[c]
+        row["offline"], row["offline_runs"] = (before[c] + after) / 2, [before[c], after]
+        report["throughput"].append(row)
     report["overhead"] = overhead
     print(format_report(report, args))
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(report, indent=2))
         print(f"results written to {args.result_file}")
     return 0
+
+
+def _offline_at(args, engine: dict, c: int, requests, again: bool = False) -> float:
+    from conveyor import LLM, SamplingParams
+
+    llm = LLM(args.model, max_num_seqs=c, **engine)
+    tok_s = _offline(llm, requests, SamplingParams)
+    print(f"  offline, {c} in the batch{', again' if again else ''}: {tok_s:.1f} output tok/s")
+    return tok_s
 
 
 def _serve_args(args: argparse.Namespace) -> list[str]:
