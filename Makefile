@@ -26,8 +26,11 @@ serve: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/conveyor generate $(ARGS)
 
+# Two workers by default, a test module each at a time (module fixtures such as a server are
+# built once): server starts and imports leave a single pytest process a third idle on 2 cores.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The dashboard's browser test drives Debian's chromium (Playwright launches it; no browser
 # download). Installed when missing and run as root with apt-get (as in CI); else skipped.
