@@ -1,7 +1,9 @@
 """`python -m conveyor.model.warm_up`: the one-time work of a new machine, done at set-up
 (`make` runs it after installing) instead of at the first start of a server or test: the
-compiled CPU kernels (kernels/, quant.py) and the default model's config and tokenizer, which
-transformers converts from its GGUF once (both cached under conveyor's cache folder). Safe to
+compiled CPU kernels (kernels/, quant.py), the matmul forms that run fastest here (measured on
+a machine that is otherwise quiet, at torch's default thread count, for float32 and float64)
+and the default model's config and tokenizer, which transformers converts from its GGUF once
+(all cached under conveyor's cache folder). Safe to
 run again: what is cached is only loaded. Failures are reported and leave the set-up going;
 the first start then does the work (or falls back, as it would anyway)."""
 
@@ -19,6 +21,12 @@ def main() -> int:
 
     attention = kernels.load() is not None
     quantized = quant.kernels_available()
+    import torch
+
+    from conveyor.model.layers import matmul_forms
+
+    for dtype in (torch.float32, torch.float64):
+        matmul_forms(dtype)
     try:
         from conveyor.config import ModelConfig
         from conveyor.model.loader import load_tokenizer
