@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -13,8 +12,6 @@ from types import ModuleType
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -125,10 +122,12 @@ def matmul_forms(dtype: torch.dtype) -> dict[int, str]:
     """The fastest form here per power-of-two token count (1 to 64): "linear" (x @ W.T),
     "transposed" ((W @ x.T).T) or "kernel" (the compiled small-row kernel, when it builds).
     CONVEYOR_MATMUL=linear|transposed|kernel forces one form for every count (tests run the
-    kernel through the model this way). Measured once per machine, thread count and dtype and
-    kept in conveyor's cache (matmul_forms/, next to the compiled kernels; delete a file to
-    measure again): the runner calls this at load, so no request pays for it, and later starts
-    neither pay ~1.5 s for it nor pick other forms from a noisy measurement."""
+    kernel through the model this way). The set-up's warm-up measures them on a quiet machine
+    and keeps them in conveyor's cache (matmul_forms/, per machine, thread count and dtype;
+    `keep_measured_forms`): later starts read them, so none pays ~1.5 s for a measurement or
+    picks other forms from one disturbed by a neighbour. Without a kept file a process measures
+    for itself, once (the runner calls this at load, so no request pays for it), and keeps it
+    to itself: a measurement under load is not written for others to trust."""
     forced = os.environ.get("CONVEYOR_MATMUL", "").lower()
     if forced and forced != "auto":
         if forced not in ("linear", "transposed", "kernel"):
@@ -153,24 +152,30 @@ def _ops() -> ModuleType | None:
 
 @functools.cache
 def _measured_forms(dtype: torch.dtype) -> dict[int, str]:
-    """The forms kept for this machine, else measured now and kept."""
+    """The forms kept for this machine, else measured now (for this process only)."""
     ops = _kernel_ops(dtype)
-    path = _forms_file(dtype, ops)
     allowed = {"linear", "transposed"} | ({"kernel"} if ops is not None else set())
     try:
-        kept = {int(k): v for k, v in json.loads(path.read_text()).items()}
+        text = _forms_file(dtype, ops).read_text()
+        kept = {int(k): v for k, v in json.loads(text).items()}
         if set(kept) == set(MATMUL_BUCKETS) and set(kept.values()) <= allowed:
             return kept
     except (OSError, ValueError, AttributeError):
-        pass  # not measured yet here, or unreadable: measure again
+        pass  # not kept here, or unreadable: measure
+    return _measure_forms(dtype, ops)
+
+
+def keep_measured_forms(dtype: torch.dtype) -> dict[int, str]:
+    """Measures the forms now and keeps them for later processes (the warm-up calls this at
+    set-up, when nothing else runs; run `python -m conveyor.model.warm_up` to measure again)."""
+    ops = _kernel_ops(dtype)
     winners = _measure_forms(dtype, ops)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({str(k): v for k, v in winners.items()}))
-        os.replace(partial, path)  # atomic: a concurrent start reads the old file or this one
-    except OSError as exc:
-        logger.warning("conveyor: could not keep the measured matmul forms in %s: %s", path, exc)
+    path = _forms_file(dtype, ops)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({str(k): v for k, v in winners.items()}))
+    os.replace(partial, path)  # atomic: a process starting meanwhile reads old or new
+    _measured_forms.cache_clear()
     return winners
 
 

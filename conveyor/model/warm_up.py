@@ -23,10 +23,14 @@ def main() -> int:
     quantized = quant.kernels_available()
     import torch
 
-    from conveyor.model.layers import matmul_forms
+    from conveyor.model.layers import keep_measured_forms
 
-    for dtype in (torch.float32, torch.float64):
-        matmul_forms(dtype)
+    try:
+        for dtype in (torch.float32, torch.float64):
+            keep_measured_forms(dtype)
+        forms = "measured"
+    except OSError as error:  # a read-only cache: each process measures for itself
+        forms = f"not kept ({error})"
     try:
         from conveyor.config import ModelConfig
         from conveyor.model.loader import load_tokenizer
@@ -37,7 +41,8 @@ def main() -> int:
         model = f"not prepared ({type(error).__name__}: {error})"
     print(
         f"conveyor warm-up: attention kernels {'built' if attention else 'unavailable'}, "
-        f"quantized kernels {'built' if quantized else 'unavailable'}, default model {model} "
+        f"quantized kernels {'built' if quantized else 'unavailable'}, matmul forms {forms}, "
+        f"default model {model} "
         f"({time.monotonic() - start:.0f} s)"
     )
     return 0
