@@ -27,15 +27,15 @@
 //   decreasing cost (keys x rows) and handed out through an atomic counter inside one
 //   at::parallel_for region (costs differ a lot: a decode row against 2k keys vs. a chunk's
 //   first tile), so threads finish together.
-//   Per item: the scaled query rows are copied into a local tile (M x D); then for each KV block
-//   up to the tile's last causal position:
-//     1. S = Q K^T for the block (M x block_size): rows in register groups (up to 8 rows x
-//        block_size keys of accumulators), one key row loaded per d for the whole group;
-//     2. online softmax per row: running max m and sum l, P = exp(S - m_new) (vector exp for
-//        float32), causal and sequence-end masking by a per-row key limit, the accumulator
-//        rescaled only when m grows;
-//     3. acc += P V (M x D): accumulators in registers, 8 vectors of a row at a time, two rows
-//        sharing each V load where 32 vector registers exist (AVX-512 machines).
+//   Per item: the scaled query rows are copied into a local tile (M x D); then for each group
+//   of up to 4 KV blocks (kGroupBlocks) up to the tile's last causal position:
+//     1. S = Q K^T for each block of the group (M x block_size): rows in register groups (up
+//        to 8 rows x block_size keys of accumulators), one key row loaded per d for the group;
+//     2. one online-softmax update per row over the group's keys: running max m and sum l,
+//        P = exp(S - m_new) (vector exp for float32), causal and sequence-end masking by a
+//        per-row key limit, the accumulator rescaled only when m grows;
+//     3. acc += P V (M x D) block by block: accumulators in registers, 8 vectors of a row at
+//        a time, three rows sharing each V load where 32 vector registers exist (AVX-512).
 //   Finally out = acc / l. Memory traffic per item: each K/V tile of the sequence read once.
 //   Vectors are 32 bytes (GCC vector extensions; AVX2 + FMA, -O3 -march=native); 64-byte
 //   vectors measured no faster on an AVX-512 machine. Head dims 64/128 with block sizes 16/32
@@ -273,14 +273,20 @@ struct Partials {
   T* slot(int64_t i) { return data.data() + i * rows * (2 + dim); }
 };
 
+// Blocks whose scores go through one online-softmax update: each row's running max, its
+// rescaling and the horizontal max and sum of its weights then come once per 64 keys instead
+// of once per 16 (a decode row's group of 3 spent about as long there as in Q K^T).
+constexpr int kGroupBlocks = 4;
+
 template <typename T>
 struct Scratch {
   std::vector<T> q, s, acc, m, l;
-  std::vector<T> k, v;  // one K/V tile widened from a 16-bit cache (items with many rows)
-  std::vector<int> limit;  // per row: keys of the current block it may see
+  std::vector<T> k, v;  // the group's K/V tiles widened from a 16-bit cache (many-row items)
+  std::vector<int> limit;  // per block of the group and row: keys of the block it may see
   explicit Scratch(int64_t rows, Shape sh)
-      : q(rows * sh.head_dim), s(rows * sh.block_size), acc(rows * sh.head_dim), m(rows),
-        l(rows), k(sh.block_size * sh.head_dim), v(sh.block_size * sh.head_dim), limit(rows) {}
+      : q(rows * sh.head_dim), s(kGroupBlocks * rows * sh.block_size), acc(rows * sh.head_dim),
+        m(rows), l(rows), k(kGroupBlocks * sh.block_size * sh.head_dim),
+        v(kGroupBlocks * sh.block_size * sh.head_dim), limit(kGroupBlocks * rows) {}
 };
 
 // Rows from which a 16-bit tile is widened once into scratch rather than at every load: a
@@ -306,48 +312,68 @@ struct Inputs {
 };
 
 
-// Online softmax over one block for every row; s (rows x block_size) becomes the weights P.
-// limit[r]: keys of this block row r may see (<= 0: none).
+// Online softmax over a group of nb blocks for every row. Block i's scores are the sub-buffer
+// s + i * rows * block_size (rows x block_size) and become its weights P; limit[i * rows + r]:
+// keys of block i that row r may see (<= 0: none).
 template <typename T, int BS>
-inline void softmax_block(T* s, const int* limit, Scratch<T>& w, int rows, Shape sh) {
+inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int rows, Shape sh) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   const int dim = static_cast<int>(sh.head_dim);
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   for (int r = 0; r < rows; ++r) {
-    T* srow = s + r * bs;
-    const int n = limit[r];
-    if (n <= 0) {
-      std::fill(srow, srow + bs, T(0));
-      continue;
-    }
     const T m_old = w.m[r];
-    T sum = 0;
     T m_new = m_old;
+    T sum = 0;
     if constexpr (BS != 0 && BS % kLanes<T> == 0) {
       constexpr int L = kLanes<T>, NV = BS / L;
-      Vec<T> x[NV], iota;
+      Vec<T> iota;
       for (int i = 0; i < L; ++i) iota[i] = static_cast<T>(i);
       Vec<T> mx = broadcast(kNegInf);
-      for (int i = 0; i < NV; ++i) {
-        x[i] = load(srow + i * L);
-        x[i] = iota + static_cast<T>(i * L) < static_cast<T>(n) ? x[i] : broadcast(kNegInf);
-        mx = mx > x[i] ? mx : x[i];
+      for (int b = 0; b < nb; ++b) {  // masked keys become -inf; the max over the group
+        T* srow = s + (b * rows + r) * BS;
+        const T n = static_cast<T>(limit[b * rows + r]);
+        for (int i = 0; i < NV; ++i) {
+          Vec<T> x = load(srow + i * L);
+          x = iota + static_cast<T>(i * L) < n ? x : broadcast(kNegInf);
+          store(srow + i * L, x);
+          mx = mx > x ? mx : x;
+        }
       }
       for (int i = 0; i < L; ++i) m_new = mx[i] > m_new ? mx[i] : m_new;
+      if (m_new == kNegInf) {  // no visible key in the group (a fully masked row)
+        for (int b = 0; b < nb; ++b) std::fill_n(s + (b * rows + r) * BS, BS, T(0));
+        continue;
+      }
       Vec<T> total = {};
-      for (int i = 0; i < NV; ++i) {
-        Vec<T> p = vexp<T>(x[i] - m_new);
-        p = x[i] == kNegInf ? Vec<T>{} : p;  // masked keys weigh exactly 0
-        store(srow + i * L, p);
-        total += p;
+      for (int b = 0; b < nb; ++b) {
+        T* srow = s + (b * rows + r) * BS;
+        for (int i = 0; i < NV; ++i) {
+          const Vec<T> x = load(srow + i * L);
+          Vec<T> p = vexp<T>(x - m_new);
+          p = x == kNegInf ? Vec<T>{} : p;  // masked keys weigh exactly 0
+          store(srow + i * L, p);
+          total += p;
+        }
       }
       for (int i = 0; i < L; ++i) sum += total[i];
     } else {
-      for (int j = 0; j < n; ++j) m_new = srow[j] > m_new ? srow[j] : m_new;
-      for (int j = 0; j < bs; ++j) {
-        const T p = j < n ? std::exp(srow[j] - m_new) : T(0);
-        srow[j] = p;
-        sum += p;
+      for (int b = 0; b < nb; ++b) {
+        const T* srow = s + (b * rows + r) * bs;
+        const int n = limit[b * rows + r];
+        for (int j = 0; j < n; ++j) m_new = srow[j] > m_new ? srow[j] : m_new;
+      }
+      if (m_new == kNegInf) {
+        for (int b = 0; b < nb; ++b) std::fill_n(s + (b * rows + r) * bs, bs, T(0));
+        continue;
+      }
+      for (int b = 0; b < nb; ++b) {
+        T* srow = s + (b * rows + r) * bs;
+        const int n = limit[b * rows + r];
+        for (int j = 0; j < bs; ++j) {
+          const T p = j < n ? std::exp(srow[j] - m_new) : T(0);
+          srow[j] = p;
+          sum += p;
+        }
       }
     }
     if (m_new != m_old) {
@@ -405,30 +431,42 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
   const int64_t tile = sh.block_size * sh.head_dim;
   int* limit = w.limit.data();
   const int64_t block_end = item.block_end >= 0 ? item.block_end : (num_keys + bs - 1) / bs;
-  for (int64_t b = item.block_begin; b < block_end; ++b) {
-    const int64_t base = b * bs;
-    const int64_t offset = (table[b] * in.num_kv_heads + item.kv_head) * tile;
-    if (b + kPrefetchBlocks < block_end) {
-      const int64_t ahead = (table[b + kPrefetchBlocks] * in.num_kv_heads + item.kv_head) * tile;
-      prefetch(kc + ahead, tile);
-      prefetch(vc + ahead, tile);
+  const bool widened = !std::is_same_v<T, C> && rows >= kWidenRows;
+  for (int64_t b0 = item.block_begin; b0 < block_end; b0 += kGroupBlocks) {
+    const int nb = static_cast<int>(std::min<int64_t>(kGroupBlocks, block_end - b0));
+    int n[kGroupBlocks];  // keys in each block (the last block of a sequence may be partial)
+    for (int i = 0; i < nb; ++i) {
+      const int64_t b = b0 + i, base = b * bs;
+      const int64_t offset = (table[b] * in.num_kv_heads + item.kv_head) * tile;
+      if (b + kPrefetchBlocks < block_end) {
+        const int64_t ahead = (table[b + kPrefetchBlocks] * in.num_kv_heads + item.kv_head) * tile;
+        prefetch(kc + ahead, tile);
+        prefetch(vc + ahead, tile);
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
+        limit[i * rows + r] = static_cast<int>(std::clamp<int64_t>(visible, 0, bs));
+      }
+      n[i] = static_cast<int>(std::min<int64_t>(num_keys - base, bs));
+      T* si = w.s.data() + i * rows * bs;
+      if (widened) {
+        widen(kc + offset, w.k.data() + i * tile, tile);
+        widen(vc + offset, w.v.data() + i * tile, tile);
+        qk_block<T, T, BS, D>(w.q.data(), w.k.data() + i * tile, si, rows, sh);
+      } else {
+        qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh);
+      }
     }
-    for (int r = 0; r < rows; ++r) {
-      const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
-      limit[r] = static_cast<int>(std::min<int64_t>(visible, bs));
+    softmax_group<T, BS>(w.s.data(), limit, nb, w, rows, sh);
+    for (int i = 0; i < nb; ++i) {
+      const T* si = w.s.data() + i * rows * bs;
+      if (widened) {
+        pv_block<T, T, BS, D>(si, w.v.data() + i * tile, w.acc.data(), rows, n[i], sh);
+      } else {
+        const int64_t offset = (table[b0 + i] * in.num_kv_heads + item.kv_head) * tile;
+        pv_block<T, C, BS, D>(si, vc + offset, w.acc.data(), rows, n[i], sh);
+      }
     }
-    const int n = static_cast<int>(std::min<int64_t>(num_keys - base, bs));
-    if (!std::is_same_v<T, C> && rows >= kWidenRows) {
-      widen(kc + offset, w.k.data(), tile);
-      widen(vc + offset, w.v.data(), tile);
-      qk_block<T, T, BS, D>(w.q.data(), w.k.data(), w.s.data(), rows, sh);
-      softmax_block<T, BS>(w.s.data(), limit, w, rows, sh);
-      pv_block<T, T, BS, D>(w.s.data(), w.v.data(), w.acc.data(), rows, n, sh);
-      continue;
-    }
-    qk_block<T, C, BS, D>(w.q.data(), kc + offset, w.s.data(), rows, sh);
-    softmax_block<T, BS>(w.s.data(), limit, w, rows, sh);
-    pv_block<T, C, BS, D>(w.s.data(), vc + offset, w.acc.data(), rows, n, sh);
   }
 
   if (item.partial >= 0) {  // rows (m, l, acc) for merge_parts
