@@ -108,6 +108,38 @@ def assert_idle(engine: LLMEngine) -> None:
     engine.check_integrity()
 
 
+# ---- 0. the default token budget ----------------------------------------------------------
+
+
+def test_the_default_budget_lets_the_first_of_many_prompts_decode_while_the_rest_prefill(
+    model_path, reference
+):
+    """On CPU a step hands out at most 512 tokens by default: of six 120-token prompts that
+    arrive together, the first four are prefilled (and sample their first token) in the first
+    step, the others follow, and every output still equals transformers'."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(6)]
+    engine = make_engine(model_path)
+    expected = 512 if engine.device.type == "cpu" else 2048
+    assert engine.scheduler_config.max_num_batched_tokens == expected
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(8))
+    done = run_to_completion(engine)
+    for i, prompt in enumerate(prompts):
+        assert tokens(done, str(i)) == reference(prompt, 8)
+    if expected == 512:
+        first = engine.trace[0].num_scheduled_tokens
+        assert first == {"0": 120, "1": 120, "2": 120, "3": 120, "4": 32}
+        assert all(sum(s.num_scheduled_tokens.values()) <= 512 for s in engine.trace)
+    # Without chunked prefill a whole prompt must fit one step: the budget stays 2048.
+    whole = make_engine(model_path, enable_chunked_prefill=False)
+    assert whole.scheduler_config.max_num_batched_tokens == 2048
+    assert (
+        make_engine(model_path, max_num_batched_tokens=96).scheduler_config.max_num_batched_tokens
+        == 96
+    )
+
+
 # ---- 1. preemption by recompute ------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from conveyor.config import (
     SchedulerConfig,
     SpeculativeConfig,
     check_tokenizer,
+    default_token_budget,
     parse_memory,
 )
 from conveyor.core.kv_cache_manager import KVCacheManager
@@ -176,7 +177,7 @@ class EngineCore:
         max_model_len: int | None = None,
         quantization: str = "auto",
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -226,6 +227,10 @@ class EngineCore:
         self.cache_config = CacheConfig(
             block_size, num_blocks, kv_cache_memory, enable_prefix_caching, kv_cache_dtype
         )
+        if max_num_batched_tokens is None:  # 512 on CPU, else 2048 (config.py says why)
+            max_num_batched_tokens = default_token_budget(
+                self.device.type, bool(enable_chunked_prefill)
+            )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
         )

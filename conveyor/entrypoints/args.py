@@ -61,8 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
-        help="token budget of one step (prompt chunks + decode tokens)",
+        default=None,
+        help="token budget of one step (prompt chunks + decode tokens); default 512 on CPU, "
+        "2048 on CUDA or without chunked prefill",
     )
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     engine.add_argument(
