@@ -82,7 +82,16 @@ DEQUANT_FROM_TOKENS = 16
 INT8_FROM_TOKENS = 16
 # Input channels above this many times a token's RMS skip the int8 route (see int8_linear).
 OUTLIER_RATIO = float(os.environ.get("CONVEYOR_QUANT_OUTLIER_RATIO", "4"))
-# CONVEYOR_QUANT_INT8=0 builds no int8 copies at load (the block / tile routes only).
+# CONVEYOR_QUANT_INT8=1 builds int8 copies at load and runs steps of 16 tokens or more
+# through fbgemm (CPUs with VNNI only). Off by default: its 8-bit activations per token move
+# logits more than the block kernels' 8-bit activations per block of 32 do, and which route a
+# row takes depends on how many rows its step has, so a request's greedy answer depended on
+# its neighbours and on prefix-cache hits. The default model asked "What is the capital of
+# France?" twice (the second time with its prompt cached, so computed in 3 rows instead of 35):
+# with the route, "The capital of France is Paris." then "L'Étoile, la Cité, ..." (first-token
+# log-probabilities moved by 0.16); without it, the same answer both times (they moved by
+# 0.03: the block kernels' rounding is not batch-invariant either, only much smaller). What
+# the route buys here: a 512-token prefill 15-30% faster; decode at 32 rows nothing.
 INT8_ENV = "CONVEYOR_QUANT_INT8"
 
 
@@ -346,7 +355,7 @@ def has_vnni() -> bool:
 
 
 def int8_route_enabled() -> bool:
-    return os.environ.get(INT8_ENV, "1") != "0" and has_vnni() and int8_gemm_available()
+    return os.environ.get(INT8_ENV, "0") == "1" and has_vnni() and int8_gemm_available()
 
 
 def pack_int8(weight: BlockWeight, tile_rows: int = 1024) -> torch.ScriptObject:
