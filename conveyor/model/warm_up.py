@@ -3,9 +3,9 @@
 compiled CPU kernels (kernels/, quant.py), the matmul forms that run fastest here (measured on
 a machine that is otherwise quiet, at torch's default thread count, for float32 and float64)
 and the default model's config and tokenizer, which transformers converts from its GGUF once
-(all cached under conveyor's cache folder). Safe to
-run again: what is cached is only loaded. Failures are reported and leave the set-up going;
-the first start then does the work (or falls back, as it would anyway)."""
+(all cached under conveyor's cache folder). Safe to run again: what is cached is loaded, and
+the matmul forms are measured again. Failures are reported and leave the set-up going; the
+first start then does the work (or falls back, as it would anyway)."""
 
 from __future__ import annotations
 

@@ -113,14 +113,15 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def cpu_identity() -> str:
-    """The CPU's model name and feature flags (what makes a measurement hold on a machine)."""
+def cpu_model() -> str:
+    """The CPU's model name (build_key already covers its feature flags)."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line
     except OSError:
-        return platform.processor()
-    name = next((line for line in lines if line.startswith("model name")), "")
-    return f"{name}\n{_cpu_flags()}"
+        pass
+    return platform.processor()
 
 
 def _cpu_flags() -> str:
