@@ -207,6 +207,7 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     assert NgramProposer(2, 1, 3).propose([1, 2, 3, 4, 5, 6, 1]) == [2, 3]  # k caps
 
 
+@pytest.mark.serial
 def test_ngram_costs_well_under_a_millisecond():
     import time
 

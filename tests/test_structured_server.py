@@ -398,6 +398,7 @@ def test_bad_constraints_are_400_naming_the_parameter(server, body, param, words
     assert words in error["message"], error
 
 
+@pytest.mark.serial
 def test_slow_grammars_do_not_hold_back_a_free_stream(client):
     """Four big schemas (~0.5 s each to compile, twice: front end and core) sent while a
     free request streams: its tokens keep coming, with no stall the length of a compile."""
