@@ -128,9 +128,25 @@ inline Vec<T> load_cache(const C* p) {
   }
 }
 
+// A tile to prefetch a few lines at a time over the iterations of a loop that computes another
+// tile (see kPrefetchBlocks); p == nullptr: none.
+struct Ahead {
+  const char* p = nullptr;
+  int lines = 0;
+  inline void step(int it, int iters) const {
+    if (!p) return;
+    const int from = it * lines / iters, to = (it + 1) * lines / iters;
+    for (int i = from; i < to; ++i) __builtin_prefetch(p + i * 64, 0, 1);
+  }
+  inline void all() const {
+    for (int i = 0; p && i < lines; ++i) __builtin_prefetch(p + i * 64, 0, 1);
+  }
+};
+
 // S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
 template <typename T, typename C, int R, int BS, int D>
-inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict s, Shape sh) {
+inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict s, Shape sh,
+                    Ahead ahead = {}) {
   if constexpr (BS != 0) {
     constexpr int NV = BS / kLanes<T>;
     // Few rows (a decode row's GQA group) give few accumulator chains, and the loop over d
@@ -143,6 +159,7 @@ inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < NV; ++i) acc[h][r][i] = Vec<T>{};
     for (int d0 = 0; d0 < D; d0 += SPLIT) {
+      ahead.step(d0 / SPLIT, D / SPLIT);
       for (int h = 0; h < SPLIT; ++h) {
         const int d = d0 + h;
         Vec<T> k[NV];
@@ -159,6 +176,7 @@ inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < NV; ++i) store(s + r * BS + i * kLanes<T>, acc[0][r][i]);
   } else {
+    ahead.all();
     const int bs = static_cast<int>(sh.block_size);
     const int dim = static_cast<int>(sh.head_dim);
     for (int r = 0; r < R; ++r) {
@@ -180,27 +198,31 @@ constexpr int kRowGroup =
     BS == 0 ? 4 : std::max(1, std::min(8, (kRegisters - 4) / (BS / kLanes<T>)));
 
 template <typename T, typename C, int BS, int D, int R>
-inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh) {
+inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh, Ahead ahead) {
   if constexpr (R > 0) {
-    if (rows == R) return qk_rows<T, C, R, BS, D>(q, kt, s, sh);
-    return qk_tail<T, C, BS, D, R - 1>(q, kt, s, rows, sh);
+    if (rows == R) return qk_rows<T, C, R, BS, D>(q, kt, s, sh, ahead);
+    return qk_tail<T, C, BS, D, R - 1>(q, kt, s, rows, sh, ahead);
   }
 }
 
+// S = Q K^T for all rows; `ahead` is prefetched during the first register group's pass.
 template <typename T, typename C, int BS, int D>
-inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh) {
+inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh, Ahead ahead = {}) {
   const int dim = D ? D : static_cast<int>(sh.head_dim);
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   constexpr int G = kRowGroup<T, BS>;
   int r = 0;
-  for (; r + G <= rows; r += G) qk_rows<T, C, G, BS, D>(q + r * dim, kt, s + r * bs, sh);
-  if (r < rows) qk_tail<T, C, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh);
+  for (; r + G <= rows; r += G, ahead = {})
+    qk_rows<T, C, G, BS, D>(q + r * dim, kt, s + r * bs, sh, ahead);
+  if (r < rows) qk_tail<T, C, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh, ahead);
 }
 
 // acc[r][:] += sum_{j < n} p[r][j] * v[j][:] for RP rows at once (each V row loaded once for
-// them); the accumulators stay in registers, 8 vectors of each row at a time.
+// them); the accumulators stay in registers, 8 vectors of each row at a time. `ahead` is
+// prefetched over the keys of the first pass.
 template <typename T, typename C, int D, int RP>
-inline void pv_rows(const T* __restrict p, int bs, const C* __restrict v, T* __restrict acc, int n) {
+inline void pv_rows(const T* __restrict p, int bs, const C* __restrict v, T* __restrict acc, int n,
+                    Ahead ahead = {}) {
   constexpr int L = kLanes<T>;
   constexpr int NV = D / L;
   constexpr int NC = NV < 8 ? NV : 8;
@@ -209,6 +231,7 @@ inline void pv_rows(const T* __restrict p, int bs, const C* __restrict v, T* __r
     for (int r = 0; r < RP; ++r)
       for (int i = 0; i < NC; ++i) a[r][i] = load(acc + r * D + (c0 + i) * L);
     for (int j = 0; j < n; ++j) {
+      if (c0 == 0) ahead.step(j, n);
       Vec<T> pb[RP];
       for (int r = 0; r < RP; ++r) pb[r] = broadcast(p[r * bs + j]);
       const C* vrow = v + j * D + c0 * L;
@@ -222,24 +245,28 @@ inline void pv_rows(const T* __restrict p, int bs, const C* __restrict v, T* __r
   }
 }
 
-// acc += P V for all rows; v is one (block_size, head_dim) tile. Rows in pairs where the
-// registers allow it (AVX-512 machines have 32 of them for 32-byte vectors).
+// acc += P V for all rows; v is one (block_size, head_dim) tile. Rows in threes where the
+// registers allow it (AVX-512 machines have 32 of them for 32-byte vectors). `ahead` is
+// prefetched during the first pass over the tile.
 template <typename T, typename C, int BS, int D>
 inline void pv_block(const T* __restrict p, const C* __restrict v, T* __restrict acc, int rows,
-                     int n, Shape sh) {
+                     int n, Shape sh, Ahead ahead = {}) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   if constexpr (D != 0) {
     // Rows in threes with 32 registers (24 accumulators: a decode row's GQA group of 3 in one
     // pass over V), else one at a time; then the rest.
     constexpr int RP = kRegisters >= 32 ? 3 : 1;
+    if (n <= 0) return ahead.all();
     int r = 0;
-    for (; r + RP <= rows; r += RP) pv_rows<T, C, D, RP>(p + r * bs, bs, v, acc + r * D, n);
+    for (; r + RP <= rows; r += RP, ahead = {})
+      pv_rows<T, C, D, RP>(p + r * bs, bs, v, acc + r * D, n, ahead);
     if (RP == 3 && r + 2 <= rows) {
-      pv_rows<T, C, D, 2>(p + r * bs, bs, v, acc + r * D, n);
-      r += 2;
+      pv_rows<T, C, D, 2>(p + r * bs, bs, v, acc + r * D, n, ahead);
+      r += 2, ahead = {};
     }
-    for (; r < rows; ++r) pv_rows<T, C, D, 1>(p + r * bs, bs, v, acc + r * D, n);
+    for (; r < rows; ++r, ahead = {}) pv_rows<T, C, D, 1>(p + r * bs, bs, v, acc + r * D, n, ahead);
   } else {
+    ahead.all();
     const int dim = static_cast<int>(sh.head_dim);
     for (int r = 0; r < rows; ++r) {
       T* arow = acc + r * dim;
@@ -390,9 +417,13 @@ inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int row
 
 // Tiles sit at scattered places (a block table is any list of block ids), so the hardware
 // prefetcher, which follows a stream within a 4 KiB page, starts every tile cold. The tiles
-// kPrefetchBlocks blocks ahead are asked into L2 while this one is computed: 32 decode rows x
-// 512 tokens over 30 layers (2 threads, SmolLM2's heads) went from 53 to 39 ms with a float32
-// cache and from 47 to 25 ms with a float16 one.
+// kPrefetchBlocks blocks ahead are asked into L2 while this one is computed (the first ones of
+// an item all at once): 32 decode rows x 512 tokens over 30 layers (2 threads, SmolLM2's heads)
+// went from 53 to 39 ms with a float32 cache and from 47 to 25 ms with a float16 one. A line or
+// two per iteration of the loops over this tile, not the whole tile before them: a core has
+// ~16 line-fill buffers, and a burst of 64 prefetches stalled it until they drained, computing
+// nothing (a third of the kernel's cycles, on the Xeon); spread, 47 -> 39 ms (float32) and
+// 29 -> 25.5 ms (float16).
 constexpr int64_t kPrefetchBlocks = 2;
 template <typename C>
 inline void prefetch(const C* p, int64_t n) {
@@ -430,6 +461,7 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
   const int64_t num_keys = pos0 + item.num_tokens;  // keys the tile's last token sees
   const int64_t* table = in.block_tables + item.seq * in.table_width;
   const int64_t tile = sh.block_size * sh.head_dim;
+  const int tile_lines = static_cast<int>((tile * static_cast<int64_t>(sizeof(C)) + 63) / 64);
   int* limit = w.limit.data();
   const int64_t block_end = item.block_end >= 0 ? item.block_end : (num_keys + bs - 1) / bs;
   const bool widened = !std::is_same_v<T, C> && rows >= kWidenRows;
@@ -437,13 +469,21 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
     const int nb = static_cast<int>(std::min<int64_t>(kGroupBlocks, block_end - b0));
     int n[kGroupBlocks];  // keys in each block (the last block of a sequence may be partial)
     int64_t offsets[kGroupBlocks];  // each block's K (and V) tile in its half of the cache
+    Ahead k_ahead[kGroupBlocks], v_ahead[kGroupBlocks];  // tiles to prefetch during each block
     for (int i = 0; i < nb; ++i) {
       const int64_t b = b0 + i, base = b * bs;
       const int64_t offset = offsets[i] = (table[b] * in.num_kv_heads + item.kv_head) * tile;
+      if (b == item.block_begin) {
+        for (int64_t a = b; a < std::min(b + kPrefetchBlocks, block_end); ++a) {
+          const int64_t first = (table[a] * in.num_kv_heads + item.kv_head) * tile;
+          prefetch(kc + first, tile);
+          prefetch(vc + first, tile);
+        }
+      }
       if (b + kPrefetchBlocks < block_end) {
         const int64_t ahead = (table[b + kPrefetchBlocks] * in.num_kv_heads + item.kv_head) * tile;
-        prefetch(kc + ahead, tile);
-        prefetch(vc + ahead, tile);
+        k_ahead[i] = {reinterpret_cast<const char*>(kc + ahead), tile_lines};
+        v_ahead[i] = {reinterpret_cast<const char*>(vc + ahead), tile_lines};
       }
       for (int r = 0; r < rows; ++r) {
         const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
@@ -454,18 +494,18 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
       if (widened) {
         widen(kc + offset, w.k.data() + i * tile, tile);
         widen(vc + offset, w.v.data() + i * tile, tile);
-        qk_block<T, T, BS, D>(w.q.data(), w.k.data() + i * tile, si, rows, sh);
+        qk_block<T, T, BS, D>(w.q.data(), w.k.data() + i * tile, si, rows, sh, k_ahead[i]);
       } else {
-        qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh);
+        qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh, k_ahead[i]);
       }
     }
     softmax_group<T, BS>(w.s.data(), limit, nb, w, rows, sh);
     for (int i = 0; i < nb; ++i) {
       const T* si = w.s.data() + i * rows * bs;
       if (widened) {
-        pv_block<T, T, BS, D>(si, w.v.data() + i * tile, w.acc.data(), rows, n[i], sh);
+        pv_block<T, T, BS, D>(si, w.v.data() + i * tile, w.acc.data(), rows, n[i], sh, v_ahead[i]);
       } else {
-        pv_block<T, C, BS, D>(si, vc + offsets[i], w.acc.data(), rows, n[i], sh);
+        pv_block<T, C, BS, D>(si, vc + offsets[i], w.acc.data(), rows, n[i], sh, v_ahead[i]);
       }
     }
   }
