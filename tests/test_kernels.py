@@ -474,6 +474,7 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
     return layer, rotary
 
 
+@pytest.mark.parametrize("form", ["kernel", "linear", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,qkv_bias,qk_norm",
@@ -486,15 +487,16 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
     ids=["gqa-llama", "mqa-bias", "gqa-qknorm", "mha-bias-qknorm"],
 )  # fmt: skip
 def test_compiled_decoder_layers_match_the_modules(
-    ops, monkeypatch, dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm
+    ops, monkeypatch, form, dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm
 ):
     """decoder_layers (kernels/decoder_layer.cpp) against the model's own modules run op by op,
-    on decode rows and a short chunk: residual stream and KV cache. Both run the small-row
-    kernel, so float64 must agree bit for bit (the norms are transformers' ATen ops in both);
-    float32 norms are a loop of their own in the compiled layer."""
-    from conveyor.model.llama import RopeRows
+    on decode rows and a short chunk: residual stream and KV cache. Both compute the matmuls in
+    the same form (the small-row kernel, MKL's x W^T or (W x^T)^T), so float64 must agree bit
+    for bit (the norms are transformers' ATen ops in both); float32 norms are a loop of their
+    own in the compiled layer."""
+    from conveyor.model.llama import _FORMS, RopeRows
 
-    monkeypatch.setenv("CONVEYOR_MATMUL", "kernel")
+    monkeypatch.setenv("CONVEYOR_MATMUL", form)
     seqs, block_size = [(0, 3), (16, 1), (40, 1), (5, 2)], 16
     layers = [
         _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, seed)
@@ -522,6 +524,7 @@ def test_compiled_decoder_layers_match_the_modules(
         ops.decoder_layers(
             compiled, x, caches, rope.cos, rope.sin, meta.slot_mapping, block_size,
             meta.query_start, meta.seq_lens, meta.block_tables, head_dim**-0.5, None,
+            _FORMS[form],
         )  # fmt: skip
     if dtype == torch.float64:
         assert torch.equal(x, ref_x)
@@ -566,6 +569,8 @@ def test_compiled_layers_time_their_parts_and_refuse_bad_input(ops):
         ops.decoder_layers([compiled], x, [], cos, sin, *meta, 0.125, None)
     with pytest.raises(RuntimeError, match="seconds"):
         ops.decoder_layers([compiled], x, [cache], cos, sin, *meta, 0.125, torch.zeros(2))
+    with pytest.raises(RuntimeError, match="form 0"):
+        ops.decoder_layers([compiled], x, [cache], cos, sin, *meta, 0.125, None, 3)
     dense = [ops.Projection(weight=torch.zeros(*shape)) for shape in ((10, 96), (96, 256))]
     with pytest.raises(RuntimeError, match="weight shapes"):
         ops.DecoderLayer(

@@ -93,18 +93,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     power-of-two token count (`matmul_forms`) and uses the fastest."""
     if x.device.type != "cpu" or x.dim() != 2:
         return nn.functional.linear(x, weight, bias)
-    form = matmul_forms(x.dtype).get(_bucket(x.shape[0]), "linear")
+    form = matmul_form(x)
     if form == "linear" or not weight.is_contiguous():
         return nn.functional.linear(x, weight, bias)
     out = _ops().small_gemm(x, weight) if form == "kernel" else (weight @ x.T).T
     return out if bias is None else out + bias
 
 
-def uses_small_gemm(x: torch.Tensor) -> bool:
-    """Whether `linear` runs x's rows through the compiled small-row kernel."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.float64):
-        return False
-    return matmul_forms(x.dtype).get(_bucket(x.shape[0])) == "kernel"
+def matmul_form(x: torch.Tensor) -> str:
+    """The form `linear` computes x's rows with on the CPU: "linear", "transposed" or
+    "kernel" (see matmul_forms); "linear" from 128 rows on."""
+    return matmul_forms(x.dtype).get(_bucket(x.shape[0]), "linear")
 
 
 def _bucket(num_tokens: int) -> int:

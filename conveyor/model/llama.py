@@ -13,6 +13,7 @@ group's collectives (see distributed/parallel.py for the split).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
 from types import ModuleType
 from typing import NamedTuple
@@ -23,7 +24,14 @@ from torch import nn
 from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import TPGroup
 from conveyor.model.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, uses_small_gemm
+from conveyor.model.layers import (
+    MATMUL_BUCKETS,
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    matmul_form,
+)
 from conveyor.model.quant import QuantLinear
 
 
@@ -114,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
 
 def _projection(module: nn.Module, ops: ModuleType):
     """A compiled Projection of the module's weight: a float matrix, or GGUF-style blocks in a
-    float32 model (QuantLinear; the block kernel is what it runs at a decode step's rows)."""
+    float32 model (QuantLinear: the block kernel or float tiles, as the module would run)."""
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach()
     if type(module) in (Linear, MergedLinear):
@@ -144,7 +152,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._compiled: list | None = None  # built at the first step that can use it
-        self._quantized_rows = 0  # rows below which block weights run the block kernel
+        # Block weights: (rows below which all run the block kernel, rows from which all run
+        # float tiles); None for float weights.
+        self._quantized_rows: tuple[int, int] | None = None
         # float64 (3,): seconds the compiled layers spent in projections, attention and the
         # rest are added here when it is set (conveyor bench step's breakdown).
         self.compiled_seconds: torch.Tensor | None = None
@@ -158,24 +168,27 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self._embed(input_ids)  # (T, hidden)
         rope = RopeRows(*self.rotary.rows(positions))  # once per step, for every layer
-        compiled = self._compiled_layers(x, meta)
-        if compiled is not None:  # x updated in place, layer by layer
+        form = self._compiled_form(x, meta)
+        if form is not None:  # x updated in place, layer by layer
             meta.ops.decoder_layers(
-                compiled, x, kv_caches, rope.cos, rope.sin, meta.slot_mapping, meta.block_size,
-                meta.query_start, meta.seq_lens, meta.block_tables, self.config.head_dim**-0.5,
-                self.compiled_seconds,
+                self._compiled, x, kv_caches, rope.cos, rope.sin, meta.slot_mapping,
+                meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables,
+                self.config.head_dim**-0.5, self.compiled_seconds, form,
             )  # fmt: skip
             return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, self.rotary, kv_cache, meta)
         return self.model.norm(x)
 
-    def _compiled_layers(self, x: torch.Tensor, meta: AttentionMetadata) -> list | None:
-        """The layers as one compiled call, for steps of a few rows whose matmuls run the
-        compiled small-row or block kernels anyway: there the Python between the matmuls
-        costs more than the ops it runs (kernels/decoder_layer.cpp says why). None: run the
-        modules."""
+    def _compiled_form(self, x: torch.Tensor, meta: AttentionMetadata) -> int | None:
+        """How the layers' projections run when the step's layers run as one compiled call
+        (kernels/decoder_layer.cpp: MatmulForm), for steps of up to 64 rows, or None: run the
+        modules. At a few rows the Python between the matmuls costs more than the ops it runs
+        (decoder_layer.cpp says why); at 32 rows it was still ~10 ms of a 120 ms float32 step.
+        Each projection is computed as the module would at this row count."""
         if meta.ops is None or self.tp.size > 1 or x.device.type != "cpu" or x.dim() != 2:
+            return None
+        if x.shape[0] > MATMUL_BUCKETS[-1]:  # prompt chunks: the modules' ops are multithreaded
             return None
         if self._compiled is None:  # CONVEYOR_COMPILED_LAYERS=0: the modules always
             layers = [layer.compiled(meta.ops) for layer in self.model.layers]
@@ -184,10 +197,14 @@ class LlamaForCausalLM(nn.Module):
             self._quantized_rows = _block_kernel_rows(self.model.layers)
         if not self._compiled:
             return None
-        if self._quantized_rows:  # block weights: below the row count where other routes run
-            quantized = x.dtype == torch.float32 and x.shape[0] < self._quantized_rows
-            return self._compiled if quantized else None
-        return self._compiled if uses_small_gemm(x) else None
+        if self._quantized_rows:  # block weights: the block kernel below its rows, then tiles
+            low, high = self._quantized_rows
+            if x.dtype != torch.float32 or low <= x.shape[0] < high:
+                return None  # modules that switch route at different rows (or int8 copies)
+            return KERNEL if x.shape[0] < low else LINEAR
+        if x.dtype not in (torch.float32, torch.float64):
+            return None
+        return _FORMS[matmul_form(x)]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -232,15 +249,26 @@ class LlamaForCausalLM(nn.Module):
         param.data.copy_(tensor)
 
 
-def _block_kernel_rows(layers: nn.ModuleList) -> int:
-    """Rows below which every block-quantized projection runs the block kernel (QuantLinear:
-    int8 copies and float tiles take over above); 0 when the layers hold float weights."""
-    limits = [
+# decoder_layers' forms (kernels/decoder_layer.cpp: MatmulForm); LINEAR also means float tiles
+# for block weights.
+KERNEL, LINEAR, TRANSPOSED = 0, 1, 2
+_FORMS = {"kernel": KERNEL, "linear": LINEAR, "transposed": TRANSPOSED}
+
+
+def _block_kernel_rows(layers: nn.ModuleList) -> tuple[int, int] | None:
+    """(low, high) for block-quantized layers: below `low` rows every projection runs the block
+    kernel, from `high` on every one runs the float tiles (QuantLinear.dequant_from), and an
+    int8 copy (from int8_from rows) pushes `high` out of reach; None for float weights."""
+    modules = [m for m in layers.modules() if isinstance(m, QuantLinear)]
+    if not modules:
+        return None
+    low = min(
         min(m.dequant_from, m.int8_from if m.int8_weight is not None else m.dequant_from)
-        for m in layers.modules()
-        if isinstance(m, QuantLinear)
-    ]
-    return min(limits, default=0)
+        for m in modules
+    )
+    int8 = any(m.int8_weight is not None for m in modules)
+    high = sys.maxsize if int8 else max(m.dequant_from for m in modules)
+    return low, high
 
 
 _MERGED = {

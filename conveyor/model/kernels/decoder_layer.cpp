@@ -1,5 +1,5 @@
-// The decoder layers of the Llama family for a decode step's few token rows, all of them in one
-// call from Python (CPU, float32 and float64).
+// The decoder layers of the Llama family for a step of up to 64 token rows (decode steps, short
+// chunks), all of them in one call from Python (CPU, float32 and float64).
 //
 // Why: at one to ~16 rows a layer is four weight streams (qkv, o, gate/up, down) with a dozen
 // small ops between them, and each stream evicts what the caches held: 7 MB of weights pass
@@ -15,9 +15,12 @@
 //   [q, k = rms_norm per head (qk_norm)] ; rotary(q, k) in place ; write k, v into the cache
 //   x += paged_attention(q) Wo^T
 //   h = rms_norm(x) ; gate, up = halves of h Wgu^T ; x += (silu(gate) * up) Wdown^T
-// The arithmetic is the model's (model/llama.py, model/layers.py): the matmuls are the
-// small-row kernel (small_gemm.cpp), or for a quantized model's block weights the block kernel
-// (quant_gemm.cpp), as QuantLinear runs it below 16 rows; attention, the KV write and rotary
+// The arithmetic is the model's (model/llama.py, model/layers.py): the matmuls take the form
+// the modules would at the step's rows (MatmulForm: the small-row kernel of small_gemm.cpp or
+// MKL, as layers.matmul_forms measured; for a quantized model's block weights the block kernel
+// below 16 rows and float tiles from there, as QuantLinear does). At 16 to 64 rows MKL does the
+// matmuls, but the Python between them still cost ~10 ms of a 32-row float32 step (other:
+// 15-20 -> 4 ms in `conveyor bench step`). Attention, the KV write and rotary
 // the compiled ops (paged_attention.cpp); silu and the products ATen's own for float64 and
 // loops of their own for float32 (see residual_add). RMSNorm of a float64 model is
 // transformers' (normalized in float32 through the same ATen ops), so the float64 equivalence
@@ -107,22 +110,31 @@ void residual_add(at::Tensor& x, const at::Tensor& y) {
     x.add_(y);
     return;
   }
-  add_into(x.data_ptr<float>(), y.data_ptr<float>(), x.numel());
+  const at::Tensor yc = y.contiguous();
+  add_into(x.data_ptr<float>(), yc.data_ptr<float>(), x.numel());
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
-  if (gate_up.scalar_type() != at::kFloat) {
-    return at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const int64_t rows = gate_up_in.size(0), inner = gate_up_in.size(1) / 2;
+  if (gate_up_in.scalar_type() != at::kFloat) {
+    return at::silu(gate_up_in.narrow(1, 0, inner)).mul_(gate_up_in.narrow(1, inner, inner));
   }
+  const at::Tensor gate_up = gate_up_in.contiguous();
   at::Tensor out = at::empty({rows, inner}, gate_up.options());
   silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inner);
   return out;
 }
 
+// How a step's projections are computed, as the model's modules would at its row count (the
+// caller says which, from layers.matmul_forms or QuantLinear's thresholds):
+//   dense weights: kKernel the small-row kernel, kLinear MKL's x W^T (at::linear, bias fused),
+//                  kTransposed MKL's (W x^T)^T;
+//   block weights: kKernel the block kernel (int8 activations), otherwise float tiles and MKL.
+enum MatmulForm : int64_t { kKernel = 0, kLinear = 1, kTransposed = 2 };
+
 // One projection's weight: a dense float matrix (O, K), or GGUF-style blocks (q4: qs, d, m;
-// q8: qs, d) run through the block kernel (quant_gemm.cpp, float32 models); a float bias or
-// none. y = x W^T (+ bias), as the model's Linear / QuantLinear compute it at a few rows.
+// q8: qs, d) run through the block kernels (quant_gemm.cpp, float32 models); a float bias or
+// none. y = x W^T (+ bias), as the model's Linear / QuantLinear compute it.
 class Projection {
  public:
   Projection(std::optional<at::Tensor> weight, std::optional<at::Tensor> qs,
@@ -148,13 +160,26 @@ class Projection {
     return m_.defined() ? 2 * qs_.size(1) : qs_.size(1);  // q4: two values a byte
   }
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x, MatmulForm form) const {
     at::Tensor y;
-    if (weight_.defined()) {
+    if (weight_.defined() && form == kLinear) {
+      return at::linear(x, weight_, bias_.defined() ? std::optional<at::Tensor>(bias_)
+                                                    : std::nullopt);
+    } else if (weight_.defined() && form == kTransposed) {
+      y = at::mm(weight_, x.t()).t();
+      y = bias_.defined() ? y + bias_ : y;
+      // float64 keeps the module's transposed view (qk_norm's per-head norms then reduce over
+      // the same strides, bit for bit); float32 copies it: the ops after it (rotary, the
+      // residual add, the activation) ran ~10 ms slower per 32-row step on the strided rows.
+      return x.scalar_type() == at::kFloat ? y.contiguous() : y;
+    } else if (weight_.defined()) {
       y = small_gemm(x, weight_);
-    } else {
+    } else if (form == kKernel) {
       y = m_.defined() ? conveyor_quant::q4_linear(x, qs_, d_, m_)
                        : conveyor_quant::q8_linear(x, qs_, d_);
+    } else {
+      y = m_.defined() ? conveyor_quant::q4_linear_dequant(x, qs_, d_, m_)
+                       : conveyor_quant::q8_linear_dequant(x, qs_, d_);
     }
     if (bias_.defined()) y.add_(bias_);
     return y;
@@ -168,6 +193,7 @@ struct Step {
   at::Tensor cos, sin, slot_mapping, query_start, seq_lens, block_tables;
   int64_t block_size;
   double scale;
+  MatmulForm form;
 };
 
 class DecoderLayer {
@@ -203,7 +229,7 @@ class DecoderLayer {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     at::Tensor h = rms_norm(x, input_norm_, eps_);
     clock.lap(kOther);
-    at::Tensor qkv = qkv_(h);  // (T, q + 2 kv)
+    at::Tensor qkv = qkv_(h, step.form);  // (T, q + 2 kv)
     clock.lap(kProjections);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, head_dim_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads_, head_dim_});
@@ -218,16 +244,16 @@ class DecoderLayer {
     at::Tensor attn = paged_attention(q, kv_cache, step.block_size, step.query_start,
                                       step.seq_lens, step.block_tables, step.scale);
     clock.lap(kAttention);
-    at::Tensor o = o_(attn.view({num_tokens, q_size}));
+    at::Tensor o = o_(attn.view({num_tokens, q_size}), step.form);
     clock.lap(kProjections);
     residual_add(x, o);
     h = rms_norm(x, post_norm_, eps_);
     clock.lap(kOther);
-    at::Tensor gate_up = gate_up_(h);  // (T, 2 I)
+    at::Tensor gate_up = gate_up_(h, step.form);  // (T, 2 I)
     clock.lap(kProjections);
     at::Tensor act = silu_mul(gate_up);
     clock.lap(kOther);
-    at::Tensor down = down_(act);
+    at::Tensor down = down_(act, step.form);
     clock.lap(kProjections);
     residual_add(x, down);
     clock.lap(kOther);
@@ -265,14 +291,18 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
                     const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t block_size,
                     const at::Tensor& query_start, const at::Tensor& seq_lens,
                     const at::Tensor& block_tables, double scale,
-                    std::optional<at::Tensor> seconds) {
+                    std::optional<at::Tensor> seconds, int64_t form) {
   TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "decoder_layers: x (T, hidden), contiguous, on the CPU");
   TORCH_CHECK(!seconds || (seconds->scalar_type() == at::kDouble && seconds->numel() == 3 &&
                            seconds->is_contiguous()),
               "decoder_layers: seconds, a float64 tensor of 3");
-  const Step step{cos, sin, slot_mapping, query_start, seq_lens, block_tables, block_size, scale};
+  TORCH_CHECK(form >= kKernel && form <= kTransposed,
+              "decoder_layers: form 0 (kernel), 1 (linear) or 2 (transposed)");
+  const Step step{cos,         sin,   slot_mapping,
+                  query_start, seq_lens, block_tables,
+                  block_size,  scale, static_cast<MatmulForm>(form)};
   Stopwatch clock(seconds ? seconds->data_ptr<double>() : nullptr);
   for (size_t i = 0; i < layers.size(); ++i) layers[i]->forward(x, kv_caches[i], step, clock);
 }
@@ -292,5 +322,9 @@ void bind_decoder_layer(pybind11::module& m) {
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
            py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"));
-  m.def("decoder_layers", &decoder_layers, "every decoder layer of a step, x in place (CPU)");
+  m.def("decoder_layers", &decoder_layers, "every decoder layer of a step, x in place (CPU)",
+        py::arg("layers"), py::arg("x"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"),
+        py::arg("slot_mapping"), py::arg("block_size"), py::arg("query_start"),
+        py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("seconds"),
+        py::arg("form") = 0);
 }
