@@ -79,10 +79,15 @@ def test_completion_streamed_equals_non_streamed_with_usage(client, server):
 
 
 def test_chat_streamed_equals_non_streamed_and_answers(client):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # Not the bare "What is the capital of France?": its first token is a near tie in the
+    # quantized default model ("The" 0.08 nats ahead of "L"), which the int8 activations of a
+    # step of a few rows flip (a repeat that finds the prompt cached answered "L'Étoile, ...").
+    # This one's first token is ahead by 1.3-1.5 nats either way.
+    messages = [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+    ]
     # Both requests below then find the prompt's full blocks cached and compute the same rows:
-    # a quantized model's logits depend slightly on how many rows a step computes (its kernels
-    # round activations), and this prompt's first token is a near tie.
+    # a quantized model's logits depend slightly on how many rows a step computes.
     client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=1)
     full = client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=20, logprobs=True, top_logprobs=2
