@@ -89,9 +89,10 @@ OUTLIER_RATIO = float(os.environ.get("CONVEYOR_QUANT_OUTLIER_RATIO", "4"))
 # its neighbours and on prefix-cache hits. The default model asked "What is the capital of
 # France?" twice (the second time with its prompt cached, so computed in 3 rows instead of 35):
 # with the route, "The capital of France is Paris." then "L'Étoile, la Cité, ..." (first-token
-# log-probabilities moved by 0.16); without it, the same answer both times (they moved by
-# 0.03: the block kernels' rounding is not batch-invariant either, only much smaller). What
-# the route buys here: a 512-token prefill 15-30% faster; decode at 32 rows nothing.
+# log-probabilities moved by 0.16; without it by 0.03-0.2: the block kernels' rounding is not
+# batch-invariant either, and since 2026-12-01 14:00 it flips that 0.08-nat tie too, so the
+# server test asks a question without one). What the route buys here: a 512-token prefill
+# 15-30% faster; decode at 32 rows nothing.
 INT8_ENV = "CONVEYOR_QUANT_INT8"
 
 
