@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from conveyor.limits import RequestLimits  # noqa: F401 - its home is torch-free
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -367,28 +369,6 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}"
             )
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Upper bounds on what one HTTP request may ask for, so that no single request can stall
-    the engine for everyone else. Each is a `conveyor serve` flag; a request beyond one gets a
-    400 that names the field."""
-
-    max_n: int = 16
-    max_logprobs: int = 20
-    max_prompts: int = 64  # prompts in one /v1/completions request
-    max_stop: int = 16  # stop strings
-    max_stop_length: int = 512  # characters of one stop string
-    max_stop_token_ids: int = 64
-    max_logit_bias: int = 1024  # entries of logit_bias
-    max_body_bytes: int = 32 * 2**20
-
-    def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

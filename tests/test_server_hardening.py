@@ -15,8 +15,8 @@ import uvicorn
 from server_util import ServerProcess, free_port
 
 from conveyor import LLMEngine
-from conveyor.config import RequestLimits
 from conveyor.entrypoints.openai.api_server import build_app
+from conveyor.limits import RequestLimits
 
 KEY = "hardening-key"
 AUTH_HEADERS = {"Authorization": f"Bearer {KEY}"}

@@ -60,11 +60,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, kwargs: dict, started=None) -> int:
     import os
 
-    from conveyor.config import RequestLimits
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.entrypoints.openai.api_server import build_app, run_server
+    from conveyor.limits import RequestLimits
 
     limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
     api_key = args.api_key or os.environ.get("CONVEYOR_API_KEY") or None
@@ -132,7 +132,7 @@ _LIMIT_FLAGS = {
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    from conveyor.config import RequestLimits
+    from conveyor.limits import RequestLimits
 
     group = parser.add_argument_group("request limits (a request beyond one gets a 400)")
     defaults = RequestLimits()
@@ -193,7 +193,10 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench: bool = True) -> argparse.ArgumentParser:
+    """bench=False leaves out `conveyor bench`'s subcommands, whose parsers import their
+    modules (torch among them): `main` does so for `serve`, which starts its engine core
+    before it imports torch (see cmd_serve)."""
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer a few chat prompts offline (a demo)")
@@ -241,14 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_process_args(serve)
     add_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
-    from conveyor.bench.cli import add_bench_parser
+    if bench:
+        from conveyor.bench.cli import add_bench_parser
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(bench=not argv or argv[0] != "serve").parse_args(argv)
     try:
         return args.func(args)
     except ValueError as error:

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conveyor.config import RequestLimits
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import AsyncMPEngine
 from conveyor.engine.data_parallel import AsyncDPEngine
@@ -32,6 +31,7 @@ from conveyor.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from conveyor.entrypoints.openai.serving import OpenAIServing
+from conveyor.limits import RequestLimits
 from conveyor.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from conveyor.config import RequestLimits
+from conveyor.limits import RequestLimits
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import strict_schema
 from conveyor.structured.params import StructuredOutputs

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from conveyor.config import RequestLimits
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.streams import RequestStream
 from conveyor.entrypoints.openai.protocol import (
@@ -19,6 +18,7 @@ from conveyor.entrypoints.openai.protocol import (
     CompletionRequest,
     InvalidParam,
 )
+from conveyor.limits import RequestLimits
 from conveyor.outputs import CompletionOutput, PositionLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarError
