@@ -32,6 +32,23 @@ def test_python_m_conveyor_reports_usage_errors_like_the_command():
     assert "conveyor serve: error: argument --max-num-seqs" in result.stderr
 
 
+def test_serve_starts_its_engine_core_before_importing_torch():
+    """`conveyor serve` spawns the core right after parsing its flags, so the core's imports and
+    model load run while the server imports torch: the parsing must not import torch itself."""
+    code = (
+        "import sys\n"
+        "from conveyor.entrypoints.cli import build_parser\n"
+        "from conveyor.entrypoints.args import engine_kwargs\n"
+        "from conveyor.engine.core_proc import CoreProcess\n"
+        "args = build_parser(bench=False).parse_args(['serve', 'some/model', '--max-n', '4'])\n"
+        "assert args.max_n == 4 and engine_kwargs(args)['model'] == 'some/model'\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n"
+    )
+    result = run(sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_serve_help_groups_its_flags_and_explains_each():
     import argparse
 
