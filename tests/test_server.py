@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_util import ServerProcess
+from server_util import HTTP, ServerProcess
 
 API_KEY = "test-key"
 MODEL = "smollm2"
@@ -217,8 +217,8 @@ def _post(server, path, body, key=API_KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if raw is not None:
         headers["Content-Type"] = "application/json"
-        return httpx.post(f"{server.base_url}{path}", content=raw, headers=headers, timeout=30)
-    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30)
+        return HTTP.post(f"{server.base_url}{path}", content=raw, headers=headers, timeout=30)
+    return HTTP.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30)
 
 
 def _assert_error(response, status, *words):

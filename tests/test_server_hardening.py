@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from server_util import ServerProcess, free_port
+from server_util import HTTP, ServerProcess, free_port
 
 from conveyor import LLMEngine
 from conveyor.entrypoints.openai.api_server import build_app
@@ -41,8 +41,8 @@ def post(server, path: str, body=None, raw: bytes | str | None = None, key: str 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if raw is not None:
         headers["Content-Type"] = "application/json"
-        return httpx.post(f"{server.base_url}{path}", content=raw, headers=headers, timeout=60)
-    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=60)
+        return HTTP.post(f"{server.base_url}{path}", content=raw, headers=headers, timeout=60)
+    return HTTP.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=60)
 
 
 def assert_error(response, status: int, *words: str) -> dict:
@@ -55,7 +55,7 @@ def assert_error(response, status: int, *words: str) -> dict:
 
 
 def assert_still_serving(server) -> None:
-    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    assert HTTP.get(f"{server.base_url}/health", timeout=10).status_code == 200
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
     response = post(server, COMPLETIONS, body)
     assert response.status_code == 200, response.text
