@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-from conveyor.limits import RequestLimits  # noqa: F401 - its home is torch-free
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
