@@ -205,6 +205,25 @@ def test_small_gemm_matches_torch(ops, dtype, out_dim, k_dim):
     torch.testing.assert_close(ops.small_gemm(x, weight), x @ weight.T, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [3, 5])
+def test_small_gemm_rows_taken_over_between_threads_are_each_computed_once(ops, threads):
+    """balance.h: a thread done with its share takes the back half of another's. With more
+    threads than this machine's cores, threads are descheduled mid-share all the time, so
+    shares change hands in most calls; every output row must still be computed, exactly once,
+    from the same weight row (a row taken twice or never shows in the result: it is written
+    into uninitialized memory), and to the same bits as on one thread (a row's sum does not
+    depend on who computes it)."""
+    gen = torch.Generator().manual_seed(threads)
+    weight = torch.randn(4099, 64, generator=gen)  # 512 pieces of 8 rows and a short one
+    xs = [torch.randn(n, 64, generator=gen) for n in (1, 2, 3, 5, 8)]
+    with _threads(1):
+        expected = [ops.small_gemm(x, weight) for x in xs]
+    with _threads(threads):
+        for _ in range(40):
+            for x, want in zip(xs, expected, strict=True):
+                assert torch.equal(ops.small_gemm(x, weight), want)
+
+
 def test_small_gemm_refuses_bad_shapes(ops):
     with pytest.raises(RuntimeError, match="small_gemm"):
         ops.small_gemm(torch.randn(2, 8), torch.randn(4, 9))

@@ -51,6 +51,26 @@ def test_block_kernel_equals_reference_below_the_dequant_threshold(fmt, shape):
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_block_kernel_rows_taken_over_between_threads_are_each_computed_once(fmt):
+    """The block kernel splits its rows through balance.h as small_gemm does: with more threads
+    than cores, shares change hands mid-call, and every row must still come out once and the
+    same as on one thread."""
+    weight = random_blocks(fmt, 2051, 64, seed=3)  # 128 pieces of 16 rows and a short one
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, 64, generator=gen) for n in (1, 2, 5)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [quant.block_linear(x, weight) for x in xs]
+        torch.set_num_threads(5)
+        for _ in range(40):
+            for x, want in zip(xs, expected, strict=True):
+                assert torch.equal(quant.block_linear(x, weight), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("num_tokens", [quant.DEQUANT_FROM_TOKENS, 70])
 def test_float_tile_path_equals_dequantized_matmul(fmt, num_tokens):
     weight = random_blocks(fmt, 300, 128)

@@ -33,7 +33,7 @@ SOURCES = (
     "quant_gemm.cpp",
     "decoder_layer.cpp",
 )
-HEADERS = ("ops.h", "vec.h")  # included by the sources; in the build key too
+HEADERS = ("balance.h", "ops.h", "vec.h")  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"
 

@@ -20,8 +20,8 @@
 // The integer dot uses AVX2's maddubs (unsigned x signed bytes -> int16 pair sums): 4-bit
 // weights are unsigned already; int8 weights take the sign trick (|w| times x with w's sign).
 //
-// Loop order: threads split the output rows (at::parallel_for); inside a thread, tokens are
-// taken in tiles of TOKEN_TILE (their int8 rows stay in L1/L2), and for each weight row
+// Loop order: threads split the output rows (balanced_for, balance.h); inside a thread, tokens
+// are taken in tiles of TOKEN_TILE (their int8 rows stay in L1/L2), and for each weight row
 // the unpacked block is reused for up to 4 tokens (4 accumulators).
 
 #include <torch/extension.h>
@@ -32,6 +32,8 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "balance.h"
 
 #include <cmath>
 #include <cstdint>
@@ -209,7 +211,7 @@ at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const float* xs = a.s.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = W_Q8 ? K : K / 2;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  conveyor_balance::balanced_for(N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t t0 = 0; t0 < T; t0 += TOKEN_TILE) {
       const int64_t t1 = std::min(T, t0 + TOKEN_TILE);
       for (int64_t n = n0; n < n1; ++n) {

@@ -8,9 +8,9 @@
 // count, and uses whichever is fastest (conveyor/model/layers.py).
 //
 // Shapes: x (N, K) contiguous, W (O, K) contiguous (torch's Linear layout), y (N, O).
-// Work split: the output rows O are cut into one contiguous range per thread (at::parallel_for),
-// so each thread streams its own part of W once, front to back (the hardware prefetcher sees
-// one sequential stream).
+// Work split: the output rows O are cut into one contiguous share per thread, so each thread
+// streams its own part of W once, front to back (the hardware prefetcher sees one sequential
+// stream); a thread done early takes over the back of another's (balance.h).
 // Register tile: R weight rows x TT token rows of vector accumulators. Per step of kLanes input
 // columns: TT vectors of x (from L1: x is a few KiB), R vectors of W (from memory, once), R*TT
 // FMAs. When N > TT the R weight rows are revisited for the next TT tokens from L1 (R rows of
@@ -22,12 +22,11 @@
 // paged_attention.cpp.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "balance.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -98,29 +97,36 @@ void range(const T* x, const T* w, T* y, int64_t n, int64_t k_dim, int64_t out_d
   for (; o < end; ++o) rows<T, 1, TT>(x, w, y, n, k_dim, out_dim, o);
 }
 
+// range() over all output rows through balanced_for (balance.h), in pieces of whole tiles of at
+// least 8 rows: each thread streams its own contiguous share of W, and one that finishes first
+// takes over the back of another's.
+template <typename T, int R, int TT>
+void balanced(const T* x, const T* w, T* y, int64_t n, int64_t k_dim, int64_t out_dim) {
+  constexpr int64_t piece = R * ((8 + R - 1) / R);
+  conveyor_balance::balanced_for(out_dim, piece, [&](int64_t begin, int64_t end) {
+    range<T, R, TT>(x, w, y, n, k_dim, out_dim, begin, end);
+  });
+}
+
 template <typename T>
 void run(const T* x, const T* w, T* y, int64_t n, int64_t k_dim, int64_t out_dim) {
-  // Each thread takes one contiguous range of output rows, a multiple of 8 rows long.
-  const int64_t grain = std::max<int64_t>(8, (out_dim / at::get_num_threads() + 7) / 8 * 8);
-  at::parallel_for(0, out_dim, grain, [&](int64_t begin, int64_t end) {
-    if (n == 1) {
-      range<T, 8, 1>(x, w, y, n, k_dim, out_dim, begin, end);
-    } else if (n == 2) {
-      if constexpr (kManyRegisters) {
-        range<T, 6, 2>(x, w, y, n, k_dim, out_dim, begin, end);
-      } else {
-        range<T, 4, 2>(x, w, y, n, k_dim, out_dim, begin, end);
-      }
-    } else if (n == 3 || !kManyRegisters) {
-      if constexpr (kManyRegisters) {
-        range<T, 4, 3>(x, w, y, n, k_dim, out_dim, begin, end);
-      } else {
-        range<T, 3, 3>(x, w, y, n, k_dim, out_dim, begin, end);
-      }
+  if (n == 1) {
+    balanced<T, 8, 1>(x, w, y, n, k_dim, out_dim);
+  } else if (n == 2) {
+    if constexpr (kManyRegisters) {
+      balanced<T, 6, 2>(x, w, y, n, k_dim, out_dim);
     } else {
-      range<T, 4, 4>(x, w, y, n, k_dim, out_dim, begin, end);
+      balanced<T, 4, 2>(x, w, y, n, k_dim, out_dim);
     }
-  });
+  } else if (n == 3 || !kManyRegisters) {
+    if constexpr (kManyRegisters) {
+      balanced<T, 4, 3>(x, w, y, n, k_dim, out_dim);
+    } else {
+      balanced<T, 3, 3>(x, w, y, n, k_dim, out_dim);
+    }
+  } else {
+    balanced<T, 4, 4>(x, w, y, n, k_dim, out_dim);
+  }
 }
 
 }  // namespace
