@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from conveyor import heap
+
 if TYPE_CHECKING:
     from conveyor.engine.core import CoreInfo, CoreStats
 
@@ -176,6 +178,7 @@ def run_engine_core(
 ) -> int:
     """Runs the core until the front end stops it, is gone, or the core fails; the exit
     status. Also the body of a Ray actor (distributed/ray_placement.py)."""
+    heap.pause()  # until the core is built (conveyor/heap.py)
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C and SIGTERM go to the whole process group: the front end drains its streams
         # and then stops this process itself, so the core must not die first.
@@ -197,6 +200,8 @@ def run_engine_core(
         outputs.send(encode((FAILED, type(error).__name__, str(error), traceback.format_exc())))
         outputs.close()
         return 1
+    finally:  # before READY: no request waits on its collection
+        heap.freeze()
     outputs.send(encode((READY, core.info, core.get_stats())))
     try:
         _busy_loop(core, inputs, outputs, parent_pid)

@@ -58,12 +58,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, kwargs: dict, started=None) -> int:
+    from conveyor import heap
+
+    heap.pause()  # until the server is about to listen (conveyor/heap.py)
+    try:
+        app = _server_app(args, kwargs, started)
+    finally:
+        heap.freeze()
+    if isinstance(app, int):
+        return app  # refused flags: the exit status
+    from conveyor.entrypoints.openai.api_server import run_server
+
+    return run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
+
+
+def _server_app(args: argparse.Namespace, kwargs: dict, started):
+    """The app over a ready engine, or an exit status for flags that do not go together."""
     import os
 
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
     from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.entrypoints.openai.api_server import build_app, run_server
+    from conveyor.entrypoints.openai.api_server import build_app
     from conveyor.limits import RequestLimits
 
     limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
@@ -115,7 +131,7 @@ def _serve(args: argparse.Namespace, kwargs: dict, started=None) -> int:
     print(f"conveyor: serving {name!r} on {base}/v1", flush=True)
     if args.dashboard:
         print(f"conveyor: dashboard on {base}/dashboard", flush=True)
-    return run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
+    return app
 
 
 # RequestLimits field -> what its flag means; defaults come from RequestLimits.
