@@ -13,6 +13,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -71,10 +72,10 @@ inline bool steal(Share* shares, int64_t num_shares, Share& mine, int64_t piece)
 
 // fn(begin, end) over [0, count) in pieces of `piece` items (the last one may be shorter), on
 // torch's threads, as described above; inline on the calling thread inside a parallel region.
-// count must be below 2^32.
 template <typename F>
 void balanced_for(int64_t count, int64_t piece, const F& fn) {
   if (count <= 0) return;
+  TORCH_CHECK(count < (int64_t{1} << 32) && piece > 0, "balanced_for: 0 < piece, count < 2^32");
   const int64_t pieces = (count + piece - 1) / piece;
   const int64_t n = std::min<int64_t>(at::get_num_threads(), pieces);
   if (n <= 1 || at::in_parallel_region()) {
