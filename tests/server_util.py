@@ -18,6 +18,23 @@ import httpx
 HTTP = httpx.Client(timeout=60)
 
 
+def post(
+    base_url: str,
+    path: str,
+    body=None,
+    raw: bytes | str | None = None,
+    key: str | None = None,
+    timeout: float = 60,
+) -> httpx.Response:
+    """POST `body` as JSON, or `raw` bytes labelled as JSON (malformed bodies), with a bearer key
+    when one is given."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        headers["Content-Type"] = "application/json"
+        return HTTP.post(f"{base_url}{path}", content=raw, headers=headers, timeout=timeout)
+    return HTTP.post(f"{base_url}{path}", json=body, headers=headers, timeout=timeout)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_util import HTTP, ServerProcess
+from server_util import ServerProcess, post
 
 API_KEY = "test-key"
 MODEL = "smollm2"
@@ -214,11 +214,7 @@ def test_tokenize_and_detokenize_round_trip(server):
 
 
 def _post(server, path, body, key=API_KEY, raw=None):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    if raw is not None:
-        headers["Content-Type"] = "application/json"
-        return HTTP.post(f"{server.base_url}{path}", content=raw, headers=headers, timeout=30)
-    return HTTP.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30)
+    return post(server.base_url, path, body, raw, key, timeout=30)
 
 
 def _assert_error(response, status, *words):

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import server_util
 import uvicorn
 from server_util import HTTP, ServerProcess, free_port
 
@@ -38,11 +39,7 @@ def server(tiny_checkpoint, tmp_path_factory):
 
 
 def post(server, path: str, body=None, raw: bytes | str | None = None, key: str | None = KEY):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    if raw is not None:
-        headers["Content-Type"] = "application/json"
-        return HTTP.post(f"{server.base_url}{path}", content=raw, headers=headers, timeout=60)
-    return HTTP.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=60)
+    return server_util.post(server.base_url, path, body, raw, key)
 
 
 def assert_error(response, status: int, *words: str) -> dict:
