@@ -6,22 +6,26 @@ The engine core stays single: its scheduler runs on rank 0, which starts ranks 1
 it runs its own share of the forward. The collectives inside the forward (two all-reduces per
 layer, the embedding's all-reduce and the logits' all-gather) keep the ranks in lockstep.
 
-Step descriptions travel over ZeroMQ (one PUSH socket per worker), not over a collective: a
-worker idles on its socket between steps as long as the engine has nothing to do, while every
-collective has a timeout. So a rank that dies or hangs fails the step it is in (at once when
-its sockets close, after the timeout when it hangs), and the engine goes down with an error
-that names the rank, never a hang.
+Step descriptions travel over ZeroMQ, not over a collective: a worker idles on its socket
+between steps as long as the engine has nothing to do, while every collective has a timeout.
+So a rank that dies or hangs fails the step it is in (at once when its sockets close, after
+the timeout when it hangs), and the engine goes down with an error that names the rank, never
+a hang.
+
+Each worker binds its own step socket (PULL, an abstract Unix socket) and says where in its
+HELLO; rank 0 connects one PUSH to each, and binds only the PULL their replies come back on.
+Every frame is signed (distributed/channel.py) with a key that reaches the workers on their
+stdin, together with the rest of their settings: no file, no temporary folder. The process
+group's store and gloo listen on 127.0.0.1 only, and the shared-memory file is the owner's
+alone (0600) and unlinked once every rank has mapped it.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -29,12 +33,15 @@ import weakref
 import torch
 import zmq
 
+from conveyor.distributed.channel import Opener, Sealer, hand_over, local_address, new_key
 from conveyor.distributed.parallel import DEFAULT_TIMEOUT, TPGroup, TPShard, connect, serve_store
 
 # Rank 0 -> worker.
 ALLOCATE, STEP, STOP = "allocate", "step", "stop"
-# Worker -> rank 0.
+# Worker -> rank 0 (HELLO carries the address of the worker's step socket).
 HELLO, READY, FAILED = "hello", "ready", "failed"
+# The labels of the two directions (distributed/channel.py); every worker gets the same steps.
+STEPS, REPLIES = "tp-steps", "tp-replies"
 
 POLL_MS = 200
 
@@ -65,13 +72,15 @@ class TPWorkers:
         self.device, self.timeout = rank_device(device, 0), timeout
         self.start_timeout = start_timeout
         self.group = TPGroup(TPShard(0, size))
-        self._dir = tempfile.mkdtemp(prefix="conveyor-tp-")
         self._context = zmq.Context()
+        key = new_key()
+        self._sealer, self._opener = Sealer(key, STEPS), Opener(key, REPLIES, ordered=False)
         self._back = self._context.socket(zmq.PULL)
         self._back.setsockopt(zmq.LINGER, 0)
-        back_address = f"ipc://{self._dir}/back"
-        self._back.bind(back_address)
-        self._store = serve_store("127.0.0.1", size, timeout)
+        self._back.bind(local_address("conveyor-tp-back"))
+        back_address = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._steps: dict[int, zmq.Socket] = {}  # rank -> connected once it said HELLO
+        self._store = serve_store("127.0.0.1", size, max(timeout, start_timeout))
         # Ranks on one CPU node add their tensors up through shared memory, not loopback TCP.
         from conveyor.distributed import shm
 
@@ -79,18 +88,14 @@ class TPWorkers:
         if os.environ.get("CONVEYOR_TP_SHM", "1") == "0":  # gloo only (tests, comparisons)
             use_shm = False
         self.shm_path = shm.create(size) if use_shm else None
-        self._steps: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
+        # Ends the workers and the context at close(), collection or exit, whichever is first.
+        self._finalizer = weakref.finalize(
+            self, _release, self.procs, self._steps, self._back, self._context, self.shm_path
+        )
         # PR_SET_PDEATHSIG fires when the thread that started the child exits.
         pdeathsig = threading.current_thread() is threading.main_thread()
         for rank in range(1, size):
-            sock = self._context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            address = f"ipc://{self._dir}/steps{rank}"
-            sock.bind(address)
-            self._steps.append(sock)
-            config = os.path.join(self._dir, f"rank{rank}.pickle")
             settings = dict(
                 worker_kwargs,
                 rank=rank,
@@ -98,17 +103,17 @@ class TPWorkers:
                 device=str(rank_device(device, rank)),
                 store=("127.0.0.1", self._store.port),
                 timeout=timeout,
-                steps=address,
+                join_timeout=start_timeout,
+                key=key,
+                steps=local_address(f"conveyor-tp-steps{rank}"),
                 back=back_address,
                 shm_path=self.shm_path,
                 parent_pid=os.getpid(),
                 pdeathsig=pdeathsig,
             )
-            with open(config, "wb") as file:
-                pickle.dump(settings, file, protocol=5)
-            command = [sys.executable, "-m", "conveyor.distributed.worker", config]
-            self.procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
-        self._finalizer = weakref.finalize(self, _kill, list(self.procs), self._dir, self.shm_path)
+            command = [sys.executable, "-m", "conveyor.distributed.worker"]
+            self.procs.append(subprocess.Popen(command, stdin=subprocess.PIPE))
+            hand_over(self.procs[-1], settings)
 
     def connect(self) -> None:
         """Waits for every worker to be up, then joins the process group with them."""
@@ -119,19 +124,28 @@ class TPWorkers:
             store=self._store,
             timeout=self.timeout,
             shm_path=self.shm_path,
+            join_timeout=self.start_timeout,
         )
         self.group.pg, self.group.shm = joined.pg, joined.shm
 
     def wait_ready(self) -> None:
         """Blocks until every worker has loaded its share of the model; raises its error."""
         self._await(READY)
+        if self.shm_path is not None:  # every rank has mapped it: nothing is left on a crash
+            from conveyor.distributed.shm import remove
+
+            remove(self.shm_path)
 
     def _await(self, kind: str) -> None:
         pending = set(range(1, self.size))
         deadline = time.monotonic() + self.start_timeout
         while pending:
             if self._back.poll(POLL_MS):
-                message = pickle.loads(self._back.recv())
+                message = self._opener.open(self._back.recv())
+                if message is None:  # not from a worker: dropped unread (logged)
+                    continue
+                if message[0] == HELLO:
+                    self._connect_worker(message[1], message[2])
                 if message[0] == FAILED:
                     _, rank, error_kind, text, trace = message
                     if error_kind == "ValueError":
@@ -152,14 +166,21 @@ class TPWorkers:
                     f"after {self.start_timeout:g} s"
                 )
 
+    def _connect_worker(self, rank: int, address: str) -> None:
+        if rank in self._steps:
+            return
+        sock = self._context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._steps[rank] = sock
+
     def send(self, kind: str, payload=None) -> None:
-        """To every worker; never blocks: a worker that is gone raises here."""
-        frame = pickle.dumps((kind, payload), protocol=5)
-        for rank, sock in enumerate(self._steps, 1):
-            try:
-                sock.send(frame, zmq.NOBLOCK)
-            except zmq.Again:  # its end of the socket closed with it
-                raise RuntimeError(f"tensor-parallel rank {rank} is not listening") from None
+        """To every worker (one signed frame for all); never blocks. A worker that is gone
+        fails the step's first collective, which names it (`failure`)."""
+        frame = self._sealer.seal((kind, payload))
+        for sock in self._steps.values():
+            sock.send(frame, zmq.NOBLOCK)
 
     def publish(self, step) -> None:
         """Rank 0's runner calls it with each step's inputs, before its own forward."""
@@ -192,11 +213,14 @@ class TPWorkers:
         return RuntimeError(f"a tensor-parallel collective failed: {error}")
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stops the workers (killed if they do not exit in time) and frees the sockets."""
-        if self._steps and not self._back.closed:
+        """Stops the workers (killed if they do not exit in time) and frees the sockets
+        (idempotent)."""
+        if not self._finalizer.alive:
+            return
+        if self._steps:
             try:
                 self.send(STOP)
-            except (zmq.ZMQError, RuntimeError):
+            except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + timeout
         for proc in self.procs:
@@ -205,12 +229,17 @@ class TPWorkers:
             except subprocess.TimeoutExpired:
                 pass
         self._finalizer()
-        for sock in [*self._steps, self._back]:
-            sock.close(linger=0)
-        self._context.term()
 
 
-def _kill(procs: list[subprocess.Popen], directory: str, shm_path: str | None) -> None:
+def _release(
+    procs: list[subprocess.Popen],
+    steps: dict[int, zmq.Socket],
+    back: zmq.Socket,
+    context: zmq.Context,
+    shm_path: str | None,
+) -> None:
+    """Kills the workers still running, closes the sockets, then ends the context (which
+    would otherwise wait for them)."""
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
@@ -218,7 +247,9 @@ def _kill(procs: list[subprocess.Popen], directory: str, shm_path: str | None) -
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-    shutil.rmtree(directory, ignore_errors=True)
+    for sock in [*steps.values(), back]:
+        sock.close(linger=0)
+    context.destroy(linger=0)
     if shm_path is not None:
         from conveyor.distributed.shm import remove
 

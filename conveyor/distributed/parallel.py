@@ -20,11 +20,13 @@ Each rank's KV cache holds only its own KV heads.
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
 
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for a rank before it fails
+LOOPBACK = "127.0.0.1"  # a tensor-parallel group spans one machine
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +147,29 @@ class TPGroup:
 
 
 def serve_store(host: str, size: int, timeout: float = DEFAULT_TIMEOUT):
-    """Rank 0's TCPStore, on a free port of `host` (read it from `.port`); the other ranks
-    find each other through it."""
+    """Rank 0's TCPStore, listening on `host` alone, on a free port (read it from `.port`);
+    the other ranks find each other through it. The socket is bound here: given only a
+    host name, TCPStore listens on every interface."""
     import torch.distributed as dist
 
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(max(size, 16))
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
     wait = datetime.timedelta(seconds=timeout)
-    return dist.TCPStore(host, 0, size, True, timeout=wait, wait_for_workers=False)
+    return dist.TCPStore(
+        host,
+        port,
+        size,
+        True,
+        timeout=wait,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def connect(
@@ -161,26 +180,37 @@ def connect(
     address: tuple[str, int] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     shm_path: str | None = None,
+    join_timeout: float | None = None,
 ) -> TPGroup:
     """Joins the ranks' process group, gloo on CPU and NCCL on CUDA: rank 0 with the store it
     serves, the others with that store's address. The group is an object of its own (not
     torch.distributed's global default group), so that an engine in a user's process leaves
     no global state behind. Every collective fails after `timeout` seconds without its
     peers: a rank that died or hangs takes the engine down with an error, never a hang.
-    shm_path: the shared file of the CPU collectives (distributed/shm.py), if any."""
+    shm_path: the shared file of the CPU collectives (distributed/shm.py), if any.
+    join_timeout: how long joining may wait for the other ranks (default `timeout`): a worker
+    joins as soon as it starts, rank 0 only once it has loaded its share of the model."""
     import torch.distributed as dist
 
     wait = datetime.timedelta(seconds=timeout)
+    join = datetime.timedelta(seconds=max(timeout, join_timeout or 0))
     if store is None:
         host, port = address
-        store = dist.TCPStore(host, port, shard.size, False, timeout=wait)
+        store = dist.TCPStore(host, port, shard.size, False, timeout=join)
     prefixed = dist.PrefixStore("conveyor-tp", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = wait
         pg = dist.ProcessGroupNCCL(prefixed, shard.rank, shard.size, options)
     else:
-        pg = dist.ProcessGroupGloo(prefixed, shard.rank, shard.size, wait)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = join
+        # The ranks share one machine: gloo's pairs listen on loopback, not on the address
+        # the host name resolves to.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+        options._threads = 2
+        pg = dist.ProcessGroupGloo(prefixed, shard.rank, shard.size, options)
+        pg._set_default_timeout(wait)  # joined: a collective waits `timeout` at most
     shm = None
     if shm_path is not None:
         from conveyor.distributed.shm import ShmCollectives

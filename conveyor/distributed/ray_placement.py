@@ -4,7 +4,9 @@ Ray places each data-parallel replica's engine core on whatever cluster `ray.ini
 (`--ray-address`; a local cluster is started when none is given), as an actor that asks for
 the CPUs (or GPUs) the core needs: its threads on CPU, one GPU per tensor-parallel rank on
 CUDA. The front end stays where the server runs and talks to each actor over the same two
-ZeroMQ sockets as to a local core process, bound on this node's address. A core's
+ZeroMQ sockets as to a local core process, with the same signed frames (a key per actor, sent
+as an argument of its run() call): on 127.0.0.1 when Ray runs on this machine alone (a cluster
+started here), else on each node's address, where anyone who reaches the port may connect. A core's
 tensor-parallel ranks are the actor's own child processes, on the actor's node: a TP group
 spans one machine, DP replicas span machines.
 
@@ -29,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20  # conveyor passes no objects through Ray's store
 _init_lock = threading.Lock()
+# Whether init_ray started the cluster itself (one node, this one): the registry of this
+# process's one Ray connection.
+_cluster = {"local": False}
 
 
 def init_ray(address: str | None = None) -> None:
@@ -52,6 +57,7 @@ def init_ray(address: str | None = None) -> None:
                 object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                 logging_level=logging.WARNING,
             )
+            _cluster["local"] = True
         logger.info("conveyor: Ray cluster resources %s", ray.cluster_resources())
 
 
@@ -87,10 +93,15 @@ def check_capacity(kwargs: dict, num_replicas: int) -> None:
 class EngineCoreActor:
     """The Ray actor around one engine core: run() is the core's whole life."""
 
-    def run(self, kwargs: dict, input_address: str, output_address: str) -> int:
+    def run(self, kwargs: dict, key: bytes, host: str | None, output_address: str) -> int:
+        """host: where the core's command socket listens (None: this node's address)."""
+        import ray
+
         from conveyor.engine.core_proc import run_engine_core
 
-        return run_engine_core(kwargs, input_address, output_address, os.getppid(), False)
+        host = host or ray.util.get_node_ip_address()
+        input_address = f"tcp://{host}:*"
+        return run_engine_core(kwargs, key, input_address, output_address, os.getppid(), False)
 
     def pid(self) -> int:
         return os.getpid()
@@ -102,13 +113,13 @@ class RayCoreProcess(CoreProcess):
     def __init__(self, kwargs: dict, context: zmq.Context) -> None:
         import ray
 
-        host = ray.util.get_node_ip_address()
-        self._dir = None
-        input_address, output_address = self._bind(context, f"tcp://{host}:*", f"tcp://{host}:*")
+        local = _cluster["local"]
+        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        output_address = self._open(context, f"tcp://{host}:*")
         # Two method slots: pid() answers while run() holds the core.
         actor = ray.remote(max_concurrency=2, max_restarts=0)(EngineCoreActor)
         self.actor = actor.options(**actor_resources(kwargs)).remote()
-        self.ref = self.actor.run.remote(kwargs, input_address, output_address)
+        self.ref = self.actor.run.remote(kwargs, self.key, host if local else None, output_address)
         self.exit_fd = None  # no pidfd for a process on another node: the watchdog asks Ray
         self._pid: int | None = None
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import secrets
 import time
 
 import numpy as np
@@ -36,10 +37,18 @@ def available() -> bool:
 
 
 def create(size: int) -> str:
-    """Rank 0: a zeroed shared file for `size` ranks; its path (delete it with `remove`)."""
-    path = f"/dev/shm/conveyor-tp-{os.getpid()}-{time.monotonic_ns()}"
-    with open(path, "wb") as file:
-        file.truncate(HEADER_BYTES + 2 * size * SLOT_BYTES)
+    """Rank 0: a zeroed shared file for `size` ranks, readable by this user alone (it holds
+    every request's activations); its path (delete it with `remove`)."""
+    path = f"/dev/shm/conveyor-tp-{os.getpid()}-{secrets.token_hex(8)}"
+    # O_EXCL: never a file someone else prepared at that name; the mode is set at creation.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, HEADER_BYTES + 2 * size * SLOT_BYTES)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
     return path
 
 

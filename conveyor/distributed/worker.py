@@ -1,5 +1,6 @@
-"""A tensor-parallel rank > 0: `python -m conveyor.distributed.worker SETTINGS`, started by
-executor.TPWorkers in the engine core's process.
+"""A tensor-parallel rank > 0: `python -m conveyor.distributed.worker`, started by
+executor.TPWorkers in the engine core's process, with its settings (and its channel's key) on
+stdin.
 
 It joins the process group, loads its share of the model, and then runs whatever step rank 0
 sends: its share of the forward, in lockstep with the other ranks through the collectives.
@@ -10,55 +11,74 @@ check of the parent's pid while idle) and exits when a collective fails.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import sys
 import traceback
 
 import zmq
 
+from conveyor.distributed.channel import Opener, Sealer, read_settings
+
 IDLE_POLL_MS = 1000
 
 
-def main(argv: list[str]) -> None:
-    (path,) = argv
-    with open(path, "rb") as file:
-        settings = pickle.load(file)
-    os.unlink(path)
-    sys.exit(run_worker(settings))
+def main() -> None:
+    sys.exit(run_worker(read_settings()))
 
 
 def run_worker(settings: dict) -> int:
-    from conveyor.distributed.executor import ALLOCATE, FAILED, HELLO, READY, STEP, STOP
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core stops this process itself
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if settings["pdeathsig"]:
         from conveyor.engine.core_proc import _die_with_parent
 
         _die_with_parent()
-    rank = settings["rank"]
     context = zmq.Context()
     back = context.socket(zmq.PUSH)
-    back.setsockopt(zmq.LINGER, 5000)
+    back.setsockopt(zmq.LINGER, 5000)  # FAILED gets out before the exit
     back.connect(settings["back"])
     steps = context.socket(zmq.PULL)
-    steps.connect(settings["steps"])
-    back.send(pickle.dumps((HELLO, rank)))
+    steps.setsockopt(zmq.LINGER, 0)
+    steps.bind(settings["steps"])
+    try:
+        return _serve(settings, steps, back)
+    finally:
+        steps.close(linger=0)
+        back.close()
+        context.term()
+
+
+def _serve(settings: dict, steps: zmq.Socket, back: zmq.Socket) -> int:
+    from conveyor.distributed.executor import (
+        ALLOCATE,
+        FAILED,
+        HELLO,
+        READY,
+        REPLIES,
+        STEP,
+        STEPS,
+        STOP,
+    )
+
+    rank = settings["rank"]
+    sealer, opener = Sealer(settings["key"], REPLIES), Opener(settings["key"], STEPS)
+    back.send(sealer.seal((HELLO, rank, steps.getsockopt_string(zmq.LAST_ENDPOINT))))
     try:
         runner = _build_runner(settings)
     except BaseException as error:  # noqa: BLE001 - rank 0 re-raises it
         message = (FAILED, rank, type(error).__name__, str(error), traceback.format_exc())
-        back.send(pickle.dumps(message))
-        back.close()
+        back.send(sealer.seal(message))
         return 1
-    back.send(pickle.dumps((READY, rank)))
+    back.send(sealer.seal((READY, rank)))
     while True:
         if not steps.poll(IDLE_POLL_MS):
             if os.getppid() != settings["parent_pid"]:
                 return 0  # orphaned: the engine core is gone
             continue
-        kind, payload = pickle.loads(steps.recv())
+        message = opener.open(steps.recv())
+        if message is None:  # not from rank 0: dropped unread (logged)
+            continue
+        kind, payload = message
         if kind == STOP:
             return 0
         try:
@@ -87,6 +107,7 @@ def _build_runner(settings: dict):
         device,
         address=settings["store"],
         timeout=settings["timeout"],
+        join_timeout=settings["join_timeout"],
         shm_path=settings["shm_path"],
     )
     torch.manual_seed(settings["seed"])
@@ -101,4 +122,4 @@ def _build_runner(settings: dict):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 import zmq
@@ -26,10 +27,8 @@ from conveyor.engine.core_proc import (
     ADD,
     DEAD,
     FINISH,
-    POLL_SECONDS,
     SNAPSHOT,
     CoreProcess,
-    decode,
 )
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
@@ -51,12 +50,16 @@ class SyncCoreClient:
     engine_process=True)."""
 
     def __init__(self, kwargs: dict) -> None:
-        self._context = zmq.Context()
-        self.process = CoreProcess(kwargs, self._context)
+        context = zmq.Context()
+        self.process = process = CoreProcess(kwargs, context)
+        # Run by close(), by the garbage collector or at exit, whichever comes first: the
+        # process stops and the sockets close before the context ends, which would otherwise
+        # wait for them (never left to the collector: Context.term() can block it forever).
+        self._finalizer = weakref.finalize(self, _stop, process, context)
         try:
-            self.info, self._stats = self.process.wait_ready()
+            self.info, self._stats = process.wait_ready()
         except BaseException:
-            self.process.kill()
+            self._finalizer()
             raise
 
     def add_requests(self, specs) -> None:
@@ -67,10 +70,9 @@ class SyncCoreClient:
 
     def step(self) -> list[CoreOutput]:
         """The outputs of the core's next step (it runs ahead: a step already made is waiting)."""
-        while not self.process.output.poll(int(POLL_SECONDS * 1000)):
-            if not self.process.alive:
-                raise EngineDeadError(f"the engine core died: {self.process.exit_description()}")
-        message = decode(self.process.output.recv())
+        message = self.process.receive()
+        if message is None:
+            raise EngineDeadError(f"the engine core died: {self.process.exit_description()}")
         if message[0] == DEAD:
             raise EngineDeadError(f"the engine core died: {message[1]}")
         _, outputs, self._stats = message
@@ -83,12 +85,13 @@ class SyncCoreClient:
         raise RuntimeError("check_integrity() needs the in-process core (engine_process=False)")
 
     def close(self) -> None:
-        self.process.stop()
+        """Stops the core process (idempotent)."""
+        self._finalizer()
 
-    def __del__(self) -> None:
-        process = getattr(self, "process", None)
-        if process is not None and process.alive:
-            process.kill()
+
+def _stop(process: CoreProcess, context: zmq.Context) -> None:
+    process.stop()
+    context.destroy(linger=0)
 
 
 class AsyncMPEngine:
@@ -127,6 +130,7 @@ class AsyncMPEngine:
         self.on_lost: Callable[[AsyncMPEngine, list[RequestStream]], set[str]] | None = None
         self.fatal = False
         self.num_restarts = 0
+        self._own_context = started is None
         if started is None:
             self._context = zmq.Context()
             self._process = spawn(self.kwargs, self._context)
@@ -136,6 +140,8 @@ class AsyncMPEngine:
             self.info, self._stats = self._process.wait_ready()
         except BaseException:
             self._process.kill()
+            if self._own_context:
+                self._context.destroy(linger=0)
             raise
         self.model_config = self.info.model_config
         skip = self.info.skip_tokenizer_init
@@ -220,6 +226,8 @@ class AsyncMPEngine:
         self._abort_all()
         self._detach()
         self._process.stop()
+        if self._own_context:  # its sockets are closed: ending it cannot wait on one
+            self._context.destroy(linger=0)
         if self._watchdog is not None:
             self._watchdog.cancel()
 
@@ -276,8 +284,10 @@ class AsyncMPEngine:
     async def _read(self, process: CoreProcess, sock: zmq.asyncio.Socket) -> None:
         while True:
             frame = await sock.recv()
+            message = process.open(frame)
+            if message is None:  # not from the core (dropped unread, logged), or its HELLO
+                continue
             self._last_message = time.monotonic()
-            message = decode(frame)
             if message[0] == DEAD:
                 logger.error("the engine core raised:\n%s", message[2])
                 self._die(message[1])

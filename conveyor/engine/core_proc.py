@@ -6,6 +6,12 @@ input socket; while it has work it applies whatever commands are pending between
 request joins the very next step. It dies with its parent: PR_SET_PDEATHSIG where the kernel
 has it, and a check of the parent's pid whenever it is idle.
 
+Every frame is signed with a key made for this core (distributed/channel.py); each side binds
+only its receiving socket (the core its commands' PULL, the front end its outputs' PULL) and
+connects its sending one to the other's, after the core has said where it listens (HELLO).
+The key and the settings reach the core through its stdin: no file, no temporary folder, so a
+front end that is killed leaves nothing behind on disk.
+
 CoreProcess is the front end's handle on one such process. This module imports neither torch
 nor the engine, so that `conveyor serve` starts the core first and imports the server while
 the core loads the model (~2 s of a start on 2 cores).
@@ -15,12 +21,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import traceback
 from typing import TYPE_CHECKING
@@ -28,28 +31,30 @@ from typing import TYPE_CHECKING
 import zmq
 
 from conveyor import heap
+from conveyor.distributed.channel import (
+    Opener,
+    Sealer,
+    hand_over,
+    local_address,
+    new_key,
+    read_settings,
+)
 
 if TYPE_CHECKING:
     from conveyor.engine.core import CoreInfo, CoreStats
 
 # Front end -> core.
 ADD, FINISH, STOP = "add", "finish", "stop"
-# Core -> front end.
-READY, FAILED, STEP, DEAD = "ready", "failed", "step", "dead"
+# Core -> front end; HELLO (with the address of the core's command socket) comes first.
+HELLO, READY, FAILED, STEP, DEAD = "hello", "ready", "failed", "step", "dead"
 # Both ways: the front end asks for a snapshot (the dashboard), the core answers with one.
 SNAPSHOT = "snapshot"
 
 IDLE_POLL_MS = 1000
 POLL_SECONDS = 0.5  # the front end's check that a starting core is still alive
 PR_SET_PDEATHSIG = 1
-
-
-def encode(message) -> bytes:
-    return pickle.dumps(message, protocol=5)
-
-
-def decode(frame: bytes):
-    return pickle.loads(frame)
+# The labels of the two directions (distributed/channel.py).
+COMMANDS, OUTPUTS = "core-commands", "core-outputs"
 
 
 class CoreProcess:
@@ -57,36 +62,34 @@ class CoreProcess:
     of its sockets."""
 
     def __init__(self, kwargs: dict, context: zmq.Context) -> None:
-        self._dir = tempfile.mkdtemp(prefix="conveyor-core-")
-        input_address, output_address = self._bind(
-            context, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        )
-        config = os.path.join(self._dir, "config.pickle")
-        with open(config, "wb") as file:
-            pickle.dump(kwargs, file, protocol=5)
+        output_address = self._open(context, local_address("conveyor-core-out"))
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only the
         # main thread lives as long as the process.
         pdeathsig = threading.current_thread() is threading.main_thread()
-        args = [config, input_address, output_address, str(os.getpid()), str(int(pdeathsig))]
-        command = [sys.executable, "-m", "conveyor.engine.core_proc", *args]
-        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        input_address = local_address("conveyor-core-in")
+        settings = (kwargs, self.key, input_address, output_address, os.getpid(), pdeathsig)
+        command = [sys.executable, "-m", "conveyor.engine.core_proc"]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE)
+        hand_over(self.proc, settings)
         # Readable once the process has exited (Linux 5.3+); None: the watchdog polls instead.
         self.exit_fd = _pidfd(self.proc.pid)
 
-    def _bind(self, context: zmq.Context, input_address: str, output_address: str):
-        """Binds the front end's two sockets; returns their addresses (a tcp://HOST:* address
-        gets a free port)."""
+    def _open(self, context: zmq.Context, output_address: str) -> str:
+        """Makes the channel's key and the front end's sockets: PULL for the core's outputs,
+        bound at `output_address` (returned as bound: a tcp://HOST:* address gets a free
+        port), and PUSH for commands, connected when the core says where it listens."""
+        self.key = new_key()
+        self._sealer, self._opener = Sealer(self.key, COMMANDS), Opener(self.key, OUTPUTS)
         self._lock = threading.Lock()
+        self.input_address: str | None = None
         self.input = context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)  # never block the front end on a slow core
         self.input.setsockopt(zmq.LINGER, 0)
-        self.input.bind(input_address)
         self.output = context.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.bind(output_address)
-        endpoint = zmq.LAST_ENDPOINT
-        return self.input.getsockopt_string(endpoint), self.output.getsockopt_string(endpoint)
+        return self.output.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @property
     def pid(self) -> int:
@@ -105,12 +108,32 @@ class CoreProcess:
             return f"the engine core process was killed by {signal.Signals(-code).name}"
         return f"the engine core process exited with code {code}"
 
+    def open(self, frame: bytes):
+        """A frame from the output socket as the core's message; None for a frame dropped
+        unread (not signed by the core) and for HELLO (the command socket connects then)."""
+        message = self._opener.open(frame)
+        if message is not None and message[0] == HELLO:
+            if self.input_address is None:
+                self.input_address = message[1]
+                self.input.connect(self.input_address)
+            return None
+        return message
+
+    def receive(self):
+        """The core's next message, blocking; None once the core is gone."""
+        while True:
+            while not self.output.poll(int(POLL_SECONDS * 1000)):
+                if not self.alive:
+                    return None
+            message = self.open(self.output.recv())
+            if message is not None:
+                return message
+
     def wait_ready(self) -> tuple[CoreInfo, CoreStats]:
         """Blocks until the core has loaded the model; raises its error if it could not."""
-        while not self.output.poll(int(POLL_SECONDS * 1000)):
-            if not self.alive:
-                raise RuntimeError(f"{self.exit_description()} before it was ready")
-        message = decode(self.output.recv())
+        message = self.receive()
+        if message is None:
+            raise RuntimeError(f"{self.exit_description()} before it was ready")
         if message[0] == READY:
             return message[1], message[2]
         if message[0] == FAILED:
@@ -121,10 +144,11 @@ class CoreProcess:
         raise RuntimeError(f"unexpected first message from the engine core: {message[0]!r}")
 
     def send(self, message) -> None:
-        """Thread-safe; a message to a core that is gone is dropped (it has failed already)."""
+        """Thread-safe; a message to a core that is gone (or not listening yet) is dropped: it
+        has failed already, or is being stopped before it was ready."""
         with self._lock:
             try:
-                self.input.send(encode(message), zmq.NOBLOCK)
+                self.input.send(self._sealer.seal(message), zmq.NOBLOCK)
             except (zmq.Again, zmq.ZMQError):
                 pass
 
@@ -138,6 +162,7 @@ class CoreProcess:
         self.kill()
 
     def kill(self) -> None:
+        """Ends the process and closes the sockets (idempotent)."""
         if self.alive:
             self.proc.kill()
         try:
@@ -149,7 +174,6 @@ class CoreProcess:
             self.exit_fd = None
         for sock in (self.input, self.output):
             sock.close(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _pidfd(pid: int) -> int | None:
@@ -159,25 +183,25 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def main(argv: list[str]) -> None:
-    """`python -m conveyor.engine.core_proc CONFIG INPUT OUTPUT PARENT_PID PDEATHSIG`, started by
-    core_client.CoreProcess. A plain subprocess rather than multiprocessing's spawn: the
-    user's main module is not imported again (a script without a __main__ guard works) and no
-    resource-tracker process comes along."""
-    config, input_address, output_address, parent_pid, pdeathsig = argv
-    with open(config, "rb") as file:
-        kwargs = pickle.load(file)
-    os.unlink(config)  # read once: the settings do not stay on disk while the core runs
-    sys.exit(
-        run_engine_core(kwargs, input_address, output_address, int(parent_pid), pdeathsig == "1")
-    )
+def main() -> None:
+    """`python -m conveyor.engine.core_proc`, started by CoreProcess with its settings on stdin.
+    A plain subprocess rather than multiprocessing's spawn: the user's main module is not
+    imported again (a script without a __main__ guard works) and no resource-tracker process
+    comes along."""
+    sys.exit(run_engine_core(*read_settings()))
 
 
 def run_engine_core(
-    kwargs: dict, input_address: str, output_address: str, parent_pid: int, pdeathsig: bool
+    kwargs: dict,
+    key: bytes,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    pdeathsig: bool,
 ) -> int:
     """Runs the core until the front end stops it, is gone, or the core fails; the exit
-    status. Also the body of a Ray actor (distributed/ray_placement.py)."""
+    status. Binds the command socket at `input_address`, connects to the front end's output
+    socket. Also the body of a Ray actor (distributed/ray_placement.py)."""
     heap.pause()  # until the core is built (conveyor/heap.py)
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C and SIGTERM go to the whole process group: the front end drains its streams
@@ -188,62 +212,88 @@ def run_engine_core(
         _die_with_parent()
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
+    inputs.setsockopt(zmq.LINGER, 0)
+    inputs.bind(input_address)
     outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.setsockopt(zmq.LINGER, 5000)  # the last message (FAILED, DEAD) gets out
     outputs.connect(output_address)
+    link = _Link(inputs, outputs, key)
+    try:
+        link.send((HELLO, inputs.getsockopt_string(zmq.LAST_ENDPOINT)))
+        return _serve(kwargs, link, parent_pid)
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        context.term()
+
+
+class _Link:
+    """The core's ends of its channel: commands in (bound here), outputs out."""
+
+    def __init__(self, inputs: zmq.Socket, outputs: zmq.Socket, key: bytes) -> None:
+        self.inputs, self.outputs = inputs, outputs
+        self._sealer, self._opener = Sealer(key, OUTPUTS), Opener(key, COMMANDS)
+
+    def send(self, message) -> None:
+        self.outputs.send(self._sealer.seal(message))
+
+    def receive(self):
+        """The next pending command, None when none is; frames dropped unread are skipped."""
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            message = self._opener.open(frame)
+            if message is not None:
+                return message
+
+
+def _serve(kwargs: dict, link: _Link, parent_pid: int) -> int:
     try:
         from conveyor.engine.core import EngineCore
 
         core = EngineCore(**kwargs)
     except BaseException as error:  # noqa: BLE001 - the front end re-raises it
-        outputs.send(encode((FAILED, type(error).__name__, str(error), traceback.format_exc())))
-        outputs.close()
+        link.send((FAILED, type(error).__name__, str(error), traceback.format_exc()))
         return 1
     finally:  # before READY: no request waits on its collection
         heap.freeze()
-    outputs.send(encode((READY, core.info, core.get_stats())))
     try:
-        _busy_loop(core, inputs, outputs, parent_pid)
+        link.send((READY, core.info, core.get_stats()))
+        _busy_loop(core, link, parent_pid)
     except BaseException as error:  # noqa: BLE001 - tell the front end, then exit non-zero
-        outputs.send(encode((DEAD, f"{type(error).__name__}: {error}", traceback.format_exc())))
-        outputs.close()
-        core.close()
+        link.send((DEAD, f"{type(error).__name__}: {error}", traceback.format_exc()))
         return 1
-    outputs.close()
-    core.close()
+    finally:
+        core.close()
     return 0
 
 
-def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+def _busy_loop(core, link: _Link, parent_pid: int) -> None:
     poller = zmq.Poller()
-    poller.register(inputs, zmq.POLLIN)
+    poller.register(link.inputs, zmq.POLLIN)
     while True:
         if not core.has_unfinished_requests() and not poller.poll(IDLE_POLL_MS):
             if os.getppid() != parent_pid:
                 return  # orphaned: the front end is gone
             continue
         applied = 0
-        while True:  # every pending command, between two steps
-            try:
-                frame = inputs.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            message = decode(frame)
+        while (message := link.receive()) is not None:  # every pending command, between steps
             if message[0] == SNAPSHOT:  # answered between steps; the step path is untouched
-                outputs.send(encode((SNAPSHOT, core.snapshot())))
+                link.send((SNAPSHOT, core.snapshot()))
                 continue
-            if not _apply(core, message, outputs):
+            if not _apply(core, message, link):
                 return
             applied += 1
         if core.has_unfinished_requests():
             step_outputs = core.step()
-            outputs.send(encode((STEP, step_outputs, core.get_stats())))
+            link.send((STEP, step_outputs, core.get_stats()))
         elif applied:  # the last requests were aborted: the front end's gauges go to idle
-            outputs.send(encode((STEP, [], core.get_stats())))
+            link.send((STEP, [], core.get_stats()))
 
 
-def _apply(core, message, outputs: zmq.Socket) -> bool:
+def _apply(core, message, link: _Link) -> bool:
     """Applies one command; False on stop."""
     kind, payload = message
     if kind == STOP:
@@ -259,7 +309,7 @@ def _apply(core, message, outputs: zmq.Socket) -> bool:
 
             message = f"the engine core refused it: {type(error).__name__}: {error}"
             failed = [CoreOutput.failed(spec.request_id, message) for spec in payload]
-            outputs.send(encode((STEP, failed, core.get_stats())))
+            link.send((STEP, failed, core.get_stats()))
     return True
 
 
@@ -273,4 +323,4 @@ def _die_with_parent() -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
