@@ -32,7 +32,14 @@ class LLMEngine:
             self.core = SyncCoreClient(dict(model=model, **kwargs))
         else:
             self.core = EngineCore(model, **kwargs)
-        info = self.core.info
+        try:
+            self._attach(self.core.info)
+        except BaseException:
+            self.shutdown()  # no engine-core process or rank is left behind
+            raise
+
+    def _attach(self, info) -> None:
+        """The front end's half over a built core: tokenizer, input and output processors."""
         self.model_config = info.model_config
         self.cache_config = info.cache_config
         self.scheduler_config = info.scheduler_config
@@ -121,7 +128,8 @@ class LLMEngine:
         self.core.check_integrity()
 
     def shutdown(self) -> None:
-        """Stops an engine-core process (nothing to do for an in-process core)."""
+        """Stops an engine-core process, or an in-process core's tensor-parallel ranks
+        (idempotent)."""
         close = getattr(self.core, "close", None)
         if close is not None:
             close()

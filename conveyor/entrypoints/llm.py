@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -17,11 +18,27 @@ Prompt = str | list[int]
 class LLM:
     """Runs many prompts through one continuously batched engine and returns the outputs in
     input order. Keyword arguments go to LLMEngine (dtype, device, max_num_seqs,
-    max_num_batched_tokens, enable_chunked_prefill, kv_cache_memory, ...)."""
+    max_num_batched_tokens, enable_chunked_prefill, kv_cache_memory, ...).
+
+    Its processes (an engine core, tensor-parallel ranks) end at `shutdown()`, at the end of a
+    `with LLM(...) as llm:` block, when the LLM is dropped, or at interpreter exit, whichever
+    comes first; a constructor that fails leaves none behind."""
 
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
         self.engine = LLMEngine(model, **engine_kwargs)
         self._counter = itertools.count()
+        # Holds the engine, not the LLM: runs when the LLM is collected, or at exit.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stops the engine's processes and frees its sockets (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -33,6 +50,8 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
