@@ -153,6 +153,7 @@ class CoreInfo:
     device: str
     grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out
+    grammar_unavailable: str | None = None  # why structured output is off, if it is
 
 
 @dataclass(slots=True)
@@ -291,9 +292,10 @@ class EngineCore:
             sorted(self.model_config.eos_token_ids),
             grammar_compile_timeout,
             tokenizer_file=self.model_config.tokenizer_path / "tokenizer.json",
+            tokenizer_dir=self.model_config.tokenizer_path,
         )
         if not skip_tokenizer_init:  # without a tokenizer, constrained requests are refused
-            self.grammars.prepare()
+            self.grammars.prepare()  # never raises: structured output is optional
         self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
         self._failed: list[CoreOutput] = []
         self.record_trace = record_trace
@@ -318,6 +320,7 @@ class EngineCore:
             str(self.device),
             self.grammars.timeout,
             self.skip_tokenizer_init,
+            self.grammars.unavailable,
         )
 
     def _draft_runner(

@@ -1,10 +1,21 @@
-"""Grammars from llguidance: a constraint becomes a compiled matcher, once per constraint.
+"""Grammars from llguidance: a constraint is checked in a sandbox, then compiled once where
+it is used.
 
-GrammarCompiler compiles on worker threads (llguidance releases the interpreter lock while it
-compiles), keeps the compiled matchers in an LRU cache keyed by the constraint, and hands
-every request a copy of its own (`deep_copy` takes microseconds). The front end uses it to
-refuse a bad schema, regex or grammar before the request is admitted; the engine core uses it
-to give each request its matcher without ever compiling on the step loop's thread.
+GrammarCompiler has two duties, one per side of the engine:
+
+    validate / check   (front end) the constraint within bounds (size, nesting), then compiled
+                       in a sandboxed worker process (structured/sandbox.py): a grammar that
+                       does not compile, crashes the compiler or runs past the time limit is
+                       refused with a GrammarError for its request alone. The verdicts are
+                       cached by constraint; a refused or timed-out one never is.
+    submit             (engine core) the real compile of a constraint the front end checked,
+                       on threads whose stack is COMPILE_STACK_RATIO times the sandbox's, in
+                       an LRU cache of matchers; every request gets a copy (`deep_copy`).
+
+So a constraint is compiled once in each place (the sandbox's to prove it, the core's to use
+it), never in the front end's process, and never on the threads that tokenize prompts. If
+llguidance cannot read the model's tokenizer, the engine serves as ever and a constrained
+request is refused with the reason (GrammarUnavailable).
 
 JSON is generated the way `json.dumps` writes it: ", " between items, ": " after keys, no
 other whitespace, so a model cannot pad an object with newlines until max_tokens. Properties
@@ -13,9 +24,11 @@ come in the schema's order.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import queue
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,12 +37,32 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.structured.params import StructuredOutputs
+from conveyor.structured.sandbox import (
+    COMPILE_STACK_RATIO,
+    DEFAULT_WORKERS,
+    JSON_OVERRIDES,
+    SANDBOX_STACK_BYTES,
+    BackendUnavailable,
+    CompileRefused,
+    Sandbox,
+    build_lltokenizer,
+    short,
+)
+from conveyor.structured.sandbox import grammar_text as _grammar_text
 
-# Fixed by the server, after the schema's own "x-guidance" options, so no request can loosen it.
-JSON_OVERRIDES = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+logger = logging.getLogger(__name__)
+
+__all__ = ["JSON_OVERRIDES", "GrammarCompiler", "GrammarError", "GrammarUnavailable"]
+
 DEFAULT_COMPILE_TIMEOUT = 30.0
 CACHE_SIZE = 512
 COMPILE_NICENESS = 10  # of the compile threads (Linux: per thread), see _lower_priority
+# Bounds checked before anything compiles (the sandbox contains what passes them).
+MAX_CONSTRAINT_BYTES = 1 << 20
+MAX_SCHEMA_DEPTH = 64
+# A caller waits this much past the limit, for a worker to start: the sandbox stops the compile
+# itself at the limit, so its verdict (never cached) is what the caller sees.
+CHECK_GRACE = 10.0
 
 
 class GrammarError(ValueError):
@@ -42,26 +75,53 @@ class GrammarError(ValueError):
         self.param = param
 
 
+class GrammarUnavailable(GrammarError):
+    """Structured output is off for this model (llguidance cannot read its tokenizer)."""
+
+
 def grammar_text(constraint: StructuredOutputs) -> str:
     """llguidance's grammar (a JSON string) for a constraint. Checks nothing beyond JSON."""
-    import llguidance
+    return _grammar_text(*constraint.key)
 
-    kind, text = constraint.key
-    if kind == "json":  # its JSON text: parsed in Rust, ~4x faster than from a dict
-        return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OVERRIDES)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            {"type": "object"}, overrides=JSON_OVERRIDES
+
+def check_bounds(constraint: StructuredOutputs) -> None:
+    """Refuses, before any compile, a constraint too big or (a schema) too deeply nested to
+    be worth one. GrammarError naming the field."""
+    if constraint.kind == "json" and not isinstance(constraint.json, str):
+        depth = json_depth(constraint.json)  # before .key writes it out (recursively)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(
+                f"the schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
+                constraint.param,
+            )
+    size = len(constraint.key[1].encode("utf-8", "surrogatepass"))
+    if size > MAX_CONSTRAINT_BYTES:
+        raise GrammarError(
+            f"{size} bytes; at most {MAX_CONSTRAINT_BYTES} are allowed", constraint.param
         )
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(text)
-    if kind == "choice":
-        return llguidance.grammar_from("choice", text)
-    return llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
+
+
+def json_depth(value: Any, stop: int = 1 << 30) -> int:
+    """Nesting depth of a JSON value (a scalar is 0, [] or {} is 1), without recursion; stops
+    counting past `stop`."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, (list, tuple)):
+            continue
+        depth += 1
+        if depth > deepest:
+            deepest = depth
+            if deepest > stop:
+                return deepest
+        stack.extend((child, depth) for child in item)
+    return deepest
 
 
 class CompileStats:
-    """What the compiler did since it was made: cache lookups and hits, and the seconds each
+    """What the compiler did since it was made: checks and cache hits, and the seconds each
     compile took (a list the metrics drain)."""
 
     __slots__ = ("queries", "hits", "compile_seconds")
@@ -82,68 +142,187 @@ class GrammarCompiler:
         cache_size: int = CACHE_SIZE,
         max_workers: int = 2,
         tokenizer_file: Path | None = None,
+        tokenizer_dir: Path | None = None,
+        sandbox_workers: int = DEFAULT_WORKERS,
     ) -> None:
         """tokenizer: returns the Hugging Face tokenizer (called once, if needed).
         tokenizer_file: its tokenizer.json, which llguidance reads in Rust, ~3x faster than
-        walking the Hugging Face tokenizer's vocabulary in Python. vocab_size: the width of
-        the model's logits (padding beyond the tokenizer is never allowed). eos_token_ids:
-        the model's end-of-sequence tokens, which end any grammar."""
+        walking the Hugging Face tokenizer's vocabulary in Python; tokenizer_dir: the folder
+        the sandbox loads the Hugging Face tokenizer from when that fails. vocab_size: the
+        width of the model's logits (padding beyond the tokenizer is never allowed).
+        eos_token_ids: the model's end-of-sequence tokens, which end any grammar."""
         if not timeout > 0:
             raise ValueError(f"grammar compile timeout must be > 0 seconds, got {timeout!r}")
         self._tokenizer_factory = tokenizer
         self._tokenizer_file = tokenizer_file
+        self._tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.timeout = timeout
         self.cache_size = cache_size
         self.stats = CompileStats()
+        self.num_compiled = 0  # real compiles in this process (submit)
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()  # apart: submit() never waits for a build
         self._lltok = None
+        self._unavailable: str | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._pool = ThreadPoolExecutor(
-            max_workers, thread_name_prefix="conveyor-grammar", initializer=_lower_priority
-        )
+        self._checks: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pool = _StackPool(max_workers, SANDBOX_STACK_BYTES * COMPILE_STACK_RATIO)
+        self._sandbox_workers = sandbox_workers
+        self._sandbox: Sandbox | None = None
+        self._waiters: ThreadPoolExecutor | None = None
+
+    # ---- availability ----------------------------------------------------------------------
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why structured output is off for this model, once known; None while it may work."""
+        if self._unavailable is None and self._sandbox is not None:
+            return self._sandbox.unavailable
+        return self._unavailable
 
     @property
     def lltokenizer(self):
-        """llguidance's view of the tokenizer, built once (see prepare)."""
+        """llguidance's view of the tokenizer, built once (see prepare). GrammarUnavailable
+        if llguidance cannot read it."""
         with self._tokenizer_lock:
+            if self._lltok is None and self._unavailable is None:
+                try:
+                    self._lltok = build_lltokenizer(
+                        str(self._tokenizer_file) if self._tokenizer_file else None,
+                        self._tokenizer_factory,
+                        self.vocab_size,
+                        self.eos_token_ids,
+                    )
+                except Exception as error:  # noqa: BLE001 - an optional part: never fatal
+                    self._unavailable = short(f"{type(error).__name__}: {error}")
+                    logger.warning(
+                        "structured output is off for this model: llguidance cannot read its "
+                        "tokenizer (%s); every other request is served",
+                        self._unavailable,
+                    )
             if self._lltok is None:
-                self._lltok = self._build_lltokenizer()
+                raise GrammarUnavailable(self._refusal(), "structured_outputs")
             return self._lltok
 
+    def _refusal(self) -> str:
+        return f"structured output is unavailable for this model: {self.unavailable}"
+
     def prepare(self) -> None:
-        """Builds llguidance's tokenizer now: 0.2-0.4 s for a 49k vocabulary that hold the
-        interpreter lock, better spent at startup than as a stall of the step loop when the
-        first constrained request arrives."""
-        self.lltokenizer  # noqa: B018 - built for its side effect
+        """Builds llguidance's tokenizer now (for submit): 0.2-0.4 s for a 49k vocabulary
+        that hold the interpreter lock, better spent at startup than as a stall of the step
+        loop when the first constrained request arrives. Never raises: a tokenizer it cannot
+        read turns structured output off, with one warning."""
+        try:
+            self.lltokenizer  # noqa: B018 - built for its side effect
+        except GrammarUnavailable:
+            pass
 
-    def _build_lltokenizer(self):
-        import llguidance
-        import llguidance.hf
+    def prepare_sandbox(self) -> None:
+        """Starts a sandbox worker ahead of the first constraint (for validate)."""
+        self._sandbox_pool().start()
 
-        eos = self.eos_token_ids
-        file = self._tokenizer_file
-        if file is not None and file.is_file():
-            try:
-                return llguidance.LLTokenizer(str(file), n_vocab=self.vocab_size, eos_token=eos)
-            except ValueError:  # more tokens than logits, or a format it cannot read
-                pass
-        hf = self._tokenizer_factory()
-        return llguidance.hf.from_tokenizer(
-            hf, n_vocab=max(self.vocab_size, len(hf)), eos_token=eos
-        )
+    # ---- the front end: checked in the sandbox -----------------------------------------------
 
-    def submit(self, constraint: StructuredOutputs) -> Future:
-        """A future of the constraint's compiled matcher (a template: copy it, never advance
-        it). Compiles on a worker thread unless cached; the future raises GrammarError."""
+    def check(self, constraint: StructuredOutputs) -> Future:
+        """A future of the constraint's verdict: None, or it raises GrammarError. Runs on
+        the compiler's own waiter threads, never the caller's."""
+        try:
+            check_bounds(constraint)
+        except GrammarError as error:
+            future: Future = Future()
+            future.set_exception(error)
+            return future
         key = constraint.key
         with self._lock:
             self.stats.queries += 1
-            future = self._cache.get(key)
+            future = self._checks.get(key)
             if future is not None:
                 self.stats.hits += 1
+                self._checks.move_to_end(key)
+                return future
+            if self._waiters is None:
+                self._waiters = ThreadPoolExecutor(
+                    self._sandbox_workers, thread_name_prefix="conveyor-grammar-check"
+                )
+            future = self._waiters.submit(self._check, constraint)
+            self._checks[key] = future
+            while len(self._checks) > self.cache_size:
+                self._checks.popitem(last=False)
+        return future
+
+    def _check(self, constraint: StructuredOutputs) -> None:
+        kind, text = constraint.key
+        try:
+            seconds = self._sandbox_pool().check(kind, text, self.timeout)
+        except CompileRefused as error:
+            self._forget(self._checks, constraint)
+            raise GrammarError(error.detail, constraint.param) from None
+        except BackendUnavailable:
+            self._forget(self._checks, constraint)
+            raise GrammarUnavailable(self._refusal(), constraint.param) from None
+        with self._lock:
+            self.stats.compile_seconds.append(seconds)
+
+    def _sandbox_pool(self) -> Sandbox:
+        with self._lock:
+            if self._sandbox is None:
+                self._sandbox = Sandbox(
+                    self._tokenizer_file,
+                    self._tokenizer_dir,
+                    self.vocab_size,
+                    self.eos_token_ids,
+                    max_workers=self._sandbox_workers,
+                )
+            return self._sandbox
+
+    def validate(self, constraint: StructuredOutputs, timeout: float | None = None) -> None:
+        """Raises GrammarError if the constraint does not compile in the sandbox, or not
+        within the time limit (a check still queued then is dropped)."""
+        self._check_available(constraint)
+        wait = self.timeout + CHECK_GRACE if timeout is None else timeout
+        future = self.check(constraint)
+        try:
+            future.result(timeout=wait)
+        except FutureTimeout:
+            raise self._late(future, constraint) from None
+
+    async def validate_async(self, constraint: StructuredOutputs) -> None:
+        """validate for the event loop: waits without holding any thread."""
+        self._check_available(constraint)
+        future = self.check(constraint)
+        try:  # shielded: a client that leaves does not cancel a check others may share
+            wait = self.timeout + CHECK_GRACE
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), wait)
+        except TimeoutError:
+            raise self._late(future, constraint) from None
+
+    def _check_available(self, constraint: StructuredOutputs) -> None:
+        if self.unavailable is not None:
+            raise GrammarUnavailable(self._refusal(), constraint.param)
+
+    def _late(self, future: Future, constraint: StructuredOutputs) -> GrammarError:
+        """Waited past the limit for a busy sandbox. A check still queued is dropped; one
+        running is stopped by the sandbox at its own deadline, and then forgotten."""
+        if future.cancel():
+            self._forget(self._checks, constraint)
+        return GrammarError(
+            f"the grammar did not compile within {self.timeout:g} s (the grammar compilers "
+            "are busy)",
+            constraint.param,
+        )
+
+    # ---- the engine core: compiled for use -------------------------------------------------
+
+    def submit(self, constraint: StructuredOutputs) -> Future:
+        """A future of the constraint's compiled matcher (a template: copy it, never advance
+        it). Compiles on a worker thread unless cached; the future raises GrammarError. The
+        constraint must have passed validate (in this process or the front end's)."""
+        key = constraint.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
                 self._cache.move_to_end(key)
                 return future
             future = self._pool.submit(self._compile, constraint)
@@ -155,48 +334,88 @@ class GrammarCompiler:
     def _compile(self, constraint: StructuredOutputs):
         import llguidance
 
-        start = time.perf_counter()
-        lltok = self.lltokenizer
         try:
+            lltok = self.lltokenizer
             text = grammar_text(constraint)
         except GrammarError:
-            self._forget(constraint)
+            self._forget(self._cache, constraint)
             raise
         except (ValueError, TypeError) as error:
-            self._forget(constraint)
+            self._forget(self._cache, constraint)
             raise GrammarError(str(error), constraint.param) from None
         matcher = llguidance.LLMatcher(lltok, text, log_level=0)
         with self._lock:
-            self.stats.compile_seconds.append(time.perf_counter() - start)
+            self.num_compiled += 1
         if matcher.is_error():
-            self._forget(constraint)
-            raise GrammarError(_short(matcher.get_error()), constraint.param)
+            self._forget(self._cache, constraint)
+            raise GrammarError(short(matcher.get_error()), constraint.param)
         return matcher
 
-    def _forget(self, constraint: StructuredOutputs) -> None:
+    def _forget(self, cache: OrderedDict, constraint: StructuredOutputs) -> None:
         """Failed compiles are not cached: the next request with it gets its own error."""
         with self._lock:
-            self._cache.pop(constraint.key, None)
-
-    def validate(self, constraint: StructuredOutputs, timeout: float | None = None) -> None:
-        """Raises GrammarError if the constraint does not compile, or not within the time
-        limit. The compiled matcher stays cached for the engine."""
-        wait = self.timeout if timeout is None else timeout
-        try:
-            self.submit(constraint).result(timeout=wait)
-        except FutureTimeout:
-            raise GrammarError(
-                f"the grammar did not compile within {wait:g} s", constraint.param
-            ) from None
+            cache.pop(constraint.key, None)
 
     def take_stats(self) -> tuple[int, int, list[float]]:
-        """(cache lookups, cache hits, seconds of each compile since the last call)."""
+        """(checks, cache hits, seconds of each sandbox compile since the last call)."""
         with self._lock:
             seconds, self.stats.compile_seconds = self.stats.compile_seconds, []
             return self.stats.queries, self.stats.hits, seconds
 
+    @property
+    def sandbox_pids(self) -> list[int]:
+        return self._sandbox.pids if self._sandbox is not None else []
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+        if self._waiters is not None:
+            self._waiters.shutdown(wait=False, cancel_futures=True)
+        if self._sandbox is not None:
+            self._sandbox.close()
+
+
+class _StackPool:
+    """A few daemon threads with a stack of their own size (ThreadPoolExecutor cannot set
+    one): the engine core's compiles run here, with COMPILE_STACK_RATIO times the stack the
+    sandbox proved a constraint to need."""
+
+    def __init__(self, num_threads: int, stack_bytes: int) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._num_threads = num_threads
+        self._stack_bytes = stack_bytes
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        with self._lock:
+            if len(self._threads) < self._num_threads:  # started on first use
+                old = threading.stack_size(self._stack_bytes)
+                try:
+                    thread = threading.Thread(
+                        target=self._run, name="conveyor-grammar", daemon=True
+                    )
+                    thread.start()
+                finally:
+                    threading.stack_size(old)
+                self._threads.append(thread)
+        return future
+
+    def _run(self) -> None:
+        _lower_priority()
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # noqa: BLE001 - handed to the future's owner
+                future.set_exception(error)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
 
 
 def _lower_priority() -> None:
@@ -207,11 +426,6 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
     except (AttributeError, OSError):  # not Linux, or not allowed: equal priority then
         pass
-
-
-def _short(message: str, limit: int = 500) -> str:
-    message = " ".join(str(message).split())
-    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
