@@ -21,6 +21,8 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 1024  # entries of logit_bias
     max_body_bytes: int = 32 * 2**20
+    # levels of nesting in a schema, tool parameters or tool-call arguments (conveyor/nesting.py)
+    max_json_depth: int = 64
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

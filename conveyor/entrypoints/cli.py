@@ -144,6 +144,7 @@ _LIMIT_FLAGS = {
     "max_stop_token_ids": "most stop_token_ids per request",
     "max_logit_bias": "most logit_bias entries per request",
     "max_body_bytes": "largest request body in bytes (413 beyond it)",
+    "max_json_depth": "deepest nesting of a JSON schema, tool parameters or tool-call arguments",
 }
 
 
