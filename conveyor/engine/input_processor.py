@@ -8,6 +8,7 @@ from typing import Any
 
 from conveyor.engine.core import CoreInfo, CoreRequest
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.listing import listed
 from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarCompiler
@@ -129,9 +130,17 @@ class InputProcessor:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.info.model_config.vocab_size
-        outside = [t for t in params.logit_bias or () if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {outside[:5]}")
+        errors = []
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids or ()),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                verb = "is" if len(outside) == 1 else "are"
+                errors.append(f"{name}: {listed(outside)} {verb} not in [0, {vocab})")
+        if errors:
+            raise ValueError("; ".join(errors))
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         """Resolves max_tokens and refuses what could never run."""
@@ -157,6 +166,8 @@ class InputProcessor:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs "
                 f"{needed_blocks} KV blocks; the whole cache has {num_blocks}"
+        """Every token id a request names is in the vocabulary; the error names each that is
+        not, field by field."""
             )
         sched = self.info.scheduler_config
         if not sched.enable_chunked_prefill and num_prompt > sched.max_num_batched_tokens:
