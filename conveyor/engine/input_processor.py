@@ -129,6 +129,8 @@ class InputProcessor:
         return None, list(prompt)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
+        """Every token id a request names is in the vocabulary; the error names each that is
+        not, field by field."""
         vocab = self.info.model_config.vocab_size
         errors = []
         for name, ids in (
@@ -166,8 +168,6 @@ class InputProcessor:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs "
                 f"{needed_blocks} KV blocks; the whole cache has {num_blocks}"
-        """Every token id a request names is in the vocabulary; the error names each that is
-        not, field by field."""
             )
         sched = self.info.scheduler_config
         if not sched.enable_chunked_prefill and num_prompt > sched.max_num_batched_tokens:
