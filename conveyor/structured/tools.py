@@ -15,6 +15,10 @@ found in free text.
 The prompt tells the model the tools through its chat template when the template reads
 `tools`; otherwise (SmolLM2's template does not) a system message describes them in the
 same JSON shapes the grammars force.
+
+Model output is read in linear time (str.find and json's decoder, no backtracking regex) and
+only to a bounded depth (conveyor/nesting.py): a reply nested deeper than max_depth is text,
+not a call, so nothing that reads a call afterwards can overflow.
 """
 
 from __future__ import annotations
@@ -25,10 +29,16 @@ import re
 import uuid
 from typing import Any, NamedTuple
 
+from conveyor import nesting
+from conveyor.limits import RequestLimits
 from conveyor.structured.backend import strict_schema
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+MAX_DEPTH = RequestLimits().max_json_depth  # the server passes its own --max-json-depth
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+HEAD_LENGTH = len(_OPEN)  # may_be_tool_call reads no more of a reply, after its blanks
+_BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace; one class, so it cannot backtrack
+_DECODER = json.JSONDecoder()
 
 
 class ToolCall(NamedTuple):
@@ -83,30 +93,28 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     return schema
 
 
-def parse_required(text: str) -> list[ToolCall] | None:
-    """The calls of a "required" reply, or None if it is not complete JSON (cut by length)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list):
-        return None
-    return [_call(item) for item in items if _call(item) is not None] or None
+def parse_required(text: str, max_depth: int = MAX_DEPTH) -> list[ToolCall]:
+    """The complete calls of a "required" reply: each whole element of its JSON list, so a
+    reply cut by max_tokens keeps the calls finished before the cut (and an empty list if
+    none was)."""
+    return [call for item in _whole_items(text, max_depth) if (call := _call(item)) is not None]
 
 
-def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+def parse_auto(
+    text: str, names: set[str], max_depth: int = MAX_DEPTH
+) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a free reply: calls found in <tool_call> blocks, or the whole reply
     as one call or a list of calls of declared tools; otherwise (text, [])."""
-    blocks = _TOOL_CALL_BLOCK.findall(text)
+    blocks = _tool_call_blocks(text)
     if blocks:
-        calls = [_call(_loads(block), names) for block in blocks]
+        calls = [_call(_loads(body, max_depth), names, max_depth) for _, _, body in blocks]
         if all(call is not None for call in calls):
-            content = _TOOL_CALL_BLOCK.sub("", text).strip()
+            content = _outside(text, blocks).strip()
             return content or None, calls
         return text, []
-    value = _loads(text.strip())
+    value = _loads(text.strip(), max_depth)
     items = value if isinstance(value, list) and value else [value]
-    calls = [_call(item, names) for item in items]
+    calls = [_call(item, names, max_depth) for item in items]
     if value is not None and all(call is not None for call in calls):
         return None, calls
     return text, []
@@ -114,7 +122,8 @@ def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
 
 def may_be_tool_call(text: str) -> bool:
     """Whether a reply that starts with `text` could still turn out to be a tool call (a
-    stream holds such text back until it knows)."""
+    stream holds such text back until it knows). Only the first HEAD_LENGTH characters after
+    leading blanks decide it."""
     head = text.lstrip()
     if not head or head[0] in "{[":
         return True
@@ -151,21 +160,67 @@ def tools_prompt(tools: list[dict], tool_choice: Any) -> str:
     return f"You can call these functions:\n{listing}\n{how}"
 
 
-def _loads(text: str) -> Any:
+def _tool_call_blocks(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, stripped body) of each <tool_call>...</tool_call> block: a body ends at the
+    first closing tag after its opening one."""
+    blocks: list[tuple[int, int, str]] = []
+    position = 0
+    while (start := text.find(_OPEN, position)) != -1:
+        close = text.find(_CLOSE, start + len(_OPEN))
+        if close == -1:
+            break
+        position = close + len(_CLOSE)
+        blocks.append((start, position, text[start + len(_OPEN) : close].strip()))
+    return blocks
+
+
+def _outside(text: str, blocks: list[tuple[int, int, str]]) -> str:
+    pieces, position = [], 0
+    for start, end, _ in blocks:
+        pieces.append(text[position:start])
+        position = end
+    pieces.append(text[position:])
+    return "".join(pieces)
+
+
+def _whole_items(text: str, max_depth: int) -> list:
+    """The complete elements of a JSON list that may be cut short: each is decoded where the
+    one before it ended, so the whole reply is read once."""
+    position = _BLANK.match(text).end()
+    if not text.startswith("[", position):
+        return []
+    items: list = []
+    position += 1
+    while True:
+        position = _BLANK.match(text, position).end()
+        try:
+            item, position = _DECODER.raw_decode(text, position)
+        except (ValueError, RecursionError):  # cut inside this element, or too deep to read
+            return items
+        if nesting.too_deep(item, max_depth - 1):  # the list itself is one level
+            return items
+        items.append(item)
+        position = _BLANK.match(text, position).end()
+        if not text.startswith(",", position):  # "]": the end; anything else: the cut
+            return items
+        position += 1
+
+
+def _loads(text: str, max_depth: int) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
+        return nesting.loads(text, max_depth)
+    except ValueError:  # not JSON, or nested deeper than max_depth
         return None
 
 
-def _call(item: Any, names: set[str] | None = None) -> ToolCall | None:
+def _call(item: Any, names: set[str] | None = None, max_depth: int = MAX_DEPTH) -> ToolCall | None:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
     if names is not None and item["name"] not in names:
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as JSON text
-        if not isinstance(_loads(arguments), dict):
+        if not isinstance(_loads(arguments, max_depth), dict):
             return None
         return ToolCall(item["name"], arguments)
     if not isinstance(arguments, dict):

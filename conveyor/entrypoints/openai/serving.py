@@ -24,6 +24,8 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarError
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import (
+    HEAD_LENGTH,
+    MAX_DEPTH,
     ToolCall,
     may_be_tool_call,
     parse_auto,
@@ -226,7 +228,8 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
         choices = await self._collect(streams, request.n)
-        replies = [_ToolReply(request).message(c.text, c.finish_reason) for c in choices]
+        depth = self.limits.max_json_depth
+        replies = [_ToolReply(request, depth).message(c.text, c.finish_reason) for c in choices]
         return {
             "id": streams[0].request_id,
             "object": "chat.completion",
@@ -257,7 +260,8 @@ class OpenAIServing:
             choices[index] = _Choice(index)
             delta = {"role": "assistant", "content": ""}
             yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
-        replies = {index: _ToolReply(request) for index in range(request.n)}
+        depth = self.limits.max_json_depth
+        replies = {index: _ToolReply(request, depth) for index in range(request.n)}
         async for index, delta in self._deltas(streams, request.n):
             choice = choices[index]
             choice.num_tokens += len(delta.token_ids)
@@ -376,7 +380,10 @@ def message_dict(message: ChatMessage, native_tools: bool = True) -> dict:
         data["content"] = message.text()
     if message.tool_calls and not native_tools:
         calls = [_call_json(call) for call in message.tool_calls]
-        text = json.dumps(calls if len(calls) > 1 else calls[0], ensure_ascii=False)
+        try:
+            text = json.dumps(calls if len(calls) > 1 else calls[0], ensure_ascii=False)
+        except RecursionError:
+            raise ValueError("messages: tool calls nest too deeply to write") from None
         data["content"] = f"{data['content']}\n{text}" if data.get("content") else text
         del data["tool_calls"]
     if data.get("content") is None:
@@ -392,6 +399,8 @@ def _call_json(call: dict) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
+        except RecursionError:  # check_limits bounds a chat request's; /tokenize's end here
+            raise ValueError("messages: tool call arguments nest too deeply to read") from None
         except ValueError:
             pass
     return {"name": function.get("name"), "arguments": arguments}
@@ -402,30 +411,38 @@ class _ToolReply:
     deltas. named: the text is the function's arguments, streamed as they come; required:
     the text is a JSON list of calls, sent once complete; auto: text that may be a call is
     held back until it is known (it either parses as calls of declared tools, or is sent
-    as content)."""
+    as content).
 
-    def __init__(self, request: ChatCompletionRequest) -> None:
+    A forced reply cut by max_tokens is never sent as content: required sends the calls
+    completed before the cut (none if none was), named sends the arguments written so far,
+    as OpenAI does; finish_reason is "length". Reading a reply is linear in its length, and
+    a stream reads each delta once."""
+
+    def __init__(self, request: ChatCompletionRequest, max_depth: int = MAX_DEPTH) -> None:
         self.mode = request.tool_mode
         self.names = {tool.function.name for tool in request.tools or []}
         self.name = request.tool_choice.function.name if self.mode == "named" else None
+        self.max_depth = max_depth
         self.holding = self.mode in ("required", "auto")
-        self.text = ""
+        self.pieces: list[str] = []  # the held text, joined once: += would copy it each time
+        self.head = ""  # auto: the held text's start after blanks, until it decides
         self.held: list = []
         self.started = False
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls): content is None for a forced call, whatever it holds."""
         if self.mode == "named":
             return None, [ToolCall(self.name, text)]
         if self.mode == "required":
-            return None, parse_required(text) or []
+            return None, parse_required(text, self.max_depth)
         if self.mode == "auto":
-            return parse_auto(text, self.names)
+            return parse_auto(text, self.names, self.max_depth)
         return text, []
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         content, calls = self.calls(text)
         if not calls:
-            return {"role": "assistant", "content": text}, finish_reason
+            return {"role": "assistant", "content": content}, finish_reason
         message = {
             "role": "assistant",
             "content": content,
@@ -448,11 +465,11 @@ class _ToolReply:
                 out.append(({}, [], _tool_finish(finish)))
             return out
         if self.holding:
-            self.text += text
+            self.pieces.append(text)
             self.held += logprobs
-            if self.mode == "auto" and not may_be_tool_call(self.text):
+            if self.mode == "auto" and not self._may_be_call(text):
                 self.holding = False  # plain text after all: send what was held
-                text, logprobs = self.text, self.held
+                text, logprobs = "".join(self.pieces), self.held
             elif finish is None:
                 return []
             else:
@@ -461,10 +478,18 @@ class _ToolReply:
             return []
         return [({"content": text} if text else {}, logprobs, finish)]
 
+    def _may_be_call(self, text: str) -> bool:
+        """may_be_tool_call of the held text, reading only the new text: once the held text
+        has HEAD_LENGTH characters after its blanks (or starts a JSON value) it is settled."""
+        if len(self.head) == HEAD_LENGTH or self.head[:1] in ("{", "["):
+            return True
+        self.head = (self.head + text).lstrip()[:HEAD_LENGTH]
+        return may_be_tool_call(self.head)
+
     def _final(self, finish: str) -> list[tuple]:
-        content, calls = self.calls(self.text)
+        content, calls = self.calls("".join(self.pieces))
         if not calls:
-            return [({"content": self.text} if self.text else {}, self.held, finish)]
+            return [({"content": content} if content else {}, self.held, finish)]
         out = [({"content": content}, [], None)] if content else []
         out += [({"tool_calls": [call.to_openai(i)]}, [], None) for i, call in enumerate(calls)]
         out.append(({}, self.held, _tool_finish(finish)))
