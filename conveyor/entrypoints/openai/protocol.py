@@ -7,6 +7,10 @@ relies on must not get an answer that silently did not honour it. Accepted and i
 harmless hints: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
 `safety_identifier`. Non-finite floats (JSON 1e999) are refused as well.
 
+Nested JSON a request carries (schemas, tool parameters, tool-call arguments) is refused
+beyond RequestLimits.max_json_depth levels: the server recurses over it (see
+conveyor/nesting.py).
+
 Constrained output comes from one of: `response_format` (json_object, json_schema),
 `structured_outputs` (vLLM's: json, json_object, regex, choice, grammar), or, on chat,
 `tool_choice` "required" or a named function (see conveyor/structured/tools.py).
@@ -14,12 +18,16 @@ Constrained output comes from one of: `response_format` (json_object, json_schem
 
 from __future__ import annotations
 
+import json
 import re
+from collections import Counter
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from conveyor import nesting
 from conveyor.limits import RequestLimits
+from conveyor.listing import listed
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import strict_schema
 from conveyor.structured.params import StructuredOutputs
@@ -37,6 +45,20 @@ class InvalidParam(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def check_depth(value: Any, limit: int, param: str) -> None:
+    """InvalidParam if `value` (a dict or list, or the JSON text of one) nests deeper than
+    limit levels."""
+    if isinstance(value, str):
+        deep = nesting.text_too_deep(value, limit)
+    else:
+        deep = nesting.too_deep(value, limit)
+    if deep:
+        raise InvalidParam(
+            f"{param}: nested deeper than {limit} levels, the most this server allows",
+            param,
+        )
 
 
 class JsonSchemaFormat(BaseModel):
@@ -176,6 +198,18 @@ class _SamplingFields(BaseModel):
                 f"stop: each stop string may have at most {limits.max_stop_length} characters, "
                 f"got {longest}"
             )
+        for param, value in self.nested_fields():
+            check_depth(value, limits.max_json_depth, param)
+
+    def nested_fields(self) -> list[tuple[str, Any]]:
+        """(param, value) of each field holding nested JSON: the schemas."""
+        fields = []
+        fmt = self.response_format
+        if fmt is not None and fmt.json_schema is not None:
+            fields.append(("response_format.json_schema.schema", fmt.json_schema.schema_))
+        if self.structured_outputs is not None:
+            fields.append(("structured_outputs.json", self.structured_outputs.json_))
+        return [(param, value) for param, value in fields if value is not None]
 
     def sampling_params(
         self, max_tokens: int | None, constraint: StructuredOutputs | None = None
@@ -264,8 +298,8 @@ class ChatMessage(BaseModel):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
                     raise ValueError(
-                        f"content part of type {kind!r} is not supported: this model reads "
-                        "text only"
+                        f"content part of type {_shown(kind)} is not supported: this model "
+                        "reads text only"
                     )
         return value
 
@@ -326,19 +360,46 @@ class ChatCompletionRequest(_SamplingFields):
     def tool_dicts(self) -> list[dict]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
 
+    def check_limits(self, limits: RequestLimits) -> None:
+        super().check_limits(limits)
+        for i, message in enumerate(self.messages):
+            for j, call in enumerate(message.tool_calls or []):
+                param = f"messages.{i}.tool_calls.{j}"
+                check_depth(call, limits.max_json_depth, param)
+                function = call.get("function")
+                arguments = function.get("arguments") if isinstance(function, dict) else None
+                if isinstance(arguments, str):  # JSON text, read when the prompt is written
+                    check_depth(arguments, limits.max_json_depth, f"{param}.function.arguments")
+
+    def nested_fields(self) -> list[tuple[str, Any]]:
+        fields = super().nested_fields()
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.parameters is not None:
+                fields.append((f"tools.{i}.function.parameters", tool.function.parameters))
+        return fields
+
     def check_tools(self) -> None:
         names = [tool.function.name for tool in self.tools or []]
-        for name in names:
-            if not _FUNCTION_NAME.match(name):
-                raise InvalidParam(
-                    f"tools: function name {name!r} must be 1-64 letters, digits, _ or -",
-                    "tools",
-                )
-        if len(set(names)) < len(names):
-            raise InvalidParam("tools: function names must be unique", "tools")
+        bad = [_shown(name) for name in names if not _FUNCTION_NAME.match(name)]
+        if bad:
+            raise InvalidParam(
+                f"tools: function names must be 1-64 letters, digits, _ or -: {listed(bad)} "
+                f"{'is' if len(bad) == 1 else 'are'} not",
+                "tools",
+            )
+        repeated = sorted(name for name, count in Counter(names).items() if count > 1)
+        if repeated:
+            raise InvalidParam(
+                f"tools: function names must be unique: {listed(repeated)} repeated", "tools"
+            )
         choice = self.tool_choice
-        if choice not in (None, "none", "auto") and not names:
-            raise InvalidParam("tool_choice: a forced tool call needs tools", "tool_choice")
+        if choice not in (None, "none") and not names:
+            shown = _shown(choice) if isinstance(choice, str) else "a named function"
+            raise InvalidParam(
+                f"tool_choice: {shown} needs tools; without tools leave tool_choice out or "
+                'give "none"',
+                "tool_choice",
+            )
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise InvalidParam(
                 f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice"
@@ -391,3 +452,12 @@ class DetokenizeRequest(BaseModel):
 
 def _is_id_list(prompt: list) -> bool:
     return all(isinstance(t, int) for t in prompt)
+
+
+def _shown(value: Any) -> str:
+    """A value as JSON for an error message (never a Python repr), cut to 100 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 100 else text[:97] + "..."
