@@ -303,9 +303,9 @@ async def _guarded(serving: OpenAIServing, streams, chunks: AsyncIterator[str]):
             yield chunk
     except (EngineDeadError, RequestFailedError) as error:
         yield _sse_error(str(error), "InternalServerError")
-    except Exception as error:  # noqa: BLE001 - the client must hear of it
+    except Exception:  # noqa: BLE001 - the client must hear of it
         logger.exception("stream failed")
-        yield _sse_error(f"internal error: {error!r}", "InternalServerError")
+        yield _sse_error(_INTERNAL, "InternalServerError")
     finally:
         serving.abort_unfinished(streams)
 
@@ -356,8 +356,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(error.status_code, str(error.detail), kind)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, error: Exception):
-        return error_response(500, f"internal error: {error!r}", "InternalServerError")
+    async def internal(request: Request, error: Exception):
+        # The client gets no Python repr (it may echo the input, and tells it nothing it can
+        # fix); the log gets the traceback.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return error_response(500, _INTERNAL, "InternalServerError")
+
+
+_INTERNAL = "internal error: the request failed in the server (its log has the details)"
 
 
 def _location(error: dict) -> str:
