@@ -11,15 +11,17 @@ from conveyor.engine.output_processor import OutputProcessor
 from conveyor.listing import listed
 from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
-from conveyor.structured.backend import GrammarCompiler
+from conveyor.structured.backend import GrammarCompiler, GrammarUnavailable
+from conveyor.structured.params import StructuredOutputs
 
 
 class InputProcessor:
     def __init__(
         self, info: CoreInfo, tokenizer: Any, grammars: GrammarCompiler | None = None
     ) -> None:
-        """grammars: the core's compiler when it runs in this process (a grammar checked
-        here is then compiled once); otherwise the front end keeps its own."""
+        """grammars: the core's compiler when it runs in this process; otherwise the front
+        end keeps its own, which only checks constraints (in its sandbox) and never compiles
+        one in this process."""
         self.info = info
         self.tokenizer = tokenizer
         if grammars is None and tokenizer is not None:
@@ -30,9 +32,12 @@ class InputProcessor:
                 sorted(model.eos_token_ids),
                 info.grammar_compile_timeout,
                 tokenizer_file=model.tokenizer_path / "tokenizer.json",
+                tokenizer_dir=model.tokenizer_path,
             )
-            grammars.prepare()
+        if grammars is not None and tokenizer is not None and info.grammar_unavailable is None:
+            grammars.prepare_sandbox()
         self.grammars = grammars
+        self._char_limit: int | None | object = _UNKNOWN
 
     @property
     def max_model_len(self) -> int:
@@ -82,8 +87,8 @@ class InputProcessor:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         self._check_token_ids(params)
-        if params.structured_outputs is not None:  # compiled once, then cached
-            self.grammars.validate(params.structured_outputs)
+        if params.structured_outputs is not None:  # checked once, then cached
+            self.check_constraint(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if params.n == 1:
             children = [(request_id, params)]
@@ -94,6 +99,29 @@ class InputProcessor:
             for child_id, child_params in children
         ]
         return text, token_ids, sequences
+
+    def check_text_length(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuses, before tokenizing, a text that cannot fit in the context: tokenizing a
+        30 MB prompt only to count it took minutes and gigabytes."""
+        if self._char_limit is _UNKNOWN:
+            self._char_limit = max_prompt_chars(self.tokenizer, self.max_model_len)
+        limit = self._char_limit
+        if limit is not None and num_chars > limit:
+            raise ValueError(
+                f"{param}: {num_chars} characters cannot fit in the model's context length of "
+                f"{self.max_model_len} tokens (no {self.max_model_len} tokens of this "
+                f"tokenizer hold more than {limit} characters)"
+            )
+
+    def check_constraint(self, constraint: StructuredOutputs) -> None:
+        """GrammarError unless the constraint compiled in the sandbox (cached verdicts)."""
+        unavailable = self.info.grammar_unavailable
+        if unavailable is not None:
+            raise GrammarUnavailable(
+                f"structured output is unavailable for this model: {unavailable}",
+                constraint.param,
+            )
+        self.grammars.validate(constraint)
 
     def _check_without_tokenizer(self, params: SamplingParams) -> None:
         """skip_tokenizer_init: what needs text is refused."""
@@ -120,6 +148,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            self.check_text_length(len(prompt), "prompt")
             return prompt, list(self.tokenizer(prompt).input_ids)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
@@ -176,3 +205,51 @@ class InputProcessor:
                 f"({sched.max_num_batched_tokens}) with chunked prefill disabled"
             )
         return max_tokens
+
+
+_UNKNOWN = object()
+# Normalizers that never shrink a text by more than MAX_NORMALIZED_SHRINK (Unicode composition
+# joins at most 3 code points, e.g. Hangul jamo) and never delete what they are given.
+_SAFE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"}
+MAX_NORMALIZED_SHRINK = 4
+
+
+def max_prompt_chars(tokenizer: Any, num_tokens: int) -> int | None:
+    """The most characters num_tokens tokens of this tokenizer can spell: num_tokens times its
+    longest token's text (a byte-level or SentencePiece token's text is at least as long as
+    what it decodes to), times MAX_NORMALIZED_SHRINK if a normalizer may compose characters.
+    None (no bound) for a tokenizer this cannot reason about: one whose normalizer may
+    delete text, or that is not a Hugging Face fast tokenizer."""
+    import json
+
+    try:
+        vocab = tokenizer.get_vocab()
+        spec = json.loads(tokenizer.backend_tokenizer.to_str()).get("normalizer")
+    except (AttributeError, TypeError, ValueError):
+        return None
+    longest = max((len(token) for token in vocab), default=0)
+    if not longest:
+        return None
+    if spec is not None and not _never_shrinks_much(spec):
+        return None
+    return num_tokens * longest * (1 if spec is None else MAX_NORMALIZED_SHRINK)
+
+
+def _never_shrinks_much(spec: dict) -> bool:
+    """Whether a normalizer (its JSON form) shrinks no text by more than
+    MAX_NORMALIZED_SHRINK: compositions, case, prefixes, and a Replace of a fixed string
+    by one at most that many times shorter (SentencePiece's " " -> "▁")."""
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        kind = node.get("type")
+        if kind == "Sequence":
+            stack.extend(node.get("normalizers") or ())
+        elif kind == "Replace":
+            pattern, content = node.get("pattern") or {}, node.get("content") or ""
+            fixed = pattern.get("String")
+            if fixed is None or len(fixed) > MAX_NORMALIZED_SHRINK * len(content):
+                return False
+        elif kind not in _SAFE_NORMALIZERS:
+            return False
+    return True

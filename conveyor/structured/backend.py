@@ -36,6 +36,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
+from conveyor.nesting import too_deep
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.sandbox import (
     COMPILE_STACK_RATIO,
@@ -59,7 +60,7 @@ CACHE_SIZE = 512
 COMPILE_NICENESS = 10  # of the compile threads (Linux: per thread), see _lower_priority
 # Bounds checked before anything compiles (the sandbox contains what passes them).
 MAX_CONSTRAINT_BYTES = 1 << 20
-MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_DEPTH = 64  # RequestLimits.max_json_depth's default, for the library path
 # A caller waits this much past the limit, for a worker to start: the sandbox stops the compile
 # itself at the limit, so its verdict (never cached) is what the caller sees.
 CHECK_GRACE = 10.0
@@ -88,36 +89,16 @@ def check_bounds(constraint: StructuredOutputs) -> None:
     """Refuses, before any compile, a constraint too big or (a schema) too deeply nested to
     be worth one. GrammarError naming the field."""
     if constraint.kind == "json" and not isinstance(constraint.json, str):
-        depth = json_depth(constraint.json)  # before .key writes it out (recursively)
-        if depth > MAX_SCHEMA_DEPTH:
+        # Before .key writes it out, which recurses.
+        if too_deep(constraint.json, MAX_SCHEMA_DEPTH):
             raise GrammarError(
-                f"the schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
-                constraint.param,
+                f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", constraint.param
             )
     size = len(constraint.key[1].encode("utf-8", "surrogatepass"))
     if size > MAX_CONSTRAINT_BYTES:
         raise GrammarError(
             f"{size} bytes; at most {MAX_CONSTRAINT_BYTES} are allowed", constraint.param
         )
-
-
-def json_depth(value: Any, stop: int = 1 << 30) -> int:
-    """Nesting depth of a JSON value (a scalar is 0, [] or {} is 1), without recursion; stops
-    counting past `stop`."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = item.values()
-        elif not isinstance(item, (list, tuple)):
-            continue
-        depth += 1
-        if depth > deepest:
-            deepest = depth
-            if deepest > stop:
-                return deepest
-        stack.extend((child, depth) for child in item)
-    return deepest
 
 
 class CompileStats:

@@ -74,6 +74,7 @@ class OpenAIServing:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text:
             raise ValueError("prompt must not be empty")
+        self.engine.inputs.check_text_length(len(text), "prompt")
         try:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
         except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
@@ -93,6 +94,9 @@ class OpenAIServing:
             raise ValueError("this model has no chat template; use /v1/completions")
         native = "tools" in template
         dicts = [message_dict(m, native) for m in messages]
+        # Everything the messages say is rendered into the prompt: too much text for the
+        # context is refused before the template and the tokenizer see it.
+        self.engine.inputs.check_text_length(_num_chars(dicts), "messages")
         kwargs = {}
         if tools and native:
             kwargs["tools"] = tools
@@ -117,12 +121,17 @@ class OpenAIServing:
         return list(ids)
 
     async def check_constraint(self, constraint: StructuredOutputs | None, param: str) -> None:
-        """Compiles the request's grammar off the event loop (then cached for admission);
-        a schema, regex or grammar that does not compile is a 400 naming `param`."""
+        """Checks the request's grammar in the sandbox (structured/sandbox.py; the verdict is
+        cached for admission) without holding a tokenizer thread; a schema, regex or grammar
+        that does not compile, crashes the compiler or runs past the limit is a 400 naming
+        `param`, and so is any constraint when structured output is unavailable."""
         if constraint is None:
             return
+        inputs = self.engine.inputs
         try:
-            await self.off_loop(self.engine.inputs.grammars.validate, constraint)
+            if inputs.info.grammar_unavailable is not None:
+                inputs.check_constraint(constraint)  # raises GrammarUnavailable
+            await inputs.grammars.validate_async(constraint)
         except GrammarError as error:
             if param == "structured_outputs":  # name its field: structured_outputs.regex
                 param = error.param
@@ -362,6 +371,20 @@ class OpenAIServing:
                 }
             )
         return {"content": content}
+
+
+def _num_chars(value) -> int:
+    """Characters of every string in a JSON-like value (iteratively: it may nest deep)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 async def _anext(iterator):
