@@ -144,6 +144,9 @@ _LIMIT_FLAGS = {
     "max_stop_token_ids": "most stop_token_ids per request",
     "max_logit_bias": "most logit_bias entries per request",
     "max_body_bytes": "largest request body in bytes (413 beyond it)",
+    "min_priority": "lowest request priority (--scheduling-policy priority: lower runs first); "
+    "a lower one is clamped to it",
+    "max_priority": "highest request priority; a higher one is clamped to it",
     "max_json_depth": "deepest nesting of a JSON schema, tool parameters or tool-call arguments",
 }
 

@@ -66,17 +66,43 @@ def error_response(
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
-class _Guard:
-    """Pure ASGI middleware in front of every route: the API key (every route but /health,
-    and /metrics when exempted) and the request-body size limit, checked on Content-Length
-    and again on the bytes actually received (a chunked body has no length)."""
+# POST requests that may be between their whole body and their handler (routing, pydantic
+# validation) at once: see _Guard.
+ADMISSION_SLOTS = 8
+ADMITTED = "conveyor.admitted"  # scope key: the handler calls it once its body is validated
 
-    def __init__(self, app, api_key: str | None, open_paths: set[str], max_body: int) -> None:
+
+class _Guard:
+    """Pure ASGI middleware in front of every route: /health (answered here, before anything
+    else), the API key (every route but /health, and /metrics when exempted) and the
+    request-body size limit, checked on Content-Length and again on the bytes actually
+    received (a chunked body has no length).
+
+    A storm of requests arriving at once would each run routing and validation in one pass of
+    the event loop (~0.5 ms each: half a second for a thousand) before a /health probe that
+    arrived among them is answered. So a POST first receives its whole body here (a slow
+    client holds nothing), then waits for one of ADMISSION_SLOTS, which it frees when its
+    handler starts (scope[ADMITTED]), its response starts, or it ends: a pass of the loop
+    then carries a few requests' validation, and the probes in between."""
+
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        open_paths: set[str],
+        max_body: int,
+        health: Callable[[], Response],
+    ) -> None:
         self.app, self.api_key, self.open_paths, self.max_body = app, api_key, open_paths, max_body
+        self.health = health
+        self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
+            return await self.health()(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key and scope["path"] not in self.open_paths:
             header = headers.get(b"authorization", b"").decode("latin-1")
@@ -92,6 +118,8 @@ class _Guard:
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_body:
             return await self._too_large(scope, receive, send)
+        if scope["method"] == "POST":
+            return await self._admit(scope, receive, send)
         received = 0
 
         async def limited_receive():
@@ -104,6 +132,54 @@ class _Guard:
             return message
 
         await self.app(scope, limited_receive, send)
+
+    async def _admit(self, scope, receive, send) -> None:
+        chunks, received = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before its body was whole
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > self.max_body:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is None:
+                return await receive()
+            message, whole = whole, None
+            return message
+
+        slots = self._admission_slots()
+        await slots.acquire()
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                slots.release()
+
+        async def releasing_send(message) -> None:
+            if message["type"] == "http.response.start":
+                release()
+            await send(message)
+
+        scope[ADMITTED] = release
+        try:
+            await self.app(scope, replay, releasing_send)
+        finally:
+            release()
+
+    def _admission_slots(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()  # a semaphore belongs to the loop it first waits on
+        if self._slots_loop is not loop:
+            self._slots, self._slots_loop = asyncio.Semaphore(ADMISSION_SLOTS), loop
+        return self._slots
 
     def _too_large_message(self) -> str:
         return f"request body larger than this server's limit of {self.max_body} bytes"
@@ -158,8 +234,19 @@ def build_app(
     open_paths = {"/health"} | (set() if metrics_auth else {"/metrics"})
     if feed is not None:
         open_paths.add("/dashboard")  # the page holds no data; its feed needs the key
+
+    def health() -> Response:
+        if not async_engine.is_alive:
+            reason = async_engine.error or "the engine is starting"
+            return error_response(503, f"engine unavailable: {reason}", "ServiceUnavailableError")
+        return Response(status_code=200)
+
     app.add_middleware(
-        _Guard, api_key=api_key, open_paths=open_paths, max_body=limits.max_body_bytes
+        _Guard,
+        api_key=api_key,
+        open_paths=open_paths,
+        max_body=limits.max_body_bytes,
+        health=health,
     )
 
     def check_model(name: str | None) -> None:
@@ -172,12 +259,9 @@ def build_app(
                 "model_not_found",
             )
 
-    @app.get("/health")
-    async def health() -> Response:
-        if not async_engine.is_alive:
-            reason = async_engine.error or "the engine is starting"
-            return error_response(503, f"engine unavailable: {reason}", "ServiceUnavailableError")
-        return Response(status_code=200)
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health_route() -> Response:  # answered by _Guard first; here for the schema
+        return health()
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -198,6 +282,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
+        _admitted(raw)
         prompts, params = await _bad_request(serving.completion_params(body))
         return await _run(
             raw, serving, prompts, params, body, "cmpl", serving.complete, serving.complete_stream
@@ -206,6 +291,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
+        _admitted(raw)
         prompts, params = await _bad_request(serving.chat_params(body))
         return await _run(
             raw, serving, prompts, params, body, "chatcmpl", serving.chat, serving.chat_stream
@@ -253,6 +339,13 @@ def _device(engine) -> str:
     return str(engine.engine.core.device)  # in-process
 
 
+def _admitted(raw: Request) -> None:
+    """Frees the request's admission slot (see _Guard): its body is parsed and validated."""
+    release = raw.scope.get(ADMITTED)
+    if release is not None:
+        release()
+
+
 async def _bad_request(awaitable: Awaitable):
     try:
         return await awaitable
@@ -271,7 +364,8 @@ async def _run(
     full: Callable,
     stream: Callable,
 ):
-    streams = await _bad_request(serving.submit(prefix, prompts, params, body.priority))
+    priority = serving.limits.clamp_priority(body.priority)
+    streams = await _bad_request(serving.submit(prefix, prompts, params, priority))
     if body.stream:
         return StreamingResponse(
             _guarded(serving, streams, stream(body, prompts, streams)),
