@@ -1,5 +1,5 @@
 """`conveyor bench serve | throughput | compare | step | quality | split | spec | structured |
-scaling | dashboard`: the commands.
+scaling | dashboard | storm`: the commands.
 
 Flag names follow `vllm bench serve` / `vllm bench throughput`, so a command line written for
 one runs against the other (the shared flags are in bench/args.py). Each command's module is
@@ -24,7 +24,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
     add_throughput_args(throughput)
     throughput.set_defaults(func=_run_throughput)
-    from conveyor.bench import compare, dashboard, quality, scaling, spec, split, step, structured
+    from conveyor.bench import (
+        compare,
+        dashboard,
+        quality,
+        scaling,
+        spec,
+        split,
+        step,
+        storm,
+        structured,
+    )
 
     parser = bench_sub.add_parser(
         "compare",
@@ -76,6 +86,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     dashboard.add_arguments(parser)
     parser.set_defaults(func=dashboard.main)
+    parser = bench_sub.add_parser(
+        "storm",
+        help="many short streams opened at once against a running server, some cut after "
+        "the first chunk: errors, requests left running, /health latency meanwhile",
+    )
+    storm.add_arguments(parser)
+    parser.set_defaults(func=storm.main)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
