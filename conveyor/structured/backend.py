@@ -60,7 +60,7 @@ CACHE_SIZE = 512
 COMPILE_NICENESS = 10  # of the compile threads (Linux: per thread), see _lower_priority
 # Bounds checked before anything compiles (the sandbox contains what passes them).
 MAX_CONSTRAINT_BYTES = 1 << 20
-MAX_SCHEMA_DEPTH = 64  # RequestLimits.max_json_depth's default, for the library path
+MAX_SCHEMA_DEPTH = 128  # as llguidance's JSON parser; the server refuses past --max-json-depth first
 # A caller waits this much past the limit, for a worker to start: the sandbox stops the compile
 # itself at the limit, so its verdict (never cached) is what the caller sees.
 CHECK_GRACE = 10.0
