@@ -57,6 +57,12 @@ PR_SET_PDEATHSIG = 1
 COMMANDS, OUTPUTS = "core-commands", "core-outputs"
 
 
+def encode(message) -> bytes:
+    """A message as the core sends it, pickled and signed (under a throwaway key): what
+    bench/split.py times per step."""
+    return Sealer(new_key(), OUTPUTS).seal(message)
+
+
 class CoreProcess:
     """One engine-core process (`python -m conveyor.engine.core_proc`) and the front end's ends
     of its sockets."""
