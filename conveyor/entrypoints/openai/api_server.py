@@ -312,7 +312,14 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
-        vocab = async_engine.model_config.vocab_size
+        vocab, limit = async_engine.model_config.vocab_size, async_engine.max_model_len
+        if len(body.tokens) > limit:  # no sequence of the model is longer
+            raise APIError(
+                400,
+                f"tokens: {len(body.tokens)} token ids; at most the context length {limit}",
+                "BadRequestError",
+                "tokens",
+            )
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise APIError(
                 400, f"tokens must be integers in [0, {vocab})", "BadRequestError", "tokens"
