@@ -5,6 +5,7 @@ server goes on serving everyone else, and nothing crashes or is left behind."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -169,6 +170,46 @@ def _peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) << 10
     raise AssertionError("no VmHWM")
+
+
+def _sandbox_workers(pid: int) -> dict[int, str]:
+    """The server's sandbox workers: pid -> state (R, S, Z, ...)."""
+    workers = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid and b"sandbox.py" in cmdline:
+            workers[int(entry.name)] = fields[0]
+    return workers
+
+
+def test_sandbox_workers_live_with_the_server_and_die_with_it(tiny_checkpoint, tmp_path):
+    args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--served-model-name", MODEL]
+    server = ServerProcess([*args, *DEVICE_FLAGS], tmp_path / "server.log")
+    try:
+        # One worker starts with the server, ahead of the first constraint, and stays up.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not _sandbox_workers(server.proc.pid):
+            time.sleep(0.2)
+        time.sleep(2)
+        workers = _sandbox_workers(server.proc.pid)
+        assert len(workers) == 1 and "Z" not in workers.values(), workers
+        body = {"model": MODEL, "messages": HI, "max_tokens": 4}
+        body["structured_outputs"] = {"regex": "[a-z]+"}
+        assert post(server, CHAT, body).status_code == 200
+        assert _sandbox_workers(server.proc.pid) == workers  # and it served the check
+    finally:
+        server.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{p}") for p in workers), "a worker outlived its server"
 
 
 # ---- a tokenizer llguidance cannot read ------------------------------------------------------

@@ -381,17 +381,18 @@ def _load_hf(directory: str | None):
 
 
 def _die_with_parent() -> None:
-    """SIGKILL when the process that started us dies (Linux), so a killed server leaves no
-    worker compiling on."""
-    try:
-        import ctypes
+    """Exits when the process that started us dies, so a killed server leaves no worker
+    compiling on. (Not PR_SET_PDEATHSIG: that fires when the parent's *thread* that spawned
+    us ends, and workers are spawned from short-lived threads.) The compile thread drops the
+    interpreter lock in llguidance, so this watch runs even mid-compile."""
+    parent = os.getppid()
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
         os._exit(0)
+
+    threading.Thread(target=watch, name="conveyor-sandbox-watch", daemon=True).start()
 
 
 def _limit_memory(limit: int) -> None:
