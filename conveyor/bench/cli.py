@@ -36,63 +36,28 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         structured,
     )
 
-    parser = bench_sub.add_parser(
-        "compare",
-        help="continuous vs static batching vs transformers generate, swept over request rates",
-    )
-    compare.add_arguments(parser)
-    parser.set_defaults(func=compare.main)
-    parser = bench_sub.add_parser(
-        "step", help="one model step (decode batches, prefill chunks) against its measured floor"
-    )
-    step.add_arguments(parser)
-    parser.set_defaults(func=step.main)
-    parser = bench_sub.add_parser(
-        "quality", help="KL divergence, top-1 agreement and perplexity of quantized vs float32"
-    )
-    quality.add_arguments(parser)
-    parser.set_defaults(func=quality.main)
-    parser = bench_sub.add_parser(
-        "split",
-        help="the engine-core process vs the engine on a thread vs offline: throughput, "
-        "/health latency, engine time per step",
-    )
-    split.add_arguments(parser)
-    parser.set_defaults(func=split.main)
-    parser = bench_sub.add_parser(
-        "spec",
-        help="n-gram speculative decoding vs none on code editing and a control: acceptance, "
-        "throughput, TPOT and ITL over a grid of k and concurrency",
-    )
-    spec.add_arguments(parser)
-    parser.set_defaults(func=spec.main)
-    parser = bench_sub.add_parser(
-        "structured",
-        help="the json-schema workload with 0%%, 50%% and 100%% of requests constrained, side "
-        "by side: output tok/s, TPOT, validity, and the grammar mask's cost per step",
-    )
-    structured.add_arguments(parser)
-    parser.set_defaults(func=structured.main)
-    parser = bench_sub.add_parser(
-        "scaling",
-        help="one engine vs data-parallel replicas vs tensor-parallel ranks, side by side",
-    )
-    scaling.add_arguments(parser)
-    parser.set_defaults(func=scaling.main)
-    parser = bench_sub.add_parser(
-        "dashboard",
-        help="what watching /dashboard costs: served with it watched vs --no-dashboard, "
-        "side by side",
-    )
-    dashboard.add_arguments(parser)
-    parser.set_defaults(func=dashboard.main)
-    parser = bench_sub.add_parser(
-        "storm",
-        help="many short streams opened at once against a running server, some cut after "
-        "the first chunk: errors, requests left running, /health latency meanwhile",
-    )
-    storm.add_arguments(parser)
-    parser.set_defaults(func=storm.main)
+    commands = [
+        (compare, "continuous vs static batching vs transformers generate, swept over request "
+         "rates"),
+        (step, "one model step (decode batches, prefill chunks) against its measured floor"),
+        (quality, "KL divergence, top-1 agreement and perplexity of quantized vs float32"),
+        (split, "the engine-core process vs the engine on a thread vs offline: throughput, "
+         "/health latency, engine time per step"),
+        (spec, "n-gram speculative decoding vs none on code editing and a control: acceptance, "
+         "throughput, TPOT and ITL over a grid of k and concurrency"),
+        (structured, "the json-schema workload with 0%%, 50%% and 100%% of requests "
+         "constrained, side by side: output tok/s, TPOT, validity, and the grammar mask's cost "
+         "per step"),
+        (scaling, "one engine vs data-parallel replicas vs tensor-parallel ranks, side by side"),
+        (dashboard, "what watching /dashboard costs: served with it watched vs --no-dashboard, "
+         "side by side"),
+        (storm, "many short streams opened at once against a running server, some cut after "
+         "the first chunk: errors, requests left running, /health latency meanwhile"),
+    ]  # fmt: skip
+    for module, text in commands:
+        parser = bench_sub.add_parser(module.__name__.rsplit(".", 1)[-1], help=text)
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.main)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
