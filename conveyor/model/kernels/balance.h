@@ -50,6 +50,10 @@ void drain(Share& share, int64_t piece, const F& fn) {
 
 // Moves the back half (whole pieces) of the fullest share into `mine`; false when no share has
 // more than one piece left (its owner finishes that sooner than a thief could take it over).
+// Every split lands on a multiple of `piece` counted from 0, so the pieces fn sees are the same
+// whoever runs them and however shares change hands: a kernel whose last, short tile of a range
+// computes its rows another way (small_gemm's one-row tiles) gives every row the same bits on
+// one thread or many.
 inline bool steal(Share* shares, int64_t num_shares, Share& mine, int64_t piece) {
   while (true) {
     int64_t victim = -1, most = piece;
@@ -61,10 +65,11 @@ inline bool steal(Share* shares, int64_t num_shares, Share& mine, int64_t piece)
     uint64_t cur = shares[victim].range.load(std::memory_order_relaxed);
     const int64_t front = front_of(cur), back = back_of(cur);
     if (back - front <= piece) continue;  // claimed meanwhile: look again
-    const int64_t take = std::max<int64_t>(piece, (back - front) / 2 / piece * piece);
-    if (shares[victim].range.compare_exchange_strong(cur, pack(front, back - take),
+    const int64_t left = (back - front + piece - 1) / piece;  // >= 2; front is piece-aligned
+    const int64_t split = front + (left - left / 2) * piece;  // the owner keeps the front half
+    if (shares[victim].range.compare_exchange_strong(cur, pack(front, split),
                                                       std::memory_order_relaxed)) {
-      mine.range.store(pack(back - take, back), std::memory_order_relaxed);
+      mine.range.store(pack(split, back), std::memory_order_relaxed);
       return true;
     }
   }
