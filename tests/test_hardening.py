@@ -116,7 +116,7 @@ def test_min_tokens_beyond_what_the_context_leaves_is_refused(engine):
 
 def test_logit_bias_outside_the_vocabulary_is_refused(engine):
     vocab = engine.model_config.vocab_size
-    with pytest.raises(ValueError, match=rf"logit_bias: token ids must be in \[0, {vocab}\)"):
+    with pytest.raises(ValueError, match=rf"logit_bias: {vocab} is not in \[0, {vocab}\)"):
         engine.add_request("b", [5, 6], SamplingParams(logit_bias={vocab: 1.0}))
     assert_idle(engine)
 
