@@ -298,8 +298,9 @@ def build_app(
         )
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest, raw: Request) -> dict:
         check_model(body.model)
+        _admitted(raw)  # tokenizing takes a while: it holds no admission slot
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "BadRequestError")
         if body.messages is not None:
@@ -310,8 +311,9 @@ def build_app(
         return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(body: DetokenizeRequest, raw: Request) -> dict:
         check_model(body.model)
+        _admitted(raw)
         vocab, limit = async_engine.model_config.vocab_size, async_engine.max_model_len
         if len(body.tokens) > limit:  # no sequence of the model is longer
             raise APIError(
