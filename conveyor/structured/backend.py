@@ -60,7 +60,8 @@ CACHE_SIZE = 512
 COMPILE_NICENESS = 10  # of the compile threads (Linux: per thread), see _lower_priority
 # Bounds checked before anything compiles (the sandbox contains what passes them).
 MAX_CONSTRAINT_BYTES = 1 << 20
-MAX_SCHEMA_DEPTH = 128  # as llguidance's JSON parser; the server refuses past --max-json-depth first
+# As deep as llguidance's JSON parser goes; the server refuses past --max-json-depth first.
+MAX_SCHEMA_DEPTH = 128
 # A caller waits this much past the limit, for a worker to start: the sandbox stops the compile
 # itself at the limit, so its verdict (never cached) is what the caller sees.
 CHECK_GRACE = 10.0
