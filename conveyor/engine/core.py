@@ -271,14 +271,14 @@ class EngineCore:
                 self.tp_workers.connect()
                 self.tp_workers.wait_ready()
                 self.tp_workers.allocate(self.num_blocks)
-        except BaseException:
+            self.runner.allocate_kv_cache(self.num_blocks)  # may run out of memory
+            if self.draft_runner is not None:
+                self.draft_runner.allocate_kv_cache(self.num_blocks)
+            self.kv_cache = KVCacheManager(self.num_blocks, block_size, enable_prefix_caching)
+            self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec)
+        except BaseException:  # the ranks started above end now, not when collected
             self.close()
             raise
-        self.runner.allocate_kv_cache(self.num_blocks)
-        if self.draft_runner is not None:
-            self.draft_runner.allocate_kv_cache(self.num_blocks)
-        self.kv_cache = KVCacheManager(self.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec)
         self.proposer = None
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(
