@@ -268,6 +268,9 @@ class AsyncDPEngine:
         the event loop before admission, and the chosen replica must find it cached."""
         shared = self.replicas[0].inputs.grammars
         for replica in self.replicas[1:]:
+            own = replica.inputs.grammars
+            if own is not None and own is not shared:
+                own.close()  # its sandbox worker would idle beside the shared one's
             replica.inputs.grammars = shared
 
     def _forget_restarted(self) -> None:

@@ -11,8 +11,7 @@ from conveyor.engine.output_processor import OutputProcessor
 from conveyor.listing import listed
 from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
-from conveyor.structured.backend import GrammarCompiler, GrammarUnavailable
-from conveyor.structured.params import StructuredOutputs
+from conveyor.structured.backend import GrammarCompiler
 
 
 class InputProcessor:
@@ -34,7 +33,9 @@ class InputProcessor:
                 tokenizer_file=model.tokenizer_path / "tokenizer.json",
                 tokenizer_dir=model.tokenizer_path,
             )
-        if grammars is not None and tokenizer is not None and info.grammar_unavailable is None:
+        if grammars is not None and info.grammar_unavailable is not None:
+            grammars.mark_unavailable(info.grammar_unavailable)  # the core cannot compile
+        elif grammars is not None and tokenizer is not None:
             grammars.prepare_sandbox()
         self.grammars = grammars
         self._char_limit: int | None | object = _UNKNOWN
@@ -88,7 +89,7 @@ class InputProcessor:
         max_tokens = self._check_lengths(token_ids, params)
         self._check_token_ids(params)
         if params.structured_outputs is not None:  # checked once, then cached
-            self.check_constraint(params.structured_outputs)
+            self.grammars.validate(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if params.n == 1:
             children = [(request_id, params)]
@@ -112,16 +113,6 @@ class InputProcessor:
                 f"{self.max_model_len} tokens (no {self.max_model_len} tokens of this "
                 f"tokenizer hold more than {limit} characters)"
             )
-
-    def check_constraint(self, constraint: StructuredOutputs) -> None:
-        """GrammarError unless the constraint compiled in the sandbox (cached verdicts)."""
-        unavailable = self.info.grammar_unavailable
-        if unavailable is not None:
-            raise GrammarUnavailable(
-                f"structured output is unavailable for this model: {unavailable}",
-                constraint.param,
-            )
-        self.grammars.validate(constraint)
 
     def _check_without_tokenizer(self, params: SamplingParams) -> None:
         """skip_tokenizer_init: what needs text is refused."""

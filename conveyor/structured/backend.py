@@ -188,6 +188,11 @@ class GrammarCompiler:
                 raise GrammarUnavailable(self._refusal(), "structured_outputs")
             return self._lltok
 
+    def mark_unavailable(self, reason: str) -> None:
+        """Structured output is off (the engine core found llguidance cannot read the
+        tokenizer): every constraint is refused with the reason, none is checked."""
+        self._unavailable = reason
+
     def _refusal(self) -> str:
         return f"structured output is unavailable for this model: {self.unavailable}"
 

@@ -132,7 +132,6 @@ class Sandbox:
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
         self.unavailable: str | None = None  # why no worker can start, once known
-        self.num_replaced = 0  # workers that crashed or were killed at a deadline
         self._finalizer = weakref.finalize(self, _kill_all, self._all)
 
     def start(self) -> None:
@@ -205,7 +204,6 @@ class Sandbox:
         worker.kill()
         with self._lock:
             self._all.discard(worker)
-            self.num_replaced += 1
 
     @property
     def pids(self) -> list[int]:

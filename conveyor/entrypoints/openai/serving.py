@@ -127,11 +127,8 @@ class OpenAIServing:
         `param`, and so is any constraint when structured output is unavailable."""
         if constraint is None:
             return
-        inputs = self.engine.inputs
         try:
-            if inputs.info.grammar_unavailable is not None:
-                inputs.check_constraint(constraint)  # raises GrammarUnavailable
-            await inputs.grammars.validate_async(constraint)
+            await self.engine.inputs.grammars.validate_async(constraint)
         except GrammarError as error:
             if param == "structured_outputs":  # name its field: structured_outputs.regex
                 param = error.param
