@@ -60,7 +60,10 @@ def test_priorities_are_clamped_to_the_operators_range(server):
     blocker = {"prompt": [[5, 6, 7]] * 4, "max_tokens": 150, "ignore_eos": True}
     queued = [("blocker", blocker)]
     for name, priority in (("zero", 0), ("low", -1000), ("huge", 10**40), ("ten", 10)):
-        queued.append((name, {"prompt": [8, 9], "max_tokens": 1, "priority": priority}))
+        # 40 tokens each: requests that end a step apart would reach `finished` in whichever
+        # order their client threads happen to run.
+        body = {"prompt": [8, 9], "max_tokens": 40, "ignore_eos": True, "priority": priority}
+        queued.append((name, body))
     for name, body in queued:
         admitted = threading.Event()
         thread = threading.Thread(target=stream, args=(name, body, admitted), daemon=True)
