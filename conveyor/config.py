@@ -116,6 +116,9 @@ class ModelConfig:
     hf_config: Any = field(repr=False, compare=False)
     quantization: str = "none"  # none | gguf | int8 (see QUANTIZATION_MODES)
     tokenizer: Path | None = None  # a tokenizer of its own; None: the checkpoint's
+    # One reduction order per output value whatever the batch (model/kernels/panel_gemm.cpp):
+    # a request's tokens and logprobs do not depend on its neighbours or on cache hits.
+    batch_invariant: bool = True
 
     @property
     def is_gguf(self) -> bool:
@@ -135,6 +138,7 @@ class ModelConfig:
         max_model_len: int | None = None,
         quantization: str = "auto",
         tokenizer: str | Path | None = None,
+        batch_invariant: bool = True,
     ) -> ModelConfig:
         """tokenizer: a folder (or .gguf file) whose tokenizer replaces the checkpoint's."""
         from transformers import AutoConfig
@@ -165,6 +169,7 @@ class ModelConfig:
             hf_config=hf,
             quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
             tokenizer=_resolve_tokenizer(tokenizer),
+            batch_invariant=bool(batch_invariant),
         )
 
 

@@ -194,6 +194,7 @@ class EngineCore:
         tensor_parallel_size: int = 1,
         tokenizer: str | None = None,
         skip_tokenizer_init: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         """tensor_parallel_size N > 1 splits the model over N ranks (this process is rank 0,
         see distributed/executor.py); on CPU they share num_threads (default: the physical
@@ -213,7 +214,8 @@ class EngineCore:
         if tp_size > 1 and quantization == "auto":
             quantization = "none"
         self.model_config = ModelConfig.from_hf(
-            model, dtype, self.device.type, max_model_len, quantization, tokenizer
+            model, dtype, self.device.type, max_model_len, quantization, tokenizer,
+            batch_invariant,
         )
         self.skip_tokenizer_init = bool(skip_tokenizer_init)
         if not skip_tokenizer_init:

@@ -54,6 +54,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: a quantized GGUF runs quantized (CPU); none: dequantize to --dtype; "
         "int8: quantize a float checkpoint's projections to int8 blocks",
     )
+    model.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one reduction order per row whatever the batch (CPU): a request's tokens and "
+        "logprobs do not depend on its neighbours, chunking or prefix-cache hits; "
+        "--no-batch-invariant runs the earlier kernels, chosen by row count",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--max-num-seqs", type=int, default=256, help="most requests in one step's batch"
@@ -169,6 +177,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         max_model_len=args.max_model_len,
         quantization=args.quantization,
+        batch_invariant=args.batch_invariant,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,

@@ -59,6 +59,9 @@ class AttentionMetadata:
     block_size: int
     ops: ModuleType | None  # the compiled kernels; None -> the reference ops
     reference: ReferencePlan | None  # set when ops is None
+    # The kernel may split a step's few decode rows by key blocks (flash-decoding); a
+    # batch-invariant model does not let it, so a row's keys add up in one order.
+    split_keys: bool = True
 
 
 def build_metadata(
@@ -69,6 +72,7 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     ops: ModuleType | None,
+    split_keys: bool = True,
 ) -> AttentionMetadata:
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
@@ -85,6 +89,7 @@ def build_metadata(
         block_size=block_size,
         ops=ops,
         reference=reference,
+        split_keys=split_keys,
     )
 
 
@@ -136,7 +141,8 @@ def paged_attention(
     meta.ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size)
     scale = q.shape[-1] ** -0.5
     return meta.ops.paged_attention(
-        q, kv_cache, meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables, scale
+        q, kv_cache, meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables, scale,
+        meta.split_keys,
     )
 
 

@@ -231,15 +231,52 @@ def _best_times(weights: torch.Tensor, forms: dict) -> dict[str, float]:
     return best
 
 
+def panel_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor | None:
+    """x @ W^T (+ bias) through the batch-invariant panel kernels (kernels/panel_gemm.cpp:
+    every output value one chain of FMAs over k, whatever the row count), when the module
+    was packed (pack_panels) and x is a CPU matrix of the weight's dtype; else None."""
+    panels = module.panels
+    if panels is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype != panels.dtype:
+        return None
+    out = _ops().dense_linear(x, panels, module.weight.shape[0])
+    return out if module.bias is None else out.add_(module.bias)
+
+
+def pack_panels(model: nn.Module) -> int:
+    """Packs every dense projection (Linear, MergedLinear) and block projection
+    (quant.QuantLinear) of a CPU model for the batch-invariant kernels; returns how many.
+    Nothing without the compiled kernels (the modules then run their other routes)."""
+    from conveyor.model.quant import QuantLinear
+
+    ops = _ops()
+    if ops is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Linear, MergedLinear)):
+            weight = module.weight.detach()
+            if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
+                module.panels = ops.pack_dense(weight)
+                count += 1
+        elif isinstance(module, QuantLinear) and module.qs.device.type == "cpu":
+            module.pack_panels(ops)
+            count += 1
+    return count
+
+
 class Linear(nn.Module):
-    """A bias-free projection through `linear` (the parameter is named like nn.Linear's)."""
+    """A bias-free projection through `linear` (the parameter is named like nn.Linear's), or
+    the batch-invariant panel kernel once packed (pack_panels)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = None
+        self.panels: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        out = panel_linear(x, self)
+        return linear(x, self.weight) if out is None else out
 
 
 class MergedLinear(nn.Module):
@@ -251,9 +288,11 @@ class MergedLinear(nn.Module):
         self.out_sizes = out_sizes
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features))
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes))) if bias else None
+        self.panels: torch.Tensor | None = None  # pack_panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        out = panel_linear(x, self)
+        return linear(x, self.weight, self.bias) if out is None else out
 
     def load_shard(self, index: int, name: str, tensor: torch.Tensor) -> None:
         start = sum(self.out_sizes[:index])

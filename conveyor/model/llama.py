@@ -126,11 +126,18 @@ def _projection(module: nn.Module, ops: ModuleType):
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach()
     if type(module) in (Linear, MergedLinear):
-        return ops.Projection(weight=module.weight.detach(), bias=bias)
+        return ops.Projection(weight=module.weight.detach(), bias=bias, panels=module.panels)
     if type(module) is QuantLinear and module.format in ("q4", "q8"):
         m = module.m if module.format == "q4" else None
-        return ops.Projection(qs=module.qs, d=module.d, m=m, bias=bias)
+        return ops.Projection(
+            qs=module.qs, d=module.d, m=m, bias=bias, block_panels=module.panels
+        )
     return None
+
+
+def _packed(module: nn.Module) -> bool:
+    """Whether the module runs the batch-invariant panel kernels (layers.pack_panels)."""
+    return getattr(module, "panels", None) is not None
 
 
 class LlamaModel(nn.Module):
@@ -152,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._compiled: list | None = None  # built at the first step that can use it
+        self._invariant = False  # every projection packed for the panel kernels
         # Block weights: (rows below which all run the block kernel, rows from which all run
         # float tiles); None for float weights.
         self._quantized_rows: tuple[int, int] | None = None
@@ -173,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
             meta.ops.decoder_layers(
                 self._compiled, x, kv_caches, rope.cos, rope.sin, meta.slot_mapping,
                 meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables,
-                self.config.head_dim**-0.5, self.compiled_seconds, form,
+                self.config.head_dim**-0.5, self.compiled_seconds, form, meta.split_keys,
             )  # fmt: skip
             return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -188,14 +196,21 @@ class LlamaForCausalLM(nn.Module):
         Each projection is computed as the module would at this row count."""
         if meta.ops is None or self.tp.size > 1 or x.device.type != "cpu" or x.dim() != 2:
             return None
-        if x.shape[0] > MATMUL_BUCKETS[-1]:  # prompt chunks: the modules' ops are multithreaded
-            return None
         if self._compiled is None:  # CONVEYOR_COMPILED_LAYERS=0: the modules always
             layers = [layer.compiled(meta.ops) for layer in self.model.layers]
             enabled = os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") != "0"
             self._compiled = layers if enabled and all(layers) else []
             self._quantized_rows = _block_kernel_rows(self.model.layers)
+            projections = [m for m in self.model.layers.modules() if hasattr(m, "panels")]
+            self._invariant = bool(projections) and all(map(_packed, projections))
         if not self._compiled:
+            return None
+        if self._invariant:
+            # Batch-invariant: every row count runs the same kernels in the same order, and
+            # the norms, rotary and activation are the compiled ones at every row count too
+            # (the modules' ATen ops reduce in other orders).
+            return KERNEL
+        if x.shape[0] > MATMUL_BUCKETS[-1]:  # prompt chunks: the modules' ops are multithreaded
             return None
         if self._quantized_rows:  # block weights: the block kernel below its rows, then tiles
             low, high = self._quantized_rows

@@ -50,6 +50,10 @@ def load_model(
     model.load_weights(weights if plan is None else plan.take(weights))
     if plan is not None:
         plan.install(model)
+    if cfg.batch_invariant and device.type == "cpu":
+        from conveyor.model.layers import pack_panels
+
+        pack_panels(model)
     return model.eval()
 
 

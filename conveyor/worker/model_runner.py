@@ -194,6 +194,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.attention_ops,
+            split_keys=not self.model.config.batch_invariant,
         )
         return positions, meta
 

@@ -32,6 +32,7 @@ SOURCES = (
     "small_gemm.cpp",
     "quant_gemm.cpp",
     "decoder_layer.cpp",
+    "panel_gemm.cpp",
 )
 HEADERS = ("balance.h", "ops.h", "vec.h")  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -7,9 +7,13 @@
 void bind_decoder_layer(pybind11::module& m);  // decoder_layer.cpp: the DecoderLayer class
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("advise_huge_pages", &advise_huge_pages, "madvise(MADV_HUGEPAGE) over a tensor");
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place (CPU)");
-  m.def("paged_attention", &paged_attention, "paged attention over a whole step (CPU)");
+  m.def("paged_attention", &paged_attention, "paged attention over a whole step (CPU)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_size"), py::arg("query_start"),
+        py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"),
+        py::arg("split_keys") = true);
   m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
   m.def("small_gemm", &small_gemm, "x @ weight.T for a few rows of x (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
@@ -23,5 +27,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_prepare", &q::int8_prepare, "outlier split and per-row scaling for fbgemm");
   m.def("q4_columns", &q::q4_columns, "float columns of 4-bit blocks");
   m.def("q8_columns", &q::q8_columns, "float columns of int8 blocks");
+  namespace pg = conveyor_panel;
+  m.def("isa", &pg::get_isa, "the instruction set the panel kernels run: avx512, avx2, scalar");
+  m.def("set_isa", &pg::set_isa, "choose the panel kernels' instruction set (auto: the best)");
+  m.def("pack_dense", &pg::pack_dense, "float weight (N, K) -> panels (P, K, L)");
+  m.def("dense_linear", &pg::dense_linear, "x @ W^T over dense panels, one order per value",
+        py::arg("x"), py::arg("packed"), py::arg("n_out"));
+  m.def("pack_blocks", &pg::pack_blocks, "q4/q8 blocks -> panels (wq, dw, mw)", py::arg("qs"),
+        py::arg("d"), py::arg("m") = py::none());
+  m.def("block_linear", &pg::block_linear, "x @ W^T over block panels, one order per value",
+        py::arg("x"), py::arg("wq"), py::arg("dw"), py::arg("mw"), py::arg("n_out"),
+        py::arg("float_acts") = false);
   bind_decoder_layer(m);
 }

@@ -28,6 +28,8 @@
 // as torch.rms_norm does, in another order).
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <chrono>
 #include <cmath>
 #include <optional>
@@ -121,7 +123,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   }
   const at::Tensor gate_up = gate_up_in.contiguous();
   at::Tensor out = at::empty({rows, inner}, gate_up.options());
-  silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inner);
+  // Rows are independent (each one's values the same on any thread): prompt chunks split them.
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    silu_mul_rows(src + r0 * 2 * inner, dst + r0 * inner, r1 - r0, inner);
+  });
   return out;
 }
 
@@ -135,19 +142,30 @@ enum MatmulForm : int64_t { kKernel = 0, kLinear = 1, kTransposed = 2 };
 // One projection's weight: a dense float matrix (O, K), or GGUF-style blocks (q4: qs, d, m;
 // q8: qs, d) run through the block kernels (quant_gemm.cpp, float32 models); a float bias or
 // none. y = x W^T (+ bias), as the model's Linear / QuantLinear compute it.
+// With panels (dense, from pack_dense) or block panels (wq, dw, mw from pack_blocks) the
+// projection runs the batch-invariant panel kernels (panel_gemm.cpp) at every row count, and
+// `weight` / `qs, d, m` only give the shapes.
 class Projection {
  public:
   Projection(std::optional<at::Tensor> weight, std::optional<at::Tensor> qs,
              std::optional<at::Tensor> d, std::optional<at::Tensor> m,
-             std::optional<at::Tensor> bias)
+             std::optional<at::Tensor> bias, std::optional<at::Tensor> panels,
+             std::optional<std::vector<at::Tensor>> block_panels)
       : weight_(weight.value_or(at::Tensor())),
         qs_(qs.value_or(at::Tensor())),
         d_(d.value_or(at::Tensor())),
         m_(m.value_or(at::Tensor())),
-        bias_(bias.value_or(at::Tensor())) {
+        bias_(bias.value_or(at::Tensor())),
+        panels_(panels.value_or(at::Tensor())) {
+    if (block_panels) {
+      TORCH_CHECK(block_panels->size() == 3, "Projection: block_panels is (wq, dw, mw)");
+      wq_ = (*block_panels)[0], dw_ = (*block_panels)[1], mw_ = (*block_panels)[2];
+    }
     const bool blocks = qs_.defined() || d_.defined() || m_.defined();
     TORCH_CHECK(weight_.defined() ? !blocks : qs_.defined() && d_.defined(),
                 "Projection: a dense weight, or block weights (qs, d[, m])");
+    TORCH_CHECK(!panels_.defined() || weight_.defined(), "Projection: panels of a dense weight");
+    TORCH_CHECK(!wq_.defined() || blocks, "Projection: block panels of block weights");
     TORCH_CHECK(!weight_.defined() || (weight_.dim() == 2 && weight_.is_contiguous()),
                 "Projection: the dense weight must be a contiguous (out, in) matrix");
     TORCH_CHECK(!bias_.defined() || bias_.size(0) == out_features(),
@@ -162,7 +180,11 @@ class Projection {
 
   at::Tensor operator()(const at::Tensor& x, MatmulForm form) const {
     at::Tensor y;
-    if (weight_.defined() && form == kLinear) {
+    if (panels_.defined()) {
+      y = conveyor_panel::dense_linear(x, panels_, out_features());
+    } else if (wq_.defined()) {
+      y = conveyor_panel::block_linear(x, wq_, dw_, mw_, out_features(), false);
+    } else if (weight_.defined() && form == kLinear) {
       return at::linear(x, weight_, bias_.defined() ? std::optional<at::Tensor>(bias_)
                                                     : std::nullopt);
     } else if (weight_.defined() && form == kTransposed) {
@@ -186,7 +208,7 @@ class Projection {
   }
 
  private:
-  at::Tensor weight_, qs_, d_, m_, bias_;
+  at::Tensor weight_, qs_, d_, m_, bias_, panels_, wq_, dw_, mw_;
 };
 
 struct Step {
@@ -194,6 +216,7 @@ struct Step {
   int64_t block_size;
   double scale;
   MatmulForm form;
+  bool split_keys;
 };
 
 class DecoderLayer {
@@ -242,7 +265,8 @@ class DecoderLayer {
     clock.lap(kOther);
     write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
     at::Tensor attn = paged_attention(q, kv_cache, step.block_size, step.query_start,
-                                      step.seq_lens, step.block_tables, step.scale);
+                                      step.seq_lens, step.block_tables, step.scale,
+                                      step.split_keys);
     clock.lap(kAttention);
     at::Tensor o = o_(attn.view({num_tokens, q_size}), step.form);
     clock.lap(kProjections);
@@ -279,8 +303,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty(xc.sizes(), xc.options());
   const int64_t n = x.size(-1);
-  rms_norm_rows(xc.data_ptr<float>(), weight.contiguous().data_ptr<float>(),
-                out.data_ptr<float>(), xc.numel() / n, n, static_cast<float>(eps));
+  const at::Tensor w = weight.contiguous();
+  const float* src = xc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, xc.numel() / n, 64, [&](int64_t r0, int64_t r1) {
+    rms_norm_rows(src + r0 * n, w.data_ptr<float>(), dst + r0 * n, r1 - r0, n,
+                  static_cast<float>(eps));
+  });
   return out;
 }
 
@@ -291,7 +320,7 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
                     const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t block_size,
                     const at::Tensor& query_start, const at::Tensor& seq_lens,
                     const at::Tensor& block_tables, double scale,
-                    std::optional<at::Tensor> seconds, int64_t form) {
+                    std::optional<at::Tensor> seconds, int64_t form, bool split_keys) {
   TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "decoder_layers: x (T, hidden), contiguous, on the CPU");
@@ -302,7 +331,7 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
               "decoder_layers: form 0 (kernel), 1 (linear) or 2 (transposed)");
   const Step step{cos,         sin,   slot_mapping,
                   query_start, seq_lens, block_tables,
-                  block_size,  scale, static_cast<MatmulForm>(form)};
+                  block_size,  scale, static_cast<MatmulForm>(form), split_keys};
   Stopwatch clock(seconds ? seconds->data_ptr<double>() : nullptr);
   for (size_t i = 0; i < layers.size(); ++i) layers[i]->forward(x, kv_caches[i], step, clock);
 }
@@ -312,9 +341,11 @@ void bind_decoder_layer(pybind11::module& m) {
   py::class_<Projection>(m, "Projection")
       .def(py::init<std::optional<at::Tensor>, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>>(),
+                    std::optional<at::Tensor>, std::optional<at::Tensor>,
+                    std::optional<std::vector<at::Tensor>>>(),
            py::arg("weight") = py::none(), py::arg("qs") = py::none(), py::arg("d") = py::none(),
-           py::arg("m") = py::none(), py::arg("bias") = py::none());
+           py::arg("m") = py::none(), py::arg("bias") = py::none(),
+           py::arg("panels") = py::none(), py::arg("block_panels") = py::none());
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
                     double, Projection, Projection, Projection, Projection, int64_t, int64_t,
@@ -326,5 +357,5 @@ void bind_decoder_layer(pybind11::module& m) {
         py::arg("layers"), py::arg("x"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("slot_mapping"), py::arg("block_size"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("seconds"),
-        py::arg("form") = 0);
+        py::arg("form") = 0, py::arg("split_keys") = true);
 }

@@ -4,12 +4,15 @@
 
 #include <torch/extension.h>
 
+#include <optional>
+#include <string>
 #include <vector>
 
 // paged_attention.cpp
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, double scale);
+                           const at::Tensor& block_tables, double scale,
+                           bool split_keys = true);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
               const at::Tensor& slot_mapping, int64_t block_size);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
@@ -38,6 +41,18 @@ at::Tensor q4_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
                       const at::Tensor& cols);
 at::Tensor q8_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& cols);
 }  // namespace conveyor_quant
+
+// panel_gemm.cpp: one reduction order per output value, for every row count
+namespace conveyor_panel {
+std::string get_isa();
+std::string set_isa(const std::string& name);
+at::Tensor pack_dense(const at::Tensor& weight);
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
+std::vector<at::Tensor> pack_blocks(const at::Tensor& qs, const at::Tensor& d,
+                                    const std::optional<at::Tensor>& m);
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& dw,
+                        const at::Tensor& mw, int64_t n_out, bool float_acts);
+}  // namespace conveyor_panel
 
 // decoder_layer.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -146,16 +146,20 @@ struct Ahead {
   }
 };
 
+constexpr int kScoreSplit = 2;  // partial sums of a score (qk_rows)
+
 // S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
 template <typename T, typename C, int R, int BS, int D>
 inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict s, Shape sh,
                     Ahead ahead = {}) {
   if constexpr (BS != 0) {
     constexpr int NV = BS / kLanes<T>;
-    // Few rows (a decode row's GQA group) give few accumulator chains, and the loop over d
-    // then waits on the FMA latency: SPLIT independent partial sums over d, added at the end,
-    // keep at least 8 chains in flight.
-    constexpr int SPLIT = R * NV >= 8 ? 1 : (R * NV >= 4 ? 2 : 4);
+    // Two independent partial sums over d (even and odd d), added at the end: a decode row's
+    // GQA group alone then keeps twice the FMA chains in flight. The split is the same for
+    // every row count, so a row's score has one order whether it decodes alone or sits in a
+    // prompt chunk's tile (a split chosen by the group's size made those differ in the last
+    // bits, and a cache hit then changed a greedy answer).
+    constexpr int SPLIT = kScoreSplit;
     static_assert(D % SPLIT == 0, "head_dim must divide into the partial sums");
     Vec<T> acc[SPLIT][R][NV];
     for (int h = 0; h < SPLIT; ++h)
@@ -195,11 +199,11 @@ inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict
   }
 }
 
-// Rows per register group: accumulators (R x BS / lanes vectors) plus one key row fit the 16
-// vector registers of AVX2.
+// Rows per register group: accumulators (R x BS / lanes x kScoreSplit vectors) plus key rows
+// fit the vector registers.
 template <typename T, int BS>
 constexpr int kRowGroup =
-    BS == 0 ? 4 : std::max(1, std::min(8, (kRegisters - 4) / (BS / kLanes<T>)));
+    BS == 0 ? 4 : std::max(1, std::min(8, (kRegisters - 4) / (kScoreSplit * BS / kLanes<T>)));
 
 template <typename T, typename C, int BS, int D, int R>
 inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh, Ahead ahead) {
@@ -342,6 +346,7 @@ struct Inputs {
   int64_t num_heads, num_kv_heads;
   int64_t q_strides[3];
   double scale;
+  bool split_keys;  // may split a step's few decode rows by key blocks (split_keys below)
 };
 
 
@@ -551,14 +556,16 @@ std::vector<WorkItem> plan(const Inputs& in, int64_t num_seqs, int64_t tokens_pe
 // step's decode items are split by key blocks into parts of at least kMinPartBlocks blocks,
 // up to kSplitTarget items in all; each part leaves its softmax state (m, l, acc) and
 // merge_parts combines them, as flash-decoding does. The split depends on the step only, not
-// on the thread count, so a row's result does too.
+// on the thread count, so a row's result does too; but it does depend on the step, so a
+// batch-invariant model (split_keys false) never splits: a row then sums its keys in one
+// order whether it decodes alone, next to others or inside a prompt chunk.
 constexpr int64_t kSplitTarget = 8;
 constexpr int64_t kMinPartBlocks = 4;
 
 // Returns the number of partial slots used; rewrites split items in place.
 int64_t split_keys(std::vector<WorkItem>& items, const Inputs& in, int64_t block_size) {
   const int64_t count = static_cast<int64_t>(items.size());
-  if (count == 0 || count >= kSplitTarget) return 0;
+  if (!in.split_keys || count == 0 || count >= kSplitTarget) return 0;
   const int64_t parts_wanted = (kSplitTarget + count - 1) / count;
   std::vector<WorkItem> split;
   int64_t slots = 0;
@@ -711,7 +718,7 @@ void dispatch_types(at::ScalarType model, at::ScalarType cache, const char* name
 // be in the cache (write_kv).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, double scale) {
+                           const at::Tensor& block_tables, double scale, bool split_keys) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
               "paged_attention: q (T, H, D), kv_cache (2, blocks, kv heads, block_size * D)");
   TORCH_CHECK(kv_cache.is_contiguous(), "paged_attention: kv_cache must be contiguous");
@@ -728,7 +735,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                   num_heads,
                   num_kv_heads,
                   {q.stride(0), q.stride(1), q.stride(2)},
-                  scale};
+                  scale,
+                  split_keys};
   const Shape sh{block_size, head_dim};
   const int64_t half = kv_cache.stride(0);
   dispatch_types(q.scalar_type(), kv_cache.scalar_type(), "paged_attention", [&](auto t, auto c) {

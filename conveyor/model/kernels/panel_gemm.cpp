@@ -1,0 +1,862 @@
+// y = x @ W^T for every row count with one reduction order per output value: the projections
+// of a batch-invariant model (CPU; float32 and float64 dense weights, GGUF-style q4/q8 blocks).
+//
+// Why one kernel for every row count: a row's result must not depend on how many other rows
+// share its step, where it sits in the step, or how its prompt was chunked (a prefix-cache
+// hit computes the same positions in another chunk). MKL, fbgemm and the earlier small-row and
+// block kernels each sum in their own order, and the model picked between them by row count,
+// so a warm request differed from a cold one in the last bits and then in its greedy tokens.
+// Here each output value y[t][n] is one chain of fused multiply-adds over k in increasing
+// order, whatever the tile, the thread or the instruction set computes it:
+//   dense:        acc = fma(x[t][k], W[n][k], acc)                      for k = 0 .. K-1
+//   blocks (int8 activations, per block b of 32: xq = round(x / xd), xd = max|x| / 127):
+//                 isum = sum_j q[n][j] xq[t][j]            (an exact integer dot product)
+//                 acc = fma(dw[n][b] * xd[t][b], float(isum), acc)
+//                 q4: acc = fma(mw[n][b], xs[t][b], acc)   (xs = xd * sum_j xq[t][j])
+//   blocks, float activations (the lm_head: logits pick the token, so its inputs stay exact):
+//                 s = 0; s = fma(x[t][k], float(q[n][k]), s) for the block's 32 k in order
+//                 acc = fma(dw[n][b], s, acc); q4: acc = fma(mw[n][b], xsum[t][b], acc)
+// The vector lanes hold output columns, never parts of k: there is no horizontal sum, so the
+// order is the same on AVX-512 (16 lanes), AVX2 (two 8-lane halves) and the scalar fallback
+// (std::fma), and the three give the same bits (the tests compare them).
+//
+// Weights are packed once at load into panels of 64 bytes of output columns (16 floats,
+// 8 doubles, 16 block columns):
+//   dense   (P, K, L)          panel p holds columns [pL, pL + L) for every k, zero-padded;
+//   blocks  (P, nb, C, 64) u8  per panel and block, C chunks of 64 bytes = 16 columns x 4 k:
+//             q8: chunk g holds k = 4g .. 4g+3 (C = 8), bytes q ^ 0x80 (unsigned, q + 128);
+//             q4: chunk g holds k = 4g .. 4g+3 in its low nibbles and k = 16+4g .. 19+4g in
+//                 its high ones (C = 4);
+//           (P, nb, 16) int16  dw and mw as float16 bits (converted exactly when used).
+// The integer dot products: AVX-512 VNNI's vpdpbusd (unsigned weight bytes x signed
+// activations; q8's + 128 is taken off by starting the sum at -128 * sum_j xq[j]); AVX2's
+// maddubs + madd (q8 with the signed weights and the sign trick, so no pair sum overflows).
+//
+// Work split: threads take groups of NP panels (balanced_for); inside, tokens in tiles of TT
+// rows. A tile keeps TT x NP vector accumulators in registers and reads each weight vector
+// once for its TT rows. The instruction set is chosen at run time: AVX-512 where the CPU and
+// the build have it, unless CONVEYOR_ISA=avx2 (or set_isa) asks for the narrower path.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CONVEYOR_PANEL_AVX2 1
+#else
+#define CONVEYOR_PANEL_AVX2 0
+#endif
+#if CONVEYOR_PANEL_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)
+#define CONVEYOR_PANEL_AVX512 1
+#else
+#define CONVEYOR_PANEL_AVX512 0
+#endif
+
+#include "balance.h"
+#include "ops.h"
+
+namespace conveyor_panel {
+
+constexpr int64_t kPanelBytes = 64;
+constexpr int64_t QK = 32;
+constexpr int64_t kCols = 16;  // block columns per panel
+
+// ------------------------------------------------------------------------ instruction sets
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int best_isa() {
+#if CONVEYOR_PANEL_AVX512
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return kAvx512;
+#endif
+#if CONVEYOR_PANEL_AVX2
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+int isa_from_env() {
+  const char* env = std::getenv("CONVEYOR_ISA");
+  const std::string want = env ? env : "";
+  const int best = best_isa();
+  if (want == "scalar") return kScalar;
+  if (want == "avx2") return std::min(best, int(kAvx2));
+  return best;
+}
+
+std::atomic<int>& current_isa() {
+  static std::atomic<int> isa{isa_from_env()};
+  return isa;
+}
+
+const char* isa_name(int isa) {
+  return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "scalar";
+}
+
+std::string get_isa() { return isa_name(current_isa().load()); }
+
+std::string set_isa(const std::string& name) {
+  const int best = best_isa();
+  int want = name == "scalar" ? kScalar : name == "avx2" ? kAvx2 : name == "avx512" ? kAvx512 : -1;
+  TORCH_CHECK(want >= 0 || name == "auto", "set_isa: auto, avx512, avx2 or scalar");
+  if (want < 0) want = best;
+  TORCH_CHECK(want <= best, "set_isa: this CPU or build runs at most ", isa_name(best));
+  current_isa().store(want);
+  return isa_name(want);
+}
+
+// ------------------------------------------------------------------------ float lanes
+// A panel row of L = 64 / sizeof(T) values as one "vector": F::fma(a, w, acc) is acc + a * w,
+// fused, lane by lane.
+
+template <typename T, int Isa>
+struct Lanes;
+
+template <typename T>
+struct Lanes<T, kScalar> {
+  static constexpr int L = kPanelBytes / sizeof(T);
+  using V = std::array<T, L>;
+  static V zero() { return V{}; }
+  static V load(const T* p) {
+    V v;
+    std::memcpy(v.data(), p, sizeof(v));
+    return v;
+  }
+  static void store(T* p, const V& v) { std::memcpy(p, v.data(), sizeof(v)); }
+  static V fma(T a, const V& w, V acc) {
+    for (int i = 0; i < L; ++i) acc[i] = std::fma(a, w[i], acc[i]);
+    return acc;
+  }
+};
+
+#if CONVEYOR_PANEL_AVX2
+template <>
+struct Lanes<float, kAvx2> {
+  static constexpr int L = 16;
+  struct V {
+    __m256 a, b;
+  };
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void store(float* p, const V& v) {
+    _mm256_storeu_ps(p, v.a);
+    _mm256_storeu_ps(p + 8, v.b);
+  }
+  static V fma(float a, const V& w, const V& acc) {
+    const __m256 s = _mm256_set1_ps(a);
+    return {_mm256_fmadd_ps(s, w.a, acc.a), _mm256_fmadd_ps(s, w.b, acc.b)};
+  }
+};
+template <>
+struct Lanes<double, kAvx2> {
+  static constexpr int L = 8;
+  struct V {
+    __m256d a, b;
+  };
+  static V zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+  static V load(const double* p) { return {_mm256_loadu_pd(p), _mm256_loadu_pd(p + 4)}; }
+  static void store(double* p, const V& v) {
+    _mm256_storeu_pd(p, v.a);
+    _mm256_storeu_pd(p + 4, v.b);
+  }
+  static V fma(double a, const V& w, const V& acc) {
+    const __m256d s = _mm256_set1_pd(a);
+    return {_mm256_fmadd_pd(s, w.a, acc.a), _mm256_fmadd_pd(s, w.b, acc.b)};
+  }
+};
+#endif
+
+#if CONVEYOR_PANEL_AVX512
+template <>
+struct Lanes<float, kAvx512> {
+  static constexpr int L = 16;
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(float a, V w, V acc) { return _mm512_fmadd_ps(_mm512_set1_ps(a), w, acc); }
+};
+template <>
+struct Lanes<double, kAvx512> {
+  static constexpr int L = 8;
+  using V = __m512d;
+  static V zero() { return _mm512_setzero_pd(); }
+  static V load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+  static V fma(double a, V w, V acc) { return _mm512_fmadd_pd(_mm512_set1_pd(a), w, acc); }
+};
+#endif
+
+// Stores a tile's NP panels of one row into y[n0 ..), the last panel cut at n_out.
+template <typename T, typename F>
+inline void store_row(T* y, int64_t n0, int64_t n_out, const typename F::V& v) {
+  if (n0 + F::L <= n_out) {
+    F::store(y + n0, v);
+  } else if (n0 < n_out) {
+    T tmp[F::L];
+    F::store(tmp, v);
+    std::memcpy(y + n0, tmp, (n_out - n0) * sizeof(T));
+  }
+}
+
+// ------------------------------------------------------------------------ the work split
+
+// fn(panel0, num_panels, t0, num_tokens) over groups of np panels and tiles of tt tokens;
+// threads take groups (balanced_for), tokens in blocks of kTokenBlock so that a group's
+// panels stay in L2 while a block of token rows passes over them.
+constexpr int64_t kTokenBlock = 128;
+
+template <typename Fn>
+void for_tiles(int64_t num_panels, int64_t np, int64_t tokens, int64_t tt, const Fn& fn) {
+  const int64_t groups = (num_panels + np - 1) / np;
+  conveyor_balance::balanced_for(groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t tb = 0; tb < tokens; tb += kTokenBlock) {
+      const int64_t te = std::min(tokens, tb + kTokenBlock);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * np, pn = std::min(np, num_panels - p0);
+        for (int64_t t = tb; t < te; t += tt) fn(p0, pn, t, std::min(tt, te - t));
+      }
+    }
+  });
+}
+
+// Calls K<TT, NP>::run(args...) for runtime tt <= MaxTT, np <= MaxNP.
+template <template <int, int> class K, int MaxTT, int MaxNP, int TT = MaxTT, int NP = MaxNP>
+struct Dispatch {
+  template <typename... A>
+  static void run(int tt, int np, A&&... args) {
+    if constexpr (TT > 1) {
+      if (tt < TT) return Dispatch<K, MaxTT, MaxNP, TT - 1, NP>::run(tt, np, args...);
+    }
+    if constexpr (NP > 1) {
+      if (np < NP) return Dispatch<K, MaxTT, MaxNP, TT, NP - 1>::run(tt, np, args...);
+    }
+    K<TT, NP>::run(args...);
+  }
+};
+
+// ------------------------------------------------------------------------ dense weights
+
+template <typename T, int Isa>
+struct Dense {
+  using F = Lanes<T, Isa>;
+  template <int TT, int NP>
+  struct Tile {
+    static void run(const T* x, int64_t k_dim, const T* w, int64_t p0, T* y, int64_t n_out) {
+      typename F::V acc[TT][NP];
+      for (int t = 0; t < TT; ++t)
+        for (int p = 0; p < NP; ++p) acc[t][p] = F::zero();
+      const T* wp = w + p0 * k_dim * F::L;
+      for (int64_t k = 0; k < k_dim; ++k) {
+        typename F::V wv[NP];
+        for (int p = 0; p < NP; ++p) wv[p] = F::load(wp + (p * k_dim + k) * F::L);
+        for (int t = 0; t < TT; ++t) {
+          const T a = x[t * k_dim + k];
+          for (int p = 0; p < NP; ++p) acc[t][p] = F::fma(a, wv[p], acc[t][p]);
+        }
+      }
+      for (int t = 0; t < TT; ++t)
+        for (int p = 0; p < NP; ++p)
+          store_row<T, F>(y + t * n_out, (p0 + p) * F::L, n_out, acc[t][p]);
+    }
+  };
+  static constexpr int kTT = Isa == kAvx512 ? 4 : Isa == kAvx2 ? 4 : 2;
+  static constexpr int kNP = Isa == kAvx512 ? 4 : 1;
+
+  static void run(const T* x, int64_t tokens, int64_t k_dim, const T* w, int64_t panels, T* y,
+                  int64_t n_out) {
+    for_tiles(panels, kNP, tokens, kTT, [&](int64_t p0, int64_t pn, int64_t t, int64_t tt) {
+      Dispatch<Tile, kTT, kNP>::run(tt, pn, x + t * k_dim, k_dim, w, p0, y + t * n_out, n_out);
+    });
+  }
+};
+
+at::Tensor pack_dense(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kDouble),
+              "pack_dense: a float32 or float64 (out, in) CPU matrix");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t lanes = kPanelBytes / weight.element_size();
+  const int64_t panels = (n + lanes - 1) / lanes;
+  at::Tensor padded = at::zeros({panels * lanes, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  // (P, L, K) -> (P, K, L)
+  return padded.view({panels, lanes, k}).transpose(1, 2).contiguous();
+}
+
+template <typename T>
+void dense_dispatch(const T* x, int64_t tokens, int64_t k, const T* w, int64_t panels, T* y,
+                    int64_t n) {
+  switch (current_isa().load()) {
+#if CONVEYOR_PANEL_AVX512
+    case kAvx512:
+      return Dense<T, kAvx512>::run(x, tokens, k, w, panels, y, n);
+#endif
+#if CONVEYOR_PANEL_AVX2
+    case kAvx2:
+      return Dense<T, kAvx2>::run(x, tokens, k, w, panels, y, n);
+#endif
+    default:
+      return Dense<T, kScalar>::run(x, tokens, k, w, panels, y, n);
+  }
+}
+
+at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n_out) {
+  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 3 && x_in.size(1) == packed.size(1) &&
+                  x_in.scalar_type() == packed.scalar_type() && packed.is_contiguous() &&
+                  packed.size(2) * packed.element_size() == kPanelBytes &&
+                  n_out <= packed.size(0) * packed.size(2) && x_in.device().is_cpu(),
+              "dense_linear: x (T, K) and panels (P, K, L) from pack_dense, one dtype");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+  if (x.size(0) == 0 || n_out == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dense_linear", [&] {
+    dense_dispatch<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                             packed.data_ptr<scalar_t>(), packed.size(0), y.data_ptr<scalar_t>(),
+                             n_out);
+  });
+  return y;
+}
+
+// ------------------------------------------------------------------------ block weights
+
+inline float half_bits_to_float(int16_t bits) {
+  return static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
+}
+
+// Packs GGUF-style blocks (quant.py BlockWeight: q4 qs u8 (N, K/2), d, m int16 (N, K/32); q8 qs
+// i8 (N, K)) into panels: returns (wq (P, nb, C * 64) uint8, dw (P, nb, 16) int16, mw (same, q4)
+// or an empty tensor).
+std::vector<at::Tensor> pack_blocks(const at::Tensor& qs_in, const at::Tensor& d_in,
+                                    const std::optional<at::Tensor>& m_in) {
+  const bool q4 = m_in.has_value() && m_in->defined();
+  const at::Tensor qs = qs_in.contiguous(), d = d_in.contiguous();
+  const int64_t n = d.size(0), nb = d.size(1);
+  TORCH_CHECK(qs.size(0) == n && qs.size(1) == (q4 ? nb * 16 : nb * 32),
+              "pack_blocks: qs does not fit d");
+  const int64_t panels = (n + kCols - 1) / kCols, chunks = q4 ? 4 : 8;
+  at::Tensor wq = at::zeros({panels, nb, chunks * kPanelBytes}, qs.options().dtype(at::kByte));
+  at::Tensor dw = at::zeros({panels, nb, kCols}, d.options());
+  at::Tensor mw = q4 ? at::zeros({panels, nb, kCols}, d.options()) : at::Tensor();
+  if (!q4) wq.fill_(0x80);  // padded columns: q = 0
+  const uint8_t* src = static_cast<const uint8_t*>(qs.data_ptr());
+  uint8_t* dst = wq.data_ptr<uint8_t>();
+  const int16_t* dsrc = d.data_ptr<int16_t>();
+  int16_t* ddst = dw.data_ptr<int16_t>();
+  const at::Tensor m = q4 ? m_in->contiguous() : at::Tensor();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t p = r / kCols, c = r % kCols;
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* block = dst + (p * nb + b) * chunks * kPanelBytes;
+        for (int64_t j = 0; j < QK; ++j) {
+          if (q4) {
+            const uint8_t byte = src[r * nb * 16 + b * 16 + j % 16];
+            const uint8_t v = j < 16 ? (byte & 0x0F) : (byte >> 4);
+            const int64_t g = (j % 16) / 4, at = g * kPanelBytes + c * 4 + j % 4;
+            block[at] |= j < 16 ? v : static_cast<uint8_t>(v << 4);
+          } else {
+            const int64_t g = j / 4;
+            block[g * kPanelBytes + c * 4 + j % 4] = src[r * nb * 32 + b * 32 + j] ^ 0x80;
+          }
+        }
+        ddst[(p * nb + b) * kCols + c] = dsrc[r * nb + b];
+        if (q4) mw.data_ptr<int16_t>()[(p * nb + b) * kCols + c] = m.data_ptr<int16_t>()[r * nb + b];
+      }
+    }
+  });
+  return {wq, dw, q4 ? mw : at::empty({0}, d.options())};
+}
+
+// Activations of a call, per token and block: int8 values, their scale xd = max|x| / 127,
+// xs = xd * sum(xq), and the integer sum (q8's -128 correction); the float block sums for
+// the float-activation kernel.
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, fsum;
+  std::vector<int32_t> isum;
+};
+
+// One token's blocks, as quantize_row in quant_gemm.cpp (the same values: round half to even
+// of x * (127 / max|x|)), written portably; the rounding is elementwise, so any order gives
+// the same bits.
+void quantize_token(const float* x, int64_t nb, int8_t* q, float* d, float* s, int32_t* isum) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * QK;
+    float max_abs = 0.0f;
+    for (int j = 0; j < QK; ++j) max_abs = std::max(max_abs, std::fabs(xb[j]));
+    const float scale = max_abs / 127.0f;
+    const float inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
+      q[b * QK + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = scale;
+    isum[b] = sum;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+Acts quantize(const float* x, int64_t tokens, int64_t k) {
+  const int64_t nb = k / QK;
+  Acts a;
+  a.q.resize(tokens * k);
+  a.d.resize(tokens * nb);
+  a.s.resize(tokens * nb);
+  a.isum.resize(tokens * nb);
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      quantize_token(x + t * k, nb, a.q.data() + t * k, a.d.data() + t * nb, a.s.data() + t * nb,
+                     a.isum.data() + t * nb);
+  });
+  return a;
+}
+
+struct BlockArgs {
+  const int8_t* xq;
+  const float* xd;
+  const float* xs;
+  const int32_t* xi;
+  const float* x;     // float activations (the float-acts kernel)
+  const float* xsum;  // their block sums
+  int64_t k, nb;
+  const uint8_t* wq;
+  const int16_t* dw;
+  const int16_t* mw;  // null for q8
+  float* y;
+  int64_t n_out;
+};
+
+template <typename T>
+inline T read_as(const void* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// The scalar reference of both block kernels (kScalar): the same order as the vector ones.
+template <bool Q4>
+struct BlockScalar {
+  template <int TT, int NP>
+  struct IntTile {
+    static void run(const BlockArgs& a, int64_t p0, int64_t t0) {
+      constexpr int64_t chunks = Q4 ? 4 : 8;
+      for (int t = 0; t < TT; ++t) {
+        for (int p = 0; p < NP; ++p) {
+          float acc[kCols] = {};
+          for (int64_t b = 0; b < a.nb; ++b) {
+            const uint8_t* blk = a.wq + ((p0 + p) * a.nb + b) * chunks * kPanelBytes;
+            const int8_t* xq = a.xq + (t0 + t) * a.k + b * QK;
+            const int64_t base = ((p0 + p) * a.nb + b) * kCols;
+            const float xd = a.xd[(t0 + t) * a.nb + b];
+            for (int c = 0; c < kCols; ++c) {
+              int32_t isum = 0;
+              for (int j = 0; j < QK; ++j) {
+                int w;
+                if (Q4) {
+                  const uint8_t byte = blk[((j % 16) / 4) * kPanelBytes + c * 4 + j % 4];
+                  w = j < 16 ? (byte & 0x0F) : (byte >> 4);
+                } else {
+                  w = static_cast<int>(blk[(j / 4) * kPanelBytes + c * 4 + j % 4]) - 128;
+                }
+                isum += w * xq[j];
+              }
+              const float s = half_bits_to_float(a.dw[base + c]) * xd;
+              acc[c] = std::fma(s, static_cast<float>(isum), acc[c]);
+              if (Q4)
+                acc[c] = std::fma(half_bits_to_float(a.mw[base + c]),
+                                  a.xs[(t0 + t) * a.nb + b], acc[c]);
+            }
+          }
+          for (int c = 0; c < kCols; ++c) {
+            const int64_t col = (p0 + p) * kCols + c;
+            if (col < a.n_out) a.y[(t0 + t) * a.n_out + col] = acc[c];
+          }
+        }
+      }
+    }
+  };
+  template <int TT, int NP>
+  struct FloatTile {
+    static void run(const BlockArgs& a, int64_t p0, int64_t t0) {
+      constexpr int64_t chunks = Q4 ? 4 : 8;
+      for (int t = 0; t < TT; ++t) {
+        for (int p = 0; p < NP; ++p) {
+          float acc[kCols] = {};
+          for (int64_t b = 0; b < a.nb; ++b) {
+            const uint8_t* blk = a.wq + ((p0 + p) * a.nb + b) * chunks * kPanelBytes;
+            const float* x = a.x + (t0 + t) * a.k + b * QK;
+            const int64_t base = ((p0 + p) * a.nb + b) * kCols;
+            for (int c = 0; c < kCols; ++c) {
+              float s = 0.0f;
+              for (int j = 0; j < QK; ++j) {
+                int w;
+                if (Q4) {
+                  const uint8_t byte = blk[((j % 16) / 4) * kPanelBytes + c * 4 + j % 4];
+                  w = j < 16 ? (byte & 0x0F) : (byte >> 4);
+                } else {
+                  w = static_cast<int>(blk[(j / 4) * kPanelBytes + c * 4 + j % 4]) - 128;
+                }
+                s = std::fma(x[j], static_cast<float>(w), s);
+              }
+              acc[c] = std::fma(half_bits_to_float(a.dw[base + c]), s, acc[c]);
+              if (Q4)
+                acc[c] = std::fma(half_bits_to_float(a.mw[base + c]),
+                                  a.xsum[(t0 + t) * a.nb + b], acc[c]);
+            }
+          }
+          for (int c = 0; c < kCols; ++c) {
+            const int64_t col = (p0 + p) * kCols + c;
+            if (col < a.n_out) a.y[(t0 + t) * a.n_out + col] = acc[c];
+          }
+        }
+      }
+    }
+  };
+};
+
+#if CONVEYOR_PANEL_AVX2
+// 16 block columns in two 8-lane halves.
+struct Avx2Blocks {
+  struct I {
+    __m256i a, b;
+  };
+  struct V {
+    __m256 a, b;
+  };
+  static V fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V half16(const int16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  static V fma(V s, V v, V acc) {
+    return {_mm256_fmadd_ps(s.a, v.a, acc.a), _mm256_fmadd_ps(s.b, v.b, acc.b)};
+  }
+  static V fma1(float s, V v, V acc) {
+    const __m256 sv = _mm256_set1_ps(s);
+    return {_mm256_fmadd_ps(sv, v.a, acc.a), _mm256_fmadd_ps(sv, v.b, acc.b)};
+  }
+  static V mul1(V v, float s) {
+    const __m256 sv = _mm256_set1_ps(s);
+    return {_mm256_mul_ps(v.a, sv), _mm256_mul_ps(v.b, sv)};
+  }
+  static V to_float(I i) { return {_mm256_cvtepi32_ps(i.a), _mm256_cvtepi32_ps(i.b)}; }
+  static void store(float* p, V v) {
+    _mm256_storeu_ps(p, v.a);
+    _mm256_storeu_ps(p + 8, v.b);
+  }
+  static I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static I load_bytes(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+  }
+  static I low_nibbles(I v) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(v.a, m), _mm256_and_si256(v.b, m)};
+  }
+  static I high_nibbles(I v) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(_mm256_srli_epi16(v.a, 4), m),
+            _mm256_and_si256(_mm256_srli_epi16(v.b, 4), m)};
+  }
+  static __m256i quad(const int8_t* x) { return _mm256_set1_epi32(read_as<int32_t>(x)); }
+  // acc + per column the dot of 4 unsigned weight bytes (0..15) and 4 signed activations.
+  static I dot_q4(I acc, I w, __m256i x) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(_mm256_maddubs_epi16(w.a, x), one)),
+            _mm256_add_epi32(acc.b, _mm256_madd_epi16(_mm256_maddubs_epi16(w.b, x), one))};
+  }
+  // q8 stored as q ^ 0x80: back to signed, then |w| times x with w's sign (pair sums fit).
+  static I signed_q8(I w) {
+    const __m256i f = _mm256_set1_epi8(static_cast<char>(0x80));
+    return {_mm256_xor_si256(w.a, f), _mm256_xor_si256(w.b, f)};
+  }
+  static I dot_q8(I acc, I w_signed, __m256i x) {
+    const __m256i one = _mm256_set1_epi16(1);
+    const __m256i pa = _mm256_maddubs_epi16(_mm256_sign_epi8(w_signed.a, w_signed.a),
+                                            _mm256_sign_epi8(x, w_signed.a));
+    const __m256i pb = _mm256_maddubs_epi16(_mm256_sign_epi8(w_signed.b, w_signed.b),
+                                            _mm256_sign_epi8(x, w_signed.b));
+    return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(pa, one)),
+            _mm256_add_epi32(acc.b, _mm256_madd_epi16(pb, one))};
+  }
+  static I q8_start(int32_t) { return izero(); }
+  // byte j (0..3) of every column's 4-byte group as float: q4 (unsigned nibbles already split)
+  // or q8 (stored + 128).
+  static V byte_as_float(I v, int j, bool q8) {
+    const int shift = 24 - 8 * j;
+    __m256i a = _mm256_srli_epi32(_mm256_slli_epi32(v.a, shift), 24);
+    __m256i b = _mm256_srli_epi32(_mm256_slli_epi32(v.b, shift), 24);
+    if (q8) {
+      const __m256i off = _mm256_set1_epi32(128);
+      a = _mm256_sub_epi32(a, off);
+      b = _mm256_sub_epi32(b, off);
+    }
+    return {_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b)};
+  }
+};
+#endif
+
+#if CONVEYOR_PANEL_AVX512
+struct Avx512Blocks {
+  using I = __m512i;
+  using V = __m512;
+  static V fzero() { return _mm512_setzero_ps(); }
+  static V half16(const int16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V fma(V s, V v, V acc) { return _mm512_fmadd_ps(s, v, acc); }
+  static V fma1(float s, V v, V acc) { return _mm512_fmadd_ps(_mm512_set1_ps(s), v, acc); }
+  static V mul1(V v, float s) { return _mm512_mul_ps(v, _mm512_set1_ps(s)); }
+  static V to_float(I i) { return _mm512_cvtepi32_ps(i); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) {
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+  }
+  static I quad(const int8_t* x) { return _mm512_set1_epi32(read_as<int32_t>(x)); }
+  static I dot_q4(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static I signed_q8(I w) { return w; }  // vpdpbusd takes the stored unsigned q + 128
+  static I dot_q8(I acc, I w_plus_128, I x) { return _mm512_dpbusd_epi32(acc, w_plus_128, x); }
+  static I q8_start(int32_t xsum) { return _mm512_set1_epi32(-128 * xsum); }
+  static V byte_as_float(I v, int j, bool q8) {
+    I b = _mm512_srli_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24);
+    if (q8) b = _mm512_sub_epi32(b, _mm512_set1_epi32(128));
+    return _mm512_cvtepi32_ps(b);
+  }
+};
+#endif
+
+template <typename B, bool Q4>
+struct BlockVec {
+  // int8 activations: TT tokens x NP panels, the integer sums per block then the float chain.
+  template <int TT, int NP>
+  struct IntTile {
+    static void run(const BlockArgs& a, int64_t p0, int64_t t0) {
+      constexpr int64_t chunks = Q4 ? 4 : 8;
+      typename B::V acc[TT][NP];
+      for (int t = 0; t < TT; ++t)
+        for (int p = 0; p < NP; ++p) acc[t][p] = B::fzero();
+      for (int64_t b = 0; b < a.nb; ++b) {
+        typename B::I isum[TT][NP];
+        for (int t = 0; t < TT; ++t)
+          for (int p = 0; p < NP; ++p)
+            isum[t][p] = Q4 ? B::izero() : B::q8_start(a.xi[(t0 + t) * a.nb + b]);
+        const uint8_t* blk[NP];
+        for (int p = 0; p < NP; ++p) blk[p] = a.wq + ((p0 + p) * a.nb + b) * chunks * kPanelBytes;
+        if constexpr (Q4) {
+          for (int g = 0; g < 4; ++g) {
+            typename B::I lo[NP], hi[NP];
+            for (int p = 0; p < NP; ++p) {
+              const typename B::I v = B::load_bytes(blk[p] + g * kPanelBytes);
+              lo[p] = B::low_nibbles(v);
+              hi[p] = B::high_nibbles(v);
+            }
+            for (int t = 0; t < TT; ++t) {
+              const int8_t* xq = a.xq + (t0 + t) * a.k + b * QK;
+              const auto xl = B::quad(xq + 4 * g), xh = B::quad(xq + 16 + 4 * g);
+              for (int p = 0; p < NP; ++p) {
+                isum[t][p] = B::dot_q4(isum[t][p], lo[p], xl);
+                isum[t][p] = B::dot_q4(isum[t][p], hi[p], xh);
+              }
+            }
+          }
+        } else {
+          for (int g = 0; g < 8; ++g) {
+            typename B::I w[NP];
+            for (int p = 0; p < NP; ++p) w[p] = B::signed_q8(B::load_bytes(blk[p] + g * kPanelBytes));
+            for (int t = 0; t < TT; ++t) {
+              const auto xv = B::quad(a.xq + (t0 + t) * a.k + b * QK + 4 * g);
+              for (int p = 0; p < NP; ++p) isum[t][p] = B::dot_q8(isum[t][p], w[p], xv);
+            }
+          }
+        }
+        for (int p = 0; p < NP; ++p) {
+          const int64_t base = ((p0 + p) * a.nb + b) * kCols;
+          const typename B::V dw = B::half16(a.dw + base);
+          typename B::V mw;
+          if constexpr (Q4) mw = B::half16(a.mw + base);
+          for (int t = 0; t < TT; ++t) {
+            const int64_t tb = (t0 + t) * a.nb + b;
+            acc[t][p] = B::fma(B::mul1(dw, a.xd[tb]), B::to_float(isum[t][p]), acc[t][p]);
+            if constexpr (Q4) acc[t][p] = B::fma1(a.xs[tb], mw, acc[t][p]);
+          }
+        }
+      }
+      store(a, p0, t0, acc);
+    }
+  };
+
+  // Float activations (the lm_head): per block s = sum of x[k] * q[k] in k order, then
+  // acc = fma(dw, s, acc) (+ mw * sum(x)).
+  template <int TT, int NP>
+  struct FloatTile {
+    static void run(const BlockArgs& a, int64_t p0, int64_t t0) {
+      constexpr int64_t chunks = Q4 ? 4 : 8;
+      typename B::V acc[TT][NP];
+      for (int t = 0; t < TT; ++t)
+        for (int p = 0; p < NP; ++p) acc[t][p] = B::fzero();
+      for (int64_t b = 0; b < a.nb; ++b) {
+        typename B::V s[TT][NP];
+        for (int t = 0; t < TT; ++t)
+          for (int p = 0; p < NP; ++p) s[t][p] = B::fzero();
+        const uint8_t* blk[NP];
+        for (int p = 0; p < NP; ++p) blk[p] = a.wq + ((p0 + p) * a.nb + b) * chunks * kPanelBytes;
+        // k = 4g + j; q4: quads 0..3 are the low nibbles of chunks 0..3, quads 4..7 the high.
+        for (int g = 0; g < 8; ++g) {
+          typename B::I v[NP];
+          for (int p = 0; p < NP; ++p) {
+            if constexpr (Q4) {
+              const typename B::I raw = B::load_bytes(blk[p] + (g % 4) * kPanelBytes);
+              v[p] = g < 4 ? B::low_nibbles(raw) : B::high_nibbles(raw);
+            } else {
+              v[p] = B::load_bytes(blk[p] + g * kPanelBytes);
+            }
+          }
+          for (int j = 0; j < 4; ++j) {
+            typename B::V w[NP];
+            for (int p = 0; p < NP; ++p) w[p] = B::byte_as_float(v[p], j, !Q4);
+            for (int t = 0; t < TT; ++t) {
+              const float xv = a.x[(t0 + t) * a.k + b * QK + 4 * g + j];
+              for (int p = 0; p < NP; ++p) s[t][p] = B::fma1(xv, w[p], s[t][p]);
+            }
+          }
+        }
+        for (int p = 0; p < NP; ++p) {
+          const int64_t base = ((p0 + p) * a.nb + b) * kCols;
+          const typename B::V dw = B::half16(a.dw + base);
+          typename B::V mw;
+          if constexpr (Q4) mw = B::half16(a.mw + base);
+          for (int t = 0; t < TT; ++t) {
+            acc[t][p] = B::fma(dw, s[t][p], acc[t][p]);
+            if constexpr (Q4) acc[t][p] = B::fma1(a.xsum[(t0 + t) * a.nb + b], mw, acc[t][p]);
+          }
+        }
+      }
+      store(a, p0, t0, acc);
+    }
+  };
+
+  template <int TT, int NP>
+  static void store(const BlockArgs& a, int64_t p0, int64_t t0, typename B::V (&acc)[TT][NP]) {
+    for (int t = 0; t < TT; ++t) {
+      for (int p = 0; p < NP; ++p) {
+        const int64_t n0 = (p0 + p) * kCols;
+        float* row = a.y + (t0 + t) * a.n_out;
+        if (n0 + kCols <= a.n_out) {
+          B::store(row + n0, acc[t][p]);
+        } else if (n0 < a.n_out) {
+          float tmp[kCols];
+          B::store(tmp, acc[t][p]);
+          std::memcpy(row + n0, tmp, (a.n_out - n0) * sizeof(float));
+        }
+      }
+    }
+  }
+};
+
+// Binds a tile template's BlockArgs to Dispatch's (TT, NP) parameters.
+template <template <int, int> class Tile, int TT, int NP>
+void run_tiles(const BlockArgs& a, int64_t tokens, int64_t panels) {
+  for_tiles(panels, NP, tokens, TT, [&](int64_t p0, int64_t pn, int64_t t, int64_t tt) {
+    Dispatch<Tile, TT, NP>::run(tt, pn, a, p0, t);
+  });
+}
+
+template <bool Q4, bool FloatActs>
+void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels) {
+  switch (current_isa().load()) {
+#if CONVEYOR_PANEL_AVX512
+    case kAvx512:
+      if constexpr (FloatActs) {
+        // One row: each block's sum is a chain of 32 dependent FMAs, so more panels in flight.
+        if (tokens == 1)
+          return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 1, 8>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 4, 2>(a, tokens, panels);
+      } else {
+        return run_tiles<BlockVec<Avx512Blocks, Q4>::template IntTile, 4, 2>(a, tokens, panels);
+      }
+#endif
+#if CONVEYOR_PANEL_AVX2
+    case kAvx2:
+      if constexpr (FloatActs) {
+        if (tokens == 1)
+          return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 1, 3>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 2, 2>(a, tokens, panels);
+      } else {
+        return run_tiles<BlockVec<Avx2Blocks, Q4>::template IntTile, 2, 2>(a, tokens, panels);
+      }
+#endif
+    default:
+      if constexpr (FloatActs) {
+        return run_tiles<BlockScalar<Q4>::template FloatTile, 1, 1>(a, tokens, panels);
+      } else {
+        return run_tiles<BlockScalar<Q4>::template IntTile, 1, 1>(a, tokens, panels);
+      }
+  }
+}
+
+// y (T, n_out) = x (T, K) @ W^T for panel-packed blocks (pack_blocks), int8 activations
+// (float_acts false) or float ones.
+at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& dw,
+                        const at::Tensor& mw, int64_t n_out, bool float_acts) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "block_linear: x must be float32 (T, K) on the CPU");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t tokens = x.size(0), k = x.size(1), nb = k / QK;
+  const bool q4 = mw.numel() > 0;
+  TORCH_CHECK(k % QK == 0 && wq.dim() == 3 && wq.size(1) == nb &&
+                  wq.size(2) == (q4 ? 4 : 8) * kPanelBytes && (!q4 || dw.sizes() == mw.sizes()) &&
+                  dw.size(0) == wq.size(0) && n_out <= wq.size(0) * kCols,
+              "block_linear: panels from pack_blocks that match x");
+  at::Tensor y = at::empty({tokens, n_out}, x.options());
+  if (tokens == 0 || n_out == 0) return y;
+  BlockArgs a{};
+  a.k = k;
+  a.nb = nb;
+  a.wq = wq.data_ptr<uint8_t>();
+  a.dw = dw.data_ptr<int16_t>();
+  a.mw = q4 ? mw.data_ptr<int16_t>() : nullptr;
+  a.y = y.data_ptr<float>();
+  a.n_out = n_out;
+  const int64_t panels = wq.size(0);
+  if (float_acts) {
+    std::vector<float> sums(tokens * nb);
+    const float* xp = x.data_ptr<float>();
+    for (int64_t i = 0; i < tokens * nb; ++i) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < QK; ++j) s += xp[i * QK + j];
+      sums[i] = s;
+    }
+    a.x = xp;
+    a.xsum = sums.data();
+    if (q4) return block_dispatch<true, true>(a, tokens, panels), y;
+    return block_dispatch<false, true>(a, tokens, panels), y;
+  }
+  const Acts acts = quantize(x.data_ptr<float>(), tokens, k);
+  a.xq = acts.q.data();
+  a.xd = acts.d.data();
+  a.xs = acts.s.data();
+  a.xi = acts.isum.data();
+  if (q4) return block_dispatch<true, false>(a, tokens, panels), y;
+  return block_dispatch<false, false>(a, tokens, panels), y;
+}
+
+}  // namespace conveyor_panel
