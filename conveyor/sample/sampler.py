@@ -234,7 +234,7 @@ def _top_p_cutoff(
     """[num_rows, 1] smallest logit kept by top-p (-inf keeps all). `logits` are top-k masked;
     `candidates` are their largest values, sorted descending."""
     top_p = logits.new_tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params])
-    log_total = logits.logsumexp(dim=-1, keepdim=True)
+    log_total = _log_total(logits)
     cutoff, resolved = _nucleus_end(candidates, log_total, top_p.unsqueeze(1))
     # The nucleus ends inside the candidates, or top-k already left nothing beyond them.
     resolved |= torch.tensor([p.top_k != -1 for p in params], device=logits.device)
@@ -243,6 +243,16 @@ def _top_p_cutoff(
         full = logits[rows].sort(dim=-1, descending=True).values
         cutoff[rows] = _nucleus_end(full, log_total[rows], top_p[rows].unsqueeze(1))[0]
     return cutoff.masked_fill_(top_p.unsqueeze(1) > 1.0, NEG_INF)
+
+
+def _log_total(logits: torch.Tensor) -> torch.Tensor:
+    """[num_rows, 1] log of each row's total probability mass, logsumexp's value computed so
+    that a row gets the same bits alone and in any batch. torch's logsumexp does not (on an
+    AVX-512 CPU, 2 of 64 rows of 49152 logits differed in the last bit alone vs batched, which
+    could move a seeded top-p row's cutoff with its neighbours); log_softmax does. At a row's
+    largest logit x_j, log_softmax_j = x_j - logsumexp, so logsumexp = x_j - log_softmax_j."""
+    top = logits.argmax(dim=-1, keepdim=True)
+    return logits.gather(1, top) - torch.log_softmax(logits, dim=-1).gather(1, top)
 
 
 def _nucleus_end(
