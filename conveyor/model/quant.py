@@ -317,9 +317,12 @@ def reference_linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     blocks = x.float().reshape(t, k // QK, QK)
     max_abs = blocks.abs().amax(-1, keepdim=True)
     scale = max_abs / 127
-    # 127 / max, as the kernel computes it: 1 / (max / 127) can differ by an ulp and flip the
-    # rounding of a value that lands on .5.
-    inv = torch.where(max_abs > 0, 127.0 / max_abs, torch.zeros((), dtype=torch.float32))
+    # 127 / max, correctly rounded as the kernel computes it: 1 / (max / 127), or torch's
+    # 127.0 / t (a reciprocal times 127), can differ by an ulp and flip the rounding of a value
+    # that lands on .5.
+    inv = torch.where(
+        max_abs > 0, torch.full_like(max_abs, 127.0) / max_abs, torch.zeros_like(max_abs)
+    )
     x_rounded = (torch.round(blocks * inv) * scale).reshape(t, k)
     return x_rounded.double() @ weight.dequantize().double().T
 

@@ -318,7 +318,8 @@ at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
   TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 3 && x_in.size(1) == packed.size(1) &&
                   x_in.scalar_type() == packed.scalar_type() && packed.is_contiguous() &&
                   packed.size(2) * packed.element_size() == kPanelBytes &&
-                  n_out <= packed.size(0) * packed.size(2) && x_in.device().is_cpu(),
+                  n_out >= 0 && n_out <= packed.size(0) * packed.size(2) &&
+                  x_in.device().is_cpu() && packed.device().is_cpu(),
               "dense_linear: x (T, K) and panels (P, K, L) from pack_dense, one dtype");
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({x.size(0), n_out}, x.options());
@@ -343,6 +344,12 @@ inline float half_bits_to_float(int16_t bits) {
 std::vector<at::Tensor> pack_blocks(const at::Tensor& qs_in, const at::Tensor& d_in,
                                     const std::optional<at::Tensor>& m_in) {
   const bool q4 = m_in.has_value() && m_in->defined();
+  TORCH_CHECK(d_in.dim() == 2 && qs_in.dim() == 2 && d_in.scalar_type() == at::kShort &&
+                  (qs_in.scalar_type() == at::kByte || qs_in.scalar_type() == at::kChar) &&
+                  d_in.device().is_cpu() && qs_in.device().is_cpu(),
+              "pack_blocks: qs uint8/int8 (N, bytes) and d int16 (N, K/32) on the CPU");
+  TORCH_CHECK(!q4 || (m_in->scalar_type() == at::kShort && m_in->sizes() == d_in.sizes()),
+              "pack_blocks: m must be int16 of d's shape");
   const at::Tensor qs = qs_in.contiguous(), d = d_in.contiguous();
   const int64_t n = d.size(0), nb = d.size(1);
   TORCH_CHECK(qs.size(0) == n && qs.size(1) == (q4 ? nb * 16 : nb * 32),
@@ -823,8 +830,13 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
   const int64_t tokens = x.size(0), k = x.size(1), nb = k / QK;
   const bool q4 = mw.numel() > 0;
   TORCH_CHECK(k % QK == 0 && wq.dim() == 3 && wq.size(1) == nb &&
-                  wq.size(2) == (q4 ? 4 : 8) * kPanelBytes && (!q4 || dw.sizes() == mw.sizes()) &&
-                  dw.size(0) == wq.size(0) && n_out <= wq.size(0) * kCols,
+                  wq.scalar_type() == at::kByte && wq.is_contiguous() &&
+                  wq.size(2) == (q4 ? 4 : 8) * kPanelBytes && dw.dim() == 3 &&
+                  dw.size(0) == wq.size(0) && dw.size(1) == nb && dw.size(2) == kCols &&
+                  dw.scalar_type() == at::kShort && dw.is_contiguous() &&
+                  (!q4 || (mw.sizes() == dw.sizes() && mw.scalar_type() == at::kShort &&
+                           mw.is_contiguous())) &&
+                  n_out >= 0 && n_out <= wq.size(0) * kCols,
               "block_linear: panels from pack_blocks that match x");
   at::Tensor y = at::empty({tokens, n_out}, x.options());
   if (tokens == 0 || n_out == 0) return y;
