@@ -419,6 +419,46 @@ void quantize_token(const float* x, int64_t nb, int8_t* q, float* d, float* s, i
   }
 }
 
+#if CONVEYOR_PANEL_AVX2
+// quantize_token in AVX2: the same values (|x| max, the same scale and reciprocal, x * inv
+// rounded half to even, an exact integer sum), 8 lanes at a time. A 512-token prompt chunk
+// quantizes 4 x 512 rows per layer, and the scalar loop took ~1/3 of the projections' time.
+void quantize_token_avx2(const float* x, int64_t nb, int8_t* q, float* d, float* s,
+                         int32_t* isum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * QK;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float max_abs = _mm_cvtss_f32(m);
+    const __m256 inv = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+    __m256i sum = _mm256_setzero_si256();
+    int32_t lanes[8];
+    for (int i = 0; i < 4; ++i) {
+      const __m256i r = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      sum = _mm256_add_epi32(sum, r);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), r);
+      for (int j = 0; j < 8; ++j) q[b * QK + 8 * i + j] = static_cast<int8_t>(lanes[j]);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), sum);
+    int32_t total = 0;
+    for (int j = 0; j < 8; ++j) total += lanes[j];
+    const float scale = max_abs / 127.0f;
+    d[b] = scale;
+    isum[b] = total;
+    s[b] = scale * static_cast<float>(total);
+  }
+}
+#endif
+
 Acts quantize(const float* x, int64_t tokens, int64_t k) {
   const int64_t nb = k / QK;
   Acts a;
@@ -427,9 +467,17 @@ Acts quantize(const float* x, int64_t tokens, int64_t k) {
   a.s.resize(tokens * nb);
   a.isum.resize(tokens * nb);
   at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
+    for (int64_t t = t0; t < t1; ++t) {
+#if CONVEYOR_PANEL_AVX2
+      if (current_isa().load() != kScalar) {
+        quantize_token_avx2(x + t * k, nb, a.q.data() + t * k, a.d.data() + t * nb,
+                            a.s.data() + t * nb, a.isum.data() + t * nb);
+        continue;
+      }
+#endif
       quantize_token(x + t * k, nb, a.q.data() + t * k, a.d.data() + t * nb, a.s.data() + t * nb,
                      a.isum.data() + t * nb);
+    }
   });
   return a;
 }
