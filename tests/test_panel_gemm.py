@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conveyor.model import kernels, quant
-from conveyor.model.quant import QK, BlockWeight
+from conveyor.model.quant import BlockWeight
 
 # N: never a multiple of 16 (or 8), so every call has a padded panel; K: one block up to the
 # default model's hidden size; T: one row, tails of every token tile, several tiles.

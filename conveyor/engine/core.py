@@ -214,7 +214,12 @@ class EngineCore:
         if tp_size > 1 and quantization == "auto":
             quantization = "none"
         self.model_config = ModelConfig.from_hf(
-            model, dtype, self.device.type, max_model_len, quantization, tokenizer,
+            model,
+            dtype,
+            self.device.type,
+            max_model_len,
+            quantization,
+            tokenizer,
             batch_invariant,
         )
         self.skip_tokenizer_init = bool(skip_tokenizer_init)

@@ -141,7 +141,13 @@ def paged_attention(
     meta.ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size)
     scale = q.shape[-1] ** -0.5
     return meta.ops.paged_attention(
-        q, kv_cache, meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables, scale,
+        q,
+        kv_cache,
+        meta.block_size,
+        meta.query_start,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
         meta.split_keys,
     )
 

@@ -129,9 +129,7 @@ def _projection(module: nn.Module, ops: ModuleType):
         return ops.Projection(weight=module.weight.detach(), bias=bias, panels=module.panels)
     if type(module) is QuantLinear and module.format in ("q4", "q8"):
         m = module.m if module.format == "q4" else None
-        return ops.Projection(
-            qs=module.qs, d=module.d, m=m, bias=bias, block_panels=module.panels
-        )
+        return ops.Projection(qs=module.qs, d=module.d, m=m, bias=bias, block_panels=module.panels)
     return None
 
 

@@ -460,9 +460,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.device.type == "cpu" and x.dim() == 2:
-            out = kernels().block_linear(
-                x.to(torch.float32), *self.panels, self.weight_blocks.shape[0], self.float_acts
-            ).to(x.dtype)
+            out = (
+                kernels()
+                .block_linear(
+                    x.to(torch.float32), *self.panels, self.weight_blocks.shape[0], self.float_acts
+                )
+                .to(x.dtype)
+            )
         elif x.device.type == "cpu" and x.dim() == 2:
             x32 = x.to(torch.float32)
             if self.int8_weight is not None and x.shape[0] >= self.int8_from:
