@@ -77,7 +77,7 @@ class Dense:
 class Blocks:
     def __init__(self, ops, weight: BlockWeight, float_acts: bool) -> None:
         self.ops, self.weight, self.float_acts = ops, weight, float_acts
-        self.wq, self.dw, self.mw = ops.pack_blocks(weight.qs, weight.d, weight.m)
+        self.wq, self.dw, self.mw = ops.pack_blocks(weight.qs, weight.d, weight.m, float_acts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n_out = self.weight.shape[0]
@@ -296,6 +296,12 @@ def test_block_bad_input_raises(ops):
         "pack: qs does not fit d": lambda: ops.pack_blocks(q4.qs[:, :16], q4.d, q4.m),
         "pack: q8 qs of a q4 weight": lambda: ops.pack_blocks(q4.qs, q4.d),
         "pack: scales as float32": lambda: ops.pack_blocks(q4.qs, q4.d.float(), q4.m.float()),
+        "int8-activation panels read as float-activation ones": lambda: ops.block_linear(
+            x, wq, dw, mw, 37, True
+        ),
+        "float-activation panels read as int8-activation ones": lambda: ops.block_linear(
+            x, *ops.pack_blocks(q4.qs, q4.d, q4.m, True), 37, False
+        ),
     }
     for what, call in bad_calls.items():
         with pytest.raises((RuntimeError, ValueError)):

@@ -456,7 +456,8 @@ class QuantLinear(nn.Module):
     def pack_panels(self, ops) -> None:
         """Packs the blocks for the panel kernels (kernels/panel_gemm.cpp): from then on every
         row count runs one kernel with one reduction order per output value."""
-        self.panels = ops.pack_blocks(self.qs, self.d, self.m if self.format == "q4" else None)
+        m = self.m if self.format == "q4" else None
+        self.panels = ops.pack_blocks(self.qs, self.d, m, float_acts=self.float_acts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.device.type == "cpu" and x.dim() == 2:

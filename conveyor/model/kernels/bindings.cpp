@@ -34,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &pg::dense_linear, "x @ W^T over dense panels, one order per value",
         py::arg("x"), py::arg("packed"), py::arg("n_out"));
   m.def("pack_blocks", &pg::pack_blocks, "q4/q8 blocks -> panels (wq, dw, mw)", py::arg("qs"),
-        py::arg("d"), py::arg("m") = py::none());
+        py::arg("d"), py::arg("m") = py::none(), py::arg("float_acts") = false);
   m.def("block_linear", &pg::block_linear, "x @ W^T over block panels, one order per value",
         py::arg("x"), py::arg("wq"), py::arg("dw"), py::arg("mw"), py::arg("n_out"),
         py::arg("float_acts") = false);

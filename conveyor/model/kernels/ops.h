@@ -49,7 +49,7 @@ std::string set_isa(const std::string& name);
 at::Tensor pack_dense(const at::Tensor& weight);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
 std::vector<at::Tensor> pack_blocks(const at::Tensor& qs, const at::Tensor& d,
-                                    const std::optional<at::Tensor>& m);
+                                    const std::optional<at::Tensor>& m, bool float_acts);
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& dw,
                         const at::Tensor& mw, int64_t n_out, bool float_acts);
 }  // namespace conveyor_panel

@@ -14,8 +14,9 @@
 //                 acc = fma(dw[n][b] * xd[t][b], float(isum), acc)
 //                 q4: acc = fma(mw[n][b], xs[t][b], acc)   (xs = xd * sum_j xq[t][j])
 //   blocks, float activations (the lm_head: logits pick the token, so its inputs stay exact):
-//                 s = 0; s = fma(x[t][k], float(q[n][k]), s) for the block's 32 k in order
-//                 acc = fma(dw[n][b], s, acc); q4: acc = fma(mw[n][b], xsum[t][b], acc)
+//                 w = q[n][k] * dw[n][b]  (exact: 8 x 11 significant bits) or, q4,
+//                 w = fma(q[n][k], dw[n][b], mw[n][b])   (the dequantized value, one rounding)
+//                 acc = fma(x[t][k], w, acc)                             for k = 0 .. K-1
 // The vector lanes hold output columns, never parts of k: there is no horizontal sum, so the
 // order is the same on AVX-512 (16 lanes), AVX2 (two 8-lane halves) and the scalar fallback
 // (std::fma), and the three give the same bits (the tests compare them).
@@ -27,7 +28,9 @@
 //             q8: chunk g holds k = 4g .. 4g+3 (C = 8), bytes q ^ 0x80 (unsigned, q + 128);
 //             q4: chunk g holds k = 4g .. 4g+3 in its low nibbles and k = 16+4g .. 19+4g in
 //                 its high ones (C = 4);
-//           (P, nb, 16) int16  dw and mw as float16 bits (converted exactly when used).
+//           (P, nb, 16) int16  dw and mw as float16 bits (converted exactly when used);
+//   blocks for float activations (pack_blocks(..., float_acts=True)): (P, K, 16) int8, the
+//           values q of 16 columns for each k (q4: 0..15), and the same dw, mw.
 // The integer dot products: AVX-512 VNNI's vpdpbusd (unsigned weight bytes x signed
 // activations; q8's + 128 is taken off by starting the sum at -128 * sum_j xq[j]); AVX2's
 // maddubs + madd (q8 with the signed weights and the sign trick, so no pair sum overflows).
@@ -340,9 +343,10 @@ inline float half_bits_to_float(int16_t bits) {
 
 // Packs GGUF-style blocks (quant.py BlockWeight: q4 qs u8 (N, K/2), d, m int16 (N, K/32); q8 qs
 // i8 (N, K)) into panels: returns (wq (P, nb, C * 64) uint8, dw (P, nb, 16) int16, mw (same, q4)
-// or an empty tensor).
+// or an empty tensor); with float_acts the values as (P, K, 16) int8 for the float-activation
+// kernel instead of wq.
 std::vector<at::Tensor> pack_blocks(const at::Tensor& qs_in, const at::Tensor& d_in,
-                                    const std::optional<at::Tensor>& m_in) {
+                                    const std::optional<at::Tensor>& m_in, bool float_acts) {
   const bool q4 = m_in.has_value() && m_in->defined();
   TORCH_CHECK(d_in.dim() == 2 && qs_in.dim() == 2 && d_in.scalar_type() == at::kShort &&
                   (qs_in.scalar_type() == at::kByte || qs_in.scalar_type() == at::kChar) &&
@@ -385,15 +389,37 @@ std::vector<at::Tensor> pack_blocks(const at::Tensor& qs_in, const at::Tensor& d
       }
     }
   });
-  return {wq, dw, q4 ? mw : at::empty({0}, d.options())};
+  at::Tensor mw_out = q4 ? mw : at::empty({0}, d.options());
+  if (!float_acts) return {wq, dw, mw_out};
+  // (P, nb, C, 16 columns, 4 k) -> (P, K, 16): each value once, as int8 (q4: 0..15).
+  at::Tensor wk = at::empty({panels, nb * QK, kCols}, qs.options().dtype(at::kChar));
+  const uint8_t* packed = wq.data_ptr<uint8_t>();
+  int8_t* out = wk.data_ptr<int8_t>();
+  at::parallel_for(0, panels, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = packed + (p * nb + b) * chunks * kPanelBytes;
+        for (int64_t j = 0; j < QK; ++j)
+          for (int64_t c = 0; c < kCols; ++c) {
+            int v;
+            if (q4) {
+              const uint8_t byte = block[((j % 16) / 4) * kPanelBytes + c * 4 + j % 4];
+              v = j < 16 ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              v = static_cast<int>(block[(j / 4) * kPanelBytes + c * 4 + j % 4]) - 128;
+            }
+            out[(p * nb * QK + b * QK + j) * kCols + c] = static_cast<int8_t>(v);
+          }
+      }
+  });
+  return {wk, dw, mw_out};
 }
 
 // Activations of a call, per token and block: int8 values, their scale xd = max|x| / 127,
-// xs = xd * sum(xq), and the integer sum (q8's -128 correction); the float block sums for
-// the float-activation kernel.
+// xs = xd * sum(xq), and the integer sum (q8's -128 correction).
 struct Acts {
   std::vector<int8_t> q;
-  std::vector<float> d, s, fsum;
+  std::vector<float> d, s;
   std::vector<int32_t> isum;
 };
 
@@ -488,7 +514,7 @@ struct BlockArgs {
   const float* xs;
   const int32_t* xi;
   const float* x;     // float activations (the float-acts kernel)
-  const float* xsum;  // their block sums
+  const int8_t* wk;   // its weights, (P, K, 16)
   int64_t k, nb;
   const uint8_t* wq;
   const int16_t* dw;
@@ -549,30 +575,19 @@ struct BlockScalar {
   template <int TT, int NP>
   struct FloatTile {
     static void run(const BlockArgs& a, int64_t p0, int64_t t0) {
-      constexpr int64_t chunks = Q4 ? 4 : 8;
       for (int t = 0; t < TT; ++t) {
         for (int p = 0; p < NP; ++p) {
           float acc[kCols] = {};
-          for (int64_t b = 0; b < a.nb; ++b) {
-            const uint8_t* blk = a.wq + ((p0 + p) * a.nb + b) * chunks * kPanelBytes;
-            const float* x = a.x + (t0 + t) * a.k + b * QK;
-            const int64_t base = ((p0 + p) * a.nb + b) * kCols;
+          for (int64_t k = 0; k < a.k; ++k) {
+            const int64_t base = ((p0 + p) * a.nb + k / QK) * kCols;
+            const int8_t* q = a.wk + ((p0 + p) * a.k + k) * kCols;
+            const float xv = a.x[(t0 + t) * a.k + k];
             for (int c = 0; c < kCols; ++c) {
-              float s = 0.0f;
-              for (int j = 0; j < QK; ++j) {
-                int w;
-                if (Q4) {
-                  const uint8_t byte = blk[((j % 16) / 4) * kPanelBytes + c * 4 + j % 4];
-                  w = j < 16 ? (byte & 0x0F) : (byte >> 4);
-                } else {
-                  w = static_cast<int>(blk[(j / 4) * kPanelBytes + c * 4 + j % 4]) - 128;
-                }
-                s = std::fma(x[j], static_cast<float>(w), s);
-              }
-              acc[c] = std::fma(half_bits_to_float(a.dw[base + c]), s, acc[c]);
-              if (Q4)
-                acc[c] = std::fma(half_bits_to_float(a.mw[base + c]),
-                                  a.xsum[(t0 + t) * a.nb + b], acc[c]);
+              const float dw = half_bits_to_float(a.dw[base + c]);
+              const float w = Q4 ? std::fma(static_cast<float>(q[c]), dw,
+                                            half_bits_to_float(a.mw[base + c]))
+                                 : static_cast<float>(q[c]) * dw;
+              acc[c] = std::fma(xv, w, acc[c]);
             }
           }
           for (int c = 0; c < kCols; ++c) {
@@ -651,19 +666,12 @@ struct Avx2Blocks {
             _mm256_add_epi32(acc.b, _mm256_madd_epi16(pb, one))};
   }
   static I q8_start(int32_t) { return izero(); }
-  // byte j (0..3) of every column's 4-byte group as float: q4 (unsigned nibbles already split)
-  // or q8 (stored + 128).
-  static V byte_as_float(I v, int j, bool q8) {
-    const int shift = 24 - 8 * j;
-    __m256i a = _mm256_srli_epi32(_mm256_slli_epi32(v.a, shift), 24);
-    __m256i b = _mm256_srli_epi32(_mm256_slli_epi32(v.b, shift), 24);
-    if (q8) {
-      const __m256i off = _mm256_set1_epi32(128);
-      a = _mm256_sub_epi32(a, off);
-      b = _mm256_sub_epi32(b, off);
-    }
-    return {_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b)};
+  // 16 int8 values as floats.
+  static V i8_as_float(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
   }
+  static V mul(V a, V b) { return {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
 };
 #endif
 
@@ -691,11 +699,10 @@ struct Avx512Blocks {
   static I signed_q8(I w) { return w; }  // vpdpbusd takes the stored unsigned q + 128
   static I dot_q8(I acc, I w_plus_128, I x) { return _mm512_dpbusd_epi32(acc, w_plus_128, x); }
   static I q8_start(int32_t xsum) { return _mm512_set1_epi32(-128 * xsum); }
-  static V byte_as_float(I v, int j, bool q8) {
-    I b = _mm512_srli_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24);
-    if (q8) b = _mm512_sub_epi32(b, _mm512_set1_epi32(128));
-    return _mm512_cvtepi32_ps(b);
+  static V i8_as_float(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
 };
 #endif
 
@@ -759,49 +766,34 @@ struct BlockVec {
     }
   };
 
-  // Float activations (the lm_head): per block s = sum of x[k] * q[k] in k order, then
-  // acc = fma(dw, s, acc) (+ mw * sum(x)).
+  // Float activations (the lm_head): each weight dequantized exactly (q4: one rounding) from
+  // its int8 value, then one FMA chain over k per output value, as the dense kernel.
   template <int TT, int NP>
   struct FloatTile {
     static void run(const BlockArgs& a, int64_t p0, int64_t t0) {
-      constexpr int64_t chunks = Q4 ? 4 : 8;
       typename B::V acc[TT][NP];
       for (int t = 0; t < TT; ++t)
         for (int p = 0; p < NP; ++p) acc[t][p] = B::fzero();
       for (int64_t b = 0; b < a.nb; ++b) {
-        typename B::V s[TT][NP];
-        for (int t = 0; t < TT; ++t)
-          for (int p = 0; p < NP; ++p) s[t][p] = B::fzero();
-        const uint8_t* blk[NP];
-        for (int p = 0; p < NP; ++p) blk[p] = a.wq + ((p0 + p) * a.nb + b) * chunks * kPanelBytes;
-        // k = 4g + j; q4: quads 0..3 are the low nibbles of chunks 0..3, quads 4..7 the high.
-        for (int g = 0; g < 8; ++g) {
-          typename B::I v[NP];
-          for (int p = 0; p < NP; ++p) {
-            if constexpr (Q4) {
-              const typename B::I raw = B::load_bytes(blk[p] + (g % 4) * kPanelBytes);
-              v[p] = g < 4 ? B::low_nibbles(raw) : B::high_nibbles(raw);
-            } else {
-              v[p] = B::load_bytes(blk[p] + g * kPanelBytes);
-            }
-          }
-          for (int j = 0; j < 4; ++j) {
-            typename B::V w[NP];
-            for (int p = 0; p < NP; ++p) w[p] = B::byte_as_float(v[p], j, !Q4);
-            for (int t = 0; t < TT; ++t) {
-              const float xv = a.x[(t0 + t) * a.k + b * QK + 4 * g + j];
-              for (int p = 0; p < NP; ++p) s[t][p] = B::fma1(xv, w[p], s[t][p]);
-            }
-          }
-        }
+        typename B::V dw[NP], mw[NP];
         for (int p = 0; p < NP; ++p) {
           const int64_t base = ((p0 + p) * a.nb + b) * kCols;
-          const typename B::V dw = B::half16(a.dw + base);
-          typename B::V mw;
-          if constexpr (Q4) mw = B::half16(a.mw + base);
+          dw[p] = B::half16(a.dw + base);
+          if constexpr (Q4) mw[p] = B::half16(a.mw + base);
+        }
+        for (int64_t k = b * QK; k < (b + 1) * QK; ++k) {
+          typename B::V w[NP];
+          for (int p = 0; p < NP; ++p) {
+            const typename B::V q = B::i8_as_float(a.wk + ((p0 + p) * a.k + k) * kCols);
+            if constexpr (Q4) {
+              w[p] = B::fma(q, dw[p], mw[p]);
+            } else {
+              w[p] = B::mul(q, dw[p]);
+            }
+          }
           for (int t = 0; t < TT; ++t) {
-            acc[t][p] = B::fma(dw, s[t][p], acc[t][p]);
-            if constexpr (Q4) acc[t][p] = B::fma1(a.xsum[(t0 + t) * a.nb + b], mw, acc[t][p]);
+            const float xv = a.x[(t0 + t) * a.k + k];
+            for (int p = 0; p < NP; ++p) acc[t][p] = B::fma1(xv, w[p], acc[t][p]);
           }
         }
       }
@@ -841,10 +833,10 @@ void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels) {
 #if CONVEYOR_PANEL_AVX512
     case kAvx512:
       if constexpr (FloatActs) {
-        // One row: each block's sum is a chain of 32 dependent FMAs, so more panels in flight.
+        // One row: one FMA chain per panel, so more panels in flight.
         if (tokens == 1)
           return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 1, 8>(a, tokens, panels);
-        return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 4, 2>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 4, 4>(a, tokens, panels);
       } else {
         return run_tiles<BlockVec<Avx512Blocks, Q4>::template IntTile, 4, 2>(a, tokens, panels);
       }
@@ -868,8 +860,8 @@ void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels) {
   }
 }
 
-// y (T, n_out) = x (T, K) @ W^T for panel-packed blocks (pack_blocks), int8 activations
-// (float_acts false) or float ones.
+// y (T, n_out) = x (T, K) @ W^T for panel-packed blocks (pack_blocks with the same
+// float_acts): int8 activations (float_acts false) or float ones.
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& dw,
                         const at::Tensor& mw, int64_t n_out, bool float_acts) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
@@ -877,9 +869,12 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
   const at::Tensor x = x_in.contiguous();
   const int64_t tokens = x.size(0), k = x.size(1), nb = k / QK;
   const bool q4 = mw.numel() > 0;
-  TORCH_CHECK(k % QK == 0 && wq.dim() == 3 && wq.size(1) == nb &&
-                  wq.scalar_type() == at::kByte && wq.is_contiguous() &&
-                  wq.size(2) == (q4 ? 4 : 8) * kPanelBytes && dw.dim() == 3 &&
+  const bool layout = float_acts ? wq.dim() == 3 && wq.size(1) == k && wq.size(2) == kCols &&
+                                        wq.scalar_type() == at::kChar
+                                  : wq.dim() == 3 && wq.size(1) == nb &&
+                                        wq.size(2) == (q4 ? 4 : 8) * kPanelBytes &&
+                                        wq.scalar_type() == at::kByte;
+  TORCH_CHECK(k % QK == 0 && layout && wq.is_contiguous() && dw.dim() == 3 &&
                   dw.size(0) == wq.size(0) && dw.size(1) == nb && dw.size(2) == kCols &&
                   dw.scalar_type() == at::kShort && dw.is_contiguous() &&
                   (!q4 || (mw.sizes() == dw.sizes() && mw.scalar_type() == at::kShort &&
@@ -891,22 +886,15 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
   BlockArgs a{};
   a.k = k;
   a.nb = nb;
-  a.wq = wq.data_ptr<uint8_t>();
+  a.wq = float_acts ? nullptr : wq.data_ptr<uint8_t>();
+  a.wk = float_acts ? wq.data_ptr<int8_t>() : nullptr;
   a.dw = dw.data_ptr<int16_t>();
   a.mw = q4 ? mw.data_ptr<int16_t>() : nullptr;
   a.y = y.data_ptr<float>();
   a.n_out = n_out;
   const int64_t panels = wq.size(0);
   if (float_acts) {
-    std::vector<float> sums(tokens * nb);
-    const float* xp = x.data_ptr<float>();
-    for (int64_t i = 0; i < tokens * nb; ++i) {
-      float s = 0.0f;
-      for (int64_t j = 0; j < QK; ++j) s += xp[i * QK + j];
-      sums[i] = s;
-    }
-    a.x = xp;
-    a.xsum = sums.data();
+    a.x = x.data_ptr<float>();
     if (q4) return block_dispatch<true, true>(a, tokens, panels), y;
     return block_dispatch<false, true>(a, tokens, panels), y;
   }
