@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
@@ -103,3 +104,14 @@ __all__ = [
     "hf_greedy",
     "assert_matches_reference",
 ]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's CPU thread count set to n inside the block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import shutil
@@ -10,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import torch_threads
 
 from conveyor.model import kernels
 from conveyor.model.attention import build_metadata, paged_attention, to_cache_dtype
@@ -140,7 +140,7 @@ def test_few_decode_rows_split_by_keys_match_reference(ops, dtype, seqs):
 def test_split_rows_do_not_depend_on_the_thread_count(ops):
     seqs = [(700, 1)]
     many = run_both(ops, seqs, 9, 3, 64, 16, torch.float32)
-    with _threads(1):
+    with torch_threads(1):
         one = run_both(ops, seqs, 9, 3, 64, 16, torch.float32)
     assert torch.equal(many[0][0], one[0][0])
 
@@ -193,7 +193,7 @@ def test_small_gemm_matches_torch(ops, dtype, out_dim, k_dim):
     gen = torch.Generator().manual_seed(out_dim * 31 + k_dim)
     weight = torch.randn(out_dim, k_dim, generator=gen, dtype=dtype)
     for threads in (1, 2):
-        with _threads(threads):
+        with torch_threads(threads):
             for n in range(1, 21):
                 x = torch.randn(n, k_dim, generator=gen, dtype=dtype)
                 got = ops.small_gemm(x, weight)
@@ -216,9 +216,9 @@ def test_small_gemm_rows_taken_over_between_threads_are_each_computed_once(ops, 
     gen = torch.Generator().manual_seed(threads)
     weight = torch.randn(4099, 64, generator=gen)  # 512 pieces of 8 rows and a short one
     xs = [torch.randn(n, 64, generator=gen) for n in (1, 2, 3, 5, 8)]
-    with _threads(1):
+    with torch_threads(1):
         expected = [ops.small_gemm(x, weight) for x in xs]
-    with _threads(threads):
+    with torch_threads(threads):
         for _ in range(40):
             for x, want in zip(xs, expected, strict=True):
                 assert torch.equal(ops.small_gemm(x, weight), want)
@@ -294,16 +294,6 @@ def test_matmul_forms_kept_at_set_up_are_read_by_later_processes(ops, monkeypatc
             assert again == results[torch.float64]
     finally:
         layers._measured_forms.cache_clear()
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_engine_num_threads_sets_torch_threads_and_rejects_zero(tiny_checkpoint):

@@ -5,12 +5,12 @@ one or two threads. Bad input raises instead of crashing."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import shutil
 
 import pytest
 import torch
+from conftest import torch_threads
 
 from conveyor.model import kernels, quant
 from conveyor.model.quant import BlockWeight
@@ -117,16 +117,6 @@ def random_x(t: int, k: int, dtype, seed: int = 0) -> torch.Tensor:
 KINDS = ["float32", "float64", "q4", "q8", "q4-float", "q8-float"]
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def assert_rows_invariant(op, x: torch.Tensor, full: torch.Tensor, seed: int = 0) -> None:
     """Every row alone, arbitrary slices, and the rows in another order give the same bits."""
     t = x.shape[0]
@@ -203,10 +193,10 @@ def test_each_row_is_the_same_alone_in_any_slice_and_any_order(ops, kind, shape)
 def test_rows_do_not_depend_on_the_thread_count(ops, kind):
     op, dtype = make_op(ops, kind, 201, 576, seed=3)
     x = random_x(70, 576, dtype, seed=3)
-    with _threads(2):
+    with torch_threads(2):
         two = op(x)
     for threads in (1, 3):
-        with _threads(threads):
+        with torch_threads(threads):
             assert torch.equal(op(x), two), f"{threads} threads"
             assert torch.equal(op(x[5:6]), two[5:6])
 
@@ -408,6 +398,6 @@ def test_attention_decode_rows_on_one_and_two_threads(ops):
     q = torch.randn(length, 9, head_dim, generator=gen)
     (prefill,) = _attention(ops, q, cache, block_size, [(0, q, 0)], tables)
     for threads in (1, 2):
-        with _threads(threads):
+        with torch_threads(threads):
             (row,) = _attention(ops, q, cache, block_size, [(length - 1, q[-1:], 0)], tables)
         assert torch.equal(row, prefill[-1:]), f"{threads} threads"

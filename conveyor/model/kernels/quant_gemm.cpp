@@ -66,38 +66,10 @@ struct QuantizedActs {
   at::Tensor s;   // float (T, K/32): d * sum of the block's int8 values
 };
 
+// panel_gemm.cpp's int8 rounding (the same values: round half to even of x * (127 / max|x|)).
 void quantize_row(const float* x, int64_t num_blocks, int8_t* q, float* d, float* s) {
-  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* xb = x + b * QK;
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float max_abs = _mm_cvtss_f32(m);
-    const float scale = max_abs / 127.0f;
-    const __m256 inv = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
-    __m256i i32[4];
-    for (int i = 0; i < 4; ++i) {
-      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT));
-    }
-    // packs interleave 128-bit lanes; the permute puts the 32 bytes back in order.
-    const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]);
-    const __m256i i16b = _mm256_packs_epi32(i32[2], i32[3]);
-    __m256i i8 = _mm256_packs_epi16(i16a, i16b);
-    i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), i8);
-    // Integer sum of the block: maddubs with all-ones counts each signed byte once.
-    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), i8),
-                                           _mm256_set1_epi16(1));
-    d[b] = scale;
-    s[b] = scale * hsum(_mm256_cvtepi32_ps(sums));
-  }
+  std::vector<int32_t> sums(num_blocks);
+  conveyor_panel::quantize_token_avx2(x, num_blocks, q, d, s, sums.data());
 }
 
 QuantizedActs quantize_acts(const at::Tensor& x) {
