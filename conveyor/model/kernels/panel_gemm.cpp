@@ -845,7 +845,7 @@ void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels) {
     case kAvx2:
       if constexpr (FloatActs) {
         if (tokens == 1)
-          return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 1, 3>(a, tokens, panels);
+          return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 1, 6>(a, tokens, panels);
         return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 2, 2>(a, tokens, panels);
       } else {
         return run_tiles<BlockVec<Avx2Blocks, Q4>::template IntTile, 2, 2>(a, tokens, panels);
