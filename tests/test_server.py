@@ -404,7 +404,7 @@ def _greedy_answer_among_others(client, question: str, others: int = 12) -> tupl
 def test_temperature_zero_answers_are_bitwise_reproducible(client):
     """On the default server (Q4_1 served quantized, prefix caching on): the same answer and
     top-5 logprobs, bit for bit, asked cold, asked again with the prompt cached, and asked next
-    to 12 other streams (n-gram speculation: tests/test_batch_invariance.py). With
+    to 12 other streams (n-gram speculation: the test below). With
     --no-batch-invariant a cache hit moved the first question's logprobs."""
     for question in DETERMINISM_QUESTIONS:
         cold = _greedy_answer(client, question)  # the first time: nothing cached
@@ -413,3 +413,25 @@ def test_temperature_zero_answers_are_bitwise_reproducible(client):
         assert cold[0], "an empty answer proves nothing"
         assert warm == cold, f"{question!r}: a cache hit changed the answer or its logprobs"
         assert crowded == cold, f"{question!r}: other streams changed the answer or its logprobs"
+
+
+def test_temperature_zero_answers_are_the_same_with_ngram_speculation(client, tmp_path):
+    """A server that verifies n-gram drafts (1 + k rows a step) answers each question with the
+    same tokens and top-5 logprobs, bit for bit, as the plain default server."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    args = ["--served-model-name", MODEL, "--max-model-len", "512"]
+    spec = ServerProcess(
+        [*args, "--speculative-config", json.dumps(ngram | {"adaptive": False})],
+        tmp_path / "ngram.log",
+    )
+    try:
+        spec_client = openai.OpenAI(base_url=f"{spec.base_url}/v1", api_key="none", max_retries=0)
+        for question in DETERMINISM_QUESTIONS[:2]:
+            plain = _greedy_answer(client, question)
+            speculated = _greedy_answer(spec_client, question)
+            assert plain[0], "an empty answer proves nothing"
+            assert speculated == plain, f"{question!r}: n-gram speculation changed the answer"
+        drafts = spec.metrics().get("conveyor:spec_decode_num_drafts_total", 0.0)
+        assert drafts > 0, "the speculating server verified no drafts"
+    finally:
+        spec.stop()
