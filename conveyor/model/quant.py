@@ -9,6 +9,12 @@ Formats (a weight (N, K) in blocks of 32 input elements, one fp16 scale per bloc
 Activations are quantized per token and block to int8 inside the kernel (as llama.cpp's
 Q8_0/Q8_1 dot products do), so a block's dot product is an integer dot product.
 
+By default (batch-invariant, CPU) every row count runs one kernel instead of the routes below:
+kernels/panel_gemm.cpp, int8 activations per block of 32 as here (VNNI on AVX-512, maddubs on
+AVX2), float activations for the lm_head, each output value one chain in a fixed order; the
+blocks are packed into column panels at load (QuantLinear.pack_panels). What follows is what
+`--no-batch-invariant` runs.
+
 Kernel choice. `python -m conveyor.model.quant 1 30` prints ms per call of each candidate for
 SmolLM2-135M's shapes, one thread, cycling through 30 weights so that they stream from memory
 as in a real step. On this project's shared 2-core Xeon (AVX-512 VNNI/AMX capable; the
