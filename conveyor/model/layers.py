@@ -86,8 +86,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T (+ bias), for modules not packed for the batch-invariant panel kernels
     (pack_panels; packed is the default on CPU). On CPU the decode steps' few token rows make
     this a stream of the weights from memory, and three ways of computing it differ a lot
-    there, by machine and token count: MKL's x @ W.T, MKL's (W @ x.T).T (a transposed view, which every consumer here
-    accepts), and the compiled small-row kernel (kernels/small_gemm.cpp). On a 2-core Zen 3,
+    there, by machine and token count: MKL's x @ W.T, MKL's (W @ x.T).T (a transposed view,
+    which every consumer here accepts), and the compiled small-row kernel
+    (kernels/small_gemm.cpp). On a 2-core Zen 3,
     (W @ x.T).T made 4-request steps 211 -> 94 ms against x @ W.T; on a 2-core Sapphire Rapids
     Xeon x @ W.T is 2.3x faster than it at 2 tokens, and the kernel 1.6x faster than both at 8
     (SmolLM2-135M's projections, streamed from memory). So each process measures them once per
