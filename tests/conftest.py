@@ -115,3 +115,17 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The compiled CPU kernels (model/kernels); skips without a C++ compiler."""
+    import shutil
+
+    from conveyor.model import kernels
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    module = kernels.load()
+    assert module is not None, "a compiler is present but the kernels did not build"
+    return module

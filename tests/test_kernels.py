@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -16,15 +15,6 @@ from conveyor.model.attention import build_metadata, paged_attention, to_cache_d
 from conveyor.worker.model_runner import pad_block_tables, positions_and_slots
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler on this machine")
-    module = kernels.load()
-    assert module is not None, "a compiler is present but the kernels did not build"
-    return module
 
 
 def run_both(

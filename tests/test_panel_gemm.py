@@ -6,13 +6,12 @@ one or two threads. Bad input raises instead of crashing."""
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
 from conftest import torch_threads
 
-from conveyor.model import kernels, quant
+from conveyor.model import quant
 from conveyor.model.quant import BlockWeight
 
 # N: never a multiple of 16 (or 8), so every call has a padded panel; K: one block up to the
@@ -24,15 +23,6 @@ QUANTIZERS = {"q4": quant.quantize_q4, "q8": quant.quantize_q8}
 # Worst |error| / max |reference| measured over random shapes: float32 1.1e-6, float64 1e-15,
 # blocks 3e-7 (int8 activations) and 9.5e-7 (float activations).
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-13, "blocks": 1e-5}
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler on this machine")
-    module = kernels.load()
-    assert module is not None, "a compiler is present but the kernels did not build"
-    return module
 
 
 @pytest.fixture(autouse=True)
