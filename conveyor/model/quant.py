@@ -441,8 +441,6 @@ class QuantLinear(nn.Module):
         self.int8_from = INT8_FROM_TOKENS
         self.int8_weight: torch.ScriptObject | None = None
         self.outlier_ratio = OUTLIER_RATIO
-        # Float activations (exact) instead of int8 ones: the lm_head (see QuantPlan.install).
-        self.float_acts = False
         # (wq, dw, mw): the blocks packed for the batch-invariant panel kernels (pack_panels).
         self.panels: list[torch.Tensor] | None = None
         # int16 / uint8 / int8 buffers: Module.to(dtype) casts floats only, so they survive it.
@@ -459,6 +457,12 @@ class QuantLinear(nn.Module):
     def weight_blocks(self) -> BlockWeight:
         return BlockWeight(self.format, self.qs, self.d, self.m)
 
+    @property
+    def float_acts(self) -> bool:
+        """Whether every row count takes float activations (the lm_head: QuantPlan.install
+        sets dequant_from to 1), not int8 ones."""
+        return self.dequant_from <= 1
+
     def pack_panels(self, ops) -> None:
         """Packs the blocks for the panel kernels (kernels/panel_gemm.cpp): from then on every
         row count runs one kernel with one reduction order per output value."""
@@ -467,13 +471,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.device.type == "cpu" and x.dim() == 2:
-            out = (
-                kernels()
-                .block_linear(
-                    x.to(torch.float32), *self.panels, self.weight_blocks.shape[0], self.float_acts
-                )
-                .to(x.dtype)
-            )
+            x32 = x.to(torch.float32)
+            n_out = self.d.shape[0]
+            out = kernels().block_linear(x32, *self.panels, n_out, self.float_acts).to(x.dtype)
         elif x.device.type == "cpu" and x.dim() == 2:
             x32 = x.to(torch.float32)
             if self.int8_weight is not None and x.shape[0] >= self.int8_from:
@@ -641,10 +641,7 @@ class QuantPlan:
                 # Logits decide the sampled token: near ties (0.1 nat apart happen in greedy
                 # chat answers) must not flip on the activations' int8 rounding, so the head
                 # always takes the float-tile path (float32 arithmetic on the stored blocks).
-                module.dequant_from = 1
-                for part in module.modules():
-                    if isinstance(part, QuantLinear):
-                        part.float_acts = True
+                module.dequant_from = 1  # and so float_acts
             model.set_submodule(name, module)
         pack_int8_modules(model)
 

@@ -53,7 +53,8 @@ std::vector<at::Tensor> pack_blocks(const at::Tensor& qs, const at::Tensor& d,
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& dw,
                         const at::Tensor& mw, int64_t n_out, bool float_acts);
 #if CONVEYOR_QUANT_KERNELS
-// One token's int8 blocks (AVX2): values, scale max|x| / 127, scale * sum, integer sum.
+// One token's int8 blocks (AVX2): values, scale max|x| / 127, scale * sum, integer sum (isum
+// may be null).
 void quantize_token_avx2(const float* x, int64_t nb, int8_t* q, float* d, float* s,
                          int32_t* isum);
 #endif

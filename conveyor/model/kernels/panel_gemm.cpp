@@ -479,7 +479,7 @@ void quantize_token_avx2(const float* x, int64_t nb, int8_t* q, float* d, float*
     for (int j = 0; j < 8; ++j) total += lanes[j];
     const float scale = max_abs / 127.0f;
     d[b] = scale;
-    isum[b] = total;
+    if (isum != nullptr) isum[b] = total;
     s[b] = scale * static_cast<float>(total);
   }
 }

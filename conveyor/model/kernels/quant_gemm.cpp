@@ -68,8 +68,7 @@ struct QuantizedActs {
 
 // panel_gemm.cpp's int8 rounding (the same values: round half to even of x * (127 / max|x|)).
 void quantize_row(const float* x, int64_t num_blocks, int8_t* q, float* d, float* s) {
-  std::vector<int32_t> sums(num_blocks);
-  conveyor_panel::quantize_token_avx2(x, num_blocks, q, d, s, sums.data());
+  conveyor_panel::quantize_token_avx2(x, num_blocks, q, d, s, nullptr);
 }
 
 QuantizedActs quantize_acts(const at::Tensor& x) {
