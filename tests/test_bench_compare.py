@@ -1,5 +1,6 @@
 """`conveyor bench compare` on a tiny checkpoint: conveyor-fcfs, conveyor-static and
-transformers' generate loop serve the same requests at two rates, in real time."""
+transformers' generate loop serve the same requests at two rates, in real time; and the sweep's
+pieces (heavy-tailed lengths, capacity, goodput) on synthetic data."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import re
 
+import numpy as np
 import pytest
 
 from conveyor.bench import compare
+from conveyor.bench.datasets import output_lengths
+from conveyor.bench.records import RequestRecord, RunResult, StepRecord
 
 NUM_PROMPTS = 8
 RATES = ["40", "inf"]  # inf: all at once, so requests queue behind a full batch
@@ -37,9 +42,17 @@ def run(tiny_checkpoint, tmp_path_factory):
             str(NUM_PROMPTS),
             "--request-rates",
             *RATES,
+            "--hf-request-rates",
+            *RATES,
+            "--hf-num-prompts",
+            str(NUM_PROMPTS),
             "--prompt-range",
             "4",
             "40",
+            "--output-dist",
+            "lognormal",
+            "--output-mean",
+            "6",
             "--output-range",
             "2",
             "16",
@@ -137,7 +150,7 @@ def test_ratio_lines_agree_with_the_table(run):
 
 def test_plots_are_written(run):
     _, _, out_dir = run
-    for name in ("throughput.png", "latency.png", "timeline.png"):
+    for name in ("throughput.png", "latency.png", "goodput.png", "timeline.png"):
         path = out_dir / name
         assert path.exists() and path.stat().st_size > 1000
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -180,3 +193,181 @@ def test_bad_ranges_are_refused_with_the_flag_named():
     with pytest.raises(SystemExit):
         with contextlib.redirect_stderr(io.StringIO()):
             parse(["--request-rates", "0"])
+
+
+def test_capacity_and_goodput_are_printed_and_saved_for_both_baselines(run):
+    text, data, _ = run
+    capacity, goodput = data["capacity"], data["goodput"]
+    assert set(capacity["ratios"]) == set(goodput["ratios"]) == {"conveyor-static", "hf-generate"}
+    ours = capacity["systems"]["conveyor-fcfs"]
+    for baseline, ratio in capacity["ratios"].items():
+        assert ratio["ratio"] == pytest.approx(ours["rate"] / capacity["systems"][baseline]["rate"])
+        printed = re.search(rf"conveyor-fcfs / {baseline}\s+capacity [<>=~ ]*([\d.]+)x", text)
+        assert float(printed.group(1)) == pytest.approx(ratio["ratio"], abs=0.006)
+    for result in data["runs"]:
+        summary = result["summary"]
+        assert 0 <= summary["goodput"] <= summary["request_throughput"] + 1e-9
+        for r in result["requests"]:
+            assert (r["tbt_p99"] > 0) == (r["num_output_tokens"] > 1), (result["system"], r)
+
+
+# ---- the sweep's pieces, on synthetic data ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "exponential", "uniform"])
+def test_output_lengths_are_deterministic_by_seed_and_within_the_caps(dist):
+    def draw(seed):
+        return output_lengths(np.random.default_rng(seed), 2000, dist, (4, 300), 48.0)
+
+    first = draw(1)
+    assert np.array_equal(first, draw(1))
+    assert not np.array_equal(first, draw(2))
+    assert first.min() >= 4 and first.max() <= 300
+    assert first.dtype.kind == "i"
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "exponential"])
+def test_heavy_tailed_output_lengths_have_a_long_tail_near_the_mean_asked(dist):
+    lengths = output_lengths(np.random.default_rng(0), 20000, dist, (1, 4096), 48.0)
+    assert np.mean(lengths) == pytest.approx(48.0, rel=0.05)
+    assert np.median(lengths) < 0.75 * np.mean(lengths)  # mass on the short side
+    assert np.percentile(lengths, 99) > 4 * np.median(lengths)  # and a long tail
+
+
+def test_output_lengths_refuse_bad_input():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="output distribution"):
+        output_lengths(rng, 4, "pareto-ish", (1, 8), 4.0)
+    with pytest.raises(ValueError, match="output range"):
+        output_lengths(rng, 4, "lognormal", (8, 1), 4.0)
+    with pytest.raises(ValueError, match="output mean"):
+        output_lengths(rng, 4, "lognormal", (1, 8), 0.0)
+
+
+def test_capacity_interpolates_the_first_crossing_of_the_threshold():
+    sweep = [(4.0, 1.0), (1.0, 0.1), (2.0, 0.2), (8.0, 0.15), (math.inf, 9.0)]
+    # crosses 0.6 between 2 (0.2) and 4 (1.0): 2 + 2 * 0.4 / 0.8; the dip at 8 is past it
+    assert compare.capacity(sweep, 0.6) == compare.Capacity(3.0, "=")
+    assert compare.capacity(sweep, 5.0) == compare.Capacity(8.0, ">=")
+    assert compare.capacity(sweep, 0.05) == compare.Capacity(1.0, "<=")
+    with pytest.raises(ValueError, match="finite"):
+        compare.capacity([(math.inf, 1.0)], 0.5)
+
+
+def test_capacity_ratio_says_which_way_a_bound_points():
+    exact, floor, ceiling = (
+        compare.Capacity(r, b) for r, b in ((2.0, "="), (6.0, ">="), (1.0, "<="))
+    )
+    assert compare.capacity_ratio(floor, exact) == (3.0, ">=")
+    assert compare.capacity_ratio(exact, ceiling) == (2.0, ">=")
+    assert compare.capacity_ratio(ceiling, exact) == (0.5, "<=")
+    assert compare.capacity_ratio(exact, exact) == (1.0, "=")
+    assert compare.capacity_ratio(floor, floor) == (1.0, "?")
+
+
+def result(system, rate, median, goodput=0.0):
+    summary = {"normalized_latency_median": median, "goodput": goodput}
+    return RunResult(system, rate, [], [], summary)
+
+
+def test_capacity_report_uses_one_threshold_from_the_lowest_load():
+    sweep = [
+        result("conveyor-fcfs", 1.0, 0.10),
+        result("conveyor-fcfs", 4.0, 0.30),
+        result("conveyor-fcfs", 8.0, 0.90),
+        result("conveyor-static", 1.0, 0.12),
+        result("conveyor-static", 4.0, 1.20),
+        result("conveyor-static", math.inf, 5.0),
+        result("hf-generate", 0.5, 0.20),
+        result("hf-generate", 1.0, 2.00),
+    ]
+    report = compare.capacity_report(sweep, factor=5.0)
+    assert report["reference_s_per_token"] == pytest.approx(0.10)
+    assert report["threshold_s_per_token"] == pytest.approx(0.5)
+    systems = report["systems"]
+    assert systems["conveyor-fcfs"] == {"rate": pytest.approx(4 + 4 * 0.2 / 0.6), "bound": "="}
+    assert systems["conveyor-static"] == {"rate": pytest.approx(1 + 3 * 0.38 / 1.08), "bound": "="}
+    assert systems["hf-generate"]["rate"] == pytest.approx(0.5 + 0.5 * 0.3 / 1.8)
+    assert report["ratios"]["conveyor-static"]["ratio"] == pytest.approx(
+        systems["conveyor-fcfs"]["rate"] / systems["conveyor-static"]["rate"]
+    )
+
+
+def test_token_times_and_tbt_p99_from_the_steps():
+    record = RequestRecord(
+        "7",
+        prompt_len=10,
+        output_len=4,
+        num_output_tokens=4,
+        arrival=0.0,
+        first_token=0.0,
+        finish=0.0,
+    )
+    steps = [
+        StepRecord(0.0, 1.0, {"7": 6}, []),  # first prompt chunk: no token yet
+        StepRecord(1.0, 2.0, {"7": 4, "8": 1}, []),  # the rest of it: token 1
+        StepRecord(2.0, 2.5, {"8": 1}, []),  # without 7
+        StepRecord(2.5, 3.0, {"7": 1}, []),
+        StepRecord(3.0, 6.0, {"7": 1}, []),
+        StepRecord(6.0, 6.5, {"7": 1}, ["7"]),
+        StepRecord(6.5, 7.0, {"7": 1}, []),  # past its output length (a static batch's seat)
+    ]
+    assert compare.token_times(record, steps) == [2.0, 3.0, 6.0, 6.5]
+    assert compare.tbt_p99([2.0, 3.0, 6.0, 6.5]) == pytest.approx(np.percentile([1, 3, 0.5], 99))
+    assert compare.tbt_p99([2.0]) == 0.0
+    compare.set_tbt_p99([record], steps)
+    assert record.tbt_p99 == pytest.approx(np.percentile([1, 3, 0.5], 99))
+
+
+def test_goodput_counts_the_requests_that_meet_the_slo_per_second():
+    records = [
+        RequestRecord(str(i), 1, 1, 1, 0.0, 0.0, 0.0, tbt_p99=tbt)
+        for i, tbt in enumerate([0.1, 0.2, 0.5, 0.51, 2.0])
+    ]
+    assert compare.goodput(records, duration=2.0, tbt_slo=0.5) == pytest.approx(1.5)
+    assert compare.goodput(records, duration=2.0, tbt_slo=0.05) == 0.0
+    best = compare.goodput_report(
+        [
+            result("conveyor-fcfs", 1.0, 0, 0.9),
+            result("conveyor-fcfs", 2.0, 0, 1.8),
+            result("conveyor-static", 1.0, 0, 0.6),
+            result("conveyor-static", 2.0, 0, 0.5),
+        ],
+        tbt_slo=0.5,
+    )
+    assert best["systems"]["conveyor-fcfs"] == {"goodput": 1.8, "request_rate": 2.0}
+    assert best["ratios"]["conveyor-static"]["ratio"] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--output-range", "0", "8"], "--output-range"),
+        (["--num-prompts", "0"], "--num-prompts"),
+        (["--hf-num-prompts", "0"], "--hf-num-prompts"),
+        (["--output-mean", "0"], "--output-mean"),
+        (["--output-mean", "inf"], "--output-mean"),
+        (["--tbt-slo", "-1"], "--tbt-slo"),
+        (["--capacity-factor", "1"], "--capacity-factor"),
+        (["--request-rates", "1", "2", "--timeline-rate", "3"], "--timeline-rate"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        compare.check_args(parse(argv))
+
+
+def test_quick_shrinks_the_sweep_and_explicit_flags_win():
+    full, quick = parse([]), parse(["--quick", "--num-prompts", "5"])
+    compare.check_args(full)
+    compare.check_args(quick)
+    assert (full.num_prompts, full.request_rates) == (
+        compare.FULL.num_prompts,
+        list(compare.FULL.request_rates),
+    )
+    assert quick.num_prompts == 5
+    assert quick.request_rates == list(compare.QUICK.request_rates)
+    assert quick.hf_request_rates == list(compare.QUICK.hf_request_rates)
+    with pytest.raises(SystemExit):
+        with contextlib.redirect_stderr(io.StringIO()):
+            parse(["--output-dist", "zipf"])

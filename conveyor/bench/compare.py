@@ -10,12 +10,23 @@ Systems:
                    of up to max_num_seqs arrived requests, left padded, in arrival order.
 
 Each request is sent at its (Poisson) arrival time in wall-clock time and generates exactly
-its output length (EOS ignored, greedy). Per request we record arrival, first token and
-finish; the headline latency is the normalized latency of the Orca / vLLM papers, end-to-end
-latency divided by the number of output tokens (s/token). In an hf-generate batch every member
-generates up to the batch's longest output and its result is returned when `generate`
-returns: that is its finish time. Its first token time is when the batch's first token was
-computed (what a streaming loop could deliver), the same definition as for conveyor.
+its output length (EOS ignored, greedy; by default heavy-tailed, a capped lognormal). Per
+request we record arrival, first token and finish; the headline latency is the normalized
+latency of the Orca / vLLM papers, end-to-end latency divided by the number of output tokens
+(s/token).
+
+Headline numbers, over the sweep of rates:
+  capacity  Orca's measure: the request rate a system sustains while its median normalized
+            latency stays under one threshold for all systems (--capacity-factor times the
+            lowest median at the lowest rate), linearly interpolated between the two rates
+            around the first crossing;
+  goodput   requests/s that meet a time-between-tokens SLO (the 99th percentile of the
+            request's gaps between consecutive tokens <= --tbt-slo), the best over the sweep.
+
+In an hf-generate batch every member generates up to the batch's longest output and its result
+is returned when `generate` returns: that is its finish time. Its first token time, and the
+times of its later tokens, are when the batch computed them (what a streaming loop could
+deliver), the same definition as for conveyor.
 """
 
 from __future__ import annotations
@@ -33,14 +44,36 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from conveyor.bench.datasets import SampleRequest, arrival_times, uniform_requests
+from conveyor.bench.datasets import (
+    OUTPUT_DISTS,
+    SampleRequest,
+    arrival_times,
+    synthetic_requests,
+)
 from conveyor.bench.records import RequestRecord, RunResult, StepRecord
 
 SYSTEMS = ("conveyor-fcfs", "conveyor-static", "hf-generate")
 CONTINUOUS = "conveyor-fcfs"  # the system every ratio is taken of
 POLICIES = {"conveyor-fcfs": "fcfs", "conveyor-static": "static"}
-DEFAULT_RATES = (0.1, 0.2, 0.4)
 WARMUP_PROMPT_LEN = 16
+FULL_NUM_PROMPTS = 256
+FULL_RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
+FULL_HF_NUM_PROMPTS = 64
+FULL_HF_RATES = (0.25, 0.5, 1.0)
+DEFAULT_CAPACITY_FACTOR = 5.0
+DEFAULT_TBT_SLO = 0.5  # s
+
+
+class Scale(NamedTuple):
+    num_prompts: int
+    request_rates: tuple[float, ...]
+    hf_num_prompts: int
+    hf_request_rates: tuple[float, ...]
+
+
+# Sized for ~40 min on a 2-core CPU with the default model; --quick for a look in minutes.
+FULL = Scale(FULL_NUM_PROMPTS, FULL_RATES, FULL_HF_NUM_PROMPTS, FULL_HF_RATES)
+QUICK = Scale(24, (0.5, 2.0, math.inf), 24, (0.5, math.inf))
 
 
 class Workload(NamedTuple):
@@ -57,34 +90,92 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arg(parser)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small sweep ({QUICK.num_prompts} requests at {_rates_text(QUICK.request_rates)}"
+        " req/s) instead of the full one; explicit flags still win",
+    )
+    parser.add_argument(
         "--num-prompts",
         type=int,
-        default=9,
-        help="requests per rate (default 9: the default sweep takes ~12 min on 2 CPU cores)",
+        default=None,
+        help=f"requests per rate (default {FULL.num_prompts})",
     )
     parser.add_argument(
         "--request-rates",
         nargs="+",
         type=_rate,
-        default=list(DEFAULT_RATES),
-        help="Poisson arrival rates in requests/s ('inf': all at once)",
+        default=None,
+        help="Poisson arrival rates in requests/s, 'inf': all at once "
+        f"(default {_rates_text(FULL.request_rates)})",
     )
     parser.add_argument(
-        "--prompt-range", nargs=2, type=int, default=[32, 512], metavar=("MIN", "MAX")
+        "--hf-num-prompts",
+        type=int,
+        default=None,
+        help="hf-generate serves the first N of the same requests, it is far slower "
+        f"(default {FULL.hf_num_prompts})",
     )
     parser.add_argument(
-        "--output-range", nargs=2, type=int, default=[1, 128], metavar=("MIN", "MAX")
+        "--hf-request-rates",
+        nargs="+",
+        type=_rate,
+        default=None,
+        help=f"hf-generate's rates (default {_rates_text(FULL.hf_request_rates)})",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="batch size of every system")
+    parser.add_argument(
+        "--prompt-range", nargs=2, type=int, default=[32, 256], metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-dist",
+        default="lognormal",
+        choices=OUTPUT_DISTS,
+        help="output lengths: lognormal (sigma 1, ShareGPT-like heavy tail; default), "
+        "exponential, or uniform over --output-range (Orca's trace); capped to the range",
+    )
+    parser.add_argument(
+        "--output-range", nargs=2, type=int, default=[1, 512], metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-mean",
+        type=float,
+        default=48.0,
+        help="mean output length of lognormal/exponential before capping (default 48)",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="batch size of every system")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="float32", help="auto|float32|bfloat16|float16|float64")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto|float32|bfloat16|float16|float64 (auto: conveyor's default; hf-generate "
+        "loads a GGUF dequantized to float32)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="the conveyor systems' (auto: a quantized GGUF runs quantized, conveyor's default)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu|cuda")
     parser.add_argument(
         "--num-threads",
         type=int,
-        default=1,
-        help="torch CPU threads for every system (default 1: on a small shared CPU a second "
-        "OpenMP thread mostly spins); 0 keeps torch's default",
+        default=0,
+        help="torch CPU threads for every system (default 0: torch's default, every core)",
+    )
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=DEFAULT_CAPACITY_FACTOR,
+        help="capacity threshold = this times the lowest median normalized latency at the "
+        f"lowest rate (default {DEFAULT_CAPACITY_FACTOR:g})",
+    )
+    parser.add_argument(
+        "--tbt-slo",
+        type=float,
+        default=DEFAULT_TBT_SLO,
+        help="goodput's SLO: a request's p99 time between tokens in seconds "
+        f"(default {DEFAULT_TBT_SLO:g})",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -107,18 +198,38 @@ def _rate(text: str) -> float:
     return value
 
 
+def _rates_text(rates) -> str:
+    return " ".join(_rate_label(r) for r in rates)
+
+
+def resolve_scale(args: argparse.Namespace) -> None:
+    """Fills the sweep flags left unset from --quick's scale or the full one."""
+    scale = QUICK if args.quick else FULL
+    for name in Scale._fields:
+        value = getattr(scale, name)
+        if getattr(args, name) is None:
+            setattr(args, name, list(value) if isinstance(value, tuple) else value)
+
+
 def check_args(args: argparse.Namespace) -> None:
+    resolve_scale(args)
     for name in ("prompt_range", "output_range"):
         low, high = getattr(args, name)
         if not 1 <= low <= high:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
-    for name in ("num_prompts", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("num_prompts", "hf_num_prompts", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
     if args.num_threads < 0:
         raise ValueError(f"--num-threads must be >= 0, got {args.num_threads}")
+    for name in ("output_mean", "tbt_slo"):
+        if not (0 < getattr(args, name) < math.inf):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be a finite number > 0, got {getattr(args, name)}")
+    if not (1 < args.capacity_factor < math.inf):
+        raise ValueError(f"--capacity-factor must be > 1, got {args.capacity_factor}")
     if args.timeline_rate is not None and args.timeline_rate not in args.request_rates:
         raise ValueError(f"--timeline-rate {args.timeline_rate} is not one of --request-rates")
 
@@ -132,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
     report = build_report(args, results, time.monotonic() - started)
     print(format_table(report))
     print(format_ratios(report))
+    print(format_headline(report))
     paths = save(report, results, args)
     print(f"\nwall time {report['wall_time_s']:.0f} s; wrote " + ", ".join(map(str, paths)))
     return 0
@@ -144,20 +256,30 @@ def run_all(args: argparse.Namespace) -> list[RunResult]:
     from conveyor.config import ModelConfig
     from conveyor.model.loader import load_tokenizer
 
+    # hf-generate's dtype: a GGUF's "auto" resolves to float32, what transformers dequantizes to
     model_config = ModelConfig.from_hf(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(model_config)
-    requests = uniform_requests(
-        tokenizer, args.num_prompts, tuple(args.prompt_range), tuple(args.output_range), args.seed
+    requests = synthetic_requests(
+        tokenizer,
+        args.num_prompts,
+        tuple(args.prompt_range),
+        tuple(args.output_range),
+        args.output_dist,
+        args.output_mean,
+        args.seed,
     )
     results = []
     for system in args.systems:
         runner = _make_runner(system, args, model_config)
-        for rate in args.request_rates:
-            workload = Workload(requests, arrival_times(len(requests), rate, 1.0, args.seed))
+        hf = system == "hf-generate"
+        ours = requests[: args.hf_num_prompts] if hf else requests
+        for rate in args.hf_request_rates if hf else args.request_rates:
+            workload = Workload(ours, arrival_times(len(ours), rate, 1.0, args.seed))
             label = f"{system} @ {_rate_label(rate)} req/s"
-            with tqdm(total=len(requests), desc=label, disable=args.disable_tqdm) as bar:
+            with tqdm(total=len(ours), desc=label, disable=args.disable_tqdm) as bar:
                 records, steps = runner(workload, bar)
-            summary = summarize(records, steps, args.max_num_seqs)
+            set_tbt_p99(records, steps)
+            summary = summarize(records, steps, args.max_num_seqs, args.tbt_slo)
             results.append(RunResult(system, rate, records, steps, summary))
         del runner  # one model in memory at a time
     return results
@@ -181,6 +303,8 @@ def _load_engine(args: argparse.Namespace, policy: str):
         args.model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
+        num_threads=args.num_threads or None,
         # Just what the workload needs, so the KV cache stays small.
         max_model_len=args.prompt_range[1] + args.output_range[1],
         max_num_seqs=args.max_num_seqs,
@@ -405,8 +529,42 @@ def _hf_steps(ids: list[str], width: int, times: list[float], start: float) -> l
 # ---- metrics --------------------------------------------------------------------------------
 
 
+def token_times(record: RequestRecord, steps: list[StepRecord]) -> list[float]:
+    """When each of a request's output tokens was computed: the end of the step that
+    completed its prompt, then of every later step it ran in (one token per step, as neither
+    system speculates), up to its number of output tokens."""
+    times = []
+    num_computed = 0
+    for step in steps:
+        num_computed += step.num_scheduled_tokens.get(record.request_id, 0)
+        if record.request_id in step.num_scheduled_tokens and num_computed >= record.prompt_len:
+            times.append(step.end)
+            if len(times) == record.num_output_tokens:
+                break
+    return times
+
+
+def tbt_p99(times: list[float]) -> float:
+    """99th percentile of the gaps between consecutive tokens; 0 for fewer than two."""
+    return float(np.percentile(np.diff(times), 99)) if len(times) > 1 else 0.0
+
+
+def set_tbt_p99(records: list[RequestRecord], steps: list[StepRecord]) -> None:
+    by_request: dict[str, list[StepRecord]] = {}
+    for step in steps:
+        for request_id in step.num_scheduled_tokens:
+            by_request.setdefault(request_id, []).append(step)
+    for record in records:
+        record.tbt_p99 = tbt_p99(token_times(record, by_request.get(record.request_id, [])))
+
+
+def goodput(records: list[RequestRecord], duration: float, tbt_slo: float) -> float:
+    """Requests per second whose p99 time between tokens meets the SLO."""
+    return sum(r.tbt_p99 <= tbt_slo for r in records) / duration
+
+
 def summarize(
-    records: list[RequestRecord], steps: list[StepRecord], max_num_seqs: int
+    records: list[RequestRecord], steps: list[StepRecord], max_num_seqs: int, tbt_slo: float
 ) -> dict[str, float]:
     duration = max(r.finish for r in records) - min(r.arrival for r in records)
     normalized = [r.normalized_latency for r in records]
@@ -424,6 +582,9 @@ def summarize(
         "ttft_p99": float(np.percentile(ttft, 99)),
         "e2e_median": float(np.median(e2e)),
         "e2e_p99": float(np.percentile(e2e, 99)),
+        "tbt_p99_median": float(np.median([r.tbt_p99 for r in records])),
+        "slo_attainment": sum(r.tbt_p99 <= tbt_slo for r in records) / len(records),
+        "goodput": goodput(records, duration, tbt_slo),
         "mean_batch_size": _mean_batch_size(steps),
         "num_joins_in_progress": count_joins_in_progress(steps, records, max_num_seqs),
     }
@@ -465,6 +626,111 @@ def count_joins_in_progress(
     return count
 
 
+# ---- capacity and goodput over the sweep ----------------------------------------------------
+
+
+class Capacity(NamedTuple):
+    rate: float  # requests/s
+    # "=": interpolated; ">=": under the threshold at every rate of the sweep (a lower bound);
+    # "<=": over it already at the lowest rate (an upper bound)
+    bound: str
+
+
+def capacity(points: list[tuple[float, float]], threshold: float) -> Capacity:
+    """Orca's capacity: the rate at which the median normalized latency first rises above the
+    threshold, linearly interpolated between the two sweep rates around the crossing.
+    points: (request rate, median normalized latency); 'inf' rates are left out."""
+    points = sorted((rate, median) for rate, median in points if not math.isinf(rate))
+    if not points:
+        raise ValueError("capacity needs at least one finite request rate")
+    for k, (rate, median) in enumerate(points):
+        if median <= threshold:
+            continue
+        if k == 0:
+            return Capacity(rate, "<=")
+        low_rate, low_median = points[k - 1]
+        share = (threshold - low_median) / (median - low_median)
+        return Capacity(low_rate + share * (rate - low_rate), "=")
+    return Capacity(points[-1][0], ">=")
+
+
+def capacity_ratio(ours: Capacity, theirs: Capacity) -> tuple[float, str]:
+    """ours / theirs and what kind of bound it is ("?": the bounds point both ways)."""
+    lower = ours.bound == ">=" or theirs.bound == "<="
+    upper = ours.bound == "<=" or theirs.bound == ">="
+    bound = "?" if lower and upper else ">=" if lower else "<=" if upper else "="
+    return ours.rate / theirs.rate, bound
+
+
+def capacity_threshold(results: list[RunResult], factor: float) -> tuple[float, float]:
+    """(threshold, reference): reference is the lowest median normalized latency any system
+    shows at its lowest finite rate, the latency of a nearly idle server."""
+    lowest: dict[str, RunResult] = {}
+    for r in results:
+        if not math.isinf(r.request_rate) and (
+            r.system not in lowest or r.request_rate < lowest[r.system].request_rate
+        ):
+            lowest[r.system] = r
+    if not lowest:
+        raise ValueError("capacity needs at least one finite request rate")
+    reference = min(r.summary["normalized_latency_median"] for r in lowest.values())
+    return factor * reference, reference
+
+
+def capacity_report(results: list[RunResult], factor: float) -> dict:
+    threshold, reference = capacity_threshold(results, factor)
+    systems = {}
+    for system in dict.fromkeys(r.system for r in results):
+        points = [
+            (r.request_rate, r.summary["normalized_latency_median"])
+            for r in results
+            if r.system == system
+        ]
+        if any(not math.isinf(rate) for rate, _ in points):
+            systems[system] = capacity(points, threshold)._asdict()
+    return {
+        "factor": factor,
+        "reference_s_per_token": reference,
+        "threshold_s_per_token": threshold,
+        "systems": systems,
+        "ratios": _ratios_of(systems, _capacity_ratio_of),
+    }
+
+
+def _capacity_ratio_of(ours: dict, theirs: dict) -> dict:
+    ratio, bound = capacity_ratio(Capacity(**ours), Capacity(**theirs))
+    return {"ratio": ratio, "bound": bound}
+
+
+def goodput_report(results: list[RunResult], tbt_slo: float) -> dict:
+    """Each system's best goodput over the sweep, and the rate it was reached at."""
+    systems = {}
+    for r in results:
+        best = systems.get(r.system)
+        if best is None or r.summary["goodput"] > best["goodput"]:
+            systems[r.system] = {
+                "goodput": r.summary["goodput"],
+                "request_rate": _json_rate(r.request_rate),
+            }
+    return {
+        "tbt_slo_s": tbt_slo,
+        "systems": systems,
+        "ratios": _ratios_of(systems, _goodput_ratio_of),
+    }
+
+
+def _goodput_ratio_of(ours: dict, theirs: dict) -> dict:
+    ratio = ours["goodput"] / theirs["goodput"] if theirs["goodput"] > 0 else math.inf
+    return {"ratio": _json_rate(ratio)}
+
+
+def _ratios_of(systems: dict, ratio_of) -> dict:
+    ours = systems.get(CONTINUOUS)
+    if ours is None:
+        return {}
+    return {s: ratio_of(ours, theirs) for s, theirs in systems.items() if s != CONTINUOUS}
+
+
 # ---- report -------------------------------------------------------------------------------
 
 
@@ -485,6 +751,8 @@ def build_report(args: argparse.Namespace, results: list[RunResult], wall_time: 
             for r in results
         ],
         "ratios": ratios(results),
+        "capacity": capacity_report(results, args.capacity_factor),
+        "goodput": goodput_report(results, args.tbt_slo),
     }
 
 
@@ -522,6 +790,8 @@ TABLE_COLUMNS = (
     ("TTFT p99", "ttft_p99", ">9", ".3f"),
     ("batch", "mean_batch_size", ">6", ".2f"),
     ("joins", "num_joins_in_progress", ">6", "d"),
+    ("TBT p99", "tbt_p99_median", ">8", ".3f"),
+    ("goodput", "goodput", ">8", ".3f"),
 )
 
 
@@ -530,7 +800,9 @@ def format_table(report: dict) -> str:
     lines = [
         "",
         "norm = end-to-end latency / output tokens (s/token); TTFT in s; batch = mean requests "
-        "per step; joins = requests that joined a batch in progress",
+        "per step; joins = requests that joined a batch in progress;\nTBT p99 = median over "
+        "requests of their p99 time between tokens (s); goodput = requests/s meeting the "
+        "TBT SLO",
         header,
         "-" * len(header),
     ]
@@ -541,6 +813,37 @@ def format_table(report: dict) -> str:
             cells.append(f"{value:{align}{fmt}}")
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def format_headline(report: dict) -> str:
+    cap, good = report["capacity"], report["goodput"]
+    lines = [
+        "",
+        f"capacity: request rate at median normalized latency <= "
+        f"{cap['threshold_s_per_token']:.4g} s/token ({cap['factor']:g}x the lowest-load "
+        f"{cap['reference_s_per_token']:.4g}), interpolated over the sweep",
+    ]
+    for system, c in cap["systems"].items():
+        lines.append(f"  {system:<16} {_bound_text(c['bound'])}{c['rate']:.3g} req/s")
+    for system, r in cap["ratios"].items():
+        lines.append(
+            f"  {CONTINUOUS} / {system:<16} capacity {_bound_text(r['bound'])}{r['ratio']:.2f}x"
+        )
+    lines.append(
+        f"goodput: requests/s with p99 time between tokens <= {good['tbt_slo_s']:g} s, "
+        "best over the sweep"
+    )
+    for system, g in good["systems"].items():
+        lines.append(
+            f"  {system:<16} {g['goodput']:.3f} req/s (at {_rate_label(g['request_rate'])} req/s)"
+        )
+    for system, r in good["ratios"].items():
+        lines.append(f"  {CONTINUOUS} / {system:<16} goodput {float(r['ratio']):.2f}x")
+    return "\n".join(lines)
+
+
+def _bound_text(bound: str) -> str:
+    return {"=": "", ">=": ">= ", "<=": "<= ", "?": "~ "}[bound]
 
 
 def format_ratios(report: dict) -> str:
@@ -565,7 +868,7 @@ def save(report: dict, results: list[RunResult], args: argparse.Namespace) -> li
     timeline_rate = args.timeline_rate
     if timeline_rate is None:
         timeline_rate = args.request_rates[len(args.request_rates) // 2]
-    return [json_path, *plots.plot_all(results, out_dir, timeline_rate)]
+    return [json_path, *plots.plot_all(results, out_dir, timeline_rate, report)]
 
 
 def _run_dict(result: RunResult) -> dict:

@@ -67,14 +67,57 @@ def random_requests(
     ]
 
 
+OUTPUT_DISTS = ("lognormal", "exponential", "uniform")
+LOGNORMAL_SIGMA = 1.0  # mean / median = e^(sigma^2 / 2) = 1.65, near ShareGPT's outputs
+
+
+def output_lengths(
+    rng: np.random.Generator, num: int, dist: str, output_range: tuple[int, int], mean: float
+) -> np.ndarray:
+    """Output lengths in the closed range output_range. uniform: the Orca paper's trace;
+    lognormal (sigma 1) and exponential: heavy-tailed, as the vLLM paper's ShareGPT and Alpaca
+    outputs, with the given mean before capping, rounded and clipped to the range (so the
+    range's ends carry the tails' mass)."""
+    low, high = output_range
+    if not 1 <= low <= high:
+        raise ValueError(f"output range must be 1 <= MIN <= MAX, got {low} {high}")
+    if dist == "uniform":
+        return rng.integers(low, high + 1, size=num)
+    if not mean > 0:
+        raise ValueError(f"output mean must be > 0, got {mean}")
+    if dist == "lognormal":
+        median = mean / math.exp(LOGNORMAL_SIGMA**2 / 2)
+        raw = rng.lognormal(math.log(median), LOGNORMAL_SIGMA, size=num)
+    elif dist == "exponential":
+        raw = rng.exponential(mean, size=num)
+    else:
+        raise ValueError(
+            f"output distribution must be one of {', '.join(OUTPUT_DISTS)}, got {dist!r}"
+        )
+    return np.clip(np.rint(raw), low, high).astype(np.int64)
+
+
 def uniform_requests(
     tokenizer, num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0
 ) -> list[SampleRequest]:
     """The Orca paper's trace shape: prompt and output lengths uniform in closed ranges."""
+    return synthetic_requests(tokenizer, num, prompt_range, output_range, "uniform", 0.0, seed)
+
+
+def synthetic_requests(
+    tokenizer,
+    num: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    output_dist: str = "uniform",
+    output_mean: float = 0.0,
+    seed: int = 0,
+) -> list[SampleRequest]:
+    """Prompt lengths uniform in prompt_range, outputs drawn by output_lengths."""
     rng = np.random.default_rng(seed)
     vocab = _ordinary_ids(tokenizer)
     inputs = rng.integers(prompt_range[0], prompt_range[1] + 1, size=num)
-    outputs = rng.integers(output_range[0], output_range[1] + 1, size=num)
+    outputs = output_lengths(rng, num, output_dist, output_range, output_mean)
     return [
         SampleRequest(rng.choice(vocab, size=int(n)).tolist(), int(m))
         for n, m in zip(inputs, outputs, strict=True)

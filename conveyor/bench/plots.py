@@ -1,9 +1,9 @@
-"""PNG plots of the benchmarks. `conveyor bench compare`: throughput and normalized latency
-against request rate (one line per system, as in the Orca and vLLM papers), and a
-batch-occupancy timeline. `conveyor bench step`: a roofline of each step against its measured
-floor, and where each step's time goes. `conveyor bench spec`: the speed-up of n-gram
-speculation over none, against concurrency. `conveyor bench structured`: output tok/s per
-share of constrained requests, and what the grammar mask costs a step.
+"""PNG plots of the benchmarks. `conveyor bench compare`: throughput, normalized latency (with
+the capacity threshold) and goodput against request rate (one line per system, as in the Orca
+and vLLM papers), and a batch-occupancy timeline. `conveyor bench step`: a roofline of each
+step against its measured floor, and where each step's time goes. `conveyor bench spec`: the
+speed-up of n-gram speculation over none, against concurrency. `conveyor bench structured`:
+output tok/s per share of constrained requests, and what the grammar mask costs a step.
 
 Figures are built with matplotlib's object API (no pyplot, so no global figure state and no
 display backend); savefig renders them with Agg.
@@ -31,7 +31,9 @@ PART_COLORS = {
 }
 
 
-def plot_all(results: list[RunResult], out_dir: Path, timeline_rate: float) -> list[Path]:
+def plot_all(
+    results: list[RunResult], out_dir: Path, timeline_rate: float, report: dict
+) -> list[Path]:
     paths = [
         plot_vs_rate(
             results,
@@ -41,12 +43,14 @@ def plot_all(results: list[RunResult], out_dir: Path, timeline_rate: float) -> l
             out_dir / "throughput.png",
             diagonal=True,
         ),
+        plot_capacity(results, report["capacity"], out_dir / "latency.png"),
         plot_vs_rate(
             results,
-            "normalized_latency_median",
-            "median normalized latency (s/token)",
-            "Normalized latency vs request rate",
-            out_dir / "latency.png",
+            "goodput",
+            f"goodput (requests/s with p99 TBT <= {report['goodput']['tbt_slo_s']:g} s)",
+            "Goodput vs request rate",
+            out_dir / "goodput.png",
+            diagonal=True,
         ),
     ]
     timeline = [r for r in results if r.request_rate == timeline_rate and r.steps]
@@ -90,6 +94,45 @@ def plot_vs_rate(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.savefig(path)
+    return path
+
+
+def plot_capacity(results: list[RunResult], capacity: dict, path: Path) -> Path:
+    """Median normalized latency against rate (log scale: past saturation it grows with the
+    queue), the capacity threshold, and where each system's curve crosses it."""
+    rates = sorted({r.request_rate for r in results})
+    x_of = _rate_positions(rates)
+    fig = Figure(figsize=(6.4, 4.2), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    for system in dict.fromkeys(r.system for r in results):
+        runs = sorted((r for r in results if r.system == system), key=lambda r: r.request_rate)
+        ax.plot(
+            [x_of[r.request_rate] for r in runs],
+            [r.summary["normalized_latency_median"] for r in runs],
+            marker=MARKERS.get(system, "o"),
+            color=COLORS.get(system),
+            label=system,
+        )
+        cap = capacity["systems"].get(system)
+        if cap is not None:
+            ax.axvline(cap["rate"], color=COLORS.get(system), linestyle=":", linewidth=1)
+    threshold = capacity["threshold_s_per_token"]
+    ax.axhline(
+        threshold,
+        color="black",
+        linestyle="--",
+        linewidth=1,
+        label=f"capacity threshold ({capacity['factor']:g}x lowest load)",
+    )
+    ax.set_yscale("log")
+    ax.set_xticks([x_of[r] for r in rates], [_label(r) for r in rates])
+    ax.set_xlim(left=0)
+    ax.set_xlabel("request rate (requests/s, Poisson); dotted: each system's capacity")
+    ax.set_ylabel("median normalized latency (s/token)")
+    ax.set_title("Normalized latency vs request rate")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     fig.savefig(path)
     return path
 

@@ -20,6 +20,8 @@ class RequestRecord:
     arrival: float
     first_token: float
     finish: float
+    # 99th percentile of the gaps between its consecutive output tokens (s); set after the run
+    tbt_p99: float = 0.0
 
     @property
     def e2e(self) -> float:
