@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 from dataclasses import asdict
@@ -56,9 +57,10 @@ SYSTEMS = ("conveyor-fcfs", "conveyor-static", "hf-generate")
 CONTINUOUS = "conveyor-fcfs"  # the system every ratio is taken of
 POLICIES = {"conveyor-fcfs": "fcfs", "conveyor-static": "static"}
 WARMUP_PROMPT_LEN = 16
-FULL_NUM_PROMPTS = 256
-FULL_RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
-FULL_HF_NUM_PROMPTS = 64
+FULL_NUM_PROMPTS = 200
+FULL_RATES = (0.5, 1.0, 2.0, 4.0, 6.0, 8.0)
+# transformers' loop is ~10x slower per request at 64 rows: fewer requests, lower rates
+FULL_HF_NUM_PROMPTS = 32
 FULL_HF_RATES = (0.25, 0.5, 1.0)
 DEFAULT_CAPACITY_FACTOR = 5.0
 DEFAULT_TBT_SLO = 0.5  # s
@@ -280,6 +282,7 @@ def run_all(args: argparse.Namespace) -> list[RunResult]:
                 records, steps = runner(workload, bar)
             set_tbt_p99(records, steps)
             summary = summarize(records, steps, args.max_num_seqs, args.tbt_slo)
+            summary["load_average_1m"] = os.getloadavg()[0]  # other jobs on the machine
             results.append(RunResult(system, rate, records, steps, summary))
         del runner  # one model in memory at a time
     return results
@@ -678,6 +681,9 @@ def capacity_threshold(results: list[RunResult], factor: float) -> tuple[float, 
 
 
 def capacity_report(results: list[RunResult], factor: float) -> dict:
+    """Empty systems and ratios when the sweep has no finite rate (only 'inf')."""
+    if all(math.isinf(r.request_rate) for r in results):
+        return {"factor": factor, "systems": {}, "ratios": {}}
     threshold, reference = capacity_threshold(results, factor)
     systems = {}
     for system in dict.fromkeys(r.system for r in results):
@@ -817,12 +823,13 @@ def format_table(report: dict) -> str:
 
 def format_headline(report: dict) -> str:
     cap, good = report["capacity"], report["goodput"]
-    lines = [
-        "",
-        f"capacity: request rate at median normalized latency <= "
-        f"{cap['threshold_s_per_token']:.4g} s/token ({cap['factor']:g}x the lowest-load "
-        f"{cap['reference_s_per_token']:.4g}), interpolated over the sweep",
-    ]
+    lines = [""]
+    if cap["systems"]:
+        lines.append(
+            f"capacity: request rate at median normalized latency <= "
+            f"{cap['threshold_s_per_token']:.4g} s/token ({cap['factor']:g}x the lowest-load "
+            f"{cap['reference_s_per_token']:.4g}), interpolated over the sweep"
+        )
     for system, c in cap["systems"].items():
         lines.append(f"  {system:<16} {_bound_text(c['bound'])}{c['rate']:.3g} req/s")
     for system, r in cap["ratios"].items():
@@ -901,6 +908,4 @@ def _json_safe(value):
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -117,14 +117,14 @@ def plot_capacity(results: list[RunResult], capacity: dict, path: Path) -> Path:
         cap = capacity["systems"].get(system)
         if cap is not None:
             ax.axvline(cap["rate"], color=COLORS.get(system), linestyle=":", linewidth=1)
-    threshold = capacity["threshold_s_per_token"]
-    ax.axhline(
-        threshold,
-        color="black",
-        linestyle="--",
-        linewidth=1,
-        label=f"capacity threshold ({capacity['factor']:g}x lowest load)",
-    )
+    if capacity["systems"]:
+        ax.axhline(
+            capacity["threshold_s_per_token"],
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"capacity threshold ({capacity['factor']:g}x lowest load)",
+        )
     ax.set_yscale("log")
     ax.set_xticks([x_of[r] for r in rates], [_label(r) for r in rates])
     ax.set_xlim(left=0)
