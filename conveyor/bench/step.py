@@ -116,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization", default=None, help="passed to the engine as quantization= when given"
     )
     parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the batch-invariant kernels (default) or the earlier ones, chosen by row count",
+    )
+    parser.add_argument(
         "--num-threads",
         type=int,
         default=1,
@@ -218,6 +224,7 @@ def build_engine(args: argparse.Namespace, grid: list[Case]):
         block_size=args.block_size,
         kv_cache_memory=int(memory) if memory.isdigit() else memory,
         seed=args.seed,
+        batch_invariant=args.batch_invariant,
     )
     if args.quantization is not None:  # only engines that know the keyword get it
         kwargs["quantization"] = args.quantization

@@ -13,10 +13,10 @@
 //                 isum = sum_j q[n][j] xq[t][j]            (an exact integer dot product)
 //                 acc = fma(dw[n][b] * xd[t][b], float(isum), acc)
 //                 q4: acc = fma(mw[n][b], xs[t][b], acc)   (xs = xd * sum_j xq[t][j])
-//   blocks, float activations (the lm_head: logits pick the token, so its inputs stay exact):
-//                 w = q[n][k] * dw[n][b]  (exact: 8 x 11 significant bits) or, q4,
-//                 w = fma(q[n][k], dw[n][b], mw[n][b])   (the dequantized value, one rounding)
-//                 acc = fma(x[t][k], w, acc)                             for k = 0 .. K-1
+//   blocks, float activations (the lm_head: logits pick the token, so its inputs stay float):
+//                 part = fma(x[t][k], q[n][k], part)     for k in block b, part from 0
+//                 acc = fma(part, dw[n][b], acc)
+//                 q4: acc = fma(xsum[t][b], mw[n][b], acc)   (xsum: the block's x summed in order)
 // The vector lanes hold output columns, never parts of k: there is no horizontal sum, so the
 // order is the same on AVX-512 (16 lanes), AVX2 (two 8-lane halves) and the scalar fallback
 // (std::fma), and the three give the same bits (the tests compare them).
@@ -578,16 +578,17 @@ struct BlockScalar {
       for (int t = 0; t < TT; ++t) {
         for (int p = 0; p < NP; ++p) {
           float acc[kCols] = {};
-          for (int64_t k = 0; k < a.k; ++k) {
-            const int64_t base = ((p0 + p) * a.nb + k / QK) * kCols;
-            const int8_t* q = a.wk + ((p0 + p) * a.k + k) * kCols;
-            const float xv = a.x[(t0 + t) * a.k + k];
+          for (int64_t b = 0; b < a.nb; ++b) {
+            const int64_t base = ((p0 + p) * a.nb + b) * kCols;
             for (int c = 0; c < kCols; ++c) {
-              const float dw = half_bits_to_float(a.dw[base + c]);
-              const float w = Q4 ? std::fma(static_cast<float>(q[c]), dw,
-                                            half_bits_to_float(a.mw[base + c]))
-                                 : static_cast<float>(q[c]) * dw;
-              acc[c] = std::fma(xv, w, acc[c]);
+              float part = 0.0f;
+              for (int64_t k = b * QK; k < (b + 1) * QK; ++k)
+                part = std::fma(a.x[(t0 + t) * a.k + k],
+                                static_cast<float>(a.wk[((p0 + p) * a.k + k) * kCols + c]), part);
+              acc[c] = std::fma(part, half_bits_to_float(a.dw[base + c]), acc[c]);
+              if (Q4)
+                acc[c] = std::fma(a.xs[(t0 + t) * a.nb + b], half_bits_to_float(a.mw[base + c]),
+                                  acc[c]);
             }
           }
           for (int c = 0; c < kCols; ++c) {
@@ -766,8 +767,9 @@ struct BlockVec {
     }
   };
 
-  // Float activations (the lm_head): each weight dequantized exactly (q4: one rounding) from
-  // its int8 value, then one FMA chain over k per output value, as the dense kernel.
+  // Float activations (the lm_head): per block, the float dot product of x and the weights'
+  // int8 values (converted exactly), then scaled by dw (q4: plus mw times the block's sum of
+  // x); no weight is dequantized, so a weight costs one conversion and one FMA.
   template <int TT, int NP>
   struct FloatTile {
     static void run(const BlockArgs& a, int64_t p0, int64_t t0) {
@@ -775,25 +777,25 @@ struct BlockVec {
       for (int t = 0; t < TT; ++t)
         for (int p = 0; p < NP; ++p) acc[t][p] = B::fzero();
       for (int64_t b = 0; b < a.nb; ++b) {
-        typename B::V dw[NP], mw[NP];
-        for (int p = 0; p < NP; ++p) {
-          const int64_t base = ((p0 + p) * a.nb + b) * kCols;
-          dw[p] = B::half16(a.dw + base);
-          if constexpr (Q4) mw[p] = B::half16(a.mw + base);
-        }
+        typename B::V part[TT][NP];
+        for (int t = 0; t < TT; ++t)
+          for (int p = 0; p < NP; ++p) part[t][p] = B::fzero();
         for (int64_t k = b * QK; k < (b + 1) * QK; ++k) {
-          typename B::V w[NP];
-          for (int p = 0; p < NP; ++p) {
-            const typename B::V q = B::i8_as_float(a.wk + ((p0 + p) * a.k + k) * kCols);
-            if constexpr (Q4) {
-              w[p] = B::fma(q, dw[p], mw[p]);
-            } else {
-              w[p] = B::mul(q, dw[p]);
-            }
-          }
+          typename B::V q[NP];
+          for (int p = 0; p < NP; ++p) q[p] = B::i8_as_float(a.wk + ((p0 + p) * a.k + k) * kCols);
           for (int t = 0; t < TT; ++t) {
             const float xv = a.x[(t0 + t) * a.k + k];
-            for (int p = 0; p < NP; ++p) acc[t][p] = B::fma1(xv, w[p], acc[t][p]);
+            for (int p = 0; p < NP; ++p) part[t][p] = B::fma1(xv, q[p], part[t][p]);
+          }
+        }
+        for (int p = 0; p < NP; ++p) {
+          const int64_t base = ((p0 + p) * a.nb + b) * kCols;
+          const typename B::V dw = B::half16(a.dw + base);
+          typename B::V mw;
+          if constexpr (Q4) mw = B::half16(a.mw + base);
+          for (int t = 0; t < TT; ++t) {
+            acc[t][p] = B::fma(part[t][p], dw, acc[t][p]);
+            if constexpr (Q4) acc[t][p] = B::fma1(a.xs[(t0 + t) * a.nb + b], mw, acc[t][p]);
           }
         }
       }
@@ -833,22 +835,21 @@ void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels) {
 #if CONVEYOR_PANEL_AVX512
     case kAvx512:
       if constexpr (FloatActs) {
-        // One row: one FMA chain per panel, so more panels in flight.
-        if (tokens == 1)
-          return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 1, 8>(a, tokens, panels);
+        // Few rows: one panel's contiguous stream per tile (measured faster than several
+        // panels at once below 8 rows); more rows: 4 x 4 tiles.
+        if (tokens < 8)
+          return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 8, 1>(a, tokens, panels);
         return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 4, 4>(a, tokens, panels);
       } else {
-        return run_tiles<BlockVec<Avx512Blocks, Q4>::template IntTile, 4, 2>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx512Blocks, Q4>::template IntTile, 6, 2>(a, tokens, panels);
       }
 #endif
 #if CONVEYOR_PANEL_AVX2
     case kAvx2:
       if constexpr (FloatActs) {
-        if (tokens == 1)
-          return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 1, 6>(a, tokens, panels);
-        return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 2, 2>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 6, 1>(a, tokens, panels);
       } else {
-        return run_tiles<BlockVec<Avx2Blocks, Q4>::template IntTile, 2, 2>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx2Blocks, Q4>::template IntTile, 2, 1>(a, tokens, panels);
       }
 #endif
     default:
@@ -895,6 +896,17 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
   const int64_t panels = wq.size(0);
   if (float_acts) {
     a.x = x.data_ptr<float>();
+    std::vector<float> sums;  // q4: each block's sum of x, in order of k
+    if (q4) {
+      sums.resize(tokens * nb);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+          float s = 0.0f;
+          for (int64_t j = 0; j < QK; ++j) s += a.x[t * k + b * QK + j];
+          sums[t * nb + b] = s;
+        }
+      a.xs = sums.data();
+    }
     if (q4) return block_dispatch<true, true>(a, tokens, panels), y;
     return block_dispatch<false, true>(a, tokens, panels), y;
   }
