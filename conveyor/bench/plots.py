@@ -250,7 +250,7 @@ def _draw_roofline(ax, cases: list[dict], bandwidth_gb_s: float) -> None:
     intensity = [
         c["floor"]["flops"] / (c["floor"]["weight_bytes"] + c["floor"]["kv_bytes"]) for c in cases
     ]
-    peak = max(c["floor"]["gemm_flops_per_s"] for c in cases) / 1e9
+    peak = max(c["floor"]["roof_flops_per_s"] for c in cases) / 1e9  # the peaks, in each mix
     xs = [min(intensity) / 2, max(intensity) * 2]
     knee = peak / bandwidth_gb_s
     roof_x = sorted({xs[0], min(max(knee, xs[0]), xs[1]), xs[1]})
