@@ -98,13 +98,24 @@ def test_floor_counts_the_tiny_models_bytes_and_is_the_larger_bound(run):
         assert floor["kv_bytes"] == kv_per_token * case["batch"] * case["mean_context"]
         assert floor["flops"] > 2 * case["num_tokens"] * layers * per_layer
         assert floor["ms"] == max(floor["memory_ms"], floor["compute_ms"]) > 0
-        assert floor["gemm_flops_per_s"] >= floor["gemm_at_shape_flops_per_s"] > 0
+        work = floor["work"]
+        assert {part: w["roof"] for part, w in work.items()} == dict.fromkeys(
+            ("projections", "logits", "attention"), "f64_fma"
+        )
+        assert work["projections"]["ops"] == 2 * case["num_tokens"] * layers * (per_layer - 2 * hidden)
+        assert sum(w["ops"] for w in work.values()) == floor["flops"]
+        assert floor["compute_ms"] == pytest.approx(sum(w["ms"] for w in work.values()))
+        for w in work.values():  # each part at the measured peak of its instructions
+            assert w["ms"] == pytest.approx(w["ops"] / (report["roofs_gops"][w["roof"]] * 1e6))
         assert floor["bound"] == (
             "memory" if floor["memory_ms"] >= floor["compute_ms"] else "compute"
         )
         assert case["pct_of_floor"] == pytest.approx(floor["ms"] / case["step_ms"] * 100)
     assert report["memory_bandwidth_gb_s"] > 0.1
     assert report["num_threads"] == 1
+    roofs = report["roofs_gops"]  # the kernels' instructions, measured in the same run
+    assert report["isa"] in ("avx512", "avx2", "scalar")
+    assert roofs["f32_fma"] > roofs["f64_fma"] > 0 and roofs["int8_dot"] > 0
 
 
 def test_plot_is_a_png(run):

@@ -20,16 +20,16 @@ request, T prompt tokens), in one run:
                         engine's own work from step 1
      Classification is by module, not by op name, so it survives compiled or quantized ops.
   3. The floor: bytes over a measured read bandwidth (a large tensor sum, same threads) and
-     FLOPs over a measured GEMM rate at the step's dominant shape (its token count times the
-     largest layer projection), both measured once at the start as the best of several tries;
-     floor = the larger of the two; % of floor = floor / step * 100. A float32 matmul only a
-     few tokens wide is byte-bound (its weights stream from cache), so the compute roof of a
-     step is the best GEMM rate measured at its token count or more (the rate at its own
-     shape is kept in the JSON).
+     each kind of arithmetic over the peak rate of the instructions that do it, measured in
+     the same run: the compiled kernels' own multiply-adds in registers on every thread
+     (`peak_rate`: float32 / float64 FMA, the int8 dot product, bf16 dot products where the
+     CPU has them), at the instruction set the kernels run (AVX-512, AVX2 or scalar; on CUDA,
+     torch's matmul at 4096^3). floor = the larger of the two; % of floor = floor / step * 100.
      Bytes = every weight the step reads in full (an untied embedding only by its rows) plus
-     the KV of every token attended or written. FLOPs = 2 * tokens * projection weights, the
-     logits of the sampled rows, and 4 * heads * head_dim per attended (query, key) pair.
-     Activation traffic is left out: the floor is a lower bound.
+     the KV of every token attended or written. Operations = the projections (2 * tokens *
+     weights: int8 dot products when they are quantized, else the model's float type), the
+     logits of the sampled rows (float) and 4 * heads * head_dim per attended (query, key)
+     pair (float). Activation traffic is left out: the floor is a lower bound.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from torch import nn
 from tqdm import tqdm
 
 from conveyor.model.layers import matmul_forms
+from conveyor.model.quant import QuantLinear
 from conveyor.outputs import ModelRunnerOutput, OutputKind, SchedulerOutput
 
 FULL_GRID = dict(batches=(1, 8, 32, 64), contexts=(128, 512, 2048), prefill_chunks=(512, 2048))
@@ -58,6 +59,8 @@ QUICK_GRID = dict(batches=(1, 8, 32), contexts=(128, 512), prefill_chunks=(512,)
 CATEGORIES = ("projections", "attention", "other", "logits_sampling", "engine")
 COMPILED_CATEGORIES = ("projections", "attention", "other")  # as decoder_layers reports them
 BANDWIDTH_BYTES = 256 * 2**20  # far beyond any CPU cache, small enough for a shared machine
+ROOF_KINDS = ("f32_fma", "f64_fma", "int8_dot", "bf16_dot")  # kernels.peak_rate's
+ROOF_ITERS = 2_000_000  # per call: a few ms of each kind on one core
 FIRST_TOKEN_ID = 3  # random tokens avoid the special ids at the bottom of most vocabularies
 
 
@@ -81,9 +84,9 @@ class Case:
 class Floor(NamedTuple):
     weight_bytes: int
     kv_bytes: int
-    flops: float
-    gemm_flops_per_s: float  # the compute roof used: the best rate at this width or wider
-    gemm_at_shape_flops_per_s: float  # measured at this step's own dominant shape
+    flops: float  # every operation of the step (a multiply-add counts 2)
+    work: dict[str, dict]  # projections / logits / attention: ops, roof (its kind), ms
+    roof_flops_per_s: float  # flops / compute time: the step's mix at the peak rates
     memory_ms: float
     compute_ms: float
     ms: float
@@ -94,7 +97,8 @@ class Limits(NamedTuple):
     """What this machine can do, measured at the start of the run with the run's threads."""
 
     bandwidth: float  # bytes/s read
-    gemm: dict[int, float]  # FLOP/s of the dominant matmul, by the step's token count
+    roofs: dict[str, float]  # ops/s by kind (ROOF_KINDS on CPU; "matmul" elsewhere)
+    isa: str  # the instruction set of the CPU kernels and so of the roofs, or the device
 
 
 class Timings(NamedTuple):
@@ -197,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
     grid = build_grid(args)
     engine = build_engine(args, grid)
     cases, skipped = fit_cases(engine, grid, num_repeats(args))
-    limits = measure_limits(engine, cases)
+    limits = measure_limits(engine)
     results = []
     for case in tqdm(cases, desc="bench step", unit="case", disable=args.disable_tqdm):
         results.append(run_case(engine, case, args, limits))
@@ -500,14 +504,27 @@ def _attach_hooks(model: nn.Module, timer: ScopeTimer) -> list:
 # ---- the floor ----------------------------------------------------------------------------
 
 
-def measure_limits(engine, cases: list[Case]) -> Limits:
-    cfg, device = engine.model_config, engine.device
-    # The dominant shape: the step's tokens through the largest per-layer projection (gate/up).
-    gemm = {
-        n: measure_gemm(n, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.dtype, device)
-        for n in sorted({c.num_tokens for c in cases})
-    }
-    return Limits(measure_bandwidth(device), gemm)
+def measure_limits(engine) -> Limits:
+    device = engine.device
+    bandwidth = measure_bandwidth(device)
+    ops = _compiled_ops() if device.type == "cpu" else None
+    if ops is not None:
+        roofs = {kind: measure_peak(ops, kind) for kind in ROOF_KINDS}
+        return Limits(bandwidth, roofs, ops.isa())
+    dtype = engine.model_config.dtype
+    return Limits(bandwidth, {"matmul": measure_gemm(4096, 4096, 4096, dtype, device)}, device.type)
+
+
+def _compiled_ops():
+    from conveyor.model import kernels
+
+    return kernels.load()
+
+
+def measure_peak(ops, kind: str, tries: int = 5) -> float:
+    """ops/s of one kind of arithmetic (kernels' peak_rate): the best of a few tries, since
+    other work on the machine only ever slows it; 0 where the CPU lacks the instruction."""
+    return max(ops.peak_rate(kind, ROOF_ITERS) for _ in range(tries))
 
 
 def _best_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
@@ -571,17 +588,31 @@ def kv_bytes(kv_caches: list[torch.Tensor], num_slots: int, sched: SchedulerOutp
     return per_token * sum(s.num_computed_tokens + len(s.token_ids) for s in sched.scheduled)
 
 
-def step_flops(cfg, sched: SchedulerOutput) -> float:
+def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple[float, str]]:
+    """The step's operations by part, each with the kind of arithmetic (a roof) that does it."""
+    cfg = engine.model_config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_token = cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
     num_sampled = sum(1 for s in sched.scheduled if s.sampling is not None)
-    linear = 2 * sched.total_num_scheduled_tokens * cfg.num_layers * per_token
-    logits = 2 * num_sampled * cfg.hidden_size * cfg.vocab_size
     pairs = 0  # (query, key) pairs under the causal mask
     for s in sched.scheduled:
         n = len(s.token_ids)
         pairs += n * s.num_computed_tokens + n * (n + 1) // 2
-    return linear + logits + 4 * cfg.num_heads * cfg.head_dim * pairs * cfg.num_layers
+    ops = {
+        "projections": 2 * sched.total_num_scheduled_tokens * cfg.num_layers * per_token,
+        "logits": 2 * num_sampled * cfg.hidden_size * cfg.vocab_size,
+        "attention": 4 * cfg.num_heads * cfg.head_dim * pairs * cfg.num_layers,
+    }
+    if "matmul" in limits.roofs:
+        return {part: (n, "matmul") for part, n in ops.items()}
+    float_kind = "f64_fma" if cfg.dtype == torch.float64 else "f32_fma"
+    if cfg.dtype in (torch.bfloat16, torch.float16) and limits.roofs.get("bf16_dot", 0) > 0:
+        float_kind = "bf16_dot"
+    quantized = any(  # int8 activations: every quantized projection but a float-input lm_head
+        isinstance(m, QuantLinear) and not m.float_acts for m in engine.runner.model.modules()
+    )
+    kinds = {"projections": "int8_dot" if quantized else float_kind}
+    return {part: (n, kinds.get(part, float_kind)) for part, n in ops.items()}
 
 
 def step_floor(engine, sched: SchedulerOutput, limits: Limits) -> Floor:
@@ -589,16 +620,18 @@ def step_floor(engine, sched: SchedulerOutput, limits: Limits) -> Floor:
     weights = weight_bytes(engine.runner.model, num_tokens)
     num_slots = engine.num_blocks * engine.cache_config.block_size
     kv = kv_bytes(engine.runner.kv_caches, num_slots, sched)
-    flops = step_flops(engine.model_config, sched)
-    # A narrow matmul is itself byte-bound (its weights stream from cache, once per token
-    # row), a byte limit rather than a FLOP limit, and a wrong one for quantized weights: the
-    # compute roof is the best rate measured at this token count or more.
-    gemm = max(rate for n, rate in limits.gemm.items() if n >= num_tokens)
-    memory_ms, compute_ms = (weights + kv) / limits.bandwidth * 1e3, flops / gemm * 1e3
+    work = {
+        part: {"ops": n, "roof": kind, "ms": n / limits.roofs[kind] * 1e3}
+        for part, (n, kind) in step_work(engine, sched, limits).items()
+    }
+    flops = sum(w["ops"] for w in work.values())
+    compute_ms = sum(w["ms"] for w in work.values())
+    memory_ms = (weights + kv) / limits.bandwidth * 1e3
     bound = "memory" if memory_ms >= compute_ms else "compute"
-    floor_ms = max(memory_ms, compute_ms)
-    at_shape = limits.gemm[num_tokens]
-    return Floor(weights, kv, flops, gemm, at_shape, memory_ms, compute_ms, floor_ms, bound)
+    roof = flops / (compute_ms / 1e3) if compute_ms > 0 else 0.0
+    return Floor(
+        weights, kv, flops, work, roof, memory_ms, compute_ms, max(memory_ms, compute_ms), bound
+    )
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -617,7 +650,8 @@ def build_report(args, engine, limits: Limits, results: list[dict], skipped: lis
         "platform": platform.platform(),
         "torch": torch.__version__,
         "memory_bandwidth_gb_s": limits.bandwidth / 1e9,
-        "gemm_gflops": {str(n): rate / 1e9 for n, rate in limits.gemm.items()},
+        "isa": limits.isa,
+        "roofs_gops": {kind: rate / 1e9 for kind, rate in limits.roofs.items()},
         "matmul_forms": _matmul_forms(engine),
         "kv_cache_blocks": engine.num_blocks,
         "block_size": engine.cache_config.block_size,
@@ -664,13 +698,14 @@ def format_table(report: dict) -> str:
         "",
         f"{report['model']}  {report['dtype']} on {report['device']}, "
         f"{report['num_threads']} threads; measured read bandwidth "
-        f"{report['memory_bandwidth_gb_s']:.1f} GB/s"
+        f"{report['memory_bandwidth_gb_s']:.1f} GB/s; peak GOP/s ({report['isa']}): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in report["roofs_gops"].items() if v > 0)
         + (
             f"; matmul form by rows: {_forms_text(report['matmul_forms'])}"
             if report["matmul_forms"]
             else ""
         ),
-        "floor = max(bytes / bandwidth, FLOPs / best GEMM rate at the step's width or wider); "
+        "floor = max(bytes / bandwidth, each part's operations / the peak of its instructions); "
         "% floor = floor / ms per step; breakdown in ms per step",
         header,
         "-" * len(header),

@@ -38,5 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &pg::block_linear, "x @ W^T over block panels, one order per value",
         py::arg("x"), py::arg("wq"), py::arg("dw"), py::arg("mw"), py::arg("n_out"),
         py::arg("float_acts") = false);
+  m.def("peak_rate", &pg::peak_rate, "ops/s of the kernels' instructions in registers, all "
+        "threads: f32_fma, f64_fma, int8_dot, bf16_dot", py::arg("kind"), py::arg("iters"));
   bind_decoder_layer(m);
 }

@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -917,6 +918,174 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
   a.xi = acts.isum.data();
   if (q4) return block_dispatch<true, false>(a, tokens, panels), y;
   return block_dispatch<false, false>(a, tokens, panels), y;
+}
+
+// ------------------------------------------------------------------------ peak rates
+// What the kernels' own instructions can do on this machine, for `conveyor bench step`'s
+// compute roof: kChains independent chains per thread in registers, no memory traffic, on
+// every torch thread at once. Returns operations per second (a multiply-add counts 2):
+//   f32_fma, f64_fma   FMA on the instruction set's float lanes (the dense and lm_head kernels);
+//   int8_dot           the int8 dot product of the block kernels (VNNI's vpdpbusd on AVX-512;
+//                      AVX2's maddubs + madd + add);
+//   bf16_dot           AVX512-BF16's vdpbf16ps where the CPU and the build have it (else 0).
+constexpr int kChains = 12;
+
+template <typename Body>
+double run_chains(int64_t iters, double ops_per_iter, const Body& body) {
+  const int threads = at::get_num_threads();
+  std::vector<double> sink(threads, 0.0);
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) sink[t] = body(iters);
+  });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile double keep = 0.0;  // the chains' results are used, so they are computed
+  for (double v : sink) keep = keep + v;
+  return ops_per_iter * static_cast<double>(iters) * threads / seconds;
+}
+
+#if CONVEYOR_PANEL_AVX2
+template <typename V, typename Fma>
+double float_chains(int64_t iters, V w, V c, const Fma& fma, double (*sum)(V)) {
+  V acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = c;
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < kChains; ++i) acc[i] = fma(acc[i], w, c);  // converges: |w| < 1
+  double total = 0.0;
+  for (int i = 0; i < kChains; ++i) total += sum(acc[i]);
+  return total;
+}
+#endif
+
+double peak_rate(const std::string& kind, int64_t iters) {
+  TORCH_CHECK(iters > 0, "peak_rate: iters must be > 0");
+  const int isa = current_isa().load();
+  volatile float wf = 0.999f;
+  volatile double wd = 0.999;
+#if CONVEYOR_PANEL_AVX512
+  if (isa == kAvx512) {
+    if (kind == "f32_fma")
+      return run_chains(iters, kChains * 16 * 2, [&](int64_t n) {
+        return float_chains<__m512>(n, _mm512_set1_ps(wf), _mm512_set1_ps(1e-3f),
+            [](__m512 a, __m512 w, __m512 c) { return _mm512_fmadd_ps(a, w, c); },
+            [](__m512 v) { return double(_mm512_reduce_add_ps(v)); });
+      });
+    if (kind == "f64_fma")
+      return run_chains(iters, kChains * 8 * 2, [&](int64_t n) {
+        return float_chains<__m512d>(n, _mm512_set1_pd(wd), _mm512_set1_pd(1e-3),
+            [](__m512d a, __m512d w, __m512d c) { return _mm512_fmadd_pd(a, w, c); },
+            [](__m512d v) { return _mm512_reduce_add_pd(v); });
+      });
+    if (kind == "int8_dot")
+      return run_chains(iters, kChains * 64 * 2, [&](int64_t n) {
+        const __m512i a = _mm512_set1_epi8(static_cast<char>(3 + int(wf)));
+        const __m512i b = _mm512_set1_epi8(-2);
+        __m512i acc[kChains];
+        for (int i = 0; i < kChains; ++i) acc[i] = _mm512_setzero_si512();
+        for (int64_t it = 0; it < n; ++it)
+          for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+        double total = 0.0;
+        for (int i = 0; i < kChains; ++i) total += _mm512_reduce_add_epi32(acc[i]);
+        return total;
+      });
+#if defined(__AVX512BF16__)
+    if (kind == "bf16_dot" && __builtin_cpu_supports("avx512bf16"))
+      return run_chains(iters, kChains * 32 * 2, [&](int64_t n) {
+        const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(wf), _mm512_set1_ps(wf));
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+        __m512 acc[kChains];
+        for (int i = 0; i < kChains; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t it = 0; it < n; ++it)
+          for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+        double total = 0.0;
+        for (int i = 0; i < kChains; ++i) total += _mm512_reduce_add_ps(acc[i]);
+        return total;
+      });
+#endif
+  }
+#endif
+#if CONVEYOR_PANEL_AVX2
+  if (isa >= kAvx2) {
+    auto hsum = [](__m256 v) {
+      float lanes[8];
+      _mm256_storeu_ps(lanes, v);
+      double t = 0.0;
+      for (float x : lanes) t += x;
+      return t;
+    };
+    if (kind == "f32_fma")
+      return run_chains(iters, kChains * 8 * 2, [&](int64_t n) {
+        return float_chains<__m256>(n, _mm256_set1_ps(wf), _mm256_set1_ps(1e-3f),
+            [](__m256 a, __m256 w, __m256 c) { return _mm256_fmadd_ps(a, w, c); }, +hsum);
+      });
+    if (kind == "f64_fma")
+      return run_chains(iters, kChains * 4 * 2, [&](int64_t n) {
+        return float_chains<__m256d>(n, _mm256_set1_pd(wd), _mm256_set1_pd(1e-3),
+            [](__m256d a, __m256d w, __m256d c) { return _mm256_fmadd_pd(a, w, c); },
+            [](__m256d v) {
+              double lanes[4];
+              _mm256_storeu_pd(lanes, v);
+              return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+            });
+      });
+    if (kind == "int8_dot")
+      return run_chains(iters, kChains * 32 * 2, [&](int64_t n) {
+        // The chain's own bytes are the unsigned operand, so nothing can be hoisted.
+        const __m256i b = _mm256_set1_epi8(static_cast<char>(-2 + int(wf)));
+        const __m256i one = _mm256_set1_epi16(1);
+        __m256i acc[kChains];
+        for (int i = 0; i < kChains; ++i) acc[i] = _mm256_setzero_si256();
+        for (int64_t it = 0; it < n; ++it)
+          for (int i = 0; i < kChains; ++i)
+            acc[i] = _mm256_add_epi32(
+                acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(acc[i], b), one));
+        double total = 0.0;
+        for (int i = 0; i < kChains; ++i) {
+          int32_t lanes[8];
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), acc[i]);
+          for (int32_t x : lanes) total += x;
+        }
+        return total;
+      });
+  }
+#endif
+  TORCH_CHECK(kind == "f32_fma" || kind == "f64_fma" || kind == "int8_dot" ||
+                  kind == "bf16_dot",
+              "peak_rate: kind is f32_fma, f64_fma, int8_dot or bf16_dot");
+  if (kind == "bf16_dot") return 0.0;  // not on this CPU, build or instruction set
+  // The scalar path: one std::fma (or integer multiply-add) per operation.
+  if (kind == "int8_dot")
+    return run_chains(iters, kChains * 2, [&](int64_t n) {
+      uint32_t acc[kChains] = {};
+      const uint32_t a = 3 + int(wf), b = 7;
+      for (int64_t it = 0; it < n; ++it)
+        for (int i = 0; i < kChains; ++i) acc[i] = acc[i] * a + b;
+      double total = 0.0;
+      for (uint32_t x : acc) total += x;
+      return total;
+    });
+  if (kind == "f64_fma")
+    return run_chains(iters, kChains * 2, [&](int64_t n) {
+      double acc[kChains];
+      const double w = wd;
+      for (double& x : acc) x = 1e-3;
+      for (int64_t it = 0; it < n; ++it)
+        for (int i = 0; i < kChains; ++i) acc[i] = std::fma(acc[i], w, 1e-3);
+      double total = 0.0;
+      for (double x : acc) total += x;
+      return total;
+    });
+  return run_chains(iters, kChains * 2, [&](int64_t n) {
+    float acc[kChains];
+    const float w = wf;
+    for (float& x : acc) x = 1e-3f;
+    for (int64_t it = 0; it < n; ++it)
+      for (int i = 0; i < kChains; ++i) acc[i] = std::fma(acc[i], w, 1e-3f);
+    double total = 0.0;
+    for (float x : acc) total += x;
+    return total;
+  });
 }
 
 }  // namespace conveyor_panel
