@@ -102,7 +102,8 @@ def test_floor_counts_the_tiny_models_bytes_and_is_the_larger_bound(run):
         assert {part: w["roof"] for part, w in work.items()} == dict.fromkeys(
             ("projections", "logits", "attention"), "f64_fma"
         )
-        assert work["projections"]["ops"] == 2 * case["num_tokens"] * layers * (per_layer - 2 * hidden)
+        projection_weights = layers * (per_layer - 2 * hidden)
+        assert work["projections"]["ops"] == 2 * case["num_tokens"] * projection_weights
         assert sum(w["ops"] for w in work.values()) == floor["flops"]
         assert floor["compute_ms"] == pytest.approx(sum(w["ms"] for w in work.values()))
         for w in work.values():  # each part at the measured peak of its instructions
