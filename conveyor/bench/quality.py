@@ -1,4 +1,5 @@
-"""`conveyor bench quality`: what serving weights quantized costs in model quality.
+"""`conveyor bench quality`: what serving weights quantized, or in half precision, costs in
+model quality.
 
 The measure of llama.cpp's `llama-perplexity --kl-divergence`: the text is cut into chunks of
 `--context` tokens, each chunk is run in one forward pass, and the second half of each chunk is
@@ -8,13 +9,16 @@ next-token distribution of each variant is compared with the float32 model's (qu
 
     mean / p99 / max KL(float32 || variant), top-1 agreement (same argmax), and perplexity.
 
-Variants: `int8` (projections requantized to int8 blocks) and, for a quantized GGUF, `auto`
-(its own blocks served by the quantized kernels). They are scored through the block kernels
-that decode steps use (activations rounded to int8 per block of 32), also where a chunk is
-long enough for the float-tile path, which prefill takes (that path computes with the
-dequantized blocks in float32: for `auto` it is the float32 model). The lm_head always runs
-float tiles, as in serving. The default text is a few
-KB of public-domain prose shipped in conveyor/bench/data/.
+Variants: `bfloat16` and `float16` (the float32 model's weights cast, as `--dtype` serves them:
+ATen's ops, logits cast to float64 for scoring), `int8` (projections requantized to int8
+blocks) and `auto` (a quantized GGUF's own blocks; a float checkpoint runs float32 there).
+Every model is loaded as `conveyor serve` loads it by default, so the scores are those of the
+batch-invariant kernels (model/kernels/panel_gemm.cpp): every row count of a block projection
+runs one kernel with activations rounded to int8 per block of 32, and the lm_head (the tied
+Q8_0 embedding of the default model) one with float activations. A prefill chunk and a decode
+step thus compute each row alike; `--no-batch-invariant`'s routes are not scored (their
+decode rows round activations the same way, in another summation order). The default text is
+a few KB of public-domain prose shipped in conveyor/bench/data/.
 """
 
 from __future__ import annotations
@@ -28,14 +32,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from conveyor.model.quant import DEQUANT_FROM_TOKENS, QuantLinear
-
 DEFAULT_TEXT = Path(__file__).parent / "data" / "public_domain.txt"
-VARIANTS = ("int8", "auto")
+REFERENCE = "float32"
+# variant -> (dtype, quantization) as ModelConfig.from_hf takes them.
+VARIANTS = {
+    "bfloat16": ("bfloat16", "none"),
+    "float16": ("float16", "none"),
+    "int8": ("float32", "int8"),
+    "auto": ("float32", "auto"),
+}
 
 
 @dataclass
 class VariantStats:
+    variant: str  # REFERENCE or a VARIANTS key
+    dtype: str
     quantization: str  # as requested
     resolved: str  # ModelConfig.quantization: none | gguf | int8
     weight_bytes: int
@@ -46,6 +57,8 @@ class VariantStats:
     def summary(self, num_scored: int) -> dict:
         kl = torch.tensor(self.kl, dtype=torch.float64)
         return dict(
+            variant=self.variant,
+            dtype=self.dtype,
             quantization=self.quantization,
             resolved=self.resolved,
             weight_mib=round(self.weight_bytes / 2**20, 1),
@@ -65,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variants",
         default=",".join(VARIANTS),
-        help="comma-separated quantization modes compared with float32 (int8, auto)",
+        help=f"comma-separated variants compared with float32 ({', '.join(VARIANTS)})",
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
@@ -102,20 +115,21 @@ def evaluate(
     from conveyor.config import ModelConfig
     from conveyor.model.loader import load_tokenizer
 
-    base = _runner(ModelConfig.from_hf(model, "float32", "cpu", None, "none"), context)
+    specs = {REFERENCE: ("float32", "none")} | {name: VARIANTS[name] for name in variants}
+    runners = {
+        name: _runner(ModelConfig.from_hf(model, dtype, "cpu", None, mode), context)
+        for name, (dtype, mode) in specs.items()
+    }
+    base = runners[REFERENCE]
     chunks = _chunks(load_tokenizer(base.cfg), text, context, max_chunks)
-    stats = {"none": _stats("none", base)}
-    runners = {"none": base}
-    for mode in variants:
-        runner = _runner(ModelConfig.from_hf(model, "float32", "cpu", None, mode), context)
-        runners[mode], stats[mode] = runner, _stats(mode, runner)
+    stats = {name: _stats(name, runner) for name, runner in runners.items()}
     num_scored = 0
     for chunk in tqdm(chunks, desc="bench quality", unit="chunk", disable=not progress):
         targets = torch.tensor(chunk[len(chunk) // 2 + 1 :])  # next tokens of scored rows
         reference = _logprobs(base, chunk)
-        for mode, runner in runners.items():
-            logprobs = reference if mode == "none" else _logprobs(runner, chunk)
-            _score(stats[mode], reference, logprobs, targets)
+        for name, runner in runners.items():
+            logprobs = reference if name == REFERENCE else _logprobs(runner, chunk)
+            _score(stats[name], reference, logprobs, targets)
         num_scored += len(targets)
     return dict(
         model=str(base.cfg.path),
@@ -136,25 +150,23 @@ def _variants(text: str) -> list[str]:
 
 
 def _runner(cfg, context: int):
+    """The model as `conveyor serve` loads it (batch-invariant panels packed at load on CPU)."""
     from conveyor.worker.model_runner import ModelRunner
 
     if context > cfg.max_model_len:
         raise ValueError(f"--context {context} exceeds the model's {cfg.max_model_len} tokens")
     runner = ModelRunner(cfg, torch.device("cpu"), block_size=16, seed=0)
     runner.allocate_kv_cache(-(-context // 16))
-    for module in runner.model.modules():
-        # Score the decode path (see the module docstring); the lm_head, always float tiles, stays.
-        if isinstance(module, QuantLinear) and module.dequant_from == DEQUANT_FROM_TOKENS:
-            module.dequant_from = math.inf
     return runner
 
 
-def _stats(mode: str, runner) -> VariantStats:
+def _stats(name: str, runner) -> VariantStats:
     # state_dict: weights and quantized blocks, not derived buffers (rotary tables); a tied
     # head appears twice there, under one storage.
     tensors = {t.data_ptr(): t for t in runner.model.state_dict().values()}
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return VariantStats(mode, runner.cfg.quantization, weight_bytes)
+    dtype, mode = VARIANTS.get(name, ("float32", "none"))
+    return VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes)
 
 
 def _chunks(tokenizer, text: Path, context: int, max_chunks: int | None) -> list[list[int]]:
@@ -195,11 +207,9 @@ def format_table(report: dict) -> str:
         f"{'top-1 %':>9}{'ppl':>9}",
     ]
     for v in report["variants"]:
-        name = (
-            v["quantization"]
-            if v["quantization"] == v["resolved"]
-            else (f"{v['quantization']}->{v['resolved']}")
-        )
+        name = v["variant"]
+        if v["quantization"] not in ("none", v["resolved"]):
+            name += f"->{v['resolved']}"  # auto->gguf, auto->none
         lines.append(
             f"{name:<14}{v['weight_mib']:>12.1f}{v['mean_kl']:>10.5f}{v['p99_kl']:>10.5f}"
             f"{v['max_kl']:>10.5f}{100 * v['top1_agreement']:>9.2f}{v['perplexity']:>9.3f}"
