@@ -12,12 +12,12 @@ next-token distribution of each variant is compared with the float32 model's (qu
 Variants: `bfloat16` and `float16` (the float32 model's weights cast, as `--dtype` serves them:
 ATen's ops, logits cast to float64 for scoring), `int8` (projections requantized to int8
 blocks) and `auto` (a quantized GGUF's own blocks; a float checkpoint runs float32 there).
-Every model is loaded as `conveyor serve` loads it by default, so the scores are those of the
-batch-invariant kernels (model/kernels/panel_gemm.cpp): every row count of a block projection
-runs one kernel with activations rounded to int8 per block of 32, and the lm_head (the tied
-Q8_0 embedding of the default model) one with float activations. A prefill chunk and a decode
-step thus compute each row alike; `--no-batch-invariant`'s routes are not scored (their
-decode rows round activations the same way, in another summation order). The default text is
+Every model is loaded as `conveyor serve` loads it by default, so the float32 and quantized
+scores are those of the batch-invariant kernels (model/kernels/panel_gemm.cpp): every row count
+of a block projection runs one kernel with activations rounded to int8 per block of 32, and the
+lm_head (the tied Q8_0 embedding of the default model) one with float activations; a prefill
+chunk and a decode step compute each row alike. `--no-batch-invariant`'s routes are not scored
+(their decode rows round activations the same way, in another summation order). The default text is
 a few KB of public-domain prose shipped in conveyor/bench/data/.
 """
 
