@@ -434,8 +434,8 @@ class QuantLinear(nn.Module):
         self.format = weight.format
         self.out_sizes = out_sizes
         self.in_features = weight.shape[1]
-        # Token count from which the float-tile path runs; bench quality raises it to score
-        # what decode steps compute.
+        # Token count from which the float-tile path runs (--no-batch-invariant); 1 makes
+        # every row count take float activations (the lm_head: see float_acts).
         self.dequant_from = DEQUANT_FROM_TOKENS
         # Token count from which the int8 copy runs (once pack_int8 has made one).
         self.int8_from = INT8_FROM_TOKENS
