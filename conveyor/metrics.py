@@ -267,7 +267,7 @@ class EngineMetrics:
         self.recent_itl = RecentLatencies() if recent else None
 
     def _replica(self, engine) -> _ReplicaSeries:
-        key = str(getattr(engine, "replica_index", 0))
+        key = str(engine.replica_index)
         series = self._replicas.get(key)
         if series is None:
             series = self._replicas[key] = _ReplicaSeries(self, (self.model_name, key))

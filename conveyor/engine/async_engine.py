@@ -51,6 +51,8 @@ class _Snapshot:
 
 
 class AsyncEngine:
+    """An in-process LLMEngine as an EngineClient (engine/client.py)."""
+
     def __init__(
         self,
         engine: LLMEngine | Callable[[], LLMEngine],
@@ -96,6 +98,13 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def device(self) -> str:
+        return str(self.engine.core.device)
+
+    num_replicas = 1
+    replica_index = 0
 
     async def start(self) -> None:
         """Nothing to start: the engine thread runs from construction."""

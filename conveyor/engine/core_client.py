@@ -95,7 +95,7 @@ def _stop(process: CoreProcess, context: zmq.Context) -> None:
 
 
 class AsyncMPEngine:
-    """The server's engine with the core in its own process; AsyncEngine's interface."""
+    """The server's engine with the core in its own process, as an EngineClient."""
 
     def __init__(
         self,
@@ -129,6 +129,7 @@ class AsyncMPEngine:
         # another replica); the others fail with the error.
         self.on_lost: Callable[[AsyncMPEngine, list[RequestStream]], set[str]] | None = None
         self.fatal = False
+        self.replica_index = 0  # a data-parallel engine numbers its replicas
         self.num_restarts = 0
         self._own_context = started is None
         if started is None:
@@ -159,11 +160,17 @@ class AsyncMPEngine:
         self._stopping = False
         self._snapshot: asyncio.Future | None = None
 
-    # ---- the interface AsyncEngine shares ------------------------------------------------
+    # ---- EngineClient (engine/client.py) --------------------------------------------------
 
     @property
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
+
+    @property
+    def device(self) -> str:
+        return str(self.info.device)
+
+    num_replicas = 1
 
     @property
     def is_alive(self) -> bool:

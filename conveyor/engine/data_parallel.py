@@ -1,7 +1,8 @@
 """Data-parallel replicas: N engine cores behind the one front end, each in its own process.
 
-AsyncDPEngine has AsyncEngine's interface. Each replica is an AsyncMPEngine (its own core
-process, detokenizer and streams); a request lives on one replica from admission to its end.
+AsyncDPEngine is an EngineClient (engine/client.py). Each replica is an AsyncMPEngine (its own
+core process, detokenizer and streams); a request lives on one replica from admission to its
+end.
 Which one is the router's choice:
 
   cache (default)  the replica that already holds the longest prefix of the prompt, judged
@@ -127,7 +128,7 @@ class PrefixRouter:
 
 
 class AsyncDPEngine:
-    """N AsyncMPEngine replicas behind one interface (AsyncEngine's)."""
+    """N AsyncMPEngine replicas behind one EngineClient."""
 
     def __init__(
         self,
@@ -196,11 +197,17 @@ class AsyncDPEngine:
         for replica in self.replicas:
             replica.on_lost = self._move_lost
 
-    # ---- the interface AsyncEngine shares ------------------------------------------------
+    # ---- EngineClient (engine/client.py) --------------------------------------------------
 
     @property
     def inputs(self):
         return self.replicas[0].inputs
+
+    @property
+    def device(self) -> str:
+        return self.replicas[0].device
+
+    replica_index = 0  # callbacks get the replica itself, numbered from 0
 
     @property
     def max_model_len(self) -> int:

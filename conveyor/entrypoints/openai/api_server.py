@@ -19,8 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.core_client import AsyncMPEngine
-from conveyor.engine.data_parallel import AsyncDPEngine
+from conveyor.engine.client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.streams import EngineDeadError, RequestFailedError
 from conveyor.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
@@ -190,28 +189,28 @@ class _Guard:
 
 
 def build_app(
-    engine: AsyncEngine | AsyncMPEngine | AsyncDPEngine | LLMEngine | Callable[[], LLMEngine],
+    engine: EngineClient | LLMEngine | Callable[[], LLMEngine],
     model_name: str | None,
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     metrics_auth: bool = True,
     dashboard: bool = True,
 ) -> FastAPI:
-    """`engine`: the engine-core process (AsyncMPEngine), data-parallel replicas of it
-    (AsyncDPEngine), or an in-process engine: an AsyncEngine, an LLMEngine, or a function that
-    builds one (then built on the engine thread, see AsyncEngine). dashboard: serve the live
+    """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
+    replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
+    run as an AsyncEngine (a function: called on the engine thread). dashboard: serve the live
     page at /dashboard (see entrypoints/openai/dashboard)."""
     limits = limits or RequestLimits()
-    if isinstance(engine, (AsyncEngine, AsyncMPEngine, AsyncDPEngine)):
-        async_engine = engine
-    else:
-        async_engine = AsyncEngine(engine)
+    async_engine: EngineClient = (
+        engine
+        if isinstance(engine, EngineClient) and not isinstance(engine, LLMEngine)
+        else AsyncEngine(engine)
+    )
     model_name = model_name or default_model_name(async_engine.model_config)
-    num_replicas = getattr(async_engine, "num_replicas", 1)
-    metrics = EngineMetrics(model_name, num_replicas=num_replicas, recent=dashboard)
+    metrics = EngineMetrics(model_name, num_replicas=async_engine.num_replicas, recent=dashboard)
     feed = None
     if dashboard:
-        feed = DashboardFeed(async_engine, metrics, model_name, _device(async_engine))
+        feed = DashboardFeed(async_engine, metrics, model_name, async_engine.device)
     # Attached before the app exists, so before any request can make a step.
     async_engine.on_step = metrics.on_step if feed is None else _both(metrics.on_step, feed.on_step)
     async_engine.on_abort = (
@@ -337,15 +336,6 @@ def _both(first: Callable, second: Callable) -> Callable:
         second(engine, outputs)
 
     return call
-
-
-def _device(engine) -> str:
-    info = getattr(engine, "info", None)  # the engine-core process
-    if info is None and getattr(engine, "replicas", None):  # data-parallel replicas
-        info = engine.replicas[0].info
-    if info is not None:
-        return str(info.device)
-    return str(engine.engine.core.device)  # in-process
 
 
 def _admitted(raw: Request) -> None:

@@ -28,7 +28,7 @@ class DashboardFeed:
     def __init__(self, engine, metrics: EngineMetrics, model_name: str, device: str) -> None:
         self.engine, self.metrics = engine, metrics
         self.model_name, self.device = model_name, device
-        self.num_replicas = getattr(engine, "num_replicas", 1)
+        self.num_replicas = engine.num_replicas
         self.started = time.time()
         self.closed = False  # set on shutdown: open event streams end
         self.num_watchers = 0
@@ -47,7 +47,7 @@ class DashboardFeed:
     def on_step(self, engine, outputs) -> None:
         start = time.perf_counter()
         record = engine.get_stats().last_record
-        replica = getattr(engine, "replica_index", 0)
+        replica = engine.replica_index
         if record is not None and self._last_seq.get(replica) != record.seq:
             self._last_seq[replica] = record.seq
             with self._lock:
