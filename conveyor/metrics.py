@@ -10,7 +10,7 @@ from collections import Counter as Tally
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.client import EngineClient
 from conveyor.outputs import RequestOutput
 from conveyor.spec.stats import SpecDecodingStats
 from conveyor.structured.backend import GrammarCompiler
@@ -273,7 +273,7 @@ class EngineMetrics:
             series = self._replicas[key] = _ReplicaSeries(self, (self.model_name, key))
         return series
 
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def on_step(self, engine: EngineClient, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         stats = engine.get_stats()
         series = self._replica(engine)
@@ -290,7 +290,7 @@ class EngineMetrics:
         for out in outputs:
             self._observe(engine, out, now)
 
-    def _observe(self, engine: LLMEngine, out: RequestOutput, now: float) -> None:
+    def _observe(self, engine: EngineClient, out: RequestOutput, now: float) -> None:
         if any(c.token_ids for c in out.outputs):
             last = self._last_token_time.get(out.request_id)
             if last is not None:
@@ -336,7 +336,7 @@ class EngineMetrics:
         for value in seconds:
             self._grammar_compile.observe(value)
 
-    def on_abort(self, engine: LLMEngine, request_id: str) -> None:
+    def on_abort(self, engine: EngineClient, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)
         self.success.labels(self.model_name, "abort").inc()
         self.finished["abort"] += 1
