@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from conveyor.outputs import PenaltyCounts
 from conveyor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,32 +38,6 @@ class BlockHash(NamedTuple):
 
 
 ROOT_DIGEST = b""
-
-
-class PenaltyCounts:
-    """What repetition, presence and frequency penalties read, kept up to date one token at a
-    time so a step costs O(vocab) per penalized row however long the request has run:
-    which tokens the prompt holds, and how often each was generated."""
-
-    __slots__ = ("in_prompt", "output_counts")
-
-    def __init__(self, prompt_token_ids: list[int], vocab_size: int) -> None:
-        self.in_prompt = np.zeros(vocab_size, dtype=np.bool_)
-        self.in_prompt[np.asarray(prompt_token_ids, dtype=np.int64)] = True
-        self.output_counts = np.zeros(vocab_size, dtype=np.int32)
-
-    def add(self, token_id: int) -> None:
-        if token_id < self.output_counts.shape[0]:
-            self.output_counts[token_id] += 1
-
-    def with_tokens(self, token_ids: list[int]) -> PenaltyCounts:
-        """A copy as if `token_ids` had been generated too (a position inside a run of drafts)."""
-        copy = PenaltyCounts.__new__(PenaltyCounts)
-        copy.in_prompt = self.in_prompt
-        copy.output_counts = self.output_counts.copy()
-        for token_id in token_ids:
-            copy.add(token_id)
-        return copy
 
 
 class RequestStatus(enum.IntEnum):

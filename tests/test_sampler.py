@@ -7,8 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conveyor.outputs import SamplingRow
-from conveyor.request import PenaltyCounts
+from conveyor.outputs import PenaltyCounts, SamplingRow
 from conveyor.sample.sampler import Sampler, sampling_probs
 from conveyor.sampling_params import SamplingParams
 

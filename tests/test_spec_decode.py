@@ -24,8 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from conveyor import LLM, LLMEngine, SamplingParams
 from conveyor.config import SpeculativeConfig
-from conveyor.outputs import SamplingRow
-from conveyor.request import PenaltyCounts
+from conveyor.outputs import PenaltyCounts, SamplingRow
 from conveyor.sample.sampler import Sampler, sampling_probs
 from conveyor.spec.ngram import NgramProposer
 from conveyor.spec.policy import DraftPolicy

@@ -40,8 +40,8 @@ from conveyor.engine.records import (
     step_record,
 )
 from conveyor.model.loader import load_tokenizer
-from conveyor.outputs import PositionLogprobs
-from conveyor.request import PenaltyCounts, Request, RequestStatus
+from conveyor.outputs import PenaltyCounts, PositionLogprobs
+from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.draft_model import DraftModelProposer
 from conveyor.spec.ngram import NgramProposer
