@@ -228,6 +228,26 @@ def test_set_isa_refuses_unknown_names_and_auto_is_the_best(ops, isas):
     assert ops.set_isa("auto") == isas[0] == ops.isa()
 
 
+def test_peak_rates_run_on_each_instruction_set(ops, isas):
+    """kernels.peak_rate (bench step's compute roofs) runs every kind on every instruction set
+    (rates, not timings, are asserted: > 0), bf16 dot products only on AVX-512 builds whose
+    CPU has them (0 elsewhere), and refuses unknown kinds."""
+    kinds = ("f32_fma", "f64_fma", "int8_dot", "bf16_dot")
+    try:
+        for isa in isas:
+            ops.set_isa(isa)
+            rate = {kind: ops.peak_rate(kind, 100_000) for kind in kinds}
+            assert rate["f32_fma"] > 0 and rate["f64_fma"] > 0 and rate["int8_dot"] > 0, isa
+            if isa != "avx512":
+                assert rate["bf16_dot"] == 0, isa
+    finally:
+        ops.set_isa("auto")
+    with pytest.raises(RuntimeError, match="peak_rate"):
+        ops.peak_rate("fp4_dot", 1000)
+    with pytest.raises(RuntimeError, match="peak_rate"):
+        ops.peak_rate("f32_fma", 0)
+
+
 # ---- (d) bad input raises ------------------------------------------------------------------
 
 
