@@ -73,3 +73,42 @@ def test_an_llm_engine_is_wrapped_not_taken_for_a_client(kwargs):
         assert app.state.engine.engine is engine
     finally:
         app.state.engine.shutdown()
+
+
+def test_messages_are_torch_free_and_cross_a_signed_channel_as_they_are():
+    """engine/messages.py: the front end loads it before torch; every kind survives the
+    channel's pickling (distributed/channel.py) with its type and fields."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, conveyor.engine.messages, conveyor.engine.core_proc\n"
+        "heavy = [m for m in ('torch', 'conveyor.engine.core') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+    from conveyor.distributed.channel import Opener, Sealer, new_key
+    from conveyor.engine import messages as m
+
+    key = new_key()
+    sealer, opener = Sealer(key, "test"), Opener(key, "test")
+    sent = [
+        m.AddRequests(["spec"]),
+        m.FinishRequests(["a", "b"], 5),
+        m.SnapshotRequest(),
+        m.Stop(),
+        m.AllocateKV(7),
+        m.RunStep({"step": 1}),
+        m.Hello("ipc://@x", rank=2),
+        m.Ready(rank=3),
+        m.Failed("ValueError", "bad", "trace", rank=1),
+        m.StepOutput([], None),
+        m.Snapshot(None),
+        m.Dead("RuntimeError: x", "trace"),
+    ]
+    received = [opener.open(sealer.seal(message)) for message in sent]
+    assert received == sent and [type(r) for r in received] == [type(s) for s in sent]
+    assert isinstance(m.Failed("ValueError", "bad", "").error("x"), ValueError)
+    error = m.Failed("OSError", "disk", "tb", rank=1).error("tensor-parallel rank 1")
+    assert isinstance(error, RuntimeError) and "rank 1 failed to start: OSError: disk" in str(error)

@@ -159,7 +159,8 @@ def _offline(llm, requests, sampling_params) -> float:
 def _overhead(llm, args: argparse.Namespace, sampling_params) -> dict:
     """Median parts of the steps in which `overhead_batch` requests decode together, and the
     cost of encoding such a step's message for the front end."""
-    from conveyor.engine.core_proc import STEP, encode
+    from conveyor.engine.core_proc import encode
+    from conveyor.engine.messages import StepOutput
 
     batch = args.overhead_batch
     rng = np.random.default_rng(args.seed)
@@ -185,7 +186,8 @@ def _overhead(llm, args: argparse.Namespace, sampling_params) -> dict:
     steps = [t.timing for t in core.trace if len(t.num_scheduled_tokens) == batch]
     steps = [t for t in steps if t.sample > 0]  # decode steps: every request samples
     stats = core.get_stats()
-    encode_s = statistics.median(_timed(lambda: encode((STEP, outputs, stats))) for _ in range(50))
+    message = StepOutput(outputs, stats)
+    encode_s = statistics.median(_timed(lambda: encode(message)) for _ in range(50))
     parts = {
         name: statistics.median(getattr(t, name) for t in steps) * 1e3
         for name in ("schedule", "prepare", "forward", "sample", "update")
@@ -198,7 +200,7 @@ def _overhead(llm, args: argparse.Namespace, sampling_params) -> dict:
         "parts_ms": parts,
         "step_ms": total,
         "engine_share": (total - parts["forward"]) / total,
-        "message_bytes": len(pickle.dumps((STEP, outputs, stats), protocol=5)),
+        "message_bytes": len(pickle.dumps(message, protocol=5)),
     }
 
 

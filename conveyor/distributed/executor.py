@@ -13,7 +13,8 @@ the timeout when it hangs), and the engine goes down with an error that names th
 a hang.
 
 Each worker binds its own step socket (PULL, an abstract Unix socket) and says where in its
-HELLO; rank 0 connects one PUSH to each, and binds only the PULL their replies come back on.
+Hello (engine/messages.py, as every message here); rank 0 connects one PUSH to each, and binds
+only the PULL their replies come back on.
 Every frame is signed (distributed/channel.py) with a key that reaches the workers on their
 stdin, together with the rest of their settings: no file, no temporary folder. The process
 group's store and gloo listen on 127.0.0.1 only, and the shared-memory file is the owner's
@@ -35,11 +36,8 @@ import zmq
 
 from conveyor.distributed.channel import Opener, Sealer, hand_over, local_address, new_key
 from conveyor.distributed.parallel import DEFAULT_TIMEOUT, TPGroup, TPShard, connect, serve_store
+from conveyor.engine.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
 
-# Rank 0 -> worker.
-ALLOCATE, STEP, STOP = "allocate", "step", "stop"
-# Worker -> rank 0 (HELLO carries the address of the worker's step socket).
-HELLO, READY, FAILED = "hello", "ready", "failed"
 # The labels of the two directions (distributed/channel.py); every worker gets the same steps.
 STEPS, REPLIES = "tp-steps", "tp-replies"
 
@@ -79,7 +77,7 @@ class TPWorkers:
         self._back.setsockopt(zmq.LINGER, 0)
         self._back.bind(local_address("conveyor-tp-back"))
         back_address = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._steps: dict[int, zmq.Socket] = {}  # rank -> connected once it said HELLO
+        self._steps: dict[int, zmq.Socket] = {}  # rank -> connected once it said Hello
         self._store = serve_store("127.0.0.1", size, max(timeout, start_timeout))
         # Ranks on one CPU node add their tensors up through shared memory, not loopback TCP.
         from conveyor.distributed import shm
@@ -117,7 +115,7 @@ class TPWorkers:
 
     def connect(self) -> None:
         """Waits for every worker to be up, then joins the process group with them."""
-        self._await(HELLO)
+        self._await(Hello)
         joined = connect(
             self.group.shard,
             self.device,
@@ -130,39 +128,34 @@ class TPWorkers:
 
     def wait_ready(self) -> None:
         """Blocks until every worker has loaded its share of the model; raises its error."""
-        self._await(READY)
+        self._await(Ready)
         if self.shm_path is not None:  # every rank has mapped it: nothing is left on a crash
             from conveyor.distributed.shm import remove
 
             remove(self.shm_path)
 
-    def _await(self, kind: str) -> None:
+    def _await(self, kind: type[Hello] | type[Ready]) -> None:
         pending = set(range(1, self.size))
+        what = "up" if kind is Hello else "ready"
         deadline = time.monotonic() + self.start_timeout
         while pending:
             if self._back.poll(POLL_MS):
                 message = self._opener.open(self._back.recv())
                 if message is None:  # not from a worker: dropped unread (logged)
                     continue
-                if message[0] == HELLO:
-                    self._connect_worker(message[1], message[2])
-                if message[0] == FAILED:
-                    _, rank, error_kind, text, trace = message
-                    if error_kind == "ValueError":
-                        raise ValueError(text)
-                    raise RuntimeError(
-                        f"tensor-parallel rank {rank} failed to start: "
-                        f"{error_kind}: {text}\n{trace}"
-                    )
-                if message[0] == kind:
-                    pending.discard(message[1])
+                if isinstance(message, Hello):
+                    self._connect_worker(message.rank, message.address)
+                if isinstance(message, Failed):
+                    raise message.error(f"tensor-parallel rank {message.rank}")
+                if isinstance(message, kind):
+                    pending.discard(message.rank)
                 continue
             dead = self.dead_ranks()
             if dead:
-                raise RuntimeError(f"{self.describe(dead)} before it was {kind}")
+                raise RuntimeError(f"{self.describe(dead)} before it was {what}")
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"tensor-parallel ranks {sorted(pending)} not {kind} "
+                    f"tensor-parallel ranks {sorted(pending)} not {what} "
                     f"after {self.start_timeout:g} s"
                 )
 
@@ -175,19 +168,19 @@ class TPWorkers:
         sock.connect(address)
         self._steps[rank] = sock
 
-    def send(self, kind: str, payload=None) -> None:
+    def send(self, message: AllocateKV | RunStep | Stop) -> None:
         """To every worker (one signed frame for all); never blocks. A worker that is gone
         fails the step's first collective, which names it (`failure`)."""
-        frame = self._sealer.seal((kind, payload))
+        frame = self._sealer.seal(message)
         for sock in self._steps.values():
             sock.send(frame, zmq.NOBLOCK)
 
     def publish(self, step) -> None:
         """Rank 0's runner calls it with each step's inputs, before its own forward."""
-        self.send(STEP, step)
+        self.send(RunStep(step))
 
     def allocate(self, num_blocks: int) -> None:
-        self.send(ALLOCATE, num_blocks)
+        self.send(AllocateKV(num_blocks))
 
     def dead_ranks(self) -> list[int]:
         return [rank for rank, proc in enumerate(self.procs, 1) if proc.poll() is not None]
@@ -219,7 +212,7 @@ class TPWorkers:
             return
         if self._steps:
             try:
-                self.send(STOP)
+                self.send(Stop())
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + timeout

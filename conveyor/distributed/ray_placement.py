@@ -25,7 +25,7 @@ import time
 import zmq
 
 from conveyor.engine.core_client import CoreProcess
-from conveyor.engine.core_proc import STOP
+from conveyor.engine.messages import Stop
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class RayCoreProcess(CoreProcess):
         import ray
 
         if self.alive:
-            self.send((STOP, None))
+            self.send(Stop())
             ray.wait([self.ref], timeout=timeout)
         self.kill()
 

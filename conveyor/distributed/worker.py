@@ -35,7 +35,7 @@ def run_worker(settings: dict) -> int:
         _die_with_parent()
     context = zmq.Context()
     back = context.socket(zmq.PUSH)
-    back.setsockopt(zmq.LINGER, 5000)  # FAILED gets out before the exit
+    back.setsockopt(zmq.LINGER, 5000)  # Failed gets out before the exit
     back.connect(settings["back"])
     steps = context.socket(zmq.PULL)
     steps.setsockopt(zmq.LINGER, 0)
@@ -49,27 +49,19 @@ def run_worker(settings: dict) -> int:
 
 
 def _serve(settings: dict, steps: zmq.Socket, back: zmq.Socket) -> int:
-    from conveyor.distributed.executor import (
-        ALLOCATE,
-        FAILED,
-        HELLO,
-        READY,
-        REPLIES,
-        STEP,
-        STEPS,
-        STOP,
-    )
+    from conveyor.distributed.executor import REPLIES, STEPS
+    from conveyor.engine.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
 
     rank = settings["rank"]
     sealer, opener = Sealer(settings["key"], REPLIES), Opener(settings["key"], STEPS)
-    back.send(sealer.seal((HELLO, rank, steps.getsockopt_string(zmq.LAST_ENDPOINT))))
+    back.send(sealer.seal(Hello(steps.getsockopt_string(zmq.LAST_ENDPOINT), rank)))
     try:
         runner = _build_runner(settings)
     except BaseException as error:  # noqa: BLE001 - rank 0 re-raises it
-        message = (FAILED, rank, type(error).__name__, str(error), traceback.format_exc())
-        back.send(sealer.seal(message))
+        failed = Failed(type(error).__name__, str(error), traceback.format_exc(), rank)
+        back.send(sealer.seal(failed))
         return 1
-    back.send(sealer.seal((READY, rank)))
+    back.send(sealer.seal(Ready(rank=rank)))
     while True:
         if not steps.poll(IDLE_POLL_MS):
             if os.getppid() != settings["parent_pid"]:
@@ -78,14 +70,14 @@ def _serve(settings: dict, steps: zmq.Socket, back: zmq.Socket) -> int:
         message = opener.open(steps.recv())
         if message is None:  # not from rank 0: dropped unread (logged)
             continue
-        kind, payload = message
-        if kind == STOP:
+        if isinstance(message, Stop):
             return 0
         try:
-            if kind == STEP:
-                runner.run_step(payload)
-            elif kind == ALLOCATE:
-                runner.allocate_kv_cache(payload)
+            match message:
+                case RunStep(step=step):
+                    runner.run_step(step)
+                case AllocateKV(num_blocks=num_blocks):
+                    runner.allocate_kv_cache(num_blocks)
         except Exception:  # noqa: BLE001 - a failed collective: rank 0 fails too
             traceback.print_exc()
             return 1

@@ -23,14 +23,16 @@ import zmq
 import zmq.asyncio
 
 from conveyor.engine.core import CoreOutput, CoreStats, EngineStats
-from conveyor.engine.core_proc import (
-    ADD,
-    DEAD,
-    FINISH,
-    SNAPSHOT,
-    CoreProcess,
-)
+from conveyor.engine.core_proc import CoreProcess
 from conveyor.engine.input_processor import InputProcessor
+from conveyor.engine.messages import (
+    AddRequests,
+    Dead,
+    FinishRequests,
+    Snapshot,
+    SnapshotRequest,
+    StepOutput,
+)
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.records import SNAPSHOT_TIMEOUT, CoreSnapshot
 from conveyor.engine.streams import EngineDeadError, RequestStream, aborted_output
@@ -63,20 +65,23 @@ class SyncCoreClient:
             raise
 
     def add_requests(self, specs) -> None:
-        self.process.send((ADD, specs))
+        self.process.send(AddRequests(specs))
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        self.process.send((FINISH, (request_ids, status)))
+        self.process.send(FinishRequests(request_ids, status))
 
     def step(self) -> list[CoreOutput]:
         """The outputs of the core's next step (it runs ahead: a step already made is waiting)."""
-        message = self.process.receive()
-        if message is None:
-            raise EngineDeadError(f"the engine core died: {self.process.exit_description()}")
-        if message[0] == DEAD:
-            raise EngineDeadError(f"the engine core died: {message[1]}")
-        _, outputs, self._stats = message
-        return outputs
+        match self.process.receive():
+            case StepOutput(outputs=outputs, stats=stats):
+                self._stats = stats
+                return outputs
+            case Dead(error=error):
+                raise EngineDeadError(f"the engine core died: {error}")
+            case None:
+                raise EngineDeadError(f"the engine core died: {self.process.exit_description()}")
+            case message:
+                raise EngineDeadError(f"unexpected message from the engine core: {message!r}")
 
     def get_stats(self) -> CoreStats:
         return self._stats
@@ -215,7 +220,7 @@ class AsyncMPEngine:
             self._last_message = time.monotonic()
         stream = stream or RequestStream(request_id, self._loop)
         self._streams[request_id] = stream
-        self._process.send((ADD, sequences))
+        self._process.send(AddRequests(sequences))
         self._num_prompt_tokens += len(token_ids) * len(sequences)
         return stream
 
@@ -251,7 +256,7 @@ class AsyncMPEngine:
             return [None]
         if self._snapshot is None or self._snapshot.done():
             self._snapshot = self._loop.create_future()
-            self._process.send((SNAPSHOT, None))
+            self._process.send(SnapshotRequest())
         try:
             return [await asyncio.wait_for(asyncio.shield(self._snapshot), SNAPSHOT_TIMEOUT)]
         except TimeoutError:
@@ -292,19 +297,19 @@ class AsyncMPEngine:
         while True:
             frame = await sock.recv()
             message = process.open(frame)
-            if message is None:  # not from the core (dropped unread, logged), or its HELLO
+            if message is None:  # not from the core (dropped unread, logged), or its Hello
                 continue
             self._last_message = time.monotonic()
-            if message[0] == DEAD:
-                logger.error("the engine core raised:\n%s", message[2])
-                self._die(message[1])
+            if isinstance(message, Dead):
+                logger.error("the engine core raised:\n%s", message.trace)
+                self._die(message.error)
                 return
-            if message[0] == SNAPSHOT:
+            if isinstance(message, Snapshot):
                 if self._snapshot is not None and not self._snapshot.done():
-                    self._snapshot.set_result(message[1])
+                    self._snapshot.set_result(message.snapshot)
                 continue
             try:
-                self._on_step_message(message[1], message[2])
+                self._on_step_message(message.outputs, message.stats)
             except Exception as error:  # noqa: BLE001 - a bug here must not hang the clients
                 logger.exception("handling a step's outputs failed")
                 self._die(f"the front end failed to handle a step: {error!r}")
@@ -315,9 +320,9 @@ class AsyncMPEngine:
         self._stats = stats
         processed = self.outputs.process(outputs)
         if processed.stopped:
-            self._process.send((FINISH, (processed.stopped, RequestStatus.FINISHED_STOPPED)))
+            self._process.send(FinishRequests(processed.stopped, RequestStatus.FINISHED_STOPPED))
         if processed.failed:
-            self._process.send((FINISH, (processed.failed, RequestStatus.FINISHED_ERROR)))
+            self._process.send(FinishRequests(processed.failed, RequestStatus.FINISHED_ERROR))
         self._callback(self.on_step, processed.outputs)
         for out in processed.outputs:
             stream = self._streams.get(out.request_id)
@@ -331,13 +336,13 @@ class AsyncMPEngine:
         stream = self._streams.pop(request_id, None)
         sequence_ids = self.outputs.abort(request_id)
         if sequence_ids:
-            self._process.send((FINISH, (sequence_ids, RequestStatus.FINISHED_ABORTED)))
+            self._process.send(FinishRequests(sequence_ids, RequestStatus.FINISHED_ABORTED))
         if stream is not None:
             self._callback(self.on_abort, request_id)
 
     def _abort_all(self) -> None:
         for request_id, sequence_ids in self.outputs.abort_all():
-            self._process.send((FINISH, (sequence_ids, RequestStatus.FINISHED_ABORTED)))
+            self._process.send(FinishRequests(sequence_ids, RequestStatus.FINISHED_ABORTED))
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put_local(aborted_output(request_id))

@@ -1,14 +1,15 @@
 """The engine-core process: an EngineCore behind two ZeroMQ sockets.
 
-It pulls commands (add, finish, stop) from the front end and pushes one message per step
-(every sequence that advanced, plus the core's stats). While it has no work it blocks on its
+It pulls commands (engine/messages.py: AddRequests, FinishRequests, SnapshotRequest, Stop) from
+the front end and pushes one StepOutput per step (every sequence that advanced, plus the core's
+stats). While it has no work it blocks on its
 input socket; while it has work it applies whatever commands are pending between steps, so a new
 request joins the very next step. It dies with its parent: PR_SET_PDEATHSIG where the kernel
 has it, and a check of the parent's pid whenever it is idle.
 
 Every frame is signed with a key made for this core (distributed/channel.py); each side binds
 only its receiving socket (the core its commands' PULL, the front end its outputs' PULL) and
-connects its sending one to the other's, after the core has said where it listens (HELLO).
+connects its sending one to the other's, after the core has said where it listens (Hello).
 The key and the settings reach the core through its stdin: no file, no temporary folder, so a
 front end that is killed leaves nothing behind on disk.
 
@@ -39,16 +40,21 @@ from conveyor.distributed.channel import (
     new_key,
     read_settings,
 )
+from conveyor.engine.messages import (
+    AddRequests,
+    Dead,
+    Failed,
+    FinishRequests,
+    Hello,
+    Ready,
+    Snapshot,
+    SnapshotRequest,
+    StepOutput,
+    Stop,
+)
 
 if TYPE_CHECKING:
     from conveyor.engine.core import CoreInfo, CoreStats
-
-# Front end -> core.
-ADD, FINISH, STOP = "add", "finish", "stop"
-# Core -> front end; HELLO (with the address of the core's command socket) comes first.
-HELLO, READY, FAILED, STEP, DEAD = "hello", "ready", "failed", "step", "dead"
-# Both ways: the front end asks for a snapshot (the dashboard), the core answers with one.
-SNAPSHOT = "snapshot"
 
 IDLE_POLL_MS = 1000
 POLL_SECONDS = 0.5  # the front end's check that a starting core is still alive
@@ -57,7 +63,7 @@ PR_SET_PDEATHSIG = 1
 COMMANDS, OUTPUTS = "core-commands", "core-outputs"
 
 
-def encode(message) -> bytes:
+def encode(message: object) -> bytes:
     """A message as the core sends it, pickled and signed (under a throwaway key): what
     bench/split.py times per step."""
     return Sealer(new_key(), OUTPUTS).seal(message)
@@ -116,11 +122,11 @@ class CoreProcess:
 
     def open(self, frame: bytes):
         """A frame from the output socket as the core's message; None for a frame dropped
-        unread (not signed by the core) and for HELLO (the command socket connects then)."""
+        unread (not signed by the core) and for Hello (the command socket connects then)."""
         message = self._opener.open(frame)
-        if message is not None and message[0] == HELLO:
+        if isinstance(message, Hello):
             if self.input_address is None:
-                self.input_address = message[1]
+                self.input_address = message.address
                 self.input.connect(self.input_address)
             return None
         return message
@@ -138,16 +144,14 @@ class CoreProcess:
     def wait_ready(self) -> tuple[CoreInfo, CoreStats]:
         """Blocks until the core has loaded the model; raises its error if it could not."""
         message = self.receive()
-        if message is None:
-            raise RuntimeError(f"{self.exit_description()} before it was ready")
-        if message[0] == READY:
-            return message[1], message[2]
-        if message[0] == FAILED:
-            _, kind, text, trace = message
-            if kind == "ValueError":
-                raise ValueError(text)
-            raise RuntimeError(f"the engine core failed to start: {kind}: {text}\n{trace}")
-        raise RuntimeError(f"unexpected first message from the engine core: {message[0]!r}")
+        match message:
+            case None:
+                raise RuntimeError(f"{self.exit_description()} before it was ready")
+            case Ready(info=info, stats=stats):
+                return info, stats
+            case Failed():
+                raise message.error("the engine core")
+        raise RuntimeError(f"unexpected first message from the engine core: {message!r}")
 
     def send(self, message) -> None:
         """Thread-safe; a message to a core that is gone (or not listening yet) is dropped: it
@@ -160,7 +164,7 @@ class CoreProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.alive:
-            self.send((STOP, None))
+            self.send(Stop())
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -221,11 +225,11 @@ def run_engine_core(
     inputs.setsockopt(zmq.LINGER, 0)
     inputs.bind(input_address)
     outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.LINGER, 5000)  # the last message (FAILED, DEAD) gets out
+    outputs.setsockopt(zmq.LINGER, 5000)  # the last message (Failed, Dead) gets out
     outputs.connect(output_address)
     link = _Link(inputs, outputs, key)
     try:
-        link.send((HELLO, inputs.getsockopt_string(zmq.LAST_ENDPOINT)))
+        link.send(Hello(inputs.getsockopt_string(zmq.LAST_ENDPOINT)))
         return _serve(kwargs, link, parent_pid)
     finally:
         inputs.close(linger=0)
@@ -261,15 +265,15 @@ def _serve(kwargs: dict, link: _Link, parent_pid: int) -> int:
 
         core = EngineCore(**kwargs)
     except BaseException as error:  # noqa: BLE001 - the front end re-raises it
-        link.send((FAILED, type(error).__name__, str(error), traceback.format_exc()))
+        link.send(Failed(type(error).__name__, str(error), traceback.format_exc()))
         return 1
-    finally:  # before READY: no request waits on its collection
+    finally:  # before Ready: no request waits on its collection
         heap.freeze()
     try:
-        link.send((READY, core.info, core.get_stats()))
+        link.send(Ready(core.info, core.get_stats()))
         _busy_loop(core, link, parent_pid)
     except BaseException as error:  # noqa: BLE001 - tell the front end, then exit non-zero
-        link.send((DEAD, f"{type(error).__name__}: {error}", traceback.format_exc()))
+        link.send(Dead(f"{type(error).__name__}: {error}", traceback.format_exc()))
         return 1
     finally:
         core.close()
@@ -286,36 +290,35 @@ def _busy_loop(core, link: _Link, parent_pid: int) -> None:
             continue
         applied = 0
         while (message := link.receive()) is not None:  # every pending command, between steps
-            if message[0] == SNAPSHOT:  # answered between steps; the step path is untouched
-                link.send((SNAPSHOT, core.snapshot()))
+            if isinstance(message, SnapshotRequest):  # between steps; the step path is untouched
+                link.send(Snapshot(core.snapshot()))
                 continue
             if not _apply(core, message, link):
                 return
             applied += 1
         if core.has_unfinished_requests():
             step_outputs = core.step()
-            link.send((STEP, step_outputs, core.get_stats()))
+            link.send(StepOutput(step_outputs, core.get_stats()))
         elif applied:  # the last requests were aborted: the front end's gauges go to idle
-            link.send((STEP, [], core.get_stats()))
+            link.send(StepOutput([], core.get_stats()))
 
 
-def _apply(core, message, link: _Link) -> bool:
-    """Applies one command; False on stop."""
-    kind, payload = message
-    if kind == STOP:
-        return False
-    if kind == FINISH:
-        request_ids, status = payload
-        core.finish_requests(request_ids, status)
-    elif kind == ADD:
-        try:
-            core.add_requests(payload)
-        except Exception as error:  # noqa: BLE001 - refused: the front end fails this request
-            from conveyor.engine.core import CoreOutput
+def _apply(core, message: AddRequests | FinishRequests | Stop, link: _Link) -> bool:
+    """Applies one command; False on Stop."""
+    match message:
+        case Stop():
+            return False
+        case FinishRequests(sequence_ids=ids, status=status):
+            core.finish_requests(ids, status)
+        case AddRequests(sequences=sequences):
+            try:
+                core.add_requests(sequences)
+            except Exception as error:  # noqa: BLE001 - refused: the front end fails them
+                from conveyor.engine.core import CoreOutput
 
-            message = f"the engine core refused it: {type(error).__name__}: {error}"
-            failed = [CoreOutput.failed(spec.request_id, message) for spec in payload]
-            link.send((STEP, failed, core.get_stats()))
+                text = f"the engine core refused it: {type(error).__name__}: {error}"
+                failed = [CoreOutput.failed(spec.request_id, text) for spec in sequences]
+                link.send(StepOutput(failed, core.get_stats()))
     return True
 
 

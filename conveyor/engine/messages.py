@@ -1,0 +1,111 @@
+"""The messages between processes: typed, torch-free, one class per kind.
+
+Every frame on a channel is one of these, pickled and signed (distributed/channel.py); a
+receiver dispatches on the message's type (`match`), never on a string tag. Payloads are the
+engine's own picklable records (core.py's CoreRequest, CoreOutput, CoreInfo, CoreStats;
+the model runner's step), named here only for the type checker, so this module imports
+neither torch nor the engine: the front end and the core process load it before either.
+
+Front end -> engine core (engine/core_proc.py):
+  AddRequests, FinishRequests, SnapshotRequest, Stop
+Engine core -> front end:
+  Hello (first: where the core's command socket listens), then Ready or Failed; then
+  StepOutput per step, Snapshot per SnapshotRequest, and Dead if the core failed.
+Rank 0 -> tensor-parallel worker (distributed/executor.py, distributed/worker.py):
+  AllocateKV, RunStep, Stop
+Worker -> rank 0:
+  Hello (with its rank), then Ready or Failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conveyor.engine.core import CoreInfo, CoreOutput, CoreRequest, CoreStats
+    from conveyor.engine.records import CoreSnapshot
+
+
+# ---- to the engine core / to a worker ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequests:
+    sequences: list[CoreRequest]  # admitted and tokenized by the front end
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRequests:
+    sequence_ids: list[str]
+    status: int  # a finished RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRequest:
+    """The dashboard asks for the KV block map; answered between two steps."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Exit after the commands before it (a core, or a tensor-parallel worker)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateKV:
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunStep:
+    step: Any  # the model runner's step, the same on every rank
+
+
+# ---- from the engine core / from a worker -----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    address: str  # where the sender's command socket listens
+    rank: int = 0  # a tensor-parallel worker's rank
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    info: CoreInfo | None = None  # the core's; None from a worker
+    stats: CoreStats | None = None
+    rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Building the core (or a worker's runner) raised: the front end raises it again."""
+
+    kind: str  # the exception's class name: ValueError is the user's, re-raised as such
+    text: str
+    trace: str
+    rank: int = 0
+
+    def error(self, what: str) -> Exception:
+        if self.kind == "ValueError":
+            return ValueError(self.text)
+        return RuntimeError(f"{what} failed to start: {self.kind}: {self.text}\n{self.trace}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    outputs: list[CoreOutput]  # every sequence that advanced (or failed)
+    stats: CoreStats
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    snapshot: CoreSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    """The core failed while serving; it exits non-zero after this."""
+
+    error: str
+    trace: str
