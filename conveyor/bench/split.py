@@ -168,7 +168,7 @@ def _overhead(llm, args: argparse.Namespace, sampling_params) -> dict:
     prompts = [rng.integers(0, vocab, size=16).tolist() for _ in range(batch)]
     params = sampling_params(temperature=0, ignore_eos=True, max_tokens=args.output_len)
     core = llm.engine.core
-    core.trace.clear()
+    core.observer.trace.clear()
     outputs = []
     original_step = core.step
 
@@ -183,7 +183,7 @@ def _overhead(llm, args: argparse.Namespace, sampling_params) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
         del core.step
-    steps = [t.timing for t in core.trace if len(t.num_scheduled_tokens) == batch]
+    steps = [t.timing for t in core.observer.trace if len(t.num_scheduled_tokens) == batch]
     steps = [t for t in steps if t.sample > 0]  # decode steps: every request samples
     stats = core.get_stats()
     message = StepOutput(outputs, stats)

@@ -14,8 +14,7 @@ import dataclasses
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
@@ -33,14 +32,13 @@ from conveyor.core.scheduler import Scheduler, SchedulerStats
 from conveyor.distributed.parallel import check_tensor_parallel
 from conveyor.engine.records import (
     CoreSnapshot,
+    StepObserver,
     StepRecord,
+    StepTiming,
     core_snapshot,
-    count_tokens,
-    left_while_idle,
-    step_record,
 )
 from conveyor.model.loader import load_tokenizer
-from conveyor.outputs import PenaltyCounts, PositionLogprobs
+from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
 from conveyor.spec.draft_model import DraftModelProposer
@@ -85,25 +83,6 @@ class CoreOutput:
     @classmethod
     def failed(cls, request_id: str, error: str) -> CoreOutput:
         return cls(request_id, [], None, RequestStatus.FINISHED_ERROR, None, 0, None, 0, error)
-
-
-class StepTiming(NamedTuple):
-    """Seconds of one step's parts. Only `forward` (the model and its logits) is the model's
-    work; everything else is the engine's own."""
-
-    schedule: float = 0.0
-    prepare: float = 0.0  # input tensors, block tables, attention metadata
-    forward: float = 0.0
-    sample: float = 0.0
-    update: float = 0.0  # appending tokens, stop checks, caching blocks, building outputs
-
-    @property
-    def total(self) -> float:
-        return sum(self)
-
-    @property
-    def engine(self) -> float:
-        return self.total - self.forward
 
 
 @dataclass(slots=True)
@@ -154,18 +133,6 @@ class CoreInfo:
     grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out
     grammar_unavailable: str | None = None  # why structured output is off, if it is
-
-
-@dataclass(slots=True)
-class StepTrace:
-    """Batch occupancy of one step: who ran, with how many tokens, and who left."""
-
-    step: int
-    time: float
-    num_scheduled_tokens: dict[str, int]
-    finished_request_ids: list[str]
-    preempted_request_ids: list[str] = field(default_factory=list)
-    timing: StepTiming = StepTiming()
 
 
 class EngineCore:
@@ -305,16 +272,9 @@ class EngineCore:
             self.grammars.prepare()  # never raises: structured output is optional
         self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
         self._failed: list[CoreOutput] = []
-        self.record_trace = record_trace
-        self.trace: list[StepTrace] = []
+        self.observer = StepObserver(record_trace)
         self._num_steps = 0
         self._num_generation_tokens = 0
-        self._last_step = StepTiming()
-        self._last_record: StepRecord | None = None
-        self._left: list[str] = []  # ended between steps: joins the next step's record
-        self._num_records = 0
-        self._record_seconds = 0.0  # spent building step records (what observing costs)
-        self._step_seconds = 0.0
         self._fault = Fault.from_env()
 
     @property
@@ -439,14 +399,9 @@ class EngineCore:
         finished = [r.request_id for r in self.scheduler.finish_requests(request_ids, status)]
         for request_id in finished:
             self.scheduler.forget(request_id)
-        self._left += finished
-        if self._left and not self.scheduler.has_unfinished_requests():
-            # No step follows to carry them: they leave in a record of their own.
-            self._num_records += 1
-            self._last_record = left_while_idle(self._num_steps, self._left, self._num_records)
-            self._left = []
-        if self.record_trace and self.trace and status != RequestStatus.FINISHED_ABORTED:
-            self.trace[-1].finished_request_ids.extend(finished)  # ended with the last step
+        aborted = status == RequestStatus.FINISHED_ABORTED
+        idle = not self.scheduler.has_unfinished_requests()
+        self.observer.on_finished(self._num_steps, finished, aborted, idle)
 
     def has_unfinished_requests(self) -> bool:
         return (
@@ -458,9 +413,38 @@ class EngineCore:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:
+        """One iteration: schedule, execute (forward, then sample or verify drafts), update
+        the requests, and hand back what each sequence produced; the observer keeps the
+        step's timing and records around it."""
         if self._fault is not None:
             self._fault.check(self._num_steps + 1)
         start = time.perf_counter()
+        outputs = self._take_failed()
+        sched = self._schedule()
+        if sched is None:
+            return outputs
+        scheduled = time.perf_counter()
+        runner_out = self._execute(sched)
+        executed = time.perf_counter()
+        requests = self.scheduler.requests
+        before = [requests[i].num_output_tokens for i in runner_out.request_ids]
+        self.observer.before_update(sched, requests)
+        updated = self._update(sched, runner_out)
+        outputs += self._outputs(updated, before)
+        timing = StepTiming(
+            scheduled - start, *self.runner.last_timing, time.perf_counter() - executed
+        )
+        if self.speculative_config is not None:  # what a step of this width costs
+            self.scheduler.draft_policy.observe_step(
+                sched.total_num_scheduled_tokens, timing.prepare + timing.forward + timing.sample
+            )
+        finished = [o.request_id for o in outputs if o.status.finished]
+        self.observer.on_step(self._num_steps, timing, sched, updated, before, finished)
+        return outputs
+
+    def _take_failed(self) -> list[CoreOutput]:
+        """Admits requests whose grammars compiled (waiting for one when nothing else can
+        run); returns the outputs of those that failed to compile."""
         if self._grammar_waiting:
             if not self.scheduler.has_unfinished_requests() and not self._failed:
                 futures = [future for _, future, _ in self._grammar_waiting.values()]
@@ -469,34 +453,42 @@ class EngineCore:
                 )
             self._admit_compiled()
         failed, self._failed = self._failed, []
+        return failed
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """This step's batch, None when there is nothing to run."""
         if not self.scheduler.has_unfinished_requests():
-            return failed
+            return None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            # Every request that could never fit is refused by the front end, so with work
-            # waiting and nothing preempted an empty step is a scheduler bug: fail loudly
-            # instead of spinning forever.
-            if self.scheduler.has_unfinished_requests() and not sched.preempted_request_ids:
-                raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
-            return failed
-        scheduled = time.perf_counter()
+        if not sched.is_empty:
+            return sched
+        # Every request that could never fit is refused by the front end, so with work
+        # waiting and nothing preempted an empty step is a scheduler bug: fail loudly
+        # instead of spinning forever.
+        if self.scheduler.has_unfinished_requests() and not sched.preempted_request_ids:
+            raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
+        return None
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         try:
-            runner_out = self.runner.execute(sched)
+            return self.runner.execute(sched)
         except Exception as error:
             if self.tp_workers is None:
                 raise
             raise self.tp_workers.failure(error) from error
-        executed = time.perf_counter()
-        requests = self.scheduler.requests
-        before = [requests[i].num_output_tokens for i in runner_out.request_ids]
-        record_start = time.perf_counter()
-        tokens = count_tokens(sched, requests)
-        record_seconds = time.perf_counter() - record_start
+
+    def _update(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Appends the sampled (accepted) tokens and checks stops; the proposer drafts the
+        next step's tokens from them."""
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.proposer is not None:
             self.proposer.propose_for(self.scheduler.running)
         self._num_steps += 1
-        outputs = failed
+        return updated
+
+    def _outputs(self, updated: list[Request], before: list[int]) -> list[CoreOutput]:
+        """What each updated sequence produced this step; finished ones are forgotten."""
+        outputs = []
         for request, num_before in zip(updated, before, strict=True):
             # A stop condition may end a request before all of its sampled tokens.
             num_new = request.num_output_tokens - num_before
@@ -517,34 +509,6 @@ class EngineCore:
             )
             if request.is_finished:
                 self.scheduler.forget(request.request_id)
-        timing = StepTiming(
-            scheduled - start, *self.runner.last_timing, time.perf_counter() - executed
-        )
-        if self.speculative_config is not None:  # what a step of this width costs
-            self.scheduler.draft_policy.observe_step(
-                sched.total_num_scheduled_tokens, timing.prepare + timing.forward + timing.sample
-            )
-        self._last_step = timing
-        record_start = time.perf_counter()
-        finished = [o.request_id for o in outputs if o.status.finished]
-        left, self._left = self._left + finished, []
-        self._num_records += 1
-        self._last_record = step_record(
-            self._num_steps, self._num_records, timing.total, sched, tokens, updated, before, left
-        )
-        self._record_seconds += record_seconds + time.perf_counter() - record_start
-        self._step_seconds += timing.total
-        if self.record_trace:
-            self.trace.append(
-                StepTrace(
-                    self._num_steps,
-                    time.monotonic(),
-                    sched.num_scheduled_tokens,
-                    finished,
-                    sched.preempted_request_ids,
-                    timing,
-                )
-            )
         return outputs
 
     def get_stats(self) -> CoreStats:
@@ -558,14 +522,15 @@ class EngineCore:
             num_steps=self._num_steps,
             num_generation_tokens_total=self._num_generation_tokens,
             num_blocks=self.num_blocks,
-            last_step=self._last_step,
+            last_step=self.observer.last_timing,
             spec=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.copy(),
-            last_record=self._last_record,
+            last_record=self.observer.last_record,
         )
 
     def snapshot(self) -> CoreSnapshot:
         """The KV block map and the requests held, for the dashboard (built on demand)."""
-        return core_snapshot(self.scheduler, self._record_seconds, self._step_seconds)
+        observer = self.observer
+        return core_snapshot(self.scheduler, observer.record_seconds, observer.step_seconds)
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()

@@ -10,9 +10,10 @@ AsyncEngine (or, split across processes, through AsyncMPEngine).
 
 from __future__ import annotations
 
-from conveyor.engine.core import EngineCore, EngineStats, StepTrace
+from conveyor.engine.core import EngineCore, EngineStats
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.records import StepTrace
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.request import RequestStatus
@@ -73,7 +74,7 @@ class LLMEngine:
 
     @property
     def trace(self) -> list[StepTrace]:
-        return self.core.trace
+        return self.core.observer.trace
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 Every frame on a channel is one of these, pickled and signed (distributed/channel.py); a
 receiver dispatches on the message's type (`match`), never on a string tag. Payloads are the
 engine's own picklable records (core.py's CoreRequest, CoreOutput, CoreInfo, CoreStats;
-the model runner's step), named here only for the type checker, so this module imports
-neither torch nor the engine: the front end and the core process load it before either.
+the model runner's step), named in comments, not imported: this module imports nothing of
+conveyor's (no import circle runs through it) and neither torch nor the engine, so the front
+end and the core process load it before either.
 
 Front end -> engine core (engine/core_proc.py):
   AddRequests, FinishRequests, SnapshotRequest, Stop
@@ -20,19 +21,14 @@ Worker -> rank 0:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from conveyor.engine.core import CoreInfo, CoreOutput, CoreRequest, CoreStats
-    from conveyor.engine.records import CoreSnapshot
-
+from typing import Any
 
 # ---- to the engine core / to a worker ---------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class AddRequests:
-    sequences: list[CoreRequest]  # admitted and tokenized by the front end
+    sequences: list[Any]  # core.CoreRequest: admitted and tokenized by the front end
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +68,8 @@ class Hello:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    info: CoreInfo | None = None  # the core's; None from a worker
-    stats: CoreStats | None = None
+    info: Any = None  # core.CoreInfo; None from a worker
+    stats: Any = None  # core.CoreStats
     rank: int = 0
 
 
@@ -94,13 +90,13 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    outputs: list[CoreOutput]  # every sequence that advanced (or failed)
-    stats: CoreStats
+    outputs: list[Any]  # core.CoreOutput of every sequence that advanced (or failed)
+    stats: Any  # core.CoreStats
 
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    snapshot: CoreSnapshot
+    snapshot: Any  # records.CoreSnapshot
 
 
 @dataclass(frozen=True, slots=True)

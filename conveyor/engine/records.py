@@ -10,6 +10,7 @@ most a few times a second), never in the step path.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from conveyor.request import RequestStatus
@@ -45,6 +46,37 @@ class StepRecord(NamedTuple):
     left: tuple[str, ...]  # finished, aborted or stopped since the last record
     preempted: tuple[str, ...]  # sent back to the queue
     seq: int = 0  # this record's number: a step's, or one for requests that left while idle
+
+
+class StepTiming(NamedTuple):
+    """Seconds of one step's parts. Only `forward` (the model and its logits) is the model's
+    work; everything else is the engine's own."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0  # input tensors, block tables, attention metadata
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0  # appending tokens, stop checks, caching blocks, building outputs
+
+    @property
+    def total(self) -> float:
+        return sum(self)
+
+    @property
+    def engine(self) -> float:
+        return self.total - self.forward
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """Batch occupancy of one step: who ran, with how many tokens, and who left."""
+
+    step: int
+    time: float
+    num_scheduled_tokens: dict[str, int]
+    finished_request_ids: list[str]
+    preempted_request_ids: list[str] = field(default_factory=list)
+    timing: StepTiming = StepTiming()
 
 
 def left_while_idle(step: int, left: list[str], seq: int) -> StepRecord:
@@ -182,3 +214,66 @@ def _row(request: Request, state: str, now: float) -> RequestRow:
         max(now - request.arrival_time, 0.0),
         request.num_preemptions,
     )
+
+
+class StepObserver:
+    """What the core keeps of its steps besides their outputs, in one place: each step's
+    timing (the speculative policy's cost model reads it too), the dashboard's StepRecord, the
+    benchmarks' StepTrace (record_trace), and what observing costs (the dashboard's cost
+    line). The core calls it around its step; nothing here changes what a step computes."""
+
+    def __init__(self, record_trace: bool = False) -> None:
+        self.record_trace = record_trace
+        self.trace: list[StepTrace] = []
+        self.last_timing = StepTiming()
+        self.last_record: StepRecord | None = None
+        self.record_seconds = 0.0  # spent building step records
+        self.step_seconds = 0.0
+        self._num_records = 0
+        self._left: list[str] = []  # ended between steps: joins the next step's record
+        self._tokens = (0, 0)
+
+    def before_update(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """The step's (prefill, decode) tokens, counted before its outputs move them on."""
+        start = time.perf_counter()
+        self._tokens = count_tokens(sched, requests)
+        self.record_seconds += time.perf_counter() - start
+
+    def on_step(
+        self,
+        step: int,
+        timing: StepTiming,
+        sched: SchedulerOutput,
+        updated: list[Request],
+        before: list[int],
+        finished: list[str],
+    ) -> None:
+        start = time.perf_counter()
+        self.last_timing = timing
+        left, self._left = self._left + finished, []
+        self._num_records += 1
+        self.last_record = step_record(
+            step, self._num_records, timing.total, sched, self._tokens, updated, before, left
+        )
+        self.record_seconds += time.perf_counter() - start
+        self.step_seconds += timing.total
+        if self.record_trace:
+            trace = StepTrace(
+                step,
+                time.monotonic(),
+                sched.num_scheduled_tokens,
+                finished,
+                sched.preempted_request_ids,
+                timing,
+            )
+            self.trace.append(trace)
+
+    def on_finished(self, step: int, finished: list[str], aborted: bool, idle: bool) -> None:
+        """Requests ended between steps (aborted, or stopped by the front end)."""
+        self._left += finished
+        if self._left and idle:  # no step follows to carry them: a record of their own
+            self._num_records += 1
+            self.last_record = left_while_idle(step, self._left, self._num_records)
+            self._left = []
+        if self.record_trace and self.trace and not aborted:
+            self.trace[-1].finished_request_ids.extend(finished)  # ended with the last step
