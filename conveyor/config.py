@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,15 +63,6 @@ def resolve_model_path(model: str | None) -> Path:
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"model file {str(path)!r} is not a .gguf file")
     return path
-
-
-def cache_dir() -> Path:
-    """conveyor's cache (converted GGUF metadata, compiled kernels): $CONVEYOR_CACHE_DIR, else
-    $XDG_CACHE_HOME/conveyor, else ~/.cache/conveyor."""
-    explicit = os.environ.get("CONVEYOR_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "conveyor"
 
 
 def parse_memory(value: int | float | str) -> int:

@@ -299,7 +299,7 @@ def gguf_hf_folder(path: str | Path) -> Path:
 
     transformers rebuilds config and tokenizer from GGUF metadata, but slowly (tens of seconds
     for a 49k-token vocabulary), so the result is stored once per file under
-    conveyor.config.cache_dir() (default ~/.cache/conveyor) and reused while the file is unchanged.
+    conveyor.paths.cache_dir() (default ~/.cache/conveyor) and reused while the file is unchanged.
     """
     path = Path(path).resolve()
     architecture = gguf_architecture(path)
@@ -334,6 +334,6 @@ def gguf_hf_folder(path: str | Path) -> Path:
 
 
 def _cache_root() -> Path:
-    from conveyor.config import cache_dir
+    from conveyor.paths import cache_dir
 
     return cache_dir()

@@ -183,8 +183,8 @@ def keep_measured_forms(dtype: torch.dtype) -> dict[int, str]:
 def _forms_file(dtype: torch.dtype, ops: ModuleType | None) -> Path:
     """Where the forms of this machine (CPU model; build_key: its flags, torch, Python, kernel
     sources), thread count and dtype are kept."""
-    from conveyor.config import cache_dir
     from conveyor.model import kernels
+    from conveyor.paths import cache_dir
 
     digest = hashlib.sha256()
     for part in (

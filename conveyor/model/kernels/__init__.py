@@ -40,7 +40,7 @@ NAME = "conveyor_kernels"
 
 
 def build_dir() -> Path:
-    from conveyor.config import cache_dir
+    from conveyor.paths import cache_dir
 
     return cache_dir() / "kernels" / f"{NAME}-{build_key()}"
 

@@ -1,0 +1,96 @@
+"""The package's import graph: no module imports itself back through others (every import
+counts, at the top of a file, inside a function or for the type checker), and the lightweight
+entry points stay light."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import conveyor
+
+ROOT = Path(conveyor.__file__).parent
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The conveyor modules `name` imports, resolved to modules that exist."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            # `from package import module` imports the module; `from module import name`
+            # the module that defines the name.
+            candidates = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in candidates:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target.startswith("conveyor") and target != name:
+                targets.add(target)
+    return targets
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_module_import_graph_has_no_cycle():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert len(graph) > 80 and sum(map(len, graph.values())) > 200  # it read the package
+    assert "conveyor.config" in graph["conveyor.model.loader"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_import_conveyor_and_the_server_pull_no_plotting():
+    code = (
+        "import sys, conveyor, conveyor.entrypoints.openai.api_server\n"
+        "heavy = [m for m in ('matplotlib', 'aiohttp') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
