@@ -97,28 +97,15 @@ class CoreStats:
 
 
 @dataclass(slots=True)
-class EngineStats:
+class EngineStats(CoreStats):
     """The core's stats plus what only the front end counts (prompt tokens received)."""
 
-    scheduler: SchedulerStats
-    num_steps: int
-    num_prompt_tokens_total: int
-    num_generation_tokens_total: int
-    num_blocks: int
-    spec: SpecDecodingStats | None = None  # set when speculative decoding is on
-    last_record: StepRecord | None = None
+    num_prompt_tokens_total: int = 0
 
     @classmethod
     def of(cls, core: CoreStats, num_prompt_tokens: int) -> EngineStats:
-        return cls(
-            scheduler=core.scheduler,
-            num_steps=core.num_steps,
-            num_prompt_tokens_total=num_prompt_tokens,
-            num_generation_tokens_total=core.num_generation_tokens_total,
-            num_blocks=core.num_blocks,
-            spec=core.spec,
-            last_record=core.last_record,
-        )
+        fields = {f.name: getattr(core, f.name) for f in dataclasses.fields(CoreStats)}
+        return cls(**fields, num_prompt_tokens_total=num_prompt_tokens)
 
 
 @dataclass(slots=True)
