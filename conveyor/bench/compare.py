@@ -146,7 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mean output length of lognormal/exponential before capping (default 48)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="batch size of every system")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of a step for both conveyor systems (default: the engine's, as "
+        "conveyor serve runs: 512 on CPU, 2048 on CUDA)",
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -222,7 +228,7 @@ def check_args(args: argparse.Namespace) -> None:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
     for name in ("num_prompts", "hf_num_prompts", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
     if args.num_threads < 0:
