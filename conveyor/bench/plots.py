@@ -74,15 +74,7 @@ def plot_vs_rate(
     x_of = _rate_positions(rates)
     fig = Figure(figsize=(6.4, 4.2), dpi=DPI, layout="constrained")
     ax = fig.subplots()
-    for system in dict.fromkeys(r.system for r in results):
-        runs = sorted((r for r in results if r.system == system), key=lambda r: r.request_rate)
-        ax.plot(
-            [x_of[r.request_rate] for r in runs],
-            [r.summary[key] for r in runs],
-            marker=MARKERS.get(system, "o"),
-            color=COLORS.get(system),
-            label=system,
-        )
+    _draw_systems(ax, results, key, x_of)
     finite = [r for r in rates if not math.isinf(r)]
     if diagonal and finite:
         ax.plot([0, max(finite)], [0, max(finite)], ":", color="gray", label="offered load")
@@ -98,6 +90,19 @@ def plot_vs_rate(
     return path
 
 
+def _draw_systems(ax, results: list[RunResult], key: str, x_of: dict[float, float]) -> None:
+    """One line per system: summary[key] against the request rate."""
+    for system in dict.fromkeys(r.system for r in results):
+        runs = sorted((r for r in results if r.system == system), key=lambda r: r.request_rate)
+        ax.plot(
+            [x_of[r.request_rate] for r in runs],
+            [r.summary[key] for r in runs],
+            marker=MARKERS.get(system, "o"),
+            color=COLORS.get(system),
+            label=system,
+        )
+
+
 def plot_capacity(results: list[RunResult], capacity: dict, path: Path) -> Path:
     """Median normalized latency against rate (log scale: past saturation it grows with the
     queue), the capacity threshold, and where each system's curve crosses it."""
@@ -105,15 +110,8 @@ def plot_capacity(results: list[RunResult], capacity: dict, path: Path) -> Path:
     x_of = _rate_positions(rates)
     fig = Figure(figsize=(6.4, 4.2), dpi=DPI, layout="constrained")
     ax = fig.subplots()
+    _draw_systems(ax, results, "normalized_latency_median", x_of)
     for system in dict.fromkeys(r.system for r in results):
-        runs = sorted((r for r in results if r.system == system), key=lambda r: r.request_rate)
-        ax.plot(
-            [x_of[r.request_rate] for r in runs],
-            [r.summary["normalized_latency_median"] for r in runs],
-            marker=MARKERS.get(system, "o"),
-            color=COLORS.get(system),
-            label=system,
-        )
         cap = capacity["systems"].get(system)
         if cap is not None:
             ax.axvline(cap["rate"], color=COLORS.get(system), linestyle=":", linewidth=1)
