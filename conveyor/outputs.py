@@ -6,8 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-
 if TYPE_CHECKING:
     import torch
 
@@ -23,6 +21,8 @@ class PenaltyCounts:
     __slots__ = ("in_prompt", "output_counts")
 
     def __init__(self, prompt_token_ids: list[int], vocab_size: int) -> None:
+        import numpy as np  # here: `import conveyor` (outputs is part of its API) stays light
+
         self.in_prompt = np.zeros(vocab_size, dtype=np.bool_)
         self.in_prompt[np.asarray(prompt_token_ids, dtype=np.int64)] = True
         self.output_counts = np.zeros(vocab_size, dtype=np.int32)
