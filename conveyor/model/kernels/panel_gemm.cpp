@@ -945,38 +945,52 @@ double run_chains(int64_t iters, double ops_per_iter, const Body& body) {
   return ops_per_iter * static_cast<double>(iters) * threads / seconds;
 }
 
-#if CONVEYOR_PANEL_AVX2
-template <typename V, typename Fma>
-double float_chains(int64_t iters, V w, V c, const Fma& fma, double (*sum)(V)) {
-  V acc[kChains];
-  for (int i = 0; i < kChains; ++i) acc[i] = c;
-  for (int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < kChains; ++i) acc[i] = fma(acc[i], w, c);  // converges: |w| < 1
-  double total = 0.0;
-  for (int i = 0; i < kChains; ++i) total += sum(acc[i]);
-  return total;
+// acc = c + w * acc in kChains chains on the float lanes the dense kernel uses (Lanes<T, Isa>),
+// ops per second; converges since |w| < 1.
+template <typename T, int Isa>
+double fma_peak(int64_t iters, T w) {
+  using F = Lanes<T, Isa>;
+  return run_chains(iters, kChains * F::L * 2, [w](int64_t n) {
+    T start[F::L];
+    std::fill(start, start + F::L, T(1e-3));
+    const typename F::V c = F::load(start);
+    typename F::V acc[kChains];
+    for (int i = 0; i < kChains; ++i) acc[i] = c;
+    for (int64_t it = 0; it < n; ++it)
+      for (int i = 0; i < kChains; ++i) acc[i] = F::fma(w, acc[i], c);
+    double total = 0.0;
+    for (int i = 0; i < kChains; ++i) {
+      F::store(start, acc[i]);
+      for (T x : start) total += x;
+    }
+    return total;
+  });
 }
+
+template <typename T>
+double fma_peak_at(int isa, int64_t iters, T w) {
+  switch (isa) {
+#if CONVEYOR_PANEL_AVX512
+    case kAvx512:
+      return fma_peak<T, kAvx512>(iters, w);
 #endif
+#if CONVEYOR_PANEL_AVX2
+    case kAvx2:
+      return fma_peak<T, kAvx2>(iters, w);
+#endif
+    default:
+      return fma_peak<T, kScalar>(iters, w);
+  }
+}
 
 double peak_rate(const std::string& kind, int64_t iters) {
   TORCH_CHECK(iters > 0, "peak_rate: iters must be > 0");
   const int isa = current_isa().load();
   volatile float wf = 0.999f;
-  volatile double wd = 0.999;
+  if (kind == "f32_fma") return fma_peak_at<float>(isa, iters, wf);
+  if (kind == "f64_fma") return fma_peak_at<double>(isa, iters, 0.999);
 #if CONVEYOR_PANEL_AVX512
   if (isa == kAvx512) {
-    if (kind == "f32_fma")
-      return run_chains(iters, kChains * 16 * 2, [&](int64_t n) {
-        return float_chains<__m512>(n, _mm512_set1_ps(wf), _mm512_set1_ps(1e-3f),
-            [](__m512 a, __m512 w, __m512 c) { return _mm512_fmadd_ps(a, w, c); },
-            [](__m512 v) { return double(_mm512_reduce_add_ps(v)); });
-      });
-    if (kind == "f64_fma")
-      return run_chains(iters, kChains * 8 * 2, [&](int64_t n) {
-        return float_chains<__m512d>(n, _mm512_set1_pd(wd), _mm512_set1_pd(1e-3),
-            [](__m512d a, __m512d w, __m512d c) { return _mm512_fmadd_pd(a, w, c); },
-            [](__m512d v) { return _mm512_reduce_add_pd(v); });
-      });
     if (kind == "int8_dot")
       return run_chains(iters, kChains * 64 * 2, [&](int64_t n) {
         const __m512i a = _mm512_set1_epi8(static_cast<char>(3 + int(wf)));
@@ -1007,28 +1021,6 @@ double peak_rate(const std::string& kind, int64_t iters) {
 #endif
 #if CONVEYOR_PANEL_AVX2
   if (isa >= kAvx2) {
-    auto hsum = [](__m256 v) {
-      float lanes[8];
-      _mm256_storeu_ps(lanes, v);
-      double t = 0.0;
-      for (float x : lanes) t += x;
-      return t;
-    };
-    if (kind == "f32_fma")
-      return run_chains(iters, kChains * 8 * 2, [&](int64_t n) {
-        return float_chains<__m256>(n, _mm256_set1_ps(wf), _mm256_set1_ps(1e-3f),
-            [](__m256 a, __m256 w, __m256 c) { return _mm256_fmadd_ps(a, w, c); }, +hsum);
-      });
-    if (kind == "f64_fma")
-      return run_chains(iters, kChains * 4 * 2, [&](int64_t n) {
-        return float_chains<__m256d>(n, _mm256_set1_pd(wd), _mm256_set1_pd(1e-3),
-            [](__m256d a, __m256d w, __m256d c) { return _mm256_fmadd_pd(a, w, c); },
-            [](__m256d v) {
-              double lanes[4];
-              _mm256_storeu_pd(lanes, v);
-              return lanes[0] + lanes[1] + lanes[2] + lanes[3];
-            });
-      });
     if (kind == "int8_dot")
       return run_chains(iters, kChains * 32 * 2, [&](int64_t n) {
         // The chain's own bytes are the unsigned operand, so nothing can be hoisted.
@@ -1050,40 +1042,17 @@ double peak_rate(const std::string& kind, int64_t iters) {
       });
   }
 #endif
-  TORCH_CHECK(kind == "f32_fma" || kind == "f64_fma" || kind == "int8_dot" ||
-                  kind == "bf16_dot",
+  TORCH_CHECK(kind == "int8_dot" || kind == "bf16_dot",
               "peak_rate: kind is f32_fma, f64_fma, int8_dot or bf16_dot");
   if (kind == "bf16_dot") return 0.0;  // not on this CPU, build or instruction set
-  // The scalar path: one std::fma (or integer multiply-add) per operation.
-  if (kind == "int8_dot")
-    return run_chains(iters, kChains * 2, [&](int64_t n) {
-      uint32_t acc[kChains] = {};
-      const uint32_t a = 3 + int(wf), b = 7;
-      for (int64_t it = 0; it < n; ++it)
-        for (int i = 0; i < kChains; ++i) acc[i] = acc[i] * a + b;
-      double total = 0.0;
-      for (uint32_t x : acc) total += x;
-      return total;
-    });
-  if (kind == "f64_fma")
-    return run_chains(iters, kChains * 2, [&](int64_t n) {
-      double acc[kChains];
-      const double w = wd;
-      for (double& x : acc) x = 1e-3;
-      for (int64_t it = 0; it < n; ++it)
-        for (int i = 0; i < kChains; ++i) acc[i] = std::fma(acc[i], w, 1e-3);
-      double total = 0.0;
-      for (double x : acc) total += x;
-      return total;
-    });
+  // The scalar path: one integer multiply-add per operation.
   return run_chains(iters, kChains * 2, [&](int64_t n) {
-    float acc[kChains];
-    const float w = wf;
-    for (float& x : acc) x = 1e-3f;
+    uint32_t acc[kChains] = {};
+    const uint32_t a = 3 + int(wf), b = 7;
     for (int64_t it = 0; it < n; ++it)
-      for (int i = 0; i < kChains; ++i) acc[i] = std::fma(acc[i], w, 1e-3f);
+      for (int i = 0; i < kChains; ++i) acc[i] = acc[i] * a + b;
     double total = 0.0;
-    for (float x : acc) total += x;
+    for (uint32_t x : acc) total += x;
     return total;
   });
 }
