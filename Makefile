@@ -45,8 +45,8 @@ browser:
 	  else echo "chromium is not installed: the dashboard's browser test will be skipped"; fi; }
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check conveyor tests
-	$(VENV)/bin/ruff format --check conveyor tests
+	$(VENV)/bin/ruff check conveyor tests benchmarks
+	$(VENV)/bin/ruff format --check conveyor tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -343,11 +343,11 @@ def test_llm_through_the_engine_process_gives_the_same_tokens(tiny_checkpoint, s
 
 
 def test_bench_split_measures_every_system_and_the_engine_share(tiny_checkpoint, tmp_path):
-    from conveyor.bench.split import main
-    from conveyor.entrypoints.cli import build_parser
+    from benchmarks.cli import build_parser
+    from benchmarks.split import main
 
     result = tmp_path / "split.json"
-    argv = ["bench", "split", str(tiny_checkpoint("llama")), "--dtype", "float32"]
+    argv = ["split", str(tiny_checkpoint("llama")), "--dtype", "float32"]
     argv += ["--concurrency", "4", "--input-len", "8", "--output-len", "16", "--waves", "2"]
     argv += ["--health-streams", "32", "--overhead-batch", "4", "--result-file", str(result)]
     assert main(build_parser().parse_args(argv)) == 0

@@ -82,7 +82,7 @@ def test_find_cycle_finds_one_and_only_one():
 def test_the_module_import_graph_has_no_cycle():
     known = modules()
     graph = {name: imports(name, path, known) for name, path in known.items()}
-    assert len(graph) > 80 and sum(map(len, graph.values())) > 200  # it read the package
+    assert len(graph) > 60 and sum(map(len, graph.values())) > 200  # it read the package
     assert "conveyor.config" in graph["conveyor.model.loader"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 

@@ -214,7 +214,7 @@ def test_quantized_gguf_loads_into_quantized_modules_only(quantized_gguf):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_quantized_gguf_served_quantized_is_close_to_its_dequantized_model(qtype, quantized_gguf):
-    from conveyor.bench.quality import evaluate
+    from benchmarks.quality import evaluate
 
     report = evaluate(str(quantized_gguf(qtype)), _text(), 64, None, ["auto"], progress=False)
     dequantized, served = report["variants"]
@@ -272,7 +272,7 @@ def test_quantization_none_of_a_q4_1_gguf_matches_transformers(quantized_gguf):
 
 
 def test_int8_quantizes_a_float_checkpoint(tiny_checkpoint):
-    from conveyor.bench.quality import evaluate
+    from benchmarks.quality import evaluate
 
     report = evaluate(str(tiny_checkpoint("qwen2")), _text(), 64, 2, ["int8", "auto"], False)
     by_mode = {v["quantization"]: v for v in report["variants"]}
@@ -326,10 +326,10 @@ def test_auto_on_cuda_dequantizes_with_one_log_line(quantized_gguf, caplog):
 def test_bench_quality_command_writes_json(quantized_gguf, tmp_path, capsys):
     import json
 
-    from conveyor.entrypoints.cli import main
+    from benchmarks.cli import main
 
     out = tmp_path / "quality.json"
-    argv = ["bench", "quality", str(quantized_gguf("Q4_0")), "--context", "32", "--max-chunks"]
+    argv = ["quality", str(quantized_gguf("Q4_0")), "--context", "32", "--max-chunks"]
     argv += ["2", "--output", str(out), "--disable-tqdm"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
@@ -341,7 +341,7 @@ def test_bench_quality_command_writes_json(quantized_gguf, tmp_path, capsys):
 
 
 def _text() -> Path:
-    from conveyor.bench.quality import DEFAULT_TEXT
+    from benchmarks.quality import DEFAULT_TEXT
 
     return DEFAULT_TEXT
 

@@ -1,21 +1,48 @@
-"""`conveyor bench serve | throughput | compare | step | quality | split | spec | structured |
-scaling | dashboard | storm`: the commands.
+"""`conveyor bench serve | throughput`: the commands.
 
 Flag names follow `vllm bench serve` / `vllm bench throughput`, so a command line written for
 one runs against the other (the shared flags are in bench/args.py). Each command's module is
-imported only when its command runs or its parser is built.
+imported only when its command runs.
+
+The experiment lab (compare, step, quality, split, spec, structured, scaling, dashboard, storm)
+is not part of the package: it lives in benchmarks/ at the root of the repository and runs as
+`python -m benchmarks <command>` from a clone. `conveyor bench <lab command>` says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from conveyor.bench.args import add_serve_args, add_throughput_args
 
+# The lab's commands, which `conveyor bench` had until they moved to benchmarks/.
+MOVED = (
+    "compare",
+    "step",
+    "quality",
+    "split",
+    "spec",
+    "structured",
+    "scaling",
+    "dashboard",
+    "storm",
+)
+LAB = "python -m benchmarks"
+LAB_INSTALL = "pip install -e '.[benchmarks]'"
+
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmark a server (serve) or the engine (throughput)")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark a server (serve) or the engine (throughput)",
+        epilog=f"The experiment lab ({', '.join(MOVED)}) runs as `{LAB} <command>` from a "
+        f"clone of the repository, after `{LAB_INSTALL}`.",
+    )
+    # metavar: the moved commands' stand-ins below are left out of the usage line.
+    bench_sub = bench.add_subparsers(
+        dest="bench_command", required=True, metavar="{serve,throughput}"
+    )
     serve = bench_sub.add_parser(
         "serve", help="latency and throughput of an OpenAI-compatible server, seen by a client"
     )
@@ -24,40 +51,25 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     throughput = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
     add_throughput_args(throughput)
     throughput.set_defaults(func=_run_throughput)
-    from conveyor.bench import (
-        compare,
-        dashboard,
-        quality,
-        scaling,
-        spec,
-        split,
-        step,
-        storm,
-        structured,
+    for name in MOVED:
+        # No help (not listed) and no option prefix ("\0" never starts a word): every word after
+        # the command, its old flags and -h included, lands in `argv` instead of an argparse
+        # error, and the command answers with where it went.
+        moved = bench_sub.add_parser(name, add_help=False, prefix_chars="\0")
+        moved.add_argument("argv", nargs="*")
+        moved.set_defaults(func=_run_moved)
+
+
+def moved_message(command: str) -> str:
+    return (
+        f"conveyor bench {command}: moved out of the package to the repository's benchmarks/: "
+        f"run `{LAB} {command}` from a clone (after `{LAB_INSTALL}`)"
     )
 
-    commands = [
-        (compare, "continuous vs static batching vs transformers generate, swept over request "
-         "rates"),
-        (step, "one model step (decode batches, prefill chunks) against its measured floor"),
-        (quality, "KL divergence, top-1 agreement and perplexity of quantized vs float32"),
-        (split, "the engine-core process vs the engine on a thread vs offline: throughput, "
-         "/health latency, engine time per step"),
-        (spec, "n-gram speculative decoding vs none on code editing and a control: acceptance, "
-         "throughput, TPOT and ITL over a grid of k and concurrency"),
-        (structured, "the json-schema workload with 0%%, 50%% and 100%% of requests "
-         "constrained, side by side: output tok/s, TPOT, validity, and the grammar mask's cost "
-         "per step"),
-        (scaling, "one engine vs data-parallel replicas vs tensor-parallel ranks, side by side"),
-        (dashboard, "what watching /dashboard costs: served with it watched vs --no-dashboard, "
-         "side by side"),
-        (storm, "many short streams opened at once against a running server, some cut after "
-         "the first chunk: errors, requests left running, /health latency meanwhile"),
-    ]  # fmt: skip
-    for module, text in commands:
-        parser = bench_sub.add_parser(module.__name__.rsplit(".", 1)[-1], help=text)
-        module.add_arguments(parser)
-        parser.set_defaults(func=module.main)
+
+def _run_moved(args: argparse.Namespace) -> int:
+    print(moved_message(args.bench_command), file=sys.stderr)
+    return 2
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ AVX2), float activations for the lm_head, each output value one chain in a fixed
 blocks are packed into column panels at load (QuantLinear.pack_panels). What follows is what
 `--no-batch-invariant` runs.
 
-Kernel choice. `python -m conveyor.model.quant 1 30` prints ms per call of each candidate for
+Kernel choice. `python -m benchmarks quant-kernels` prints ms per call of each candidate for
 SmolLM2-135M's shapes, one thread, cycling through 30 weights so that they stream from memory
 as in a real step. On this project's shared 2-core Xeon (AVX-512 VNNI/AMX capable; the
 kernels here use AVX2+FMA+F16C only, for Zen 3 and older CPUs):
@@ -699,75 +699,3 @@ def _plan_embeddings(cfg, model: nn.Module, specs: dict[str, _Spec], quantized) 
         cfg.quantization == "gguf" and quantized([embed_name])
     ):
         specs[_EMBED] = _Spec([embed_name], has_bias=False, embedding=True)
-
-
-# --------------------------------------------------------------------------- measurement
-
-
-def _benchmark(num_threads: int = 1, copies: int = 30) -> None:
-    """Prints ms per call of each candidate for SmolLM2-135M's shapes; each candidate cycles
-    through `copies` random weights (as a step's layers do) so they stream from memory."""
-    import statistics
-    import time
-    import warnings
-
-    warnings.filterwarnings("ignore", category=UserWarning)  # quantize_per_channel deprecation
-    torch.set_num_threads(num_threads)
-    shapes = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "o": (576, 576)}
-    shapes["logits"] = (49152, 576)
-    print("shape      T  " + "".join(f"{name:>10}" for name in _candidates(torch.ones(16, 32), 1)))
-    for label, (n, k) in shapes.items():
-        weights = [torch.randn(n, k) * 0.02 for _ in range(copies if n < 10000 else 2)]
-        for num_tokens in (1, 8, 32, 64, 512):
-            if label == "logits" and num_tokens == 512:
-                continue  # logits are computed for the sampled rows only
-            x = torch.randn(num_tokens, k)
-            calls = [_candidates(w, num_tokens) for w in weights]
-            row = []
-            for name in calls[0]:
-                fns = [c[name](x) for c in calls]
-                if fns[0] is None:
-                    row.append(float("nan"))
-                    continue
-                times = []
-                for _ in range(5):
-                    start = time.perf_counter()
-                    for fn in fns:
-                        fn()
-                    times.append((time.perf_counter() - start) / len(fns))
-                row.append(statistics.median(times) * 1e3)
-            print(f"{label:<8}{num_tokens:>5}  " + "".join(f"{ms:>10.3f}" for ms in row))
-
-
-def _candidates(w: torch.Tensor, num_tokens: int) -> dict[str, Any]:
-    """name -> (x -> zero-argument call, or None where too slow to bother)."""
-    n, k = w.shape
-    scale = w.abs().amax(1) / 127
-    zero = torch.zeros(n, dtype=torch.long)
-    packed = torch.ops.quantized.linear_prepack(
-        torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8), None
-    )
-    w8 = torch.round(w / scale[:, None]).to(torch.int8)
-    w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        torch.randint(0, 16, (n, k), dtype=torch.int32), 1
-    )
-    scales_zeros = torch.randn(k // QK, n, 2)
-    q4, q8 = quantize_q4(w), quantize_q8(w)
-    slow = num_tokens > 8  # the int8/int4 pack ops are far behind already at 8 tokens
-    return {
-        "f32": lambda x: lambda: (w @ x.T).T,
-        "fbgemm_i8": lambda x: lambda: torch.ops.quantized.linear_dynamic(x, packed),
-        "i8pack_mm": lambda x: None if slow else lambda: torch._weight_int8pack_mm(x, w8, scale),
-        "i4pack_mm": lambda x: (
-            None if slow else lambda: torch._weight_int4pack_mm_for_cpu(x, w4, QK, scales_zeros)
-        ),
-        "q4_block": lambda x: lambda: kernels().q4_linear(x, q4.qs, q4.d, q4.m),
-        "q8_block": lambda x: lambda: kernels().q8_linear(x, q8.qs, q8.d),
-        "q4_tiles": lambda x: lambda: kernels().q4_linear_dequant(x, q4.qs, q4.d, q4.m),
-    }
-
-
-if __name__ == "__main__":
-    import sys
-
-    _benchmark(*(int(arg) for arg in sys.argv[1:3]))

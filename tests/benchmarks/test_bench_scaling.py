@@ -1,4 +1,4 @@
-"""`conveyor bench scaling`: layouts parse or are refused before any server starts, runs
+"""`python -m benchmarks scaling`: layouts parse or are refused before any server starts, runs
 alternate, ratios are taken against the first layout of each kind, and the command runs end
 to end against real servers (one engine, and `conveyor serve --tensor-parallel-size 2`, whose
 second rank must not outlive it) on a tiny checkpoint."""
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from conveyor.bench import scaling
-from conveyor.entrypoints.cli import main as cli_main
+from benchmarks import scaling
+from benchmarks.cli import main as lab_main
 
 
 def test_layouts_parse_and_bad_ones_are_refused():
@@ -54,7 +54,7 @@ def test_a_model_that_does_not_split_is_refused_before_any_server(tmp_path, caps
     path = make_tiny_checkpoint(
         tmp_path, "llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=16
     )
-    assert cli_main(["bench", "scaling", str(path), "--layouts", "dp1", "tp2"]) == 2
+    assert lab_main(["scaling", str(path), "--layouts", "dp1", "tp2"]) == 2
     captured = capsys.readouterr()
     assert "does not divide its 3 attention heads" in captured.err
     assert "starting" not in captured.out
@@ -62,7 +62,6 @@ def test_a_model_that_does_not_split_is_refused_before_any_server(tmp_path, caps
 
 def test_bench_scaling_runs_each_layout(tiny_checkpoint, tmp_path, capsys):
     argv = [
-        "bench",
         "scaling",
         str(tiny_checkpoint("llama")),
         "--dtype",
@@ -87,7 +86,7 @@ def test_bench_scaling_runs_each_layout(tiny_checkpoint, tmp_path, capsys):
         "--result-filename",
         "scaling.json",
     ]
-    assert cli_main(argv) == 0
+    assert lab_main(argv) == 0
     report = json.loads((tmp_path / "scaling.json").read_text())
     assert report["order"] == ["dp1", "tp2"]
     for run in report["runs"]:

@@ -1,4 +1,4 @@
-"""`conveyor bench dashboard`: what watching the dashboard costs, side by side in one sitting.
+"""`python -m benchmarks dashboard`: what watching the dashboard costs, side by side in one sitting.
 
 Two servers of the same model, one after the other in alternating order over the rounds
 (off watched watched off ...): `off` runs with --no-dashboard, `watched` with the dashboard and
@@ -77,10 +77,10 @@ class Watcher(threading.Thread):
 
 
 def main(args: argparse.Namespace) -> int:
+    from benchmarks.scaling import _stream, measure, report_header, run_order
+    from benchmarks.split import Server, model_flags
     from conveyor.bench.datasets import random_requests
-    from conveyor.bench.scaling import _stream, measure, report_header, run_order
     from conveyor.bench.serve import load_tokenizer
-    from conveyor.bench.split import Server, model_flags
     from conveyor.config import ModelConfig
 
     order = run_order(len(LAYOUTS), args.rounds)
@@ -146,7 +146,7 @@ def _watch_report(watchers: list[Watcher], elapsed: float) -> dict:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    from conveyor.bench.scaling import summarize as summarize_layouts
+    from benchmarks.scaling import summarize as summarize_layouts
 
     rows = summarize_layouts(runs, LAYOUTS, baseline=lambda layout: LAYOUTS[0])
     watched = [r for r in runs if r["layout"] == "watched" and r.get("record_share") is not None]
@@ -197,7 +197,7 @@ def screenshot(base_url: str, requests, concurrency: int, tokenizer, path: str) 
     """The page in headless Chromium, photographed once the batch is full."""
     from playwright.sync_api import sync_playwright
 
-    from conveyor.bench.scaling import _stream
+    from benchmarks.scaling import _stream
 
     load = threading.Thread(
         target=lambda: asyncio.run(_stream(base_url, requests, concurrency, tokenizer)),

@@ -1,4 +1,4 @@
-"""`conveyor bench compare`: one workload, one model, several serving systems, as in the Orca
+"""`python -m benchmarks compare`: one workload, one model, several serving systems, as in the Orca
 paper's evaluation.
 
 Systems:
@@ -45,13 +45,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from benchmarks.records import RequestRecord, RunResult, StepRecord
 from conveyor.bench.datasets import (
     OUTPUT_DISTS,
     SampleRequest,
     arrival_times,
     synthetic_requests,
 )
-from conveyor.bench.records import RequestRecord, RunResult, StepRecord
 
 SYSTEMS = ("conveyor-fcfs", "conveyor-static", "hf-generate")
 CONTINUOUS = "conveyor-fcfs"  # the system every ratio is taken of
@@ -872,7 +872,7 @@ def format_ratios(report: dict) -> str:
 
 
 def save(report: dict, results: list[RunResult], args: argparse.Namespace) -> list[Path]:
-    from conveyor.bench import plots
+    from benchmarks import plots
 
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

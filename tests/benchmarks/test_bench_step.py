@@ -1,4 +1,4 @@
-"""`conveyor bench step` on a tiny random checkpoint: a real run over the real engine and
+"""`python -m benchmarks step` on a tiny random checkpoint: a real run over the real engine and
 ModelRunner, with a grid small enough to take a few seconds."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.bench import step
-from conveyor.entrypoints.cli import build_parser, main
+from benchmarks import step
+from benchmarks.cli import build_parser, main
 
 BATCHES, CONTEXTS, CHUNK = (1, 4), (16, 200), 24
 KV_MEMORY = 2**20  # 32 blocks of the tiny llama in float64: batch 4 at context 200 does not fit
@@ -21,10 +21,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def run(tiny_checkpoint, tmp_path_factory):
-    """One `conveyor bench step` run: (printed table, saved JSON, plot path, config)."""
+    """One `python -m benchmarks step` run: (printed table, saved JSON, plot path, config)."""
     out = tmp_path_factory.mktemp("step")
     path = tiny_checkpoint("llama")
-    argv = ["bench", "step", str(path), "--batches", ",".join(map(str, BATCHES))]
+    argv = ["step", str(path), "--batches", ",".join(map(str, BATCHES))]
     argv += ["--contexts", ",".join(map(str, CONTEXTS)), "--prefill-chunks", str(CHUNK)]
     argv += ["--repeats", "5", "--warmup", "2", "--kv-cache-memory", str(KV_MEMORY)]
     argv += ["--output", str(out / "step.json"), "--plot", str(out / "step.png")]
@@ -142,10 +142,10 @@ def test_classification_is_by_module_so_quantized_and_compiled_ops_keep_their_ca
 
 
 def test_bad_arguments_are_refused_with_the_flag_named(capsys):
-    assert main(["bench", "step", "--repeats", "0"]) == 2
+    assert main(["step", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "step", "--batches", "1,x"])
+        build_parser().parse_args(["step", "--batches", "1,x"])
 
 
 def test_a_step_faster_than_its_floor_is_flagged_as_measured_under_interference(run):

@@ -1,4 +1,4 @@
-"""`conveyor bench quality`: what serving weights quantized, or in half precision, costs in
+"""`python -m benchmarks quality`: what serving weights quantized, or in half precision, costs in
 model quality.
 
 The measure of llama.cpp's `llama-perplexity --kl-divergence`: the text is cut into chunks of
@@ -18,7 +18,7 @@ of a block projection runs one kernel with activations rounded to int8 per block
 lm_head (the tied Q8_0 embedding of the default model) one with float activations; a prefill
 chunk and a decode step compute each row alike. `--no-batch-invariant`'s routes are not scored
 (their decode rows round activations the same way, in another summation order). The default text is
-a few KB of public-domain prose shipped in conveyor/bench/data/.
+a few KB of public-domain prose shipped in benchmarks/data/.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`conveyor bench structured` and the json-schema workload: the share of constrained requests
+"""`python -m benchmarks structured` and the json-schema workload: the share of constrained requests
 is exact and spread evenly, only constrained requests carry response_format, validity is
 judged by jsonschema, the mask timing runs on real grammars, and both `bench serve
 --dataset json-schema` and the side-by-side command run end to end against real servers.
@@ -15,7 +15,9 @@ import shutil
 import pytest
 from server_util import ServerProcess
 
-from conveyor.bench import structured
+from benchmarks import structured
+from benchmarks.cli import build_parser as lab_parser
+from benchmarks.cli import main as lab_main
 from conveyor.bench.datasets import (
     JSON_TASKS,
     SampleRequest,
@@ -34,7 +36,6 @@ from conveyor.bench.serve import (
 )
 from conveyor.bench.serve import main as serve_main
 from conveyor.entrypoints.cli import build_parser
-from conveyor.entrypoints.cli import main as cli_main
 
 OUTPUT_LEN = "400"  # above the ~300 tokens the tiny model's records take
 
@@ -217,10 +218,10 @@ def test_ratios_run_side_by_side_in_alternating_order():
     ],
 )
 def test_bad_flags_raise_before_any_server_starts(flags, message, capsys):
-    args = build_parser().parse_args(["bench", "structured", "/no/such/model", *flags])
+    args = lab_parser().parse_args(["structured", "/no/such/model", *flags])
     with pytest.raises(ValueError, match=message):
         structured.main(args)
-    assert cli_main(["bench", "structured", "/no/such/model", *flags]) == 2
+    assert lab_main(["structured", "/no/such/model", *flags]) == 2
     assert "starting" not in capsys.readouterr().out
 
 
@@ -324,11 +325,11 @@ def test_bench_serve_reports_validity(model_path, tmp_path, capsys):
 
 
 def test_bench_structured_runs_every_ratio(model_path, tmp_path, capsys):
-    argv = ["bench", "structured", str(model_path), "--dtype", "float32", "--concurrency", "2"]
+    argv = ["structured", str(model_path), "--dtype", "float32", "--concurrency", "2"]
     argv += ["--num-prompts", "4", "--rounds", "1", "--structured-output-len", OUTPUT_LEN]
     argv += ["--mask-rows", "1,4", "--mask-repeats", "5", "--disable-tqdm", "--save-result"]
     argv += ["--result-dir", str(tmp_path), "--result-filename", "structured.json"]
-    assert cli_main(argv) == 0
+    assert lab_main(argv) == 0
     report = json.loads((tmp_path / "structured.json").read_text())
     assert (tmp_path / "structured.png").stat().st_size > 0
     assert [(r["round"], r["structured_ratio"]) for r in report["runs"]] == [

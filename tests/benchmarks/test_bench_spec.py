@@ -1,4 +1,4 @@
-"""`conveyor bench spec` and its workloads: spec-edit prompts hold the code their answer
+"""`python -m benchmarks spec` and its workloads: spec-edit prompts hold the code their answer
 repeats, spec-control prompts hold nothing to repeat, both deterministic per seed; the grid's
 flags are checked; and one tiny grid runs end to end against real servers, with speculation."""
 
@@ -10,11 +10,12 @@ import re
 
 import pytest
 
-from conveyor.bench import spec
+from benchmarks import spec
+from benchmarks.cli import build_parser as lab_parser
+from benchmarks.cli import main as lab_main
 from conveyor.bench.datasets import sample_requests, spec_control_requests, spec_edit_requests
 from conveyor.bench.serve import load_tokenizer
 from conveyor.entrypoints.cli import build_parser
-from conveyor.entrypoints.cli import main as cli_main
 
 CODE = re.compile(r"```python\n(.*)\n```", re.DOTALL)
 RENAME = re.compile(r"renaming the variable (\w+) to (\w+)\.")
@@ -101,15 +102,15 @@ def test_bench_serve_samples_the_spec_workloads(model_path, name):
     ],
 )
 def test_bad_grid_flags_raise_before_any_server_starts(flags, message, capsys):
-    args = build_parser().parse_args(["bench", "spec", "/no/such/model", *flags])
+    args = lab_parser().parse_args(["spec", "/no/such/model", *flags])
     with pytest.raises(ValueError, match=message):
         spec.main(args)
-    assert cli_main(["bench", "spec", "/no/such/model", *flags]) == 2
+    assert lab_main(["spec", "/no/such/model", *flags]) == 2
     assert "starting" not in capsys.readouterr().out
 
 
 def test_no_speculation_grid_is_valid():
-    args = build_parser().parse_args(["bench", "spec", "--num-speculative-tokens", ""])
+    args = lab_parser().parse_args(["spec", "--num-speculative-tokens", ""])
     assert spec.check_args(args) == ([], [1, 8, 32])
 
 
@@ -123,7 +124,6 @@ def test_acceptance_from_the_counters():
 
 def test_bench_spec_runs_the_whole_grid(model_path, tmp_path, capsys):
     argv = [
-        "bench",
         "spec",
         str(model_path),
         "--dtype",
@@ -146,7 +146,7 @@ def test_bench_spec_runs_the_whole_grid(model_path, tmp_path, capsys):
         "--result-filename",
         "spec.json",
     ]
-    assert cli_main(argv) == 0
+    assert lab_main(argv) == 0
     report = json.loads((tmp_path / "spec.json").read_text())
     assert (tmp_path / "spec.png").stat().st_size > 0
     rows = {(r["workload"], r["k"], r["policy"], r["concurrency"]): r for r in report["rows"]}

@@ -1,8 +1,8 @@
-"""PNG plots of the benchmarks. `conveyor bench compare`: throughput, normalized latency (with
+"""PNG plots of the benchmarks. `python -m benchmarks compare`: throughput, normalized latency (with
 the capacity threshold) and goodput against request rate (one line per system, as in the Orca
-and vLLM papers), and a batch-occupancy timeline. `conveyor bench step`: a roofline of each
-step against its measured floor, and where each step's time goes. `conveyor bench spec`: the
-speed-up of n-gram speculation over none, against concurrency. `conveyor bench structured`:
+and vLLM papers), and a batch-occupancy timeline. `python -m benchmarks step`: a roofline of each
+step against its measured floor, and where each step's time goes. `python -m benchmarks spec`: the
+speed-up of n-gram speculation over none, against concurrency. `python -m benchmarks structured`:
 output tok/s per share of constrained requests, and what the grammar mask costs a step.
 
 Figures are built with matplotlib's object API (no pyplot, so no global figure state and no
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from conveyor.bench.records import RunResult, StepRecord
+from benchmarks.records import RunResult, StepRecord
 
 COLORS = {"conveyor-fcfs": "#1f77b4", "conveyor-static": "#ff7f0e", "hf-generate": "#2ca02c"}
 MARKERS = {"conveyor-fcfs": "o", "conveyor-static": "s", "hf-generate": "^"}
@@ -222,7 +222,7 @@ def _label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-# ---- conveyor bench step ------------------------------------------------------------------
+# ---- python -m benchmarks step ------------------------------------------------------------------
 
 
 def plot_step(report: dict, path: Path) -> Path:
@@ -296,7 +296,7 @@ def _parts_total(case: dict) -> float:
     return sum(case["breakdown_ms"].values()) or 1.0
 
 
-# ---- conveyor bench spec ------------------------------------------------------------------
+# ---- python -m benchmarks spec ------------------------------------------------------------------
 
 
 def plot_spec(report: dict, path: Path) -> Path:
@@ -336,7 +336,7 @@ def plot_spec(report: dict, path: Path) -> Path:
     return path
 
 
-# ---- conveyor bench structured ------------------------------------------------------------
+# ---- python -m benchmarks structured ------------------------------------------------------------
 
 
 def plot_structured(report: dict, path: Path) -> Path:

@@ -1,4 +1,5 @@
-"""Side-by-side timing of ModelRunner.execute: `python -m conveyor.model.kernels.benchmark`.
+"""`python -m benchmarks kernels`: side-by-side timing of ModelRunner.execute over each
+attention path.
 
 Each case is a synthetic SchedulerOutput (random tokens, shuffled block ids, greedy sampling)
 timed for every attention path in turn, so the paths are compared under the same machine load.
@@ -71,15 +72,16 @@ def _float_weights() -> dict:
     return {}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--paths", default="reference,compiled")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--cases", default=None, help="comma-separated substrings of case names")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     cfg = ModelConfig.from_hf(args.model, args.dtype, "cpu", **_float_weights())
@@ -96,7 +98,4 @@ def main() -> None:
         sched = make_step(num_requests, context, num_new, 16, random.Random(0))
         row = time_paths(runner, sched, paths, args.repeats)
         print(f"{name:24}" + "".join(f"{ms:12.1f}" for ms in row), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,4 +1,4 @@
-"""`conveyor bench compare` on a tiny checkpoint: conveyor-fcfs, conveyor-static and
+"""`python -m benchmarks compare` on a tiny checkpoint: conveyor-fcfs, conveyor-static and
 transformers' generate loop serve the same requests at two rates, in real time; and the sweep's
 pieces (heavy-tailed lengths, capacity, goodput) on synthetic data."""
 
@@ -14,9 +14,9 @@ import re
 import numpy as np
 import pytest
 
-from conveyor.bench import compare
+from benchmarks import compare
+from benchmarks.records import RequestRecord, RunResult, StepRecord
 from conveyor.bench.datasets import output_lengths
-from conveyor.bench.records import RequestRecord, RunResult, StepRecord
 
 NUM_PROMPTS = 8
 RATES = ["40", "inf"]  # inf: all at once, so requests queue behind a full batch

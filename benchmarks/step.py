@@ -1,4 +1,4 @@
-"""`conveyor bench step`: one model step, measured against this machine's own limits.
+"""`python -m benchmarks step`: one model step, measured against this machine's own limits.
 
 For decode steps (B requests, one token each, attending C tokens) and prefill chunks (one
 request, T prompt tokens), in one run:
@@ -737,7 +737,7 @@ def save(report: dict, args: argparse.Namespace) -> list[Path]:
         path.write_text(json.dumps(report, indent=1))
         paths.append(path)
     if args.plot:
-        from conveyor.bench.plots import plot_step
+        from benchmarks.plots import plot_step
 
         paths.append(plot_step(report, Path(args.plot)))
     return paths

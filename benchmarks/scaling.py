@@ -1,4 +1,4 @@
-"""`conveyor bench scaling`: the same workload against servers of several engine layouts, side
+"""`python -m benchmarks scaling`: the same workload against servers of several engine layouts, side
 by side in one sitting: one engine against data-parallel replicas (`dpN`), one rank against
 tensor-parallel ranks (`tpN`).
 
@@ -72,7 +72,7 @@ def run_order(count: int, rounds: int) -> list[int]:
 
 
 def serve_flags(args: argparse.Namespace, kind: str, size: int) -> list[str]:
-    from conveyor.bench.split import model_flags
+    from benchmarks.split import model_flags
 
     flags = model_flags(args)
     if kind == "dp":
@@ -81,9 +81,9 @@ def serve_flags(args: argparse.Namespace, kind: str, size: int) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from benchmarks.split import Server
     from conveyor.bench.datasets import random_requests
     from conveyor.bench.serve import load_tokenizer
-    from conveyor.bench.split import Server
     from conveyor.config import ModelConfig
     from conveyor.distributed.parallel import check_tensor_parallel
 
@@ -137,7 +137,7 @@ def report_header(args: argparse.Namespace, config) -> dict:
 
 
 async def _stream(base_url: str, requests, concurrency: int, tokenizer):
-    from conveyor.bench.structured import stream
+    from benchmarks.structured import stream
 
     return await stream(base_url, "/v1/completions", requests, concurrency, tokenizer, None, True)
 

@@ -1,4 +1,4 @@
-"""`conveyor bench structured`: the json-schema workload with 0%, 50% and 100% of its requests
+"""`python -m benchmarks structured`: the json-schema workload with 0%, 50% and 100% of its requests
 constrained to their schema, side by side in one run.
 
 One `conveyor serve` child process (or the server at --base-url) serves every run: per round,
@@ -211,7 +211,7 @@ def _server(args: argparse.Namespace):
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
-    from conveyor.bench.split import Server, model_flags
+    from benchmarks.split import Server, model_flags
 
     with Server(model_flags(args)) as server:
         yield server.base_url
@@ -555,7 +555,7 @@ def save(report: dict, args: argparse.Namespace) -> list[Path]:
         paths.append(path)
     plot = Path(args.plot) if args.plot else paths[0].with_suffix(".png") if paths else None
     if plot is not None:
-        from conveyor.bench.plots import plot_structured
+        from benchmarks.plots import plot_structured
 
         paths.append(plot_structured(report, plot))
     return paths

@@ -1,4 +1,4 @@
-"""`conveyor bench storm` against a real tiny-model server: a few streams opened at once, some
+"""`python -m benchmarks storm` against a real tiny-model server: a few streams opened at once, some
 cut after their first chunk; the report has its fields, no errors, nothing left running."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 from server_util import ServerProcess
 
-from conveyor.bench.storm import main as storm_main
-from conveyor.entrypoints.cli import build_parser
+from benchmarks.cli import build_parser
+from benchmarks.storm import main as storm_main
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def server(tiny_checkpoint, tmp_path_factory):
 
 def test_storm_reports_errors_leftovers_and_health_latency(server, tmp_path, capsys):
     result_file = tmp_path / "storm.json"
-    argv = ["bench", "storm", "--base-url", server.base_url, "--num-streams", "24"]
+    argv = ["storm", "--base-url", server.base_url, "--num-streams", "24"]
     argv += ["--cancel-fraction", "0.25", "--max-tokens", "4", "--probe-period", "0.01"]
     argv += ["--result-file", str(result_file)]
     assert storm_main(build_parser().parse_args(argv)) == 0

@@ -1,4 +1,4 @@
-"""`conveyor bench storm`: a connection storm against a running server, and /health meanwhile.
+"""`python -m benchmarks storm`: a connection storm against a running server, and /health meanwhile.
 
 Opens --num-streams short chat streams at once (each its own connection); one in
 1 / --cancel-fraction closes its connection after the first chunk, the way an impatient
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.num_streams < 1 or not 0 <= args.cancel_fraction <= 1 or args.probe_period <= 0:
         raise ValueError("--num-streams >= 1, --cancel-fraction in [0, 1], --probe-period > 0")
-    from conveyor.bench.split import Probe
+    from benchmarks.split import Probe
 
     key = args.api_key or os.environ.get("CONVEYOR_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -1,4 +1,5 @@
-"""`conveyor bench split`: the engine-core process measured against its alternatives, in one run.
+"""`python -m benchmarks split`: the engine-core process measured against its alternatives, in one
+run.
 
 Systems, on the same requests (random token prompts, exact output lengths, greedy):
   offline        LLM.generate in this process: no HTTP, no second process (the ceiling);

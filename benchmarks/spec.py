@@ -1,4 +1,4 @@
-"""`conveyor bench spec`: n-gram speculative decoding against none, side by side, in one run.
+"""`python -m benchmarks spec`: n-gram speculative decoding against none, side by side, in one run.
 
 One `conveyor serve` child process per configuration: no speculation, then n-gram
 speculation (prompt lookup) with each k in --num-speculative-tokens. On each server, in the
@@ -101,8 +101,8 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from benchmarks.split import Server, model_flags
     from conveyor.bench.serve import load_tokenizer
-    from conveyor.bench.split import Server, model_flags
     from conveyor.config import resolve_model_path
 
     ks, concurrencies = check_args(args)
@@ -347,7 +347,7 @@ def save(report: dict, args: argparse.Namespace) -> list[Path]:
         paths.append(path)
     plot = Path(args.plot) if args.plot else paths[0].with_suffix(".png") if paths else None
     if plot is not None:
-        from conveyor.bench.plots import plot_spec
+        from benchmarks.plots import plot_spec
 
         paths.append(plot_spec(report, plot))
     return paths

@@ -1,4 +1,4 @@
-"""What one `conveyor bench compare` run records: requests, steps and the run's summary.
+"""What one `python -m benchmarks compare` run records: requests, steps and the run's summary.
 
 Its own module so that compare.py (which fills them) and plots.py (which draws them) both
 import it instead of each other.

@@ -1,19 +1,19 @@
-"""`conveyor bench dashboard` end to end on a tiny checkpoint: one server with --no-dashboard,
+"""`python -m benchmarks dashboard` end to end on a tiny checkpoint: one server with --no-dashboard,
 one watched through its event stream, the ratio, and the cost the engine measured itself."""
 
 from __future__ import annotations
 
 import json
 
-from conveyor.entrypoints.cli import main as cli_main
+from benchmarks.cli import main as lab_main
 
 
 def test_bench_dashboard_compares_watched_with_off(tiny_checkpoint, tmp_path, capsys):
-    argv = ["bench", "dashboard", str(tiny_checkpoint("llama")), "--dtype", "float32"]
+    argv = ["dashboard", str(tiny_checkpoint("llama")), "--dtype", "float32"]
     argv += ["--rounds", "1", "--num-prompts", "6", "--max-concurrency", "3"]
     argv += ["--random-input-len", "24", "--random-output-len", "48", "--save-result"]
     argv += ["--result-dir", str(tmp_path), "--result-filename", "dash.json"]
-    assert cli_main(argv) == 0
+    assert lab_main(argv) == 0
     out = capsys.readouterr().out
     assert "--no-dashboard" in out and "measured by the engine: step records" in out
     report = json.loads((tmp_path / "dash.json").read_text())
