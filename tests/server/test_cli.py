@@ -79,7 +79,7 @@ def test_a_checkpoint_without_a_tokenizer_needs_one_given(tmp_path, capsys):
     clear error that says what to pass."""
     import shutil
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parent.parent))
     from tiny import make_tiny_checkpoint
 
     from conveyor import LLM, SamplingParams
