@@ -9,27 +9,36 @@ token, (E2E - TTFT) / (output tokens - 1). Output token counts come from the ser
 A request that carries a JSON schema (the json-schema workload) asks for it with
 `response_format` (json_schema, strict); after the run, each such output is checked: valid
 when the text streamed back parses as JSON and fits the schema (jsonschema).
+
+aiohttp and jsonschema are this command's own dependencies (pip install 'conveyor[bench]'),
+imported where they are used: `conveyor serve` and `import conveyor.bench.serve` need neither.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import aiohttp
 import numpy as np
 from tqdm import tqdm
 
 from conveyor.bench.datasets import SampleRequest, arrival_times, sample_requests
 
+if TYPE_CHECKING:
+    import aiohttp
+
+BENCH_EXTRA = ("aiohttp", "jsonschema")  # pip install 'conveyor[bench]'
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
@@ -189,8 +198,7 @@ class Validity(NamedTuple):
 def is_valid(text: str, schema: dict) -> bool:
     """Whether the text is one JSON value that fits the schema (an output cut short by
     max_tokens is not). A broken schema raises: it is the workload's bug, not the server's."""
-    import jsonschema
-
+    jsonschema = bench_import("jsonschema")
     try:
         jsonschema.validate(json.loads(text), schema)
     except (ValueError, jsonschema.ValidationError):
@@ -320,9 +328,20 @@ def response_format(schema: dict) -> dict:
     }
 
 
+def bench_import(name: str):
+    """One of BENCH_EXTRA, imported; missing, an error that says how to install it."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            f"conveyor bench serve needs {name}: pip install 'conveyor[bench]'", name=name
+        ) from error
+
+
 def client_session(max_concurrency: int | None) -> aiohttp.ClientSession:
     """The benchmark's HTTP client: aiohttp, as `vllm bench serve` uses, since its C parser
     costs the machine under test less per streamed chunk than a pure-Python client."""
+    aiohttp = bench_import("aiohttp")
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=6 * 3600.0, connect=60.0)
     return aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20)
@@ -331,6 +350,7 @@ def client_session(max_concurrency: int | None) -> aiohttp.ClientSession:
 async def send_request(
     client: aiohttp.ClientSession, target: Target, payload: dict, prompt_len: int
 ) -> RequestResult:
+    aiohttp = bench_import("aiohttp")
     result = RequestResult(prompt_len)
     result.start_time = time.perf_counter()
     try:
@@ -441,6 +461,7 @@ async def run_requests(
 
 
 async def first_model(client: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
+    aiohttp = bench_import("aiohttp")
     try:
         async with client.get(f"{base_url}/v1/models", headers=headers) as response:
             response.raise_for_status()
@@ -635,6 +656,14 @@ def save_result(args: argparse.Namespace, result: dict) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
+    missing = [name for name in BENCH_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"conveyor bench serve: error: needs {' and '.join(missing)}: "
+            "pip install 'conveyor[bench]'",
+            file=sys.stderr,
+        )
+        return 2
     result = asyncio.run(benchmark(args))
     if args.save_result:
         print(f"Results saved to {save_result(args, result)}")

@@ -88,9 +88,11 @@ def test_the_module_import_graph_has_no_cycle():
 
 
 def test_import_conveyor_and_the_server_pull_no_plotting():
+    """matplotlib (the lab's), aiohttp and jsonschema (bench serve's) are extras: the package,
+    the server and bench serve's module import none of them."""
     code = (
-        "import sys, conveyor, conveyor.entrypoints.openai.api_server\n"
-        "heavy = [m for m in ('matplotlib', 'aiohttp') if m in sys.modules]\n"
+        "import sys, conveyor, conveyor.entrypoints.openai.api_server, conveyor.bench.serve\n"
+        "heavy = [m for m in ('matplotlib', 'aiohttp', 'jsonschema') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
