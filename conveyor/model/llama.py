@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         # float tiles); None for float weights.
         self._quantized_rows: tuple[int, int] | None = None
         # float64 (3,): seconds the compiled layers spent in projections, attention and the
-        # rest are added here when it is set (conveyor bench step's breakdown).
+        # rest are added here when it is set (the breakdown of `python -m benchmarks step`).
         self.compiled_seconds: torch.Tensor | None = None
 
     def forward(
