@@ -262,7 +262,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_all(args: argparse.Namespace) -> list[RunResult]:
-    from conveyor.config import ModelConfig
+    from conveyor.model.config import ModelConfig
     from conveyor.model.loader import load_tokenizer
 
     # hf-generate's dtype: a GGUF's "auto" resolves to float32, what transformers dequantizes to

@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
     from benchmarks.split import Server, model_flags
     from conveyor.bench.datasets import random_requests
     from conveyor.bench.serve import load_tokenizer
-    from conveyor.config import ModelConfig
+    from conveyor.model.config import ModelConfig
 
     order = run_order(len(LAYOUTS), args.rounds)
     config = ModelConfig.from_hf(args.model)

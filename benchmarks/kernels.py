@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from conveyor.config import ModelConfig
 from conveyor.model import kernels
+from conveyor.model.config import ModelConfig
 from conveyor.outputs import ScheduledRequest, SchedulerOutput
 from conveyor.sample.sampler import SamplingRow
 from conveyor.sampling_params import SamplingParams

@@ -112,7 +112,7 @@ def evaluate(
     progress: bool = True,
 ) -> dict:
     """Runs float32 and each variant over the chunks; returns the JSON-ready report."""
-    from conveyor.config import ModelConfig
+    from conveyor.model.config import ModelConfig
     from conveyor.model.loader import load_tokenizer
 
     specs = {REFERENCE: ("float32", "none")} | {name: VARIANTS[name] for name in variants}

@@ -84,8 +84,8 @@ def main(args: argparse.Namespace) -> int:
     from benchmarks.split import Server
     from conveyor.bench.datasets import random_requests
     from conveyor.bench.serve import load_tokenizer
-    from conveyor.config import ModelConfig
     from conveyor.distributed.parallel import check_tensor_parallel
+    from conveyor.model.config import ModelConfig
 
     layouts = parse_layouts(args.layouts)
     order = run_order(len(layouts), args.rounds)

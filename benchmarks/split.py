@@ -161,7 +161,7 @@ def _overhead(llm, args: argparse.Namespace, sampling_params) -> dict:
     """Median parts of the steps in which `overhead_batch` requests decode together, and the
     cost of encoding such a step's message for the front end."""
     from conveyor.engine.core_proc import encode
-    from conveyor.engine.messages import StepOutput
+    from conveyor.messages import StepOutput
 
     batch = args.overhead_batch
     rng = np.random.default_rng(args.seed)
@@ -225,7 +225,7 @@ class Server:
         self.flags = flags
 
     def __enter__(self) -> Server:
-        cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", *self.flags]
+        cmd = [sys.executable, "-m", "conveyor.cli", "serve", *self.flags]
         cmd += ["--port", str(self.port), "--log-level", "warning"]
         print(f"starting: conveyor serve {' '.join(self.flags)}", flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -199,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _model_info(model: str | None) -> tuple[int, list[int], str]:
     """(the width of the model's logits, its EOS ids, its path) from its config."""
-    from conveyor.config import ModelConfig
+    from conveyor.model.config import ModelConfig
 
     config = ModelConfig.from_hf(model)
     return config.vocab_size, sorted(config.eos_token_ids), str(config.path)

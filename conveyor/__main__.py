@@ -2,6 +2,6 @@
 
 import sys
 
-from conveyor.entrypoints.cli import main
+from conveyor.cli import main
 
 sys.exit(main())

@@ -1,18 +1,14 @@
-"""Frozen configuration objects; every user-facing knob is validated here, once."""
+"""Frozen configuration objects that need no torch: the cache, the scheduler, speculative
+decoding, and the names every user-facing knob may take. Each is validated here, once; the
+model's own configuration (read from its checkpoint, with torch dtypes) is model/config.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = {
@@ -23,20 +19,15 @@ SUPPORTED_ARCHITECTURES = {
 }
 # RoPE variants whose inverse frequencies are fixed at load time (no sequence-length dependence).
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
-DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
+# The names a dtype may be given by (model/config.py maps them to torch dtypes).
+DTYPE_NAMES = ("float32", "float", "bfloat16", "float16", "half", "float64", "double")
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # auto: a quantized GGUF runs quantized, a float checkpoint float; none: dequantize to the model
 # dtype; int8: quantize a float checkpoint's projections to int8 blocks. Resolved to
 # "none" | "gguf" (the file's own blocks) | "int8" in ModelConfig.quantization.
 QUANTIZATION_MODES = ("auto", "none", "int8")
+# Seconds a request's grammar may take to compile before the request fails.
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
 
 
 def default_model_path() -> str:
@@ -83,220 +74,6 @@ def parse_memory(value: int | float | str) -> int:
     if num <= 0:
         raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
     return num
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: Path
-    architecture: str  # llama | mistral | qwen2 | qwen3
-    dtype: torch.dtype
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    max_model_len: int
-    eos_token_ids: frozenset[int]
-    hf_config: Any = field(repr=False, compare=False)
-    quantization: str = "none"  # none | gguf | int8 (see QUANTIZATION_MODES)
-    tokenizer: Path | None = None  # a tokenizer of its own; None: the checkpoint's
-    # One reduction order per output value whatever the batch (model/kernels/panel_gemm.cpp):
-    # a request's tokens and logprobs do not depend on its neighbours or on cache hits.
-    batch_invariant: bool = True
-
-    @property
-    def is_gguf(self) -> bool:
-        return self.path.suffix == ".gguf"
-
-    @property
-    def tokenizer_path(self) -> Path:
-        """The folder the tokenizer loads from."""
-        return hf_folder(self.tokenizer or self.path)
-
-    @classmethod
-    def from_hf(
-        cls,
-        model: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        quantization: str = "auto",
-        tokenizer: str | Path | None = None,
-        batch_invariant: bool = True,
-    ) -> ModelConfig:
-        """tokenizer: a folder (or .gguf file) whose tokenizer replaces the checkpoint's."""
-        from transformers import AutoConfig
-
-        path = resolve_model_path(model)
-        hf = _load_hf_config(path, AutoConfig)
-        arch = _architecture(hf)
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        _check_rope(hf)
-        resolved_dtype = _resolve_dtype(dtype, hf, device)
-        return cls(
-            path=path,
-            architecture=arch,
-            dtype=resolved_dtype,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=arch == "qwen3",
-            max_model_len=_resolve_max_len(hf, max_model_len),
-            eos_token_ids=_eos_ids(path, hf),
-            hf_config=hf,
-            quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
-            tokenizer=_resolve_tokenizer(tokenizer),
-            batch_invariant=bool(batch_invariant),
-        )
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _resolve_tokenizer(tokenizer: str | Path | None) -> Path | None:
-    if tokenizer is None:
-        return None
-    path = Path(tokenizer).expanduser()
-    if not path.exists():
-        raise ValueError(f"tokenizer {str(tokenizer)!r} does not exist")
-    return path
-
-
-def check_tokenizer(cfg: ModelConfig) -> None:
-    """One clear error for a checkpoint without a tokenizer, before anything loads."""
-    folder = cfg.tokenizer_path
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        where = "the tokenizer folder" if cfg.tokenizer else "the checkpoint"
-        raise ValueError(
-            f"{where} {str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
-            "pass tokenizer=PATH (--tokenizer PATH) with the folder of the model's tokenizer"
-        )
-
-
-def hf_folder(path: Path) -> Path:
-    """Where config.json and the tokenizer live: the checkpoint itself, or for a GGUF file
-    a folder converted once from its metadata."""
-    if path.suffix == ".gguf":
-        from conveyor.model.gguf_loader import gguf_hf_folder
-
-        return gguf_hf_folder(path)
-    return path
-
-
-def _load_hf_config(path: Path, auto_config):
-    return auto_config.from_pretrained(hf_folder(path))
-
-
-def _architecture(hf) -> str:
-    names = list(getattr(hf, "architectures", None) or [])
-    model_type = getattr(hf, "model_type", "")
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[name]
-    if not names and model_type in SUPPORTED_ARCHITECTURES.values():
-        return model_type  # GGUF configs carry model_type only
-    raise ValueError(
-        f"unsupported architecture {names or model_type!r}; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _check_rope(hf) -> None:
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_type {rope_type!r}; "
-            f"supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
-        )
-
-
-def _resolve_dtype(dtype: str | torch.dtype, hf, device: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
-        return dtype
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-        return DTYPES[dtype]
-    saved = getattr(hf, "dtype", None)
-    if isinstance(saved, str):
-        saved = DTYPES.get(saved)
-    if saved in (torch.float32, torch.float64):
-        return saved
-    # Half precision is slow on most CPUs; on a GPU it is what the checkpoint was made for.
-    return torch.float32 if device == "cpu" else (saved or torch.bfloat16)
-
-
-def _resolve_quantization(requested: str, path: Path, dtype: torch.dtype, device: str) -> str:
-    from conveyor.model import quant
-
-    if requested not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {requested!r}")
-    if requested == "int8":
-        if dtype == torch.float64:
-            raise ValueError("quantization='int8' computes in float32; it cannot serve float64")
-        if device != "cpu" or not quant.kernels_available():
-            raise ValueError(
-                "quantization='int8' needs the CPU kernels (x86-64 with AVX2/FMA/F16C), "
-                f"not available on device {device!r}; use quantization='none'"
-            )
-        return "int8"
-    if requested == "none" or not quant.is_quantized_gguf(path) or dtype == torch.float64:
-        return "none"  # float64 is the oracle: a quantized GGUF is dequantized for it
-    if device != "cpu" or not quant.kernels_available():
-        logger.warning(
-            "conveyor: the quantized kernels run on x86-64 CPUs with AVX2 only; dequantizing "
-            "%s to %s on %s",
-            path.name,
-            str(dtype).removeprefix("torch."),
-            device,
-        )
-        return "none"
-    return "gguf"
-
-
-def _resolve_max_len(hf, max_model_len: int | None) -> int:
-    limit = getattr(hf, "max_position_embeddings", None) or 2048
-    if max_model_len is None:
-        return limit
-    if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
-        raise ValueError(
-            f"max_model_len must be an integer in [1, {limit}] (the model's "
-            f"max_position_embeddings), got {max_model_len!r}"
-        )
-    return max_model_len
-
-
-def _eos_ids(path: Path, hf) -> frozenset[int]:
-    """EOS ids as transformers' generate sees them: generation_config.json, else the config."""
-    ids: set[int] = set()
-    gen_file = hf_folder(path) / "generation_config.json"
-    if gen_file.exists():
-        from transformers import GenerationConfig
-
-        ids |= _as_set(GenerationConfig.from_pretrained(gen_file.parent).eos_token_id)
-    return frozenset(ids or _as_set(getattr(hf, "eos_token_id", None)))
-
-
-def _as_set(value) -> set[int]:
-    if value is None:
-        return set()
-    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")  # fp8: e4m3, as vLLM
@@ -382,7 +159,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None  # the draft model (draft_model)
     # True: verify only the drafts expected to raise tokens/s at this step's load
-    # (spec/policy.py); False: every proposed draft, always (as vLLM does).
+    # (speculative/policy.py); False: every proposed draft, always (as vLLM does).
     adaptive: bool = True
 
     def __post_init__(self) -> None:

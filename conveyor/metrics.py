@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.engine.client import EngineClient
 from conveyor.outputs import RequestOutput
-from conveyor.spec.stats import SpecDecodingStats
+from conveyor.speculative.stats import SpecDecodingStats
 from conveyor.structured.backend import GrammarCompiler
 
 _LATENCY_BUCKETS = [

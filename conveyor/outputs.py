@@ -77,7 +77,7 @@ class ScheduledRequest:
     num_drafts: int = 0
     draft_token_ids: list[int] | None = None
     # The token before `token_ids[0]` of a decoding row, for the draft model (see
-    # spec/draft_model.py: its KV may lag the target's by that one token).
+    # speculative/draft_model.py: its KV may lag the target's by that one token).
     prev_token_id: int | None = None
 
     @property

@@ -93,7 +93,7 @@ class Request:
     # Set by the engine for requests with penalties (needs the vocabulary size).
     penalty_counts: PenaltyCounts | None = None
     # Speculative decoding: tokens proposed (n-gram lookup) to verify in the next step, and
-    # decayed counts of this request's [accepted, tried] drafts (spec/policy.py).
+    # decayed counts of this request's [accepted, tried] drafts (speculative/policy.py).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
     # Structured output: the request's own matcher, set by the engine once it has compiled.

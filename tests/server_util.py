@@ -50,7 +50,7 @@ class ServerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "conveyor.entrypoints.cli",
+            "conveyor.cli",
             "serve",
             *args,
             "--port",

@@ -477,7 +477,8 @@ def load_tokenizer(path: str | None):
     """A tokenizer from an HF folder or a .gguf file; None: conveyor's default model's."""
     from transformers import AutoTokenizer
 
-    from conveyor.config import default_model_path, hf_folder
+    from conveyor.config import default_model_path
+    from conveyor.model.config import hf_folder
 
     source = Path(path if path is not None else default_model_path()).expanduser()
     if source.suffix == ".gguf":

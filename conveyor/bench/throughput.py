@@ -47,12 +47,12 @@ class ThroughputResult(NamedTuple):
 
 
 def run(args: argparse.Namespace) -> ThroughputResult:
-    from conveyor import LLM, SamplingParams
-    from conveyor.entrypoints.args import engine_kwargs
+    from conveyor.entrypoints.args import engine_args
+    from conveyor.entrypoints.llm import LLM
+    from conveyor.sampling_params import SamplingParams
     from conveyor.structured import StructuredOutputs
 
-    kwargs = engine_kwargs(args)
-    llm = LLM(kwargs.pop("model"), **kwargs)
+    llm = LLM(engine_args(args))
     requests = sample_requests(args, llm.get_tokenizer())
     # vLLM's sampling for this benchmark: temperature 1, no top-p cut, exact output lengths.
     params = [

@@ -15,7 +15,7 @@ cache) and `all_token_ids` (prompt + output). Every step hands out at most
 
   3. with speculative decoding, decoding requests then add drafts to verify (1 + d tokens),
      under the budget left and as many as the draft policy expects to pay at this step's
-     width (spec/policy.py). After verification num_computed_tokens counts only the request's
+     width (speculative/policy.py). After verification num_computed_tokens counts only the request's
      own token and the accepted drafts; the rejected ones' slots are simply written again.
 
 A request whose chunk reaches the end of its tokens samples one token this step (with drafts:
@@ -37,8 +37,8 @@ from conveyor.config import SchedulerConfig, SpeculativeConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.outputs import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
 from conveyor.request import Request, RequestStatus
-from conveyor.spec.policy import DraftPolicy
-from conveyor.spec.stats import SpecDecodingStats
+from conveyor.speculative.policy import DraftPolicy
+from conveyor.speculative.stats import SpecDecodingStats
 
 
 @dataclass(slots=True)
@@ -192,7 +192,7 @@ class Scheduler:
     def _schedule_drafts(self, budget: int, scheduled: dict[str, int]) -> None:
         """Speculative decoding: once every running request has its own tokens and new
         prompts their chunks, decoding requests add drafts to verify, under the budget left,
-        as many as the draft policy expects to pay (spec/policy.py); never past max_tokens,
+        as many as the draft policy expects to pay (speculative/policy.py); never past max_tokens,
         never at the cost of a preemption (no free block for a draft's KV: no draft)."""
         candidates = []
         for request in self.running:

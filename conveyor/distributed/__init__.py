@@ -1,2 +1,3 @@
-"""Scale-out: tensor parallelism over torch.distributed (parallel.py, executor.py, worker.py)
-and engine replicas placed by Ray (ray_placement.py)."""
+"""Scale-out: tensor parallelism over torch.distributed (parallel.py, executor.py, worker.py).
+Engine replicas (data parallelism, Ray) are engine cores: engine/data_parallel.py and
+engine/ray_placement.py."""

@@ -24,11 +24,13 @@ prompts and outputs cross the network in clear, as they do between Ray's own pro
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import logging
 import pickle
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +42,19 @@ SEQ_BYTES = 8
 LOG_PERIOD = 1.0  # seconds between two warnings about dropped frames on one channel
 
 logger = logging.getLogger(__name__)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Asks Linux to SIGKILL this process when the thread that started it exits (the engine
+    core's process and the tensor-parallel workers)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the idle pid check still applies
+        pass
 
 
 def new_key() -> bytes:

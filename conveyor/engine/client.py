@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from conveyor.config import ModelConfig
     from conveyor.engine.input_processor import InputProcessor
     from conveyor.engine.llm_engine import EngineStats
     from conveyor.engine.records import CoreSnapshot
     from conveyor.engine.streams import RequestStream
+    from conveyor.model.config import ModelConfig
     from conveyor.sampling_params import SamplingParams
 
 

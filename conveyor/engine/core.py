@@ -19,17 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.config import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     CacheConfig,
-    ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
-    check_tokenizer,
-    default_token_budget,
     parse_memory,
 )
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler, SchedulerStats
-from conveyor.distributed.parallel import check_tensor_parallel
+from conveyor.engine.config import EngineConfig
 from conveyor.engine.records import (
     CoreSnapshot,
     StepObserver,
@@ -37,14 +35,16 @@ from conveyor.engine.records import (
     StepTiming,
     core_snapshot,
 )
+from conveyor.engine_args import EngineArgs
+from conveyor.model.config import ModelConfig
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
-from conveyor.spec.draft_model import DraftModelProposer
-from conveyor.spec.ngram import NgramProposer
-from conveyor.spec.stats import SpecDecodingStats
-from conveyor.structured.backend import DEFAULT_COMPILE_TIMEOUT, GrammarCompiler
+from conveyor.speculative.draft_model import DraftModelProposer
+from conveyor.speculative.ngram import NgramProposer
+from conveyor.speculative.stats import SpecDecodingStats
+from conveyor.structured.backend import GrammarCompiler
 from conveyor.structured.grammar import Grammar
 from conveyor.worker.model_runner import ModelRunner
 
@@ -117,152 +117,100 @@ class CoreInfo:
     scheduler_config: SchedulerConfig
     num_blocks: int
     device: str
-    grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out
     grammar_unavailable: str | None = None  # why structured output is off, if it is
 
 
 class EngineCore:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        quantization: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | float | str | None = None,
-        enable_prefix_caching: bool = True,
-        kv_cache_dtype: str = "auto",
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        record_trace: bool = False,
-        num_threads: int | None = None,
-        speculative_config: SpeculativeConfig | dict | str | None = None,
-        grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
-        tensor_parallel_size: int = 1,
-        tokenizer: str | None = None,
-        skip_tokenizer_init: bool = False,
-        batch_invariant: bool = True,
-    ) -> None:
-        """tensor_parallel_size N > 1 splits the model over N ranks (this process is rank 0,
-        see distributed/executor.py); on CPU they share num_threads (default: the physical
-        cores) evenly. Quantized weights do not split: "auto" then dequantizes."""
-        if num_threads is not None and num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}"
-            )
-        tp_size = tensor_parallel_size
-        self.device = resolve_device(device)
-        if tp_size > 1 and self.device.type == "cpu":
-            num_threads = max(1, (num_threads or torch.get_num_threads()) // tp_size)
-        if num_threads is not None:  # None: torch's default, one thread per physical core
-            torch.set_num_threads(num_threads)
-        if tp_size > 1 and quantization == "auto":
-            quantization = "none"
-        self.model_config = ModelConfig.from_hf(
-            model,
-            dtype,
-            self.device.type,
-            max_model_len,
-            quantization,
-            tokenizer,
-            batch_invariant,
-        )
-        self.skip_tokenizer_init = bool(skip_tokenizer_init)
-        if not skip_tokenizer_init:
-            check_tokenizer(self.model_config)
-        check_tensor_parallel(self.model_config, tp_size)
-        if tp_size > 1 and self.model_config.quantization != "none":
-            raise ValueError(
-                "tensor parallelism splits float weights only: use quantization='none' "
-                f"with tensor_parallel_size={tp_size}"
-            )
+    def __init__(self, args: EngineArgs | str | None = None, **settings) -> None:
+        """args: EngineArgs, or a model path with EngineArgs' settings as keywords."""
+        config = EngineConfig.resolve(EngineArgs.of(args, **settings))
+        self.model_config, self.device = config.model_config, config.device
+        self.cache_config, self.scheduler_config = config.cache_config, config.scheduler_config
+        self.speculative_config = spec = config.speculative_config
+        self.skip_tokenizer_init = config.skip_tokenizer_init
+        if config.num_threads is not None:  # None: torch's default, one per physical core
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.draft_runner = self._draft_runner(config)
         self.tp_workers = None
-        self.cache_config = CacheConfig(
-            block_size, num_blocks, kv_cache_memory, enable_prefix_caching, kv_cache_dtype
-        )
-        if max_num_batched_tokens is None:  # 512 on CPU, else 2048 (config.py says why)
-            max_num_batched_tokens = default_token_budget(
-                self.device.type, bool(enable_chunked_prefill)
-            )
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy
-        )
-        self.speculative_config = spec = SpeculativeConfig.parse(speculative_config)
-        torch.manual_seed(seed)
-        self.draft_runner = None
-        propose_drafts = None
-        if spec is not None and spec.method == "draft_model":
-            self.draft_runner = self._draft_runner(spec, block_size, seed, kv_cache_dtype)
-            propose_drafts = DraftModelProposer(self.draft_runner).propose
-        tp = publish = None
-        if tp_size > 1:
-            from conveyor.distributed.executor import TPWorkers
-
-            worker_kwargs = dict(
-                model_config=self.model_config,
-                block_size=block_size,
-                seed=seed,
-                kv_cache_dtype=kv_cache_dtype,
-                num_threads=num_threads,
-            )
-            self.tp_workers = TPWorkers(worker_kwargs, tp_size, self.device)
-            tp, publish = self.tp_workers.group, self.tp_workers.publish
         try:
-            self.runner = ModelRunner(
-                self.model_config,
-                self.device,
-                block_size,
-                seed,
-                kv_cache_dtype,
-                propose_drafts,
-                tp=tp,
-                publish=publish,
-            )
+            self.runner = self._runner(config)
             self.num_blocks = self._num_blocks()
-            if self.tp_workers is not None:  # they started while this rank loaded
-                self.tp_workers.connect()
-                self.tp_workers.wait_ready()
-                self.tp_workers.allocate(self.num_blocks)
-            self.runner.allocate_kv_cache(self.num_blocks)  # may run out of memory
-            if self.draft_runner is not None:
-                self.draft_runner.allocate_kv_cache(self.num_blocks)
-            self.kv_cache = KVCacheManager(self.num_blocks, block_size, enable_prefix_caching)
+            self._allocate_kv_cache()
+            cache = self.cache_config
+            self.kv_cache = KVCacheManager(
+                self.num_blocks, cache.block_size, cache.enable_prefix_caching
+            )
             self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec)
         except BaseException:  # the ranks started above end now, not when collected
             self.close()
             raise
-        self.proposer = None
-        if spec is not None and spec.method == "ngram":
-            self.proposer = NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-            )
-        # Structured output: grammars compile on worker threads while steps go on; a request
-        # waits here, outside the scheduler, until its grammar is ready (or fails).
-        self.grammars = GrammarCompiler(
-            lambda: load_tokenizer(self.model_config),
-            self.model_config.vocab_size,
-            sorted(self.model_config.eos_token_ids),
-            grammar_compile_timeout,
-            tokenizer_file=self.model_config.tokenizer_path / "tokenizer.json",
-            tokenizer_dir=self.model_config.tokenizer_path,
-        )
-        if not skip_tokenizer_init:  # without a tokenizer, constrained requests are refused
-            self.grammars.prepare()  # never raises: structured output is optional
+        self.proposer = ngram_proposer(spec)
+        self.grammars = self._grammar_compiler(config)
         self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
         self._failed: list[CoreOutput] = []
-        self.observer = StepObserver(record_trace)
+        self.observer = StepObserver(config.record_trace)
         self._num_steps = 0
         self._num_generation_tokens = 0
         self._fault = Fault.from_env()
+
+    def _runner(self, config: EngineConfig) -> ModelRunner:
+        """Rank 0's runner; with tensor parallelism, the other ranks start first, in processes
+        of their own, and load their shares while this one loads its own."""
+        cache = self.cache_config
+        tp = publish = None
+        if config.tensor_parallel_size > 1:
+            from conveyor.worker.executor import TPWorkers, WorkerSettings
+
+            settings = WorkerSettings(
+                self.model_config,
+                cache.block_size,
+                config.seed,
+                cache.kv_cache_dtype,
+                config.num_threads,
+            )
+            self.tp_workers = TPWorkers(settings, config.tensor_parallel_size, self.device)
+            tp, publish = self.tp_workers.group, self.tp_workers.publish
+        propose_drafts = None
+        if self.draft_runner is not None:
+            propose_drafts = DraftModelProposer(self.draft_runner).propose
+        return ModelRunner(
+            self.model_config,
+            self.device,
+            cache.block_size,
+            config.seed,
+            cache.kv_cache_dtype,
+            propose_drafts,
+            tp=tp,
+            publish=publish,
+        )
+
+    def _allocate_kv_cache(self) -> None:
+        if self.tp_workers is not None:  # they started while this rank loaded
+            self.tp_workers.connect()
+            self.tp_workers.wait_ready()
+            self.tp_workers.allocate(self.num_blocks)
+        self.runner.allocate_kv_cache(self.num_blocks)  # may run out of memory
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(self.num_blocks)
+
+    def _grammar_compiler(self, config: EngineConfig) -> GrammarCompiler:
+        """Structured output: grammars compile on worker threads while steps go on; a request
+        waits in the core, outside the scheduler, until its grammar is ready (or fails)."""
+        model = self.model_config
+        grammars = GrammarCompiler(
+            lambda: load_tokenizer(model),
+            model.vocab_size,
+            sorted(model.eos_token_ids),
+            config.grammar_compile_timeout,
+            tokenizer_file=model.tokenizer_path / "tokenizer.json",
+            tokenizer_dir=model.tokenizer_path,
+        )
+        if not config.skip_tokenizer_init:  # without a tokenizer, constrained requests fail
+            grammars.prepare()  # never raises: structured output is optional
+        return grammars
 
     @property
     def info(self) -> CoreInfo:
@@ -277,9 +225,10 @@ class EngineCore:
             self.grammars.unavailable,
         )
 
-    def _draft_runner(
-        self, spec: SpeculativeConfig, block_size: int, seed: int, kv_cache_dtype: str
-    ) -> ModelRunner:
+    def _draft_runner(self, config: EngineConfig) -> ModelRunner | None:
+        spec = config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
         target = self.model_config
         draft = ModelConfig.from_hf(
             spec.model, target.dtype, self.device.type, target.max_model_len, "auto"
@@ -289,7 +238,8 @@ class EngineCore:
                 f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) "
                 f"differs from the target's ({target.vocab_size})"
             )
-        return ModelRunner(draft, self.device, block_size, seed, kv_cache_dtype)
+        cache = self.cache_config
+        return ModelRunner(draft, self.device, cache.block_size, config.seed, cache.kv_cache_dtype)
 
     def _num_blocks(self) -> int:
         if self.cache_config.num_blocks is not None:
@@ -529,16 +479,12 @@ class EngineCore:
             self.tp_workers = None
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
-    return dev
+def ngram_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
+    if spec is None or spec.method != "ngram":
+        return None
+    return NgramProposer(
+        spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+    )
 
 
 class Fault:

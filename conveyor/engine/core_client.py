@@ -25,7 +25,11 @@ import zmq.asyncio
 from conveyor.engine.core import CoreOutput, CoreStats, EngineStats
 from conveyor.engine.core_proc import CoreProcess
 from conveyor.engine.input_processor import InputProcessor
-from conveyor.engine.messages import (
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.records import SNAPSHOT_TIMEOUT, CoreSnapshot
+from conveyor.engine.streams import EngineDeadError, RequestStream, aborted_output
+from conveyor.engine_args import EngineArgs
+from conveyor.messages import (
     AddRequests,
     Dead,
     FinishRequests,
@@ -33,9 +37,6 @@ from conveyor.engine.messages import (
     SnapshotRequest,
     StepOutput,
 )
-from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.records import SNAPSHOT_TIMEOUT, CoreSnapshot
-from conveyor.engine.streams import EngineDeadError, RequestStream, aborted_output
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind
 from conveyor.request import RequestStatus
@@ -51,9 +52,9 @@ class SyncCoreClient:
     """EngineCore's methods, carried out by an engine-core process (LLMEngine's core when
     engine_process=True)."""
 
-    def __init__(self, kwargs: dict) -> None:
+    def __init__(self, args: EngineArgs) -> None:
         context = zmq.Context()
-        self.process = process = CoreProcess(kwargs, context)
+        self.process = process = CoreProcess(args, context)
         # Run by close(), by the garbage collector or at exit, whichever comes first: the
         # process stops and the sockets close before the context ends, which would otherwise
         # wait for them (never left to the collector: Context.term() can block it forever).
@@ -104,25 +105,24 @@ class AsyncMPEngine:
 
     def __init__(
         self,
-        kwargs: dict,
+        args: EngineArgs,
         *,
         iteration_timeout: float | None = None,
         restart: bool = False,
-        spawn: Callable[[dict, zmq.Context], CoreProcess] = CoreProcess,
+        spawn: Callable[[EngineArgs, zmq.Context], CoreProcess] = CoreProcess,
         started: tuple[CoreProcess, zmq.Context] | None = None,
     ) -> None:
         """iteration_timeout: seconds without a finished step, while requests are open, after
         which the core counts as hung. None: 60 s on CUDA (as vLLM), 300 s on CPU, where one
         2048-token prefill chunk of a large model may take minutes. spawn: starts the core
-        (a local process; distributed/ray_placement.py places it on a Ray cluster). started: a
-        core spawned already with kwargs, and the context its sockets belong to (`conveyor serve`
+        (a local process; engine/ray_placement.py places it on a Ray cluster). started: a
+        core spawned already with args, and the context its sockets belong to (`conveyor serve`
         starts it before importing the server)."""
         if iteration_timeout is None:
-            on_cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
-            iteration_timeout = CUDA_ITERATION_TIMEOUT if on_cuda else CPU_ITERATION_TIMEOUT
+            iteration_timeout = CUDA_ITERATION_TIMEOUT if args.on_cuda else CPU_ITERATION_TIMEOUT
         if not iteration_timeout > 0:
             raise ValueError(f"iteration_timeout must be > 0, got {iteration_timeout}")
-        self.kwargs = dict(kwargs)
+        self.args = args
         self.iteration_timeout, self.restart, self.spawn = iteration_timeout, restart, spawn
         # Called on the event loop after every step and every abort (metrics), and once when
         # the core died for good (the server then exits non-zero).
@@ -139,7 +139,7 @@ class AsyncMPEngine:
         self._own_context = started is None
         if started is None:
             self._context = zmq.Context()
-            self._process = spawn(self.kwargs, self._context)
+            self._process = spawn(self.args, self._context)
         else:
             self._process, self._context = started
         try:
@@ -419,7 +419,7 @@ class AsyncMPEngine:
     async def _restart(self) -> None:
         logger.warning("starting a new engine core (--restart-engine)")
         try:
-            process = await self._loop.run_in_executor(None, self.spawn, self.kwargs, self._context)
+            process = await self._loop.run_in_executor(None, self.spawn, self.args, self._context)
             info, stats = await self._loop.run_in_executor(None, process.wait_ready)
         except Exception:  # noqa: BLE001 - cannot recover: exit as without restart
             logger.exception("the new engine core failed to start")

@@ -1,6 +1,6 @@
 """The engine-core process: an EngineCore behind two ZeroMQ sockets.
 
-It pulls commands (engine/messages.py: AddRequests, FinishRequests, SnapshotRequest, Stop) from
+It pulls commands (messages.py: AddRequests, FinishRequests, SnapshotRequest, Stop) from
 the front end and pushes one StepOutput per step (every sequence that advanced, plus the core's
 stats). While it has no work it blocks on its
 input socket; while it has work it applies whatever commands are pending between steps, so a new
@@ -20,7 +20,6 @@ the core loads the model (~2 s of a start on 2 cores).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -35,12 +34,13 @@ from conveyor import heap
 from conveyor.distributed.channel import (
     Opener,
     Sealer,
+    die_with_parent,
     hand_over,
     local_address,
     new_key,
     read_settings,
 )
-from conveyor.engine.messages import (
+from conveyor.messages import (
     AddRequests,
     Dead,
     Failed,
@@ -55,10 +55,10 @@ from conveyor.engine.messages import (
 
 if TYPE_CHECKING:
     from conveyor.engine.core import CoreInfo, CoreStats
+    from conveyor.engine_args import EngineArgs
 
 IDLE_POLL_MS = 1000
 POLL_SECONDS = 0.5  # the front end's check that a starting core is still alive
-PR_SET_PDEATHSIG = 1
 # The labels of the two directions (distributed/channel.py).
 COMMANDS, OUTPUTS = "core-commands", "core-outputs"
 
@@ -73,13 +73,13 @@ class CoreProcess:
     """One engine-core process (`python -m conveyor.engine.core_proc`) and the front end's ends
     of its sockets."""
 
-    def __init__(self, kwargs: dict, context: zmq.Context) -> None:
+    def __init__(self, args: EngineArgs, context: zmq.Context) -> None:
         output_address = self._open(context, local_address("conveyor-core-out"))
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only the
         # main thread lives as long as the process.
         pdeathsig = threading.current_thread() is threading.main_thread()
         input_address = local_address("conveyor-core-in")
-        settings = (kwargs, self.key, input_address, output_address, os.getpid(), pdeathsig)
+        settings = (args, self.key, input_address, output_address, os.getpid(), pdeathsig)
         command = [sys.executable, "-m", "conveyor.engine.core_proc"]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE)
         hand_over(self.proc, settings)
@@ -202,7 +202,7 @@ def main() -> None:
 
 
 def run_engine_core(
-    kwargs: dict,
+    args: EngineArgs,
     key: bytes,
     input_address: str,
     output_address: str,
@@ -211,7 +211,7 @@ def run_engine_core(
 ) -> int:
     """Runs the core until the front end stops it, is gone, or the core fails; the exit
     status. Binds the command socket at `input_address`, connects to the front end's output
-    socket. Also the body of a Ray actor (distributed/ray_placement.py)."""
+    socket. Also the body of a Ray actor (engine/ray_placement.py)."""
     heap.pause()  # until the core is built (conveyor/heap.py)
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C and SIGTERM go to the whole process group: the front end drains its streams
@@ -219,7 +219,7 @@ def run_engine_core(
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if pdeathsig:
-        _die_with_parent()
+        die_with_parent()
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.setsockopt(zmq.LINGER, 0)
@@ -230,7 +230,7 @@ def run_engine_core(
     link = _Link(inputs, outputs, key)
     try:
         link.send(Hello(inputs.getsockopt_string(zmq.LAST_ENDPOINT)))
-        return _serve(kwargs, link, parent_pid)
+        return _serve(args, link, parent_pid)
     finally:
         inputs.close(linger=0)
         outputs.close()
@@ -259,11 +259,11 @@ class _Link:
                 return message
 
 
-def _serve(kwargs: dict, link: _Link, parent_pid: int) -> int:
+def _serve(args: EngineArgs, link: _Link, parent_pid: int) -> int:
     try:
         from conveyor.engine.core import EngineCore
 
-        core = EngineCore(**kwargs)
+        core = EngineCore(args)
     except BaseException as error:  # noqa: BLE001 - the front end re-raises it
         link.send(Failed(type(error).__name__, str(error), traceback.format_exc()))
         return 1
@@ -320,15 +320,6 @@ def _apply(core, message: AddRequests | FinishRequests | Stop, link: _Link) -> b
                 failed = [CoreOutput.failed(spec.request_id, text) for spec in sequences]
                 link.send(StepOutput(failed, core.get_stats()))
     return True
-
-
-def _die_with_parent() -> None:
-    """Asks Linux to SIGKILL this process when the thread that started it exits."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the idle pid check still applies
-        pass
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ engine dead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from conveyor.engine.core import EngineStats
 from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
 from conveyor.engine.records import CoreSnapshot
 from conveyor.engine.streams import EngineDeadError, RequestStream
+from conveyor.engine_args import EngineArgs
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ class AsyncDPEngine:
 
     def __init__(
         self,
-        kwargs: dict,
+        args: EngineArgs,
         num_replicas: int,
         *,
         routing: str = "cache",
@@ -144,18 +146,16 @@ class AsyncDPEngine:
         a Ray actor). On CUDA, replica i's ranks take GPUs i * TP .. i * TP + TP - 1."""
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}")
-        kwargs = dict(kwargs)
-        if kwargs.get("num_threads") is None and str(kwargs.get("device", "cpu")) == "cpu":
+        if args.num_threads is None and args.device == "cpu":
             import torch
 
             # The cores are shared out: N replicas with all threads each would oversubscribe.
-            kwargs["num_threads"] = max(1, torch.get_num_threads() // num_replicas)
+            threads = max(1, torch.get_num_threads() // num_replicas)
+            args = dataclasses.replace(args, num_threads=threads)
         check_capacity = getattr(spawn, "check_capacity", None)
         if check_capacity is not None:
-            check_capacity(kwargs, num_replicas)
-        per_replica = [
-            _replica_kwargs(kwargs, i, spawn is CoreProcess) for i in range(num_replicas)
-        ]
+            check_capacity(args, num_replicas)
+        per_replica = [_replica_args(args, i, spawn is CoreProcess) for i in range(num_replicas)]
         self.num_replicas = num_replicas
         self.on_step: Callable | None = None
         self.on_abort: Callable | None = None
@@ -166,12 +166,12 @@ class AsyncDPEngine:
             futures = [
                 pool.submit(
                     AsyncMPEngine,
-                    replica_kwargs,
+                    replica_args,
                     iteration_timeout=iteration_timeout,
                     restart=restart,
                     spawn=spawn,
                 )
-                for replica_kwargs in per_replica
+                for replica_args in per_replica
             ]
             wait(futures)
         failed = [f.exception() for f in futures if f.exception() is not None]
@@ -370,12 +370,11 @@ class AsyncDPEngine:
                 self.on_fatal()
 
 
-def _replica_kwargs(kwargs: dict, index: int, local: bool) -> dict:
+def _replica_args(args: EngineArgs, index: int, local: bool) -> EngineArgs:
     """Replica `index`'s engine settings: on CUDA, local replicas take GPUs of their own
     (Ray gives each actor its own GPUs already, as its device 0)."""
-    device = str(kwargs.get("device", "cpu"))
-    if not local or not device.startswith("cuda") or index == 0:
-        return kwargs
-    tp = kwargs.get("tensor_parallel_size", 1) or 1
-    first = int(device.partition(":")[2] or 0)
-    return dict(kwargs, device=f"cuda:{first + index * tp}")
+    if not local or not args.on_cuda or index == 0:
+        return args
+    first = int(args.device.partition(":")[2] or 0)
+    device = f"cuda:{first + index * args.tensor_parallel_size}"
+    return dataclasses.replace(args, device=device)

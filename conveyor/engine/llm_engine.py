@@ -13,26 +13,31 @@ from __future__ import annotations
 from conveyor.engine.core import EngineCore, EngineStats
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.records import StepTrace
+from conveyor.engine.records import StepRecord
+from conveyor.engine_args import EngineArgs
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.request import RequestStatus
 from conveyor.sampling_params import SamplingParams
 
-__all__ = ["EngineStats", "LLMEngine", "StepTrace"]
+__all__ = ["EngineStats", "LLMEngine", "StepRecord"]
 
 
 class LLMEngine:
-    def __init__(self, model: str | None = None, *, engine_process: bool = False, **kwargs) -> None:
-        """kwargs are EngineCore's (dtype, device, max_model_len, quantization, max_num_seqs,
-        max_num_batched_tokens, block_size, num_blocks, kv_cache_memory, kv_cache_dtype, ...).
-        engine_process=True runs the core in a child process (no shared interpreter lock)."""
+    def __init__(
+        self, model: str | EngineArgs | None = None, *, engine_process: bool = False, **settings
+    ) -> None:
+        """model: a checkpoint path or EngineArgs; settings: EngineArgs' (dtype, device,
+        max_model_len, quantization, max_num_seqs, ...), checked here, before any process
+        starts. engine_process=True runs the core in a child process (no shared interpreter
+        lock)."""
+        args = EngineArgs.of(model, **settings)
         if engine_process:
             from conveyor.engine.core_client import SyncCoreClient
 
-            self.core = SyncCoreClient(dict(model=model, **kwargs))
+            self.core = SyncCoreClient(args)
         else:
-            self.core = EngineCore(model, **kwargs)
+            self.core = EngineCore(args)
         try:
             self._attach(self.core.info)
         except BaseException:
@@ -73,7 +78,7 @@ class LLMEngine:
         return self.core.runner
 
     @property
-    def trace(self) -> list[StepTrace]:
+    def trace(self) -> list[StepRecord]:
         return self.core.observer.trace
 
     # ---- requests ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine_args import EngineArgs
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -17,15 +18,17 @@ Prompt = str | list[int]
 
 class LLM:
     """Runs many prompts through one continuously batched engine and returns the outputs in
-    input order. Keyword arguments go to LLMEngine (dtype, device, max_num_seqs,
-    max_num_batched_tokens, enable_chunked_prefill, kv_cache_memory, ...).
+    input order. `model` is a checkpoint path (None: the default model) or EngineArgs; keyword
+    arguments are EngineArgs' settings (dtype, device, max_num_seqs, max_num_batched_tokens,
+    kv_cache_memory, ...: an unknown one is a TypeError at once) and LLMEngine's
+    engine_process.
 
     Its processes (an engine core, tensor-parallel ranks) end at `shutdown()`, at the end of a
     `with LLM(...) as llm:` block, when the LLM is dropped, or at interpreter exit, whichever
     comes first; a constructor that fails leaves none behind."""
 
-    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
-        self.engine = LLMEngine(model, **engine_kwargs)
+    def __init__(self, model: str | EngineArgs | None = None, **settings) -> None:
+        self.engine = LLMEngine(model, **settings)
         self._counter = itertools.count()
         # Holds the engine, not the LLM: runs when the LLM is collected, or at exit.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)

@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import TPGroup
 from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.config import ModelConfig
 from conveyor.model.layers import (
     MATMUL_BUCKETS,
     Linear,

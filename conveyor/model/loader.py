@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from conveyor.config import ModelConfig, check_tokenizer
 from conveyor.distributed.parallel import TPGroup, TPShard
+from conveyor.model.config import ModelConfig, check_tokenizer
 from conveyor.model.layers import RotaryEmbedding
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.quant import QuantPlan, plan_quantization

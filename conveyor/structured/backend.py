@@ -36,6 +36,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
+from conveyor.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT
 from conveyor.nesting import too_deep
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.sandbox import (
@@ -55,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["JSON_OVERRIDES", "GrammarCompiler", "GrammarError", "GrammarUnavailable"]
 
-DEFAULT_COMPILE_TIMEOUT = 30.0
 CACHE_SIZE = 512
 COMPILE_NICENESS = 10  # of the compile threads (Linux: per thread), see _lower_priority
 # Bounds checked before anything compiles (the sandbox contains what passes them).
@@ -120,7 +120,7 @@ class GrammarCompiler:
         tokenizer: Callable[[], Any],
         vocab_size: int,
         eos_token_ids: list[int],
-        timeout: float = DEFAULT_COMPILE_TIMEOUT,
+        timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
         cache_size: int = CACHE_SIZE,
         max_workers: int = 2,
         tokenizer_file: Path | None = None,

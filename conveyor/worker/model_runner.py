@@ -4,7 +4,7 @@ The runner keeps no per-request state: everything it needs arrives in the Schedu
 The one host sync of a step is reading the sampled tokens back.
 
 With tensor parallelism this runner is rank 0: it turns the SchedulerOutput into the step's
-inputs (StepInputs, plain arrays), hands them to the other ranks (distributed/executor.py),
+inputs (StepInputs, plain arrays), hands them to the other ranks (worker/executor.py),
 and runs its own share of the forward alongside them; it alone samples.
 """
 
@@ -20,15 +20,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from conveyor.config import ModelConfig
 from conveyor.distributed.parallel import TPGroup
 from conveyor.model import kernels
 from conveyor.model.attention import AttentionMetadata, build_metadata
+from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.sample.sampler import Sampler
-from conveyor.spec.verifier import verify
+from conveyor.sample.verifier import verify
 
 # Proposes the drafts of a step's requests (the draft model's `propose`); see _drafts.
 ProposeDrafts = Callable[[list[ScheduledRequest]], list[list[int]]]

@@ -44,7 +44,7 @@ def test_bench_quality_scores_bfloat16_and_float16_against_float32(model_path):
 def test_bench_quality_scores_the_batch_invariant_kernels_that_serving_runs(tmp_path, model_path):
     from gguf_util import write_gguf
 
-    from conveyor.config import ModelConfig
+    from conveyor.model.config import ModelConfig
 
     gguf_path = write_gguf(model_path, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
     cfg = ModelConfig.from_hf(str(gguf_path), "float32", "cpu", None, "auto")

@@ -102,5 +102,5 @@ def test_bench_scaling_runs_each_layout(tiny_checkpoint, tmp_path, capsys):
 
 
 def _workers() -> list[str]:
-    command = ["pgrep", "-f", "conveyor.distributed.worker"]
+    command = ["pgrep", "-f", "conveyor.worker.tp_worker"]
     return subprocess.run(command, capture_output=True, text=True).stdout.split()

@@ -15,7 +15,7 @@ from benchmarks.cli import build_parser as lab_parser
 from benchmarks.cli import main as lab_main
 from conveyor.bench.datasets import sample_requests, spec_control_requests, spec_edit_requests
 from conveyor.bench.serve import load_tokenizer
-from conveyor.entrypoints.cli import build_parser
+from conveyor.cli import build_parser
 
 CODE = re.compile(r"```python\n(.*)\n```", re.DOTALL)
 RENAME = re.compile(r"renaming the variable (\w+) to (\w+)\.")

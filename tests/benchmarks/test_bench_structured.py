@@ -35,7 +35,7 @@ from conveyor.bench.serve import (
     sample_requests,
 )
 from conveyor.bench.serve import main as serve_main
-from conveyor.entrypoints.cli import build_parser
+from conveyor.cli import build_parser
 
 OUTPUT_LEN = "400"  # above the ~300 tokens the tiny model's records take
 

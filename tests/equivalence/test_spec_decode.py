@@ -26,9 +26,9 @@ from conveyor import LLM, LLMEngine, SamplingParams
 from conveyor.config import SpeculativeConfig
 from conveyor.outputs import PenaltyCounts, SamplingRow
 from conveyor.sample.sampler import Sampler, sampling_probs
-from conveyor.spec.ngram import NgramProposer
-from conveyor.spec.policy import DraftPolicy
-from conveyor.spec.verifier import rejection_sample, verify
+from conveyor.sample.verifier import rejection_sample, verify
+from conveyor.speculative.ngram import NgramProposer
+from conveyor.speculative.policy import DraftPolicy
 
 MAX_TOKENS = 24
 MAX_STEPS = 2000
@@ -180,7 +180,7 @@ def test_cli_refuses_a_bad_config_before_loading_a_model():
         }
     )
     result = subprocess.run(
-        [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--speculative-config", bad],
+        [sys.executable, "-m", "conveyor.cli", "serve", "--speculative-config", bad],
         capture_output=True,
         text=True,
         timeout=120,

@@ -37,11 +37,11 @@ def test_serve_starts_its_engine_core_before_importing_torch():
     model load run while the server imports torch: the parsing must not import torch itself."""
     code = (
         "import sys\n"
-        "from conveyor.entrypoints.cli import build_parser\n"
-        "from conveyor.entrypoints.args import engine_kwargs\n"
+        "from conveyor.cli import build_parser\n"
+        "from conveyor.entrypoints.args import engine_args\n"
         "from conveyor.engine.core_proc import CoreProcess\n"
         "args = build_parser(bench=False).parse_args(['serve', 'some/model', '--max-n', '4'])\n"
-        "assert args.max_n == 4 and engine_kwargs(args)['model'] == 'some/model'\n"
+        "assert args.max_n == 4 and engine_args(args).model == 'some/model'\n"
         "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n"
     )
     result = run(sys.executable, "-c", code)
@@ -52,7 +52,7 @@ def test_serve_starts_its_engine_core_before_importing_torch():
 def test_serve_help_groups_its_flags_and_explains_each():
     import argparse
 
-    from conveyor.entrypoints.cli import build_parser
+    from conveyor.cli import build_parser
 
     parser = build_parser()
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -98,7 +98,7 @@ def test_a_checkpoint_without_a_tokenizer_needs_one_given(tmp_path, capsys):
         raise AssertionError("a checkpoint without a tokenizer was accepted")
     assert "has no tokenizer" in message and "--tokenizer PATH" in message
     # The CLI in this process (`python -m conveyor` itself is run above).
-    from conveyor.entrypoints.cli import main as cli_main
+    from conveyor.cli import main as cli_main
 
     assert cli_main(["generate", str(model), "--max-tokens", "2"]) == 2
     assert "has no tokenizer" in capsys.readouterr().err

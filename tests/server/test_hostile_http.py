@@ -13,8 +13,8 @@ import server_util
 from server_util import HTTP, ServerProcess
 
 from conveyor.limits import RequestLimits
-from conveyor.spec import ngram
-from conveyor.spec.ngram import NgramProposer
+from conveyor.speculative import ngram
+from conveyor.speculative.ngram import NgramProposer
 
 MODEL = "tiny"
 

@@ -141,11 +141,12 @@ def test_forged_frames_to_an_engine_core_process_are_dropped_unread(model, tmp_p
 
 def test_forged_frames_to_a_ray_engine_core_are_dropped_unread(model, tmp_path):
     ray = pytest.importorskip("ray")
-    from conveyor.distributed.ray_placement import RayCoreProcess, init_ray
     from conveyor.engine.core_client import AsyncMPEngine
+    from conveyor.engine.ray_placement import RayCoreProcess, init_ray
+    from conveyor.engine_args import EngineArgs
 
     init_ray()  # a local cluster: both ends listen on loopback only
-    kwargs = dict(model=model, dtype="float64", num_threads=1)
+    args = EngineArgs(model=model, dtype="float64", num_threads=1)
 
     async def generate(engine, request_id: str) -> list[int]:
         stream = await engine.add_request(request_id, [5, 6, 7], GREEDY)
@@ -154,7 +155,7 @@ def test_forged_frames_to_a_ray_engine_core_are_dropped_unread(model, tmp_path):
                 return out.outputs[0].token_ids
 
     async def attack_then_generate() -> None:
-        engine = AsyncMPEngine(kwargs, spawn=RayCoreProcess)
+        engine = AsyncMPEngine(args, spawn=RayCoreProcess)
         try:
             process = engine._process
             output = process.output.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -201,7 +202,7 @@ def test_with_block_ends_every_rank_and_leaves_nothing_on_disk(model):
         # crash cannot leave it behind.
         ours = f"conveyor-tp-{os.getpid()}-"
         assert [name for name in os.listdir("/dev/shm") if name.startswith(ours)] == []
-        assert _children(os.getpid(), "conveyor.distributed.worker") == pids
+        assert _children(os.getpid(), "conveyor.worker.tp_worker") == pids
         assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert not _wait_gone(pids, timeout=0.5), "a rank outlived its `with` block"
     with pytest.raises(RuntimeError, match="shut down"):
@@ -218,7 +219,7 @@ def test_a_constructor_that_fails_halfway_leaves_no_rank(model, monkeypatch):
     monkeypatch.setattr(llm_engine, "load_tokenizer", broken)
     with pytest.raises(OSError, match="tokenizer unreadable"):
         LLM(model, dtype="float64", tensor_parallel_size=2)
-    assert _children(os.getpid(), "conveyor.distributed.worker") == []
+    assert _children(os.getpid(), "conveyor.worker.tp_worker") == []
 
 
 def test_a_dropped_llm_ends_its_ranks_and_the_script_exits(model, tmp_path):

@@ -14,6 +14,7 @@ from conveyor.engine.client import EngineClient
 from conveyor.engine.core_client import AsyncMPEngine
 from conveyor.engine.data_parallel import AsyncDPEngine
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine_args import EngineArgs
 from conveyor.entrypoints.openai.api_server import build_app
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -24,8 +25,8 @@ MEMBERS = sorted(
 
 
 @pytest.fixture(scope="module")
-def kwargs(tiny_checkpoint):
-    return dict(model=str(tiny_checkpoint("llama")), dtype="float32", num_threads=1)
+def args(tiny_checkpoint):
+    return EngineArgs(model=str(tiny_checkpoint("llama")), dtype="float32", num_threads=1)
 
 
 async def _generate(engine: EngineClient, request_id: str) -> list[int]:
@@ -51,10 +52,10 @@ def _check(engine: EngineClient, replicas: int) -> list[int]:
     return asyncio.run(_generate(engine, "r0"))
 
 
-def test_every_engine_shape_is_an_engine_client_and_serves(kwargs):
-    local = AsyncEngine(LLMEngine(kwargs["model"], dtype="float32"))
-    process = AsyncMPEngine(kwargs)
-    replicated = AsyncDPEngine(kwargs, 2)
+def test_every_engine_shape_is_an_engine_client_and_serves(args):
+    local = AsyncEngine(LLMEngine(args.model, dtype="float32"))
+    process = AsyncMPEngine(args)
+    replicated = AsyncDPEngine(args, 2)
     try:
         answers = [_check(local, 1), _check(process, 1), _check(replicated, 2)]
         assert [r.replica_index for r in replicated.replicas] == [0, 1]
@@ -65,8 +66,8 @@ def test_every_engine_shape_is_an_engine_client_and_serves(kwargs):
     assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 4
 
 
-def test_an_llm_engine_is_wrapped_not_taken_for_a_client(kwargs):
-    engine = LLMEngine(kwargs["model"], dtype="float32")
+def test_an_llm_engine_is_wrapped_not_taken_for_a_client(args):
+    engine = LLMEngine(args.model, dtype="float32")
     app = build_app(engine, "tiny", dashboard=False)
     try:
         assert isinstance(app.state.engine, AsyncEngine)
@@ -76,20 +77,20 @@ def test_an_llm_engine_is_wrapped_not_taken_for_a_client(kwargs):
 
 
 def test_messages_are_torch_free_and_cross_a_signed_channel_as_they_are():
-    """engine/messages.py: the front end loads it before torch; every kind survives the
+    """messages.py: the front end loads it before torch; every kind survives the
     channel's pickling (distributed/channel.py) with its type and fields."""
     import subprocess
     import sys
 
     code = (
-        "import sys, conveyor.engine.messages, conveyor.engine.core_proc\n"
+        "import sys, conveyor.messages, conveyor.engine.core_proc\n"
         "heavy = [m for m in ('torch', 'conveyor.engine.core') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
+    from conveyor import messages as m
     from conveyor.distributed.channel import Opener, Sealer, new_key
-    from conveyor.engine import messages as m
 
     key = new_key()
     sealer, opener = Sealer(key, "test"), Opener(key, "test")

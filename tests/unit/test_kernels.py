@@ -464,8 +464,8 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
     """A random decoder layer of the Llama family, and its rotary table."""
     from transformers import LlamaConfig
 
-    from conveyor.config import ModelConfig
     from conveyor.distributed.parallel import TPGroup
+    from conveyor.model.config import ModelConfig
     from conveyor.model.layers import RotaryEmbedding
     from conveyor.model.llama import LlamaDecoderLayer
 

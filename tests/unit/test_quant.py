@@ -16,8 +16,8 @@ from gguf_util import write_gguf
 from transformers import AutoModelForCausalLM
 
 from conveyor import LLM, SamplingParams
-from conveyor.config import ModelConfig
 from conveyor.model import quant
+from conveyor.model.config import ModelConfig
 from conveyor.model.quant import BlockWeight, QuantEmbedding, QuantLinear
 
 pytestmark = pytest.mark.skipif(

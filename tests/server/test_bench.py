@@ -22,7 +22,7 @@ from conveyor.bench.serve import (
 )
 from conveyor.bench.serve import main as serve_main
 from conveyor.bench.throughput import main as throughput_main
-from conveyor.entrypoints.cli import build_parser
+from conveyor.cli import build_parser
 
 GENERATED = "conveyor:generation_tokens_total"
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank > 0: `python -m conveyor.distributed.worker`, started by
+"""A tensor-parallel rank > 0: `python -m conveyor.worker.tp_worker`, started by
 executor.TPWorkers in the engine core's process, with its settings (and its channel's key) on
 stdin.
 
@@ -14,10 +14,14 @@ import os
 import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
-from conveyor.distributed.channel import Opener, Sealer, read_settings
+from conveyor.distributed.channel import Opener, Sealer, die_with_parent, read_settings
+
+if TYPE_CHECKING:
+    from conveyor.worker.executor import RankSettings
 
 IDLE_POLL_MS = 1000
 
@@ -26,20 +30,18 @@ def main() -> None:
     sys.exit(run_worker(read_settings()))
 
 
-def run_worker(settings: dict) -> int:
+def run_worker(settings: RankSettings) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core stops this process itself
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if settings["pdeathsig"]:
-        from conveyor.engine.core_proc import _die_with_parent
-
-        _die_with_parent()
+    if settings.pdeathsig:
+        die_with_parent()
     context = zmq.Context()
     back = context.socket(zmq.PUSH)
     back.setsockopt(zmq.LINGER, 5000)  # Failed gets out before the exit
-    back.connect(settings["back"])
+    back.connect(settings.back)
     steps = context.socket(zmq.PULL)
     steps.setsockopt(zmq.LINGER, 0)
-    steps.bind(settings["steps"])
+    steps.bind(settings.steps)
     try:
         return _serve(settings, steps, back)
     finally:
@@ -48,12 +50,12 @@ def run_worker(settings: dict) -> int:
         context.term()
 
 
-def _serve(settings: dict, steps: zmq.Socket, back: zmq.Socket) -> int:
-    from conveyor.distributed.executor import REPLIES, STEPS
-    from conveyor.engine.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
+def _serve(settings: RankSettings, steps: zmq.Socket, back: zmq.Socket) -> int:
+    from conveyor.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
+    from conveyor.worker.executor import REPLIES, STEPS
 
-    rank = settings["rank"]
-    sealer, opener = Sealer(settings["key"], REPLIES), Opener(settings["key"], STEPS)
+    rank = settings.rank
+    sealer, opener = Sealer(settings.key, REPLIES), Opener(settings.key, STEPS)
     back.send(sealer.seal(Hello(steps.getsockopt_string(zmq.LAST_ENDPOINT), rank)))
     try:
         runner = _build_runner(settings)
@@ -64,7 +66,7 @@ def _serve(settings: dict, steps: zmq.Socket, back: zmq.Socket) -> int:
     back.send(sealer.seal(Ready(rank=rank)))
     while True:
         if not steps.poll(IDLE_POLL_MS):
-            if os.getppid() != settings["parent_pid"]:
+            if os.getppid() != settings.parent_pid:
                 return 0  # orphaned: the engine core is gone
             continue
         message = opener.open(steps.recv())
@@ -83,32 +85,33 @@ def _serve(settings: dict, steps: zmq.Socket, back: zmq.Socket) -> int:
             return 1
 
 
-def _build_runner(settings: dict):
+def _build_runner(settings: RankSettings):
     import torch
 
     from conveyor.distributed.parallel import TPShard, connect
     from conveyor.worker.model_runner import ModelRunner
 
-    if settings["num_threads"] is not None:
-        torch.set_num_threads(settings["num_threads"])
-    device = torch.device(settings["device"])
+    own = settings.runner
+    if own.num_threads is not None:
+        torch.set_num_threads(own.num_threads)
+    device = torch.device(settings.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = connect(
-        TPShard(settings["rank"], settings["size"]),
+        TPShard(settings.rank, settings.size),
         device,
-        address=settings["store"],
-        timeout=settings["timeout"],
-        join_timeout=settings["join_timeout"],
-        shm_path=settings["shm_path"],
+        address=settings.store,
+        timeout=settings.timeout,
+        join_timeout=settings.join_timeout,
+        shm_path=settings.shm_path,
     )
-    torch.manual_seed(settings["seed"])
+    torch.manual_seed(own.seed)
     return ModelRunner(
-        settings["model_config"],
+        own.model_config,
         device,
-        settings["block_size"],
-        settings["seed"],
-        settings["kv_cache_dtype"],
+        own.block_size,
+        own.seed,
+        own.kv_cache_dtype,
         tp=group,
     )
 

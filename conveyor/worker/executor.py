@@ -1,7 +1,7 @@
 """Rank 0's side of tensor parallelism: the other ranks as worker processes.
 
 The engine core stays single: its scheduler runs on rank 0, which starts ranks 1..N-1
-(`python -m conveyor.distributed.worker`), joins them in one torch.distributed process group
+(`python -m conveyor.worker.tp_worker`), joins them in one torch.distributed process group
 (gloo on CPU, NCCL on CUDA) and, every step, sends them the step's inputs (StepInputs) before
 it runs its own share of the forward. The collectives inside the forward (two all-reduces per
 layer, the embedding's all-reduce and the logits' all-gather) keep the ranks in lockstep.
@@ -13,7 +13,7 @@ the timeout when it hangs), and the engine goes down with an error that names th
 a hang.
 
 Each worker binds its own step socket (PULL, an abstract Unix socket) and says where in its
-Hello (engine/messages.py, as every message here); rank 0 connects one PUSH to each, and binds
+Hello (messages.py, as every message here); rank 0 connects one PUSH to each, and binds
 only the PULL their replies come back on.
 Every frame is signed (distributed/channel.py) with a key that reaches the workers on their
 stdin, together with the rest of their settings: no file, no temporary folder. The process
@@ -30,18 +30,53 @@ import sys
 import threading
 import time
 import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
 
 from conveyor.distributed.channel import Opener, Sealer, hand_over, local_address, new_key
 from conveyor.distributed.parallel import DEFAULT_TIMEOUT, TPGroup, TPShard, connect, serve_store
-from conveyor.engine.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
+from conveyor.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
+
+if TYPE_CHECKING:
+    from conveyor.model.config import ModelConfig
 
 # The labels of the two directions (distributed/channel.py); every worker gets the same steps.
 STEPS, REPLIES = "tp-steps", "tp-replies"
 
 POLL_MS = 200
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """What every rank needs to build its runner, the same as rank 0's."""
+
+    model_config: ModelConfig
+    block_size: int
+    seed: int
+    kv_cache_dtype: str
+    num_threads: int | None  # each rank's CPU threads; None: torch's default
+
+
+@dataclass(frozen=True, slots=True)
+class RankSettings:
+    """One worker's settings, handed over on its stdin: its runner's, and where it joins."""
+
+    runner: WorkerSettings
+    rank: int
+    size: int
+    device: str
+    store: tuple[str, int]  # the process group's store
+    timeout: float  # of a collective
+    join_timeout: float
+    key: bytes  # the channel's (distributed/channel.py)
+    steps: str  # where its step socket binds
+    back: str  # where its replies go
+    shm_path: str | None  # the shared-memory all-reduce's file, if any
+    parent_pid: int
+    pdeathsig: bool
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -56,7 +91,7 @@ class TPWorkers:
 
     def __init__(
         self,
-        worker_kwargs: dict,
+        settings: WorkerSettings,
         size: int,
         device: torch.device,
         timeout: float = DEFAULT_TIMEOUT,
@@ -64,8 +99,7 @@ class TPWorkers:
     ) -> None:
         """Starts the workers and returns at once: rank 0 loads its share of the model while
         they start (`group` is its TPGroup, without a process group until `connect`), then
-        calls `connect` and `wait_ready`. worker_kwargs: what each worker needs to build its
-        runner (model_config, block_size, seed, kv_cache_dtype, num_threads)."""
+        calls `connect` and `wait_ready`."""
         self.size = size
         self.device, self.timeout = rank_device(device, 0), timeout
         self.start_timeout = start_timeout
@@ -94,8 +128,8 @@ class TPWorkers:
         # PR_SET_PDEATHSIG fires when the thread that started the child exits.
         pdeathsig = threading.current_thread() is threading.main_thread()
         for rank in range(1, size):
-            settings = dict(
-                worker_kwargs,
+            rank_settings = RankSettings(
+                settings,
                 rank=rank,
                 size=size,
                 device=str(rank_device(device, rank)),
@@ -109,9 +143,9 @@ class TPWorkers:
                 parent_pid=os.getpid(),
                 pdeathsig=pdeathsig,
             )
-            command = [sys.executable, "-m", "conveyor.distributed.worker"]
+            command = [sys.executable, "-m", "conveyor.worker.tp_worker"]
             self.procs.append(subprocess.Popen(command, stdin=subprocess.PIPE))
-            hand_over(self.procs[-1], settings)
+            hand_over(self.procs[-1], rank_settings)
 
     def connect(self) -> None:
         """Waits for every worker to be up, then joins the process group with them."""

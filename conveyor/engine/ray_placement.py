@@ -25,7 +25,8 @@ import time
 import zmq
 
 from conveyor.engine.core_client import CoreProcess
-from conveyor.engine.messages import Stop
+from conveyor.engine_args import EngineArgs
+from conveyor.messages import Stop
 
 logger = logging.getLogger(__name__)
 
@@ -61,24 +62,24 @@ def init_ray(address: str | None = None) -> None:
         logger.info("conveyor: Ray cluster resources %s", ray.cluster_resources())
 
 
-def actor_resources(kwargs: dict) -> dict:
+def actor_resources(args: EngineArgs) -> dict:
     """What one engine core asks Ray for: one GPU per tensor-parallel rank on CUDA (and a
     CPU), else its CPU threads."""
     import torch
 
-    tp = kwargs.get("tensor_parallel_size", 1) or 1
-    if str(kwargs.get("device", "cpu")).startswith("cuda"):
+    tp = args.tensor_parallel_size
+    if args.on_cuda:
         return {"num_cpus": 1, "num_gpus": tp}
-    threads = kwargs.get("num_threads") or torch.get_num_threads()
+    threads = args.num_threads or torch.get_num_threads()
     return {"num_cpus": max(threads, tp), "num_gpus": 0}
 
 
-def check_capacity(kwargs: dict, num_replicas: int) -> None:
+def check_capacity(args: EngineArgs, num_replicas: int) -> None:
     """Refuses, before any actor waits forever for resources, a placement the cluster cannot
     hold."""
     import ray
 
-    need = actor_resources(kwargs)
+    need = actor_resources(args)
     have = ray.cluster_resources()
     for key, ray_key in (("num_cpus", "CPU"), ("num_gpus", "GPU")):
         wanted = need[key] * num_replicas
@@ -93,7 +94,7 @@ def check_capacity(kwargs: dict, num_replicas: int) -> None:
 class EngineCoreActor:
     """The Ray actor around one engine core: run() is the core's whole life."""
 
-    def run(self, kwargs: dict, key: bytes, host: str | None, output_address: str) -> int:
+    def run(self, args: EngineArgs, key: bytes, host: str | None, output_address: str) -> int:
         """host: where the core's command socket listens (None: this node's address)."""
         import ray
 
@@ -101,7 +102,7 @@ class EngineCoreActor:
 
         host = host or ray.util.get_node_ip_address()
         input_address = f"tcp://{host}:*"
-        return run_engine_core(kwargs, key, input_address, output_address, os.getppid(), False)
+        return run_engine_core(args, key, input_address, output_address, os.getppid(), False)
 
     def pid(self) -> int:
         return os.getpid()
@@ -110,7 +111,7 @@ class EngineCoreActor:
 class RayCoreProcess(CoreProcess):
     """CoreProcess's interface over an engine core that runs in a Ray actor."""
 
-    def __init__(self, kwargs: dict, context: zmq.Context) -> None:
+    def __init__(self, args: EngineArgs, context: zmq.Context) -> None:
         import ray
 
         local = _cluster["local"]
@@ -118,8 +119,8 @@ class RayCoreProcess(CoreProcess):
         output_address = self._open(context, f"tcp://{host}:*")
         # Two method slots: pid() answers while run() holds the core.
         actor = ray.remote(max_concurrency=2, max_restarts=0)(EngineCoreActor)
-        self.actor = actor.options(**actor_resources(kwargs)).remote()
-        self.ref = self.actor.run.remote(kwargs, self.key, host if local else None, output_address)
+        self.actor = actor.options(**actor_resources(args)).remote()
+        self.ref = self.actor.run.remote(args, self.key, host if local else None, output_address)
         self.exit_fd = None  # no pidfd for a process on another node: the watchdog asks Ray
         self._pid: int | None = None
 

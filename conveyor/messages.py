@@ -12,7 +12,7 @@ Front end -> engine core (engine/core_proc.py):
 Engine core -> front end:
   Hello (first: where the core's command socket listens), then Ready or Failed; then
   StepOutput per step, Snapshot per SnapshotRequest, and Dead if the core failed.
-Rank 0 -> tensor-parallel worker (distributed/executor.py, distributed/worker.py):
+Rank 0 -> tensor-parallel worker (worker/executor.py, worker/tp_worker.py):
   AllocateKV, RunStep, Stop
 Worker -> rank 0:
   Hello (with its rank), then Ready or Failed.

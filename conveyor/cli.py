@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from conveyor.entrypoints.args import add_engine_args, engine_kwargs
+from conveyor.entrypoints.args import add_engine_args, engine_args
+
+if TYPE_CHECKING:
+    from conveyor.engine_args import EngineArgs
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -17,10 +21,10 @@ DEMO_QUESTIONS = [
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from conveyor import LLM, SamplingParams
+    from conveyor.entrypoints.llm import LLM
+    from conveyor.sampling_params import SamplingParams
 
-    kwargs = engine_kwargs(args)
-    llm = LLM(kwargs.pop("model"), **kwargs)
+    llm = LLM(engine_args(args))
     questions = args.prompt or DEMO_QUESTIONS
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
@@ -39,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    kwargs = engine_kwargs(args)
+    settings = engine_args(args)
     ray = args.distributed_executor_backend == "ray"
     if args.engine_process and args.data_parallel_size == 1 and not ray:
         # The core first: it loads the model while this process imports the server (torch,
@@ -49,20 +53,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from conveyor.engine.core_proc import CoreProcess
 
         context = zmq.Context()
-        started = CoreProcess(kwargs, context)
+        started = CoreProcess(settings, context)
         try:
-            return _serve(args, kwargs, started=(started, context))
+            return _serve(args, settings, started=(started, context))
         finally:
             started.kill()  # a no-op after a clean shutdown; else no core is left behind
-    return _serve(args, kwargs)
+    return _serve(args, settings)
 
 
-def _serve(args: argparse.Namespace, kwargs: dict, started=None) -> int:
+def _serve(args: argparse.Namespace, settings: EngineArgs, started=None) -> int:
     from conveyor import heap
 
     heap.pause()  # until the server is about to listen (conveyor/heap.py)
     try:
-        app = _server_app(args, kwargs, started)
+        app = _server_app(args, settings, started)
     finally:
         heap.freeze()
     if isinstance(app, int):
@@ -72,7 +76,7 @@ def _serve(args: argparse.Namespace, kwargs: dict, started=None) -> int:
     return run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
 
 
-def _server_app(args: argparse.Namespace, kwargs: dict, started):
+def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     """The app over a ready engine, or an exit status for flags that do not go together."""
     import os
 
@@ -97,12 +101,12 @@ def _server_app(args: argparse.Namespace, kwargs: dict, started):
 
         spawn, restart = CoreProcess, args.restart_engine
         if ray:  # Ray places each replica's core; a dead one is placed again and rejoins
-            from conveyor.distributed.ray_placement import RayCoreProcess, init_ray
+            from conveyor.engine.ray_placement import RayCoreProcess, init_ray
 
             init_ray(args.ray_address)
             spawn, restart = RayCoreProcess, True
         engine = AsyncDPEngine(
-            kwargs,
+            settings,
             args.data_parallel_size,
             routing=args.data_parallel_routing,
             iteration_timeout=args.engine_iteration_timeout,
@@ -111,13 +115,13 @@ def _server_app(args: argparse.Namespace, kwargs: dict, started):
         )
     elif args.engine_process:
         engine = AsyncMPEngine(
-            kwargs,
+            settings,
             iteration_timeout=args.engine_iteration_timeout,
             restart=args.restart_engine,
             started=started,
         )
     else:  # built on the engine thread, where it runs
-        engine = AsyncEngine(lambda: LLMEngine(**kwargs))
+        engine = AsyncEngine(lambda: LLMEngine(settings))
     app = build_app(
         engine,
         args.served_model_name,

