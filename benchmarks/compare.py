@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.records import RequestRecord, RunResult, StepRecord
+from benchmarks.records import RequestRecord, RunResult, StepSpan
 from conveyor.bench.datasets import (
     OUTPUT_DISTS,
     SampleRequest,
@@ -363,32 +363,30 @@ def _warm_up_hf(model, pad_id: int) -> None:
 # ---- driving conveyor in real time ---------------------------------------------------------
 
 
-def drive_engine(engine, workload: Workload, bar) -> tuple[list[RequestRecord], list[StepRecord]]:
+def drive_engine(engine, workload: Workload, bar) -> tuple[list[RequestRecord], list[StepSpan]]:
     """Adds each request once its arrival time has passed; steps while there is work, sleeps
     until the next arrival when idle. The engine is idle again when this returns."""
     engine.trace.clear()
     start = time.monotonic()
     records: list[RequestRecord] = []
-    step_starts: list[float] = []
+    spans: list[tuple[float, float]] = []  # (begin, end) of each step that ran
     num_sent = 0
     while len(records) < len(workload.requests):
         num_sent = _send_arrived(engine, workload, start, num_sent)
         if not engine.has_unfinished_requests():
             _sleep_until(start + workload.arrivals[num_sent])
             continue
-        step_start = time.monotonic()
+        step_start = time.monotonic() - start
         outputs = engine.step()
-        if len(engine.trace) > len(step_starts):
-            step_starts.append(step_start - start)
+        if len(engine.trace) > len(spans):
+            spans.append((step_start, time.monotonic() - start))
         for out in outputs:
             if out.finished:
                 records.append(_engine_record(out, workload, start))
                 bar.update()
     steps = [
-        StepRecord(
-            begin, t.time - start, dict(t.num_scheduled_tokens), list(t.finished_request_ids)
-        )
-        for begin, t in zip(step_starts, engine.trace, strict=True)
+        StepSpan(begin, end, dict(t.num_scheduled_tokens), list(t.finished_request_ids))
+        for (begin, end), t in zip(spans, engine.trace, strict=True)
     ]
     engine.trace.clear()
     return sorted(records, key=lambda r: int(r.request_id)), steps
@@ -448,11 +446,11 @@ class _StepClock:
 
 def drive_hf(
     model, workload: Workload, max_num_seqs: int, pad_id: int, bar
-) -> tuple[list[RequestRecord], list[StepRecord]]:
+) -> tuple[list[RequestRecord], list[StepSpan]]:
     """The naive loop: take up to max_num_seqs arrived requests, generate, return, repeat."""
     start = time.monotonic()
     records: list[RequestRecord] = []
-    steps: list[StepRecord] = []
+    steps: list[StepSpan] = []
     num_taken = 0
     while num_taken < len(workload.requests):
         _sleep_until(start + workload.arrivals[num_taken])
@@ -471,7 +469,7 @@ def drive_hf(
 
 
 def _generate_batch(
-    model, workload: Workload, batch: list[int], pad_id: int, start: float, steps: list[StepRecord]
+    model, workload: Workload, batch: list[int], pad_id: int, start: float, steps: list[StepSpan]
 ) -> list[RequestRecord]:
     from transformers import StoppingCriteriaList
 
@@ -518,7 +516,7 @@ def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
     return input_ids, attention_mask
 
 
-def _hf_steps(ids: list[str], width: int, times: list[float], start: float) -> list[StepRecord]:
+def _hf_steps(ids: list[str], width: int, times: list[float], start: float) -> list[StepSpan]:
     """Every member occupies the batch for every step; the first step computes the padded
     prompt, later steps one token each; all leave after the last step."""
     steps = []
@@ -526,7 +524,7 @@ def _hf_steps(ids: list[str], width: int, times: list[float], start: float) -> l
         num_tokens = width if k == 1 else 1
         last = k == len(times) - 1
         steps.append(
-            StepRecord(
+            StepSpan(
                 times[k - 1] - start,
                 times[k] - start,
                 dict.fromkeys(ids, num_tokens),
@@ -539,7 +537,7 @@ def _hf_steps(ids: list[str], width: int, times: list[float], start: float) -> l
 # ---- metrics --------------------------------------------------------------------------------
 
 
-def token_times(record: RequestRecord, steps: list[StepRecord]) -> list[float]:
+def token_times(record: RequestRecord, steps: list[StepSpan]) -> list[float]:
     """When each of a request's output tokens was computed: the end of the step that
     completed its prompt, then of every later step it ran in (one token per step, as neither
     system speculates), up to its number of output tokens."""
@@ -559,8 +557,8 @@ def tbt_p99(times: list[float]) -> float:
     return float(np.percentile(np.diff(times), 99)) if len(times) > 1 else 0.0
 
 
-def set_tbt_p99(records: list[RequestRecord], steps: list[StepRecord]) -> None:
-    by_request: dict[str, list[StepRecord]] = {}
+def set_tbt_p99(records: list[RequestRecord], steps: list[StepSpan]) -> None:
+    by_request: dict[str, list[StepSpan]] = {}
     for step in steps:
         for request_id in step.num_scheduled_tokens:
             by_request.setdefault(request_id, []).append(step)
@@ -574,7 +572,7 @@ def goodput(records: list[RequestRecord], duration: float, tbt_slo: float) -> fl
 
 
 def summarize(
-    records: list[RequestRecord], steps: list[StepRecord], max_num_seqs: int, tbt_slo: float
+    records: list[RequestRecord], steps: list[StepSpan], max_num_seqs: int, tbt_slo: float
 ) -> dict[str, float]:
     duration = max(r.finish for r in records) - min(r.arrival for r in records)
     normalized = [r.normalized_latency for r in records]
@@ -600,7 +598,7 @@ def summarize(
     }
 
 
-def _mean_batch_size(steps: list[StepRecord]) -> float:
+def _mean_batch_size(steps: list[StepSpan]) -> float:
     """Time-weighted number of requests in a step while the model was running."""
     busy = sum(s.end - s.start for s in steps)
     weighted = sum((s.end - s.start) * len(s.num_scheduled_tokens) for s in steps)
@@ -608,7 +606,7 @@ def _mean_batch_size(steps: list[StepRecord]) -> float:
 
 
 def count_joins_in_progress(
-    steps: list[StepRecord], records: list[RequestRecord], max_num_seqs: int
+    steps: list[StepSpan], records: list[RequestRecord], max_num_seqs: int
 ) -> int:
     """Requests that joined a batch in progress: they started while the batch still held
     (a) a request that had already run before they arrived, or (b) since it was last empty,

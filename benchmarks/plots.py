@@ -16,7 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from benchmarks.records import RunResult, StepRecord
+from benchmarks.records import RunResult, StepSpan
 
 COLORS = {"conveyor-fcfs": "#1f77b4", "conveyor-static": "#ff7f0e", "hf-generate": "#2ca02c"}
 MARKERS = {"conveyor-fcfs": "o", "conveyor-static": "s", "hf-generate": "^"}
@@ -172,7 +172,7 @@ def _draw_occupancy(ax, result: RunResult) -> None:
     ax.scatter(*leaves, marker="v", s=22, color=LEAVE_COLOR, zorder=3, label="leave")
 
 
-def _occupancy_steps(steps: list[StepRecord]) -> tuple[list[float], list[int]]:
+def _occupancy_steps(steps: list[StepSpan]) -> tuple[list[float], list[int]]:
     """Step-function points: each step holds its batch size from its start to the next step's
     start, or drops to 0 at its end when it left nobody unfinished (the batch is empty)."""
     xs, ys = [0.0], [0]
@@ -199,7 +199,7 @@ def _in_system(result: RunResult) -> tuple[list[float], list[int]]:
     return xs, ys
 
 
-def _events(steps: list[StepRecord]):
+def _events(steps: list[StepSpan]):
     """Join markers at the start of a request's first step, stacked above the batch size;
     leave markers at the end of its last step, stacked down from the batch size."""
     seen: set[str] = set()

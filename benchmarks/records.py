@@ -37,8 +37,10 @@ class RequestRecord:
 
 
 @dataclass(slots=True)
-class StepRecord:
-    """Who ran in one model step (request_id -> tokens computed) and who left after it."""
+class StepSpan:
+    """When one model step ran (seconds from the start of its run), who ran in it (request_id
+    -> tokens computed) and who left after it: what the plots need of conveyor's StepRecords,
+    and what the baselines without an engine (transformers' generate) record of theirs."""
 
     start: float
     end: float
@@ -51,5 +53,5 @@ class RunResult:
     system: str
     request_rate: float
     requests: list[RequestRecord]
-    steps: list[StepRecord]
+    steps: list[StepSpan]
     summary: dict[str, float]

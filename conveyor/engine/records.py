@@ -31,23 +31,6 @@ MAX_ROWS = 256
 SNAPSHOT_TIMEOUT = 2.0
 
 
-class StepRecord(NamedTuple):
-    """One step of the batch: who ran, with how many tokens of which kind, who came and went."""
-
-    step: int
-    time: float  # time.time() at the end of the step
-    seconds: float  # the step's duration
-    num_requests: int  # requests that computed tokens in this step
-    prefill_tokens: int  # prompt (or recomputed) tokens
-    decode_tokens: int  # one per decoding request, plus its draft tokens
-    generated_tokens: int  # output tokens the step produced
-    joined: tuple[str, ...]  # admitted to the batch (new, or resumed after preemption)
-    first_token: tuple[str, ...]  # finished their prompt: decoding from now on
-    left: tuple[str, ...]  # finished, aborted or stopped since the last record
-    preempted: tuple[str, ...]  # sent back to the queue
-    seq: int = 0  # this record's number: a step's, or one for requests that left while idle
-
-
 class StepTiming(NamedTuple):
     """Seconds of one step's parts. Only `forward` (the model and its logits) is the model's
     work; everything else is the engine's own."""
@@ -68,21 +51,44 @@ class StepTiming(NamedTuple):
 
 
 @dataclass(slots=True)
-class StepTrace:
-    """Batch occupancy of one step: who ran, with how many tokens, and who left."""
+class StepRecord:
+    """One step of the batch: who ran, with how many tokens of which kind, who came and went,
+    and what its parts took. The one record of a step: the dashboard reads the last one (in
+    the core's stats), tests and benchmarks the whole trace (record_trace=True)."""
 
     step: int
-    time: float
-    num_scheduled_tokens: dict[str, int]
-    finished_request_ids: list[str]
-    preempted_request_ids: list[str] = field(default_factory=list)
-    timing: StepTiming = StepTiming()
+    time: float  # time.time() at the end of the step
+    timing: StepTiming
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed in this step
+    prefill_tokens: int  # prompt (or recomputed) tokens
+    decode_tokens: int  # one per decoding request, plus its draft tokens
+    generated_tokens: int  # output tokens the step produced
+    joined: tuple[str, ...]  # admitted to the batch (new, or resumed after preemption)
+    first_token: tuple[str, ...]  # finished their prompt: decoding from now on
+    left: tuple[str, ...]  # finished, aborted or stopped since the last record
+    preempted_request_ids: list[str]  # sent back to the queue
+    # Ended with this step: finished in it, or stopped by the front end before the next one
+    # (a stop string), which the observer adds; aborts are not counted.
+    finished_request_ids: list[str] = field(default_factory=list)
+    seq: int = 0  # this record's number: a step's, or one for requests that left while idle
+
+    @property
+    def seconds(self) -> float:
+        """The step's duration."""
+        return self.timing.total
+
+    @property
+    def num_requests(self) -> int:
+        """Requests that computed tokens in this step."""
+        return len(self.num_scheduled_tokens)
 
 
 def left_while_idle(step: int, left: list[str], seq: int) -> StepRecord:
     """A record of no step: requests that ended (aborted, say) while no step was to follow,
     so that observers hear of them now rather than at some later step."""
-    return StepRecord(step, time.time(), 0.0, 0, 0, 0, 0, (), (), tuple(left), (), seq)
+    return StepRecord(
+        step, time.time(), StepTiming(), {}, 0, 0, 0, (), (), tuple(left), [], seq=seq
+    )
 
 
 def count_tokens(sched: SchedulerOutput, requests: dict[str, Request]) -> tuple[int, int]:
@@ -101,16 +107,17 @@ def count_tokens(sched: SchedulerOutput, requests: dict[str, Request]) -> tuple[
 def step_record(
     step: int,
     seq: int,
-    seconds: float,
+    timing: StepTiming,
     sched: SchedulerOutput,
     tokens: tuple[int, int],
     updated: list[Request],
     before: list[int],
     left: list[str],
+    finished: list[str],
 ) -> StepRecord:
     """`tokens`: count_tokens() of the step; `updated` / `before`: the requests that sampled
     and their output counts before the step; `left`: the ids that ended (in this step, or
-    between steps)."""
+    between steps); `finished`: those that ended in this step."""
     generated = 0
     first = []
     for request, num_before in zip(updated, before, strict=True):
@@ -120,14 +127,15 @@ def step_record(
     return StepRecord(
         step,
         time.time(),
-        seconds,
-        len(sched.scheduled),
+        timing,
+        sched.num_scheduled_tokens,
         *tokens,
         generated,
         tuple(sched.joined_request_ids),
         tuple(first),
         tuple(left),
-        tuple(sched.preempted_request_ids),
+        list(sched.preempted_request_ids),
+        list(finished),
         seq,
     )
 
@@ -218,13 +226,14 @@ def _row(request: Request, state: str, now: float) -> RequestRow:
 
 class StepObserver:
     """What the core keeps of its steps besides their outputs, in one place: each step's
-    timing (the speculative policy's cost model reads it too), the dashboard's StepRecord, the
-    benchmarks' StepTrace (record_trace), and what observing costs (the dashboard's cost
-    line). The core calls it around its step; nothing here changes what a step computes."""
+    timing (the speculative policy's cost model reads it too), its StepRecord (the last one
+    for the dashboard; all of them with record_trace, for tests and benchmarks), and what
+    observing costs (the dashboard's cost line). The core calls it around its step; nothing
+    here changes what a step computes."""
 
     def __init__(self, record_trace: bool = False) -> None:
         self.record_trace = record_trace
-        self.trace: list[StepTrace] = []
+        self.trace: list[StepRecord] = []
         self.last_timing = StepTiming()
         self.last_record: StepRecord | None = None
         self.record_seconds = 0.0  # spent building step records
@@ -252,21 +261,13 @@ class StepObserver:
         self.last_timing = timing
         left, self._left = self._left + finished, []
         self._num_records += 1
-        self.last_record = step_record(
-            step, self._num_records, timing.total, sched, self._tokens, updated, before, left
+        self.last_record = record = step_record(
+            step, self._num_records, timing, sched, self._tokens, updated, before, left, finished
         )
         self.record_seconds += time.perf_counter() - start
         self.step_seconds += timing.total
         if self.record_trace:
-            trace = StepTrace(
-                step,
-                time.monotonic(),
-                sched.num_scheduled_tokens,
-                finished,
-                sched.preempted_request_ids,
-                timing,
-            )
-            self.trace.append(trace)
+            self.trace.append(record)
 
     def on_finished(self, step: int, finished: list[str], aborted: bool, idle: bool) -> None:
         """Requests ended between steps (aborted, or stopped by the front end)."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks import compare
-from benchmarks.records import RequestRecord, RunResult, StepRecord
+from benchmarks.records import RequestRecord, RunResult, StepSpan
 from conveyor.bench.datasets import output_lengths
 
 NUM_PROMPTS = 8
@@ -304,13 +304,13 @@ def test_token_times_and_tbt_p99_from_the_steps():
         finish=0.0,
     )
     steps = [
-        StepRecord(0.0, 1.0, {"7": 6}, []),  # first prompt chunk: no token yet
-        StepRecord(1.0, 2.0, {"7": 4, "8": 1}, []),  # the rest of it: token 1
-        StepRecord(2.0, 2.5, {"8": 1}, []),  # without 7
-        StepRecord(2.5, 3.0, {"7": 1}, []),
-        StepRecord(3.0, 6.0, {"7": 1}, []),
-        StepRecord(6.0, 6.5, {"7": 1}, ["7"]),
-        StepRecord(6.5, 7.0, {"7": 1}, []),  # past its output length (a static batch's seat)
+        StepSpan(0.0, 1.0, {"7": 6}, []),  # first prompt chunk: no token yet
+        StepSpan(1.0, 2.0, {"7": 4, "8": 1}, []),  # the rest of it: token 1
+        StepSpan(2.0, 2.5, {"8": 1}, []),  # without 7
+        StepSpan(2.5, 3.0, {"7": 1}, []),
+        StepSpan(3.0, 6.0, {"7": 1}, []),
+        StepSpan(6.0, 6.5, {"7": 1}, ["7"]),
+        StepSpan(6.5, 7.0, {"7": 1}, []),  # past its output length (a static batch's seat)
     ]
     assert compare.token_times(record, steps) == [2.0, 3.0, 6.0, 6.5]
     assert compare.tbt_p99([2.0, 3.0, 6.0, 6.5]) == pytest.approx(np.percentile([1, 3, 0.5], 99))

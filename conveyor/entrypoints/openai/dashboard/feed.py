@@ -168,7 +168,7 @@ class DashboardFeed:
                 "busy": busy / span / max(self.num_replicas, 1),
             },
             "minute": {  # over the last WINDOW seconds
-                "preemptions": sum(len(r.preempted) for r in minute),
+                "preemptions": sum(len(r.preempted_request_ids) for r in minute),
                 "ttft": ttft.summary(mono) if ttft is not None else None,
                 "itl": itl.summary(mono) if itl is not None else None,
             },
@@ -201,5 +201,5 @@ def _record_row(replica: int, r: StepRecord) -> list:
         r.joined,
         r.first_token,
         r.left,
-        r.preempted,
+        tuple(r.preempted_request_ids),
     ]
