@@ -7,6 +7,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from conveyor.bench.cli import add_bench_parser
 from conveyor.entrypoints.args import add_engine_args, engine_args
 
 if TYPE_CHECKING:
@@ -217,10 +218,9 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser(bench: bool = True) -> argparse.ArgumentParser:
-    """bench=False leaves out `conveyor bench`'s subcommands, whose parsers import their
-    modules (torch among them): `main` does so for `serve`, which starts its engine core
-    before it imports torch (see cmd_serve)."""
+def build_parser() -> argparse.ArgumentParser:
+    """Imports no torch (nor do the bench commands' parsers): `serve` starts its engine core
+    right after parsing, before the server's imports (see cmd_serve)."""
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer a few chat prompts offline (a demo)")
@@ -268,16 +268,13 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     add_process_args(serve)
     add_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
-    if bench:
-        from conveyor.bench.cli import add_bench_parser
-
-        add_bench_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(bench=not argv or argv[0] != "serve").parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ValueError as error:

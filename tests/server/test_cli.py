@@ -40,7 +40,7 @@ def test_serve_starts_its_engine_core_before_importing_torch():
         "from conveyor.cli import build_parser\n"
         "from conveyor.entrypoints.args import engine_args\n"
         "from conveyor.engine.core_proc import CoreProcess\n"
-        "args = build_parser(bench=False).parse_args(['serve', 'some/model', '--max-n', '4'])\n"
+        "args = build_parser().parse_args(['serve', 'some/model', '--max-n', '4'])\n"
         "assert args.max_n == 4 and engine_args(args).model == 'some/model'\n"
         "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n"
     )

@@ -20,7 +20,7 @@
 // MKL, as layers.matmul_forms measured; for a quantized model's block weights the block kernel
 // below 16 rows and float tiles from there, as QuantLinear does). At 16 to 64 rows MKL does the
 // matmuls, but the Python between them still cost ~10 ms of a 32-row float32 step (other:
-// 15-20 -> 4 ms in `conveyor bench step`). Attention, the KV write and rotary
+// 15-20 -> 4 ms in `python -m benchmarks step`). Attention, the KV write and rotary
 // the compiled ops (paged_attention.cpp); silu and the products ATen's own for float64 and
 // loops of their own for float32 (see residual_add). RMSNorm of a float64 model is
 // transformers' (normalized in float32 through the same ATen ops), so the float64 equivalence
@@ -62,7 +62,7 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 }
 
 // Seconds per category (projections, attention, other: norms, rotary, activation, residual
-// adds) added to `totals` when it is given (conveyor bench step's breakdown); a no-op otherwise.
+// adds) added to `totals` when it is given (python -m benchmarks step's breakdown); a no-op otherwise.
 enum Category { kProjections = 0, kAttention = 1, kOther = 2 };
 
 class Stopwatch {

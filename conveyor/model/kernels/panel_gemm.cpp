@@ -921,7 +921,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
 }
 
 // ------------------------------------------------------------------------ peak rates
-// What the kernels' own instructions can do on this machine, for `conveyor bench step`'s
+// What the kernels' own instructions can do on this machine, for `python -m benchmarks step`'s
 // compute roof: kChains independent chains per thread in registers, no memory traffic, on
 // every torch thread at once. Returns operations per second (a multiply-add counts 2):
 //   f32_fma, f64_fma   FMA on the instruction set's float lanes (the dense and lm_head kernels);
