@@ -110,3 +110,54 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+# ---- the processes behind a server (engine core, ranks) -----------------------------------
+
+
+def start_tiny(tiny_checkpoint, tmp_path: Path, *extra: str, model: str = "tiny") -> ServerProcess:
+    """A server of the tiny random llama in float32, served as `model`."""
+    args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--served-model-name", model]
+    return ServerProcess([*args, *extra], tmp_path / "server.log")
+
+
+def children(pid: int) -> list[int]:
+    """Live processes whose parent is pid (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def core_pid(server: ServerProcess) -> int:
+    """The engine-core process."""
+    pids = [
+        pid
+        for pid in children(server.proc.pid)
+        if b"conveyor.engine.core_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(pids) == 1, f"expected one engine-core process, found {pids}"
+    return pids[0]
+
+
+def core_pid_or_none(server: ServerProcess) -> int | None:
+    try:
+        return core_pid(server)
+    except AssertionError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -65,6 +65,7 @@ def test_steps_have_the_asked_shape_and_positive_times(run):
         assert case["tokens_per_s"] == pytest.approx(case["num_tokens"] / case["step_ms"] * 1e3)
 
 
+@pytest.mark.serial  # a ratio of wall-clock times: run alone, after the parallel phase
 def test_breakdown_parts_add_up_to_about_the_step(run):
     """Also where the decode steps run the compiled layers (kernels/decoder_layer.cpp),
     which time their own projections and attention."""
