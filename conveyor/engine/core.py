@@ -266,24 +266,24 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_requests(self, specs: list[CoreRequest]) -> None:
+    def add_requests(self, sequences: list[CoreRequest]) -> None:
         """Admits validated sequences, all or none: everything that can fail (duplicate ids,
         generators) is built before any state is registered."""
-        ids = [spec.request_id for spec in specs]
+        ids = [sequence.request_id for sequence in sequences]
         waiting = self._grammar_waiting
         known = [i for i in ids if i in self.scheduler.requests or i in waiting]
         if len(set(ids)) < len(ids) or known:
             raise ValueError(f"duplicate request_id among {ids[:5]!r}")
-        for request in [self._make_request(spec) for spec in specs]:
+        for request in [self._make_request(sequence) for sequence in sequences]:
             constraint = request.params.structured_outputs
             if constraint is None:
                 self.scheduler.add_request(request)
                 continue
             deadline = time.monotonic() + self.grammars.timeout
             waiting[request.request_id] = (request, self.grammars.submit(constraint), deadline)
-        self._admit_compiled()
+        self._schedule_compiled()
 
-    def _admit_compiled(self) -> None:
+    def _schedule_compiled(self) -> None:
         """Requests whose grammar has compiled go to the scheduler with a matcher of their
         own; those whose grammar failed, or is past the time limit, end with an error."""
         now = time.monotonic()
@@ -304,24 +304,24 @@ class EngineCore:
                 continue
             del self._grammar_waiting[request_id]
 
-    def _make_request(self, spec: CoreRequest) -> Request:
-        params = spec.params
+    def _make_request(self, sequence: CoreRequest) -> Request:
+        params = sequence.params
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         request = Request(
-            request_id=spec.request_id,
-            prompt_token_ids=spec.prompt_token_ids,
+            request_id=sequence.request_id,
+            prompt_token_ids=sequence.prompt_token_ids,
             params=params,
-            max_tokens=spec.max_tokens,
+            max_tokens=sequence.max_tokens,
             eos_token_ids=self.model_config.eos_token_ids,
-            priority=spec.priority,
-            arrival_time=spec.arrival_time,
+            priority=sequence.priority,
+            arrival_time=sequence.arrival_time,
             generator=generator,
         )
         if params.has_penalties:
             request.penalty_counts = PenaltyCounts(
-                spec.prompt_token_ids, self.model_config.vocab_size
+                sequence.prompt_token_ids, self.model_config.vocab_size
             )
         return request
 
@@ -388,7 +388,7 @@ class EngineCore:
                 concurrent.futures.wait(
                     futures, GRAMMAR_POLL_SECONDS, concurrent.futures.FIRST_COMPLETED
                 )
-            self._admit_compiled()
+            self._schedule_compiled()
         failed, self._failed = self._failed, []
         return failed
 
@@ -499,10 +499,10 @@ class Fault:
 
     @classmethod
     def from_env(cls) -> Fault | None:
-        spec = os.environ.get("CONVEYOR_FAULT_INJECT")
-        if not spec:
+        setting = os.environ.get("CONVEYOR_FAULT_INJECT")
+        if not setting:
             return None
-        kind, _, step = spec.partition("@")
+        kind, _, step = setting.partition("@")
         return cls(kind, int(step or 1))
 
     def check(self, step: int) -> None:

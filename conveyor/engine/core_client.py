@@ -199,9 +199,9 @@ class AsyncMPEngine:
         """Submits a request; raises ValueError here if it is refused."""
         if self._loop is None:
             await self.start()
-        return self.admit(request_id, prompt, params, priority)
+        return self.submit(request_id, prompt, params, priority)
 
-    def admit(
+    def submit(
         self,
         request_id: str,
         prompt: str | list[int],
@@ -213,7 +213,7 @@ class AsyncMPEngine:
         moved here from a replica that died before it produced anything)."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine core is not running: {self._error!r}")
-        token_ids, sequences = self.inputs.admit(
+        token_ids, sequences = self.inputs.register(
             self.outputs, request_id, prompt, params, priority, None, OutputKind.DELTA
         )
         if not self._streams:  # the deadline counts from the first open request

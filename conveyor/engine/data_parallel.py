@@ -239,7 +239,7 @@ class AsyncDPEngine:
         alive = [r.is_alive for r in self.replicas]
         ids = prompt if isinstance(prompt, list) else None
         index = self.router.choose(ids, alive)
-        stream = self.replicas[index].admit(request_id, prompt, params, priority, stream)
+        stream = self.replicas[index].submit(request_id, prompt, params, priority, stream)
         max_tokens = params.max_tokens or self.max_model_len
         tokens = (len(ids) if ids else 0) + max_tokens * params.n
         self.router.assign(index, ids, tokens)

@@ -44,7 +44,7 @@ class InputProcessor:
     def max_model_len(self) -> int:
         return self.info.model_config.max_model_len
 
-    def admit(
+    def register(
         self,
         outputs: OutputProcessor,
         request_id: str,

@@ -92,7 +92,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
-        token_ids, sequences = self.inputs.admit(
+        token_ids, sequences = self.inputs.register(
             self.outputs, request_id, prompt, params, priority, arrival_time, output_kind
         )
         try:
