@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,8 +127,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # A step-time target: prompts add to a step only what fits in it after the decodes
+    # (core/step_budget.py); None: the token budget alone.
+    max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
+        _check_max_step_ms(self.max_step_ms)
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
@@ -139,6 +144,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}"
             )
+
+
+def _check_max_step_ms(value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"max_step_ms must be a number of milliseconds, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"max_step_ms must be > 0 milliseconds, got {value!r}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -139,6 +139,16 @@ class EngineArgs:
     enable_chunked_prefill: bool = _setting(
         True, "engine", "split long prompts over steps, mixed with decoding requests"
     )
+    max_step_ms: float | None = _setting(
+        None,
+        "engine",
+        "target step time, for tail latency (a time-between-tokens SLO): every decoding "
+        "request gets its token, then prompts add only the chunk that a cost model learnt "
+        "from the engine's own steps says fits (at least 32 tokens a step; decodes are never "
+        "cut). Default off: the token budget alone; try 100 with the default model on 2 vCPUs "
+        "(README: Tuning tail latency)",
+        metavar="MS",
+    )
     seed: int = _setting(0, "engine", "seed of unseeded sampling")
     num_threads: int | None = _setting(None, "engine", "CPU threads (default: physical cores)")
     record_trace: bool = _setting(
@@ -231,7 +241,11 @@ class EngineArgs:
         if budget is None:  # 512 on CPU, else 2048 (config.py says why)
             budget = default_token_budget(self.device_type, self.enable_chunked_prefill)
         return SchedulerConfig(
-            self.max_num_seqs, budget, self.enable_chunked_prefill, self.scheduling_policy
+            self.max_num_seqs,
+            budget,
+            self.enable_chunked_prefill,
+            self.scheduling_policy,
+            self.max_step_ms,
         )
 
     @property

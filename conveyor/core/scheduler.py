@@ -13,6 +13,11 @@ cache) and `all_token_ids` (prompt + output). Every step hands out at most
   2. then waiting requests, in policy order, while budget, seats and blocks last. A prefix
      cache hit simply starts a request with num_computed_tokens > 0.
 
+  With a step-time target (max_step_ms), decoding requests go first in step 1, and every
+  prompt chunk (in steps 1 and 2) is further cut to what a cost model learnt from the engine's
+  own steps says fits in the target after them (core/step_budget.py; at least a minimum chunk
+  per step, so no prompt starves; decodes are never cut).
+
   3. with speculative decoding, decoding requests then add drafts to verify (1 + d tokens),
      under the budget left and as many as the draft policy expects to pay at this step's
      width (speculative/policy.py). After verification num_computed_tokens counts only the request's
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 
 from conveyor.config import SchedulerConfig, SpeculativeConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.step_budget import StepBudget, StepShape, step_shape
 from conveyor.outputs import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.speculative.policy import DraftPolicy
@@ -103,6 +109,7 @@ class Scheduler:
         self._drafts: dict[str, int] = {}  # this step's drafts per request
         self.spec_stats = SpecDecodingStats.empty(speculative)
         self.draft_policy = DraftPolicy(speculative is None or speculative.adaptive)
+        self.step_budget = None if config.max_step_ms is None else StepBudget(config.max_step_ms)
         self.kv_cache = kv_cache
         self.policy = config.policy
         self.requests: dict[str, Request] = {}
@@ -171,12 +178,15 @@ class Scheduler:
     def _schedule_running(
         self, budget: int, scheduled: dict[str, int], preempted: list[Request]
     ) -> int:
-        for request in list(self.running):
+        for request in self._running_order():
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._prefill_cap(scheduled, request.num_computed_tokens, num_new)
+            if num_new == 0:
+                continue  # the step's time is spent: its prompt goes on in the next step
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 budget += scheduled.pop(victim.request_id, 0)
@@ -188,6 +198,42 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
         return budget
+
+    def _running_order(self) -> list[Request]:
+        """Admission order; with a step-time target, decoding requests first, so that prompt
+        chunks get only the time the decodes leave."""
+        if self.step_budget is None:
+            return list(self.running)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        return decoding + [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+
+    def _prefill_cap(
+        self, scheduled: dict[str, int], context: int, num_new: int, whole: bool = False
+    ) -> int:
+        """`num_new` prompt tokens after `context` computed ones, cut to what fits in the
+        step-time target next to what is `scheduled` (unchanged without a target, and for one
+        token: a decode row's cost). A prompt that must run whole fits whole or not at all,
+        except as the step's first prompt, which can never starve."""
+        if self.step_budget is None or num_new <= 1:
+            return num_new
+        step = self._shape_of(scheduled)
+        cap = self.step_budget.prefill_cap(step, context, num_new)
+        if whole and cap < num_new:
+            return num_new if step.prefill_tokens == 0 else 0
+        return cap
+
+    def _shape_of(self, scheduled: dict[str, int]) -> StepShape:
+        """The shape of the step so far (before drafts: a row of one token is a decode)."""
+        shape = StepShape()
+        for request_id, num_tokens in scheduled.items():
+            computed = self.requests[request_id].num_computed_tokens
+            shape = shape.plus(computed, num_tokens, decode=num_tokens == 1)
+        return shape
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step's duration, for the step-time target's cost model (without one, nothing)."""
+        if self.step_budget is not None:
+            self.step_budget.observe(step_shape(sched), seconds)
 
     def _schedule_drafts(self, budget: int, scheduled: dict[str, int]) -> None:
         """Speculative decoding: once every running request has its own tokens and new
@@ -240,7 +286,9 @@ class Scheduler:
                 break  # a whole prompt per step; preempting others would not make it fit
             num_new = None
             if len(self.running) < self.config.max_num_seqs:
-                num_new = self._admit(request, budget)
+                num_new = self._admit(request, budget, scheduled)
+            if num_new == 0:
+                break  # the step-time target is spent (max_step_ms)
             if num_new is not None:
                 scheduled[request.request_id] = num_new
                 joined.append(request.request_id)
@@ -254,8 +302,9 @@ class Scheduler:
             preempted.append(victim)
         return budget
 
-    def _admit(self, request: Request, budget: int) -> int | None:
-        """Allocates a waiting request's first chunk; returns its token count or None."""
+    def _admit(self, request: Request, budget: int, scheduled: dict[str, int]) -> int | None:
+        """Allocates a waiting request's first chunk; returns its token count, None when it
+        does not fit, or 0 when the step-time target leaves it no time in this step."""
         hits, num_hit_tokens = [], 0
         if request.num_computed_tokens == 0:
             hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
@@ -265,7 +314,9 @@ class Scheduler:
         whole = not self.config.enable_chunked_prefill and request.status == RequestStatus.WAITING
         if whole and num_new > budget:
             return None
-        num_new = min(num_new, budget)
+        num_new = self._prefill_cap(scheduled, num_hit_tokens, min(num_new, budget), whole)
+        if num_new == 0:
+            return 0
         if self.kv_cache.allocate_slots(request, num_new, hits) is None:
             return None
         self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit_tokens)
@@ -426,3 +477,4 @@ def _sampling_row(request: Request) -> SamplingRow:
         penalty_counts=request.penalty_counts,
         grammar=request.grammar,
     )
+

@@ -371,6 +371,9 @@ class EngineCore:
         timing = StepTiming(
             scheduled - start, *self.runner.last_timing, time.perf_counter() - executed
         )
+        # The step-time target's cost model (max_step_ms), on what the step's shape decides:
+        # not its scheduling, which may include a wait for a grammar.
+        self.scheduler.observe_step(sched, timing.total - timing.schedule)
         if self.speculative_config is not None:  # what a step of this width costs
             self.scheduler.draft_policy.observe_step(
                 sched.total_num_scheduled_tokens, timing.prepare + timing.forward + timing.sample
