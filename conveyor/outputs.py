@@ -79,6 +79,12 @@ class ScheduledRequest:
     # The token before `token_ids[0]` of a decoding row, for the draft model (see
     # speculative/draft_model.py: its KV may lag the target's by that one token).
     prev_token_id: int | None = None
+    # Prompt logprobs: the prompt tokens that this chunk's first rows predict (row i predicts
+    # prompt position num_computed_tokens + i + 1), and how many top logprobs each gets.
+    prompt_targets: list[int] | None = None
+    num_prompt_logprobs: int = 0
+    # Embeddings: the chunk's final hidden states are handed back (ModelRunnerOutput.hidden).
+    pooling: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +117,9 @@ class ModelRunnerOutput:
     # model's own; so len - 1 of its drafts were accepted.
     sampled_token_ids: list[list[int]]
     logprobs: list[list[PositionLogprobs] | None]
+    # Per request that asked: its chunk's prompt logprobs, and its chunk's final hidden states.
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class OutputKind(enum.Enum):
@@ -121,13 +130,18 @@ class OutputKind(enum.Enum):
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Times (time.monotonic) of one request's life, for latency metrics."""
+    """Times (time.monotonic) of one request's life, for latency metrics, and its sizes (the
+    request histograms of conveyor/metrics.py)."""
 
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    n: int = 1  # completions (sequences) of the request
+    max_tokens: int | None = None  # per completion, resolved against the context length
+    num_generation_tokens: int = 0  # over all its completions
+    max_num_generation_tokens: int = 0  # of its longest completion
 
 
 @dataclass(slots=True)
@@ -151,3 +165,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # set on the finishing output
     error: str | None = None  # set when handling this request failed: it ended, finish "error"
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (set on the
+    # request's first output).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    embedding: list[float] | None = None  # SamplingParams.pooling: set on the final output

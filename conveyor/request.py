@@ -99,11 +99,28 @@ class Request:
     # Structured output: the request's own matcher, set by the engine once it has compiled.
     grammar: Grammar | None = None
     error: str | None = None  # why it ended with FINISHED_ERROR
+    # prompt_logprobs: one entry per prompt position (the first stays None), filled by the
+    # prompt's prefill steps and sent once, with the request's first output.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    # pooling: the final hidden states of the prompt's rows, chunk by chunk, reduced once at
+    # the end (the same reduction whatever the chunking) into `embedding`.
+    pooled_rows: list[torch.Tensor] | None = None
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        if self.params.pooling is not None:
+            self.pooled_rows = []
+
+    @property
+    def prompt_only(self) -> bool:
+        """Computes its prompt and generates nothing (embeddings, echoed prompt logprobs)."""
+        return self.max_tokens == 0
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from conveyor.structured.params import StructuredOutputs
 GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
+POOLING_TYPES = ("last", "mean")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64).
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
@@ -43,6 +44,19 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # Constrained decoding: a JSON schema, regex, choice or grammar (a dict of one is accepted).
     structured_outputs: StructuredOutputs | None = None
+    # Top-N logprobs of every prompt token after the first (0: the prompt token's own only),
+    # computed in the prompt's own prefill steps: such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Token sequences that must not be generated: the last token of each is banned where the
+    # output so far ends with the ones before it (vLLM's bad_words, tokenized by the engine's
+    # input processor into bad_words_token_ids).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # Embeddings: "last" or "mean" pooling of the prompt's final hidden states (normalized);
+    # such a request generates nothing (max_tokens=0) and skips the prefix cache.
+    pooling: str | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -50,6 +64,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self._stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must be a mapping of token id to bias")
         self.logit_bias = _int_keys(self.logit_bias) if self.logit_bias else None
@@ -72,6 +88,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def reads_prompt_rows(self) -> bool:
+        """Prompt logprobs or pooling: the prompt's every row is needed, so no cache hit."""
+        return self.prompt_logprobs is not None or self.pooling is not None
+
     def validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         self._validate_floats()
@@ -79,9 +100,41 @@ class SamplingParams:
             _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}",
         )
+        prompt_only = self.prompt_logprobs is not None or self.pooling is not None
         _check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            self.max_tokens is None
+            or (_is_int(self.max_tokens) and self.max_tokens >= (0 if prompt_only else 1)),
+            f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs or pooling: the "
+            f"prompt alone is computed), got {self.max_tokens!r}",
+        )
+        _check(
+            self.pooling is None or (self.pooling in POOLING_TYPES and self.max_tokens == 0),
+            f"pooling must be one of {', '.join(POOLING_TYPES)}, with max_tokens=0, got "
+            f"{self.pooling!r}",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+        )
+        _check(
+            self.allowed_token_ids is None
+            or (
+                bool(self.allowed_token_ids)
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+            ),
+            "allowed_token_ids must be a non-empty list of non-negative integers",
+        )
+        _check(
+            all(isinstance(w, str) and w for w in self.bad_words or ()),
+            "bad_words must be a list of non-empty strings",
+        )
+        _check(
+            all(
+                isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids)
+                for ids in self.bad_words_token_ids or ()
+            ),
+            "bad_words_token_ids must be non-empty lists of non-negative integers",
         )
         _check(
             _is_int(self.min_tokens) and self.min_tokens >= 0,

@@ -306,7 +306,8 @@ class Scheduler:
         """Allocates a waiting request's first chunk; returns its token count, None when it
         does not fit, or 0 when the step-time target leaves it no time in this step."""
         hits, num_hit_tokens = [], 0
-        if request.num_computed_tokens == 0:
+        # Prompt logprobs and pooling read every prompt row's output: a hit would skip them.
+        if request.num_computed_tokens == 0 and not request.params.reads_prompt_rows:
             hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit_tokens
         # Without chunked prefill a fresh prompt runs whole; a preempted request's recompute
@@ -368,7 +369,7 @@ class Scheduler:
             start = request.num_computed_tokens
             num_drafts = drafts.get(request_id, 0)
             num_new = num_scheduled - num_drafts
-            samples = start + num_new == request.num_tokens
+            samples = start + num_new == request.num_tokens and not request.prompt_only
             item = ScheduledRequest(
                 request_id=request_id,
                 token_ids=request.all_token_ids[start : start + num_new],
@@ -377,6 +378,8 @@ class Scheduler:
                 sampling=_sampling_row(request) if samples else None,
                 num_drafts=num_drafts,
             )
+            if start < request.num_prompt_tokens:
+                _ask_prompt_rows(item, request)
             if num_drafts and not self._draft_by_model:
                 item.draft_token_ids = request.spec_token_ids[:num_drafts]
             if self._draft_by_model and samples and num_new == 1 and start > 0:
@@ -399,14 +402,17 @@ class Scheduler:
         computed its own token and those a drafts: the d - a rejected positions are dropped
         from num_computed_tokens (their KV is overwritten later) before any full block is
         hashed into the prefix cache, so no unverified token is ever cached."""
-        drafts = {}
+        drafts, prompt_done = {}, []
         for item in scheduler_output.scheduled:
             request = self.requests[item.request_id]
+            _take_prompt_rows(request, item, runner_output)
             request.num_computed_tokens += len(item.token_ids)
             if item.num_drafts:
                 drafts[item.request_id] = item.num_drafts
             else:
                 self.kv_cache.cache_blocks(request)
+            if request.prompt_only and request.num_computed_tokens == request.num_tokens:
+                prompt_done.append(request)
         updated = []
         for request_id, token_ids, logprobs in zip(
             runner_output.request_ids,
@@ -424,6 +430,12 @@ class Scheduler:
                 )
                 request.num_computed_tokens += num_accepted
             self._append_tokens(request, token_ids, logprobs, cache=num_drafts > 0)
+            updated.append(request)
+        for request in prompt_done:  # they sampled nothing: they end with their prompt
+            _finish_pooling(request)
+            self.running.remove(request)
+            request.status = RequestStatus.FINISHED_LENGTH
+            self._free(request)
             updated.append(request)
         return updated
 
@@ -478,3 +490,39 @@ def _sampling_row(request: Request) -> SamplingRow:
         grammar=request.grammar,
     )
 
+
+def _ask_prompt_rows(item: ScheduledRequest, request: Request) -> None:
+    """Marks a chunk of the prompt whose rows the request needs (prompt logprobs, pooling)."""
+    params = request.params
+    if params.prompt_logprobs is not None:
+        start, end = item.num_computed_tokens, item.num_computed_tokens + len(item.token_ids)
+        item.prompt_targets = request.prompt_token_ids[start + 1 : end + 1]
+        item.num_prompt_logprobs = params.prompt_logprobs
+    item.pooling = params.pooling is not None
+
+
+def _take_prompt_rows(request: Request, item: ScheduledRequest, out: ModelRunnerOutput) -> None:
+    """Keeps what a prompt chunk's rows gave: its prompt logprobs, its hidden states. A
+    recomputed chunk (after a preemption) gives the same values again: they are kept once."""
+    positions = out.prompt_logprobs.get(item.request_id)
+    if positions is not None and request.prompt_logprobs is not None:
+        first = item.num_computed_tokens + 1
+        request.prompt_logprobs[first : first + len(positions)] = positions
+    hidden = out.hidden.get(item.request_id)
+    if hidden is not None and request.pooled_rows is not None:
+        if item.num_computed_tokens == 0:
+            request.pooled_rows.clear()  # a recompute starts over
+        request.pooled_rows.append(hidden)
+
+
+def _finish_pooling(request: Request) -> None:
+    """The embedding of a pooling request: mean or last of its prompt's final hidden states,
+    L2-normalized, reduced once over all rows (so the same whatever the chunking)."""
+    if request.pooled_rows is None:
+        return
+    import torch
+
+    rows = torch.cat(request.pooled_rows)  # (P, H)
+    pooled = rows[-1] if request.params.pooling == "last" else rows.mean(dim=0)
+    request.embedding = torch.nn.functional.normalize(pooled, dim=0).tolist()
+    request.pooled_rows = None

@@ -79,6 +79,8 @@ class CoreOutput:
     first_scheduled_time: float | None
     num_preemptions: int
     error: str | None = None  # set when the core refused or failed this sequence
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, when complete
+    embedding: list[float] | None = None  # a pooling request's, when it finishes
 
     @classmethod
     def failed(cls, request_id: str, error: str) -> CoreOutput:
@@ -367,6 +369,7 @@ class EngineCore:
         before = [requests[i].num_output_tokens for i in runner_out.request_ids]
         self.observer.before_update(sched, requests)
         updated = self._update(sched, runner_out)
+        before += [0] * (len(updated) - len(before))  # prompt-only requests that ended
         outputs += self._outputs(updated, before)
         timing = StepTiming(
             scheduled - start, *self.runner.last_timing, time.perf_counter() - executed
@@ -445,6 +448,8 @@ class EngineCore:
                     request.first_scheduled_time,
                     request.num_preemptions,
                     request.error,
+                    _take_prompt_logprobs(request),
+                    request.embedding,
                 )
             )
             if request.is_finished:
@@ -480,6 +485,14 @@ class EngineCore:
         if self.tp_workers is not None:
             self.tp_workers.close()
             self.tp_workers = None
+
+
+def _take_prompt_logprobs(request: Request) -> list[PositionLogprobs | None] | None:
+    """A request's prompt logprobs, the first time it has an output (its prompt is done)."""
+    if request.prompt_logprobs is None or request.prompt_logprobs_sent:
+        return None
+    request.prompt_logprobs_sent = True
+    return request.prompt_logprobs
 
 
 def ngram_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:

@@ -64,7 +64,8 @@ class InputProcessor:
         )
         children = [(s.request_id, s.params) for s in sequences]
         arrival = sequences[0].arrival_time
-        outputs.add(request_id, text, token_ids, children, arrival, output_kind)
+        max_tokens = sequences[0].max_tokens
+        outputs.add(request_id, text, token_ids, children, arrival, output_kind, max_tokens)
         return token_ids, sequences
 
     def process(
@@ -87,6 +88,7 @@ class InputProcessor:
             self._check_without_tokenizer(params)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
+        params = self._with_bad_words(params)
         self._check_token_ids(params)
         if params.structured_outputs is not None:  # checked once, then cached
             self.grammars.validate(params.structured_outputs)
@@ -95,6 +97,8 @@ class InputProcessor:
             children = [(request_id, params)]
         else:  # seeds of the children are derived here, so a bad one is refused here
             children = [(f"{i}_{request_id}", params.child(i)) for i in range(params.n)]
+            # The prompt is the same for all: its logprobs are computed by the first alone.
+            children[1:] = [(i, p.clone(prompt_logprobs=None)) for i, p in children[1:]]
         sequences = [
             CoreRequest(child_id, token_ids, child_params, max_tokens, priority, arrival)
             for child_id, child_params in children
@@ -153,9 +157,14 @@ class InputProcessor:
         not, field by field."""
         vocab = self.info.model_config.vocab_size
         errors = []
+        bad_words = [t for ids in params.bad_words_token_ids or () for t in ids]
+        if len(params.allowed_token_ids or ()) > vocab:
+            errors.append(f"allowed_token_ids: more than the vocabulary's {vocab} tokens")
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids or ()),
             ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", bad_words),
         ):
             outside = [t for t in ids if not 0 <= t < vocab]
             if outside:
@@ -163,6 +172,21 @@ class InputProcessor:
                 errors.append(f"{name}: {listed(outside)} {verb} not in [0, {vocab})")
         if errors:
             raise ValueError("; ".join(errors))
+
+    def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """bad_words as token id sequences, each word as it starts the output and after a
+        space (as vLLM tokenizes them)."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; give bad_words_token_ids instead")
+        sequences = list(params.bad_words_token_ids or [])
+        for word in params.bad_words:
+            for text in (word, f" {word.lstrip()}"):
+                ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return params.clone(bad_words_token_ids=sequences)
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         """Resolves max_tokens and refuses what could never run."""
@@ -172,6 +196,8 @@ class InputProcessor:
                 f"prompt has {num_prompt} tokens; the model's context length is {limit}"
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+        if params.pooling is not None:
+            max_tokens = 0
         if num_prompt + max_tokens > limit:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is "

@@ -55,6 +55,10 @@ class _Parent:
     arrival_time: float
     output_kind: OutputKind
     sequences: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    new_prompt_logprobs: bool = False  # arrived with the step being processed
+    embedding: list[float] | None = None
+    max_tokens: int | None = None  # per sequence, resolved (for the request histograms)
 
 
 @dataclass(slots=True)
@@ -96,10 +100,12 @@ class OutputProcessor:
         params: list[tuple[str, SamplingParams]],
         arrival_time: float,
         output_kind: OutputKind,
+        max_tokens: int | None = None,
     ) -> None:
         """Registers a request and its sequences (id, params each). Builds every detokenizer
         before registering anything, so a failure leaves no state behind."""
         parent = _Parent(request_id, prompt, prompt_token_ids, arrival_time, output_kind)
+        parent.max_tokens = max_tokens
         for index, (sequence_id, sequence_params) in enumerate(params):
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sequence_params)
             sequence = _Sequence(sequence_id, index, parent, detokenizer)
@@ -181,6 +187,14 @@ class OutputProcessor:
         if out.error is not None:  # the core refused or failed this sequence
             raise RuntimeError(out.error)
         detokenizer = sequence.detokenizer
+        parent = sequence.parent
+        if out.prompt_logprobs is not None:
+            parent.new_prompt_logprobs = True
+            parent.prompt_logprobs = [
+                None if p is None else _decoded(p, detokenizer) for p in out.prompt_logprobs
+            ]
+        if out.embedding is not None:
+            parent.embedding = out.embedding
         num_before = detokenizer.num_tokens
         stop = detokenizer.update(out.new_token_ids)
         # A step may bring several tokens (speculative decoding): a stop string drops those
@@ -226,7 +240,15 @@ class OutputProcessor:
                 first_token_time=min(first_token) if first_token else None,
                 finished_time=now,
                 num_preemptions=sum(s.num_preemptions for s in sequences),
+                n=len(sequences),
+                max_tokens=parent.max_tokens,
+                num_generation_tokens=sum(len(s.output_token_ids) for s in sequences),
+                max_num_generation_tokens=max(len(s.output_token_ids) for s in sequences),
             )
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.output_kind == OutputKind.DELTA and not parent.new_prompt_logprobs:
+            prompt_logprobs = None  # a stream carries them once
+        parent.new_prompt_logprobs = False
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -235,6 +257,8 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=sequences[0].num_cached_tokens,
             metrics=metrics,
+            prompt_logprobs=prompt_logprobs,
+            embedding=parent.embedding,
         )
 
     def _forget(self, parent: _Parent) -> None:

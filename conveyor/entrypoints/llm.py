@@ -73,6 +73,14 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", use_tqdm: bool = True
+    ) -> list[list[float]]:
+        """The normalized final hidden state of each prompt's last token ("last") or its mean
+        over the prompt's tokens ("mean"); prompts are scheduled as any prompt is."""
+        params = SamplingParams(max_tokens=0, pooling=pooling)
+        return [out.embedding for out in self.generate(prompts, params, use_tqdm)]
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],

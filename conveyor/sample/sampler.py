@@ -68,11 +68,20 @@ class Sampler:
         biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
         banned = self._min_tokens_bans(rows, logits.shape[1])
-        if mask is None and not biased and not penalized and not banned[0]:
+        allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids]
+        words = _bad_word_bans(rows)
+        if mask is None and not (biased or penalized or banned[0] or allowed or words[0]):
             return logits
         logits = logits.clone()  # the raw logits stay intact for logprobs
         if mask is not None:
             apply_bitmask(logits, mask.rows, mask.bitmask)
+        for i in allowed:
+            ids = torch.tensor(rows[i].params.allowed_token_ids, device=logits.device)
+            kept = logits[i, ids]
+            logits[i] = NEG_INF
+            logits[i, ids] = kept
+        if words[0]:
+            logits[words] = NEG_INF
         if biased:
             _apply_logit_bias(logits, rows, biased)
         if penalized:
@@ -147,6 +156,21 @@ class Sampler:
                 generator.manual_seed(self.seed)
             self._generators[device] = generator
         return generator
+
+
+def _bad_word_bans(rows: list[SamplingRow]) -> tuple[list[int], list[int]]:
+    """(row indices, token ids) that would complete one of a row's bad words: a word's last
+    token, where the output so far ends with the tokens before it."""
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, row in enumerate(rows):
+        output = row.output_token_ids
+        for word in row.params.bad_words_token_ids or ():
+            head = len(word) - 1
+            if head == 0 or (len(output) >= head and output[-head:] == word[:-1]):
+                row_index.append(i)
+                token_index.append(word[-1])
+    return row_index, token_index
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -297,3 +321,29 @@ def collect_logprobs(
             position.setdefault(ids[r], Logprob(values[r], r + 1))
         result[i] = position
     return result
+
+
+def target_logprobs(
+    logits: torch.Tensor, targets: list[int], num_top: int
+) -> list[PositionLogprobs]:
+    """Prompt logprobs: per row, the logprob and rank of its target (the next prompt token)
+    under the raw distribution, as collect_logprobs ranks a sampled token, and the top
+    num_top tokens (vLLM's prompt_logprobs)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    target = torch.tensor(targets, device=logits.device).unsqueeze(1)
+    target_values = logprobs.gather(1, target)
+    ranks = (logprobs > target_values).sum(dim=-1, dtype=torch.int32) + 1
+    top_ids, top_values = [[]] * len(targets), [[]] * len(targets)
+    if num_top:
+        values, ids = logprobs.topk(num_top, dim=-1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    columns = zip(
+        targets, target_values.squeeze(1).tolist(), ranks.tolist(), top_ids, top_values, strict=True
+    )
+    positions = []
+    for token, value, rank, ids, values in columns:
+        position = {token: Logprob(value, rank)}
+        for r, (t, v) in enumerate(zip(ids, values, strict=True)):
+            position.setdefault(t, Logprob(v, r + 1))
+        positions.append(position)
+    return positions

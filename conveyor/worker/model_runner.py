@@ -27,7 +27,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from conveyor.sample.sampler import Sampler
+from conveyor.sample.sampler import Sampler, target_logprobs
 from conveyor.sample.verifier import verify
 
 # Proposes the drafts of a step's requests (the draft model's `propose`); see _drafts.
@@ -104,10 +104,16 @@ class ModelRunner:
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
+        logits = None
+        if len(step.logits_rows):
+            logits = self.model.compute_logits(hidden[logits_rows])
+        num_prompt_rows = sum(len(s.prompt_targets or ()) for s in sched.scheduled)
+        prompt_rows = self._prompt_rows(sched.scheduled, step, hidden, logits, num_prompt_rows)
+        if num_prompt_rows:  # the sampler reads the sampled rows only
+            logits = logits[: len(step.logits_rows) - num_prompt_rows]
         if not sampled:
             self.last_timing = (prepared - start, time.perf_counter() - prepared, 0.0)
-            return ModelRunnerOutput([], [], [])
-        logits = self.model.compute_logits(hidden[logits_rows])
+            return ModelRunnerOutput([], [], [], *prompt_rows)
         forwarded = time.perf_counter()
         rows = [sched.scheduled[i].sampling for i in sampled]
         if any(drafts[i] for i in sampled):
@@ -118,10 +124,34 @@ class ModelRunner:
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
         self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return ModelRunnerOutput(
-            request_ids=[sched.scheduled[i].request_id for i in sampled],
-            sampled_token_ids=token_ids,
-            logprobs=logprobs,
+            [sched.scheduled[i].request_id for i in sampled], token_ids, logprobs, *prompt_rows
         )
+
+    def _prompt_rows(
+        self,
+        scheduled: list[ScheduledRequest],
+        step: StepInputs,
+        hidden: torch.Tensor,
+        logits: torch.Tensor | None,
+        num_prompt_rows: int,
+    ) -> tuple[dict, dict]:
+        """Prompt logprobs of the chunks that asked (their logits rows follow the sampled
+        rows, see step_inputs) and the final hidden states of pooling chunks."""
+        prompt_logprobs, pooled = {}, {}
+        if not num_prompt_rows and not any(s.pooling for s in scheduled):
+            return prompt_logprobs, pooled
+        starts = np.cumsum(step.query_lens) - step.query_lens
+        row = len(step.logits_rows) - num_prompt_rows
+        for s, start in zip(scheduled, starts.tolist(), strict=True):
+            if s.prompt_targets:
+                chunk = logits[row : row + len(s.prompt_targets)]
+                row += len(s.prompt_targets)
+                prompt_logprobs[s.request_id] = target_logprobs(
+                    chunk, s.prompt_targets, s.num_prompt_logprobs
+                )
+            if s.pooling:
+                pooled[s.request_id] = hidden[start : start + len(s.token_ids)].clone()
+        return prompt_logprobs, pooled
 
     def _drafts(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """The tokens each request verifies after its own: the scheduler's (n-gram lookup), or
@@ -175,6 +205,14 @@ class ModelRunner:
         tables = pad_block_tables([s.block_ids for s in scheduled])
         sampled = np.fromiter((s.sampling is not None for s in scheduled), bool, num_seqs)
         logits_rows = last_rows(np.cumsum(query_lens)[sampled], num_drafts[sampled] + 1)
+        if any(s.prompt_targets for s in scheduled):  # prompt logprobs: after the sampled rows
+            starts = np.cumsum(query_lens) - query_lens
+            extra = [
+                np.arange(start, start + len(s.prompt_targets))
+                for s, start in zip(scheduled, starts.tolist(), strict=True)
+                if s.prompt_targets
+            ]
+            logits_rows = np.concatenate([logits_rows, *extra])
         return StepInputs(input_ids, query_lens, context_lens, tables, logits_rows)
 
     def positions_and_metadata(
