@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.bench.cli import add_bench_parser
 from conveyor.entrypoints.args import add_engine_args, engine_args
+from conveyor.entrypoints.openai.responses.store import add_store_args, store_limits
 
 if TYPE_CHECKING:
     from conveyor.engine_args import EngineArgs
@@ -130,6 +131,9 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         limits,
         metrics_auth=not args.metrics_no_auth,
         dashboard=args.dashboard,
+        trust_request_chat_template=args.trust_request_chat_template,
+        embedding_pooling=args.embedding_pooling,
+        response_store=store_limits(args),
     )
     name = app.state.metrics.model_name
     base = f"http://{args.host}:{args.port}"
@@ -257,6 +261,19 @@ def build_parser() -> argparse.ArgumentParser:
         "API); --no-dashboard turns it off",
     )
     server.add_argument(
+        "--embedding-pooling",
+        choices=["last", "mean"],
+        default="last",
+        help="/v1/embeddings: the last token's final hidden state, or the mean over the "
+        "input's tokens (normalized either way)",
+    )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat request's own chat_template (sandboxed Jinja, but a template may "
+        "loop for long: only for trusted clients); by default only the model's is rendered",
+    )
+    server.add_argument(
         "--log-level", default="info", help="uvicorn's: critical|error|warning|info|debug"
     )
     server.add_argument(
@@ -267,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_process_args(serve)
     add_limit_args(serve)
+    add_store_args(serve)
     serve.set_defaults(func=cmd_serve)
     add_bench_parser(sub)
     return parser

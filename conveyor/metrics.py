@@ -1,4 +1,11 @@
-"""Prometheus collectors, named after vLLM's with the prefix `conveyor:`."""
+"""Prometheus collectors, named after vLLM's with the prefix `conveyor:`.
+
+Every series is exported under both prefixes, always: `conveyor:*` as observed here, and
+`vllm:*` with vLLM's names, help texts, label names and buckets (conveyor/metrics_vllm.py), so
+a dashboard built for vLLM works unchanged and conveyor's own dashboards keep theirs. The
+`vllm:` copy is made when /metrics is scraped, from the same samples: nothing is observed
+twice. A flag to choose one prefix would only make users find out which one their dashboard
+needs."""
 
 from __future__ import annotations
 
@@ -6,14 +13,27 @@ import math
 import threading
 import time
 from collections import Counter as Tally
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.engine.client import EngineClient
-from conveyor.outputs import RequestOutput
+from conveyor.metrics_vllm import (
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    PARAMS_N_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    VllmView,
+    buckets_1_2_5,
+)
+from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.speculative.stats import SpecDecodingStats
 from conveyor.structured.backend import GrammarCompiler
+
+if TYPE_CHECKING:
+    from conveyor.engine.core import CoreInfo
 
 _LATENCY_BUCKETS = [
     0.001,
@@ -37,6 +57,7 @@ _LATENCY_BUCKETS = [
     80.0,
     160.0,
     640.0,
+    2560.0,
 ]
 _GRAMMAR_BUCKETS = [
     0.0005,
@@ -76,7 +97,12 @@ _REQUEST_BUCKETS = [
     480.0,
     960.0,
     1920.0,
+    7680.0,
 ]
+# conveyor's bounds hold all of vLLM's, so that metrics_vllm exports exact vLLM histograms.
+_ITL_BUCKETS = sorted(set(_LATENCY_BUCKETS) | set(ITL_BUCKETS))
+assert set(TTFT_BUCKETS) <= set(_LATENCY_BUCKETS)
+assert set(REQUEST_LATENCY_BUCKETS) <= set(_REQUEST_BUCKETS)
 
 
 class RecentLatencies:
@@ -137,16 +163,85 @@ class _Totals:
         self.seen[key] = total
 
 
+class _RequestHistograms(NamedTuple):
+    """The series each finished request adds to once (labelled children), as vLLM's: the
+    phases of its life and its sizes."""
+
+    prefill: Histogram
+    decode: Histogram
+    inference: Histogram
+    prompt_tokens: Histogram
+    generation_tokens: Histogram
+    max_generation_tokens: Histogram
+    n: Histogram
+    max_tokens: Histogram
+
+    @classmethod
+    def build(
+        cls, reg: CollectorRegistry, model_name: str, max_model_len: int
+    ) -> _RequestHistograms:
+        tokens = buckets_1_2_5(max_model_len)
+        specs = [
+            ("request_prefill_time_seconds", "From first scheduled to first token.", None),
+            ("request_decode_time_seconds", "From first token to the last.", None),
+            ("request_inference_time_seconds", "From first scheduled to the last token.", None),
+            ("request_prompt_tokens", "Prompt tokens of a finished request.", tokens),
+            ("request_generation_tokens", "Tokens a request generated (all its n).", tokens),
+            ("request_max_num_generation_tokens", "Tokens of a request's longest of n.", tokens),
+            ("request_params_n", "The n of finished requests.", PARAMS_N_BUCKETS),
+            ("request_params_max_tokens", "max_tokens of finished requests (resolved).", tokens),
+        ]
+        return cls(
+            *(
+                Histogram(
+                    f"conveyor:{name}",
+                    doc,
+                    ["model_name"],
+                    registry=reg,
+                    buckets=buckets or _REQUEST_BUCKETS,
+                ).labels(model_name)
+                for name, doc, buckets in specs
+            )
+        )
+
+    def observe(self, out: RequestOutput, metrics: RequestMetrics) -> None:
+        """vLLM's phases: prefill from first scheduled to first token, decode from there to
+        the last token (a request that generated none: all prefill)."""
+        scheduled, finished = metrics.first_scheduled_time, metrics.finished_time
+        if scheduled is not None and finished is not None:
+            first_token = metrics.first_token_time or finished
+            # max(0): the core's process stamps `scheduled`; a clock apart may run behind.
+            self.prefill.observe(max(first_token - scheduled, 0.0))
+            self.decode.observe(max(finished - first_token, 0.0))
+            self.inference.observe(max(finished - scheduled, 0.0))
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.generation_tokens.observe(metrics.num_generation_tokens)
+        self.max_generation_tokens.observe(metrics.max_num_generation_tokens)
+        self.n.observe(metrics.n)
+        if metrics.max_tokens is not None:
+            self.max_tokens.observe(metrics.max_tokens)
+
+
 class _ReplicaSeries(_Totals):
     """The series one engine core feeds from its stats (label replica="i")."""
 
-    __slots__ = ("labels", "running", "waiting", "kv_usage", "per_position")
+    __slots__ = (
+        "labels",
+        "running",
+        "waiting",
+        "kv_usage",
+        "per_position",
+        "iteration_tokens",
+        "last_seq",
+    )
 
     def __init__(self, metrics: EngineMetrics, labels: tuple[str, str]) -> None:
         self.labels = labels
         self.running = metrics.running.labels(*labels)
         self.waiting = metrics.waiting.labels(*labels)
         self.kv_usage = metrics.kv_usage.labels(*labels)
+        self.iteration_tokens = metrics.iteration_tokens.labels(*labels)
+        self.last_seq: int | None = None  # the last step record observed
         super().__init__(
             {
                 key: counter.labels(*labels)
@@ -176,12 +271,18 @@ class EngineMetrics:
         registry: CollectorRegistry | None = None,
         num_replicas: int = 1,
         recent: bool = False,
+        max_model_len: int = 2**20,
     ) -> None:
-        """recent: also keep the last minute's TTFT and inter-token latencies (the dashboard)."""
+        """recent: also keep the last minute's TTFT and inter-token latencies (the dashboard).
+        max_model_len: the top bound of the token-count histograms (as vLLM's)."""
         self.registry = registry or CollectorRegistry()
         labels = ["model_name"]
         per_replica = ["model_name", "replica"]
-        reg = self.registry
+        # conveyor's series live in their own registry, which `registry` exports twice: as
+        # they are, and under vLLM's names (metrics_vllm).
+        reg = self.conveyor_registry = CollectorRegistry()
+        self.registry.register(reg)
+        self.registry.register(VllmView(reg))
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(f"conveyor:{name}", doc, labels, registry=reg, buckets=buckets)
@@ -198,14 +299,26 @@ class EngineMetrics:
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )
-        self.itl = histogram(
-            "inter_token_latency_seconds", "Time between tokens.", _LATENCY_BUCKETS
-        )
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
         self.e2e = histogram(
             "e2e_request_latency_seconds", "End-to-end request latency.", _REQUEST_BUCKETS
         )
         self.queue = histogram(
             "request_queue_time_seconds", "Time waiting before first run.", _REQUEST_BUCKETS
+        )
+        self._requests = _RequestHistograms.build(reg, model_name, max_model_len)
+        self.iteration_tokens = Histogram(
+            "conveyor:iteration_tokens_total",
+            "Tokens computed per engine step (prompt chunks, decoded and draft tokens).",
+            per_replica,
+            registry=reg,
+            buckets=ITERATION_TOKENS_BUCKETS,
+        )
+        self.cache_config = Gauge(
+            "conveyor:cache_config_info",
+            "The KV cache's configuration, in the labels (always 1).",
+            [*per_replica, "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
+            registry=reg,
         )
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting (incl. preempted).")
@@ -285,6 +398,11 @@ class EngineMetrics:
         series.add("preempt", stats.scheduler.num_preemptions_total)
         series.add("queries", stats.scheduler.prefix_cache_queries)
         series.add("hits", stats.scheduler.prefix_cache_hits)
+        record = stats.last_record  # the step's (an abort re-reports the last one: seq)
+        if record is not None and record.seq != series.last_seq:
+            series.last_seq = record.seq
+            if num_tokens := record.prefill_tokens + record.decode_tokens:
+                series.iteration_tokens.observe(num_tokens)
         if stats.spec is not None:
             self._observe_spec(series, stats.spec)
         for out in outputs:
@@ -312,6 +430,7 @@ class EngineMetrics:
             if metrics.first_scheduled_time is not None:
                 self._queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
             self._e2e.observe(metrics.finished_time - metrics.arrival_time)
+            self._requests.observe(out, metrics)
             reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
             self.success.labels(self.model_name, reason).inc()
             self.finished[reason] += 1
@@ -335,6 +454,20 @@ class EngineMetrics:
         self._grammar_totals.add("grammar_hits", hits)
         for value in seconds:
             self._grammar_compile.observe(value)
+
+    def set_cache_config(self, info: CoreInfo, num_replicas: int = 1) -> None:
+        """cache_config_info: one series per replica, valued 1, whose labels say how its KV
+        cache is laid out (vLLM's label names; num_gpu_blocks whatever the device)."""
+        cache = info.cache_config
+        for replica in range(num_replicas):
+            self.cache_config.labels(
+                model_name=self.model_name,
+                replica=str(replica),
+                block_size=str(cache.block_size),
+                num_gpu_blocks=str(info.num_blocks),
+                cache_dtype=cache.kv_cache_dtype,
+                enable_prefix_caching=str(cache.enable_prefix_caching),
+            ).set(1)
 
     def on_abort(self, engine: EngineClient, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)

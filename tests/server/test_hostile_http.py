@@ -82,7 +82,7 @@ def test_an_inverted_priority_range_is_refused():
 
 
 def test_slow_bodies_hold_no_admission_slot(server):
-    """Guard of the admission slots (api_server._Guard): clients that send headers and then
+    """Guard of the admission slots (guard.Guard): clients that send headers and then
     their body slowly, more of them than there are slots, do not keep others out."""
     sockets = []
     try:

@@ -299,8 +299,8 @@ def test_empty_messages_and_empty_prompt_are_400(server):
 @pytest.mark.parametrize(
     ("path", "extra", "word"),
     [
-        ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "Hi", "suffix": "x"}, "suffix"),
+        ("/v1/completions", {"prompt": "Hi", "best_of": 3}, "best_of"),
     ],
 )
 def test_unsupported_features_are_refused_not_ignored(server, path, extra, word):

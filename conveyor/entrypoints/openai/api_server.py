@@ -2,190 +2,43 @@
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import json
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.streams import EngineDeadError, RequestFailedError
+from conveyor.entrypoints.anthropic import add_messages_routes
 from conveyor.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
+from conveyor.entrypoints.openai.embeddings import EmbeddingRequest, embed
+from conveyor.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from conveyor.entrypoints.openai.guard import Guard
+from conveyor.entrypoints.openai.handling import admitted, bad_request, run_request
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from conveyor.entrypoints.openai.responses.routes import add_response_routes
+from conveyor.entrypoints.openai.responses.store import StoreLimits
 from conveyor.entrypoints.openai.serving import OpenAIServing
+from conveyor.entrypoints.openai.vllm_routes import (
+    add_vllm_routes,
+    model_card,
+    tokenize_response,
+)
 from conveyor.limits import RequestLimits
 from conveyor.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
-
-
-# POST requests that may be between their whole body and their handler (routing, pydantic
-# validation) at once: see _Guard.
-ADMISSION_SLOTS = 8
-ADMITTED = "conveyor.admitted"  # scope key: the handler calls it once its body is validated
-
-
-class _Guard:
-    """Pure ASGI middleware in front of every route: /health (answered here, before anything
-    else), the API key (every route but /health, and /metrics when exempted) and the
-    request-body size limit, checked on Content-Length and again on the bytes actually
-    received (a chunked body has no length).
-
-    A storm of requests arriving at once would each run routing and validation in one pass of
-    the event loop (~0.5 ms each: half a second for a thousand) before a /health probe that
-    arrived among them is answered. So a POST first receives its whole body here (a slow
-    client holds nothing), then waits for one of ADMISSION_SLOTS, which it frees when its
-    handler starts (scope[ADMITTED]), its response starts, or it ends: a pass of the loop
-    then carries a few requests' validation, and the probes in between."""
-
-    def __init__(
-        self,
-        app,
-        api_key: str | None,
-        open_paths: set[str],
-        max_body: int,
-        health: Callable[[], Response],
-    ) -> None:
-        self.app, self.api_key, self.open_paths, self.max_body = app, api_key, open_paths, max_body
-        self.health = health
-        self._slots: asyncio.Semaphore | None = None
-        self._slots_loop: asyncio.AbstractEventLoop | None = None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
-            return await self.health()(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.api_key and scope["path"] not in self.open_paths:
-            header = headers.get(b"authorization", b"").decode("latin-1")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                response = error_response(
-                    401,
-                    "invalid or missing API key (Authorization: Bearer ...)",
-                    "authentication_error",
-                    code="invalid_api_key",
-                )
-                return await response(scope, receive, send)
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_body:
-            return await self._too_large(scope, receive, send)
-        if scope["method"] == "POST":
-            return await self._admit(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise StarletteHTTPException(413, self._too_large_message())
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-    async def _admit(self, scope, receive, send) -> None:
-        chunks, received = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away before its body was whole
-            chunks.append(message.get("body", b""))
-            received += len(chunks[-1])
-            if received > self.max_body:
-                return await self._too_large(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        async def replay():
-            nonlocal whole
-            if whole is None:
-                return await receive()
-            message, whole = whole, None
-            return message
-
-        slots = self._admission_slots()
-        await slots.acquire()
-        held = True
-
-        def release() -> None:
-            nonlocal held
-            if held:
-                held = False
-                slots.release()
-
-        async def releasing_send(message) -> None:
-            if message["type"] == "http.response.start":
-                release()
-            await send(message)
-
-        scope[ADMITTED] = release
-        try:
-            await self.app(scope, replay, releasing_send)
-        finally:
-            release()
-
-    def _admission_slots(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()  # a semaphore belongs to the loop it first waits on
-        if self._slots_loop is not loop:
-            self._slots, self._slots_loop = asyncio.Semaphore(ADMISSION_SLOTS), loop
-        return self._slots
-
-    def _too_large_message(self) -> str:
-        return f"request body larger than this server's limit of {self.max_body} bytes"
-
-    async def _too_large(self, scope, receive, send) -> None:
-        response = error_response(413, self._too_large_message(), "BadRequestError")
-        await response(scope, receive, send)
 
 
 def build_app(
@@ -195,6 +48,9 @@ def build_app(
     limits: RequestLimits | None = None,
     metrics_auth: bool = True,
     dashboard: bool = True,
+    trust_request_chat_template: bool = False,
+    response_store: StoreLimits | None = None,
+    embedding_pooling: str = "last",
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -207,7 +63,13 @@ def build_app(
         else AsyncEngine(engine)
     )
     model_name = model_name or default_model_name(async_engine.model_config)
-    metrics = EngineMetrics(model_name, num_replicas=async_engine.num_replicas, recent=dashboard)
+    metrics = EngineMetrics(
+        model_name,
+        num_replicas=async_engine.num_replicas,
+        recent=dashboard,
+        max_model_len=async_engine.max_model_len,
+    )
+    metrics.set_cache_config(async_engine.inputs.info, async_engine.num_replicas)
     feed = None
     if dashboard:
         feed = DashboardFeed(async_engine, metrics, model_name, async_engine.device)
@@ -216,7 +78,7 @@ def build_app(
     async_engine.on_abort = (
         metrics.on_abort if feed is None else _both(metrics.on_abort, feed.on_abort)
     )
-    serving = OpenAIServing(async_engine, model_name, limits)
+    serving = OpenAIServing(async_engine, model_name, limits, trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -226,7 +88,7 @@ def build_app(
 
     app = FastAPI(title="conveyor", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.dashboard = async_engine, metrics, feed
-    _install_error_handlers(app)
+    install_error_handlers(app)
     if feed is not None:
         add_dashboard_routes(app, feed)
 
@@ -241,7 +103,7 @@ def build_app(
         return Response(status_code=200)
 
     app.add_middleware(
-        _Guard,
+        Guard,
         api_key=api_key,
         open_paths=open_paths,
         max_body=limits.max_body_bytes,
@@ -259,60 +121,58 @@ def build_app(
             )
 
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health_route() -> Response:  # answered by _Guard first; here for the schema
+    async def health_route() -> Response:  # answered by Guard first; here for the schema
         return health()
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         metrics.observe_grammars(async_engine.inputs.grammars)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "conveyor",
-            "max_model_len": async_engine.max_model_len,
-        }
+        card = model_card(model_name, async_engine.max_model_len)
         return {"object": "list", "data": [card]}
+
+    add_vllm_routes(app, async_engine, serving, check_model, health)  # /v1/models/{id}, ...
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        _admitted(raw)
-        prompts, params = await _bad_request(serving.completion_params(body))
-        return await _run(
+        admitted(raw)
+        prompts, params = await bad_request(serving.completion_params(body))
+        return await run_request(
             raw, serving, prompts, params, body, "cmpl", serving.complete, serving.complete_stream
         )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        _admitted(raw)
-        prompts, params = await _bad_request(serving.chat_params(body))
-        return await _run(
+        admitted(raw)
+        prompts, params = await bad_request(serving.chat_params(body))
+        return await run_request(
             raw, serving, prompts, params, body, "chatcmpl", serving.chat, serving.chat_stream
         )
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> dict:
+        check_model(body.model)
+        admitted(raw)
+        hidden_size = async_engine.model_config.hidden_size
+        return await bad_request(embed(serving, body, embedding_pooling, hidden_size))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, raw: Request) -> dict:
         check_model(body.model)
-        _admitted(raw)  # tokenizing takes a while: it holds no admission slot
+        admitted(raw)  # tokenizing takes a while: it holds no admission slot
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "BadRequestError")
-        if body.messages is not None:
-            work = serving.off_loop(serving.chat_prompt, body.messages, body.add_generation_prompt)
-        else:
-            work = serving.off_loop(serving.encode, body.prompt, body.add_special_tokens)
-        ids = await _bad_request(work)
-        return {"tokens": ids, "count": len(ids), "max_model_len": async_engine.max_model_len}
+        return await bad_request(tokenize_response(serving, body))  # vllm_routes
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, raw: Request) -> dict:
         check_model(body.model)
-        _admitted(raw)
+        admitted(raw)
         vocab, limit = async_engine.model_config.vocab_size, async_engine.max_model_len
         if len(body.tokens) > limit:  # no sequence of the model is longer
             raise APIError(
@@ -327,6 +187,8 @@ def build_app(
             )
         return {"prompt": await serving.off_loop(serving.tokenizer.decode, body.tokens)}
 
+    add_messages_routes(app, serving, check_model, admitted)  # Anthropic's Messages API
+    add_response_routes(app, serving, check_model, response_store)  # OpenAI's Responses API
     return app
 
 
@@ -336,131 +198,6 @@ def _both(first: Callable, second: Callable) -> Callable:
         second(engine, outputs)
 
     return call
-
-
-def _admitted(raw: Request) -> None:
-    """Frees the request's admission slot (see _Guard): its body is parsed and validated."""
-    release = raw.scope.get(ADMITTED)
-    if release is not None:
-        release()
-
-
-async def _bad_request(awaitable: Awaitable):
-    try:
-        return await awaitable
-    except ValueError as error:
-        param = getattr(error, "param", None)  # InvalidParam, GrammarError
-        raise APIError(400, str(error), "BadRequestError", param) from error
-
-
-async def _run(
-    raw: Request,
-    serving: OpenAIServing,
-    prompts,
-    params,
-    body,
-    prefix: str,
-    full: Callable,
-    stream: Callable,
-):
-    priority = serving.limits.clamp_priority(body.priority)
-    streams = await _bad_request(serving.submit(prefix, prompts, params, priority))
-    if body.stream:
-        return StreamingResponse(
-            _guarded(serving, streams, stream(body, prompts, streams)),
-            media_type="text/event-stream",
-        )
-    task = asyncio.ensure_future(full(body, prompts, streams))
-    disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
-    try:
-        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not task.done():
-            task.cancel()
-            serving.abort_unfinished(streams)  # the client went away: free its KV now
-    if not task.done() or task.cancelled():
-        return Response(status_code=499)
-    try:
-        return task.result()
-    except EngineDeadError as error:  # died while this request ran: a 500, not a 503
-        return error_response(500, str(error), "InternalServerError")
-
-
-async def _guarded(serving: OpenAIServing, streams, chunks: AsyncIterator[str]):
-    """Streams chunks; a client that disconnects mid-stream has its requests aborted. A failure
-    after the 200 went out (the engine died, this request failed) ends the stream with an error
-    event and [DONE], so no client waits for chunks that never come."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except (EngineDeadError, RequestFailedError) as error:
-        yield _sse_error(str(error), "InternalServerError")
-    except Exception:  # noqa: BLE001 - the client must hear of it
-        logger.exception("stream failed")
-        yield _sse_error(_INTERNAL, "InternalServerError")
-    finally:
-        serving.abort_unfinished(streams)
-
-
-def _sse_error(message: str, type_: str) -> str:
-    payload = json.dumps(error_body(message, type_), ensure_ascii=False)
-    return f"data: {payload}\n\ndata: [DONE]\n\n"
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError):
-        return error_response(error.status, error.message, error.type, error.param, error.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, error: RequestValidationError):
-        errors = error.errors()
-        unknown = [_location(e) for e in errors if e.get("type") == "extra_forbidden"]
-        if unknown:
-            message = (
-                f"unknown or unsupported field(s): {', '.join(unknown)}; "
-                "this server refuses fields it would otherwise ignore"
-            )
-            return error_response(400, message, "BadRequestError", unknown[0])
-        first = errors[0] if errors else {}
-        param = _location(first) or None
-        text = str(first.get("msg", "invalid request body")).removeprefix("Value error, ")
-        return error_response(400, f"{param or 'body'}: {text}", "BadRequestError", param)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError):
-        return error_response(503, str(error), "ServiceUnavailableError")
-
-    @app.exception_handler(RequestFailedError)
-    async def request_failed(_: Request, error: RequestFailedError):
-        return error_response(500, str(error), "InternalServerError")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException):
-        kind = "NotFoundError" if error.status_code == 404 else "BadRequestError"
-        return error_response(error.status_code, str(error.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, error: Exception):
-        # The client gets no Python repr (it may echo the input, and tells it nothing it can
-        # fix); the log gets the traceback.
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        return error_response(500, _INTERNAL, "InternalServerError")
-
-
-_INTERNAL = "internal error: the request failed in the server (its log has the details)"
-
-
-def _location(error: dict) -> str:
-    return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
 
 
 def default_model_name(model_config) -> str:

@@ -105,6 +105,7 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class _SamplingFields(BaseModel):
@@ -133,6 +134,13 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # vLLM's: prompt logprobs (top-N per prompt token), the token ids in the response, the
+    # prompt cut to its last N tokens, and what may or may not be sampled.
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Harmless hints: accepted, ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -147,6 +155,9 @@ class _SamplingFields(BaseModel):
 
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
+
+    def num_prompt_logprobs(self, max_tokens: int | None) -> int | None:
+        return self.prompt_logprobs
 
     def constraint(self) -> tuple[StructuredOutputs | None, str | None]:
         """(what the output is constrained to, the field it came from); InvalidParam if the
@@ -185,6 +196,8 @@ class _SamplingFields(BaseModel):
         counts = [
             ("n", self.n, limits.max_n),
             ("logprobs", self.num_logprobs() or 0, limits.max_logprobs),
+            ("prompt_logprobs", self.prompt_logprobs or 0, limits.max_logprobs),
+            ("bad_words", len(self.bad_words or []), limits.max_stop),
             ("stop", len(stops), limits.max_stop),
             ("stop_token_ids", len(self.stop_token_ids or []), limits.max_stop_token_ids),
             ("logit_bias", len(self.logit_bias or {}), limits.max_logit_bias),
@@ -192,12 +205,13 @@ class _SamplingFields(BaseModel):
         for name, value, limit in counts:
             if value > limit:
                 raise ValueError(f"{name}: at most {limit} allowed by this server, got {value}")
-        longest = max((len(s) for s in stops), default=0)
-        if longest > limits.max_stop_length:
-            raise ValueError(
-                f"stop: each stop string may have at most {limits.max_stop_length} characters, "
-                f"got {longest}"
-            )
+        for name, texts in (("stop", stops), ("bad_words", self.bad_words or [])):
+            longest = max((len(s) for s in texts), default=0)
+            if longest > limits.max_stop_length:
+                raise ValueError(
+                    f"{name}: each string may have at most {limits.max_stop_length} "
+                    f"characters, got {longest}"
+                )
         for param, value in self.nested_fields():
             check_depth(value, limits.max_json_depth, param)
 
@@ -243,6 +257,9 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
             structured_outputs=constraint,
+            prompt_logprobs=self.num_prompt_logprobs(max_tokens),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             **values,
         )
 
@@ -254,14 +271,25 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
+
     def unsupported(self) -> list[str]:
-        names = ["echo"] if self.echo else []
-        names += ["suffix"] if self.suffix else []
+        names = ["suffix"] if self.suffix else []
         names += ["best_of"] if self.best_of not in (None, self.n) else []
         return names
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self, max_tokens: int | None) -> int | None:
+        """echo with logprobs: the prompt's logprobs as well (top `logprobs` each); echo with
+        max_tokens 0: the prompt alone is computed, and echoed."""
+        if not self.echo:
+            return self.prompt_logprobs
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs) if n is not None]
+        if wanted or max_tokens == 0:
+            return max(wanted, default=0)
+        return None
 
     def check_limits(self, limits: RequestLimits) -> None:
         super().check_limits(limits)
@@ -344,6 +372,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    # vLLM's: the last (assistant) message is continued rather than closed; extra variables
+    # for the chat template (e.g. enable_thinking); a template of the request's own (only
+    # with --trust-request-chat-template); the last assistant message's text in front of the
+    # reply.
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    echo: bool = False
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -362,6 +398,19 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_limits(self, limits: RequestLimits) -> None:
         super().check_limits(limits)
+        if self.chat_template_kwargs:
+            check_depth(self.chat_template_kwargs, limits.max_json_depth, "chat_template_kwargs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidParam(
+                "continue_final_message and add_generation_prompt cannot both be true: give "
+                "add_generation_prompt: false to continue the last message",
+                "continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidParam(
+                "continue_final_message: the last message must be the assistant's",
+                "continue_final_message",
+            )
         for i, message in enumerate(self.messages):
             for j, call in enumerate(message.tool_calls or []):
                 param = f"messages.{i}.tool_calls.{j}"
@@ -441,6 +490,18 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # vLLM's: the token strings beside the ids; with messages, the chat route's template
+    # fields, rendered as it renders them (entrypoints/openai/vllm_routes.py).
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The fields set that only apply to messages."""
+        names = ("tools", "continue_final_message", "chat_template_kwargs", "chat_template")
+        return {name: getattr(self, name) for name in names if getattr(self, name)}
 
 
 class DetokenizeRequest(BaseModel):

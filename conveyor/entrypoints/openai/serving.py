@@ -19,7 +19,8 @@ from conveyor.entrypoints.openai.protocol import (
     InvalidParam,
 )
 from conveyor.limits import RequestLimits
-from conveyor.outputs import CompletionOutput, PositionLogprobs
+from conveyor.listing import listed
+from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarError
 from conveyor.structured.params import StructuredOutputs
@@ -43,16 +44,43 @@ class _Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    started: bool = False  # a stream sent its first chunk (echo, prompt token ids)
+
+
+@dataclass(slots=True)
+class _PromptState:
+    """One prompt of a request, as its outputs fill it in: its tokens, its text (echo), its
+    prompt logprobs and its prefix-cache hit."""
+
+    token_ids: list[int]
+    text: str | None = None
+    logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    def take(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.logprobs = out.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
 
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, model_name: str, limits: RequestLimits | None = None
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        limits: RequestLimits | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.limits = limits or RequestLimits()
+        # A request's own chat_template runs in transformers' sandboxed Jinja, which bounds
+        # what it may touch but not how long it loops: only an operator who trusts the clients
+        # turns it on (vLLM's --trust-request-chat-template).
+        self.trust_request_chat_template = trust_request_chat_template
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
 
@@ -62,14 +90,31 @@ class OpenAIServing:
 
     # ---- prompts -------------------------------------------------------------------------
 
-    def completion_prompts(self, prompt) -> list[list[int]]:
+    def completion_prompts(
+        self, prompt, add_special_tokens: bool = True, truncate: int | None = None
+    ) -> list[list[int]]:
+        """Token ids of each prompt; truncate (vLLM's truncate_prompt_tokens): keep only the
+        last `truncate` tokens of each (-1: as many as the context holds)."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
             raise ValueError("prompt must not be empty")
         if all(isinstance(t, int) for t in prompt):
-            return [list(prompt)]
-        return [self.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+            prompts = [list(prompt)]
+        else:
+            prompts = [
+                self.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
+                for p in prompt
+            ]
+        return [truncated(p, truncate, self.engine.max_model_len) for p in prompts]
+
+    def prompt_texts(self, prompt, prompts: list[list[int]], truncate: int | None) -> list[str]:
+        """What echo sends back for each prompt: its own text, or its tokens decoded when it
+        came as token ids or was truncated."""
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if truncate is None and all(isinstance(t, str) for t in texts):
+            return list(texts)
+        return [self.tokenizer.decode(p) for p in prompts]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text:
@@ -86,10 +131,18 @@ class OpenAIServing:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         tool_choice=None,
+        options: ChatTemplateOptions | None = None,
     ) -> list[int]:
         """The prompt's token ids. With tools: the template's own tool prompt when it reads
         `tools`, otherwise a system message that describes them (tools.tools_prompt)."""
-        template = self.tokenizer.chat_template
+        options = options or ChatTemplateOptions()
+        template = options.chat_template or self.tokenizer.chat_template
+        if options.chat_template and not self.trust_request_chat_template:
+            raise InvalidParam(
+                "chat_template: this server renders only its model's own chat template "
+                "(start it with --trust-request-chat-template to allow a request's own)",
+                "chat_template",
+            )
         if not template:
             raise ValueError("this model has no chat template; use /v1/completions")
         native = "tools" in template
@@ -97,7 +150,7 @@ class OpenAIServing:
         # Everything the messages say is rendered into the prompt: too much text for the
         # context is refused before the template and the tokenizer see it.
         self.engine.inputs.check_text_length(_num_chars(dicts), "messages")
-        kwargs = {}
+        kwargs = options.template_kwargs()
         if tools and native:
             kwargs["tools"] = tools
         elif tools:
@@ -112,6 +165,8 @@ class OpenAIServing:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
+                continue_final_message=options.continue_final_message,
+                chat_template=template,
                 **kwargs,
             )
         except Exception as error:  # the template refused the conversation (jinja raise)
@@ -164,32 +219,65 @@ class OpenAIServing:
         max_tokens = (
             request.max_tokens if request.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         )
+        if max_tokens == 0 and not request.echo and request.prompt_logprobs is None:
+            raise InvalidParam(
+                "max_tokens must be an integer >= 1 (0 only with echo or prompt_logprobs: the "
+                "prompt alone is computed)",
+                "max_tokens",
+            )
         constraint, param = request.constraint()
         params = request.sampling_params(max_tokens, constraint)
         await self.check_constraint(constraint, param)
-        prompts = await self.off_loop(self.completion_prompts, request.prompt)
+        prompts = await self.off_loop(
+            self.completion_prompts,
+            request.prompt,
+            request.add_special_tokens,
+            request.truncate_prompt_tokens,
+        )
         return prompts, params
 
     async def complete(self, request: CompletionRequest, prompts, streams) -> dict:
-        choices, created = await self._collect(streams, request.n), int(time.time())
+        states = await self._prompt_states(request, prompts)
+        choices, created = await self._collect(streams, request.n, states), int(time.time())
         return {
             "id": streams[0].request_id,
             "object": "text_completion",
             "created": created,
             "model": self.model_name,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": self._completion_logprobs(c.logprobs)
-                    if request.logprobs is not None
-                    else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": _usage(prompts, choices),
+            "choices": [self._completion_choice(request, c, states) for c in choices],
+            "usage": _usage(prompts, choices, states),
         }
+
+    def _completion_choice(
+        self, request: CompletionRequest, choice: _Choice, states: list[_PromptState]
+    ) -> dict:
+        state = states[choice.index // request.n]
+        echo = state if request.echo else None
+        body = {
+            "index": choice.index,
+            "text": (state.text if echo else "") + choice.text,
+            "logprobs": self._completion_logprobs(choice.logprobs, echo, request.logprobs)
+            if request.logprobs is not None
+            else None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+        return body | self._prompt_extras(request, state, choice.token_ids, with_prompt=True)
+
+    def _prompt_extras(
+        self, request, state: _PromptState, token_ids: list[int], with_prompt: bool
+    ) -> dict:
+        """vLLM's prompt_logprobs and return_token_ids fields of a completion choice."""
+        extras = {}
+        if with_prompt and request.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                state.logprobs, request.prompt_logprobs
+            )
+        if request.return_token_ids:
+            if with_prompt:
+                extras["prompt_token_ids"] = state.token_ids
+            extras["token_ids"] = token_ids
+        return extras
 
     async def complete_stream(
         self, request: CompletionRequest, prompts, streams
@@ -197,22 +285,39 @@ class OpenAIServing:
         created, rid = int(time.time()), streams[0].request_id
         head = {"id": rid, "object": "text_completion", "created": created}
         chunk = _ChunkWriter(head | {"model": self.model_name})
+        states = await self._prompt_states(request, prompts)
         choices: dict[int, _Choice] = {}
-        async for index, delta in self._deltas(streams, request.n):
+        continuous = _continuous_usage(request)
+        async for index, delta in self._deltas(streams, request.n, states):
             choice = choices.setdefault(index, _Choice(index))
             choice.num_tokens += len(delta.token_ids)
+            first, choice.started = not choice.started, True
+            state = states[index // request.n]
+            echo = state if request.echo and first else None
             logprobs = None
-            if request.logprobs is not None and delta.logprobs:
-                logprobs = self._completion_logprobs(
-                    list(zip(delta.token_ids, delta.logprobs, strict=True))
-                )
-            if not delta.text and delta.finish_reason is None and not logprobs:
+            if request.logprobs is not None and (delta.logprobs or echo):
+                entries = list(zip(delta.token_ids, delta.logprobs or [], strict=True))
+                logprobs = self._completion_logprobs(entries, echo, request.logprobs)
+            text = (state.text if echo else "") + delta.text
+            if not text and delta.finish_reason is None and not logprobs and not first:
                 continue
-            body = {"index": index, "text": delta.text, "logprobs": logprobs}
-            yield chunk(body | {"finish_reason": delta.finish_reason})
+            body = {"index": index, "text": text, "logprobs": logprobs}
+            body |= {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+            body |= self._prompt_extras(request, state, delta.token_ids, with_prompt=first)
+            usage = _usage(prompts, list(choices.values()), states) if continuous else None
+            yield chunk(body, usage)
         if request.stream_options and request.stream_options.include_usage:
-            yield chunk.usage(_usage(prompts, list(choices.values())))
+            yield chunk.usage(_usage(prompts, list(choices.values()), states))
         yield "data: [DONE]\n\n"
+
+    async def _prompt_states(self, request, prompts: list[list[int]]) -> list[_PromptState]:
+        states = [_PromptState(list(p)) for p in prompts]
+        if getattr(request, "echo", False) and isinstance(request, CompletionRequest):
+            truncate = request.truncate_prompt_tokens
+            texts = await self.off_loop(self.prompt_texts, request.prompt, prompts, truncate)
+            for state, text in zip(states, texts, strict=True):
+                state.text = text
+        return states
 
     # ---- /v1/chat/completions ------------------------------------------------------------
 
@@ -229,14 +334,18 @@ class OpenAIServing:
             request.add_generation_prompt,
             request.tool_dicts() if mode != "none" else None,
             request.tool_choice,
+            ChatTemplateOptions.of(request),
         )
-        return [prompt], params
+        keep = request.truncate_prompt_tokens
+        return [truncated(prompt, keep, self.engine.max_model_len)], params
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
-        choices = await self._collect(streams, request.n)
+        states = await self._prompt_states(request, prompts)
+        choices = await self._collect(streams, request.n, states)
         depth = self.limits.max_json_depth
         replies = [_ToolReply(request, depth).message(c.text, c.finish_reason) for c in choices]
-        return {
+        echoed = _chat_echo(request)
+        body = {
             "id": streams[0].request_id,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -244,16 +353,30 @@ class OpenAIServing:
             "choices": [
                 {
                     "index": c.index,
-                    "message": message,
+                    "message": _echoed(message, echoed),
                     "logprobs": self._chat_logprobs(c.logprobs, request.top_logprobs or 0)
                     if request.logprobs
                     else None,
                     "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
+                | ({"token_ids": c.token_ids} if request.return_token_ids else {})
                 for c, (message, finish_reason) in zip(choices, replies, strict=True)
             ],
-            "usage": _usage(prompts, choices),
+            "usage": _usage(prompts, choices, states),
         }
+        return body | self._chat_prompt_extras(request, states[0])
+
+    def _chat_prompt_extras(self, request: ChatCompletionRequest, state: _PromptState) -> dict:
+        """vLLM's response-level prompt_logprobs and prompt_token_ids of a chat completion."""
+        extras = {}
+        if request.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                state.logprobs, request.prompt_logprobs
+            )
+        if request.return_token_ids:
+            extras["prompt_token_ids"] = state.token_ids
+        return extras
 
     async def chat_stream(
         self, request: ChatCompletionRequest, prompts, streams
@@ -261,39 +384,52 @@ class OpenAIServing:
         created, rid = int(time.time()), streams[0].request_id
         head = {"id": rid, "object": "chat.completion.chunk", "created": created}
         chunk = _ChunkWriter(head | {"model": self.model_name})
+        states = await self._prompt_states(request, prompts)
+        continuous = _continuous_usage(request)
         choices: dict[int, _Choice] = {}
+        echoed = _chat_echo(request)
         for index in range(request.n):
             choices[index] = _Choice(index)
-            delta = {"role": "assistant", "content": ""}
+            delta = {"role": "assistant", "content": echoed or ""}
             yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
         depth = self.limits.max_json_depth
         replies = {index: _ToolReply(request, depth) for index in range(request.n)}
-        async for index, delta in self._deltas(streams, request.n):
+        first = True
+        async for index, delta in self._deltas(streams, request.n, states):
             choice = choices[index]
             choice.num_tokens += len(delta.token_ids)
+            choice.token_ids += delta.token_ids  # sent with the next chunk (return_token_ids)
             entries = []
             if request.logprobs and delta.logprobs:
                 entries = list(zip(delta.token_ids, delta.logprobs, strict=True))
-            for content, held, finish in replies[index].feed(
-                delta.text, entries, delta.finish_reason
-            ):
+            pieces = replies[index].feed(delta.text, entries, delta.finish_reason)
+            for i, (content, held, finish) in enumerate(pieces):
                 logprobs = None
                 if held:
                     logprobs = self._chat_logprobs(held, request.top_logprobs or 0)
                 body = {"index": index, "delta": content, "logprobs": logprobs}
-                yield chunk(body | {"finish_reason": finish})
+                body["finish_reason"] = finish
+                if request.return_token_ids and i == len(pieces) - 1:
+                    body["token_ids"], choice.token_ids = choice.token_ids, []
+                usage = _usage(prompts, list(choices.values()), states) if continuous else None
+                extras = self._chat_prompt_extras(request, states[0]) if first else {}
+                first = False
+                yield chunk(body, usage, extras)
         if request.stream_options and request.stream_options.include_usage:
-            yield chunk.usage(_usage(prompts, list(choices.values())))
+            yield chunk.usage(_usage(prompts, list(choices.values()), states))
         yield "data: [DONE]\n\n"
 
     # ---- shared --------------------------------------------------------------------------
 
     async def _deltas(
-        self, streams: list[RequestStream], n: int
+        self, streams: list[RequestStream], n: int, states: list[_PromptState] | None = None
     ) -> AsyncIterator[tuple[int, CompletionOutput]]:
-        """(choice index, delta) in arrival order, merged across the prompts' streams."""
+        """(choice index, delta) in arrival order, merged across the prompts' streams; each
+        prompt's state takes what its outputs say of the prompt first."""
         if len(streams) == 1:  # the common case: no merging, no task per output
             async for out in streams[0]:
+                if states is not None:
+                    states[0].take(out)
                 for completion in out.outputs:
                     yield completion.index, completion
             return
@@ -307,6 +443,8 @@ class OpenAIServing:
                     out = task.result()
                     if out is None:
                         continue
+                    if states is not None:
+                        states[prompt_index].take(out)
                     for completion in out.outputs:
                         yield prompt_index * n + completion.index, completion
                     next_task = asyncio.ensure_future(_anext(iterators[prompt_index]))
@@ -315,12 +453,16 @@ class OpenAIServing:
             for task in pending:
                 task.cancel()
 
-    async def _collect(self, streams: list[RequestStream], n: int) -> list[_Choice]:
+    async def _collect(
+        self, streams: list[RequestStream], n: int, states: list[_PromptState] | None = None
+    ) -> list[_Choice]:
         choices = [_Choice(i) for i in range(len(streams) * n)]
-        async for index, delta in self._deltas(streams, n):
+        async for index, delta in self._deltas(streams, n, states):
             choice = choices[index]
             choice.text += delta.text
             choice.num_tokens += len(delta.token_ids)
+            choice.token_ids += delta.token_ids
+            choice.stop_reason = delta.stop_reason
             if delta.logprobs:
                 choice.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=True))
             if delta.finish_reason is not None:
@@ -334,8 +476,17 @@ class OpenAIServing:
             else self.tokenizer.decode([token_id])
         )
 
-    def _completion_logprobs(self, entries: list[tuple[int, PositionLogprobs]]) -> dict:
+    def _completion_logprobs(
+        self,
+        entries: list[tuple[int, PositionLogprobs]],
+        echo: _PromptState | None = None,
+        num_top: int = 0,
+    ) -> dict:
+        """OpenAI's legacy logprobs; echo: the prompt's tokens first (the first without a
+        logprob, as in OpenAI's and vLLM's echo), each with its top num_top."""
         tokens, token_logprobs, top = [], [], []
+        if echo is not None:
+            tokens, token_logprobs, top = self._echoed_logprobs(echo, num_top)
         for token_id, position in entries:
             tokens.append(self._token_text(token_id, position[token_id]))
             token_logprobs.append(position[token_id].logprob)
@@ -346,6 +497,44 @@ class OpenAIServing:
             "top_logprobs": top,
             "text_offset": _offsets(tokens),
         }
+
+    def _echoed_logprobs(self, state: _PromptState, num_top: int) -> tuple[list, list, list]:
+        positions = state.logprobs or [None] * len(state.token_ids)
+        tokens, values, top = [], [], []
+        for token_id, position in zip(state.token_ids, positions, strict=True):
+            if position is None:  # the first token: nothing before it to predict it
+                tokens.append(self.tokenizer.decode([token_id]))
+                values.append(None)
+                top.append(None)
+                continue
+            tokens.append(self._token_text(token_id, position[token_id]))
+            values.append(position[token_id].logprob)
+            ranked = sorted(position.items(), key=lambda item: item[1].rank)
+            kept = [(t, lp) for t, lp in ranked if lp.rank <= num_top or t == token_id]
+            top.append({self._token_text(t, lp): lp.logprob for t, lp in kept})
+        return tokens, values, top
+
+    def _vllm_prompt_logprobs(self, positions, num_top: int) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}} with the prompt token and the top num_top."""
+        if positions is None:
+            return None
+        out = []
+        for position in positions:
+            if position is None:
+                out.append(None)
+                continue
+            out.append(
+                {
+                    str(t): {
+                        "logprob": lp.logprob,
+                        "rank": lp.rank,
+                        "decoded_token": self._token_text(t, lp),
+                    }
+                    for t, lp in position.items()
+                }
+            )
+        return out
 
     def _chat_logprobs(self, entries: list[tuple[int, PositionLogprobs]], num_top: int) -> dict:
         content = []
@@ -368,6 +557,63 @@ class OpenAIServing:
                 }
             )
         return {"content": content}
+
+
+# Variables a chat template gets from the request's own fields (or from transformers):
+# chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "return_assistant_tokens_mask",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateOptions:
+    """vLLM's chat-template fields of a request."""
+
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    kwargs: dict | None = None
+
+    @classmethod
+    def of(cls, request: ChatCompletionRequest) -> ChatTemplateOptions:
+        return cls(
+            request.continue_final_message, request.chat_template, request.chat_template_kwargs
+        )
+
+    def template_kwargs(self) -> dict:
+        kwargs = dict(self.kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+        if reserved:
+            raise InvalidParam(
+                f"chat_template_kwargs: {listed(reserved)} cannot be set here: the request's "
+                "own fields set them",
+                "chat_template_kwargs",
+            )
+        return kwargs
+
+
+def truncated(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context's)."""
+    if keep is None:
+        return prompt
+    if keep == 0:
+        raise InvalidParam(
+            "truncate_prompt_tokens must be -1 (the context length) or >= 1",
+            "truncate_prompt_tokens",
+        )
+    keep = max_model_len if keep == -1 else keep
+    return prompt[-keep:] if len(prompt) > keep else prompt
 
 
 def _num_chars(value) -> int:
@@ -520,14 +766,38 @@ def _tool_finish(finish_reason: str | None) -> str | None:
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def _usage(prompts: list[list[int]], choices) -> dict:
+def _usage(prompts: list[list[int]], choices, states: list[_PromptState] | None = None) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompts' prefix-cache hits."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_tokens for c in choices)
-    return {
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if states is not None:
+        cached = sum(state.num_cached_tokens for state in states)
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _continuous_usage(request) -> bool:
+    options = request.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
+def _chat_echo(request: ChatCompletionRequest) -> str | None:
+    """vLLM's chat echo: the last message's text, when it is the assistant's."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant":
+        return None
+    return last.text() or ""
+
+
+def _echoed(message: dict, echoed: str | None) -> dict:
+    if echoed is None:
+        return message
+    return message | {"content": echoed + (message.get("content") or "")}
 
 
 def _offsets(tokens: list[str]) -> list[int]:
@@ -549,8 +819,12 @@ class _ChunkWriter:
     def __init__(self, head: dict) -> None:
         self._head = "data: " + _json(head)[:-1] + ',"choices":['
 
-    def __call__(self, choice: dict) -> str:
-        return f"{self._head}{_json(choice)}]}}\n\n"
+    def __call__(self, choice: dict, usage: dict | None = None, extras: dict | None = None) -> str:
+        """extras: fields beside choices (vLLM's prompt_token_ids, prompt_logprobs)."""
+        tail = "".join(f",{_json(k)}:{_json(v)}" for k, v in (extras or {}).items())
+        if usage is not None:
+            tail += f',"usage":{_json(usage)}'
+        return f"{self._head}{_json(choice)}]{tail}}}\n\n"
 
     def usage(self, usage: dict) -> str:
         return f'{self._head}],"usage":{_json(usage)}}}\n\n'

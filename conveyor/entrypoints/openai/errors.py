@@ -1,0 +1,99 @@
+"""OpenAI's error shape, and the app's handlers that answer every failure in it: a 400 that
+names the field, a 401, 404, 413, a 503 while the engine is down, and a 500 that never echoes a
+Python exception (its traceback goes to the log)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conveyor.engine.streams import EngineDeadError, RequestFailedError
+
+logger = logging.getLogger(__name__)
+
+INTERNAL = "internal error: the request failed in the server (its log has the details)"
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def sse_error(message: str, type_: str) -> str:
+    """The last events of a stream that failed after its 200 went out."""
+    payload = json.dumps(error_body(message, type_), ensure_ascii=False)
+    return f"data: {payload}\n\ndata: [DONE]\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError):
+        return error_response(error.status, error.message, error.type, error.param, error.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, error: RequestValidationError):
+        errors = error.errors()
+        unknown = [_location(e) for e in errors if e.get("type") == "extra_forbidden"]
+        if unknown:
+            message = (
+                f"unknown or unsupported field(s): {', '.join(unknown)}; "
+                "this server refuses fields it would otherwise ignore"
+            )
+            return error_response(400, message, "BadRequestError", unknown[0])
+        first = errors[0] if errors else {}
+        param = _location(first) or None
+        text = str(first.get("msg", "invalid request body")).removeprefix("Value error, ")
+        return error_response(400, f"{param or 'body'}: {text}", "BadRequestError", param)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError):
+        return error_response(503, str(error), "ServiceUnavailableError")
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, error: RequestFailedError):
+        return error_response(500, str(error), "InternalServerError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException):
+        kind = "NotFoundError" if error.status_code == 404 else "BadRequestError"
+        return error_response(error.status_code, str(error.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, error: Exception):
+        # The client gets no Python repr (it may echo the input, and tells it nothing it can
+        # fix); the log gets the traceback.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return error_response(500, INTERNAL, "InternalServerError")
+
+
+def _location(error: dict) -> str:
+    return ".".join(str(p) for p in error.get("loc", ()) if p != "body")

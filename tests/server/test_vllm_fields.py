@@ -1,0 +1,259 @@
+"""vLLM's extra completion and chat fields, over HTTP with the official openai client (its
+extra_body) against a real server of the tiny float32 llama: echo with prompt logprobs (how
+lm-evaluation-harness scores), prompt_logprobs, return_token_ids, truncate_prompt_tokens,
+allowed_token_ids, bad_words, continuous usage stats, cached_tokens and the chat-template
+fields."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_util import start_tiny
+
+MODEL = "tiny"
+PROMPT = [5, 9, 13, 40, 77, 101, 150, 200, 33, 64, 90, 7]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    proc = start_tiny(tiny_checkpoint, tmp_path_factory.mktemp("server"), "--enable-prefix-caching")
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client):
+    # lm-evaluation-harness's loglikelihood request: echo, logprobs 1, one token.
+    scored = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    choice = scored.choices[0]
+    assert len(choice.logprobs.token_logprobs) == len(PROMPT) + 1
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    # The same prompt tokens' logprobs as prompt_logprobs gives, and as the generated ones
+    # give when each prompt prefix is continued greedily.
+    plain = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"prompt_logprobs": 1},
+    )
+    positions = plain.choices[0].model_extra["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(PROMPT)
+    for j in range(1, len(PROMPT)):
+        entry = positions[j][str(PROMPT[j])]
+        assert abs(entry["logprob"] - choice.logprobs.token_logprobs[j]) < 1e-6
+        greedy = max(choice.logprobs.top_logprobs[j].values())
+        assert greedy >= choice.logprobs.token_logprobs[j]
+        assert (entry["rank"] == 1) == (greedy == choice.logprobs.token_logprobs[j])
+    for j in (3, 7):
+        head = client.completions.create(
+            model=MODEL, prompt=PROMPT[:j], max_tokens=1, temperature=0, logprobs=5
+        ).choices[0]
+        top = head.logprobs.top_logprobs[0]
+        assert abs(max(top.values()) - max(choice.logprobs.top_logprobs[j].values())) < 1e-5
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt_alone(client, server):
+    text = "hello world, this is a prompt"
+    out = client.completions.create(
+        model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=0
+    ).choices[0]
+    assert out.text == text and out.finish_reason == "length"
+    assert out.logprobs.token_logprobs[0] is None
+    assert all(v is not None for v in out.logprobs.token_logprobs[1:])
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text
+    refused = post(server, "/v1/completions", {"prompt": text, "max_tokens": 0})
+    assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
+
+
+def test_echo_streamed_equals_echo_whole(client):
+    kwargs = dict(model=MODEL, prompt="abc def", max_tokens=6, echo=True, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert streamed == whole and whole.startswith("abc def")
+
+
+def test_return_token_ids_whole_and_streamed(client):
+    extra = {"return_token_ids": True}
+    whole = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, extra_body=extra
+    ).choices[0]
+    assert whole.model_extra["prompt_token_ids"] == PROMPT
+    assert len(whole.model_extra["token_ids"]) == 5
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True, extra_body=extra
+        )
+    )
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == PROMPT
+    ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert ids == whole.model_extra["token_ids"]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body=extra
+    )
+    assert chat.model_extra["prompt_token_ids"] and chat.choices[0].model_extra["token_ids"]
+    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=0)
+    cut = client.completions.create(
+        prompt=PROMPT, extra_body={"truncate_prompt_tokens": 5}, **kwargs
+    )
+    tail = client.completions.create(prompt=PROMPT[-5:], **kwargs)
+    assert cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == tail.choices[0].text
+
+
+def test_allowed_token_ids_and_bad_words(client, server):
+    allowed = [11, 12, 13]
+    out = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.0,
+        seed=1,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+    ).choices[0]
+    assert set(out.model_extra["token_ids"]) <= set(allowed)
+    free = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    ).choices[0]
+    first = free.model_extra["token_ids"][0]
+    word = post(server, "/detokenize", {"tokens": [first]}).json()["prompt"]
+    again = post(server, "/tokenize", {"prompt": word, "add_special_tokens": False}).json()
+    assert again["tokens"] == [first], "the test needs a first token that tokenizes to itself"
+    banned = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"bad_words": [word], "return_token_ids": True},
+    ).choices[0]
+    assert banned.model_extra["token_ids"][0] != first
+    refused = post(server, "/v1/completions", {"prompt": "x", "allowed_token_ids": [10**6]})
+    assert refused.status_code == 400 and "allowed_token_ids" in refused.json()["error"]["message"]
+
+
+def test_continuous_usage_stats_and_cached_tokens(client):
+    prompt = list(range(20, 120))  # several full blocks
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 5
+
+
+def test_chat_template_fields(client, server):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]
+    continued = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True},
+    )
+    assert continued.choices[0].message.content.startswith("Well,")
+    tokenized = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    # continuing the final message leaves it open: fewer tokens than closing it
+    assert continued.usage.prompt_tokens < tokenized.json()["count"]
+    kwargs = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": messages[:1], "max_tokens": 2, "chat_template_kwargs": {"tools": []}},
+    )
+    assert kwargs.status_code == 400 and "chat_template_kwargs" in kwargs.json()["error"]["param"]
+    ok = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": messages[:1], "max_tokens": 2, "chat_template_kwargs": {"flag": True}},
+    )
+    assert ok.status_code == 200
+    own = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": messages[:1], "max_tokens": 2, "chat_template": "{{ messages }}"},
+    )
+    assert own.status_code == 400 and "--trust-request-chat-template" in own.text
+    both = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": messages, "max_tokens": 2, "continue_final_message": True},
+    )
+    assert both.status_code == 400
+
+
+def test_embeddings_equal_transformers_hidden_state_and_ride_with_generation(
+    client, server, tiny_checkpoint
+):
+    import base64
+    import threading
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float64)
+    inputs = [PROMPT, PROMPT[:4], list(range(30, 90))]
+    # A generation runs beside the embeddings (they share steps under one token budget).
+    generating = threading.Thread(
+        target=client.completions.create,
+        kwargs=dict(model=MODEL, prompt=PROMPT, max_tokens=40, extra_body={"ignore_eos": True}),
+    )
+    generating.start()
+    result = client.embeddings.create(model=MODEL, input=inputs)
+    generating.join()
+    assert [d.index for d in result.data] == [0, 1, 2]
+    assert result.usage.prompt_tokens == sum(len(p) for p in inputs)
+    for item, prompt in zip(result.data, inputs, strict=True):
+        with torch.no_grad():
+            hidden = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1]
+        want = torch.nn.functional.normalize(hidden[0, -1], dim=0)
+        got = torch.tensor(item.embedding, dtype=torch.float64)
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    alone = client.embeddings.create(model=MODEL, input=[inputs[1]]).data[0].embedding
+    assert alone == result.data[1].embedding  # the batch does not change a row's bits
+    raw = post(
+        server,
+        "/v1/embeddings",
+        {"input": [PROMPT[:4]], "encoding_format": "base64"},
+    ).json()["data"][0]["embedding"]
+    decoded = np.frombuffer(base64.b64decode(raw), dtype="<f4")
+    assert np.allclose(decoded, np.asarray(alone, dtype=np.float32))
+    for bad, param in (
+        ({"input": "x", "dimensions": 7}, "dimensions"),
+        ({"input": [[10**7]]}, None),
+        ({"input": "x", "pooling": "max"}, "pooling"),
+    ):
+        refused = post(server, "/v1/embeddings", bad)
+        assert refused.status_code == 400, refused.text
+        assert param is None or param in refused.json()["error"]["message"]
