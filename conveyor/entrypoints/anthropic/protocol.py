@@ -28,9 +28,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from conveyor.entrypoints.openai.protocol import (
+    ALIASED,
+    STRICT,
     ChatCompletionRequest,
     ChatMessage,
     FunctionDefinition,
@@ -44,20 +46,18 @@ from conveyor.entrypoints.openai.protocol import (
 )
 from conveyor.limits import RequestLimits
 
-_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-_ALIASED = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
 _TEXT_ONLY = ("image", "document")
 
 
 class CacheControl(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["ephemeral"]
     ttl: str | None = None
 
 
 class TextBlock(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["text"]
     text: str
@@ -66,7 +66,7 @@ class TextBlock(BaseModel):
 
 
 class ToolUseBlock(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["tool_use"]
     id: str
@@ -76,7 +76,7 @@ class ToolUseBlock(BaseModel):
 
 
 class ToolResultBlock(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["tool_result"]
     tool_use_id: str
@@ -98,7 +98,7 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 
 class Message(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(min_length=1)]
@@ -154,7 +154,7 @@ class Message(BaseModel):
 
 
 class AnthropicTool(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     name: str
     description: str | None = None
@@ -174,21 +174,21 @@ class AnthropicTool(BaseModel):
 
 
 class ToolChoiceAuto(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["auto"]
     disable_parallel_tool_use: bool = False
 
 
 class ToolChoiceAny(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["any"]
     disable_parallel_tool_use: bool = False
 
 
 class ToolChoiceTool(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["tool"]
     name: str
@@ -196,7 +196,7 @@ class ToolChoiceTool(BaseModel):
 
 
 class ToolChoiceNone(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["none"]
 
@@ -207,14 +207,14 @@ ToolChoice = Annotated[
 
 
 class OutputFormat(BaseModel):
-    model_config = _ALIASED
+    model_config = ALIASED
 
     type: Literal["json_schema"]
     schema_: dict = Field(alias="schema")
 
 
 class OutputConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     format: OutputFormat | None = None
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # a hint: ignored
@@ -223,7 +223,7 @@ class OutputConfig(BaseModel):
 class CountTokensRequest(BaseModel):
     """The body of /v1/messages/count_tokens: what renders the prompt."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str
     messages: list[Message] = Field(min_length=1)

@@ -4,7 +4,6 @@ Anthropic's shape (errors.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -20,6 +19,7 @@ from conveyor.entrypoints.anthropic.errors import (
 )
 from conveyor.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from conveyor.entrypoints.anthropic.serving import MessagesServing
+from conveyor.entrypoints.openai.handling import until_disconnected
 from conveyor.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -75,28 +75,10 @@ async def _invalid(awaitable: Awaitable):
 async def _unless_disconnected(
     raw: Request, serving: OpenAIServing, streams: list[RequestStream], work: Awaitable[dict]
 ) -> Response | dict:
-    """work's result; a client that goes away first has its request aborted (its KV freed
-    now, not when the reply would have been whole)."""
-    task = asyncio.ensure_future(work)
-    disconnect = asyncio.ensure_future(_disconnected(raw))
     try:
-        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not task.done():
-            task.cancel()
-            serving.abort_unfinished(streams)
-    if not task.done() or task.cancelled():
-        return Response(status_code=499)
-    try:
-        return task.result()
+        return await until_disconnected(raw, serving, streams, work)
     except EngineDeadError as error:  # died while this request ran: a 500, not a 503
         raise AnthropicError(500, str(error)) from error
-
-
-async def _disconnected(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _guarded(

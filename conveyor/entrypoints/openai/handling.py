@@ -52,7 +52,16 @@ async def run_request(
             guarded(serving, streams, stream(body, prompts, streams)),
             media_type="text/event-stream",
         )
-    task = asyncio.ensure_future(full(body, prompts, streams))
+    try:
+        return await until_disconnected(raw, serving, streams, full(body, prompts, streams))
+    except EngineDeadError as error:  # died while this request ran: a 500, not a 503
+        return error_response(500, str(error), "InternalServerError")
+
+
+async def until_disconnected(raw: Request, serving: OpenAIServing, streams, work: Awaitable):
+    """work's result; a client that goes away first has its requests aborted (their KV freed
+    now, not when the reply would have been whole) and gets a 499."""
+    task = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(wait_for_disconnect(raw))
     try:
         await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -60,13 +69,10 @@ async def run_request(
         disconnect.cancel()
         if not task.done():
             task.cancel()
-            serving.abort_unfinished(streams)  # the client went away: free its KV now
+            serving.abort_unfinished(streams)
     if not task.done() or task.cancelled():
         return Response(status_code=499)
-    try:
-        return task.result()
-    except EngineDeadError as error:  # died while this request ran: a 500, not a 503
-        return error_response(500, str(error), "InternalServerError")
+    return task.result()
 
 
 async def guarded(serving: OpenAIServing, streams, chunks: AsyncIterator[str]):

@@ -34,8 +34,8 @@ from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import required_schema
 
 # strict: no bool where a number is due (JSON true is not n=1), no "2" for an integer.
-_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-_ALIASED = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+ALIASED = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -62,7 +62,7 @@ def check_depth(value: Any, limit: int, param: str) -> None:
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = _ALIASED
+    model_config = ALIASED
 
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
@@ -71,7 +71,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -80,7 +80,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsField(BaseModel):
     """vLLM's `structured_outputs`: exactly one of its fields."""
 
-    model_config = _ALIASED
+    model_config = ALIASED
 
     json_: dict | str | None = Field(default=None, alias="json")
     json_object: bool | None = None
@@ -102,14 +102,14 @@ class StructuredOutputsField(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class _SamplingFields(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -303,14 +303,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
@@ -338,7 +338,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     name: str
     description: str | None = None
@@ -347,20 +347,20 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class FunctionName(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["function"]
     function: FunctionName
@@ -483,7 +483,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str | None = None
     prompt: str | None = None
@@ -505,7 +505,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str | None = None
     tokens: list[int]

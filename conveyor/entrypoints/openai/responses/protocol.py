@@ -29,7 +29,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
@@ -38,6 +37,8 @@ from pydantic import (
 )
 
 from conveyor.entrypoints.openai.protocol import (
+    ALIASED,
+    STRICT,
     ChatCompletionRequest,
     InvalidParam,
     _shown,
@@ -45,8 +46,6 @@ from conveyor.entrypoints.openai.protocol import (
 )
 from conveyor.limits import RequestLimits
 
-_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-_ALIASED = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 _PART_TYPES = ("input_text", "output_text", "refusal")
 MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, keys of 64 and values of 512 chars
@@ -58,14 +57,14 @@ def new_id(prefix: str) -> str:
 
 
 class InputText(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["input_text"]
     text: str
 
 
 class OutputText(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["output_text"]
     text: str
@@ -74,7 +73,7 @@ class OutputText(BaseModel):
 
 
 class Refusal(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["refusal"]
     refusal: str
@@ -99,7 +98,7 @@ def _only_text_parts(value: Any, allowed: tuple[str, ...]) -> Any:
 
 
 class MessageItem(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -120,7 +119,7 @@ class MessageItem(BaseModel):
 
 
 class FunctionCallItem(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
@@ -131,7 +130,7 @@ class FunctionCallItem(BaseModel):
 
 
 class FunctionCallOutputItem(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
@@ -176,7 +175,7 @@ def _typed_items(value: Any) -> Any:
 
 
 class FunctionTool(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["function"]
     name: str
@@ -190,14 +189,14 @@ class FunctionTool(BaseModel):
 
 
 class FunctionChoice(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     type: Literal["function"]
     name: str
 
 
 class TextFormat(BaseModel):
-    model_config = _ALIASED
+    model_config = ALIASED
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, min_length=1, max_length=64)
@@ -227,20 +226,20 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # a hint: ignored
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     include_obfuscation: bool | None = None  # a hint: ignored (no padding is sent)
 
 
 class ResponsesRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str | None = None
     input: list[InputItem] = Field(default_factory=list)  # text: one user message
