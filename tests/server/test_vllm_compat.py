@@ -48,14 +48,6 @@ def server(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def in_process(tiny_checkpoint, tmp_path_factory):
-    path = tmp_path_factory.mktemp("compat-in-process")
-    proc = start_tiny(tiny_checkpoint, path, "--no-engine-process")
-    yield proc
-    assert proc.stop() == 0
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
 
@@ -189,9 +181,9 @@ def long_prompt() -> str:
     return f"{uuid.uuid4().hex} " + "Continuous batching schedules one model step at a time. " * 8
 
 
-@pytest.mark.parametrize("which", ["server", "in_process"])
-def test_a_repeated_prompt_reports_its_prefix_cache_hit_in_usage(which, request):
-    proc = request.getfixturevalue(which)
+def test_a_repeated_prompt_reports_its_prefix_cache_hit_in_usage(server):
+    # With the engine-core process; test_vllm_fields.py checks it with the engine in process.
+    proc = server
     llm = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key=KEY, max_retries=0)
     prompt = long_prompt()
     first, second = (

@@ -17,7 +17,8 @@ PROMPT = [5, 9, 13, 40, 77, 101, 150, 200, 33, 64, 90, 7]
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    proc = start_tiny(tiny_checkpoint, tmp_path_factory.mktemp("server"), "--enable-prefix-caching")
+    # The engine in the server's process (test_vllm_compat.py runs the engine-core process).
+    proc = start_tiny(tiny_checkpoint, tmp_path_factory.mktemp("server"), "--no-engine-process")
     yield proc
     assert proc.stop() == 0
 
