@@ -100,9 +100,8 @@ class Request:
     grammar: Grammar | None = None
     error: str | None = None  # why it ended with FINISHED_ERROR
     # prompt_logprobs: one entry per prompt position (the first stays None), filled by the
-    # prompt's prefill steps and sent once, with the request's first output.
+    # prompt's prefill steps and handed over (None from then on) with the first output.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    prompt_logprobs_sent: bool = False
     # pooling: the final hidden states of the prompt's rows, chunk by chunk, reduced once at
     # the end (the same reduction whatever the chunking) into `embedding`.
     pooled_rows: list[torch.Tensor] | None = None

@@ -493,12 +493,11 @@ def _sampling_row(request: Request) -> SamplingRow:
 
 def _ask_prompt_rows(item: ScheduledRequest, request: Request) -> None:
     """Marks a chunk of the prompt whose rows the request needs (prompt logprobs, pooling)."""
-    params = request.params
-    if params.prompt_logprobs is not None:
+    if request.prompt_logprobs is not None:  # not yet handed over
         start, end = item.num_computed_tokens, item.num_computed_tokens + len(item.token_ids)
         item.prompt_targets = request.prompt_token_ids[start + 1 : end + 1]
-        item.num_prompt_logprobs = params.prompt_logprobs
-    item.pooling = params.pooling is not None
+        item.num_prompt_logprobs = request.params.prompt_logprobs
+    item.pooling = request.pooled_rows is not None
 
 
 def _take_prompt_rows(request: Request, item: ScheduledRequest, out: ModelRunnerOutput) -> None:

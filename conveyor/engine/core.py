@@ -488,11 +488,10 @@ class EngineCore:
 
 
 def _take_prompt_logprobs(request: Request) -> list[PositionLogprobs | None] | None:
-    """A request's prompt logprobs, the first time it has an output (its prompt is done)."""
-    if request.prompt_logprobs is None or request.prompt_logprobs_sent:
-        return None
-    request.prompt_logprobs_sent = True
-    return request.prompt_logprobs
+    """A request's prompt logprobs, handed over with its first output (its prompt is done):
+    a recompute after a preemption then asks for none again."""
+    positions, request.prompt_logprobs = request.prompt_logprobs, None
+    return positions
 
 
 def ngram_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:

@@ -43,14 +43,18 @@ GEN_ROWS = [
     ("One, two,", " three"),
 ]
 
-MC_YAML = """task: {task}
+# A task reading a local JSONL file (no network: the datasets cache is the test's own).
+TASK_HEAD = """task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
   cache_dir: {cache}
 test_split: test
-output_type: multiple_choice
+"""
+MC_YAML = (
+    TASK_HEAD
+    + """output_type: multiple_choice
 doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: answer
@@ -58,14 +62,10 @@ metric_list:
   - metric: acc
   - metric: acc_norm
 """
-GEN_YAML = """task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-  cache_dir: {cache}
-test_split: test
-output_type: generate_until
+)
+GEN_YAML = (
+    TASK_HEAD
+    + """output_type: generate_until
 doc_to_text: "{{{{prompt}}}}"
 doc_to_target: target
 generation_kwargs:
@@ -75,6 +75,7 @@ generation_kwargs:
 metric_list:
   - metric: exact_match
 """
+)
 
 
 def write_tasks(folder: Path) -> None:

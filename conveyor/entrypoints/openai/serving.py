@@ -312,7 +312,7 @@ class OpenAIServing:
 
     async def _prompt_states(self, request, prompts: list[list[int]]) -> list[_PromptState]:
         states = [_PromptState(list(p)) for p in prompts]
-        if getattr(request, "echo", False) and isinstance(request, CompletionRequest):
+        if isinstance(request, CompletionRequest) and request.echo:
             truncate = request.truncate_prompt_tokens
             texts = await self.off_loop(self.prompt_texts, request.prompt, prompts, truncate)
             for state, text in zip(states, texts, strict=True):
