@@ -232,3 +232,58 @@ class SpeculativeConfig:
         if fields.get("num_speculative_tokens") is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
         return cls(**fields)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """max_loras: adapters resident at once (one step's batch names at most this many);
+    max_lora_rank: the largest rank accepted; max_cpu_loras: adapters kept in host memory
+    (None: every one loaded; those of live requests are never dropped); modules: (name, path)
+    of the adapters loaded at start (--lora-modules), lora_int_id 1, 2, ... in order."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is None and name == "max_cpu_loras":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @classmethod
+    def parse_modules(cls, entries) -> tuple[tuple[str, str], ...]:
+        """`--lora-modules` entries, each NAME=PATH or JSON {"name": ..., "path": ...} (vLLM's
+        two forms), as (name, path) pairs; names must be unique."""
+        if entries is None:
+            return ()
+        if isinstance(entries, str) or not all(isinstance(e, str) for e in entries):
+            raise ValueError(f"lora_modules must be a list of strings, got {entries!r}")
+        modules = tuple(_lora_module(entry.strip()) for entry in entries)
+        names = [name for name, _ in modules]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora_modules: names must be unique, got {names}")
+        return modules
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+            name, path = spec["name"], spec["path"]
+        except (ValueError, KeyError, TypeError):
+            name = path = None
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            raise ValueError(f'lora_modules: {text!r} is not JSON with "name" and "path"')
+        return name, path
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"lora_modules: expected NAME=PATH, got {text!r}")
+    return name, path

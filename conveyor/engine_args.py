@@ -23,6 +23,7 @@ from conveyor.config import (
     QUANTIZATION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
+    LoRAConfig,
     SchedulerConfig,
     SpeculativeConfig,
     default_token_budget,
@@ -173,6 +174,27 @@ class EngineArgs:
         type=_speculative_config,
         metavar="JSON",
     )
+    # ---- LoRA ------------------------------------------------------------------------------
+    enable_lora: bool = _setting(
+        False,
+        "LoRA",
+        "serve PEFT LoRA adapters (requests name one with a LoRARequest); requests of several "
+        "adapters and of the base model share each step",
+    )
+    max_loras: int = _setting(1, "LoRA", "most adapters resident at once (and in one batch)")
+    max_lora_rank: int = _setting(16, "LoRA", "largest adapter rank accepted")
+    max_cpu_loras: int | None = _setting(
+        None, "LoRA", "most adapters kept in host memory (default: all that were loaded)"
+    )
+    lora_modules: tuple[str, ...] | list[str] | None = _setting(
+        None,
+        "LoRA",
+        'adapters to load at start, each NAME=PATH or \'{"name": NAME, "path": PATH}\' '
+        "(lora_int_id 1, 2, ... in order)",
+        nargs="+",
+        type=str,
+        metavar="NAME=PATH",
+    )
     # ---- structured output ----------------------------------------------------------------
     grammar_compile_timeout: float = _setting(
         DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
@@ -215,6 +237,27 @@ class EngineArgs:
             )
         self.cache_config()  # validates the cache and scheduler settings
         self.scheduler_config()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.lora_modules is not None:
+            LoRAConfig.parse_modules(self.lora_modules)
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        config = self.lora_config()  # validates max_loras, max_lora_rank, max_cpu_loras
+        if config is None and self.lora_modules:
+            raise ValueError("lora_modules need enable_lora=True (--enable-lora)")
+        if config is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora does not split over tensor-parallel ranks: use "
+                f"tensor_parallel_size=1 (got {self.tensor_parallel_size})"
+            )
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings, None when LoRA is off."""
+        if not self.enable_lora:
+            return None
+        modules = LoRAConfig.parse_modules(self.lora_modules)
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, modules)
 
     @classmethod
     def of(cls, model: str | EngineArgs | None = None, **settings: Any) -> EngineArgs:

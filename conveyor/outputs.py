@@ -85,6 +85,8 @@ class ScheduledRequest:
     num_prompt_logprobs: int = 0
     # Embeddings: the chunk's final hidden states are handed back (ModelRunnerOutput.hidden).
     pooling: bool = False
+    # The LoRA adapter (its lora_int_id) the rows run with; 0: the base model.
+    lora_id: int = 0
 
     @property
     def num_tokens(self) -> int:

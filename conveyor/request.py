@@ -106,6 +106,10 @@ class Request:
     # the end (the same reduction whatever the chunking) into `embedding`.
     pooled_rows: list[torch.Tensor] | None = None
     embedding: list[float] | None = None
+    # LoRA: the adapter's lora_int_id (0: the base model), and the root of the request's block
+    # hash chain: the adapter's digest, so that no KV block is shared across adapters.
+    lora_id: int = 0
+    root_digest: bytes = ROOT_DIGEST
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

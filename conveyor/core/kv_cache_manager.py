@@ -14,7 +14,7 @@ which the request's next tokens write again.
 from __future__ import annotations
 
 from conveyor.core.block_pool import BlockPool, KVBlock
-from conveyor.request import ROOT_DIGEST, BlockHash, Request
+from conveyor.request import BlockHash, Request
 
 
 class KVCacheManager:
@@ -105,7 +105,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
-        parent = hashes[-1].digest if hashes else ROOT_DIGEST
+        parent = hashes[-1].digest if hashes else request.root_digest
         for i in range(len(hashes), len(tokens) // bs):
             block_hash = BlockHash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
             hashes.append(block_hash)

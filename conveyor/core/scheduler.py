@@ -102,8 +102,11 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """max_loras: with LoRA on, the most adapters the running batch may name at once."""
         self.config = config
+        self.max_loras = max_loras
         self.speculative = speculative
         self._draft_by_model = speculative is not None and speculative.method == "draft_model"
         self._drafts: dict[str, int] = {}  # this step's drafts per request
@@ -272,12 +275,16 @@ class Scheduler:
     ) -> int:
         if self.policy == "static" and not self.running and not self.static_batch:
             self._form_static_batch()
+        blocked: list[Request] = []  # their adapter would be one too many (max_loras)
         while len(self.waiting) > 0 and budget > 0:
             request = self.waiting.peek()
             if request in preempted:
                 break  # just preempted to make room: resuming it in the same step is waste
             if self.policy == "static" and request.request_id not in self.static_batch:
                 break
+            if self._lora_blocked(request):
+                blocked.append(self.waiting.pop())  # skipped, not dropped: back in place below
+                continue
             if (
                 not self.config.enable_chunked_prefill
                 and request.status == RequestStatus.WAITING
@@ -300,7 +307,17 @@ class Scheduler:
             budget += scheduled.pop(victim.request_id, 0)
             self._preempt(victim)
             preempted.append(victim)
+        for request in reversed(blocked):
+            self.waiting.add(request, front=True)
         return budget
+
+    def _lora_blocked(self, request: Request) -> bool:
+        """Whether admitting the request would make the running batch name more than
+        max_loras adapters (the resident slots, lora/slots.py)."""
+        if not request.lora_id or self.max_loras is None:
+            return False
+        names = {r.lora_id for r in self.running if r.lora_id}
+        return request.lora_id not in names and len(names) >= self.max_loras
 
     def _admit(self, request: Request, budget: int, scheduled: dict[str, int]) -> int | None:
         """Allocates a waiting request's first chunk; returns its token count, None when it
@@ -377,6 +394,7 @@ class Scheduler:
                 block_ids=self.kv_cache.block_ids(request_id),
                 sampling=_sampling_row(request) if samples else None,
                 num_drafts=num_drafts,
+                lora_id=request.lora_id,
             )
             if start < request.num_prompt_tokens:
                 _ask_prompt_rows(item, request)

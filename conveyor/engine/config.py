@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from conveyor.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from conveyor.distributed.parallel import check_tensor_parallel
 from conveyor.engine_args import EngineArgs
 from conveyor.model.config import ModelConfig, check_tokenizer
@@ -26,6 +26,7 @@ class EngineConfig:
     grammar_compile_timeout: float
     skip_tokenizer_init: bool
     record_trace: bool
+    lora_config: LoRAConfig | None = None  # LoRA on (enable_lora)
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -62,6 +63,7 @@ class EngineConfig:
             args.grammar_compile_timeout,
             args.skip_tokenizer_init,
             args.record_trace,
+            args.lora_config(),
         )
 
 

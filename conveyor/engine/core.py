@@ -21,6 +21,7 @@ import torch
 from conveyor.config import (
     DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     CacheConfig,
+    LoRAConfig,
     SchedulerConfig,
     SpeculativeConfig,
     parse_memory,
@@ -36,6 +37,9 @@ from conveyor.engine.records import (
     core_snapshot,
 )
 from conveyor.engine_args import EngineArgs
+from conveyor.lora.adapter import LoRAAdapter, LoRAShapes
+from conveyor.lora.registry import LoRARegistry
+from conveyor.lora.request import LoRARequest, module_requests
 from conveyor.model.config import ModelConfig
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
@@ -64,6 +68,7 @@ class CoreRequest:
     max_tokens: int  # params.max_tokens resolved against the context length
     priority: int
     arrival_time: float
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass(slots=True)
@@ -122,6 +127,7 @@ class CoreInfo:
     grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out
     grammar_unavailable: str | None = None  # why structured output is off, if it is
+    lora_config: LoRAConfig | None = None  # set when LoRA is on
 
 
 class EngineCore:
@@ -135,6 +141,11 @@ class EngineCore:
         if config.num_threads is not None:  # None: torch's default, one per physical core
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
+        self.lora_config = config.lora_config
+        self.loras = None  # the adapters in host memory (lora/registry.py), with LoRA on
+        if config.lora_config is not None:
+            shapes = LoRAShapes.of(self.model_config)
+            self.loras = LoRARegistry(shapes, config.lora_config)
         self.draft_runner = self._draft_runner(config)
         self.tp_workers = None
         try:
@@ -145,7 +156,8 @@ class EngineCore:
             self.kv_cache = KVCacheManager(
                 self.num_blocks, cache.block_size, cache.enable_prefix_caching
             )
-            self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec)
+            max_loras = None if self.lora_config is None else self.lora_config.max_loras
+            self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec, max_loras)
         except BaseException:  # the ranks started above end now, not when collected
             self.close()
             raise
@@ -157,6 +169,9 @@ class EngineCore:
         self._num_steps = 0
         self._num_generation_tokens = 0
         self._fault = Fault.from_env()
+        modules = () if self.lora_config is None else self.lora_config.modules
+        for lora_request in module_requests(modules):
+            self.add_lora(lora_request)  # a bad --lora-modules folder fails the start
 
     def _runner(self, config: EngineConfig) -> ModelRunner:
         """Rank 0's runner; with tensor parallelism, the other ranks start first, in processes
@@ -187,6 +202,7 @@ class EngineCore:
             propose_drafts,
             tp=tp,
             publish=publish,
+            loras=self.loras,
         )
 
     def _allocate_kv_cache(self) -> None:
@@ -225,6 +241,7 @@ class EngineCore:
             self.grammars.timeout,
             self.skip_tokenizer_init,
             self.grammars.unavailable,
+            self.lora_config,
         )
 
     def _draft_runner(self, config: EngineConfig) -> ModelRunner | None:
@@ -325,7 +342,37 @@ class EngineCore:
             request.penalty_counts = PenaltyCounts(
                 sequence.prompt_token_ids, self.model_config.vocab_size
             )
+        if sequence.lora_request is not None:
+            adapter = self.add_lora(sequence.lora_request)
+            request.lora_id, request.root_digest = adapter.lora_int_id, adapter.digest
         return request
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Loads an adapter into host memory (once; it becomes resident when a step needs
+        it); ValueError when LoRA is off or its folder cannot be applied to this model."""
+        if self.loras is None:
+            raise ValueError("a lora_request needs an engine with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        return self.loras.register(lora_request, self._loras_in_use())
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter (False: unknown); ValueError while a request runs with it."""
+        if self.loras is None:
+            return False
+        if lora_id in self._loras_in_use():
+            raise ValueError(f"LoRA adapter {lora_id} is in use by unfinished requests")
+        return self.loras.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.loras is None else self.loras.ids()
+
+    def _loras_in_use(self) -> set[int]:
+        live = [r for r in self.scheduler.requests.values() if not r.is_finished]
+        live += [request for request, _, _ in self._grammar_waiting.values()]
+        return {r.lora_id for r in live if r.lora_id}
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED

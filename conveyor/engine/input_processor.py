@@ -4,11 +4,13 @@ core can hold, become the core's sequences (one per completion, n of them)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from conveyor.engine.core import CoreInfo, CoreRequest
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.listing import listed
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarCompiler
@@ -16,13 +18,25 @@ from conveyor.structured.backend import GrammarCompiler
 
 class InputProcessor:
     def __init__(
-        self, info: CoreInfo, tokenizer: Any, grammars: GrammarCompiler | None = None
+        self,
+        info: CoreInfo,
+        tokenizer: Any,
+        grammars: GrammarCompiler | None = None,
+        add_lora: Callable[[LoRARequest], Any] | None = None,
     ) -> None:
         """grammars: the core's compiler when it runs in this process; otherwise the front
         end keeps its own, which only checks constraints (in its sandbox) and never compiles
-        one in this process."""
+        one in this process. add_lora: the in-process core's (it loads an adapter once);
+        otherwise, with LoRA on, a registry of its own checks adapter folders."""
         self.info = info
         self.tokenizer = tokenizer
+        if add_lora is None and info.lora_config is not None:
+            from conveyor.lora.adapter import LoRAShapes
+            from conveyor.lora.registry import LoRARegistry
+
+            shapes = LoRAShapes.of(info.model_config)
+            add_lora = LoRARegistry(shapes, info.lora_config, keep_weights=False).check
+        self.add_lora = add_lora
         if grammars is None and tokenizer is not None:
             model = info.model_config
             grammars = GrammarCompiler(
@@ -53,6 +67,7 @@ class InputProcessor:
         priority: int,
         arrival_time: float | None,
         output_kind: OutputKind,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[list[int], list[CoreRequest]]:
         """Checks a request and registers it with the output processor; returns its prompt
         token ids and the sequences for the core. ValueError, with nothing registered, if
@@ -60,7 +75,7 @@ class InputProcessor:
         if isinstance(request_id, str) and request_id in outputs:
             raise ValueError(f"duplicate request_id {request_id!r}: a request with it is running")
         text, token_ids, sequences = self.process(
-            request_id, prompt, params, priority, arrival_time
+            request_id, prompt, params, priority, arrival_time, lora_request
         )
         children = [(s.request_id, s.params) for s in sequences]
         arrival = sequences[0].arrival_time
@@ -75,6 +90,7 @@ class InputProcessor:
         params: SamplingParams | None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, list[int], list[CoreRequest]]:
         """Returns (prompt text, prompt token ids, the sequences); ValueError if refused."""
         params = params if params is not None else SamplingParams()
@@ -92,6 +108,10 @@ class InputProcessor:
         self._check_token_ids(params)
         if params.structured_outputs is not None:  # checked once, then cached
             self.grammars.validate(params.structured_outputs)
+        if lora_request is not None:
+            if self.add_lora is None:
+                raise ValueError("lora_request needs an engine with enable_lora=True")
+            self.add_lora(lora_request)  # its folder read and checked (once per adapter)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if params.n == 1:
             children = [(request_id, params)]
@@ -100,7 +120,9 @@ class InputProcessor:
             # The prompt is the same for all: its logprobs are computed by the first alone.
             children[1:] = [(i, p.clone(prompt_logprobs=None)) for i, p in children[1:]]
         sequences = [
-            CoreRequest(child_id, token_ids, child_params, max_tokens, priority, arrival)
+            CoreRequest(
+                child_id, token_ids, child_params, max_tokens, priority, arrival, lora_request
+            )
             for child_id, child_params in children
         ]
         return text, token_ids, sequences

@@ -15,6 +15,7 @@ from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.records import StepRecord
 from conveyor.engine_args import EngineArgs
+from conveyor.lora.request import LoRARequest
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.request import RequestStatus
@@ -52,7 +53,13 @@ class LLMEngine:
         self.num_blocks = info.num_blocks
         # skip_tokenizer_init=True: token ids in, token ids out (the outputs' text stays "").
         self.tokenizer = None if info.skip_tokenizer_init else load_tokenizer(self.model_config)
-        self.inputs = InputProcessor(info, self.tokenizer, getattr(self.core, "grammars", None))
+        in_process = isinstance(self.core, EngineCore)
+        self.inputs = InputProcessor(
+            info,
+            self.tokenizer,
+            getattr(self.core, "grammars", None),
+            self.core.add_lora if in_process else None,
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._num_prompt_tokens = 0
 
@@ -91,9 +98,19 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        """lora_request: the PEFT adapter the request runs with (needs enable_lora=True);
+        a folder that cannot be applied is a ValueError here."""
         token_ids, sequences = self.inputs.register(
-            self.outputs, request_id, prompt, params, priority, arrival_time, output_kind
+            self.outputs,
+            request_id,
+            prompt,
+            params,
+            priority,
+            arrival_time,
+            output_kind,
+            lora_request,
         )
         try:
             self.core.add_requests(sequences)
@@ -101,6 +118,25 @@ class LLMEngine:
             self.outputs.abort(request_id)  # refused: nothing is left behind
             raise
         self._num_prompt_tokens += len(token_ids) * len(sequences)
+
+    # ---- LoRA adapters (in-process core; an engine-core process loads them on first use) --
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter now (vLLM's add_lora); ValueError when it cannot be applied."""
+        if self.inputs.add_lora is None:
+            raise ValueError("add_lora needs an engine with enable_lora=True")
+        self.inputs.add_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter (False: not loaded); ValueError while requests use it."""
+        remove = getattr(self.core, "remove_lora", None)
+        return False if remove is None else remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters the core holds."""
+        listing = getattr(self.core, "list_loras", None)
+        return set() if listing is None else listing()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

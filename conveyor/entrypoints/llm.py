@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine_args import EngineArgs
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -52,20 +53,29 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None: the base model) per
+        prompt; needs enable_lora=True."""
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        loras = _as_lora_list(lora_request, len(prompts))
         ids = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = f"llm-{next(self._counter)}"
                 prio = priority[i] if priority is not None else 0
                 self.engine.add_request(
-                    request_id, prompt, params[i], priority=prio, output_kind=OutputKind.FINAL_ONLY
+                    request_id,
+                    prompt,
+                    params[i],
+                    priority=prio,
+                    output_kind=OutputKind.FINAL_ONLY,
+                    lora_request=loras[i],
                 )
                 ids.append(request_id)
         except ValueError:
@@ -139,6 +149,15 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if not prompts:
         raise ValueError("prompts must not be empty")
     return prompts
+
+
+def _as_lora_list(lora_request, num: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num
+    loras = list(lora_request)
+    if len(loras) != num:
+        raise ValueError(f"got {len(loras)} lora_requests for {num} prompts")
+    return loras
 
 
 def _as_params_list(params, num: int) -> list[SamplingParams]:

@@ -164,6 +164,9 @@ class LlamaForCausalLM(nn.Module):
         # float64 (3,): seconds the compiled layers spent in projections, attention and the
         # rest are added here when it is set (the breakdown of `python -m benchmarks step`).
         self.compiled_seconds: torch.Tensor | None = None
+        # lora/slots.py's LoRASlots when LoRA is on: it adds the adapters' deltas to the
+        # projections' outputs in steps with adapter rows, which run the modules.
+        self.lora = None
 
     def forward(
         self,
@@ -194,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         Each projection is computed as the module would at this row count."""
         if meta.ops is None or self.tp.size > 1 or x.device.type != "cpu" or x.dim() != 2:
             return None
+        if self.lora is not None and self.lora.active:
+            return None  # the deltas go between the projections, inside the layer
         if self._compiled is None:  # CONVEYOR_COMPILED_LAYERS=0: the modules always
             layers = [layer.compiled(meta.ops) for layer in self.model.layers]
             enabled = os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") != "0"

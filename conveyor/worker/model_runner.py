@@ -10,6 +10,7 @@ and runs its own share of the forward alongside them; it alone samples.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 
 from conveyor.distributed.parallel import TPGroup
+from conveyor.lora.registry import LoRARegistry
+from conveyor.lora.slots import LoRASlots
 from conveyor.model import kernels
 from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
@@ -56,9 +59,11 @@ class ModelRunner:
         propose_drafts: ProposeDrafts | None = None,
         tp: TPGroup | None = None,
         publish: Callable[[StepInputs], None] | None = None,
+        loras: LoRARegistry | None = None,
     ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
-        rank 0, sends each step's inputs to the other ranks before the forward."""
+        rank 0, sends each step's inputs to the other ranks before the forward; loras: the
+        adapters in host memory, with LoRA on (never with tensor parallelism)."""
         self.cfg = cfg
         self.tp = tp or TPGroup()
         self.publish = publish
@@ -70,6 +75,7 @@ class ModelRunner:
             matmul_forms(cfg.dtype)  # the matmul form per token count, measured once
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg.dtype)
         self.model = load_model(cfg, device, self.tp)
+        self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype)
@@ -102,7 +108,8 @@ class ModelRunner:
             self.publish(step)
         input_ids, positions, meta, logits_rows = self.tensors(step)
         prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        with self._lora_rows(sched.scheduled, step):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
         logits = None
         if len(step.logits_rows):
@@ -152,6 +159,12 @@ class ModelRunner:
             if s.pooling:
                 pooled[s.request_id] = hidden[start : start + len(s.token_ids)].clone()
         return prompt_logprobs, pooled
+
+    def _lora_rows(self, scheduled: list[ScheduledRequest], step: StepInputs):
+        """The step's adapter rows for the forward (lora/slots.py); nothing without LoRA."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.rows([s.lora_id for s in scheduled], step.query_lens)
 
     def _drafts(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """The tokens each request verifies after its own: the scheduler's (n-gram lookup), or

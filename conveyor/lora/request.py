@@ -1,0 +1,42 @@
+"""What a request names: LoRARequest (the engine's settings are config.py's LoRAConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to apply to a
+    request, as vLLM spells it: `LoRARequest("sql", 1, "/adapters/sql")`. The id names the
+    adapter inside the engine (its slot, its prefix-cache entries): one id, one folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        lora_id = self.lora_int_id
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {lora_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
+def module_requests(modules: tuple[tuple[str, str], ...]) -> list[LoRARequest]:
+    """The LoRARequests of LoRAConfig.modules (`--lora-modules`): ids 1, 2, ... in order."""
+    return [LoRARequest(name, i, path) for i, (name, path) in enumerate(modules, start=1)]
