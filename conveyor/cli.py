@@ -134,6 +134,8 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         trust_request_chat_template=args.trust_request_chat_template,
         embedding_pooling=args.embedding_pooling,
         response_store=store_limits(args),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_allowed_dir=args.lora_allowed_dir,
     )
     name = app.state.metrics.model_name
     base = f"http://{args.host}:{args.port}"
@@ -272,6 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="render a chat request's own chat_template (sandboxed Jinja, but a template may "
         "loop for long: only for trusted clients); by default only the model's is rendered",
+    )
+    server.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; "
+        "also turned on by VLLM_ALLOW_RUNTIME_LORA_UPDATING=1). An unload answers once the "
+        "requests running with the adapter have finished; new ones naming it get a 404",
+    )
+    server.add_argument(
+        "--lora-allowed-dir",
+        default=None,
+        metavar="DIR",
+        help="/v1/load_lora_adapter loads only adapter folders inside DIR (symlinks resolved)",
     )
     server.add_argument(
         "--log-level", default="info", help="uvicorn's: critical|error|warning|info|debug"

@@ -8,10 +8,11 @@ conveyor's (no import circle runs through it) and neither torch nor the engine, 
 end and the core process load it before either.
 
 Front end -> engine core (engine/core_proc.py):
-  AddRequests, FinishRequests, SnapshotRequest, Stop
+  AddRequests, FinishRequests, SnapshotRequest, LoRACall, Stop
 Engine core -> front end:
   Hello (first: where the core's command socket listens), then Ready or Failed; then
-  StepOutput per step, Snapshot per SnapshotRequest, and Dead if the core failed.
+  StepOutput per step, Snapshot per SnapshotRequest, LoRAReply per LoRACall, and Dead if the
+  core failed.
 Rank 0 -> tensor-parallel worker (worker/executor.py, worker/tp_worker.py):
   AllocateKV, RunStep, Stop
 Worker -> rank 0:
@@ -40,6 +41,16 @@ class FinishRequests:
 @dataclass(frozen=True, slots=True)
 class SnapshotRequest:
     """The dashboard asks for the KV block map; answered between two steps."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRACall:
+    """add_lora / remove_lora / list_loras on the core, answered between two steps by a
+    LoRAReply with the same call_id."""
+
+    call_id: int
+    method: str  # "add_lora", "remove_lora" or "list_loras"
+    argument: Any = None  # lora.LoRARequest for add_lora, a lora_int_id for remove_lora
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +108,13 @@ class StepOutput:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     snapshot: Any  # records.CoreSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAReply:
+    call_id: int
+    result: Any = None  # True / False, or the set of lora_int_ids for list_loras
+    error: str | None = None  # a ValueError's text: the call was refused
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from conveyor.structured.backend import GrammarCompiler
 
 if TYPE_CHECKING:
     from conveyor.engine.core import CoreInfo
+    from conveyor.lora.request import LoRAStats
 
 _LATENCY_BUCKETS = [
     0.001,
@@ -320,6 +321,14 @@ class EngineMetrics:
             [*per_replica, "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
             registry=reg,
         )
+        self.lora_info = Gauge(
+            "conveyor:lora_requests_info",
+            "LoRA adapters of the running and the waiting requests, in the labels (comma-"
+            "separated names), and max_lora; the value is when it was observed (as vLLM's).",
+            [*per_replica, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=reg,
+        )
+        self._lora_labels: dict[str, tuple[str, ...]] = {}  # replica -> its current series
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting (incl. preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
@@ -405,6 +414,8 @@ class EngineMetrics:
                 series.iteration_tokens.observe(num_tokens)
         if stats.spec is not None:
             self._observe_spec(series, stats.spec)
+        if stats.lora is not None:
+            self._observe_lora(series.labels, stats.lora)
         for out in outputs:
             self._observe(engine, out, now)
 
@@ -446,6 +457,21 @@ class EngineMetrics:
                 series.seen[key] = 0
             series.add(key, total)
 
+    def _observe_lora(self, replica_labels: tuple[str, str], lora: LoRAStats) -> None:
+        """One series per replica: the one of the previous adapter sets is removed (vLLM keeps
+        every set it saw, which grows without bound)."""
+        labels = (
+            *replica_labels,
+            str(lora.max_loras),
+            ",".join(lora.waiting),
+            ",".join(lora.running),
+        )
+        previous = self._lora_labels.get(replica_labels[1])
+        if previous is not None and previous != labels:
+            self.lora_info.remove(*previous)
+        self._lora_labels[replica_labels[1]] = labels
+        self.lora_info.labels(*labels).set(time.time())
+
     def observe_grammars(self, compiler: GrammarCompiler) -> None:
         """The front end's grammar compiler (every constrained request is checked there, so
         its cache sees them all); called when /metrics is scraped."""
@@ -468,6 +494,11 @@ class EngineMetrics:
                 cache_dtype=cache.kv_cache_dtype,
                 enable_prefix_caching=str(cache.enable_prefix_caching),
             ).set(1)
+            if info.lora_config is not None:  # listed from the start, as vLLM's
+                from conveyor.lora.request import LoRAStats
+
+                idle = LoRAStats((), (), info.lora_config.max_loras)
+                self._observe_lora((self.model_name, str(replica)), idle)
 
     def on_abort(self, engine: EngineClient, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)

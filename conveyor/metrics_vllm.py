@@ -179,6 +179,7 @@ _EXPORTS: dict[str, tuple[_Export, ...]] = {
     "cache_config_info": (
         _Export("cache_config_info", "Information of the LLMEngine CacheConfig"),
     ),
+    "lora_requests_info": (_Export("lora_requests_info", "Running stats on lora requests."),),
 }
 # Every vLLM name the view exports (tests and the README list them).
 VLLM_NAMES = sorted(VLLM_PREFIX + e.name for exports in _EXPORTS.values() for e in exports)

@@ -110,6 +110,7 @@ class Request:
     # hash chain: the adapter's digest, so that no KV block is shared across adapters.
     lora_id: int = 0
     root_digest: bytes = ROOT_DIGEST
+    lora_name: str = ""  # the adapter's name (the dashboard's and the metrics' label)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -119,6 +119,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="gamma shape of the inter-arrival times; 1 is a Poisson process",
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="LoRA adapters the server serves: requests name them as their model, in turn "
+        "(as vllm bench serve's --lora-modules)",
+    )
+    parser.add_argument(
+        "--lora-ratio",
+        type=float,
+        default=1.0,
+        help="with --lora-modules: the fraction of requests sent to an adapter, spread evenly "
+        "over the run; the others go to the base model (default 1: all)",
+    )
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(

@@ -319,6 +319,21 @@ def build_payload(target: Target, request: SampleRequest, tokenizer) -> dict:
     }
 
 
+def lora_models(num: int, names: list[str] | None, ratio: float) -> list[str | None]:
+    """Each request's adapter (None: the base model): a `ratio` share of the requests, spread
+    evenly over the run, names the adapters in turn."""
+    if not names:
+        return [None] * num
+    chosen, turn = [], 0
+    for i in range(num):
+        if int((i + 1) * ratio) > int(i * ratio):
+            chosen.append(names[turn % len(names)])
+            turn += 1
+        else:
+            chosen.append(None)
+    return chosen
+
+
 def response_format(schema: dict) -> dict:
     """OpenAI's json_schema response format (strict: no keys beyond the schema's), named
     after the schema's title."""
@@ -506,6 +521,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-rate must be > 0 or inf, got {args.request_rate}")
     if not args.burstiness > 0:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if not 0 <= getattr(args, "lora_ratio", 1.0) <= 1:
+        raise ValueError(f"--lora-ratio must be in [0, 1], got {args.lora_ratio}")
     if args.endpoint not in ("/v1/completions", "/v1/chat/completions"):
         raise ValueError(
             f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint!r}"
@@ -535,6 +552,11 @@ async def benchmark(args: argparse.Namespace) -> dict:
             args.temperature,
         )
         payloads = [build_payload(target, r, tokenizer) for r in requests]
+        loras = getattr(args, "lora_modules", None), getattr(args, "lora_ratio", 1.0)
+        names = lora_models(len(payloads), *loras)
+        for payload, name in zip(payloads, names, strict=True):
+            if name is not None:
+                payload["model"] = name
         _print_plan(args, model)
         with tqdm(total=len(requests), disable=args.disable_tqdm) as bar:
             results, duration = await run_requests(

@@ -23,6 +23,7 @@ from conveyor.engine.streams import (
     RequestStream,
     aborted_output,
 )
+from conveyor.lora.request import LoRARequest
 from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
 
@@ -38,6 +39,14 @@ class _Add:
     params: SamplingParams
     priority: int
     stream: RequestStream
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class _LoRACall:
+    method: str  # LLMEngine's add_lora, remove_lora or list_loras
+    argument: object
+    future: asyncio.Future
 
 
 @dataclass(slots=True)
@@ -126,14 +135,19 @@ class AsyncEngine:
         return self._error
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submits a request; raises ValueError here if the engine refuses it."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, accepted=loop.create_future())
-        self._commands.put(_Add(request_id, prompt, params, priority, stream))
+        self._commands.put(_Add(request_id, prompt, params, priority, stream, lora_request))
         if not self.is_alive:  # died meanwhile, perhaps after draining the queue
             _settle(stream.accepted, EngineDeadError(f"the engine loop died: {self._error!r}"))
         await stream.accepted
@@ -150,6 +164,25 @@ class AsyncEngine:
             return [await asyncio.wait_for(future, SNAPSHOT_TIMEOUT)]
         except TimeoutError:
             return [None]
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter (its folder read and checked on the engine thread, between two
+        steps); ValueError when it cannot be applied."""
+        return await self._lora_call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter (False: not loaded); ValueError while requests use it."""
+        return await self._lora_call("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self._lora_call("list_loras", None)
+
+    async def _lora_call(self, method: str, argument):
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_LoRACall(method, argument, future))
+        return await future
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request is aborted before the next step and its blocks freed."""
@@ -227,7 +260,10 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: _Add | _Abort | _Snapshot) -> None:
+    def _apply(self, command: _Add | _Abort | _Snapshot | _LoRACall) -> None:
+        if isinstance(command, _LoRACall):
+            self._lora(command)
+            return
         if isinstance(command, _Snapshot):
             future = command.future
             snapshot = self.engine.core.snapshot()
@@ -246,6 +282,7 @@ class AsyncEngine:
                 command.params,
                 priority=command.priority,
                 output_kind=OutputKind.DELTA,
+                lora_request=command.lora_request,
             )
         except ValueError as error:
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
@@ -257,6 +294,22 @@ class AsyncEngine:
             return
         self._streams[command.request_id] = stream
         stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
+
+    def _lora(self, command: _LoRACall) -> None:
+        future = command.future
+        method = getattr(self.engine, command.method)
+        try:
+            result = method() if command.argument is None else method(command.argument)
+        except ValueError as error:
+            future.get_loop().call_soon_threadsafe(_settle, future, error)
+            return
+        except Exception as error:  # noqa: BLE001 - a failed load leaves the engine intact
+            logger.exception("%s failed", command.method)
+            failure = RequestFailedError(f"{command.method} failed: {error!r}")
+            future.get_loop().call_soon_threadsafe(_settle, future, failure)
+            return
+        future.get_loop().call_soon_threadsafe(_resolve, future, result)
+        self._callback(self.on_step, [])  # the adapters held, in the stats
 
     def _step(self) -> None:
         outputs = self.engine.step()

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from conveyor.engine.llm_engine import EngineStats
     from conveyor.engine.records import CoreSnapshot
     from conveyor.engine.streams import RequestStream
+    from conveyor.lora.request import LoRARequest
     from conveyor.model.config import ModelConfig
     from conveyor.sampling_params import SamplingParams
 
@@ -62,8 +63,21 @@ class EngineClient(Protocol):
     async def start(self) -> None: ...  # on the server's event loop, before any request
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream: ...  # ValueError if the request is refused
+
+    # LoRA adapters (enable_lora): ValueError for a folder that cannot be applied, and for
+    # removing an adapter that unfinished requests use.
+    async def add_lora(self, lora_request: LoRARequest) -> bool: ...
+
+    async def remove_lora(self, lora_id: int) -> bool: ...  # False: not loaded
+
+    async def list_loras(self) -> set[int]: ...
 
     def abort(self, request_id: str) -> None: ...  # thread-safe
 

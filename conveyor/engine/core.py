@@ -39,7 +39,7 @@ from conveyor.engine.records import (
 from conveyor.engine_args import EngineArgs
 from conveyor.lora.adapter import LoRAAdapter, LoRAShapes
 from conveyor.lora.registry import LoRARegistry
-from conveyor.lora.request import LoRARequest, module_requests
+from conveyor.lora.request import LoRARequest, LoRAStats, module_requests
 from conveyor.model.config import ModelConfig
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
@@ -101,6 +101,7 @@ class CoreStats:
     last_step: StepTiming = StepTiming()
     spec: SpecDecodingStats | None = None  # set when speculative decoding is on
     last_record: StepRecord | None = None  # the last step's batch (the dashboard's feed)
+    lora: LoRAStats | None = None  # set when LoRA is on
 
 
 @dataclass(slots=True)
@@ -345,6 +346,7 @@ class EngineCore:
         if sequence.lora_request is not None:
             adapter = self.add_lora(sequence.lora_request)
             request.lora_id, request.root_digest = adapter.lora_int_id, adapter.digest
+            request.lora_name = adapter.lora_name
         return request
 
     # ---- LoRA adapters -------------------------------------------------------------------
@@ -517,6 +519,21 @@ class EngineCore:
             last_step=self.observer.last_timing,
             spec=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.copy(),
             last_record=self.observer.last_record,
+            lora=self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        """The adapters the running batch and the waiting requests name (vLLM's
+        lora_requests_info), and the adapters held."""
+        if self.loras is None:
+            return None
+        waiting = list(self.scheduler.waiting)
+        waiting += [request for request, _, _ in self._grammar_waiting.values()]
+        return LoRAStats(
+            running=tuple(sorted({r.lora_name for r in self.scheduler.running if r.lora_id})),
+            waiting=tuple(sorted({r.lora_name for r in waiting if r.lora_id})),
+            max_loras=self.lora_config.max_loras,
+            loaded=tuple(sorted(self.loras.ids())),
         )
 
     def snapshot(self) -> CoreSnapshot:

@@ -14,6 +14,7 @@ either reports itself fatal (the server exits non-zero) or, with restart=True, s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import weakref
@@ -29,10 +30,13 @@ from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.records import SNAPSHOT_TIMEOUT, CoreSnapshot
 from conveyor.engine.streams import EngineDeadError, RequestStream, aborted_output
 from conveyor.engine_args import EngineArgs
+from conveyor.lora.request import LoRARequest
 from conveyor.messages import (
     AddRequests,
     Dead,
     FinishRequests,
+    LoRACall,
+    LoRAReply,
     Snapshot,
     SnapshotRequest,
     StepOutput,
@@ -164,6 +168,8 @@ class AsyncMPEngine:
         self._watchdog: asyncio.Task | None = None
         self._stopping = False
         self._snapshot: asyncio.Future | None = None
+        self._lora_calls: dict[int, asyncio.Future] = {}  # call_id -> the caller's future
+        self._call_ids = itertools.count(1)
 
     # ---- EngineClient (engine/client.py) --------------------------------------------------
 
@@ -194,12 +200,17 @@ class AsyncMPEngine:
         self._watchdog = self._loop.create_task(self._watch())
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submits a request; raises ValueError here if it is refused."""
         if self._loop is None:
             await self.start()
-        return self.submit(request_id, prompt, params, priority)
+        return self.submit(request_id, prompt, params, priority, lora_request=lora_request)
 
     def submit(
         self,
@@ -208,13 +219,21 @@ class AsyncMPEngine:
         params: SamplingParams,
         priority: int = 0,
         stream: RequestStream | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """add_request on the running event loop; `stream`: go on feeding that one (a request
         moved here from a replica that died before it produced anything)."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine core is not running: {self._error!r}")
         token_ids, sequences = self.inputs.register(
-            self.outputs, request_id, prompt, params, priority, None, OutputKind.DELTA
+            self.outputs,
+            request_id,
+            prompt,
+            params,
+            priority,
+            None,
+            OutputKind.DELTA,
+            lora_request,
         )
         if not self._streams:  # the deadline counts from the first open request
             self._last_message = time.monotonic()
@@ -262,6 +281,49 @@ class AsyncMPEngine:
         except TimeoutError:
             return [None]
 
+    # ---- LoRA adapters (a LoRACall to the core, answered between two steps) ---------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter into the core; ValueError when it cannot be applied. Its folder is
+        checked here first (off the event loop), so a bad one never reaches the core."""
+        check = self.inputs.add_lora
+        if check is None:
+            raise ValueError("add_lora needs an engine with enable_lora=True")
+        await asyncio.get_running_loop().run_in_executor(None, check, lora_request)
+        return await self._lora_call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter (False: not loaded); ValueError while requests use it."""
+        removed = await self._lora_call("remove_lora", lora_id)
+        if removed and self.inputs.lora_registry is not None:
+            self.inputs.lora_registry.remove(lora_id)  # its id may name another folder later
+        return removed
+
+    async def list_loras(self) -> set[int]:
+        return await self._lora_call("list_loras")
+
+    async def _lora_call(self, method: str, argument=None):
+        if self._loop is None:
+            await self.start()
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine core is not running: {self._error!r}")
+        call_id = next(self._call_ids)
+        future = self._lora_calls[call_id] = self._loop.create_future()
+        self._process.send(LoRACall(call_id, method, argument))
+        try:
+            return await future
+        finally:
+            self._lora_calls.pop(call_id, None)
+
+    def _on_lora_reply(self, reply: LoRAReply) -> None:
+        future = self._lora_calls.get(reply.call_id)
+        if future is None or future.done():
+            return
+        if reply.error is not None:
+            future.set_exception(ValueError(reply.error))
+        else:
+            future.set_result(reply.result)
+
     # ---- event loop ----------------------------------------------------------------------
 
     def _call(self, fn: Callable, *args) -> None:
@@ -307,6 +369,9 @@ class AsyncMPEngine:
             if isinstance(message, Snapshot):
                 if self._snapshot is not None and not self._snapshot.done():
                     self._snapshot.set_result(message.snapshot)
+                continue
+            if isinstance(message, LoRAReply):
+                self._on_lora_reply(message)
                 continue
             try:
                 self._on_step_message(message.outputs, message.stats)
@@ -389,6 +454,9 @@ class AsyncMPEngine:
         self._error = error = EngineDeadError(f"the engine core died: {reason}")
         if self._snapshot is not None and not self._snapshot.done():
             self._snapshot.set_result(None)  # never answered; a new core gets a new request
+        for future in self._lora_calls.values():
+            if not future.done():
+                future.set_exception(error)
         taken: set[str] = set()
         if self.on_lost is not None:
             untouched = [s for s in self._streams.values() if s.num_outputs == 0]

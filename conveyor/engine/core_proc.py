@@ -1,11 +1,11 @@
 """The engine-core process: an EngineCore behind two ZeroMQ sockets.
 
-It pulls commands (messages.py: AddRequests, FinishRequests, SnapshotRequest, Stop) from
-the front end and pushes one StepOutput per step (every sequence that advanced, plus the core's
-stats). While it has no work it blocks on its
-input socket; while it has work it applies whatever commands are pending between steps, so a new
-request joins the very next step. It dies with its parent: PR_SET_PDEATHSIG where the kernel
-has it, and a check of the parent's pid whenever it is idle.
+It pulls commands (messages.py: AddRequests, FinishRequests, SnapshotRequest, LoRACall,
+Stop) from the front end and pushes one StepOutput per step (every sequence that advanced, plus
+the core's stats). While it has no work it blocks on its input socket; while it has work it
+applies whatever commands are pending between steps, so a new request joins the very next step.
+It dies with its parent: PR_SET_PDEATHSIG where the kernel has it, and a check of the parent's
+pid whenever it is idle.
 
 Every frame is signed with a key made for this core (distributed/channel.py); each side binds
 only its receiving socket (the core its commands' PULL, the front end its outputs' PULL) and
@@ -46,6 +46,8 @@ from conveyor.messages import (
     Failed,
     FinishRequests,
     Hello,
+    LoRACall,
+    LoRAReply,
     Ready,
     Snapshot,
     SnapshotRequest,
@@ -293,6 +295,10 @@ def _busy_loop(core, link: _Link, parent_pid: int) -> None:
             if isinstance(message, SnapshotRequest):  # between steps; the step path is untouched
                 link.send(Snapshot(core.snapshot()))
                 continue
+            if isinstance(message, LoRACall):
+                link.send(_lora_call(core, message))
+                applied += 1  # the stats (adapters held) go out after it
+                continue
             if not _apply(core, message, link):
                 return
             applied += 1
@@ -301,6 +307,19 @@ def _busy_loop(core, link: _Link, parent_pid: int) -> None:
             link.send(StepOutput(step_outputs, core.get_stats()))
         elif applied:  # the last requests were aborted: the front end's gauges go to idle
             link.send(StepOutput([], core.get_stats()))
+
+
+def _lora_call(core, call: LoRACall) -> LoRAReply:
+    """One of EngineCore's add_lora / remove_lora / list_loras; a ValueError (a folder that
+    cannot be applied, an adapter in use) is the caller's, sent back as text."""
+    if call.method not in ("add_lora", "remove_lora", "list_loras"):
+        return LoRAReply(call.call_id, error=f"unknown LoRA call {call.method!r}")
+    method = getattr(core, call.method)
+    try:
+        result = method() if call.method == "list_loras" else method(call.argument)
+    except ValueError as error:
+        return LoRAReply(call.call_id, error=str(error))
+    return LoRAReply(call.call_id, True if call.method == "add_lora" else result)
 
 
 def _apply(core, message: AddRequests | FinishRequests | Stop, link: _Link) -> bool:

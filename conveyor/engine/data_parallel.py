@@ -39,6 +39,7 @@ from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
 from conveyor.engine.records import CoreSnapshot
 from conveyor.engine.streams import EngineDeadError, RequestStream
 from conveyor.engine_args import EngineArgs
+from conveyor.lora.request import LoRARequest
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Placement(NamedTuple):
     prompt: str | list[int]
     params: SamplingParams
     priority: int
+    lora_request: LoRARequest | None = None
 
 
 class PrefixRouter:
@@ -228,23 +230,48 @@ class AsyncDPEngine:
             await replica.start()
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Admits the request on the router's replica; ValueError if it is refused."""
         self._forget_restarted()
         await self.start()
-        return self._place(request_id, prompt, params, priority)
+        return self._place(request_id, prompt, params, priority, lora_request=lora_request)
 
-    def _place(self, request_id, prompt, params: SamplingParams, priority, stream=None):
+    def _place(
+        self, request_id, prompt, params: SamplingParams, priority, stream=None, lora_request=None
+    ):
         alive = [r.is_alive for r in self.replicas]
         ids = prompt if isinstance(prompt, list) else None
         index = self.router.choose(ids, alive)
-        stream = self.replicas[index].submit(request_id, prompt, params, priority, stream)
+        stream = self.replicas[index].submit(
+            request_id, prompt, params, priority, stream, lora_request
+        )
         max_tokens = params.max_tokens or self.max_model_len
         tokens = (len(ids) if ids else 0) + max_tokens * params.n
         self.router.assign(index, ids, tokens)
-        self._placed[request_id] = Placement(index, tokens, prompt, params, priority)
+        placed = Placement(index, tokens, prompt, params, priority, lora_request)
+        self._placed[request_id] = placed
         return stream
+
+    # ---- LoRA adapters: every replica holds the same ones ------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        for replica in self.replicas:
+            await replica.add_lora(lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """ValueError while requests on any replica use it (the others forgot it then)."""
+        removed = [await replica.remove_lora(lora_id) for replica in self.replicas]
+        return any(removed)
+
+    async def list_loras(self) -> set[int]:
+        return set().union(*[await replica.list_loras() for replica in self.replicas])
 
     def _move_lost(self, dying: AsyncMPEngine, streams: list[RequestStream]) -> set[str]:
         """A replica died: its requests that produced nothing yet start again on another
@@ -257,7 +284,12 @@ class AsyncDPEngine:
             self._release(stream.request_id)
             try:
                 self._place(
-                    stream.request_id, placed.prompt, placed.params, placed.priority, stream
+                    stream.request_id,
+                    placed.prompt,
+                    placed.params,
+                    placed.priority,
+                    stream,
+                    placed.lora_request,
                 )
             except (ValueError, EngineDeadError):
                 continue  # no replica takes it: it fails with the dead replica's error

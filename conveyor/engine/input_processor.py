@@ -30,12 +30,14 @@ class InputProcessor:
         otherwise, with LoRA on, a registry of its own checks adapter folders."""
         self.info = info
         self.tokenizer = tokenizer
+        self.lora_registry = None  # the front end's own (checks only), before a core process
         if add_lora is None and info.lora_config is not None:
             from conveyor.lora.adapter import LoRAShapes
             from conveyor.lora.registry import LoRARegistry
 
             shapes = LoRAShapes.of(info.model_config)
-            add_lora = LoRARegistry(shapes, info.lora_config, keep_weights=False).check
+            self.lora_registry = LoRARegistry(shapes, info.lora_config, keep_weights=False)
+            add_lora = self.lora_registry.check
         self.add_lora = add_lora
         if grammars is None and tokenizer is not None:
             model = info.model_config

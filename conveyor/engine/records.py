@@ -150,6 +150,7 @@ class RequestRow(NamedTuple):
     max_tokens: int
     age: float  # seconds since arrival
     num_preemptions: int
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
 
 
 class CoreSnapshot(NamedTuple):
@@ -221,6 +222,7 @@ def _row(request: Request, state: str, now: float) -> RequestRow:
         request.max_tokens,
         max(now - request.arrival_time, 0.0),
         request.num_preemptions,
+        request.lora_name,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +41,13 @@ class LoRARequest:
 def module_requests(modules: tuple[tuple[str, str], ...]) -> list[LoRARequest]:
     """The LoRARequests of LoRAConfig.modules (`--lora-modules`): ids 1, 2, ... in order."""
     return [LoRARequest(name, i, path) for i, (name, path) in enumerate(modules, start=1)]
+
+
+class LoRAStats(NamedTuple):
+    """Part of the core's stats with LoRA on: the names of the adapters that the running batch
+    and the waiting requests name (vLLM's lora_requests_info), and the ids of those held."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_loras: int
+    loaded: tuple[int, ...] = ()

@@ -44,7 +44,7 @@ def add_messages_routes(
         admitted(raw)
         chat, prompt, params = await _invalid(messages.prepare(body))
         priority = serving.limits.clamp_priority(0)
-        streams = await _invalid(serving.submit("msg", [prompt], params, priority))
+        streams = await _invalid(serving.submit("msg", [prompt], params, priority, body.model))
         if body.stream:
             events = messages.events(chat, prompt, streams[0])
             return StreamingResponse(

@@ -21,6 +21,11 @@ from conveyor.entrypoints.openai.embeddings import EmbeddingRequest, embed
 from conveyor.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from conveyor.entrypoints.openai.guard import Guard
 from conveyor.entrypoints.openai.handling import admitted, bad_request, run_request
+from conveyor.entrypoints.openai.lora_routes import (
+    ServedLoRAs,
+    add_lora_routes,
+    runtime_updates_allowed,
+)
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +41,7 @@ from conveyor.entrypoints.openai.vllm_routes import (
     tokenize_response,
 )
 from conveyor.limits import RequestLimits
+from conveyor.lora.request import LoRARequest
 from conveyor.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -51,11 +57,15 @@ def build_app(
     trust_request_chat_template: bool = False,
     response_store: StoreLimits | None = None,
     embedding_pooling: str = "last",
+    allow_runtime_lora_updating: bool = False,
+    lora_allowed_dir: str | None = None,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
     run as an AsyncEngine (a function: called on the engine thread). dashboard: serve the live
-    page at /dashboard (see entrypoints/openai/dashboard)."""
+    page at /dashboard (see entrypoints/openai/dashboard). allow_runtime_lora_updating:
+    serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also turned on by vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); lora_allowed_dir: the folder they may load from."""
     limits = limits or RequestLimits()
     async_engine: EngineClient = (
         engine
@@ -79,6 +89,7 @@ def build_app(
         metrics.on_abort if feed is None else _both(metrics.on_abort, feed.on_abort)
     )
     serving = OpenAIServing(async_engine, model_name, limits, trust_request_chat_template)
+    loras = serving.loras = ServedLoRAs(async_engine, model_name, lora_allowed_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,8 +121,12 @@ def build_app(
         health=health,
     )
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+    def check_model(name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 if unknown."""
+        if name is None or name == model_name:
+            return None
+        lora = loras.get(name)
+        if lora is None:
             raise APIError(
                 404,
                 f"the model {name!r} does not exist; this server serves {model_name!r}",
@@ -119,6 +134,7 @@ def build_app(
                 "model",
                 "model_not_found",
             )
+        return lora
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health_route() -> Response:  # answered by Guard first; here for the schema
@@ -132,9 +148,11 @@ def build_app(
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
         card = model_card(model_name, async_engine.max_model_len)
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *loras.cards()]}
 
     add_vllm_routes(app, async_engine, serving, check_model, health)  # /v1/models/{id}, ...
+    if loras.enabled and runtime_updates_allowed(allow_runtime_lora_updating):
+        add_lora_routes(app, loras, admitted)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):

@@ -70,7 +70,7 @@ async def embed(
     )
     params = SamplingParams(max_tokens=0, pooling=pooling)
     priority = serving.limits.clamp_priority(request.priority)
-    streams = await serving.submit("embd", prompts, params, priority)
+    streams = await serving.submit("embd", prompts, params, priority, request.model)
     try:
         vectors = [await _embedding(stream) for stream in streams]
     finally:

@@ -46,7 +46,8 @@ async def run_request(
     stream: Callable,
 ):
     priority = serving.limits.clamp_priority(body.priority)
-    streams = await bad_request(serving.submit(prefix, prompts, params, priority))
+    model = getattr(body, "model", None)  # may name a LoRA adapter
+    streams = await bad_request(serving.submit(prefix, prompts, params, priority, model))
     if body.stream:
         return StreamingResponse(
             guarded(serving, streams, stream(body, prompts, streams)),

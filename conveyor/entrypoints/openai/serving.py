@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from conveyor.engine.async_engine import AsyncEngine
@@ -81,6 +82,7 @@ class OpenAIServing:
         # what it may touch but not how long it loops: only an operator who trusts the clients
         # turns it on (vLLM's --trust-request-chat-template).
         self.trust_request_chat_template = trust_request_chat_template
+        self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
 
@@ -192,15 +194,27 @@ class OpenAIServing:
     # ---- submission ----------------------------------------------------------------------
 
     async def submit(
-        self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int
+        self,
+        prefix: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int,
+        model: str | None = None,
     ) -> list[RequestStream]:
-        """All prompts are accepted, or none: a refused one aborts those before it."""
+        """All prompts are accepted, or none: a refused one aborts those before it. model:
+        the request's `model`, which may name a LoRA adapter (resolved now, so that an unload
+        waits for the submission; 404 if no adapter has that name any more)."""
         streams = []
         base = f"{prefix}-{uuid.uuid4().hex}"
+        using = self.loras.using(model) if self.loras is not None else nullcontext()
         try:
-            for i, prompt in enumerate(prompts):
-                request_id = base if len(prompts) == 1 else f"{base}-{i}"
-                streams.append(await self.engine.add_request(request_id, prompt, params, priority))
+            with using as lora_request:
+                for i, prompt in enumerate(prompts):
+                    request_id = base if len(prompts) == 1 else f"{base}-{i}"
+                    stream = await self.engine.add_request(
+                        request_id, prompt, params, priority, lora_request=lora_request
+                    )
+                    streams.append(stream)
         except ValueError:
             for stream in streams:
                 self.engine.abort(stream.request_id)

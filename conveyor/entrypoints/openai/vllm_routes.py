@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from conveyor.engine.client import EngineClient
+from conveyor.entrypoints.openai.lora_routes import lora_card
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     InvalidParam,
@@ -56,14 +57,17 @@ def add_vllm_routes(
     app: FastAPI,
     engine: EngineClient,
     serving: OpenAIServing,
-    check_model: Callable[[str | None], None],
+    check_model: Callable[[str | None], Any],
     health: Callable[[], Response],
 ) -> None:
-    """check_model: raises the server's 404 for a model it does not serve."""
+    """check_model: raises the server's 404 for a model it does not serve (returns the LoRA
+    adapter a name is, or None for the base model)."""
 
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str) -> dict:
-        check_model(model_id)
+        lora = check_model(model_id)
+        if lora is not None:
+            return lora_card(lora, serving.model_name)
         return model_card(serving.model_name, engine.max_model_len)
 
     @app.api_route("/version", methods=["GET", "HEAD"])
