@@ -13,15 +13,17 @@ An adapter a step names but that is not resident takes a free slot or the least 
 one that the step does not name (the scheduler admits at most max_loras adapters into the
 running batch, so one always exists), copied in from host memory (registry.py).
 
-A step's rows are grouped by slot once (RowGroup: a request's rows are contiguous, so one
-adapter's requests side by side are a slice, otherwise an index). Each targeted projection then
-adds, per group, `(x[rows] @ A^T) @ B_s^T * scaling_s` to its output's rows and slice-s columns:
-one shrink matmul for all slices and one expand per slice, per adapter in the step, whatever
-the number of requests. This is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`, in the model's
-dtype, on top of whatever the projection's own kernel computed (so a quantized base stays
-quantized). A step without adapter rows does nothing here: the hooks return at once, and the
-model keeps its compiled decoder layers (model/llama.py), which steps with adapter rows leave
-for the modules, where the deltas are added between the projections.
+A step's rows are grouped by slot once (the rows of each adapter in the step). Each targeted
+projection then shrinks all rows against every slot at once, `x A^T` with every slot's A
+stacked (slots * S * R, in: cheap, S * R columns a slot), and expands each slot's rows with
+its own rows of B laid out densely (slots * S * R, out: each slice's B^T times its scaling in
+its own columns, zero elsewhere): one shrink per projection and one expand per adapter in the
+step, whatever the number of requests. This is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`
+(the scaling folded into B), in the model's dtype, on top of whatever the projection's own
+kernel computed (so a quantized base stays quantized). The compiled decoder layers
+(kernels/decoder_layer.cpp: add_lora) take the same tensors and add the same delta after each
+projection; the modules' forward hooks add it when the modules run. A step without adapter
+rows does nothing here.
 """
 
 from __future__ import annotations
@@ -59,12 +61,20 @@ class ProjectionSlots:
                   for out in shape.out_sizes]  # fmt: skip
         starts = np.cumsum((0, *shape.out_sizes))
         self.columns = [(int(s), int(n)) for s, n in zip(starts, shape.out_sizes, strict=False)]
+        # The same adapters for one shrink and one expand over every slot at once: A as
+        # (slots * S * R, in), and B dense (slots * S * R, out), slice s of slot k in rows
+        # k * S * R + s * R .. and its own columns, times its scaling (zero elsewhere).
+        self.a_flat = self.a.view(num_slots * num_slices * rank, shape.in_features)
+        self.b_dense = torch.zeros(num_slots * num_slices * rank, int(starts[-1]), dtype=dtype,
+                                   device=device)  # fmt: skip
         # Per slot and slice: the adapter's rank there (0: not targeted) and its scaling.
         self.ranks = [[0] * num_slices for _ in range(num_slots)]
         self.scaling = [[0.0] * num_slices for _ in range(num_slots)]
 
     def load(self, slot: int, slices: list[SliceLoRA | None] | None) -> None:
         self.a[slot].zero_()
+        width = len(self.b) * self.rank
+        self.b_dense[slot * width : (slot + 1) * width].zero_()
         for s, one in enumerate(slices or [None] * len(self.b)):
             self.b[s][slot].zero_()
             self.ranks[slot][s] = 0 if one is None else one.a.shape[0]
@@ -73,27 +83,19 @@ class ProjectionSlots:
                 r = one.a.shape[0]
                 self.a[slot, s * self.rank : s * self.rank + r].copy_(one.a)
                 self.b[s][slot, :, :r].copy_(one.b)
+                first = slot * width + s * self.rank
+                start, size = self.columns[s]
+                self.b_dense[first : first + r, start : start + size].copy_(one.b.T)
+                self.b_dense[first : first + r, start : start + size].mul_(one.scaling)
 
-    def apply(self, x: torch.Tensor, out: torch.Tensor, groups: list[RowGroup]) -> None:
-        """out (T, sum of out_s) += each group's delta, in place."""
-        for slot, rows in groups:
-            ranks = self.ranks[slot]
-            if not any(ranks):
-                continue
-            x_rows = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            shrunk = x_rows @ self.a[slot].T  # (n, S * R): every slice's x @ A^T at once
-            for s, (start, size) in enumerate(self.columns):
-                r = ranks[s]
-                if not r:
-                    continue
-                first = s * self.rank
-                delta = (shrunk[:, first : first + r] @ self.b[s][slot, :, :r].T).mul_(
-                    self.scaling[slot][s]
-                )  # (n, out_s)
-                if isinstance(rows, slice):
-                    out[rows, start : start + size] += delta
-                else:
-                    out[:, start : start + size].index_add_(0, rows, delta)
+    def apply(self, x: torch.Tensor, out: torch.Tensor, slot_rows) -> None:
+        """out (T, sum of out_s) += each slot's rows' (x A_k^T) B_k, in place (as
+        kernels/decoder_layer.cpp's add_lora)."""
+        width = self.a_flat.shape[0] // len(self.ranks)
+        shrunk = x @ self.a_flat.T  # (T, slots * S * R): every slot at once
+        for slot, rows in slot_rows:
+            part = shrunk.index_select(0, rows)[:, slot * width : (slot + 1) * width]
+            out.index_add_(0, rows, part @ self.b_dense[slot * width : (slot + 1) * width])
 
 
 class LoRASlots:
@@ -119,6 +121,11 @@ class LoRASlots:
         self._resident: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, LRU first
         self.num_loads = 0  # adapters copied into a slot so far (tests, metrics)
         self.groups: list[RowGroup] | None = None  # the running step's; None: no adapter rows
+        # The running step's rows of each slot in use (slot, int64 indices), and the weights
+        # the compiled decoder layers take with them (kernels/decoder_layer.cpp: LoRA).
+        self.slot_rows: list[tuple[int, torch.Tensor]] = []
+        self._weights = [t for own in self.layers for name in PROJECTIONS
+                         for t in (own[name].a_flat, own[name].b_dense)]  # fmt: skip
         model.lora = self
 
     @property
@@ -131,10 +138,27 @@ class LoRASlots:
         names the adapter of the i-th request, whose query_lens[i] rows follow the previous
         request's."""
         self.groups = self._groups(lora_ids, query_lens) if any(lora_ids) else None
+        if self.groups is not None:
+            self.slot_rows = [
+                (slot, torch.arange(rows.start, rows.stop, device=self.device)
+                 if isinstance(rows, slice) else rows)
+                for slot, rows in self.groups
+            ]  # fmt: skip
         try:
             yield
         finally:
             self.groups = None
+            self.slot_rows = []
+
+    def compiled_arguments(self) -> dict:
+        """The running step's LoRA for the compiled decoder layers (decoder_layers' lora,
+        lora_slots and lora_num_slots): each slot's rows, then A and B of each layer's qkv, o,
+        gate_up and down."""
+        return {
+            "lora": [rows for _, rows in self.slot_rows] + self._weights,
+            "lora_slots": [slot for slot, _ in self.slot_rows],
+            "lora_num_slots": self.num_slots,
+        }
 
     def _groups(self, lora_ids: list[int], query_lens: np.ndarray) -> list[RowGroup]:
         ends = np.cumsum(query_lens)
@@ -198,5 +222,5 @@ class LoRASlots:
     def _hook(self, slots: ProjectionSlots, module: nn.Module, args: tuple, out: torch.Tensor):
         if self.groups is None:
             return None
-        slots.apply(args[0], out, self.groups)
+        slots.apply(args[0], out, self.slot_rows)
         return out

@@ -165,7 +165,8 @@ class LlamaForCausalLM(nn.Module):
         # rest are added here when it is set (the breakdown of `python -m benchmarks step`).
         self.compiled_seconds: torch.Tensor | None = None
         # lora/slots.py's LoRASlots when LoRA is on: it adds the adapters' deltas to the
-        # projections' outputs in steps with adapter rows, which run the modules.
+        # projections' outputs in steps with adapter rows (hooks on the modules; the compiled
+        # layers take its tensors).
         self.lora = None
 
     def forward(
@@ -179,10 +180,12 @@ class LlamaForCausalLM(nn.Module):
         rope = RopeRows(*self.rotary.rows(positions))  # once per step, for every layer
         form = self._compiled_form(x, meta)
         if form is not None:  # x updated in place, layer by layer
+            lora = self.lora.compiled_arguments() if self.lora and self.lora.active else {}
             meta.ops.decoder_layers(
                 self._compiled, x, kv_caches, rope.cos, rope.sin, meta.slot_mapping,
                 meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables,
                 self.config.head_dim**-0.5, self.compiled_seconds, form, meta.split_keys,
+                **lora,
             )  # fmt: skip
             return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -197,8 +200,6 @@ class LlamaForCausalLM(nn.Module):
         Each projection is computed as the module would at this row count."""
         if meta.ops is None or self.tp.size > 1 or x.device.type != "cpu" or x.dim() != 2:
             return None
-        if self.lora is not None and self.lora.active:
-            return None  # the deltas go between the projections, inside the layer
         if self._compiled is None:  # CONVEYOR_COMPILED_LAYERS=0: the modules always
             layers = [layer.compiled(meta.ops) for layer in self.model.layers]
             enabled = os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") != "0"

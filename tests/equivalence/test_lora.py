@@ -202,9 +202,10 @@ def _teacher_forced(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
 
-def test_steps_without_adapter_rows_keep_the_compiled_layers(case):
-    """With LoRA on, a step with no adapter row runs the compiled decoder layers as before;
-    one with adapter rows runs the modules (where the deltas are added)."""
+def test_adapter_steps_run_the_compiled_layers_and_the_modules_alike(case, monkeypatch):
+    """With LoRA on, steps with and without adapter rows run the compiled decoder layers (which
+    add the deltas after each projection); with the compiled layers off, the modules' hooks add
+    the same deltas: both equal transformers + peft."""
     if DEVICE_KWARGS["device"] != "cpu":
         pytest.skip("the compiled layers run on the CPU")
     base, _, prompts, loras, reference, base_reference = case
@@ -221,4 +222,10 @@ def test_steps_without_adapter_rows_keep_the_compiled_layers(case):
     calls.clear()
     out = llm.generate(prompts[1:2], greedy(1), use_tqdm=False, lora_request=loras[1])
     assert_matches_reference(out, reference[1:2])
-    assert calls and all(form is None for form in calls)
+    assert all(form is not None for form in calls[1:]), "adapter steps left the compiled layers"
+    llm.shutdown()
+    monkeypatch.setenv("CONVEYOR_COMPILED_LAYERS", "0")
+    modules = LLM(str(base), dtype="float64", enable_lora=True, max_lora_rank=8)
+    out = modules.generate(prompts[1:2], greedy(1), use_tqdm=False, lora_request=loras[1])
+    assert not modules.engine.runner.model._compiled
+    assert_matches_reference(out, reference[1:2])

@@ -211,13 +211,43 @@ class Projection {
   at::Tensor weight_, qs_, d_, m_, bias_, panels_, wq_, dw_, mw_;
 };
 
+// A step's LoRA deltas (lora/slots.py): per layer and projection, every resident slot's A
+// stacked (slots * S * R, in) and B dense (slots * S * R, out: slice s of slot k in rows
+// k * S * R + s * R .., its own columns, times its scaling); and the step's rows of each slot
+// in use. A projection then shrinks all rows against every slot at once, h A^T (cheap: S * R
+// columns a slot), and expands each slot's rows with its own B rows only.
+struct LoRA {
+  std::vector<int64_t> slots;                      // the slots in use
+  std::vector<at::Tensor> rows;                    // their rows (int64 indices)
+  int64_t num_slots = 0;
+  const std::vector<at::Tensor>* ab = nullptr;     // per layer: A, B of qkv, o, gate_up, down
+};
+
 struct Step {
   at::Tensor cos, sin, slot_mapping, query_start, seq_lens, block_tables;
   int64_t block_size;
   double scale;
   MatmulForm form;
   bool split_keys;
+  LoRA lora;
 };
+
+// y += each slot's rows' (h A_k^T) B_k: the LoRA delta of projection `which` (0 qkv, 1 o,
+// 2 gate_up, 3 down) of `layer`, when the step has adapter rows.
+inline void add_lora(at::Tensor& y, const at::Tensor& h, const Step& step, size_t layer,
+                     int which) {
+  if (step.lora.ab == nullptr) return;
+  const at::Tensor& a = (*step.lora.ab)[layer * 8 + which * 2];
+  const at::Tensor& b = (*step.lora.ab)[layer * 8 + which * 2 + 1];
+  const int64_t width = a.size(0) / step.lora.num_slots;  // S * R
+  const at::Tensor shrunk = at::mm(h, a.t());              // (T, slots * S * R)
+  for (size_t g = 0; g < step.lora.slots.size(); ++g) {
+    const int64_t first = step.lora.slots[g] * width;
+    const at::Tensor& rows = step.lora.rows[g];
+    const at::Tensor part = shrunk.index_select(0, rows).narrow(1, first, width);
+    y.index_add_(0, rows, at::mm(part, b.narrow(0, first, width)));
+  }
+}
 
 class DecoderLayer {
  public:
@@ -247,12 +277,14 @@ class DecoderLayer {
                 "DecoderLayer: weight shapes do not fit together");
   }
 
-  void forward(at::Tensor& x, at::Tensor& kv_cache, const Step& step, Stopwatch& clock) const {
+  void forward(at::Tensor& x, at::Tensor& kv_cache, const Step& step, Stopwatch& clock,
+               size_t index) const {
     const int64_t num_tokens = x.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     at::Tensor h = rms_norm(x, input_norm_, eps_);
     clock.lap(kOther);
     at::Tensor qkv = qkv_(h, step.form);  // (T, q + 2 kv)
+    add_lora(qkv, h, step, index, 0);
     clock.lap(kProjections);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, head_dim_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads_, head_dim_});
@@ -268,16 +300,20 @@ class DecoderLayer {
                                       step.seq_lens, step.block_tables, step.scale,
                                       step.split_keys);
     clock.lap(kAttention);
-    at::Tensor o = o_(attn.view({num_tokens, q_size}), step.form);
+    const at::Tensor attn_rows = attn.view({num_tokens, q_size});
+    at::Tensor o = o_(attn_rows, step.form);
+    add_lora(o, attn_rows, step, index, 1);
     clock.lap(kProjections);
     residual_add(x, o);
     h = rms_norm(x, post_norm_, eps_);
     clock.lap(kOther);
     at::Tensor gate_up = gate_up_(h, step.form);  // (T, 2 I)
+    add_lora(gate_up, h, step, index, 2);
     clock.lap(kProjections);
     at::Tensor act = silu_mul(gate_up);
     clock.lap(kOther);
     at::Tensor down = down_(act, step.form);
+    add_lora(down, act, step, index, 3);
     clock.lap(kProjections);
     residual_add(x, down);
     clock.lap(kOther);
@@ -320,7 +356,9 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
                     const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t block_size,
                     const at::Tensor& query_start, const at::Tensor& seq_lens,
                     const at::Tensor& block_tables, double scale,
-                    std::optional<at::Tensor> seconds, int64_t form, bool split_keys) {
+                    std::optional<at::Tensor> seconds, int64_t form, bool split_keys,
+                    std::optional<std::vector<at::Tensor>> lora,
+                    std::vector<int64_t> lora_slots, int64_t lora_num_slots) {
   TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "decoder_layers: x (T, hidden), contiguous, on the CPU");
@@ -329,11 +367,23 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
               "decoder_layers: seconds, a float64 tensor of 3");
   TORCH_CHECK(form >= kKernel && form <= kTransposed,
               "decoder_layers: form 0 (kernel), 1 (linear) or 2 (transposed)");
-  const Step step{cos,         sin,   slot_mapping,
+  Step step{cos,         sin,   slot_mapping,
                   query_start, seq_lens, block_tables,
-                  block_size,  scale, static_cast<MatmulForm>(form), split_keys};
+                  block_size,  scale, static_cast<MatmulForm>(form), split_keys, LoRA{}};
+  std::vector<at::Tensor> ab;
+  if (lora) {  // (each slot's rows, then A and B of 4 projections per layer)
+    const size_t groups = lora_slots.size();
+    TORCH_CHECK(lora->size() == groups + 8 * layers.size() && lora_num_slots > 0,
+                "decoder_layers: lora is each slot's rows, then 8 tensors per layer");
+    step.lora.slots = lora_slots;
+    step.lora.rows.assign(lora->begin(), lora->begin() + groups);
+    step.lora.num_slots = lora_num_slots;
+    ab.assign(lora->begin() + groups, lora->end());
+    step.lora.ab = &ab;
+  }
   Stopwatch clock(seconds ? seconds->data_ptr<double>() : nullptr);
-  for (size_t i = 0; i < layers.size(); ++i) layers[i]->forward(x, kv_caches[i], step, clock);
+  for (size_t i = 0; i < layers.size(); ++i)
+    layers[i]->forward(x, kv_caches[i], step, clock, i);
 }
 
 void bind_decoder_layer(pybind11::module& m) {
@@ -357,5 +407,6 @@ void bind_decoder_layer(pybind11::module& m) {
         py::arg("layers"), py::arg("x"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("slot_mapping"), py::arg("block_size"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("seconds"),
-        py::arg("form") = 0, py::arg("split_keys") = true);
+        py::arg("form") = 0, py::arg("split_keys") = true, py::arg("lora") = py::none(),
+        py::arg("lora_slots") = std::vector<int64_t>{}, py::arg("lora_num_slots") = 0);
 }
