@@ -3,10 +3,10 @@
 At most max_loras adapters are resident, one per slot. For every layer and projection the
 slots are stacked (ProjectionSlots):
 
-    a        (slots, S * R, in)   the A of each of the projection's S slices (q, k, v; gate,
-                                  up; or one), slice s in rows [s * R, s * R + r_s)
-    b[s]     (slots, out_s, R)    the B of slice s, its first r_s columns used
-    scaling  [slot][s]            PEFT's alpha / r (alpha / sqrt(r) with rsLoRA)
+    a   (slots * S * R, in)    the A of each of the projection's S slices (q, k, v; gate, up;
+                               or one): slice s of slot k in rows k * S * R + s * R .. + r_s
+    b   (slots * S * R, out)   the same rows: slice s's B^T times its scaling (PEFT's alpha / r,
+                               alpha / sqrt(r) with rsLoRA) in slice s's columns, zero elsewhere
 
 R is max_lora_rank and r_s an adapter's own rank there; rows and columns past r_s stay zero.
 An adapter a step names but that is not resident takes a free slot or the least recently used
@@ -32,7 +32,6 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from functools import partial
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,60 +41,43 @@ from conveyor.lora.adapter import PROJECTIONS, LoRAAdapter, ProjectionShape, Sli
 from conveyor.lora.registry import LoRARegistry
 
 
-class RowGroup(NamedTuple):
-    slot: int
-    rows: slice | torch.Tensor  # the step's rows of this slot's requests
-
-
 class ProjectionSlots:
     """One projection of one layer: every slot's A and B (see the module docstring)."""
 
     def __init__(
         self, shape: ProjectionShape, num_slots: int, rank: int, dtype: torch.dtype, device
     ) -> None:
-        num_slices = len(shape.out_sizes)
         self.rank = rank
-        self.a = torch.zeros(num_slots, num_slices * rank, shape.in_features, dtype=dtype,
-                             device=device)  # fmt: skip
-        self.b = [torch.zeros(num_slots, out, rank, dtype=dtype, device=device)
-                  for out in shape.out_sizes]  # fmt: skip
+        self.width = len(shape.out_sizes) * rank  # S * R: a slot's rows of a and b
         starts = np.cumsum((0, *shape.out_sizes))
         self.columns = [(int(s), int(n)) for s, n in zip(starts, shape.out_sizes, strict=False)]
-        # The same adapters for one shrink and one expand over every slot at once: A as
-        # (slots * S * R, in), and B dense (slots * S * R, out), slice s of slot k in rows
-        # k * S * R + s * R .. and its own columns, times its scaling (zero elsewhere).
-        self.a_flat = self.a.view(num_slots * num_slices * rank, shape.in_features)
-        self.b_dense = torch.zeros(num_slots * num_slices * rank, int(starts[-1]), dtype=dtype,
-                                   device=device)  # fmt: skip
-        # Per slot and slice: the adapter's rank there (0: not targeted) and its scaling.
-        self.ranks = [[0] * num_slices for _ in range(num_slots)]
-        self.scaling = [[0.0] * num_slices for _ in range(num_slots)]
+        # A stacked (slots * S * R, in): slice s of slot k in rows k * S * R + s * R ..; B dense
+        # (slots * S * R, out): the same rows, slice s's B^T times its scaling in its own
+        # columns, zero elsewhere.
+        self.a = torch.zeros(num_slots * self.width, shape.in_features, dtype=dtype,
+                             device=device)  # fmt: skip
+        self.b = torch.zeros(num_slots * self.width, int(starts[-1]), dtype=dtype,
+                             device=device)  # fmt: skip
 
     def load(self, slot: int, slices: list[SliceLoRA | None] | None) -> None:
-        self.a[slot].zero_()
-        width = len(self.b) * self.rank
-        self.b_dense[slot * width : (slot + 1) * width].zero_()
-        for s, one in enumerate(slices or [None] * len(self.b)):
-            self.b[s][slot].zero_()
-            self.ranks[slot][s] = 0 if one is None else one.a.shape[0]
-            self.scaling[slot][s] = 0.0 if one is None else one.scaling
-            if one is not None:
-                r = one.a.shape[0]
-                self.a[slot, s * self.rank : s * self.rank + r].copy_(one.a)
-                self.b[s][slot, :, :r].copy_(one.b)
-                first = slot * width + s * self.rank
-                start, size = self.columns[s]
-                self.b_dense[first : first + r, start : start + size].copy_(one.b.T)
-                self.b_dense[first : first + r, start : start + size].mul_(one.scaling)
+        rows = slice(slot * self.width, (slot + 1) * self.width)
+        self.a[rows].zero_()
+        self.b[rows].zero_()
+        for s, one in enumerate(slices or []):
+            if one is None:
+                continue
+            first, r = slot * self.width + s * self.rank, one.a.shape[0]
+            start, size = self.columns[s]
+            self.a[first : first + r].copy_(one.a)
+            self.b[first : first + r, start : start + size].copy_(one.b.T).mul_(one.scaling)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, slot_rows) -> None:
         """out (T, sum of out_s) += each slot's rows' (x A_k^T) B_k, in place (as
         kernels/decoder_layer.cpp's add_lora)."""
-        width = self.a_flat.shape[0] // len(self.ranks)
-        shrunk = x @ self.a_flat.T  # (T, slots * S * R): every slot at once
+        shrunk = x @ self.a.T  # (T, slots * S * R): every slot at once
         for slot, rows in slot_rows:
-            part = shrunk.index_select(0, rows)[:, slot * width : (slot + 1) * width]
-            out.index_add_(0, rows, part @ self.b_dense[slot * width : (slot + 1) * width])
+            own = slice(slot * self.width, (slot + 1) * self.width)
+            out.index_add_(0, rows, shrunk.index_select(0, rows)[:, own] @ self.b[own])
 
 
 class LoRASlots:
@@ -120,34 +102,27 @@ class LoRASlots:
             self.layers.append(own)
         self._resident: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, LRU first
         self.num_loads = 0  # adapters copied into a slot so far (tests, metrics)
-        self.groups: list[RowGroup] | None = None  # the running step's; None: no adapter rows
-        # The running step's rows of each slot in use (slot, int64 indices), and the weights
-        # the compiled decoder layers take with them (kernels/decoder_layer.cpp: LoRA).
+        # The running step's rows of each slot in use (slot, int64 indices; empty: no adapter
+        # rows), and the weights the compiled decoder layers take with them
+        # (kernels/decoder_layer.cpp: LoRA).
         self.slot_rows: list[tuple[int, torch.Tensor]] = []
         self._weights = [t for own in self.layers for name in PROJECTIONS
-                         for t in (own[name].a_flat, own[name].b_dense)]  # fmt: skip
+                         for t in (own[name].a, own[name].b)]  # fmt: skip
         model.lora = self
 
     @property
     def active(self) -> bool:
-        return self.groups is not None
+        return bool(self.slot_rows)
 
     @contextlib.contextmanager
     def rows(self, lora_ids: list[int], query_lens: np.ndarray) -> Iterator[None]:
         """The step's adapter rows, for the forward run inside: lora_ids[i] (0: the base model)
         names the adapter of the i-th request, whose query_lens[i] rows follow the previous
         request's."""
-        self.groups = self._groups(lora_ids, query_lens) if any(lora_ids) else None
-        if self.groups is not None:
-            self.slot_rows = [
-                (slot, torch.arange(rows.start, rows.stop, device=self.device)
-                 if isinstance(rows, slice) else rows)
-                for slot, rows in self.groups
-            ]  # fmt: skip
+        self.slot_rows = self._slot_rows(lora_ids, query_lens) if any(lora_ids) else []
         try:
             yield
         finally:
-            self.groups = None
             self.slot_rows = []
 
     def compiled_arguments(self) -> dict:
@@ -160,7 +135,9 @@ class LoRASlots:
             "lora_num_slots": self.num_slots,
         }
 
-    def _groups(self, lora_ids: list[int], query_lens: np.ndarray) -> list[RowGroup]:
+    def _slot_rows(
+        self, lora_ids: list[int], query_lens: np.ndarray
+    ) -> list[tuple[int, torch.Tensor]]:
         ends = np.cumsum(query_lens)
         starts = ends - query_lens
         members: dict[int, list[int]] = {}
@@ -168,15 +145,12 @@ class LoRASlots:
             if lora_id:
                 members.setdefault(lora_id, []).append(i)
         slots = self._activate(list(members))
-        groups = []
-        for lora_id, indices in members.items():
-            if indices[-1] - indices[0] == len(indices) - 1:  # side by side: one slice
-                rows = slice(int(starts[indices[0]]), int(ends[indices[-1]]))
-            else:
-                spans = [np.arange(starts[i], ends[i]) for i in indices]
-                rows = torch.from_numpy(np.concatenate(spans)).to(self.device)
-            groups.append(RowGroup(slots[lora_id], rows))
-        return groups
+        return [
+            (slots[lora_id], torch.from_numpy(
+                np.concatenate([np.arange(starts[i], ends[i], dtype=np.int64) for i in indices])
+            ).to(self.device))
+            for lora_id, indices in members.items()
+        ]  # fmt: skip
 
     def _activate(self, lora_ids: list[int]) -> dict[int, int]:
         """A slot for each adapter, loading those not resident into free or least recently
@@ -220,7 +194,7 @@ class LoRASlots:
         return [by_digest[d] for d in self._resident if d in by_digest]
 
     def _hook(self, slots: ProjectionSlots, module: nn.Module, args: tuple, out: torch.Tensor):
-        if self.groups is None:
+        if not self.slot_rows:
             return None
         slots.apply(args[0], out, self.slot_rows)
         return out
