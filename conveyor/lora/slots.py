@@ -3,10 +3,11 @@
 At most max_loras adapters are resident, one per slot. For every layer and projection the
 slots are stacked (ProjectionSlots):
 
-    a   (slots * S * R, in)    the A of each of the projection's S slices (q, k, v; gate, up;
-                               or one): slice s of slot k in rows k * S * R + s * R .. + r_s
-    b   (slots * S * R, out)   the same rows: slice s's B^T times its scaling (PEFT's alpha / r,
-                               alpha / sqrt(r) with rsLoRA) in slice s's columns, zero elsewhere
+    a   (in, slots * S * R)    A^T of each of the projection's S slices (q, k, v; gate, up; or
+                               one): slice s of slot k in columns k * S * R + s * R .. + r_s
+    b   (slots * S * R, out)   rows numbered as a's columns: slice s's B^T times its scaling
+                               (PEFT's alpha / r, alpha / sqrt(r) with rsLoRA) in slice s's
+                               columns, zero elsewhere
 
 R is max_lora_rank and r_s an adapter's own rank there; rows and columns past r_s stay zero.
 An adapter a step names but that is not resident takes a free slot or the least recently used
@@ -14,21 +15,21 @@ one that the step does not name (the scheduler admits at most max_loras adapters
 running batch, so one always exists), copied in from host memory (registry.py).
 
 A step's rows are grouped by slot once (the rows of each adapter in the step). Each targeted
-projection then shrinks all rows against every slot at once, `x A^T` with every slot's A
-stacked (slots * S * R, in: cheap, S * R columns a slot), and expands each slot's rows with
-its own rows of B laid out densely (slots * S * R, out: each slice's B^T times its scaling in
-its own columns, zero elsewhere): one shrink per projection and one expand per adapter in the
-step, whatever the number of requests. This is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`
-(the scaling folded into B), in the model's dtype, on top of whatever the projection's own
-kernel computed (so a quantized base stays quantized). The compiled decoder layers
-(kernels/decoder_layer.cpp: add_lora) take the same tensors and add the same delta after each
-projection; the modules' forward hooks add it when the modules run. A step without adapter
-rows does nothing here.
+projection then adds, to each adapter row, its slot's delta: the shrink `x A^T` against that
+slot's S * R columns of a, then the expand of each slice over that slice's own columns of b.
+This is PEFT's `base(x) + lora_B(lora_A(x)) * scaling` (the scaling folded into B), in the
+model's dtype, on top of whatever the projection's own kernel computed (so a quantized base
+stays quantized). On the CPU in float32/float64 one compiled kernel does it for the whole step
+(kernels/lora_gemm.cpp: one parallel pass over tiles of one slot's rows, one order per value
+whatever the batch), called by the compiled decoder layers after each projection
+(decoder_layer.cpp: add_lora) and by the modules' forward hooks when the modules run; elsewhere
+its torch twin (ProjectionSlots.reference). A step without adapter rows does nothing here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
 from collections.abc import Iterator
 from functools import partial
@@ -51,33 +52,57 @@ class ProjectionSlots:
         self.width = len(shape.out_sizes) * rank  # S * R: a slot's rows of a and b
         starts = np.cumsum((0, *shape.out_sizes))
         self.columns = [(int(s), int(n)) for s, n in zip(starts, shape.out_sizes, strict=False)]
-        # A stacked (slots * S * R, in): slice s of slot k in rows k * S * R + s * R ..; B dense
-        # (slots * S * R, out): the same rows, slice s's B^T times its scaling in its own
-        # columns, zero elsewhere.
-        self.a = torch.zeros(num_slots * self.width, shape.in_features, dtype=dtype,
+        self.boundaries = [int(s) for s in starts]  # the slices' columns, from 0 to out
+        # A^T (in, slots * S * R): slice s of slot k in columns k * S * R + s * R ..; B dense
+        # (slots * S * R, out): rows numbered as a's columns, slice s's B^T times its scaling in
+        # its own columns, zero elsewhere. (A^T: the kernel's shrink then runs down a's rows
+        # with vectors across a slot's columns, and needs no sums across a vector's lanes.)
+        self.a = torch.zeros(shape.in_features, num_slots * self.width, dtype=dtype,
                              device=device)  # fmt: skip
         self.b = torch.zeros(num_slots * self.width, int(starts[-1]), dtype=dtype,
                              device=device)  # fmt: skip
 
     def load(self, slot: int, slices: list[SliceLoRA | None] | None) -> None:
-        rows = slice(slot * self.width, (slot + 1) * self.width)
-        self.a[rows].zero_()
-        self.b[rows].zero_()
+        own = slice(slot * self.width, (slot + 1) * self.width)
+        self.a[:, own].zero_()
+        self.b[own].zero_()
         for s, one in enumerate(slices or []):
             if one is None:
                 continue
             first, r = slot * self.width + s * self.rank, one.a.shape[0]
             start, size = self.columns[s]
-            self.a[first : first + r].copy_(one.a)
+            self.a[:, first : first + r].copy_(one.a.T)
             self.b[first : first + r, start : start + size].copy_(one.b.T).mul_(one.scaling)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, slot_rows) -> None:
-        """out (T, sum of out_s) += each slot's rows' (x A_k^T) B_k, in place (as
-        kernels/decoder_layer.cpp's add_lora)."""
-        shrunk = x @ self.a.T  # (T, slots * S * R): every slot at once
+        """out (T, sum of out_s) += each slot's rows' (x A_k^T) B_k, in place: the compiled
+        kernel on the CPU in float32/float64 (kernels/lora_gemm.cpp, as the compiled decoder
+        layers do), else the reference."""
+        ops = _ops() if x.device.type == "cpu" and out.dtype in _KERNEL_DTYPES else None
+        if ops is None or not x.is_contiguous() or not out.is_contiguous():
+            self.reference(x, out, slot_rows)
+            return
+        ops.lora_add(out, x, self.a, self.b, [rows for _, rows in slot_rows],
+                     [slot for slot, _ in slot_rows], self.boundaries,
+                     self.a.shape[1] // self.width)  # fmt: skip
+
+    def reference(self, x: torch.Tensor, out: torch.Tensor, slot_rows) -> None:
+        """apply's twin in torch ops: one shrink of every row against every slot, then a
+        gather, an expand and a scatter per slot (the same terms, another order)."""
+        shrunk = x @ self.a  # (T, slots * S * R): every slot at once
         for slot, rows in slot_rows:
             own = slice(slot * self.width, (slot + 1) * self.width)
             out.index_add_(0, rows, shrunk.index_select(0, rows)[:, own] @ self.b[own])
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
+@functools.cache
+def _ops():
+    from conveyor.model import kernels
+
+    return kernels.load()
 
 
 class LoRASlots:

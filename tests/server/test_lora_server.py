@@ -97,13 +97,21 @@ def unload(server, name: str):
     return post(server.base_url, "/v1/unload_lora_adapter", {"lora_name": name}, key=KEY)
 
 
-def test_adapter_named_as_model_runs_with_its_greedy_tokens(client, expected):
+def test_adapter_named_as_model_runs_with_its_greedy_tokens(client, server, expected):
     assert tokens(client, "attn") == expected["attn"]
     assert tokens(client, MODEL) == expected[None]
     chat = client.chat.completions.create(
         model="attn", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
     )
     assert chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.model == "attn"  # a response names the adapter, as vLLM's do
+    done = client.completions.create(model="attn", prompt=PROMPT, max_tokens=2)
+    assert done.model == "attn"
+    streamed = client.completions.create(model="attn", prompt=PROMPT, max_tokens=2, stream=True)
+    assert {chunk.model for chunk in streamed} == {"attn"}
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).model == MODEL
+    message = {"model": "attn", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert post(server.base_url, "/v1/messages", message, key=KEY).json()["model"] == "attn"
     with pytest.raises(openai.NotFoundError):
         tokens(client, "no-such-adapter")
 

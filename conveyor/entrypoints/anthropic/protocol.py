@@ -302,6 +302,7 @@ class CountTokensRequest(BaseModel):
             schema = JsonSchemaFormat(name="output", schema_=output.schema_, strict=True)
             sampling["response_format"] = ResponseFormat(type="json_schema", json_schema=schema)
         return ChatCompletionRequest(
+            model=self.model,
             messages=messages,
             add_generation_prompt=not self._prefill,
             continue_final_message=self._prefill,

@@ -65,7 +65,7 @@ class MessagesServing:
         blocks += [_tool_use(call.name, _input(call.arguments, depth)) for call in calls]
         stop_reason, stop_sequence = outcome.stop(bool(calls))
         usage = {"input_tokens": len(prompt), "output_tokens": outcome.num_tokens}
-        return _head(stream, self.serving.model_name) | {
+        return _head(stream, self.serving.served_name(chat.model)) | {
             "content": blocks,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
@@ -77,7 +77,7 @@ class MessagesServing:
     async def events(
         self, chat: ChatCompletionRequest, prompt: list[int], stream: RequestStream
     ) -> AsyncIterator[str]:
-        start = _head(stream, self.serving.model_name) | {
+        start = _head(stream, self.serving.served_name(chat.model)) | {
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

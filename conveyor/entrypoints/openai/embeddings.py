@@ -82,7 +82,7 @@ async def embed(
             {"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
             for i, v in enumerate(vectors)
         ],
-        "model": serving.model_name,
+        "model": serving.served_name(request.model),
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
 

@@ -221,6 +221,13 @@ class OpenAIServing:
             raise
         return streams
 
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response names, as vLLM's: the LoRA adapter the request named, else the
+        served model's name."""
+        if self.loras is not None and self.loras.get(model) is not None:
+            return model
+        return self.model_name
+
     def abort_unfinished(self, streams: list[RequestStream]) -> None:
         for stream in streams:
             if not stream.finished:
@@ -257,7 +264,7 @@ class OpenAIServing:
             "id": streams[0].request_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.served_name(request.model),
             "choices": [self._completion_choice(request, c, states) for c in choices],
             "usage": _usage(prompts, choices, states),
         }
@@ -298,7 +305,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         created, rid = int(time.time()), streams[0].request_id
         head = {"id": rid, "object": "text_completion", "created": created}
-        chunk = _ChunkWriter(head | {"model": self.model_name})
+        chunk = _ChunkWriter(head | {"model": self.served_name(request.model)})
         states = await self._prompt_states(request, prompts)
         choices: dict[int, _Choice] = {}
         continuous = _continuous_usage(request)
@@ -363,7 +370,7 @@ class OpenAIServing:
             "id": streams[0].request_id,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": self.served_name(request.model),
             "choices": [
                 {
                     "index": c.index,
@@ -397,7 +404,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         created, rid = int(time.time()), streams[0].request_id
         head = {"id": rid, "object": "chat.completion.chunk", "created": created}
-        chunk = _ChunkWriter(head | {"model": self.model_name})
+        chunk = _ChunkWriter(head | {"model": self.served_name(request.model)})
         states = await self._prompt_states(request, prompts)
         continuous = _continuous_usage(request)
         choices: dict[int, _Choice] = {}

@@ -33,6 +33,7 @@ SOURCES = (
     "quant_gemm.cpp",
     "decoder_layer.cpp",
     "panel_gemm.cpp",
+    "lora_gemm.cpp",
 )
 HEADERS = ("balance.h", "ops.h", "vec.h")  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -16,6 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("split_keys") = true);
   m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
   m.def("small_gemm", &small_gemm, "x @ weight.T for a few rows of x (CPU)");
+  m.def("lora_add", &lora_add, "y += a step's LoRA deltas, in place (CPU)", py::arg("y"),
+        py::arg("x"), py::arg("a"), py::arg("b"), py::arg("rows"), py::arg("slots"),
+        py::arg("columns"), py::arg("num_slots"));
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
   namespace q = conveyor_quant;
   m.def("q4_linear", &q::q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");

@@ -211,11 +211,10 @@ class Projection {
   at::Tensor weight_, qs_, d_, m_, bias_, panels_, wq_, dw_, mw_;
 };
 
-// A step's LoRA deltas (lora/slots.py): per layer and projection, every resident slot's A
-// stacked (slots * S * R, in) and B dense (slots * S * R, out: slice s of slot k in rows
+// A step's LoRA deltas (lora/slots.py): per layer and projection, every resident slot's A^T
+// side by side (in, slots * S * R) and B dense (slots * S * R, out: slice s of slot k in rows
 // k * S * R + s * R .., its own columns, times its scaling); and the step's rows of each slot
-// in use. A projection then shrinks all rows against every slot at once, h A^T (cheap: S * R
-// columns a slot), and expands each slot's rows with its own B rows only.
+// in use. lora_gemm.cpp adds them after each projection.
 struct LoRA {
   std::vector<int64_t> slots;                      // the slots in use
   std::vector<at::Tensor> rows;                    // their rows (int64 indices)
@@ -233,14 +232,20 @@ struct Step {
 };
 
 // y += each slot's rows' (h A_k^T) B_k: the LoRA delta of projection `which` (0 qkv, 1 o,
-// 2 gate_up, 3 down) of `layer`, when the step has adapter rows.
+// 2 gate_up, 3 down) of `layer`, when the step has adapter rows; columns: the projection's
+// slices' boundaries (lora_gemm.cpp).
 inline void add_lora(at::Tensor& y, const at::Tensor& h, const Step& step, size_t layer,
-                     int which) {
+                     int which, const std::vector<int64_t>& columns) {
   if (step.lora.ab == nullptr) return;
   const at::Tensor& a = (*step.lora.ab)[layer * 8 + which * 2];
   const at::Tensor& b = (*step.lora.ab)[layer * 8 + which * 2 + 1];
-  const int64_t width = a.size(0) / step.lora.num_slots;  // S * R
-  const at::Tensor shrunk = at::mm(h, a.t());              // (T, slots * S * R)
+  if (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble) {
+    lora_add(y, h, a, b, step.lora.rows, step.lora.slots, columns, step.lora.num_slots);
+    return;
+  }
+  // Other dtypes: slots.py's reference, in ATen ops.
+  const int64_t width = a.size(1) / step.lora.num_slots;  // S * R
+  const at::Tensor shrunk = at::mm(h, a);                  // (T, slots * S * R)
   for (size_t g = 0; g < step.lora.slots.size(); ++g) {
     const int64_t first = step.lora.slots[g] * width;
     const at::Tensor& rows = step.lora.rows[g];
@@ -284,7 +289,7 @@ class DecoderLayer {
     at::Tensor h = rms_norm(x, input_norm_, eps_);
     clock.lap(kOther);
     at::Tensor qkv = qkv_(h, step.form);  // (T, q + 2 kv)
-    add_lora(qkv, h, step, index, 0);
+    add_lora(qkv, h, step, index, 0, {0, q_size, q_size + kv_size, q_size + 2 * kv_size});
     clock.lap(kProjections);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, head_dim_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads_, head_dim_});
@@ -302,18 +307,18 @@ class DecoderLayer {
     clock.lap(kAttention);
     const at::Tensor attn_rows = attn.view({num_tokens, q_size});
     at::Tensor o = o_(attn_rows, step.form);
-    add_lora(o, attn_rows, step, index, 1);
+    add_lora(o, attn_rows, step, index, 1, {0, o.size(1)});
     clock.lap(kProjections);
     residual_add(x, o);
     h = rms_norm(x, post_norm_, eps_);
     clock.lap(kOther);
     at::Tensor gate_up = gate_up_(h, step.form);  // (T, 2 I)
-    add_lora(gate_up, h, step, index, 2);
+    add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1) / 2, gate_up.size(1)});
     clock.lap(kProjections);
     at::Tensor act = silu_mul(gate_up);
     clock.lap(kOther);
     at::Tensor down = down_(act, step.form);
-    add_lora(down, act, step, index, 3);
+    add_lora(down, act, step, index, 3, {0, down.size(1)});
     clock.lap(kProjections);
     residual_add(x, down);
     clock.lap(kOther);

@@ -61,5 +61,10 @@ void quantize_token_avx2(const float* x, int64_t nb, int8_t* q, float* d, float*
 #endif
 }  // namespace conveyor_panel
 
+// lora_gemm.cpp: y += a step's LoRA deltas (lora/slots.py's layout), one order per value
+void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+              const std::vector<at::Tensor>& rows, const std::vector<int64_t>& slots,
+              const std::vector<int64_t>& columns, int64_t num_slots);
+
 // decoder_layer.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

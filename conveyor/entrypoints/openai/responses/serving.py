@@ -159,7 +159,7 @@ class ResponsesServing:
         prompts, params = await self.serving.chat_params(chat)
         return Turn(
             id=new_id("resp"),
-            model=self.serving.model_name,
+            model=self.serving.served_name(request.model),
             request=request,
             chat=chat,
             prompt=prompts[0],
