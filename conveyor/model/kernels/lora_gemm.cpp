@@ -18,13 +18,18 @@
 // once per tile, not once per row).
 //
 // One order per value, whatever the batch: a row in a tile of kRows and a row alone run the
-// same operations on their own accumulators (the tiles only share loads), each shrink value as its even-k and
-// odd-k terms each summed in k order, then added; each output value as y + s_0 b_0 + s_1 b_1 +
-// ... in r order. The torch reference (lora/slots.py: ProjectionSlots.reference) adds the same
-// terms in another order, so the two agree to rounding, not bitwise.
+// same fused multiply-adds on their own accumulators (the tiles only share loads): each shrink
+// value its even-k and odd-k terms, each summed in k order, then added; each output value
+// y + s_0 b_0 + s_1 b_1 + ... in r order. The torch reference (lora/slots.py:
+// ProjectionSlots.reference) adds the same terms in another order: the two agree to rounding,
+// not bitwise.
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -39,13 +44,32 @@ using namespace conveyor_vec;
 constexpr int kRows = 4;                              // rows of a tile
 constexpr int kShrinkVecs = kRegisters >= 32 ? 2 : 1;  // vectors of a's columns per shrink step
 constexpr int kExpandVecs = kRegisters >= 32 ? 4 : 2;  // vectors of columns per expand step
+// (shrink_step and expand_step are kept out of line: inlined into the tile loop, GCC left one
+// instance's accumulators on the stack.)
+
+// acc + x * y, fused, always. GCC contracts `acc += x * y` into an FMA in most loops but not
+// all: one instantiation of the AVX2 build kept a multiply and an add, so a row alone and the
+// same row in a tile of four came out a rounding apart. The intrinsics pin it.
+template <typename T>
+inline Vec<T> madd(Vec<T> acc, Vec<T> x, Vec<T> y) {
+#if defined(__x86_64__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) return _mm512_fmadd_ps(x, y, acc);
+  else return _mm512_fmadd_pd(x, y, acc);
+#elif defined(__x86_64__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) return _mm256_fmadd_ps(x, y, acc);
+  else return _mm256_fmadd_pd(x, y, acc);
+#else
+  for (int i = 0; i < kLanes<T>; ++i) acc[i] = std::fma(x[i], y[i], acc[i]);
+  return acc;
+#endif
+}
 
 // s[i * width + j0 ..] = x_i A^T for the tile's rows, V vectors of a's columns: every value is
 // the sum of its even-k terms plus the sum of its odd-k terms, each taken in k order (two
 // chains of FMAs per accumulator keep the FMA units busy when a slot is one vector wide).
 template <typename T, int TT, int V>
-inline void shrink_step(const T* const* xr, const T* a, int64_t lda, int64_t in, int64_t j0,
-                        int64_t width, T* s) {
+[[gnu::noinline]] void shrink_step(const T* const* xr, const T* a, int64_t lda, int64_t in,
+                                   int64_t j0, int64_t width, T* s) {
   Vec<T> even[TT][V], odd[TT][V];
   for (int i = 0; i < TT; ++i)
     for (int v = 0; v < V; ++v) even[i][v] = odd[i][v] = Vec<T>{};
@@ -59,20 +83,23 @@ inline void shrink_step(const T* const* xr, const T* a, int64_t lda, int64_t in,
     for (int i = 0; i < TT; ++i) {
       const Vec<T> x0 = broadcast(xr[i][k]), x1 = broadcast(xr[i][k + 1]);
       for (int v = 0; v < V; ++v) {
-        even[i][v] += x0 * a0[v];
-        odd[i][v] += x1 * a1[v];
+        even[i][v] = madd<T>(even[i][v], x0, a0[v]);
+        odd[i][v] = madd<T>(odd[i][v], x1, a1[v]);
       }
     }
   }
   if (k < in)
     for (int i = 0; i < TT; ++i)
-      for (int v = 0; v < V; ++v)
-        even[i][v] += broadcast(xr[i][k]) * load(a + k * lda + j0 + v * kLanes<T>);
+      for (int v = 0; v < V; ++v) {
+        const Vec<T> last = load(a + k * lda + j0 + v * kLanes<T>);
+        even[i][v] = madd<T>(even[i][v], broadcast(xr[i][k]), last);
+      }
   for (int i = 0; i < TT; ++i)
     for (int v = 0; v < V; ++v) store(s + i * width + j0 + v * kLanes<T>, even[i][v] + odd[i][v]);
 }
 
-// shrink_step for one column past the last whole vector, in the same order.
+// shrink_step for one column past the last whole vector, in the same order (std::fma: fused as
+// the vector FMAs are, whatever the compiler makes of a scalar loop).
 template <typename T, int TT>
 inline void shrink_column(const T* const* xr, const T* a, int64_t lda, int64_t in, int64_t j,
                           int64_t width, T* s) {
@@ -80,18 +107,18 @@ inline void shrink_column(const T* const* xr, const T* a, int64_t lda, int64_t i
     T even = 0, odd = 0;
     int64_t k = 0;
     for (; k + 2 <= in; k += 2) {
-      even += xr[i][k] * a[k * lda + j];
-      odd += xr[i][k + 1] * a[(k + 1) * lda + j];
+      even = std::fma(xr[i][k], a[k * lda + j], even);
+      odd = std::fma(xr[i][k + 1], a[(k + 1) * lda + j], odd);
     }
-    if (k < in) even += xr[i][k] * a[k * lda + j];
+    if (k < in) even = std::fma(xr[i][k], a[k * lda + j], even);
     s[i * width + j] = even + odd;
   }
 }
 
 // y_i[c0 .. c0 + V vectors) += sum_r s_i[r] b_r[...] for the tile's rows, in r order.
 template <typename T, int TT, int V>
-inline void expand_step(T* const* yr, const T* s, int64_t width, const T* b, int64_t out,
-                        int64_t rank, int64_t c0) {
+[[gnu::noinline]] void expand_step(T* const* yr, const T* s, int64_t width, const T* b,
+                                   int64_t out, int64_t rank, int64_t c0) {
   Vec<T> acc[TT][V];
   for (int i = 0; i < TT; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = load(yr[i] + c0 + v * kLanes<T>);
@@ -100,7 +127,7 @@ inline void expand_step(T* const* yr, const T* s, int64_t width, const T* b, int
     for (int v = 0; v < V; ++v) bv[v] = load(b + r * out + c0 + v * kLanes<T>);
     for (int i = 0; i < TT; ++i) {
       const Vec<T> sv = broadcast(s[i * width + r]);
-      for (int v = 0; v < V; ++v) acc[i][v] += sv * bv[v];
+      for (int v = 0; v < V; ++v) acc[i][v] = madd<T>(acc[i][v], sv, bv[v]);
     }
   }
   for (int i = 0; i < TT; ++i)
@@ -134,10 +161,11 @@ void run_tile(const T* const* xr, T* const* yr, const T* a_slot, const T* b_slot
       expand_step<T, TT, kExpandVecs>(yr, s_slice, sh.width, b_slice, sh.out, sh.rank, c);
     for (; c + lanes <= c1; c += lanes)
       expand_step<T, TT, 1>(yr, s_slice, sh.width, b_slice, sh.out, sh.rank, c);
-    for (; c < c1; ++c)  // the columns past the last whole vector, in the same order
+    for (; c < c1; ++c)  // the columns past the last whole vector, in the same order (fused)
       for (int i = 0; i < TT; ++i) {
         T sum = yr[i][c];
-        for (int64_t r = 0; r < sh.rank; ++r) sum += s_slice[i * sh.width + r] * b_slice[r * sh.out + c];
+        for (int64_t r = 0; r < sh.rank; ++r)
+          sum = std::fma(s_slice[i * sh.width + r], b_slice[r * sh.out + c], sum);
         yr[i][c] = sum;
       }
   }
