@@ -14,6 +14,7 @@ either reports itself fatal (the server exits non-zero) or, with restart=True, s
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -68,6 +69,8 @@ class SyncCoreClient:
         except BaseException:
             self._finalizer()
             raise
+        self._call_ids = itertools.count()
+        self._held: collections.deque = collections.deque()  # step outputs read during a call
 
     def add_requests(self, specs) -> None:
         self.process.send(AddRequests(specs))
@@ -77,7 +80,7 @@ class SyncCoreClient:
 
     def step(self) -> list[CoreOutput]:
         """The outputs of the core's next step (it runs ahead: a step already made is waiting)."""
-        match self.process.receive():
+        match self._held.popleft() if self._held else self.process.receive():
             case StepOutput(outputs=outputs, stats=stats):
                 self._stats = stats
                 return outputs
@@ -90,6 +93,31 @@ class SyncCoreClient:
 
     def get_stats(self) -> CoreStats:
         return self._stats
+
+    # LoRA adapters: a LoRACall, answered between two of the core's steps; the steps it made
+    # meanwhile are held for step(), in order.
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self._lora_call("add_lora", lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_call("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_call("list_loras")
+
+    def _lora_call(self, method: str, argument=None):
+        call_id = next(self._call_ids)
+        self.process.send(LoRACall(call_id, method, argument))
+        while True:
+            message = self.process.receive()
+            if isinstance(message, LoRAReply) and message.call_id == call_id:
+                if message.error is not None:
+                    raise ValueError(message.error)
+                return message.result
+            self._held.append(message)  # a step, or the core's death: step() reports it
+            if message is None or isinstance(message, Dead):
+                raise EngineDeadError(f"the engine core died during {method}")
 
     def check_integrity(self) -> None:
         raise RuntimeError("check_integrity() needs the in-process core (engine_process=False)")

@@ -119,24 +119,27 @@ class LLMEngine:
             raise
         self._num_prompt_tokens += len(token_ids) * len(sequences)
 
-    # ---- LoRA adapters (in-process core; an engine-core process loads them on first use) --
+    # ---- LoRA adapters (the core's; an engine-core process is asked between two steps) ---
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Loads an adapter now (vLLM's add_lora); ValueError when it cannot be applied."""
         if self.inputs.add_lora is None:
             raise ValueError("add_lora needs an engine with enable_lora=True")
-        self.inputs.add_lora(lora_request)
+        self.inputs.add_lora(lora_request)  # the in-process core's, or the front end's checks
+        if self.inputs.lora_registry is not None:  # an engine-core process loads it too
+            self.core.add_lora(lora_request)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forgets an adapter (False: not loaded); ValueError while requests use it."""
-        remove = getattr(self.core, "remove_lora", None)
-        return False if remove is None else remove(lora_id)
+        removed = self.core.remove_lora(lora_id)
+        if self.inputs.lora_registry is not None:
+            self.inputs.lora_registry.remove(lora_id)  # its id may name another folder later
+        return removed
 
     def list_loras(self) -> set[int]:
         """The lora_int_ids of the adapters the core holds."""
-        listing = getattr(self.core, "list_loras", None)
-        return set() if listing is None else listing()
+        return self.core.list_loras()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -229,3 +229,32 @@ def test_adapter_steps_run_the_compiled_layers_and_the_modules_alike(case, monke
     out = modules.generate(prompts[1:2], greedy(1), use_tqdm=False, lora_request=loras[1])
     assert not modules.engine.runner.model._compiled
     assert_matches_reference(out, reference[1:2])
+
+
+def test_adapters_in_an_engine_core_process_match_peft_and_are_listed(case):
+    """LLMEngine(engine_process=True): add_lora reaches the core process (list_loras shows it,
+    generation with it equals transformers + peft), and remove_lora forgets it there and in
+    the front end; steps the core made while a call waited are not lost."""
+    base, _, prompts, loras, reference, _ = case
+    engine = LLMEngine(str(base), dtype="float64", **DEVICE_KWARGS, enable_lora=True,
+                       max_loras=2, max_lora_rank=8, engine_process=True)  # fmt: skip
+    try:
+        first, second = loras[1], loras[2]
+        assert engine.list_loras() == set()
+        assert engine.add_lora(first)
+        assert engine.list_loras() == {first.lora_int_id}
+        engine.add_request("a", prompts[1], greedy(1)[0], lora_request=first)
+        engine.add_request("b", prompts[2], greedy(1)[0], lora_request=second)
+        engine.step()
+        assert engine.list_loras() == {first.lora_int_id, second.lora_int_id}  # mid-run
+        with pytest.raises(ValueError, match="in use"):
+            engine.remove_lora(first.lora_int_id)
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+        assert_matches_reference([done["a"], done["b"]], reference[1:3])
+        assert engine.remove_lora(first.lora_int_id)
+        assert not engine.remove_lora(first.lora_int_id)
+        assert engine.list_loras() == {second.lora_int_id}
+    finally:
+        engine.shutdown()
