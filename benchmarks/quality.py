@@ -11,7 +11,9 @@ next-token distribution of each variant is compared with the float32 model's (qu
 
 Variants: `bfloat16` and `float16` (the float32 model's weights cast, as `--dtype` serves them:
 ATen's ops, logits cast to float64 for scoring), `int8` (projections requantized to int8
-blocks) and `auto` (a quantized GGUF's own blocks; a float checkpoint runs float32 there).
+blocks) and `auto` (a quantized GGUF's own blocks with the default cache, float16 on the CPU;
+a float checkpoint runs float32 there); `auto+kv-float32` the blocks with a float32 cache, and
+`kv-float16` the float32 model with a float16 cache (what the cache alone costs).
 Every model is loaded as `conveyor serve` loads it by default, so the float32 and quantized
 scores are those of the batch-invariant kernels (model/kernels/panel_gemm.cpp): every row count
 of a block projection runs one kernel with activations rounded to int8 per block of 32, and the
@@ -34,12 +36,15 @@ from tqdm import tqdm
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 REFERENCE = "float32"
-# variant -> (dtype, quantization) as ModelConfig.from_hf takes them.
+# variant -> (dtype, quantization) as ModelConfig.from_hf takes them, and the KV cache's dtype
+# (ModelRunner's kv_cache_dtype: "auto" is the model's).
 VARIANTS = {
-    "bfloat16": ("bfloat16", "none"),
-    "float16": ("float16", "none"),
-    "int8": ("float32", "int8"),
-    "auto": ("float32", "auto"),
+    "bfloat16": ("bfloat16", "none", "auto"),
+    "float16": ("float16", "none", "auto"),
+    "int8": ("float32", "int8", "auto"),
+    "auto": ("float32", "auto", "auto"),  # a quantized model's cache: float16 on the CPU
+    "auto+kv-float32": ("float32", "auto", "float32"),
+    "kv-float16": ("float32", "none", "float16"),
 }
 
 
@@ -50,6 +55,7 @@ class VariantStats:
     quantization: str  # as requested
     resolved: str  # ModelConfig.quantization: none | gguf | int8
     weight_bytes: int
+    kv_cache_dtype: str  # "auto": the model's dtype
     kl: list[float] = field(default_factory=list, repr=False)
     top1_same: int = 0
     nll_sum: float = 0.0
@@ -62,6 +68,7 @@ class VariantStats:
             quantization=self.quantization,
             resolved=self.resolved,
             weight_mib=round(self.weight_bytes / 2**20, 1),
+            kv_cache_dtype=self.kv_cache_dtype,
             mean_kl=kl.mean().item() if len(kl) else 0.0,
             p99_kl=kl.quantile(0.99).item() if len(kl) else 0.0,
             max_kl=kl.max().item() if len(kl) else 0.0,
@@ -115,10 +122,10 @@ def evaluate(
     from conveyor.model.config import ModelConfig
     from conveyor.model.loader import load_tokenizer
 
-    specs = {REFERENCE: ("float32", "none")} | {name: VARIANTS[name] for name in variants}
+    specs = {REFERENCE: ("float32", "none", "auto")} | {name: VARIANTS[name] for name in variants}
     runners = {
-        name: _runner(ModelConfig.from_hf(model, dtype, "cpu", None, mode), context)
-        for name, (dtype, mode) in specs.items()
+        name: _runner(ModelConfig.from_hf(model, dtype, "cpu", None, mode), context, kv)
+        for name, (dtype, mode, kv) in specs.items()
     }
     base = runners[REFERENCE]
     chunks = _chunks(load_tokenizer(base.cfg), text, context, max_chunks)
@@ -149,13 +156,14 @@ def _variants(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _runner(cfg, context: int):
+def _runner(cfg, context: int, kv_cache_dtype: str = "auto"):
     """The model as `conveyor serve` loads it (batch-invariant panels packed at load on CPU)."""
     from conveyor.worker.model_runner import ModelRunner
 
     if context > cfg.max_model_len:
         raise ValueError(f"--context {context} exceeds the model's {cfg.max_model_len} tokens")
-    runner = ModelRunner(cfg, torch.device("cpu"), block_size=16, seed=0)
+    runner = ModelRunner(cfg, torch.device("cpu"), block_size=16, seed=0,
+                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     runner.allocate_kv_cache(-(-context // 16))
     return runner
 
@@ -165,8 +173,8 @@ def _stats(name: str, runner) -> VariantStats:
     # head appears twice there, under one storage.
     tensors = {t.data_ptr(): t for t in runner.model.state_dict().values()}
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    dtype, mode = VARIANTS.get(name, ("float32", "none"))
-    return VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes)
+    dtype, mode, kv = VARIANTS.get(name, ("float32", "none", "auto"))
+    return VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes, kv)
 
 
 def _chunks(tokenizer, text: Path, context: int, max_chunks: int | None) -> list[list[int]]:
@@ -203,7 +211,7 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['model']}: {report['num_scored_tokens']} tokens scored in "
         f"{report['num_chunks']} chunks of {report['context']}",
-        f"{'variant':<14}{'weights MiB':>12}{'mean KL':>10}{'p99 KL':>10}{'max KL':>10}"
+        f"{'variant':<22}{'weights MiB':>12}{'mean KL':>10}{'p99 KL':>10}{'max KL':>10}"
         f"{'top-1 %':>9}{'ppl':>9}",
     ]
     for v in report["variants"]:
@@ -211,7 +219,7 @@ def format_table(report: dict) -> str:
         if v["quantization"] not in ("none", v["resolved"]):
             name += f"->{v['resolved']}"  # auto->gguf, auto->none
         lines.append(
-            f"{name:<14}{v['weight_mib']:>12.1f}{v['mean_kl']:>10.5f}{v['p99_kl']:>10.5f}"
+            f"{name:<22}{v['weight_mib']:>12.1f}{v['mean_kl']:>10.5f}{v['p99_kl']:>10.5f}"
             f"{v['max_kl']:>10.5f}{100 * v['top1_agreement']:>9.2f}{v['perplexity']:>9.3f}"
         )
     return "\n".join(lines)

@@ -123,8 +123,9 @@ class EngineArgs:
     kv_cache_dtype: str = _setting(
         "auto",
         "engine",
-        "auto: the model dtype; float16/bfloat16 halve the KV bytes, fp8 (e4m3, values clamped "
-        "to +-448) quarters them (lossy; for float32 models)",
+        "auto: the model dtype (float16 for a model served quantized on the CPU); "
+        "float16/bfloat16 halve the KV bytes, fp8 (e4m3, values clamped to +-448) quarters them "
+        "(lossy; for float32 models)",
         choices=KV_CACHE_DTYPES,
     )
     scheduling_policy: str = _setting(

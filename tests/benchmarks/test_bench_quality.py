@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks.cli import main
 from benchmarks.quality import DEFAULT_TEXT, _runner, evaluate, format_table
@@ -48,7 +49,11 @@ def test_bench_quality_scores_the_batch_invariant_kernels_that_serving_runs(tmp_
 
     gguf_path = write_gguf(model_path, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
     cfg = ModelConfig.from_hf(str(gguf_path), "float32", "cpu", None, "auto")
-    model = _runner(cfg, 64).model
+    runner = _runner(cfg, 64)
+    assert runner.kv_dtype == torch.float16  # a model served quantized: a float16 cache
+    float_model = ModelConfig.from_hf(str(model_path), "float32", "cpu", None, "auto")
+    assert _runner(float_model, 64).kv_dtype == torch.float32  # its own dtype: exact
+    model = runner.model
     blocks = [m for m in model.modules() if isinstance(m, quant.QuantLinear)]
     assert blocks and all(m.panels is not None for m in blocks)
     assert [m.float_acts for m in blocks].count(True) == 1  # the lm_head only
@@ -66,6 +71,12 @@ def test_bench_quality_command_reports_bf16_and_every_quantized_route(model_path
     assert main([*argv, "--output", str(out), "--disable-tqdm"]) == 0
     report = json.loads(out.read_text())
     names = [v["variant"] for v in report["variants"]]
-    assert names == ["float32", "bfloat16", "float16", "int8", "auto"]
+    assert names == [
+        "float32", "bfloat16", "float16", "int8", "auto", "auto+kv-float32", "kv-float16"
+    ]  # fmt: skip
+    caches = {v["variant"]: v["kv_cache_dtype"] for v in report["variants"]}
+    assert caches["kv-float16"] == "float16" and caches["auto+kv-float32"] == "float32"
+    cache_alone = report["variants"][-1]  # float32 weights, float16 cache: small, not zero
+    assert 0 < cache_alone["mean_kl"] < 1e-3 and cache_alone["top1_agreement"] > 0.95
     assert main([*argv, "--variants", "bfloat16,fp8"]) != 0
     assert "--variants: unknown 'fp8'" in capsys.readouterr().err

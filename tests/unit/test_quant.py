@@ -334,7 +334,7 @@ def test_bench_quality_command_writes_json(quantized_gguf, tmp_path, capsys):
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["num_chunks"] == 2 and report["num_scored_tokens"] == 2 * 15
-    variants = ["float32", "bfloat16", "float16", "int8", "auto"]
+    variants = ["float32", "bfloat16", "float16", "int8", "auto", "auto+kv-float32", "kv-float16"]
     assert [v["variant"] for v in report["variants"]] == variants
     assert all(v["perplexity"] > 1 for v in report["variants"])
     assert "mean KL" in capsys.readouterr().out
