@@ -77,7 +77,8 @@ def parse_memory(value: int | float | str) -> int:
     return num
 
 
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")  # fp8: e4m3, as vLLM
+# fp8: e4m3, as vLLM; float32: a quantized model's cache as it was before "auto" meant float16
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "float32")
 
 
 @dataclass(frozen=True)

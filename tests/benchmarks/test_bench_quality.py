@@ -45,12 +45,15 @@ def test_bench_quality_scores_bfloat16_and_float16_against_float32(model_path):
 def test_bench_quality_scores_the_batch_invariant_kernels_that_serving_runs(tmp_path, model_path):
     from gguf_util import write_gguf
 
+    from conveyor.config import CacheConfig
     from conveyor.model.config import ModelConfig
 
     gguf_path = write_gguf(model_path, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
     cfg = ModelConfig.from_hf(str(gguf_path), "float32", "cpu", None, "auto")
     runner = _runner(cfg, 64)
     assert runner.kv_dtype == torch.float16  # a model served quantized: a float16 cache
+    assert CacheConfig(kv_cache_dtype="float32").kv_cache_dtype == "float32"  # the old one
+    assert _runner(cfg, 64, "float32").kv_dtype == torch.float32
     float_model = ModelConfig.from_hf(str(model_path), "float32", "cpu", None, "auto")
     assert _runner(float_model, 64).kv_dtype == torch.float32  # its own dtype: exact
     model = runner.model
