@@ -49,7 +49,7 @@ class ProjectionSlots:
         self, shape: ProjectionShape, num_slots: int, rank: int, dtype: torch.dtype, device
     ) -> None:
         self.rank = rank
-        self.width = len(shape.out_sizes) * rank  # S * R: a slot's rows of a and b
+        self.width = len(shape.out_sizes) * rank  # S * R: a slot's columns of a, rows of b
         starts = np.cumsum((0, *shape.out_sizes))
         self.columns = [(int(s), int(n)) for s, n in zip(starts, shape.out_sizes, strict=False)]
         self.boundaries = [int(s) for s in starts]  # the slices' columns, from 0 to out
