@@ -29,7 +29,6 @@ its torch twin (ProjectionSlots.reference). A step without adapter rows does not
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import OrderedDict
 from collections.abc import Iterator
 from functools import partial
@@ -40,6 +39,7 @@ from torch import nn
 
 from conveyor.lora.adapter import PROJECTIONS, LoRAAdapter, ProjectionShape, SliceLoRA
 from conveyor.lora.registry import LoRARegistry
+from conveyor.model import kernels
 
 
 class ProjectionSlots:
@@ -78,7 +78,7 @@ class ProjectionSlots:
         """out (T, sum of out_s) += each slot's rows' (x A_k^T) B_k, in place: the compiled
         kernel on the CPU in float32/float64 (kernels/lora_gemm.cpp, as the compiled decoder
         layers do), else the reference."""
-        ops = _ops() if x.device.type == "cpu" and out.dtype in _KERNEL_DTYPES else None
+        ops = kernels.load() if x.device.type == "cpu" and out.dtype in _KERNEL_DTYPES else None
         if ops is None or not x.is_contiguous() or not out.is_contiguous():
             self.reference(x, out, slot_rows)
             return
@@ -96,13 +96,6 @@ class ProjectionSlots:
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float64)
-
-
-@functools.cache
-def _ops():
-    from conveyor.model import kernels
-
-    return kernels.load()
 
 
 class LoRASlots:

@@ -232,26 +232,14 @@ struct Step {
 };
 
 // y += each slot's rows' (h A_k^T) B_k: the LoRA delta of projection `which` (0 qkv, 1 o,
-// 2 gate_up, 3 down) of `layer`, when the step has adapter rows; columns: the projection's
-// slices' boundaries (lora_gemm.cpp).
+// 2 gate_up, 3 down) of `layer`, when the step has adapter rows (lora_gemm.cpp); columns: the
+// projection's slices' boundaries. The compiled layers run float32 and float64 only, the
+// kernel's dtypes (model/llama.py: _compiled_form).
 inline void add_lora(at::Tensor& y, const at::Tensor& h, const Step& step, size_t layer,
-                     int which, const std::vector<int64_t>& columns) {
+                     int which, std::initializer_list<int64_t> columns) {
   if (step.lora.ab == nullptr) return;
-  const at::Tensor& a = (*step.lora.ab)[layer * 8 + which * 2];
-  const at::Tensor& b = (*step.lora.ab)[layer * 8 + which * 2 + 1];
-  if (y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble) {
-    lora_add(y, h, a, b, step.lora.rows, step.lora.slots, columns, step.lora.num_slots);
-    return;
-  }
-  // Other dtypes: slots.py's reference, in ATen ops.
-  const int64_t width = a.size(1) / step.lora.num_slots;  // S * R
-  const at::Tensor shrunk = at::mm(h, a);                  // (T, slots * S * R)
-  for (size_t g = 0; g < step.lora.slots.size(); ++g) {
-    const int64_t first = step.lora.slots[g] * width;
-    const at::Tensor& rows = step.lora.rows[g];
-    const at::Tensor part = shrunk.index_select(0, rows).narrow(1, first, width);
-    y.index_add_(0, rows, at::mm(part, b.narrow(0, first, width)));
-  }
+  lora_add(y, h, (*step.lora.ab)[layer * 8 + which * 2], (*step.lora.ab)[layer * 8 + which * 2 + 1],
+           step.lora.rows, step.lora.slots, std::vector<int64_t>(columns), step.lora.num_slots);
 }
 
 class DecoderLayer {
