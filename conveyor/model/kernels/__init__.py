@@ -34,6 +34,7 @@ SOURCES = (
     "decoder_layer.cpp",
     "panel_gemm.cpp",
     "lora_gemm.cpp",
+    "amx_gemm.cpp",
 )
 HEADERS = ("balance.h", "ops.h", "vec.h")  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -43,5 +43,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("float_acts") = false);
   m.def("peak_rate", &pg::peak_rate, "ops/s of the kernels' instructions in registers, all "
         "threads: f32_fma, f64_fma, int8_dot, bf16_dot", py::arg("kind"), py::arg("iters"));
+  namespace amx = conveyor_amx;
+  m.def("amx_available", &amx::available,
+        "whether bf16_linear runs here (AMX-BF16, and CONVEYOR_ISA unset, auto or amx)");
+  m.def("pack_bf16", &amx::pack_bf16, "float weight (N, K) -> AMX bfloat16 tiles (P, KS, 16, 32)");
+  m.def("bf16_linear", &amx::bf16_linear, "x @ W^T on AMX bfloat16 tiles, one order per value",
+        py::arg("x"), py::arg("packed"), py::arg("n_out"));
   bind_decoder_layer(m);
 }

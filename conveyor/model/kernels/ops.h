@@ -66,5 +66,12 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
               const std::vector<at::Tensor>& rows, const std::vector<int64_t>& slots,
               const std::vector<int64_t>& columns, int64_t num_slots);
 
+// amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
+namespace conveyor_amx {
+bool available();
+at::Tensor pack_bf16(const at::Tensor& weight);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
+}  // namespace conveyor_amx
+
 // decoder_layer.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

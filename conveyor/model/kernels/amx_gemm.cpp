@@ -1,0 +1,260 @@
+// y = x W^T on AMX tiles in bfloat16, float32 sums: the route of prompt rows on CPUs with
+// AMX-BF16 (model/prompt_route.py says which rows take it, and why a row's route never depends
+// on the step around it).
+//
+// Why not the block kernels' int8 tiles: GGUF weights carry a scale per block of 32 k, so an
+// int8 tile instruction could only run 32 k before its sums had to leave the tile unit
+// (measured 0.34-0.94x of the VNNI kernel; docs/benchmarks.md). In bfloat16 a tile sums a whole
+// row of K in place, and leaves it once.
+//
+// Layout
+//   packed (P, KS, 16, 32) bfloat16: panel p holds output columns 16p .. 16p + 15, tile ks holds
+//          k = 32 ks .. 32 ks + 31 as AMX's B operand wants it: row r, pair of columns (2c, 2c+1)
+//          = W[16p + c][32 ks + 2r], W[16p + c][32 ks + 2r + 1]. Columns and k past the weight's
+//          are zeros.
+//   x      (M, K) float32 rows, rounded to bfloat16 (nearest even) into tiles (M' / 16, KS, 16,
+//          32), zero rows and k after its own.
+//
+// One reduction order per value: every output is one tile row's dot product over its own x row
+// and W column, accumulated tile by tile over k = 0, 32, 64, .. in the tile unit, whatever the
+// row count, the row's place in its tile or the thread; threads split the columns.
+// Tile loads, not the dot products, bound the kernel (a tile load costs about a dot product,
+// and tiles are not renamed), so every operand tile is a contiguous, aligned KiB; four
+// accumulator tiles (two row tiles x two panels) share each load twice.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__) && defined(__linux__)
+#define CONVEYOR_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define CONVEYOR_AMX 0
+#endif
+
+#include "ops.h"
+
+namespace conveyor_amx {
+namespace {
+
+constexpr int64_t kK = 32;  // bfloat16 k per tile row (64 bytes)
+constexpr int64_t kN = 16;  // columns per panel
+constexpr int64_t kM = 16;  // rows per tile
+
+#if CONVEYOR_AMX
+// The CPU's tile instructions (CPUID leaf 7: AMX-BF16, AMX-TILE) and, on Linux, the process's
+// permission to use the tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
+bool probe() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes: 0..3 sums (row tile i, panel j at 2i + j), 4, 5 the rows
+// of row tiles 0 and 1, 6, 7 the weights of panels 0 and 1.
+void configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// Sums of one block of up to 32 rows x 32 columns over all KS tiles of k. Tile numbers are
+// immediates, so each shape is its own instance.
+template <bool kTwoRows, bool kTwoPanels>
+void block(const uint16_t* x0, const uint16_t* w0, int64_t ks_count) {
+  _tile_zero(0);
+  if constexpr (kTwoPanels) _tile_zero(1);
+  if constexpr (kTwoRows) _tile_zero(2);
+  if constexpr (kTwoRows && kTwoPanels) _tile_zero(3);
+  constexpr int64_t kTile = kM * kK;  // values of one tile, 1 KiB
+  const uint16_t* x1 = x0 + ks_count * kTile;
+  const uint16_t* w1 = w0 + ks_count * kTile;
+  for (int64_t ks = 0; ks < ks_count; ++ks) {
+    _tile_loadd(4, x0 + ks * kTile, 64);
+    _tile_loadd(6, w0 + ks * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kTwoPanels) {
+      _tile_loadd(7, w1 + ks * kTile, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (kTwoRows) {
+      _tile_loadd(5, x1 + ks * kTile, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (kTwoPanels) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// Sum tile t (0..3) to y rows r0.., columns c0.. (only those inside m x n); scratch: 16 x 16
+// floats. Tile numbers are immediates, hence the switch.
+void tile_store(int t, void* out, int64_t stride) {
+  switch (t) {
+    case 0: _tile_stored(0, out, stride); break;
+    case 1: _tile_stored(1, out, stride); break;
+    case 2: _tile_stored(2, out, stride); break;
+    default: _tile_stored(3, out, stride); break;
+  }
+}
+
+void store(int t, float* y, int64_t m, int64_t n, int64_t r0, int64_t c0, float* scratch) {
+  if (r0 >= m || c0 >= n) return;
+  if (r0 + kM <= m && c0 + kN <= n) {
+    tile_store(t, y + r0 * n + c0, n * sizeof(float));
+    return;
+  }
+  tile_store(t, scratch, kN * sizeof(float));
+  const int64_t rows = std::min(kM, m - r0), cols = std::min(kN, n - c0);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(y + (r0 + r) * n + c0, scratch + r * kN, cols * sizeof(float));
+}
+
+// One row of x to bfloat16 (nearest even) in the tile-major layout: value k of row r at
+// ((r / 16) KS + k / 32) 512 + (r % 16) 32 + k % 32, zeros after its k values.
+void round_row(const float* x, int64_t k, uint16_t* out, int64_t ks_count) {
+  for (int64_t ks = 0; ks < ks_count; ++ks, x += kK, k -= kK) {
+    uint16_t* dst = out + ks * kM * kK;
+    if (k >= kK) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+      _mm512_storeu_si512(dst, (__m512i)v);
+      continue;
+    }
+    for (int64_t i = 0; i < kK; ++i) dst[i] = i < k ? c10::BFloat16(x[i]).x : 0;
+  }
+}
+#endif
+
+bool env_allows() {
+  const char* env = std::getenv("CONVEYOR_ISA");
+  const std::string want = env ? env : "";
+  return want.empty() || want == "auto" || want == "amx";
+}
+
+}  // namespace
+
+bool available() {
+#if CONVEYOR_AMX
+  static const bool usable = probe();
+  return usable && env_allows();
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_bf16(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "pack_bf16: a float32 weight (N, K)");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t panels = (n + kN - 1) / kN, ks_count = (k + kK - 1) / kK;
+  at::Tensor packed = at::zeros({panels, ks_count, kM, 2 * kN}, w.options().dtype(at::kBFloat16));
+  const float* src = w.data_ptr<float>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < kN && p * kN + c < n; ++c)
+        for (int64_t kk = 0; kk < k; ++kk) {
+          const int64_t ks = kk / kK, r = (kk % kK) / 2, j = kk % 2;
+          dst[((p * ks_count + ks) * kM + r) * 2 * kN + 2 * c + j] =
+              c10::BFloat16(src[(p * kN + c) * k + kk]).x;
+        }
+  });
+  return packed;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "bf16_linear: x (M, K) float32 on the CPU");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(2) == kM && packed.size(3) == 2 * kN && packed.is_contiguous(),
+              "bf16_linear: packed is pack_bf16's (P, KS, 16, 32) bfloat16");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t panels = packed.size(0), ks_count = packed.size(1);
+  TORCH_CHECK(k <= ks_count * kK && k > (ks_count - 1) * kK, "bf16_linear: x has ", k,
+              " columns, the weight ", ks_count * kK, " (padded)");
+  TORCH_CHECK(n_out > (panels - 1) * kN && n_out <= panels * kN,
+              "bf16_linear: n_out does not fit the packed panels");
+  at::Tensor y = at::empty({m, n_out}, x.options());
+  if (m == 0) return y;
+#if CONVEYOR_AMX
+  TORCH_CHECK(available(), "bf16_linear: this CPU (or CONVEYOR_ISA) has no AMX-BF16");
+  const at::Tensor xc = x.contiguous();
+  // x in tile-major bfloat16 (round_row): each tile one contiguous KiB for the tile loads.
+  const int64_t row_tiles = (m + 2 * kM - 1) / (2 * kM) * 2;
+  at::Tensor xb = at::empty({row_tiles, ks_count, kM, kK}, x.options().dtype(at::kBFloat16));
+  uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const float* xp = xc.data_ptr<float>();
+  at::parallel_for(0, row_tiles * kM, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* dst = xbp + (r / kM) * ks_count * kM * kK + (r % kM) * kK;
+      if (r < m) {
+        round_row(xp + r * k, k, dst, ks_count);
+      } else {
+        for (int64_t ks = 0; ks < ks_count; ++ks)
+          std::memset(dst + ks * kM * kK, 0, kK * sizeof(uint16_t));
+      }
+    }
+  });
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  // Each thread takes a contiguous range of column blocks (two panels each) and walks it in
+  // groups of kGroup blocks (their weights ~0.6 MB at K = 576, from L2), all row blocks of a
+  // group before the next: a row block's tiles stay in L1 across the group.
+  constexpr int64_t kGroup = 16;
+  const int64_t col_blocks = (panels + 1) / 2, threads = at::get_num_threads();
+  const int64_t tile = kM * kK;
+  at::parallel_for(0, col_blocks, (col_blocks + threads - 1) / threads, [&](int64_t b0, int64_t b1) {
+    configure();
+    alignas(64) float scratch[kM * kN];
+    for (int64_t g = b0; g < b1; g += kGroup) {
+      for (int64_t r0 = 0; r0 < m; r0 += 2 * kM) {
+        const uint16_t* x0 = xbp + (r0 / kM) * ks_count * tile;
+        const bool two_rows = r0 + kM < m;
+        for (int64_t b = g; b < std::min(b1, g + kGroup); ++b) {
+          const int64_t p = 2 * b, c0 = p * kN;
+          const bool two_panels = p + 1 < panels;
+          const uint16_t* w0 = wp + p * ks_count * tile;
+          if (two_rows && two_panels) {
+            block<true, true>(x0, w0, ks_count);
+          } else if (two_rows) {
+            block<true, false>(x0, w0, ks_count);
+          } else if (two_panels) {
+            block<false, true>(x0, w0, ks_count);
+          } else {
+            block<false, false>(x0, w0, ks_count);
+          }
+          store(0, yp, m, n_out, r0, c0, scratch);
+          if (two_panels) store(1, yp, m, n_out, r0, c0 + kN, scratch);
+          if (two_rows) store(2, yp, m, n_out, r0 + kM, c0, scratch);
+          if (two_rows && two_panels) store(3, yp, m, n_out, r0 + kM, c0 + kN, scratch);
+        }
+      }
+    }
+    _tile_release();
+  });
+#else
+  TORCH_CHECK(false, "bf16_linear: this build has no AMX-BF16 (-march=native on such a CPU)");
+#endif
+  return y;
+}
+
+}  // namespace conveyor_amx
