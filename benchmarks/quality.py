@@ -14,6 +14,9 @@ ATen's ops, logits cast to float64 for scoring), `int8` (projections requantized
 blocks) and `auto` (a quantized GGUF's own blocks with the default cache, float16 on the CPU;
 a float checkpoint runs float32 there); `auto+kv-float32` the blocks with a float32 cache, and
 `kv-float16` the float32 model with a float16 cache (what the cache alone costs).
+A chunk is scored as a prompt, so on a CPU with AMX-BF16 `auto` runs the prompt route (its
+bfloat16 tiles, model/prompt_route.py); `auto+generated` scores the same model with every token
+counted as generated: the route of decode rows (the blocks), which is all `auto` runs elsewhere.
 Every model is loaded as `conveyor serve` loads it by default, so the float32 and quantized
 scores are those of the batch-invariant kernels (model/kernels/panel_gemm.cpp): every row count
 of a block projection runs one kernel with activations rounded to int8 per block of 32, and the
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+GENERATED = {"auto+generated"}  # variants whose tokens count as generated, not prompt
 DEFAULT_TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 REFERENCE = "float32"
 # variant -> (dtype, quantization) as ModelConfig.from_hf takes them, and the KV cache's dtype
@@ -45,6 +49,7 @@ VARIANTS = {
     "auto": ("float32", "auto", "auto"),  # a quantized model's cache: float16 on the CPU
     "auto+kv-float32": ("float32", "auto", "float32"),
     "kv-float16": ("float32", "none", "float16"),
+    "auto+generated": ("float32", "auto", "auto"),
 }
 
 
@@ -135,7 +140,8 @@ def evaluate(
         targets = torch.tensor(chunk[len(chunk) // 2 + 1 :])  # next tokens of scored rows
         reference = _logprobs(base, chunk)
         for name, runner in runners.items():
-            logprobs = reference if name == REFERENCE else _logprobs(runner, chunk)
+            prompt = name not in GENERATED
+            logprobs = reference if name == REFERENCE else _logprobs(runner, chunk, prompt)
             _score(stats[name], reference, logprobs, targets)
         num_scored += len(targets)
     return dict(
@@ -170,8 +176,12 @@ def _runner(cfg, context: int, kv_cache_dtype: str = "auto"):
 
 def _stats(name: str, runner) -> VariantStats:
     # state_dict: weights and quantized blocks, not derived buffers (rotary tables); a tied
-    # head appears twice there, under one storage.
+    # head appears twice there, under one storage. Plus the prompt route's tiles, if any.
     tensors = {t.data_ptr(): t for t in runner.model.state_dict().values()}
+    for module in runner.model.modules():
+        tiles = getattr(module, "prompt_tiles", None)
+        if tiles is not None:
+            tensors[tiles.data_ptr()] = tiles
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     dtype, mode, kv = VARIANTS.get(name, ("float32", "none", "auto"))
     return VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes, kv)
@@ -188,12 +198,14 @@ def _chunks(tokenizer, text: Path, context: int, max_chunks: int | None) -> list
 
 
 @torch.inference_mode()
-def _logprobs(runner, chunk: list[int]) -> torch.Tensor:
-    """float64 log-probabilities of the next token at the scored positions (second half)."""
+def _logprobs(runner, chunk: list[int], prompt: bool = True) -> torch.Tensor:
+    """float64 log-probabilities of the next token at the scored positions (second half);
+    prompt: the chunk's tokens count as a prompt's, else as generated ones."""
     from conveyor.outputs import ScheduledRequest
 
     blocks = list(range(-(-len(chunk) // runner.block_size)))
-    request = ScheduledRequest("quality", chunk, 0, blocks, None)
+    num_prompt = len(chunk) if prompt else 0
+    request = ScheduledRequest("quality", chunk, 0, blocks, None, num_prompt_tokens=num_prompt)
     input_ids, positions, meta, _ = runner._prepare([request])
     hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
     scored = hidden[len(chunk) // 2 : len(chunk) - 1]

@@ -87,6 +87,9 @@ class ScheduledRequest:
     pooling: bool = False
     # The LoRA adapter (its lora_int_id) the rows run with; 0: the base model.
     lora_id: int = 0
+    # The request's prompt length: rows at positions below it are prompt tokens (a model's
+    # prompt route, model/prompt_route.py); None: every row counts as generated.
+    num_prompt_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,9 +18,15 @@ from conveyor.request import BlockHash, Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, salt_generated: bool = False
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # The model computes prompt and generated tokens by different routes
+        # (model/prompt_route.py): a block holding generated tokens gets its own key, so that a
+        # later request whose prompt repeats them misses it and computes them as prompt.
+        self.salt_generated = salt_generated
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already hashed
@@ -107,7 +113,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         parent = hashes[-1].digest if hashes else request.root_digest
         for i in range(len(hashes), len(tokens) // bs):
-            block_hash = BlockHash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            prompt = request.num_prompt_tokens - i * bs  # of this block's tokens
+            if self.salt_generated and prompt < bs:  # token ids are >= 0: a marker can't clash
+                block += (-1 - max(prompt, 0),)
+            block_hash = BlockHash(parent, block)
             hashes.append(block_hash)
             parent = block_hash.digest
 

@@ -395,6 +395,7 @@ class Scheduler:
                 sampling=_sampling_row(request) if samples else None,
                 num_drafts=num_drafts,
                 lora_id=request.lora_id,
+                num_prompt_tokens=request.num_prompt_tokens,
             )
             if start < request.num_prompt_tokens:
                 _ask_prompt_rows(item, request)

@@ -155,7 +155,10 @@ class EngineCore:
             self._allocate_kv_cache()
             cache = self.cache_config
             self.kv_cache = KVCacheManager(
-                self.num_blocks, cache.block_size, cache.enable_prefix_caching
+                self.num_blocks,
+                cache.block_size,
+                cache.enable_prefix_caching,
+                salt_generated=getattr(getattr(self.runner, "model", None), "prompt_route", False),
             )
             max_loras = None if self.lora_config is None else self.lora_config.max_loras
             self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec, max_loras)

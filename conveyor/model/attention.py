@@ -20,7 +20,7 @@ Everything that is the same for all layers is in AttentionMetadata, built once p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import numpy as np
@@ -62,6 +62,9 @@ class AttentionMetadata:
     # The kernel may split a step's few decode rows by key blocks (flash-decoding); a
     # batch-invariant model does not let it, so a row's keys add up in one order.
     split_keys: bool = True
+    # [begin, end) pairs, flat: the rows that are prompt tokens, for a model whose prompt
+    # tokens take a route of their own (model/prompt_route.py).
+    prompt_rows: list[int] = field(default_factory=list)
 
 
 def build_metadata(

@@ -129,7 +129,10 @@ def _projection(module: nn.Module, ops: ModuleType):
         return ops.Projection(weight=module.weight.detach(), bias=bias, panels=module.panels)
     if type(module) is QuantLinear and module.format in ("q4", "q8"):
         m = module.m if module.format == "q4" else None
-        return ops.Projection(qs=module.qs, d=module.d, m=m, bias=bias, block_panels=module.panels)
+        return ops.Projection(
+            qs=module.qs, d=module.d, m=m, bias=bias, block_panels=module.panels,
+            prompt_tiles=getattr(module, "prompt_tiles", None),
+        )  # fmt: skip
     return None
 
 
@@ -168,6 +171,8 @@ class LlamaForCausalLM(nn.Module):
         # projections' outputs in steps with adapter rows (hooks on the modules; the compiled
         # layers take its tensors).
         self.lora = None
+        # Prompt tokens run the AMX bfloat16 tiles (model/prompt_route.py; set at load).
+        self.prompt_route = False
 
     def forward(
         self,
@@ -185,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
                 self._compiled, x, kv_caches, rope.cos, rope.sin, meta.slot_mapping,
                 meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables,
                 self.config.head_dim**-0.5, self.compiled_seconds, form, meta.split_keys,
-                **lora,
+                prompt_rows=meta.prompt_rows if self.prompt_route else [], **lora,
             )  # fmt: skip
             return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -207,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
             self._quantized_rows = _block_kernel_rows(self.model.layers)
             projections = [m for m in self.model.layers.modules() if hasattr(m, "panels")]
             self._invariant = bool(projections) and all(map(_packed, projections))
+            self.prompt_route = self.prompt_route and bool(self._compiled)
         if not self._compiled:
             return None
         if self._invariant:

@@ -54,6 +54,11 @@ def load_model(
         from conveyor.model.layers import pack_panels
 
         pack_panels(model)
+        from conveyor.model import kernels, prompt_route
+
+        ops = kernels.load()
+        if cfg.dtype == torch.float32 and prompt_route.applies(model, ops):
+            prompt_route.pack_prompt_tiles(model, ops)
     return model.eval()
 
 

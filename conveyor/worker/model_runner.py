@@ -24,7 +24,7 @@ import torch
 from conveyor.distributed.parallel import TPGroup
 from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.slots import LoRASlots
-from conveyor.model import kernels
+from conveyor.model import kernels, prompt_route
 from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
@@ -46,6 +46,8 @@ class StepInputs(NamedTuple):
     context_lens: np.ndarray  # (S,) tokens of each request already in the KV cache
     block_tables: np.ndarray  # (S, W) padded with block 0
     logits_rows: np.ndarray  # rows whose logits the sampler needs (may be empty)
+    # (S,) each request's leading rows that are prompt tokens (model/prompt_route.py), or None
+    prompt_tokens: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -193,6 +195,8 @@ class ModelRunner:
         positions, meta = self.positions_and_metadata(
             step.query_lens, step.context_lens, step.block_tables
         )
+        if step.prompt_tokens is not None:
+            meta.prompt_rows = prompt_route.row_ranges(step.query_lens, step.prompt_tokens)
         tensor = self.as_tensor
         return tensor(step.input_ids), tensor(positions), meta, tensor(step.logits_rows)
 
@@ -226,7 +230,13 @@ class ModelRunner:
                 if s.prompt_targets
             ]
             logits_rows = np.concatenate([logits_rows, *extra])
-        return StepInputs(input_ids, query_lens, context_lens, tables, logits_rows)
+        prompt = None
+        if self.model.prompt_route:
+            lengths = (s.num_prompt_tokens for s in scheduled)
+            # a request without a prompt length (-1): no prompt rows
+            num_prompt = np.fromiter((-1 if n is None else n for n in lengths), np.int64, num_seqs)
+            prompt = prompt_route.prompt_tokens(query_lens, context_lens, num_prompt)
+        return StepInputs(input_ids, query_lens, context_lens, tables, logits_rows, prompt)
 
     def positions_and_metadata(
         self, query_lens: np.ndarray, context_lens: np.ndarray, block_tables

@@ -60,11 +60,18 @@ def test_bench_quality_scores_the_batch_invariant_kernels_that_serving_runs(tmp_
     blocks = [m for m in model.modules() if isinstance(m, quant.QuantLinear)]
     assert blocks and all(m.panels is not None for m in blocks)
     assert [m.float_acts for m in blocks].count(True) == 1  # the lm_head only
-    report = evaluate(str(gguf_path), DEFAULT_TEXT, 64, 2, ["auto"], False)
-    served = report["variants"][1]
+    report = evaluate(str(gguf_path), DEFAULT_TEXT, 64, 2, ["auto", "auto+generated"], False)
+    served, generated = report["variants"][1:]
     assert (served["variant"], served["resolved"]) == ("auto", "gguf")
     # int8 activations per block of 32 (measured here ~1e-3); 0 would mean float weights ran.
+    assert 0 < generated["mean_kl"] < 1e-2 and generated["top1_agreement"] > 0.9
     assert 0 < served["mean_kl"] < 1e-2 and served["top1_agreement"] > 0.9
+    # The chunk scored as a prompt: on a CPU with AMX-BF16 the bfloat16 tiles (closer to
+    # float32 than int8 activations), elsewhere the blocks, as a generated token's.
+    if model.prompt_route:
+        assert served["mean_kl"] < generated["mean_kl"]
+    else:
+        assert served["mean_kl"] == generated["mean_kl"]
 
 
 @needs_kernels
@@ -75,11 +82,12 @@ def test_bench_quality_command_reports_bf16_and_every_quantized_route(model_path
     report = json.loads(out.read_text())
     names = [v["variant"] for v in report["variants"]]
     assert names == [
-        "float32", "bfloat16", "float16", "int8", "auto", "auto+kv-float32", "kv-float16"
+        "float32", "bfloat16", "float16", "int8", "auto", "auto+kv-float32", "kv-float16",
+        "auto+generated",
     ]  # fmt: skip
     caches = {v["variant"]: v["kv_cache_dtype"] for v in report["variants"]}
     assert caches["kv-float16"] == "float16" and caches["auto+kv-float32"] == "float32"
-    cache_alone = report["variants"][-1]  # float32 weights, float16 cache: small, not zero
+    cache_alone = report["variants"][-2]  # float32 weights, float16 cache: small, not zero
     assert 0 < cache_alone["mean_kl"] < 1e-3 and cache_alone["top1_agreement"] > 0.95
     assert main([*argv, "--variants", "bfloat16,fp8"]) != 0
     assert "--variants: unknown 'fp8'" in capsys.readouterr().err

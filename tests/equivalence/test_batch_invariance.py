@@ -1,8 +1,10 @@
 """Batch invariance end to end (LLM(..., batch_invariant=True), the default): a request's
 tokens and every top-5 logprob are the same bits whether it runs alone, batched with others in
 prefill chunks of another size mixed with decode rows, from the prefix cache, after being
-preempted and recomputed, or verified in n-gram speculative drafts. On a float32 tiny random
-checkpoint, the same served `quantization="int8"`, and a Q4_1 GGUF of it served quantized.
+preempted and recomputed, or verified in n-gram speculative drafts, or as a later prompt that
+repeats its answer. On a float32 tiny random checkpoint, the same served `quantization="int8"`,
+and a Q4_1 GGUF of it served quantized (on a CPU with AMX-BF16 their prompt tokens take the
+bfloat16 tiles: model/prompt_route.py).
 
 Also: seeded sampling (temperature, top-p) is batch-invariant; the sampler's top-p total mass
 is the same bits alone and batched; and a negative control shows that with
@@ -212,6 +214,29 @@ def test_speculative_requests_equal_each_alone(models, baseline, name):
         # Q4_1 model here, accepted now and then for the others).
         assert spec.num_draft_tokens > 0
     assert_same(outputs, baseline(name), f"{name}, n-gram speculation")
+
+
+# ---- (f) a prompt that repeats an answer ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["int8", "q4_1-gguf"])
+def test_a_prompt_repeating_an_answer_equals_it_alone(models, name):
+    """A chat's next turn: a prompt that holds an earlier request's answer gives the same bits
+    on the warm prefix cache as alone. On a CPU with AMX-BF16 prompt tokens and generated ones
+    take different routes (model/prompt_route.py), so the cache must not serve the answer's
+    KV to the prompt that repeats it (their blocks are keyed apart)."""
+    first = PROMPTS[1]  # 16 tokens: the answer fills blocks of its own
+    with make_llm(models, name) as llm:
+        runner = llm.engine.core.runner
+        assert runner.model.prompt_route == bool(kernels.load().amx_available())
+        answer = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        (out,) = llm.generate([first], answer, use_tqdm=False)
+        follow = first + list(out.outputs[0].token_ids) + [5, 6, 7]
+        hits = llm.engine.get_stats().scheduler.prefix_cache_hits
+        (warm,) = llm.generate([follow], greedy(), use_tqdm=False)
+        assert llm.engine.get_stats().scheduler.prefix_cache_hits > hits, "no prefix-cache hit"
+    (want,) = alone(models, name, [follow], [greedy()])
+    assert first_difference(signature(warm), want) is None, first_difference(signature(warm), want)
 
 
 # ---- seeded sampling -----------------------------------------------------------------------

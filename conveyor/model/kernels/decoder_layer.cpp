@@ -144,19 +144,23 @@ enum MatmulForm : int64_t { kKernel = 0, kLinear = 1, kTransposed = 2 };
 // none. y = x W^T (+ bias), as the model's Linear / QuantLinear compute it.
 // With panels (dense, from pack_dense) or block panels (wq, dw, mw from pack_blocks) the
 // projection runs the batch-invariant panel kernels (panel_gemm.cpp) at every row count, and
-// `weight` / `qs, d, m` only give the shapes.
+// `weight` / `qs, d, m` only give the shapes. With prompt tiles too (amx_gemm.cpp's pack_bf16
+// of the same weight), the step's prompt rows (Step::prompt_rows) run bf16_linear instead: a
+// row's route is fixed by its token (model/prompt_route.py), never by the step around it.
 class Projection {
  public:
   Projection(std::optional<at::Tensor> weight, std::optional<at::Tensor> qs,
              std::optional<at::Tensor> d, std::optional<at::Tensor> m,
              std::optional<at::Tensor> bias, std::optional<at::Tensor> panels,
-             std::optional<std::vector<at::Tensor>> block_panels)
+             std::optional<std::vector<at::Tensor>> block_panels,
+             std::optional<at::Tensor> prompt_tiles)
       : weight_(weight.value_or(at::Tensor())),
         qs_(qs.value_or(at::Tensor())),
         d_(d.value_or(at::Tensor())),
         m_(m.value_or(at::Tensor())),
         bias_(bias.value_or(at::Tensor())),
-        panels_(panels.value_or(at::Tensor())) {
+        panels_(panels.value_or(at::Tensor())),
+        prompt_tiles_(prompt_tiles.value_or(at::Tensor())) {
     if (block_panels) {
       TORCH_CHECK(block_panels->size() == 3, "Projection: block_panels is (wq, dw, mw)");
       wq_ = (*block_panels)[0], dw_ = (*block_panels)[1], mw_ = (*block_panels)[2];
@@ -176,6 +180,29 @@ class Projection {
   int64_t in_features() const {
     if (weight_.defined()) return weight_.size(1);
     return m_.defined() ? 2 * qs_.size(1) : qs_.size(1);  // q4: two values a byte
+  }
+
+  // prompt_rows: [begin, end) row ranges, ascending, that take the prompt tiles (when the
+  // projection has them); the rows between take the route below.
+  at::Tensor operator()(const at::Tensor& x, MatmulForm form,
+                        const std::vector<int64_t>& prompt_rows) const {
+    if (!prompt_tiles_.defined() || prompt_rows.empty()) return (*this)(x, form);
+    const int64_t rows = x.size(0), n = out_features();
+    if (prompt_rows.size() == 2 && prompt_rows[0] == 0 && prompt_rows[1] == rows)
+      return with_bias(conveyor_amx::bf16_linear(x, prompt_tiles_, n));
+    at::Tensor y = at::empty({rows, n}, x.options());
+    int64_t row = 0;
+    for (size_t i = 0; i <= prompt_rows.size(); i += 2) {
+      const int64_t begin = i < prompt_rows.size() ? prompt_rows[i] : rows;
+      if (begin > row) y.narrow(0, row, begin - row).copy_((*this)(x.narrow(0, row, begin - row), form));
+      if (i == prompt_rows.size()) break;
+      const int64_t end = prompt_rows[i + 1];
+      y.narrow(0, begin, end - begin)
+          .copy_(with_bias(conveyor_amx::bf16_linear(x.narrow(0, begin, end - begin),
+                                                     prompt_tiles_, n)));
+      row = end;
+    }
+    return y;
   }
 
   at::Tensor operator()(const at::Tensor& x, MatmulForm form) const {
@@ -208,7 +235,9 @@ class Projection {
   }
 
  private:
-  at::Tensor weight_, qs_, d_, m_, bias_, panels_, wq_, dw_, mw_;
+  at::Tensor with_bias(at::Tensor y) const { return bias_.defined() ? y.add_(bias_) : y; }
+
+  at::Tensor weight_, qs_, d_, m_, bias_, panels_, wq_, dw_, mw_, prompt_tiles_;
 };
 
 // A step's LoRA deltas (lora/slots.py): per layer and projection, every resident slot's A^T
@@ -229,6 +258,7 @@ struct Step {
   MatmulForm form;
   bool split_keys;
   LoRA lora;
+  std::vector<int64_t> prompt_rows;  // [begin, end) pairs: rows whose tokens are the prompt's
 };
 
 // y += each slot's rows' (h A_k^T) B_k: the LoRA delta of projection `which` (0 qkv, 1 o,
@@ -276,7 +306,7 @@ class DecoderLayer {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     at::Tensor h = rms_norm(x, input_norm_, eps_);
     clock.lap(kOther);
-    at::Tensor qkv = qkv_(h, step.form);  // (T, q + 2 kv)
+    at::Tensor qkv = qkv_(h, step.form, step.prompt_rows);  // (T, q + 2 kv)
     add_lora(qkv, h, step, index, 0, {0, q_size, q_size + kv_size, q_size + 2 * kv_size});
     clock.lap(kProjections);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, head_dim_});
@@ -294,18 +324,18 @@ class DecoderLayer {
                                       step.split_keys);
     clock.lap(kAttention);
     const at::Tensor attn_rows = attn.view({num_tokens, q_size});
-    at::Tensor o = o_(attn_rows, step.form);
+    at::Tensor o = o_(attn_rows, step.form, step.prompt_rows);
     add_lora(o, attn_rows, step, index, 1, {0, o.size(1)});
     clock.lap(kProjections);
     residual_add(x, o);
     h = rms_norm(x, post_norm_, eps_);
     clock.lap(kOther);
-    at::Tensor gate_up = gate_up_(h, step.form);  // (T, 2 I)
+    at::Tensor gate_up = gate_up_(h, step.form, step.prompt_rows);  // (T, 2 I)
     add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1) / 2, gate_up.size(1)});
     clock.lap(kProjections);
     at::Tensor act = silu_mul(gate_up);
     clock.lap(kOther);
-    at::Tensor down = down_(act, step.form);
+    at::Tensor down = down_(act, step.form, step.prompt_rows);
     add_lora(down, act, step, index, 3, {0, down.size(1)});
     clock.lap(kProjections);
     residual_add(x, down);
@@ -351,7 +381,8 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
                     const at::Tensor& block_tables, double scale,
                     std::optional<at::Tensor> seconds, int64_t form, bool split_keys,
                     std::optional<std::vector<at::Tensor>> lora,
-                    std::vector<int64_t> lora_slots, int64_t lora_num_slots) {
+                    std::vector<int64_t> lora_slots, int64_t lora_num_slots,
+                    std::vector<int64_t> prompt_rows) {
   TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "decoder_layers: x (T, hidden), contiguous, on the CPU");
@@ -363,6 +394,12 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
   Step step{cos,         sin,   slot_mapping,
                   query_start, seq_lens, block_tables,
                   block_size,  scale, static_cast<MatmulForm>(form), split_keys, LoRA{}};
+  TORCH_CHECK(prompt_rows.size() % 2 == 0, "decoder_layers: prompt_rows are (begin, end) pairs");
+  for (size_t i = 0; i < prompt_rows.size(); i += 2)
+    TORCH_CHECK((i == 0 ? 0 : prompt_rows[i - 1]) <= prompt_rows[i] &&
+                    prompt_rows[i] < prompt_rows[i + 1] && prompt_rows[i + 1] <= x.size(0),
+                "decoder_layers: prompt_rows must be ascending, non-empty ranges of x's rows");
+  step.prompt_rows = std::move(prompt_rows);
   std::vector<at::Tensor> ab;
   if (lora) {  // (each slot's rows, then A and B of 4 projections per layer)
     const size_t groups = lora_slots.size();
@@ -385,10 +422,11 @@ void bind_decoder_layer(pybind11::module& m) {
       .def(py::init<std::optional<at::Tensor>, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>,
-                    std::optional<std::vector<at::Tensor>>>(),
+                    std::optional<std::vector<at::Tensor>>, std::optional<at::Tensor>>(),
            py::arg("weight") = py::none(), py::arg("qs") = py::none(), py::arg("d") = py::none(),
            py::arg("m") = py::none(), py::arg("bias") = py::none(),
-           py::arg("panels") = py::none(), py::arg("block_panels") = py::none());
+           py::arg("panels") = py::none(), py::arg("block_panels") = py::none(),
+           py::arg("prompt_tiles") = py::none());
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
                     double, Projection, Projection, Projection, Projection, int64_t, int64_t,
@@ -401,5 +439,6 @@ void bind_decoder_layer(pybind11::module& m) {
         py::arg("slot_mapping"), py::arg("block_size"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("seconds"),
         py::arg("form") = 0, py::arg("split_keys") = true, py::arg("lora") = py::none(),
-        py::arg("lora_slots") = std::vector<int64_t>{}, py::arg("lora_num_slots") = 0);
+        py::arg("lora_slots") = std::vector<int64_t>{}, py::arg("lora_num_slots") = 0,
+        py::arg("prompt_rows") = std::vector<int64_t>{});
 }

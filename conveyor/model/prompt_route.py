@@ -1,0 +1,125 @@
+"""The prompt route: a quantized model's prompt tokens through AMX bfloat16 tiles.
+
+A prompt chunk is hundreds of rows, so its projections are bound by arithmetic, where the
+tile unit of a CPU with AMX-BF16 outruns the int8 VNNI block kernel (kernels/amx_gemm.cpp;
+GGUF's per-block scales keep the int8 tiles from paying, see there). A decode row is bound by
+reading the weights, where the 4-bit blocks are 3x fewer bytes than bfloat16. So on such a CPU
+a model served quantized keeps both: its blocks, and a bfloat16 copy of each decoder
+projection packed into tiles at load (2 bytes a parameter more).
+
+Determinism. The two routes round differently, so which one a row takes must never depend on
+the step around it. It is fixed by the row's token: a token of the request's prompt (position
+< num_prompt_tokens) takes the tiles, a generated token the blocks — whether it is computed in
+a prompt chunk, alone, beside other requests, in a verification step or again after
+preemption. Each route keeps one reduction order per row, so a request's answer is the same
+whatever else runs. The KV of a generated token therefore differs from the KV the same token
+gets as a later request's prompt token: the prefix cache keys blocks that hold generated
+tokens apart (core/kv_cache_manager.py: salt_generated), so a cache hit always serves KV
+computed the way a miss would compute it.
+
+On by default where it applies (a CPU model served quantized, batch-invariant, AMX-BF16 usable,
+and the tiles taking under a quarter of the memory available: a 7B model's would be 13 GiB);
+CONVEYOR_ISA=avx512 or avx2 turns it off with the rest of AMX, CONVEYOR_PROMPT_TILES=0 alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def applies(model: nn.Module, ops: ModuleType | None) -> bool:
+    """Whether the model's prompt tokens can take the tiles here: every decoder projection a
+    block-quantized float32 module on the CPU, packed for the batch-invariant kernels, whose
+    layers run compiled (kernels/decoder_layer.cpp holds the route)."""
+    from conveyor.model.quant import QuantLinear
+
+    if ops is None or os.environ.get("CONVEYOR_PROMPT_TILES", "1") == "0":
+        return False
+    if os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") == "0":
+        return False  # the tiles run inside the compiled layers only
+    if not ops.amx_available():
+        return False
+    projections = list(_projections(model))
+    if not projections or not all(
+        isinstance(m, QuantLinear) and m.panels is not None and m.qs.device.type == "cpu"
+        for m in projections
+    ):
+        return False
+    need = sum(2 * m.d.shape[0] * m.in_features for m in projections)
+    if need > MEMORY_SHARE * available_memory():
+        logger.info(
+            "conveyor: no prompt tiles (%.0f MiB, over a quarter of the free memory)", need / 2**20
+        )
+        return False
+    return True
+
+
+MEMORY_SHARE = 0.25  # of the memory available, at most, for the tiles
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable), or all of it where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pack_prompt_tiles(model: nn.Module, ops: ModuleType) -> int:
+    """Gives every decoder projection its bfloat16 tiles (module.prompt_tiles) and sets
+    model.prompt_route; returns the bytes added."""
+    from conveyor.model.quant import dequantize
+
+    added = 0
+    for module in _projections(model):
+        module.prompt_tiles = ops.pack_bf16(dequantize(module.weight_blocks))
+        added += module.prompt_tiles.numel() * module.prompt_tiles.element_size()
+    model.prompt_route = True
+    logger.info("conveyor: prompt tokens run AMX bf16 tiles (%.0f MiB of tiles)", added / 2**20)
+    return added
+
+
+def row_ranges(query_lens: np.ndarray, prompt_tokens: np.ndarray) -> list[int]:
+    """[begin, end) pairs, flat, of the step's rows that are prompt tokens: each request's
+    first prompt_tokens[i] of its query_lens[i] rows (a prompt precedes what is generated)."""
+    starts = np.cumsum(query_lens) - query_lens
+    keep = prompt_tokens > 0
+    pairs = np.stack([starts[keep], starts[keep] + prompt_tokens[keep]], axis=1)
+    if len(pairs) > 1:  # adjacent ranges as one: fewer kernel calls
+        joined = [pairs[0].tolist()]
+        for begin, end in pairs[1:].tolist():
+            if begin == joined[-1][1]:
+                joined[-1][1] = end
+            else:
+                joined.append([begin, end])
+        return [v for pair in joined for v in pair]
+    return pairs.reshape(-1).tolist()
+
+
+def prompt_tokens(
+    query_lens: np.ndarray, context_lens: np.ndarray, num_prompt_tokens: np.ndarray
+) -> np.ndarray:
+    """Per request, how many of its leading rows in the step are prompt tokens."""
+    return np.clip(num_prompt_tokens - context_lens, 0, query_lens)
+
+
+def _projections(model: nn.Module):
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        yield from (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+
+def tiles_of(module: nn.Module) -> torch.Tensor | None:
+    return getattr(module, "prompt_tiles", None)
