@@ -12,8 +12,9 @@ Q8_0/Q8_1 dot products do), so a block's dot product is an integer dot product.
 By default (batch-invariant, CPU) every row count runs one kernel instead of the routes below:
 kernels/panel_gemm.cpp, int8 activations per block of 32 as here (VNNI on AVX-512, maddubs on
 AVX2), float activations for the lm_head, each output value one chain in a fixed order; the
-blocks are packed into column panels at load (QuantLinear.pack_panels). What follows is what
-`--no-batch-invariant` runs.
+blocks are packed into column panels at load (QuantLinear.pack_panels). On a CPU with
+AMX-BF16 the prompt tokens take bfloat16 tiles of the same weights instead (model/prompt_route.py),
+generated tokens these blocks. What follows is what `--no-batch-invariant` runs.
 
 Kernel choice. `python -m benchmarks quant-kernels` prints ms per call of each candidate for
 SmolLM2-135M's shapes, one thread, cycling through 30 weights so that they stream from memory
