@@ -61,6 +61,7 @@ class VariantStats:
     resolved: str  # ModelConfig.quantization: none | gguf | int8
     weight_bytes: int
     kv_cache_dtype: str  # "auto": the model's dtype
+    tile_bytes: int = 0  # the prompt route's bfloat16 tiles (model/prompt_route.py), if any
     kl: list[float] = field(default_factory=list, repr=False)
     top1_same: int = 0
     nll_sum: float = 0.0
@@ -73,6 +74,7 @@ class VariantStats:
             quantization=self.quantization,
             resolved=self.resolved,
             weight_mib=round(self.weight_bytes / 2**20, 1),
+            prompt_tiles_mib=round(self.tile_bytes / 2**20, 1),
             kv_cache_dtype=self.kv_cache_dtype,
             mean_kl=kl.mean().item() if len(kl) else 0.0,
             p99_kl=kl.quantile(0.99).item() if len(kl) else 0.0,
@@ -176,15 +178,13 @@ def _runner(cfg, context: int, kv_cache_dtype: str = "auto"):
 
 def _stats(name: str, runner) -> VariantStats:
     # state_dict: weights and quantized blocks, not derived buffers (rotary tables); a tied
-    # head appears twice there, under one storage. Plus the prompt route's tiles, if any.
+    # head appears twice there, under one storage. The prompt route's tiles apart.
     tensors = {t.data_ptr(): t for t in runner.model.state_dict().values()}
-    for module in runner.model.modules():
-        tiles = getattr(module, "prompt_tiles", None)
-        if tiles is not None:
-            tensors[tiles.data_ptr()] = tiles
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    tiles = [getattr(m, "prompt_tiles", None) for m in runner.model.modules()]
+    tile_bytes = sum(t.numel() * t.element_size() for t in tiles if t is not None)
     dtype, mode, kv = VARIANTS.get(name, ("float32", "none", "auto"))
-    return VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes, kv)
+    return VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes, kv, tile_bytes)
 
 
 def _chunks(tokenizer, text: Path, context: int, max_chunks: int | None) -> list[list[int]]:
@@ -223,15 +223,15 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['model']}: {report['num_scored_tokens']} tokens scored in "
         f"{report['num_chunks']} chunks of {report['context']}",
-        f"{'variant':<22}{'weights MiB':>12}{'mean KL':>10}{'p99 KL':>10}{'max KL':>10}"
-        f"{'top-1 %':>9}{'ppl':>9}",
+        f"{'variant':<22}{'weights MiB':>12}{'tiles MiB':>10}{'mean KL':>10}{'p99 KL':>10}"
+        f"{'max KL':>10}{'top-1 %':>9}{'ppl':>9}",
     ]
     for v in report["variants"]:
         name = v["variant"]
         if v["quantization"] not in ("none", v["resolved"]):
             name += f"->{v['resolved']}"  # auto->gguf, auto->none
         lines.append(
-            f"{name:<22}{v['weight_mib']:>12.1f}{v['mean_kl']:>10.5f}{v['p99_kl']:>10.5f}"
+            f"{name:<22}{v['weight_mib']:>12.1f}{v['prompt_tiles_mib']:>10.1f}{v['mean_kl']:>10.5f}{v['p99_kl']:>10.5f}"
             f"{v['max_kl']:>10.5f}{100 * v['top1_agreement']:>9.2f}{v['perplexity']:>9.3f}"
         )
     return "\n".join(lines)

@@ -23,8 +23,10 @@ request, T prompt tokens), in one run:
      each kind of arithmetic over the peak rate of the instructions that do it, measured in
      the same run: the compiled kernels' own multiply-adds in registers on every thread
      (`peak_rate`: float32 / float64 FMA, the int8 dot product, bf16 dot products where the
-     CPU has them), at the instruction set the kernels run (AVX-512, AVX2 or scalar; on CUDA,
-     torch's matmul at 4096^3). floor = the larger of the two; % of floor = floor / step * 100.
+     CPU has them, and AMX bf16 tile dot products, the roof of a quantized model's prompt
+     tokens where they take the tiles: model/prompt_route.py), at the instruction set the
+     kernels run (AVX-512, AVX2 or scalar; on CUDA, torch's matmul at 4096^3). floor = the
+     larger of the two; % of floor = floor / step * 100.
      Bytes = every weight the step reads in full (an untied embedding only by its rows) plus
      the KV of every token attended or written. Operations = the projections (2 * tokens *
      weights: int8 dot products when they are quantized, else the model's float type), the
@@ -59,7 +61,7 @@ QUICK_GRID = dict(batches=(1, 8, 32), contexts=(128, 512), prefill_chunks=(512,)
 CATEGORIES = ("projections", "attention", "other", "logits_sampling", "engine")
 COMPILED_CATEGORIES = ("projections", "attention", "other")  # as decoder_layers reports them
 BANDWIDTH_BYTES = 256 * 2**20  # far beyond any CPU cache, small enough for a shared machine
-ROOF_KINDS = ("f32_fma", "f64_fma", "int8_dot", "bf16_dot")  # kernels.peak_rate's
+ROOF_KINDS = ("f32_fma", "f64_fma", "int8_dot", "bf16_dot", "amx_bf16")  # kernels.peak_rate's
 ROOF_ITERS = 2_000_000  # per call: a few ms of each kind on one core
 FIRST_TOKEN_ID = 3  # random tokens avoid the special ids at the bottom of most vocabularies
 
@@ -612,7 +614,16 @@ def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple
         isinstance(m, QuantLinear) and not m.float_acts for m in engine.runner.model.modules()
     )
     kinds = {"projections": "int8_dot" if quantized else float_kind}
-    return {part: (n, kinds.get(part, float_kind)) for part, n in ops.items()}
+    work = {part: (n, kinds.get(part, float_kind)) for part, n in ops.items()}
+    if engine.runner.model.prompt_route and limits.roofs.get("amx_bf16", 0) > 0:
+        # prompt tokens' projections on the AMX tiles (model/prompt_route.py), the rest blocks
+        prompt = sum(max(0, min(len(s.token_ids), s.num_prompt_tokens - s.num_computed_tokens))
+                     for s in sched.scheduled if s.num_prompt_tokens is not None)  # fmt: skip
+        share = prompt / max(1, sched.total_num_scheduled_tokens)
+        total = ops["projections"]
+        work["projections"] = (total * (1 - share), "int8_dot")
+        work["prompt projections"] = (total * share, "amx_bf16")
+    return work
 
 
 def step_floor(engine, sched: SchedulerOutput, limits: Limits) -> Floor:

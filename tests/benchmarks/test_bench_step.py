@@ -118,6 +118,10 @@ def test_floor_counts_the_tiny_models_bytes_and_is_the_larger_bound(run):
     roofs = report["roofs_gops"]  # the kernels' instructions, measured in the same run
     assert report["isa"] in ("avx512", "avx2", "scalar")
     assert roofs["f32_fma"] > roofs["f64_fma"] > 0 and roofs["int8_dot"] > 0
+    # AMX tiles where the prompt route can run (model/prompt_route.py), 0 elsewhere
+    from conveyor.model import kernels
+
+    assert (roofs["amx_bf16"] > roofs["f32_fma"]) == kernels.load().amx_available()
 
 
 def test_plot_is_a_png(run):

@@ -27,6 +27,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -157,6 +158,46 @@ bool available() {
   return usable && env_allows();
 #else
   return false;
+#endif
+}
+
+// Tile dot products per second on all threads, as FLOPs (16 x 16 x 32 multiply-adds each):
+// four independent accumulators on operands already in tiles, nothing loaded. 0 without AMX.
+double peak(int64_t iters) {
+  TORCH_CHECK(iters > 0, "peak: iters must be > 0");
+#if CONVEYOR_AMX
+  if (!available()) return 0.0;
+  const int64_t threads = at::get_num_threads();
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    configure();
+    for (int t = 0; t < 8; ++t) {
+      switch (t) {  // immediates
+        case 0: _tile_zero(0); break;
+        case 1: _tile_zero(1); break;
+        case 2: _tile_zero(2); break;
+        case 3: _tile_zero(3); break;
+        case 4: _tile_zero(4); break;
+        case 5: _tile_zero(5); break;
+        case 6: _tile_zero(6); break;
+        default: _tile_zero(7); break;
+      }
+    }
+    for (int64_t i = 0; i < iters; ++i) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    alignas(64) float sink[kM * kN];
+    _tile_stored(0, sink, kN * sizeof(float));
+    _tile_release();
+  });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return 4.0 * 2 * kM * kN * kK * static_cast<double>(iters) * threads / seconds;
+#else
+  return 0.0;
 #endif
 }
 

@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("wq"), py::arg("dw"), py::arg("mw"), py::arg("n_out"),
         py::arg("float_acts") = false);
   m.def("peak_rate", &pg::peak_rate, "ops/s of the kernels' instructions in registers, all "
-        "threads: f32_fma, f64_fma, int8_dot, bf16_dot", py::arg("kind"), py::arg("iters"));
+        "threads: f32_fma, f64_fma, int8_dot, bf16_dot, amx_bf16", py::arg("kind"), py::arg("iters"));
   namespace amx = conveyor_amx;
   m.def("amx_available", &amx::available,
         "whether bf16_linear runs here (AMX-BF16, and CONVEYOR_ISA unset, auto or amx)");

@@ -69,6 +69,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
 // amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
 namespace conveyor_amx {
 bool available();
+double peak(int64_t iters);
 at::Tensor pack_bf16(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
 }  // namespace conveyor_amx

@@ -987,6 +987,7 @@ double peak_rate(const std::string& kind, int64_t iters) {
   TORCH_CHECK(iters > 0, "peak_rate: iters must be > 0");
   const int isa = current_isa().load();
   volatile float wf = 0.999f;
+  if (kind == "amx_bf16") return conveyor_amx::peak(iters);  // 0 where there is none
   if (kind == "f32_fma") return fma_peak_at<float>(isa, iters, wf);
   if (kind == "f64_fma") return fma_peak_at<double>(isa, iters, 0.999);
 #if CONVEYOR_PANEL_AVX512
@@ -1043,7 +1044,7 @@ double peak_rate(const std::string& kind, int64_t iters) {
   }
 #endif
   TORCH_CHECK(kind == "int8_dot" || kind == "bf16_dot",
-              "peak_rate: kind is f32_fma, f64_fma, int8_dot or bf16_dot");
+              "peak_rate: kind is f32_fma, f64_fma, int8_dot, bf16_dot or amx_bf16");
   if (kind == "bf16_dot") return 0.0;  // not on this CPU, build or instruction set
   // The scalar path: one integer multiply-add per operation.
   return run_chains(iters, kChains * 2, [&](int64_t n) {
