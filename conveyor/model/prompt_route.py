@@ -29,7 +29,6 @@ import os
 from types import ModuleType
 
 import numpy as np
-import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -119,7 +118,3 @@ def _projections(model: nn.Module):
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         yield from (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-
-
-def tiles_of(module: nn.Module) -> torch.Tensor | None:
-    return getattr(module, "prompt_tiles", None)
