@@ -89,6 +89,8 @@ def grammar_text(constraint: StructuredOutputs) -> str:
 def check_bounds(constraint: StructuredOutputs) -> None:
     """Refuses, before any compile, a constraint too big or (a schema) too deeply nested to
     be worth one. GrammarError naming the field."""
+    if constraint._bounded:
+        return
     if constraint.kind == "json" and not isinstance(constraint.json, str):
         # Before .key writes it out, which recurses.
         if too_deep(constraint.json, MAX_SCHEMA_DEPTH):
@@ -100,6 +102,7 @@ def check_bounds(constraint: StructuredOutputs) -> None:
         raise GrammarError(
             f"{size} bytes; at most {MAX_CONSTRAINT_BYTES} are allowed", constraint.param
         )
+    object.__setattr__(constraint, "_bounded", True)
 
 
 class CompileStats:
@@ -276,9 +279,12 @@ class GrammarCompiler:
             raise self._late(future, constraint) from None
 
     async def validate_async(self, constraint: StructuredOutputs) -> None:
-        """validate for the event loop: waits without holding any thread."""
+        """validate for the event loop: waits without holding any thread. The bounds and the
+        cache key (a walk and a JSON dump of the schema) are taken on a thread, where the
+        loop keeps its turns at the interpreter lock: on the loop, four 500 KB schemas held
+        every stream's next token for a second."""
         self._check_available(constraint)
-        future = self.check(constraint)
+        future = await asyncio.to_thread(self.check, constraint)
         try:  # shielded: a client that leaves does not cancel a check others may share
             wait = self.timeout + CHECK_GRACE
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), wait)

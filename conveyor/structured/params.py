@@ -31,6 +31,9 @@ class StructuredOutputs:
     # The cache key, computed once (a big schema's JSON text takes milliseconds to write) and
     # carried with the constraint to the engine core.
     _key: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
+    # Set once the front end has found it within the size and depth bounds (a big schema's
+    # walk takes milliseconds, and a request is checked when parsed and again when admitted).
+    _bounded: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in KINDS if _is_set(getattr(self, name))]
