@@ -23,8 +23,8 @@ class TooDeep(ValueError):
 def depth(value: Any, limit: int) -> int:
     """The nesting depth of a value of dicts and lists, or limit + 1 if it is deeper than
     limit (the walk stops there: a deep value costs no more than a shallow one). One level
-    at a time: a 500 KB schema takes ~10 ms, a fifth of a walk that tracks each node's level,
-    and the front end walks every schema a request carries on its event loop."""
+    at a time: a 560 KB schema took 7-23 ms here, against 41-45 ms for a walk that tracks
+    each node's level (the front end walks every schema a request carries)."""
     level = [value] if isinstance(value, (dict, list, tuple)) else []
     deepest = 0
     while level:
