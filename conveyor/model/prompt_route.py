@@ -5,7 +5,9 @@ tile unit of a CPU with AMX-BF16 outruns the int8 VNNI block kernel (kernels/amx
 GGUF's per-block scales keep the int8 tiles from paying, see there). A decode row is bound by
 reading the weights, where the 4-bit blocks are 3x fewer bytes than bfloat16. So on such a CPU
 a model served quantized keeps both: its blocks, and a bfloat16 copy of each decoder
-projection packed into tiles at load (2 bytes a parameter more).
+projection packed into tiles at load (2 bytes a parameter more). A prompt row's attention
+takes the tiles too (kernels/amx_attention.cpp: Q K^T and P V in bfloat16, float32 sums and
+softmax); CONVEYOR_PROMPT_ATTENTION=0 keeps it on the float32 kernel, to measure the two apart.
 
 Determinism. The two routes round differently, so which one a row takes must never depend on
 the step around it. It is fixed by the row's token: a token of the request's prompt (position
@@ -45,6 +47,8 @@ def applies(model: nn.Module, ops: ModuleType | None) -> bool:
     if os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") == "0":
         return False  # the tiles run inside the compiled layers only
     if not ops.amx_available():
+        return False
+    if model.config.head_dim % 16:  # the attention tiles' columns (amx_attention.cpp)
         return False
     projections = list(_projections(model))
     if not projections or not all(

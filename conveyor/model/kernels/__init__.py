@@ -35,6 +35,7 @@ SOURCES = (
     "panel_gemm.cpp",
     "lora_gemm.cpp",
     "amx_gemm.cpp",
+    "amx_attention.cpp",
 )
 HEADERS = ("balance.h", "ops.h", "vec.h")  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -33,20 +33,37 @@
 #include <cstring>
 #include <string>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__) && defined(__linux__)
-#define CONVEYOR_AMX 1
+#include "ops.h"
+
+#if CONVEYOR_AMX
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#else
-#define CONVEYOR_AMX 0
 #endif
 
-#include "ops.h"
-
 namespace conveyor_amx {
+
+#if CONVEYOR_AMX
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes. Here: 0..3 sums (row tile i, panel j at 2i + j), 4, 5 the
+// rows of row tiles 0 and 1, 6, 7 the weights of panels 0 and 1 (amx_attention.cpp: its own).
+void configure() {
+  alignas(64) TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // GCC does not count the tile-config load as a read of cfg: out of line, it dropped the
+  // stores above, and ldtilecfg faulted on a configuration of zero tiles. The barrier keeps them.
+  __asm__ volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+#endif
+
 namespace {
 
 constexpr int64_t kK = 32;  // bfloat16 k per tile row (64 bytes)
@@ -64,20 +81,6 @@ bool probe() {
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
 }
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Eight tiles of 16 rows x 64 bytes: 0..3 sums (row tile i, panel j at 2i + j), 4, 5 the rows
-// of row tiles 0 and 1, 6, 7 the weights of panels 0 and 1.
-void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
 
 // Sums of one block of up to 32 rows x 32 columns over all KS tiles of k. Tile numbers are
 // immediates, so each shape is its own instance.

@@ -321,7 +321,7 @@ class DecoderLayer {
     write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
     at::Tensor attn = paged_attention(q, kv_cache, step.block_size, step.query_start,
                                       step.seq_lens, step.block_tables, step.scale,
-                                      step.split_keys);
+                                      step.split_keys, step.prompt_rows);
     clock.lap(kAttention);
     const at::Tensor attn_rows = attn.view({num_tokens, q_size});
     at::Tensor o = o_(attn_rows, step.form, step.prompt_rows);

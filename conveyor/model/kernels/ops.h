@@ -12,7 +12,8 @@
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale,
-                           bool split_keys = true);
+                           bool split_keys = true,
+                           const std::vector<int64_t>& prompt_rows = {});
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
               const at::Tensor& slot_mapping, int64_t block_size);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
@@ -66,12 +67,32 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
               const std::vector<at::Tensor>& rows, const std::vector<int64_t>& slots,
               const std::vector<int64_t>& columns, int64_t num_slots);
 
+// AMX-BF16 tiles: built where the compiler targets them (-march=native on such a CPU); used
+// where conveyor_amx::available() says the CPU and the process may.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__) && defined(__linux__)
+#define CONVEYOR_AMX 1
+#else
+#define CONVEYOR_AMX 0
+#endif
+
 // amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
 namespace conveyor_amx {
 bool available();
 double peak(int64_t iters);
 at::Tensor pack_bf16(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
+#if CONVEYOR_AMX
+void configure();  // this thread's tiles: eight of 16 rows x 64 bytes
+#endif
+
+// amx_attention.cpp: attention of a step's prompt rows in bfloat16 tiles (float32 sums and
+// softmax); prompt_tokens[s]: sequence s's leading rows that take it. Writes those rows of
+// out (T, H, D); the metadata as paged_attention's, already checked.
+void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
+                      const at::Tensor& query_start, const at::Tensor& seq_lens,
+                      const at::Tensor& block_tables, double scale,
+                      const std::vector<int64_t>& prompt_tokens, at::Tensor& out);
 }  // namespace conveyor_amx
 
 // decoder_layer.cpp

@@ -59,8 +59,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -361,6 +363,9 @@ struct Inputs {
   int64_t q_strides[3];
   double scale;
   bool split_keys;  // may split a step's few decode rows by key blocks (split_keys below)
+  // Per sequence, its leading rows that are prompt tokens on the tile route (amx_attention.cpp
+  // computes them; this kernel the rest); nullptr: none.
+  const int64_t* prompt_tokens = nullptr;
 };
 
 
@@ -554,7 +559,8 @@ std::vector<WorkItem> plan(const Inputs& in, int64_t num_seqs, int64_t tokens_pe
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = in.query_start[s + 1] - in.query_start[s];
     const int64_t context = in.seq_lens[s] - q_len;
-    for (int64_t t0 = 0; t0 < q_len; t0 += tokens_per_tile) {
+    const int64_t skip = in.prompt_tokens ? in.prompt_tokens[s] : 0;  // the tiles' rows
+    for (int64_t t0 = skip; t0 < q_len; t0 += tokens_per_tile) {
       const int64_t n = std::min(tokens_per_tile, q_len - t0);
       const int64_t cost = (context + t0 + n) * n + 64;
       for (int64_t h = 0; h < in.num_kv_heads; ++h) items.push_back({s, t0, n, h, cost});
@@ -728,11 +734,40 @@ void dispatch_types(at::ScalarType model, at::ScalarType cache, const char* name
 
 }  // namespace
 
+// Per sequence, how many of its leading rows prompt_rows ([begin, end) pairs, ascending) holds;
+// they must be leading rows (a prompt precedes what is generated). Empty: no prompt rows.
+std::vector<int64_t> prompt_counts(const at::Tensor& query_start,
+                                   const std::vector<int64_t>& prompt_rows) {
+  const int64_t num_seqs = query_start.size(0) - 1;
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  TORCH_CHECK(prompt_rows.size() % 2 == 0, "paged_attention: prompt_rows are (begin, end) pairs");
+  if (prompt_rows.empty()) return {};
+  std::vector<int64_t> counts(num_seqs, 0);
+  int64_t s = 0, previous = 0;
+  for (size_t i = 0; i < prompt_rows.size(); i += 2) {
+    const int64_t begin = prompt_rows[i], end = prompt_rows[i + 1];
+    TORCH_CHECK(previous <= begin && begin < end && end <= qs[num_seqs],
+                "paged_attention: prompt_rows must be ascending, non-empty ranges of q's rows");
+    previous = end;
+    for (int64_t row = begin; row < end;) {
+      while (qs[s + 1] <= row) ++s;
+      TORCH_CHECK(row == qs[s] + counts[s],
+                  "paged_attention: a sequence's prompt rows must be its leading rows");
+      const int64_t upto = std::min(end, qs[s + 1]);
+      counts[s] += upto - row;
+      row = upto;
+    }
+  }
+  return counts;
+}
+
 // Attention of all rows of a step: q (T, H, D) -> out (T, H, D). The step's K/V must already
-// be in the cache (write_kv).
+// be in the cache (write_kv). prompt_rows ([begin, end) pairs): rows that are prompt tokens of
+// a model on the prompt route, computed on AMX tiles (amx_attention.cpp).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, double scale, bool split_keys) {
+                           const at::Tensor& block_tables, double scale, bool split_keys,
+                           const std::vector<int64_t>& prompt_rows) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
               "paged_attention: q (T, H, D), kv_cache (2, blocks, kv heads, block_size * D)");
   TORCH_CHECK(kv_cache.is_contiguous(), "paged_attention: kv_cache must be contiguous");
@@ -742,6 +777,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
               "paged_attention: head counts or cache tile size do not match");
   check_metadata(query_start, seq_lens, block_tables, block_size, kv_cache.size(1), q.size(0));
   at::Tensor out = at::empty({q.size(0), num_heads, head_dim}, q.options());
+  // CONVEYOR_PROMPT_ATTENTION=0 keeps prompt rows on this kernel (their projections still take
+  // the tiles): the attention tiles' own cost and quality, measured apart.
+  static const bool tiles = [] {
+    const char* env = std::getenv("CONVEYOR_PROMPT_ATTENTION");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  const std::vector<int64_t> prompt =
+      tiles ? prompt_counts(query_start, prompt_rows) : std::vector<int64_t>{};
+  if (!prompt.empty())
+    conveyor_amx::prompt_attention(q, kv_cache, block_size, query_start, seq_lens, block_tables,
+                                   scale, prompt, out);
   const Inputs in{query_start.data_ptr<int64_t>(),
                   seq_lens.data_ptr<int64_t>(),
                   block_tables.data_ptr<int64_t>(),
@@ -750,7 +796,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                   num_kv_heads,
                   {q.stride(0), q.stride(1), q.stride(2)},
                   scale,
-                  split_keys};
+                  split_keys,
+                  prompt.empty() ? nullptr : prompt.data()};
   const Shape sh{block_size, head_dim};
   const int64_t half = kv_cache.stride(0);
   dispatch_types(q.scalar_type(), kv_cache.scalar_type(), "paged_attention", [&](auto t, auto c) {

@@ -1,0 +1,475 @@
+// Attention of a step's prompt rows on AMX tiles in bfloat16, float32 sums and softmax: the
+// prompt route's attention (model/prompt_route.py says which rows take it; paged_attention.cpp
+// computes every other row and calls this for these). A 512-token prompt chunk spent 130-150 ms
+// of its ~360-450 in attention with float32 vectors; here S = Q K^T and acc += P V are tile dot
+// products, and what is left is the softmax.
+//
+// Per item (sequence, kv head, up to 64 rows: tokens x the GQA group, as paged_attention.cpp):
+//   Q (scaled) rounded to bfloat16 tiles once; then for each group of 64 keys at absolute
+//   positions 64g .. 64g + 63, up to the item's last causal key:
+//     1. the group's K and V widened from the cache (any cache dtype) and rounded to bfloat16
+//        tiles in AMX's pair layout; keys past the item's last one zeros;
+//     2. S = Q K^T: four 16-key score tiles per row tile, the head dim summed in the tile unit;
+//     3. per row: the running max over its visible keys, P = e^(S - max) rounded to bfloat16,
+//        the sum l of the rounded weights (so the weights applied and the normaliser agree),
+//        the accumulator rescaled when the max grows;
+//     4. acc += P V in the tile unit, the accumulator loaded from and stored back to float32.
+//   out = acc / l.
+//
+// One reduction order per row. Every value a row gets depends on its own query, its position
+// and the cache only: the key groups sit at fixed positions, a tile dot product sums each row
+// on its own, a row's masked keys weigh exactly 0 and a group it cannot see adds exactly 0. So
+// a prompt row gets the same bits whatever chunk, tile, step or thread computes it
+// (tests/unit/test_amx_attention.py; tests/equivalence/test_batch_invariance.py end to end).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+
+#if CONVEYOR_AMX
+#include <immintrin.h>
+
+#include "vec.h"
+#endif
+
+namespace conveyor_amx {
+
+#if CONVEYOR_AMX
+namespace {
+
+constexpr int kM = 16;                  // rows of a tile
+constexpr int kSubKeys = 16;            // keys of one score tile
+constexpr int kGroupKeys = 64;          // keys per online-softmax update
+constexpr int kSubs = kGroupKeys / kSubKeys;
+constexpr int kTileValues = kM * 32;    // bfloat16 values of one tile (16 rows x 64 bytes)
+constexpr int64_t kItemRows = 128;      // rows (tokens x group) per item
+
+// 64-byte aligned scratch of n values.
+template <typename V>
+struct Aligned {
+  V* p;
+  explicit Aligned(int64_t n)
+      : p(static_cast<V*>(std::aligned_alloc(64, ((n * sizeof(V) + 63) / 64) * 64))) {}
+  ~Aligned() { std::free(p); }
+  V& operator[](int64_t i) { return p[i]; }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+};
+
+struct Dims {
+  int64_t head_dim, padded;  // padded: head_dim rounded up to 32 (k of a tile row)
+  int64_t kc() const { return padded / 32; }  // tiles of Q, and of K per key tile
+  int64_t ct() const { return padded / 16; }  // column tiles of V and of the accumulator
+};
+
+struct Scratch {
+  int64_t rows_p;  // rows padded to whole tiles
+  Aligned<uint16_t> q, k, v, p;
+  Aligned<float> s, acc, m, l;
+  std::vector<int64_t> pos;  // each row's position; -1: padding
+  Scratch(int64_t max_rows, const Dims& dm)
+      : rows_p((max_rows + kM - 1) / kM * kM),
+        q(rows_p / kM * dm.kc() * kTileValues),
+        k(kSubs * dm.kc() * kTileValues),
+        v(2 * dm.ct() * kTileValues),
+        p(rows_p / kM * 2 * kTileValues),
+        s(kSubs * rows_p * kSubKeys),
+        acc(rows_p * dm.padded),
+        m(rows_p),
+        l(rows_p),
+        pos(rows_p) {}
+};
+
+// 16 cache values widened to float32 (exactly).
+template <typename C>
+inline __m512 load16(const C* p) {
+  if constexpr (std::is_same_v<C, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<C, c10::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    alignas(64) float f[16];
+    for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
+    return _mm512_load_ps(f);
+  }
+}
+
+// a, b rounded to bfloat16 (nearest even) and interleaved, a0 b0 a1 b1 ..: one tile row of a
+// pair-layout operand (row r of a K or V tile holds the pair of k values 2r, 2r + 1).
+inline void pair_row(__m512 a, __m512 b, uint16_t* dst) {
+  alignas(64) static const uint16_t kOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                  21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                  11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low half
+  _mm512_store_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), ab));
+}
+
+inline __mmask16 first(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+struct Item {
+  int64_t seq, first_token, num_tokens, kv_head, cost;
+};
+
+struct Args {
+  const float* q;
+  int64_t q_strides[3];
+  const int64_t *query_start, *seq_lens, *block_tables;
+  int64_t table_width, num_heads, num_kv_heads, block_size;
+  float scale;
+  float* out;
+};
+
+// The group's keys [k0, k0 + 64) of kv head h as K tiles (sub-block n, d tile c) and V tiles
+// (key half j, column tile c); keys from `valid` on are zeros.
+template <typename C>
+void load_group(const C* kc, const C* vc, const int64_t* table, int64_t h, const Args& a,
+                const Dims& dm, int64_t k0, int64_t valid, Scratch& w) {
+  const int64_t bs = a.block_size, dim = dm.head_dim;
+  const int64_t tile = bs * dim;  // one (block, kv head) tile of the cache
+  const __m512 zero = _mm512_setzero_ps();
+  // K: the cache holds each block transposed, (head_dim, block_size): a 16-key row of one d is
+  // contiguous when the 16 keys sit in one block (block sizes that are multiples of 16).
+  for (int n = 0; n < kSubs; ++n) {
+    const int64_t first_key = k0 + n * kSubKeys, keys = std::clamp<int64_t>(valid - n * kSubKeys, 0, 16);
+    uint16_t* dst = w.k.p + n * dm.kc() * kTileValues;
+    if (keys == 0) {
+      std::memset(dst, 0, dm.kc() * kTileValues * sizeof(uint16_t));
+      continue;
+    }
+    const __mmask16 mask = first(keys);
+    alignas(64) float gathered[2][16];
+    const C* base = nullptr;
+    if (bs % kSubKeys == 0)
+      base = kc + (table[first_key / bs] * a.num_kv_heads + h) * tile + first_key % bs;
+    for (int64_t d = 0; d < dm.padded; d += 2) {
+      __m512 rows[2];
+      for (int i = 0; i < 2; ++i) {
+        if (d + i >= dim) {
+          rows[i] = zero;
+        } else if (base) {
+          rows[i] = _mm512_maskz_mov_ps(mask, load16(base + (d + i) * bs));
+        } else {  // any block size: key by key
+          for (int j = 0; j < 16; ++j) {
+            const int64_t key = first_key + j;
+            gathered[i][j] = j < keys ? static_cast<float>(
+                                            kc[(table[key / bs] * a.num_kv_heads + h) * tile +
+                                               (d + i) * bs + key % bs])
+                                      : 0.0f;
+          }
+          rows[i] = _mm512_load_ps(gathered[i]);
+        }
+      }
+      pair_row(rows[0], rows[1], dst + (d / 32) * kTileValues + (d % 32) / 2 * 32);
+    }
+  }
+  // V: (block_size, head_dim) per block, a key's values contiguous; one block lookup per 16
+  // keys where they share a block (a division per key cost as much as the tile products).
+  const C* block_rows = nullptr;
+  for (int64_t j = 0; j < kGroupKeys; j += 2) {
+    const C* row[2];
+    if (j % kSubKeys == 0 && bs % kSubKeys == 0) {
+      const int64_t key = k0 + j;
+      block_rows = vc + (table[key / bs] * a.num_kv_heads + h) * tile + (key % bs) * dim;
+    }
+    for (int i = 0; i < 2; ++i) {
+      const int64_t key = k0 + j + i;
+      row[i] = j + i >= valid ? nullptr
+               : block_rows   ? block_rows + (j % kSubKeys + i) * dim
+                              : vc + (table[key / bs] * a.num_kv_heads + h) * tile + (key % bs) * dim;
+    }
+    uint16_t* dst = w.v.p + (j / 32) * dm.ct() * kTileValues + (j % 32) / 2 * 32;
+    for (int64_t c = 0; c < dm.ct(); ++c) {
+      const bool inside = c * 16 < dim;
+      pair_row(row[0] && inside ? load16(row[0] + c * 16) : zero,
+               row[1] && inside ? load16(row[1] + c * 16) : zero, dst + c * kTileValues);
+    }
+  }
+}
+
+// Sum tiles 0..3 <- the four score tiles of row tile mt (zeroed first).
+inline void scores(const uint16_t* qt, const uint16_t* kt, int64_t kc_count, float* s,
+                   int64_t rows_p) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t sub = kc_count * kTileValues;  // one 16-key sub-block's K tiles
+  for (int64_t c = 0; c < kc_count; ++c) {
+    _tile_loadd(4, qt + c * kTileValues, 64);
+    _tile_loadd(6, kt + c * kTileValues, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, kt + sub + c * kTileValues, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, kt + 2 * sub + c * kTileValues, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, kt + 3 * sub + c * kTileValues, 64);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+  // Score tile n of these rows at s[n][rows][16]: 16 rows x 16 floats.
+  const int64_t stride = kSubKeys * sizeof(float), n_stride = rows_p * kSubKeys;
+  _tile_stored(0, s, stride);
+  _tile_stored(1, s + n_stride, stride);
+  _tile_stored(2, s + 2 * n_stride, stride);
+  _tile_stored(3, s + 3 * n_stride, stride);
+}
+
+// acc[rows of tile mt][columns of N column tiles from c0] += P V over the group's 64 keys.
+template <int N>
+inline void weighted_values(const uint16_t* pt, const uint16_t* vt, int64_t ct, int64_t c0,
+                            float* acc, int64_t padded) {
+  static_assert(N == 2 || N == 4, "two or four column tiles at a time");
+  const int64_t stride = padded * sizeof(float);
+  float* a = acc + c0 * 16;
+  _tile_loadd(0, a, stride);
+  _tile_loadd(1, a + 16, stride);
+  if constexpr (N == 4) {
+    _tile_loadd(2, a + 32, stride);
+    _tile_loadd(3, a + 48, stride);
+  }
+  for (int j = 0; j < 2; ++j) {  // keys 32 j .. 32 j + 31
+    const uint16_t* v = vt + (j * ct + c0) * kTileValues;
+    _tile_loadd(4, pt + j * kTileValues, 64);
+    _tile_loadd(6, v, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, v + kTileValues, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (N == 4) {
+      _tile_loadd(6, v + 2 * kTileValues, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(7, v + 3 * kTileValues, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  _tile_stored(0, a, stride);
+  _tile_stored(1, a + 16, stride);
+  if constexpr (N == 4) {
+    _tile_stored(2, a + 32, stride);
+    _tile_stored(3, a + 48, stride);
+  }
+}
+
+// Online softmax of row r over the group [k0, k0 + 64): P row into the P tiles, m, l and the
+// accumulator row updated. Keys past the row's position weigh exactly 0.
+inline void softmax_row(int64_t r, int64_t k0, Scratch& w, const Dims& dm) {
+  using conveyor_vec::Vec;
+  const int64_t visible = w.pos[r] + 1 - k0;
+  uint16_t* prow = w.p.p + (r / kM) * 2 * kTileValues + (r % kM) * 32;
+  if (visible <= 0) {  // a group past the row (or a padding row): no weight
+    std::memset(prow, 0, 64);
+    std::memset(prow + kTileValues, 0, 64);
+    return;
+  }
+  const float* s = w.s.p + r * kSubKeys;
+  const int64_t n_stride = w.rows_p * kSubKeys;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 x[kSubs];
+  __mmask16 mask[kSubs];
+  __m512 mx = neg_inf;
+  for (int n = 0; n < kSubs; ++n) {
+    mask[n] = first(visible - n * kSubKeys);
+    x[n] = _mm512_load_ps(s + n * n_stride);
+    mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(neg_inf, mask[n], x[n]));
+  }
+  const float m_old = w.m[r];
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
+  const __m512 m_vec = _mm512_set1_ps(m_new);
+  __m512 total = _mm512_setzero_ps();
+  for (int n = 0; n < kSubs; ++n) {
+    const __m512 diff = _mm512_sub_ps(x[n], m_vec);
+    const Vec<float> e = conveyor_vec::vexp<float>(reinterpret_cast<const Vec<float>&>(diff));
+    const __m512 p = _mm512_maskz_mov_ps(mask[n], reinterpret_cast<const __m512&>(e));
+    const __m256bh rounded = _mm512_cvtneps_pbh(p);
+    std::memcpy(prow + (n / 2) * kTileValues + (n % 2) * 16, &rounded, 32);
+    const __m256i bits = (__m256i)rounded;
+    total = _mm512_add_ps(
+        total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+  }
+  const float sum = _mm512_reduce_add_ps(total);
+  if (m_new > m_old) {
+    const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                                          : std::exp(m_old - m_new);
+    float* arow = w.acc.p + r * dm.padded;
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < dm.padded; d += 16)
+      _mm512_store_ps(arow + d, _mm512_mul_ps(_mm512_load_ps(arow + d), av));
+    w.l[r] *= alpha;
+    w.m[r] = m_new;
+  }
+  w.l[r] += sum;
+}
+
+template <typename C>
+void run_item(const Item& item, const Args& a, const C* kc, const C* vc, const Dims& dm,
+              Scratch& w) {
+  const int64_t group = a.num_heads / a.num_kv_heads, h = item.kv_head;
+  const int64_t rows = item.num_tokens * group;
+  const int64_t row_tiles = (rows + kM - 1) / kM, rows_p = w.rows_p;
+  const int64_t row0 = a.query_start[item.seq] + item.first_token;
+  const int64_t q_len = a.query_start[item.seq + 1] - a.query_start[item.seq];
+  const int64_t pos0 = a.seq_lens[item.seq] - q_len + item.first_token;
+  const int64_t kc_count = dm.kc();
+
+  // Q: row r = token * group + g, scaled, rounded into tiles (row tile, d tile); zeros past.
+  std::memset(w.q.p, 0, row_tiles * kc_count * kTileValues * sizeof(uint16_t));
+  alignas(64) float qrow[1024];  // head_dim <= 1024 (checked)
+  for (int64_t r = 0; r < row_tiles * kM; ++r) {
+    w.pos[r] = r < rows ? pos0 + r / group : -1;
+    w.m[r] = -std::numeric_limits<float>::infinity();
+    w.l[r] = 0.0f;
+    std::fill_n(w.acc.p + r * dm.padded, dm.padded, 0.0f);
+    if (r >= rows) continue;
+    const float* src = a.q + (row0 + r / group) * a.q_strides[0] +
+                       (h * group + r % group) * a.q_strides[1];
+    for (int64_t d = 0; d < dm.padded; ++d)
+      qrow[d] = d < dm.head_dim ? src[d * a.q_strides[2]] * a.scale : 0.0f;
+    for (int64_t c = 0; c < kc_count; ++c) {
+      const __m512bh v =
+          _mm512_cvtne2ps_pbh(_mm512_load_ps(qrow + c * 32 + 16), _mm512_load_ps(qrow + c * 32));
+      _mm512_store_si512(w.q.p + ((r / kM) * kc_count + c) * kTileValues + (r % kM) * 32,
+                         (__m512i)v);
+    }
+  }
+
+  const int64_t num_keys = pos0 + item.num_tokens;  // keys the item's last token sees
+  const int64_t* table = a.block_tables + item.seq * a.table_width;
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kGroupKeys) {
+    load_group(kc, vc, table, h, a, dm, k0, std::min<int64_t>(num_keys - k0, kGroupKeys), w);
+    for (int64_t mt = 0; mt < row_tiles; ++mt) {
+      const int64_t last = std::min(rows, (mt + 1) * kM) - 1;  // the tile's furthest row
+      if (w.pos[last] < k0) continue;  // the whole row tile is before this group
+      scores(w.q.p + mt * kc_count * kTileValues, w.k.p, kc_count, w.s.p + mt * kM * kSubKeys,
+             rows_p);
+    }
+    for (int64_t r = 0; r < row_tiles * kM; ++r) {
+      if (w.pos[std::min(rows, (r / kM + 1) * kM) - 1] < k0) {
+        r = (r / kM + 1) * kM - 1;  // skipped above: nothing to weigh
+        continue;
+      }
+      softmax_row(r, k0, w, dm);
+    }
+    for (int64_t mt = 0; mt < row_tiles; ++mt) {
+      if (w.pos[std::min(rows, (mt + 1) * kM) - 1] < k0) continue;
+      const uint16_t* pt = w.p.p + mt * 2 * kTileValues;
+      float* acc = w.acc.p + mt * kM * dm.padded;
+      int64_t c0 = 0;
+      for (; c0 + 4 <= dm.ct(); c0 += 4) weighted_values<4>(pt, w.v.p, dm.ct(), c0, acc, dm.padded);
+      if (c0 < dm.ct()) weighted_values<2>(pt, w.v.p, dm.ct(), c0, acc, dm.padded);
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.0f / w.l[r];
+    const float* arow = w.acc.p + r * dm.padded;
+    float* dst = a.out + ((row0 + r / group) * a.num_heads + h * group + r % group) * dm.head_dim;
+    for (int64_t d = 0; d < dm.head_dim; ++d) dst[d] = arow[d] * inv;
+  }
+}
+
+template <typename C>
+void run(const std::vector<Item>& items, const Args& a, const C* kc, const C* vc, const Dims& dm,
+         int64_t max_rows) {
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return items[x].cost > items[y].cost; });
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    configure();
+    Scratch w(max_rows, dm);
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1))
+      run_item(items[order[i]], a, kc, vc, dm, w);
+    _tile_release();
+  });
+}
+
+}  // namespace
+#endif
+
+void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
+                      const at::Tensor& query_start, const at::Tensor& seq_lens,
+                      const at::Tensor& block_tables, double scale,
+                      const std::vector<int64_t>& prompt_tokens, at::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat,
+              "paged_attention: prompt rows take bfloat16 tiles, for float32 models only");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 1024,
+              "paged_attention: prompt rows on tiles need a head dim that is a multiple of 16");
+#if CONVEYOR_AMX
+  TORCH_CHECK(available(), "paged_attention: this CPU (or CONVEYOR_ISA) has no AMX-BF16");
+  const int64_t num_heads = q.size(1), num_kv_heads = kv_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t tokens_per_item = std::max<int64_t>(1, kItemRows / group);
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  std::vector<Item> items;
+  for (size_t s = 0; s < prompt_tokens.size(); ++s) {
+    const int64_t context = lens[s] - (qs[s + 1] - qs[s]);
+    for (int64_t t0 = 0; t0 < prompt_tokens[s]; t0 += tokens_per_item) {
+      const int64_t n = std::min(tokens_per_item, prompt_tokens[s] - t0);
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        items.push_back({static_cast<int64_t>(s), t0, n, h, (context + t0 + n) * n + 64});
+    }
+  }
+  if (items.empty()) return;
+  const Args args{q.data_ptr<float>(),
+                  {q.stride(0), q.stride(1), q.stride(2)},
+                  qs,
+                  lens,
+                  block_tables.data_ptr<int64_t>(),
+                  block_tables.size(1),
+                  num_heads,
+                  num_kv_heads,
+                  block_size,
+                  static_cast<float>(scale),
+                  out.data_ptr<float>()};
+  const Dims dm{head_dim, (head_dim + 31) / 32 * 32};
+  const int64_t half = kv_cache.stride(0), max_rows = tokens_per_item * group;
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: {
+      const float* c = kv_cache.data_ptr<float>();
+      return run(items, args, c, c + half, dm, max_rows);
+    }
+    case at::kHalf: {
+      const c10::Half* c = kv_cache.data_ptr<c10::Half>();
+      return run(items, args, c, c + half, dm, max_rows);
+    }
+    case at::kBFloat16: {
+      const c10::BFloat16* c = kv_cache.data_ptr<c10::BFloat16>();
+      return run(items, args, c, c + half, dm, max_rows);
+    }
+    case at::kFloat8_e4m3fn: {
+      const c10::Float8_e4m3fn* c = kv_cache.data_ptr<c10::Float8_e4m3fn>();
+      return run(items, args, c, c + half, dm, max_rows);
+    }
+    default:
+      TORCH_CHECK(false, "paged_attention: cache dtype ", kv_cache.scalar_type(),
+                  " for prompt rows on tiles");
+  }
+#else
+  (void)kv_cache, (void)block_size, (void)query_start, (void)seq_lens, (void)block_tables,
+      (void)scale, (void)prompt_tokens, (void)out;
+  TORCH_CHECK(false, "paged_attention: this build has no AMX-BF16 for prompt rows");
+#endif
+}
+
+}  // namespace conveyor_amx
