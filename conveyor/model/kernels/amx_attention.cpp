@@ -352,21 +352,12 @@ void run_item(const Item& item, const Args& a, const C* kc, const C* vc, const D
   const int64_t* table = a.block_tables + item.seq * a.table_width;
   for (int64_t k0 = 0; k0 < num_keys; k0 += kGroupKeys) {
     load_group(kc, vc, table, h, a, dm, k0, std::min<int64_t>(num_keys - k0, kGroupKeys), w);
-    for (int64_t mt = 0; mt < row_tiles; ++mt) {
+    for (int64_t mt = 0; mt < row_tiles; ++mt) {  // each row tile on its own: scores, P, P V
       const int64_t last = std::min(rows, (mt + 1) * kM) - 1;  // the tile's furthest row
       if (w.pos[last] < k0) continue;  // the whole row tile is before this group
       scores(w.q.p + mt * kc_count * kTileValues, w.k.p, kc_count, w.s.p + mt * kM * kSubKeys,
              rows_p);
-    }
-    for (int64_t r = 0; r < row_tiles * kM; ++r) {
-      if (w.pos[std::min(rows, (r / kM + 1) * kM) - 1] < k0) {
-        r = (r / kM + 1) * kM - 1;  // skipped above: nothing to weigh
-        continue;
-      }
-      softmax_row(r, k0, w, dm);
-    }
-    for (int64_t mt = 0; mt < row_tiles; ++mt) {
-      if (w.pos[std::min(rows, (mt + 1) * kM) - 1] < k0) continue;
+      for (int64_t r = mt * kM; r < (mt + 1) * kM; ++r) softmax_row(r, k0, w, dm);
       const uint16_t* pt = w.p.p + mt * 2 * kTileValues;
       float* acc = w.acc.p + mt * kM * dm.padded;
       int64_t c0 = 0;
@@ -383,13 +374,12 @@ void run_item(const Item& item, const Args& a, const C* kc, const C* vc, const D
   }
 }
 
+// Items handed out costliest first through an atomic counter, so the threads finish together.
 template <typename C>
-void run(const std::vector<Item>& items, const Args& a, const C* kc, const C* vc, const Dims& dm,
+void run(std::vector<Item>& items, const Args& a, const C* kc, const C* vc, const Dims& dm,
          int64_t max_rows) {
-  std::vector<int64_t> order(items.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return items[x].cost > items[y].cost; });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int64_t count = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
@@ -397,7 +387,7 @@ void run(const std::vector<Item>& items, const Args& a, const C* kc, const C* vc
     configure();
     Scratch w(max_rows, dm);
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1))
-      run_item(items[order[i]], a, kc, vc, dm, w);
+      run_item(items[i], a, kc, vc, dm, w);
     _tile_release();
   });
 }

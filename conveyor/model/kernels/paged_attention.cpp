@@ -736,8 +736,8 @@ void dispatch_types(at::ScalarType model, at::ScalarType cache, const char* name
 
 // Per sequence, how many of its leading rows prompt_rows ([begin, end) pairs, ascending) holds;
 // they must be leading rows (a prompt precedes what is generated). Empty: no prompt rows.
-std::vector<int64_t> prompt_counts(const at::Tensor& query_start,
-                                   const std::vector<int64_t>& prompt_rows) {
+static std::vector<int64_t> prompt_counts(const at::Tensor& query_start,
+                                          const std::vector<int64_t>& prompt_rows) {
   const int64_t num_seqs = query_start.size(0) - 1;
   const int64_t* qs = query_start.data_ptr<int64_t>();
   TORCH_CHECK(prompt_rows.size() % 2 == 0, "paged_attention: prompt_rows are (begin, end) pairs");
