@@ -93,21 +93,27 @@ class Step:
         """The prompt rows' attention as the kernel rounds its operands: q * scale, K and V in
         bfloat16, the weights e^(s - max) rounded to bfloat16 and normalised by their own sum;
         float64 everywhere else. (The kernel's max runs over groups of 64 keys, so its weights
-        round at other scales: within a bfloat16 half-ulp of a weight, not bitwise.)"""
+        round at other scales: within a bfloat16 half-ulp of a weight, not bitwise.)
+        {(row, head): output}; each sequence's prompt rows at once, a causal mask."""
         out = {}
         group = self.heads // self.kv_heads
         for s, (c, _, p) in enumerate(self.seqs):
+            if not p:
+                continue
             k, v = self.kv(s)
             k, v = k.bfloat16().double(), v.bfloat16().double()
             row0 = int(self.query_start[s])
-            for t in range(p):
-                pos = c + t
-                for head in range(self.heads):
-                    h = head // group
-                    qv = (self.q[row0 + t, head] * self.scale).bfloat16().double()
-                    scores = k[: pos + 1, h] @ qv
-                    w = torch.exp(scores - scores.max()).bfloat16().double()
-                    out[(row0 + t, head)] = (w @ v[: pos + 1, h]) / w.sum()
+            positions = torch.arange(c, c + p)
+            visible = torch.arange(k.shape[0])[None, :] <= positions[:, None]  # (p, keys)
+            q = (self.q[row0 : row0 + p] * self.scale).bfloat16().double()  # (p, heads, d)
+            for head in range(self.heads):
+                h = head // group
+                scores = (q[:, head] @ k[:, h].T).masked_fill(~visible, float("-inf"))
+                w = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
+                w = w.bfloat16().double()
+                rows = (w @ v[:, h]) / w.sum(dim=1, keepdim=True)
+                for t in range(p):
+                    out[(row0 + t, head)] = rows[t]
         return out
 
 
@@ -135,8 +141,8 @@ def test_prompt_rows_match_their_twin_and_leave_the_rest_alone(
         out = step.run(amx)
         plain = step.run(amx, prompt_rows=[])
     assert not out.isnan().any()
+    bound = 2**-8 * step.kv(0)[1].abs().max().item()  # a weight's bfloat16 ulp, at most
     for (row, head), want in step.twin().items():
-        bound = 2**-8 * step.kv(0)[1].abs().max().item()  # a weight's bfloat16 ulp, at most
         error = (out[row, head].double() - want).abs().max().item()
         assert error <= bound, (row, head, error)
     prompt = torch.zeros(out.shape[0], dtype=torch.bool)
