@@ -69,15 +69,31 @@ def _build() -> ModuleType:
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(folder)
-    here = Path(__file__).parent
+    sources = _copy_sources(folder / "src")
     return cpp_extension.load(
         name=NAME,
-        sources=[str(here / name) for name in SOURCES],
+        sources=[str(sources / name) for name in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         verbose=False,
     )
+
+
+def _copy_sources(folder: Path) -> Path:
+    """The sources and headers, copied next to the build they belong to (the build key is their
+    hash). torch's build compares the source paths too: compiled from the package itself, two
+    checkouts (a fresh clone, a second venv) rebuilt the same kernels in turn, ~5 min each."""
+    here = Path(__file__).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in SOURCES + HEADERS:
+        text = (here / name).read_bytes()
+        target = folder / name
+        if not target.exists() or target.read_bytes() != text:
+            tmp = target.with_suffix(f"{target.suffix}.{os.getpid()}.tmp")
+            tmp.write_bytes(text)
+            tmp.replace(target)  # atomic: a concurrent build never reads half a file
+    return folder
 
 
 # torch's build lock has no owner: a build killed mid-way (Ctrl-C at the first start) leaves
