@@ -48,8 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = engine_args(args)
     ray = args.distributed_executor_backend == "ray"
     if args.engine_process and args.data_parallel_size == 1 and not ray:
-        # The core first: it loads the model while this process imports the server (torch,
-        # transformers, fastapi: ~2 s of a start in parallel on 2 cores instead of before it).
+        # The core first: it imports torch while this process reads the model's config for
+        # it (transformers), then loads the model while this process imports the server.
         import zmq
 
         from conveyor.engine.core_proc import CoreProcess

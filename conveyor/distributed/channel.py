@@ -70,18 +70,26 @@ def local_address(name: str) -> str:
     return "tcp://127.0.0.1:*"
 
 
-def hand_over(proc: subprocess.Popen, settings) -> None:
-    """Writes a child's settings (its key among them) to its stdin, never to a file."""
+def hand_over(proc: subprocess.Popen, settings, last: bool = True) -> None:
+    """Writes a child's settings (its key among them) to its stdin, never to a file. last=False
+    leaves stdin open for one more hand_over (what the parent works out while the child
+    starts)."""
     try:
         proc.stdin.write(pickle.dumps(settings, protocol=5))
-        proc.stdin.close()
+        proc.stdin.flush()
+        if last:
+            proc.stdin.close()
     except BrokenPipeError:  # it died at once: its exit status tells why
         pass
 
 
 def read_settings():
-    """The child's side of `hand_over`."""
-    return pickle.loads(sys.stdin.buffer.read())
+    """The child's side of `hand_over`: the next object handed over, None when stdin was closed
+    without one."""
+    try:
+        return pickle.load(sys.stdin.buffer)
+    except EOFError:
+        return None
 
 
 class Sealer:

@@ -29,25 +29,18 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # LoRA on (enable_lora)
 
     @classmethod
-    def resolve(cls, args: EngineArgs) -> EngineConfig:
+    def resolve(cls, args: EngineArgs, model_config: ModelConfig | None = None) -> EngineConfig:
         """Reads the checkpoint's config; raises ValueError for a model, device or split that
         cannot serve. With tensor parallelism, the ranks share num_threads (default: the
-        physical cores) evenly, and quantization "auto" dequantizes (blocks do not split)."""
+        physical cores) evenly. model_config: resolve_model_config(args), when the caller
+        has it already (an engine-core process gets it from its front end)."""
         device = resolve_device(args.device)
         tp_size = args.tensor_parallel_size
         num_threads = args.num_threads
         if tp_size > 1 and device.type == "cpu":
             num_threads = max(1, (num_threads or torch.get_num_threads()) // tp_size)
-        quantization = "none" if tp_size > 1 and args.quantization == "auto" else args.quantization
-        model_config = ModelConfig.from_hf(
-            args.model,
-            args.dtype,
-            device.type,
-            args.max_model_len,
-            quantization,
-            args.tokenizer,
-            args.batch_invariant,
-        )
+        if model_config is None:
+            model_config = resolve_model_config(args)
         if not args.skip_tokenizer_init:
             check_tokenizer(model_config)
         check_tensor_parallel(model_config, tp_size)
@@ -65,6 +58,22 @@ class EngineConfig:
             args.record_trace,
             args.lora_config(),
         )
+
+
+def resolve_model_config(args: EngineArgs) -> ModelConfig:
+    """The checkpoint's ModelConfig for these settings. With tensor parallelism, quantization
+    "auto" dequantizes (blocks do not split)."""
+    tp_size = args.tensor_parallel_size
+    quantization = "none" if tp_size > 1 and args.quantization == "auto" else args.quantization
+    return ModelConfig.from_hf(
+        args.model,
+        args.dtype,
+        resolve_device(args.device).type,
+        args.max_model_len,
+        quantization,
+        args.tokenizer,
+        args.batch_invariant,
+    )
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -132,9 +132,16 @@ class CoreInfo:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs | str | None = None, **settings) -> None:
-        """args: EngineArgs, or a model path with EngineArgs' settings as keywords."""
-        config = EngineConfig.resolve(EngineArgs.of(args, **settings))
+    def __init__(
+        self,
+        args: EngineArgs | str | None = None,
+        *,
+        model_config: ModelConfig | None = None,
+        **settings,
+    ) -> None:
+        """args: EngineArgs, or a model path with EngineArgs' settings as keywords.
+        model_config: engine/config.py resolve_model_config(args), when it is known already."""
+        config = EngineConfig.resolve(EngineArgs.of(args, **settings), model_config)
         self.model_config, self.device = config.model_config, config.device
         self.cache_config, self.scheduler_config = config.cache_config, config.scheduler_config
         self.speculative_config = spec = config.speculative_config

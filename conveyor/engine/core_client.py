@@ -20,6 +20,8 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -132,6 +134,19 @@ def _stop(process: CoreProcess, context: zmq.Context) -> None:
     context.destroy(linger=0)
 
 
+def _try_tokenizer(process: CoreProcess) -> tuple[Path, Any] | None:
+    """(folder, tokenizer) of the model config the front end resolved for a starting core, or
+    None when it has none or the tokenizer does not load (loaded again after the core is
+    ready, which raises then)."""
+    config = getattr(process, "model_config", None)  # a Ray-placed core resolves its own
+    if config is None:
+        return None
+    try:
+        return config.tokenizer_path, load_tokenizer(config)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
 class AsyncMPEngine:
     """The server's engine with the core in its own process, as an EngineClient."""
 
@@ -175,6 +190,8 @@ class AsyncMPEngine:
         else:
             self._process, self._context = started
         try:
+            # Loaded while the core loads the model; after it when that fails (its error first).
+            early = None if args.skip_tokenizer_init else _try_tokenizer(self._process)
             self.info, self._stats = self._process.wait_ready()
         except BaseException:
             self._process.kill()
@@ -183,7 +200,12 @@ class AsyncMPEngine:
             raise
         self.model_config = self.info.model_config
         skip = self.info.skip_tokenizer_init
-        self.tokenizer = None if skip else load_tokenizer(self.model_config)
+        if skip:
+            self.tokenizer = None
+        elif early is not None and early[0] == self.model_config.tokenizer_path:
+            self.tokenizer = early[1]
+        else:
+            self.tokenizer = load_tokenizer(self.model_config)
         self.inputs = InputProcessor(self.info, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}

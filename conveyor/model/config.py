@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -48,7 +47,12 @@ class ModelConfig:
     qk_norm: bool
     max_model_len: int
     eos_token_ids: frozenset[int]
-    hf_config: Any = field(repr=False, compare=False)
+    # RoPE as the checkpoint's config gives it: the float32 inverse frequencies (head_dim / 2)
+    # and the attention scaling that multiplies cos and sin (model/layers.py RotaryEmbedding).
+    # Resolved here, with transformers, so that the processes that only build and run the model
+    # (engine core, tensor-parallel ranks) never import a transformers config class.
+    rope_inv_freq: tuple[float, ...] = field(repr=False)
+    rope_scaling: float = 1.0
     quantization: str = "none"  # none | gguf | int8 (see QUANTIZATION_MODES)
     tokenizer: Path | None = None  # a tokenizer of its own; None: the checkpoint's
     # One reduction order per output value whatever the batch (model/kernels/panel_gemm.cpp):
@@ -82,7 +86,7 @@ class ModelConfig:
         hf = _load_hf_config(path, AutoConfig)
         arch = _architecture(hf)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        _check_rope(hf)
+        rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
         resolved_dtype = _resolve_dtype(dtype, hf, device)
         return cls(
             path=path,
@@ -101,7 +105,8 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             max_model_len=_resolve_max_len(hf, max_model_len),
             eos_token_ids=_eos_ids(path, hf),
-            hf_config=hf,
+            rope_inv_freq=rope_inv_freq,
+            rope_scaling=rope_scaling,
             quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
             tokenizer=_resolve_tokenizer(tokenizer),
             batch_invariant=bool(batch_invariant),
@@ -159,7 +164,9 @@ def _architecture(hf) -> str:
     )
 
 
-def _check_rope(hf) -> None:
+def rope_frequencies(hf, head_dim: int) -> tuple[tuple[float, ...], float]:
+    """RoPE's float32 inverse frequencies and attention scaling for a transformers config, as
+    transformers computes them (its ROPE_INIT_FUNCTIONS for the scaled variants)."""
     params = getattr(hf, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
@@ -167,6 +174,15 @@ def _check_rope(hf) -> None:
             f"unsupported rope_type {rope_type!r}; "
             f"supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
         )
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq, scaling = 1.0 / (base**exponents), 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return tuple(inv_freq.float().tolist()), float(scaling)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, hf, device: str) -> torch.dtype:

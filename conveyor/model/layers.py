@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -34,10 +35,13 @@ class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to max_len, computed once as transformers computes them:
     float32 frequencies and angles, then cast to the model dtype."""
 
-    def __init__(self, hf_config, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, inv_freq: Sequence[float], scaling: float, max_len: int, dtype: torch.dtype
+    ) -> None:
+        """inv_freq, scaling: ModelConfig's rope_inv_freq and rope_scaling."""
         super().__init__()
         with torch.device("cpu"):  # real numbers even when the model is built on "meta"
-            inv_freq, scaling = _inv_freq(hf_config, head_dim)
+            inv_freq = torch.tensor(inv_freq, dtype=torch.float32)
             positions = torch.arange(max_len, dtype=torch.int64).float()
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, head_dim)
@@ -67,19 +71,6 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (base**exponents), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    return inv_freq.float(), float(scaling)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -144,7 +144,10 @@ def _packed(module: nn.Module) -> bool:
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(tp.shard.vocab(cfg.vocab_size)[2], cfg.hidden_size)
+        # Its weights come from the checkpoint: no random init (on the meta device the first
+        # one imports torch._dynamo, ~2 s of a start).
+        shape = (tp.shard.vocab(cfg.vocab_size)[2], cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -155,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp = tp or TPGroup()
         self.model = LlamaModel(cfg, tp)
-        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, cfg.dtype)
+        self.rotary = RotaryEmbedding(
+            cfg.rope_inv_freq, cfg.rope_scaling, cfg.max_model_len, cfg.dtype
+        )
         self.lm_head = Linear(cfg.hidden_size, tp.shard.vocab(cfg.vocab_size)[2])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

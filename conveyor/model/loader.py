@@ -33,13 +33,17 @@ def load_model(
         raise ValueError("quantized weights do not split over tensor-parallel ranks")
     if plan is not None:  # quantized modules never get float storage
         plan.strip(model)
-    # Real storage on the target device; weights are then copied in by name.
-    model = model.to_empty(device=device).to(cfg.dtype)
+    # Real storage on the target device, in the model's dtype; weights are then copied in by
+    # name. As to_empty() then .to(dtype), but torch.empty: to_empty's empty_like on meta
+    # tensors imports sympy (~1 s of every start) for their strides.
+    model._apply(lambda t: torch.empty(t.shape, dtype=_dtype(t, cfg.dtype), device=device))
     # Buffers computed at construction were lost on the meta device: compute them again.
-    model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, cfg.dtype)
+    model.rotary = RotaryEmbedding(
+        cfg.rope_inv_freq, cfg.rope_scaling, cfg.max_model_len, cfg.dtype
+    )
     model.rotary.to(device)
     if cfg.tie_word_embeddings and (plan is None or "lm_head" not in plan.specs):
-        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty() made two tensors
+        model.lm_head.weight = model.model.embed_tokens.weight  # _apply() made two tensors
     weights = tqdm(
         iter_weights(cfg, plan, shard),
         desc=f"Loading {cfg.path.name}",
@@ -117,6 +121,10 @@ def _safetensors_files(folder: Path) -> list[Path]:
         if not file.exists():
             raise ValueError(f"checkpoint shard {str(file)!r} listed in the index is missing")
     return files
+
+
+def _dtype(tensor: torch.Tensor, model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if tensor.is_floating_point() else tensor.dtype
 
 
 def load_tokenizer(cfg: ModelConfig):

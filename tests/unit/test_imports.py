@@ -5,6 +5,7 @@ entry points stay light."""
 from __future__ import annotations
 
 import ast
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -119,5 +120,32 @@ def test_import_conveyor_and_the_server_pull_no_plotting():
         "import sys, conveyor, conveyor.entrypoints.openai.api_server, conveyor.bench.serve\n"
         "heavy = [m for m in ('matplotlib', 'aiohttp', 'jsonschema') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_engine_core_given_its_model_config_imports_no_transformers(tiny_checkpoint, tmp_path):
+    """An engine-core process gets its ModelConfig from the front end, which resolves it with
+    transformers while the core imports torch (engine/core_proc.py): the core then builds the
+    model and runs steps without importing transformers, torch._dynamo or sympy (~4 s of CPU
+    of every server start)."""
+    from conveyor.engine.config import resolve_model_config
+    from conveyor.engine_args import EngineArgs
+
+    args = EngineArgs.of(str(tiny_checkpoint("llama")), dtype="float32")
+    (tmp_path / "settings.pkl").write_bytes(pickle.dumps((args, resolve_model_config(args))))
+    code = (
+        "import pickle, sys, time\n"
+        "from conveyor.engine.core import CoreRequest, EngineCore\n"
+        "from conveyor.sampling_params import SamplingParams\n"
+        f"args, config = pickle.loads(open({str(tmp_path / 'settings.pkl')!r}, 'rb').read())\n"
+        "core = EngineCore(args, model_config=config)\n"
+        "params = SamplingParams(max_tokens=4, temperature=0)\n"
+        "core.add_requests([CoreRequest('a', [5, 6, 7], params, 4, 0, time.time())])\n"
+        "tokens = [t for _ in range(6) for out in core.step() for t in out.new_token_ids]\n"
+        "assert len(tokens) == 4, tokens\n"
+        "heavy = [m for m in ('transformers', 'torch._dynamo', 'sympy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "core.close()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

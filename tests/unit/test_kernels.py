@@ -159,9 +159,10 @@ def test_negative_slots_are_skipped(ops):
 def test_rotary_in_place_matches_reference(ops, dtype):
     from transformers import LlamaConfig
 
+    from conveyor.model.config import rope_frequencies
     from conveyor.model.layers import RotaryEmbedding
 
-    rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), 64, 300, dtype)
+    rotary = RotaryEmbedding(*rope_frequencies(LlamaConfig(rope_theta=10000.0), 64), 300, dtype)
     gen = torch.Generator().manual_seed(0)
     positions = torch.randint(0, 300, (70,), generator=gen)
     cos, sin = rotary.rows(positions)
@@ -465,7 +466,7 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
     from transformers import LlamaConfig
 
     from conveyor.distributed.parallel import TPGroup
-    from conveyor.model.config import ModelConfig
+    from conveyor.model.config import ModelConfig, rope_frequencies
     from conveyor.model.layers import RotaryEmbedding
     from conveyor.model.llama import LlamaDecoderLayer
 
@@ -474,7 +475,8 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
         path=None, architecture="test", dtype=dtype, vocab_size=32, hidden_size=hidden,
         intermediate_size=inner, num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=qkv_bias,
-        qk_norm=qk_norm, max_model_len=512, eos_token_ids=frozenset(), hf_config=None,
+        qk_norm=qk_norm, max_model_len=512, eos_token_ids=frozenset(),
+        rope_inv_freq=rope_frequencies(LlamaConfig(rope_theta=10000.0), head_dim)[0],
     )  # fmt: skip
     torch.manual_seed(seed)
     layer = LlamaDecoderLayer(cfg, TPGroup()).to(dtype)
@@ -483,7 +485,7 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
             param.copy_(1 + 0.1 * torch.randn_like(param) if param.dim() == 1 else param.normal_())
             if param.dim() == 2:
                 param.mul_(param.shape[1] ** -0.5)
-    rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), head_dim, 512, dtype)
+    rotary = RotaryEmbedding(cfg.rope_inv_freq, cfg.rope_scaling, 512, dtype)
     return layer, rotary
 
 
