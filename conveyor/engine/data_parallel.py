@@ -163,6 +163,11 @@ class AsyncDPEngine:
         self.on_abort: Callable | None = None
         self.on_fatal: Callable[[], None] | None = None
         self.fatal = False
+        # transformers' package is imported lazily, name by name, and two threads asking for
+        # its first names at once could get "cannot import name 'AutoTokenizer'": imported
+        # here, before the replicas' threads resolve their model config and tokenizer.
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
         # Started side by side: each waits for its core process to load the model.
         with ThreadPoolExecutor(num_replicas, thread_name_prefix="conveyor-replica") as pool:
             futures = [

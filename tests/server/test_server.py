@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 import time
@@ -376,8 +377,9 @@ def _greedy_answer(client, question: str) -> tuple[str, list]:
     return choice.message.content, logprobs
 
 
-def _greedy_answer_among_others(client, question: str, others: int = 12) -> tuple[str, list]:
-    """The question asked while `others` streams with other prompts decode next to it."""
+def _greedy_answers_among_others(client, questions: list[str], others: int = 12) -> list:
+    """Each question's answer, all asked at once while `others` streams with other prompts
+    decode next to them."""
     stop = threading.Event()
 
     def noise(i: int) -> None:
@@ -394,7 +396,9 @@ def _greedy_answer_among_others(client, question: str, others: int = 12) -> tupl
     for thread in threads:
         thread.start()
     try:
-        return _greedy_answer(client, question)
+        time.sleep(0.5)  # the noise is decoding before the questions arrive
+        with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
+            return list(pool.map(lambda question: _greedy_answer(client, question), questions))
     finally:
         stop.set()
         for thread in threads:
@@ -403,16 +407,17 @@ def _greedy_answer_among_others(client, question: str, others: int = 12) -> tupl
 
 def test_temperature_zero_answers_are_bitwise_reproducible(client):
     """On the default server (Q4_1 served quantized, prefix caching on): the same answer and
-    top-5 logprobs, bit for bit, asked cold, asked again with the prompt cached, and asked next
-    to 12 other streams (n-gram speculation: the test below). With
+    top-5 logprobs, bit for bit, asked cold, asked again with the prompt cached, and asked
+    together next to 12 other streams (n-gram speculation: the test below). With
     --no-batch-invariant a cache hit moved the first question's logprobs."""
-    for question in DETERMINISM_QUESTIONS:
-        cold = _greedy_answer(client, question)  # the first time: nothing cached
+    cold = [_greedy_answer(client, question) for question in DETERMINISM_QUESTIONS]  # uncached
+    for question, answer in zip(DETERMINISM_QUESTIONS, cold, strict=True):
+        assert answer[0], "an empty answer proves nothing"
         warm = _greedy_answer(client, question)  # the prompt's blocks from the prefix cache
-        crowded = _greedy_answer_among_others(client, question)
-        assert cold[0], "an empty answer proves nothing"
-        assert warm == cold, f"{question!r}: a cache hit changed the answer or its logprobs"
-        assert crowded == cold, f"{question!r}: other streams changed the answer or its logprobs"
+        assert warm == answer, f"{question!r}: a cache hit changed the answer or its logprobs"
+    crowded = _greedy_answers_among_others(client, DETERMINISM_QUESTIONS)
+    for question, answer, among_others in zip(DETERMINISM_QUESTIONS, cold, crowded, strict=True):
+        assert among_others == answer, f"{question!r}: other streams changed the answer"
 
 
 def test_temperature_zero_answers_are_the_same_with_ngram_speculation(client, tmp_path):
