@@ -83,7 +83,7 @@ def _build() -> ModuleType:
 def _copy_sources(folder: Path) -> Path:
     """The sources and headers, copied next to the build they belong to (the build key is their
     hash). torch's build compares the source paths too: compiled from the package itself, two
-    checkouts (a fresh clone, a second venv) rebuilt the same kernels in turn, ~5 min each."""
+    checkouts of the same sources in one venv rebuilt the same kernels in turn."""
     here = Path(__file__).parent
     folder.mkdir(parents=True, exist_ok=True)
     for name in SOURCES + HEADERS:
@@ -127,7 +127,10 @@ def build_key() -> str:
     here = Path(__file__).parent
     for name in SOURCES + HEADERS:
         digest.update((here / name).read_bytes())
-    for part in (torch.__version__, sys.version, platform.machine(), " ".join(CFLAGS)):
+    # The torch install too: its headers' paths are in the build's commands, so two venvs
+    # sharing one folder rebuilt it in turn (~5 min at each switch).
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    for part in (torch.__version__, torch_dir, sys.version, platform.machine(), " ".join(CFLAGS)):
         digest.update(part.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
