@@ -20,8 +20,6 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -44,6 +42,7 @@ from conveyor.messages import (
     SnapshotRequest,
     StepOutput,
 )
+from conveyor.model.config import ModelConfig
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind
 from conveyor.request import RequestStatus
@@ -134,15 +133,14 @@ def _stop(process: CoreProcess, context: zmq.Context) -> None:
     context.destroy(linger=0)
 
 
-def _try_tokenizer(process: CoreProcess) -> tuple[Path, Any] | None:
-    """(folder, tokenizer) of the model config the front end resolved for a starting core, or
-    None when it has none or the tokenizer does not load (loaded again after the core is
-    ready, which raises then)."""
-    config = getattr(process, "model_config", None)  # a Ray-placed core resolves its own
+def _try_tokenizer(config: ModelConfig | None):
+    """The tokenizer of the model config the front end resolved for a starting core, or None
+    when it has none (a Ray-placed core resolves its own) or the tokenizer does not load
+    (loaded again after the core is ready, which raises then)."""
     if config is None:
         return None
     try:
-        return config.tokenizer_path, load_tokenizer(config)
+        return load_tokenizer(config)
     except Exception:  # noqa: BLE001 - see above
         return None
 
@@ -191,7 +189,7 @@ class AsyncMPEngine:
             self._process, self._context = started
         try:
             # Loaded while the core loads the model; after it when that fails (its error first).
-            early = None if args.skip_tokenizer_init else _try_tokenizer(self._process)
+            early = None if args.skip_tokenizer_init else _try_tokenizer(self._process.model_config)
             self.info, self._stats = self._process.wait_ready()
         except BaseException:
             self._process.kill()
@@ -202,8 +200,8 @@ class AsyncMPEngine:
         skip = self.info.skip_tokenizer_init
         if skip:
             self.tokenizer = None
-        elif early is not None and early[0] == self.model_config.tokenizer_path:
-            self.tokenizer = early[1]
+        elif early is not None and self._process.model_config == self.model_config:
+            self.tokenizer = early
         else:
             self.tokenizer = load_tokenizer(self.model_config)
         self.inputs = InputProcessor(self.info, self.tokenizer)

@@ -79,6 +79,8 @@ class CoreProcess:
     """One engine-core process (`python -m conveyor.engine.core_proc`) and the front end's ends
     of its sockets."""
 
+    model_config: ModelConfig | None = None  # resolved here for the core; None: by the core
+
     def __init__(self, args: EngineArgs, context: zmq.Context) -> None:
         output_address = self._open(context, local_address("conveyor-core-out"))
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: only the
