@@ -357,15 +357,27 @@ def _attention(ops, q, cache, block_size, steps_of_rows, tables):
     return list(out.split(query_lens))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        # A narrow cache: prompt tiles widen it into float32 scratch once, decode rows read it
+        # in place; on AVX2 the two differed in the last bits until the FMAs were explicit.
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float8_e4m3fn),
+    ],
+)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_attention_rows_are_the_same_in_a_prefill_chunks_and_decode_rows(
-    ops, dtype, block_size, head_dim
+    ops, dtype, cache_dtype, block_size, head_dim
 ):
     """A 150-token sequence (GQA 9/3 heads): one prefill, chunks of 37 (one call each, and all
     in one call as separate items), each row as a decode row alone, and all 150 decode rows in
-    one call next to another sequence: split_keys=False gives the same bits for every row."""
+    one call next to another sequence: split_keys=False gives the same bits for every row, with
+    a cache of the model's dtype or a narrower one."""
     length, num_heads, num_kv_heads = 150, 9, 3
     gen = torch.Generator().manual_seed(block_size + head_dim)
     needed = -(-length // block_size)
@@ -373,7 +385,7 @@ def test_attention_rows_are_the_same_in_a_prefill_chunks_and_decode_rows(
     ids = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [ids[:needed], ids[needed : 2 * needed]]  # ours, and a neighbour's
     cache = torch.randn(2, num_blocks, num_kv_heads, block_size * head_dim, generator=gen)
-    cache = cache.to(dtype)
+    cache = cache.to(cache_dtype)
     q = torch.randn(length, num_heads, head_dim, generator=gen, dtype=dtype)
     other_q = torch.randn(40, num_heads, head_dim, generator=gen, dtype=dtype)
     attend = lambda steps: _attention(ops, q, cache, block_size, steps, tables)  # noqa: E731

@@ -190,7 +190,7 @@ inline void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict
         for (int i = 0; i < NV; ++i) k[i] = load_cache<T>(kt + d * BS + i * kLanes<T>);
         for (int r = 0; r < R; ++r) {
           const Vec<T> qb = broadcast(q[r * D + d]);
-          for (int i = 0; i < NV; ++i) acc[h][r][i] += qb * k[i];
+          for (int i = 0; i < NV; ++i) acc[h][r][i] = madd<T>(qb, k[i], acc[h][r][i]);
         }
       }
     }
@@ -262,7 +262,7 @@ inline void pv_rows(const T* __restrict p, int bs, const C* __restrict v, T* __r
       const C* vrow = v + j * D + c0 * L;
       for (int i = 0; i < NC; ++i) {
         const Vec<T> vi = load_cache<T>(vrow + i * L);
-        for (int r = 0; r < RP; ++r) a[r][i] += pb[r] * vi;
+        for (int r = 0; r < RP; ++r) a[r][i] = madd<T>(pb[r], vi, a[r][i]);
       }
     }
     for (int r = 0; r < RP; ++r)

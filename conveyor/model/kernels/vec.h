@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if defined(__FMA__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace conveyor_vec {
 
@@ -48,6 +51,48 @@ inline Vec<T> broadcast(T x) {
   // Folds to one broadcast, or into the FMA's memory operand (x - 0 == x for every x, -0
   // included); a lane-by-lane fill compiled to shuffles.
   return x - Vec<T>{};
+}
+
+// c + a * b for an accumulator carried around a loop, computed the same way wherever it is
+// inlined. Left to itself GCC fuses `acc += x * y` into an FMA in some loops and not in others
+// (with -march=native on an AMD Zen it avoids FMA chains, by a heuristic that sees each loop
+// on its own): two instantiations of one loop (paged attention's widened float32 tiles and
+// its 16-bit cache read in place) then differed in the last bits on a Zen 3, and a quantized
+// model's rounded activations turned that into another greedy answer. So the form is fixed
+// here: on a Zen, a multiply and an add the compiler cannot fuse (the add's 3-cycle latency
+// on its own pipes keeps more chains in flight than a 5-cycle FMA; an FMA everywhere made a
+// 512-token chunk's attention 1.4x slower there); elsewhere one FMA, rounded once.
+#if defined(__tune_znver1__) || defined(__tune_znver2__) || defined(__tune_znver3__) || \
+    defined(__tune_znver4__) || defined(__tune_znver5__)
+#define CONVEYOR_SPLIT_MADD 1
+#else
+#define CONVEYOR_SPLIT_MADD 0
+#endif
+template <typename T>
+inline Vec<T> madd(Vec<T> a, Vec<T> b, Vec<T> c) {
+#if CONVEYOR_SPLIT_MADD
+  Vec<T> product = a * b;
+  asm("" : "+v"(product));  // opaque to the optimizer: the product is rounded, then added
+  return c + product;
+#else
+#if defined(__FMA__) || defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+#if kVecBytesIs32
+    return (Vec<T>)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return (Vec<T>)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#endif
+  } else if constexpr (std::is_same_v<T, double>) {
+#if kVecBytesIs32
+    return (Vec<T>)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#else
+    return (Vec<T>)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#endif
+  }
+#endif
+  for (int i = 0; i < kLanes<T>; ++i) c[i] = std::fma(a[i], b[i], c[i]);
+  return c;
+#endif
 }
 
 // e^x lane by lane. float32: a range reduction to x = n ln2 + r and a degree-6 polynomial in r
