@@ -363,7 +363,8 @@ def _attention(ops, q, cache, block_size, steps_of_rows, tables):
         (torch.float32, torch.float32),
         (torch.float64, torch.float64),
         # A narrow cache: prompt tiles widen it into float32 scratch once, decode rows read it
-        # in place; on AVX2 the two differed in the last bits until the FMAs were explicit.
+        # in place; on a Zen 3 the two differed in the last bits until their multiply-adds had
+        # one fixed form (vec.h: madd).
         (torch.float32, torch.float16),
         (torch.float32, torch.bfloat16),
         (torch.float32, torch.float8_e4m3fn),

@@ -61,7 +61,7 @@ inline Vec<T> broadcast(T x) {
 // model's rounded activations turned that into another greedy answer. So the form is fixed
 // here: on a Zen, a multiply and an add the compiler cannot fuse (the add's 3-cycle latency
 // on its own pipes keeps more chains in flight than a 5-cycle FMA; an FMA everywhere made a
-// 512-token chunk's attention 1.4x slower there); elsewhere one FMA, rounded once.
+// 512-token chunk's attention 1.25-1.4x slower there); elsewhere one FMA, rounded once.
 #if defined(__tune_znver1__) || defined(__tune_znver2__) || defined(__tune_znver3__) || \
     defined(__tune_znver4__) || defined(__tune_znver5__)
 #define CONVEYOR_SPLIT_MADD 1
