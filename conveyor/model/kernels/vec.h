@@ -53,28 +53,22 @@ inline Vec<T> broadcast(T x) {
   return x - Vec<T>{};
 }
 
-// c + a * b for an accumulator carried around a loop, computed the same way wherever it is
-// inlined. Left to itself GCC fuses `acc += x * y` into an FMA in some loops and not in others
-// (with -march=native on an AMD Zen it avoids FMA chains, by a heuristic that sees each loop
-// on its own): two instantiations of one loop (paged attention's widened float32 tiles and
-// its 16-bit cache read in place) then differed in the last bits on a Zen 3, and a quantized
-// model's rounded activations turned that into another greedy answer. So the form is fixed
-// here: on a Zen, a multiply and an add the compiler cannot fuse (the add's 3-cycle latency
-// on its own pipes keeps more chains in flight than a 5-cycle FMA; an FMA everywhere made a
-// 512-token chunk's attention 1.25-1.4x slower there); elsewhere one FMA, rounded once.
+// Multiply-adds in a fixed form. Left to itself GCC fuses `acc += x * y` into an FMA in some
+// loops and not in others (with -march=native on an AMD Zen it avoids FMA chains, by a
+// heuristic that sees each loop on its own): two instantiations of one loop (paged attention's
+// widened float32 tiles and its 16-bit cache read in place) then differed in the last bits on
+// a Zen 3, and a quantized model's rounded activations turned that into another greedy answer.
+// A loop that must give the same bits in every instantiation calls fmadd or madd.
 #if defined(__tune_znver1__) || defined(__tune_znver2__) || defined(__tune_znver3__) || \
     defined(__tune_znver4__) || defined(__tune_znver5__)
 #define CONVEYOR_SPLIT_MADD 1
 #else
 #define CONVEYOR_SPLIT_MADD 0
 #endif
+
+// a * b + c rounded once (one FMA), however the compiler would have contracted it.
 template <typename T>
-inline Vec<T> madd(Vec<T> a, Vec<T> b, Vec<T> c) {
-#if CONVEYOR_SPLIT_MADD
-  Vec<T> product = a * b;
-  asm("" : "+v"(product));  // opaque to the optimizer: the product is rounded, then added
-  return c + product;
-#else
+inline Vec<T> fmadd(Vec<T> a, Vec<T> b, Vec<T> c) {
 #if defined(__FMA__) || defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
 #if kVecBytesIs32
@@ -92,6 +86,20 @@ inline Vec<T> madd(Vec<T> a, Vec<T> b, Vec<T> c) {
 #endif
   for (int i = 0; i < kLanes<T>; ++i) c[i] = std::fma(a[i], b[i], c[i]);
   return c;
+}
+
+// c + a * b for a latency-bound accumulator chain: on a Zen a multiply and an add the
+// compiler cannot fuse (the add's 3-cycle latency on its own pipes keeps more chains in flight
+// than a 5-cycle FMA: FMAs in both of paged attention's loops made a 512-token chunk's
+// attention 1.25-1.4x slower there, FMAs in Q K^T alone did not), elsewhere one FMA.
+template <typename T>
+inline Vec<T> madd(Vec<T> a, Vec<T> b, Vec<T> c) {
+#if CONVEYOR_SPLIT_MADD
+  Vec<T> product = a * b;
+  asm("" : "+v"(product));  // opaque to the optimizer: the product is rounded, then added
+  return c + product;
+#else
+  return fmadd<T>(a, b, c);
 #endif
 }
 
