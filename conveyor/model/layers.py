@@ -194,7 +194,7 @@ def _forms_file(dtype: torch.dtype, ops: ModuleType | None) -> Path:
 def _measure_forms(dtype: torch.dtype, ops: ModuleType | None) -> dict[int, str]:
     """Each form timed over weights of 3072 x 576, 170 MB of them (24 in float32: streamed
     from memory, as a step streams a model's weights, not from the caches), best of 3 passes;
-    about 1.3 s in all."""
+    about 1.3 s in all (_best_times bounds a slow dtype's)."""
     weights = torch.full((96 // dtype.itemsize, 3072, 576), 0.5, dtype=dtype)
     winners = {}
     for bucket in MATMUL_BUCKETS:
@@ -210,17 +210,30 @@ def _measure_forms(dtype: torch.dtype, ops: ModuleType | None) -> dict[int, str]
     return winners
 
 
-def _best_times(weights: torch.Tensor, forms: dict) -> dict[str, float]:
-    """Each form's best pass over the weights. The forms take turns pass by pass, so that a
-    burst of load from elsewhere on the machine slows all of them, not the one it hits."""
+def _best_times(weights: torch.Tensor, forms: dict, budget: float = 0.05) -> dict[str, float]:
+    """Each form's best pass over the weights, per weight. The forms take turns pass by pass, so
+    that a burst of load from elsewhere on the machine slows all of them, not the one it hits.
+    A form slower than `budget` seconds a pass is compute-bound at this row count (memory would
+    stream the pass in a few ms), so the counted passes take only the weights the warm-up round
+    got through in that time: the per-weight time is the same, and a dtype without fast
+    arithmetic here (bfloat16 on an AVX2 CPU: ~9 s a dtype over every weight) costs ~1 s."""
     best = dict.fromkeys(forms, float("inf"))
-    for attempt in range(4):  # the first round warms up and is not counted
+    count = len(weights)
+    for attempt in range(4):  # the first round warms up and sizes the passes; not counted
+        done = {}
         for name, form in forms.items():
             start = time.perf_counter()
-            for weight in weights:
+            for i, weight in enumerate(weights[:count]):
                 form(weight)
+                if not attempt and i == 0:
+                    first = time.perf_counter()  # a first call's set-up does not count
+                elif not attempt and time.perf_counter() - first > budget:
+                    break
+            done[name] = i + 1
             if attempt:
-                best[name] = min(best[name], time.perf_counter() - start)
+                best[name] = min(best[name], (time.perf_counter() - start) / count)
+        if not attempt:
+            count = min(done.values())
     return best
 
 
