@@ -137,6 +137,28 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> set[int]:
+    """Live processes under pid, at any depth (from /proc): a server's Ray actors are children
+    of the raylet it started, and a machine-wide pgrep would also see another test's."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def core_pid(server: ServerProcess) -> int:
     """The engine-core process."""
     pids = [

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from server_util import ServerProcess
+from server_util import ServerProcess, descendants
 
 from conveyor.engine.data_parallel import PrefixRouter
 
@@ -113,10 +113,12 @@ def dp(request, model, tmp_path_factory):
 
 def _cores(server: ServerProcess) -> list[int]:
     """The pids of the server's engine cores: its children, or its Ray actors."""
-    if server.backend == "ray":
+    if server.backend == "ray":  # this server's: another module may run Ray actors meanwhile
         command = ["pgrep", "-f", "ray::EngineCoreActor"]
-    else:
-        command = ["pgrep", "-P", str(server.proc.pid), "-f", "conveyor.engine.core_proc"]
+        found = subprocess.run(command, capture_output=True, text=True).stdout.split()
+        mine = descendants(server.proc.pid)
+        return [int(p) for p in found if int(p) in mine]
+    command = ["pgrep", "-P", str(server.proc.pid), "-f", "conveyor.engine.core_proc"]
     return [int(p) for p in subprocess.run(command, capture_output=True, text=True).stdout.split()]
 
 
