@@ -34,7 +34,7 @@
 // The integer dot products: AVX-512 VNNI's vpdpbusd (unsigned weight bytes x signed
 // activations; q8's + 128 is taken off by starting the sum at -128 * sum_j xq[j]); AVX2's
 // maddubs + madd (q8 with the signed weights and the sign trick, so no pair sum overflows; q4
-// sums a whole block in int16 lanes first, which cannot overflow: Avx2Blocks::dot16_q4).
+// sums a whole block in int16 lanes first, which cannot overflow: Avx2Blocks::dot_q4).
 //
 // Work split: threads take groups of NP panels (balanced_for); inside, tokens in tiles of TT
 // rows. A tile keeps TT x NP vector accumulators in registers and reads each weight vector
@@ -648,26 +648,20 @@ struct Avx2Blocks {
             _mm256_and_si256(_mm256_srli_epi16(v.b, 4), m)};
   }
   static __m256i quad(const int8_t* x) { return _mm256_set1_epi32(read_as<int32_t>(x)); }
-  // q4 on AVX2 sums a block in int16 lanes: per column pair, maddubs gives at most
-  // 2 * 15 * 127 = 3810 (int8 activations are within +-127), so a block's 8 of them (4 chunks,
-  // low and high nibbles) stay within 30480 < 32767: exact, the same integers as dot_q4, with
-  // one widening madd a block instead of one per chunk (a third fewer instructions a token).
-  static constexpr bool kInt16Q4 = true;
-  static I dot16_q4(I acc, I lo, __m256i xl, I hi, __m256i xh) {
+  // q4: acc + per column the dots of 4 unsigned weight bytes (0..15) with 4 signed activations,
+  // the low nibbles' and the high ones'. The sums stay in int16 lanes until the block ends
+  // (finish_q4): per column pair maddubs gives at most 2 * 15 * 127 = 3810 (int8 activations
+  // are within +-127), a block's 8 of them at most 30480 < 32767, so they are exact, the
+  // integers of an int32 sum, with one widening madd a block instead of one a chunk.
+  static I dot_q4(I acc, I lo, __m256i xl, I hi, __m256i xh) {
     return {_mm256_add_epi16(acc.a, _mm256_add_epi16(_mm256_maddubs_epi16(lo.a, xl),
                                                      _mm256_maddubs_epi16(hi.a, xh))),
             _mm256_add_epi16(acc.b, _mm256_add_epi16(_mm256_maddubs_epi16(lo.b, xl),
                                                      _mm256_maddubs_epi16(hi.b, xh)))};
   }
-  static I widen16(I s) {
+  static I finish_q4(I s) {
     const __m256i one = _mm256_set1_epi16(1);
     return {_mm256_madd_epi16(s.a, one), _mm256_madd_epi16(s.b, one)};
-  }
-  // acc + per column the dot of 4 unsigned weight bytes (0..15) and 4 signed activations.
-  static I dot_q4(I acc, I w, __m256i x) {
-    const __m256i one = _mm256_set1_epi16(1);
-    return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(_mm256_maddubs_epi16(w.a, x), one)),
-            _mm256_add_epi32(acc.b, _mm256_madd_epi16(_mm256_maddubs_epi16(w.b, x), one))};
   }
   // q8 stored as q ^ 0x80: back to signed, then |w| times x with w's sign (pair sums fit).
   static I signed_q8(I w) {
@@ -713,10 +707,10 @@ struct Avx512Blocks {
     return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
   }
   static I quad(const int8_t* x) { return _mm512_set1_epi32(read_as<int32_t>(x)); }
-  static I dot_q4(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
-  static constexpr bool kInt16Q4 = false;  // vpdpbusd sums into int32 in one instruction
-  static I dot16_q4(I acc, I, I, I, I) { return acc; }
-  static I widen16(I s) { return s; }
+  static I dot_q4(I acc, I lo, I xl, I hi, I xh) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xl), hi, xh);
+  }
+  static I finish_q4(I s) { return s; }  // vpdpbusd sums into int32 lanes
   static I signed_q8(I w) { return w; }  // vpdpbusd takes the stored unsigned q + 128
   static I dot_q8(I acc, I w_plus_128, I x) { return _mm512_dpbusd_epi32(acc, w_plus_128, x); }
   static I q8_start(int32_t xsum) { return _mm512_set1_epi32(-128 * xsum); }
@@ -744,7 +738,7 @@ struct BlockVec {
             isum[t][p] = Q4 ? B::izero() : B::q8_start(a.xi[(t0 + t) * a.nb + b]);
         const uint8_t* blk[NP];
         for (int p = 0; p < NP; ++p) blk[p] = a.wq + ((p0 + p) * a.nb + b) * chunks * kPanelBytes;
-        if constexpr (Q4 && B::kInt16Q4) {
+        if constexpr (Q4) {
           for (int g = 0; g < 4; ++g) {
             typename B::I lo[NP], hi[NP];
             for (int p = 0; p < NP; ++p) {
@@ -755,28 +749,11 @@ struct BlockVec {
             for (int t = 0; t < TT; ++t) {
               const int8_t* xq = a.xq + (t0 + t) * a.k + b * QK;
               const auto xl = B::quad(xq + 4 * g), xh = B::quad(xq + 16 + 4 * g);
-              for (int p = 0; p < NP; ++p) isum[t][p] = B::dot16_q4(isum[t][p], lo[p], xl, hi[p], xh);
+              for (int p = 0; p < NP; ++p) isum[t][p] = B::dot_q4(isum[t][p], lo[p], xl, hi[p], xh);
             }
           }
           for (int t = 0; t < TT; ++t)
-            for (int p = 0; p < NP; ++p) isum[t][p] = B::widen16(isum[t][p]);
-        } else if constexpr (Q4) {
-          for (int g = 0; g < 4; ++g) {
-            typename B::I lo[NP], hi[NP];
-            for (int p = 0; p < NP; ++p) {
-              const typename B::I v = B::load_bytes(blk[p] + g * kPanelBytes);
-              lo[p] = B::low_nibbles(v);
-              hi[p] = B::high_nibbles(v);
-            }
-            for (int t = 0; t < TT; ++t) {
-              const int8_t* xq = a.xq + (t0 + t) * a.k + b * QK;
-              const auto xl = B::quad(xq + 4 * g), xh = B::quad(xq + 16 + 4 * g);
-              for (int p = 0; p < NP; ++p) {
-                isum[t][p] = B::dot_q4(isum[t][p], lo[p], xl);
-                isum[t][p] = B::dot_q4(isum[t][p], hi[p], xh);
-              }
-            }
-          }
+            for (int p = 0; p < NP; ++p) isum[t][p] = B::finish_q4(isum[t][p]);
         } else {
           for (int g = 0; g < 8; ++g) {
             typename B::I w[NP];
