@@ -80,37 +80,72 @@ class ModelConfig:
         batch_invariant: bool = True,
     ) -> ModelConfig:
         """tokenizer: a folder (or .gguf file) whose tokenizer replaces the checkpoint's."""
-        from transformers import AutoConfig
-
         path = resolve_model_path(model)
-        hf = _load_hf_config(path, AutoConfig)
-        arch = _architecture(hf)
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
-        resolved_dtype = _resolve_dtype(dtype, hf, device)
+        facts = checkpoint_facts(path)
+        resolved_dtype = _resolve_dtype(dtype, facts["saved_dtype"], device)
         return cls(
             path=path,
-            architecture=arch,
+            architecture=facts["architecture"],
             dtype=resolved_dtype,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=arch == "qwen3",
-            max_model_len=_resolve_max_len(hf, max_model_len),
-            eos_token_ids=_eos_ids(path, hf),
-            rope_inv_freq=rope_inv_freq,
-            rope_scaling=rope_scaling,
+            vocab_size=facts["vocab_size"],
+            hidden_size=facts["hidden_size"],
+            intermediate_size=facts["intermediate_size"],
+            num_layers=facts["num_layers"],
+            num_heads=facts["num_heads"],
+            num_kv_heads=facts["num_kv_heads"],
+            head_dim=facts["head_dim"],
+            rms_norm_eps=facts["rms_norm_eps"],
+            tie_word_embeddings=facts["tie_word_embeddings"],
+            qkv_bias=facts["qkv_bias"],
+            qk_norm=facts["qk_norm"],
+            max_model_len=_resolve_max_len(facts["max_position_embeddings"], max_model_len),
+            eos_token_ids=frozenset(facts["eos_token_ids"]),
+            rope_inv_freq=tuple(facts["rope_inv_freq"]),
+            rope_scaling=facts["rope_scaling"],
             quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
             tokenizer=_resolve_tokenizer(tokenizer),
             batch_invariant=bool(batch_invariant),
         )
+
+
+def checkpoint_facts(path: Path) -> dict:
+    """What ModelConfig takes from the checkpoint's config.json and generation_config.json, as
+    transformers reads them; kept by the files' contents (model/resolve_cache.py), so that a
+    later start imports no transformers config class (3-4 s on 2 cores)."""
+    from conveyor.model.resolve_cache import cached
+
+    folder = hf_folder(path)
+    return cached("model", folder, lambda: _read_facts(path, folder))
+
+
+def _read_facts(path: Path, folder: Path) -> dict:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(folder)
+    arch = _architecture(hf)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
+    saved = getattr(hf, "dtype", None)
+    return {
+        "architecture": arch,
+        "vocab_size": int(hf.vocab_size),
+        "hidden_size": int(hf.hidden_size),
+        "intermediate_size": int(hf.intermediate_size),
+        "num_layers": int(hf.num_hidden_layers),
+        "num_heads": int(hf.num_attention_heads),
+        "num_kv_heads": int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(hf.rms_norm_eps),
+        "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+        "qkv_bias": arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        "qk_norm": arch == "qwen3",
+        "max_position_embeddings": int(getattr(hf, "max_position_embeddings", None) or 2048),
+        # the name of the dtype the checkpoint was saved in ("float32", ...), or None
+        "saved_dtype": str(saved).removeprefix("torch.") if saved is not None else None,
+        "eos_token_ids": sorted(_eos_ids(folder, hf)),
+        "rope_inv_freq": list(rope_inv_freq),
+        "rope_scaling": rope_scaling,
+    }
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -144,10 +179,6 @@ def hf_folder(path: Path) -> Path:
 
         return gguf_hf_folder(path)
     return path
-
-
-def _load_hf_config(path: Path, auto_config):
-    return auto_config.from_pretrained(hf_folder(path))
 
 
 def _architecture(hf) -> str:
@@ -185,7 +216,7 @@ def rope_frequencies(hf, head_dim: int) -> tuple[tuple[float, ...], float]:
     return tuple(inv_freq.float().tolist()), float(scaling)
 
 
-def _resolve_dtype(dtype: str | torch.dtype, hf, device: str) -> torch.dtype:
+def _resolve_dtype(dtype: str | torch.dtype, saved_name: str | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
@@ -194,9 +225,9 @@ def _resolve_dtype(dtype: str | torch.dtype, hf, device: str) -> torch.dtype:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype]
-    saved = getattr(hf, "dtype", None)
-    if isinstance(saved, str):
-        saved = DTYPES.get(saved)
+    saved = getattr(torch, saved_name, None) if saved_name else None
+    if not isinstance(saved, torch.dtype):
+        saved = None
     if saved in (torch.float32, torch.float64):
         return saved
     # Half precision is slow on most CPUs; on a GPU it is what the checkpoint was made for.
@@ -231,8 +262,7 @@ def _resolve_quantization(requested: str, path: Path, dtype: torch.dtype, device
     return "gguf"
 
 
-def _resolve_max_len(hf, max_model_len: int | None) -> int:
-    limit = getattr(hf, "max_position_embeddings", None) or 2048
+def _resolve_max_len(limit: int, max_model_len: int | None) -> int:
     if max_model_len is None:
         return limit
     if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
@@ -243,10 +273,10 @@ def _resolve_max_len(hf, max_model_len: int | None) -> int:
     return max_model_len
 
 
-def _eos_ids(path: Path, hf) -> frozenset[int]:
+def _eos_ids(folder: Path, hf) -> frozenset[int]:
     """EOS ids as transformers' generate sees them: generation_config.json, else the config."""
     ids: set[int] = set()
-    gen_file = hf_folder(path) / "generation_config.json"
+    gen_file = folder / "generation_config.json"
     if gen_file.exists():
         from transformers import GenerationConfig
 

@@ -1,0 +1,80 @@
+"""What transformers resolves from a checkpoint's small files, kept on disk by their contents.
+
+Reading a config with transformers' AutoConfig, or picking a tokenizer class with AutoTokenizer,
+imports the model's config class, and with it much of transformers (torch._dynamo,
+torch.distributed.tensor, sympy): 3-4 s of a server start on 2 cores, spent while the engine
+core waits for its config. What they resolve depends only on the files of the checkpoint's
+folder (config.json, generation_config.json, the tokenizer's files) and on the transformers
+version, so it is kept under conveyor.paths.cache_dir() / "resolved", keyed by a hash of those
+files' bytes, and a later start with the same files reads it back (a few ms).
+
+An entry is plain JSON, written atomically; one that cannot be read is resolved again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+FORMAT = 1  # bump when what an entry holds changes
+# Weights and other large files are not what transformers resolves a config or tokenizer from.
+WEIGHT_SUFFIXES = frozenset(
+    {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz"}
+)
+MAX_HASHED_BYTES = 64 << 20  # a larger file counts by its size and modification time
+
+
+def folder_digest(folder: Path) -> str:
+    """A hash of the folder's non-weight files (names and bytes) and the transformers version."""
+    digest = hashlib.sha256(f"{FORMAT}|{_transformers_version()}".encode())
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not entry.is_file() or Path(entry.name).suffix in WEIGHT_SUFFIXES:
+            continue
+        stat = entry.stat()
+        digest.update(f"|{entry.name}|{stat.st_size}|".encode())
+        if stat.st_size > MAX_HASHED_BYTES:
+            digest.update(str(stat.st_mtime_ns).encode())
+        else:
+            digest.update(Path(entry.path).read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def cached(kind: str, folder: Path, compute: Callable[[], dict]) -> dict:
+    """`compute()` for `folder`'s files, read back from the cache when it was kept before.
+    Errors are not kept: a checkpoint that fails resolves (and fails) again."""
+    try:
+        path = _root() / f"{kind}-{folder_digest(folder)}.json"
+    except OSError:
+        return compute()  # an unreadable folder: transformers gives the error
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as file:
+            json.dump(value, file)
+        os.replace(tmp, path)  # atomic: a reader never sees half an entry
+    except OSError:
+        pass  # a read-only cache only costs the next start the same time
+    return value
+
+
+def _root() -> Path:
+    from conveyor.paths import cache_dir
+
+    return cache_dir() / "resolved"
+
+
+def _transformers_version() -> str:
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return "none"
