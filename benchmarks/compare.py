@@ -154,6 +154,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "conveyor serve runs: 512 on CPU, 2048 on CUDA)",
     )
     parser.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="target step time of both conveyor systems (conveyor serve --max-step-ms: decodes "
+        "first, prompt chunks cut to fit; default off, as conveyor serve runs)",
+    )
+    parser.add_argument(
         "--dtype",
         default="auto",
         help="auto|float32|bfloat16|float16|float64 (auto: conveyor's default; hf-generate "
@@ -233,6 +241,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
     if args.num_threads < 0:
         raise ValueError(f"--num-threads must be >= 0, got {args.num_threads}")
+    if args.max_step_ms is not None and not (0 < args.max_step_ms < math.inf):
+        raise ValueError(f"--max-step-ms must be a finite number > 0, got {args.max_step_ms}")
     for name in ("output_mean", "tbt_slo"):
         if not (0 < getattr(args, name) < math.inf):
             flag = "--" + name.replace("_", "-")
@@ -319,6 +329,7 @@ def _load_engine(args: argparse.Namespace, policy: str):
         max_model_len=args.prompt_range[1] + args.output_range[1],
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_step_ms=args.max_step_ms,
         # Every rate replays the same prompts, and transformers has no prefix cache.
         enable_prefix_caching=False,
         scheduling_policy=policy,

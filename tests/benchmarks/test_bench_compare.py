@@ -349,6 +349,8 @@ def test_goodput_counts_the_requests_that_meet_the_slo_per_second():
         (["--output-mean", "inf"], "--output-mean"),
         (["--tbt-slo", "-1"], "--tbt-slo"),
         (["--capacity-factor", "1"], "--capacity-factor"),
+        (["--max-step-ms", "0"], "--max-step-ms"),
+        (["--max-step-ms", "nan"], "--max-step-ms"),
         (["--request-rates", "1", "2", "--timeline-rate", "3"], "--timeline-rate"),
     ],
 )
@@ -371,3 +373,16 @@ def test_quick_shrinks_the_sweep_and_explicit_flags_win():
     with pytest.raises(SystemExit):
         with contextlib.redirect_stderr(io.StringIO()):
             parse(["--output-dist", "zipf"])
+
+
+def test_the_step_time_target_reaches_both_conveyor_systems(tiny_checkpoint):
+    argv = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--max-step-ms", "40"]
+    args = parse([*argv, "--prompt-range", "4", "40", "--output-range", "2", "16"])
+    compare.check_args(args)
+    for policy in ("fcfs", "static"):
+        engine = compare._load_engine(args, policy)
+        try:
+            config = engine.scheduler_config
+            assert (config.max_step_ms, config.policy) == (40.0, policy)
+        finally:
+            engine.shutdown()
