@@ -15,3 +15,19 @@ def cache_dir() -> Path:
     if explicit:
         return Path(explicit).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "conveyor"
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Writes `data` to `path` through a temporary file renamed over it: a process reading the
+    path meanwhile sees the old file or the new one, never half of one. Makes the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        if isinstance(data, str):
+            tmp.write_text(data)
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -115,10 +115,10 @@ def checkpoint_facts(path: Path) -> dict:
     from conveyor.model.resolve_cache import cached
 
     folder = hf_folder(path)
-    return cached("model", folder, lambda: _read_facts(path, folder))
+    return cached("model", folder, lambda: _read_facts(folder))
 
 
-def _read_facts(path: Path, folder: Path) -> dict:
+def _read_facts(folder: Path) -> dict:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(folder)

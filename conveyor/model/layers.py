@@ -14,6 +14,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from conveyor.paths import write_atomic
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -162,11 +164,8 @@ def keep_measured_forms(dtype: torch.dtype) -> dict[int, str]:
     set-up, when nothing else runs; run `python -m conveyor.model.warm_up` to measure again)."""
     ops = _kernel_ops(dtype)
     winners = _measure_forms(dtype, ops)
-    path = _forms_file(dtype, ops)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({str(k): v for k, v in winners.items()}))
-    os.replace(partial, path)  # atomic: a process starting meanwhile reads old or new
+    # atomic: a process starting meanwhile reads the old forms or the new ones
+    write_atomic(_forms_file(dtype, ops), json.dumps({str(k): v for k, v in winners.items()}))
     _measured_forms.cache_clear()
     return winners
 

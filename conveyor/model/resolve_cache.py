@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+
+from conveyor.paths import cache_dir, write_atomic
 
 FORMAT = 1  # bump when what an entry holds changes
 # Weights and other large files are not what transformers resolves a config or tokenizer from.
@@ -57,19 +58,13 @@ def cached(kind: str, folder: Path, compute: Callable[[], dict]) -> dict:
         pass
     value = compute()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as file:
-            json.dump(value, file)
-        os.replace(tmp, path)  # atomic: a reader never sees half an entry
+        write_atomic(path, json.dumps(value))  # a reader never sees half an entry
     except OSError:
         pass  # a read-only cache only costs the next start the same time
     return value
 
 
 def _root() -> Path:
-    from conveyor.paths import cache_dir
-
     return cache_dir() / "resolved"
 
 

@@ -24,6 +24,8 @@ from types import ModuleType
 
 import torch
 
+from conveyor.paths import write_atomic
+
 logger = logging.getLogger(__name__)
 
 SOURCES = (
@@ -90,9 +92,7 @@ def _copy_sources(folder: Path) -> Path:
         text = (here / name).read_bytes()
         target = folder / name
         if not target.exists() or target.read_bytes() != text:
-            tmp = target.with_suffix(f"{target.suffix}.{os.getpid()}.tmp")
-            tmp.write_bytes(text)
-            tmp.replace(target)  # atomic: a concurrent build never reads half a file
+            write_atomic(target, text)  # a concurrent build never reads half a file
     return folder
 
 
