@@ -151,6 +151,12 @@ class EngineArgs:
         "(README: Tuning tail latency)",
         metavar="MS",
     )
+    enforce_eager: bool = _setting(
+        False,
+        "engine",
+        "CUDA: run every step eagerly; by default a step of one token per request replays a "
+        "CUDA graph (captured at the first step of its batch size)",
+    )
     seed: int = _setting(0, "engine", "seed of unseeded sampling")
     num_threads: int | None = _setting(None, "engine", "CPU threads (default: physical cores)")
     record_trace: bool = _setting(

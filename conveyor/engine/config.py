@@ -27,6 +27,7 @@ class EngineConfig:
     skip_tokenizer_init: bool
     record_trace: bool
     lora_config: LoRAConfig | None = None  # LoRA on (enable_lora)
+    enforce_eager: bool = False  # no CUDA graphs (worker/cuda_graphs.py)
 
     @classmethod
     def resolve(cls, args: EngineArgs, model_config: ModelConfig | None = None) -> EngineConfig:
@@ -57,6 +58,7 @@ class EngineConfig:
             args.skip_tokenizer_init,
             args.record_trace,
             args.lora_config(),
+            args.enforce_eager,
         )
 
 

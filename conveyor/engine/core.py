@@ -214,6 +214,7 @@ class EngineCore:
             tp=tp,
             publish=publish,
             loras=self.loras,
+            graph_rows=0 if config.enforce_eager else self.scheduler_config.max_num_seqs,
         )
 
     def _allocate_kv_cache(self) -> None:

@@ -32,6 +32,7 @@ from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.sample.sampler import Sampler, target_logprobs
 from conveyor.sample.verifier import verify
+from conveyor.worker.cuda_graphs import DecodeGraphs, graph_mode
 
 # Proposes the drafts of a step's requests (the draft model's `propose`); see _drafts.
 ProposeDrafts = Callable[[list[ScheduledRequest]], list[list[int]]]
@@ -62,10 +63,13 @@ class ModelRunner:
         tp: TPGroup | None = None,
         publish: Callable[[StepInputs], None] | None = None,
         loras: LoRARegistry | None = None,
+        graph_rows: int = 0,
     ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
         rank 0, sends each step's inputs to the other ranks before the forward; loras: the
-        adapters in host memory, with LoRA on (never with tensor parallelism)."""
+        adapters in host memory, with LoRA on (never with tensor parallelism); graph_rows:
+        decode steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
+        0: every step eager, --enforce-eager)."""
         self.cfg = cfg
         self.tp = tp or TPGroup()
         self.publish = publish
@@ -81,6 +85,10 @@ class ModelRunner:
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype)
+        # Decode graphs: one rank, no adapters; built with the cache (its scratch block).
+        mode = graph_mode(device) if graph_rows and self.tp.size == 1 and loras is None else None
+        self.graph_mode, self.graph_rows = mode, graph_rows
+        self.graphs: DecodeGraphs | None = None
         # Seconds of the last execute: (input preparation, model forward + logits, sampling).
         # On CUDA the split is approximate: kernels run asynchronously until sampling syncs.
         self.last_timing: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -92,8 +100,18 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # One contiguous (block, kv head) tile per block and head: see model/attention.py.
         tile = self.block_size * self.cfg.head_dim
-        shape = (2, num_blocks, self.num_kv_heads, tile)
+        scratch = self.graph_mode is not None  # one block more: the padded rows' (cuda_graphs)
+        shape = (2, num_blocks + scratch, self.num_kv_heads, tile)
         self.kv_caches = [self._new_cache(shape) for _ in range(self.cfg.num_layers)]
+        if scratch:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.block_size,
+                self.graph_rows,
+                self.cfg.max_model_len,
+                capture=self.graph_mode == "capture",
+            )
 
     def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
@@ -108,14 +126,19 @@ class ModelRunner:
         step = self.step_inputs(sched.scheduled, drafts)
         if self.publish is not None:
             self.publish(step)
-        input_ids, positions, meta, logits_rows = self.tensors(step)
-        prepared = time.perf_counter()
-        with self._lora_rows(sched.scheduled, step):
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
-        logits = None
-        if len(step.logits_rows):
-            logits = self.model.compute_logits(hidden[logits_rows])
+        if self._replays(step):
+            prepared = time.perf_counter()
+            logits = self.graphs.run(step.input_ids, step.context_lens, step.block_tables)
+            hidden = None
+        else:
+            input_ids, positions, meta, logits_rows = self.tensors(step)
+            prepared = time.perf_counter()
+            with self._lora_rows(sched.scheduled, step):
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            logits = None
+            if len(step.logits_rows):
+                logits = self.model.compute_logits(hidden[logits_rows])
         num_prompt_rows = sum(len(s.prompt_targets or ()) for s in sched.scheduled)
         prompt_rows = self._prompt_rows(sched.scheduled, step, hidden, logits, num_prompt_rows)
         if num_prompt_rows:  # the sampler reads the sampled rows only
@@ -134,6 +157,14 @@ class ModelRunner:
         self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return ModelRunnerOutput(
             [sched.scheduled[i].request_id for i in sampled], token_ids, logprobs, *prompt_rows
+        )
+
+    def _replays(self, step: StepInputs) -> bool:
+        """Whether this step runs as a decode graph (cuda_graphs.py says which steps can)."""
+        if self.graphs is None or step.prompt_tokens is not None:
+            return False
+        return self.graphs.eligible(
+            step.query_lens, len(step.input_ids), len(step.logits_rows), step.context_lens
         )
 
     def _prompt_rows(
