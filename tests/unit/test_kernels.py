@@ -147,6 +147,35 @@ def test_single_thread_gives_the_same_result(ops):
     assert torch.equal(many[0][0], one[0][0]), "a row's result depends on the thread count"
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_a_rows_result_does_not_depend_on_its_tile(ops, cache_dtype):
+    """A one-request step of 1 + k rows (a verification) has too few items for two threads,
+    so its tiles are cut to fewer tokens; each row must keep the bits it gets in a step where
+    it shares one full tile (15 rows here: a float16 cache is widened there, read in place in
+    the small tiles)."""
+    bs, num_heads, num_kv_heads, dim = 16, 9, 3, 64
+    gen = torch.Generator().manual_seed(5)
+    seqs = [(300, 5), (40, 30), (10, 60), (0, 64)]  # the first alone: 3 items; all: 21
+    query_lens = torch.tensor([q for _, q in seqs])
+    seq_lens = torch.tensor([c + q for c, q in seqs])
+    needed = [-(-int(n) // bs) for n in seq_lens]
+    starts = np.cumsum([0, *needed])
+    tables = torch.from_numpy(
+        pad_block_tables([list(range(a, a + n)) for a, n in zip(starts, needed, strict=False)])
+    )
+    cache = torch.randn(2, int(starts[-1]), num_kv_heads, bs * dim, generator=gen)
+    cache = cache.to(cache_dtype)
+    q = torch.randn(int(query_lens.sum()), num_heads, dim, generator=gen)
+    query_start = torch.cat([torch.zeros(1, dtype=torch.int64), query_lens.cumsum(0)])
+    scale = dim**-0.5
+    together = ops.paged_attention(q, cache, bs, query_start, seq_lens, tables, scale, False)
+    n = seqs[0][1]
+    alone = ops.paged_attention(
+        q[:n], cache, bs, query_start[:2], seq_lens[:1], tables[:1], scale, False
+    )
+    assert torch.equal(alone, together[:n]), "a row's result depends on the tile it sits in"
+
+
 def test_negative_slots_are_skipped(ops):
     k = torch.ones(2, 1, 4)
     cache = torch.zeros(2, 3, 1, 4 * 4)

@@ -653,9 +653,18 @@ void attention_impl(const Inputs& in, int64_t num_seqs, const T* qp, const C* kc
                     T* out, Shape sh) {
   const int64_t group = in.num_heads / in.num_kv_heads;
   // Up to 64 rows (tokens x group) per tile: the tile's Q, S and accumulator stay in L1/L2.
-  const int64_t tokens_per_tile = std::max<int64_t>(1, 64 / group);
+  int64_t tokens_per_tile = std::max<int64_t>(1, 64 / group);
   const int64_t max_rows = tokens_per_tile * group;
   std::vector<WorkItem> items = plan(in, num_seqs, tokens_per_tile);
+  // Few items of several tokens each (a one-request verification of 1 + k rows: 3 kv heads,
+  // one tile each, on 2 threads) leave a thread idle for a whole item: halve the tiles until
+  // there are kSplitTarget items or single tokens. A row's arithmetic does not depend on its
+  // tile (each row sums its own keys in the same order in any tile), so results do not change;
+  // each tile reads the sequence's K/V again, from cache at these sizes.
+  while (static_cast<int64_t>(items.size()) < kSplitTarget && tokens_per_tile > 1) {
+    tokens_per_tile = (tokens_per_tile + 1) / 2;
+    items = plan(in, num_seqs, tokens_per_tile);
+  }
   const int64_t num_slots = split_keys(items, in, sh.block_size);
   Partials<T> partials{group, sh.head_dim, std::vector<T>(num_slots * group * (2 + sh.head_dim))};
   // Parts are handed out by cost like the rest; merge_parts finds each item's parts in order.
