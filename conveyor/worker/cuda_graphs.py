@@ -28,11 +28,15 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from conveyor.model.attention import AttentionMetadata, ReferencePlan
+
+if TYPE_CHECKING:
+    from conveyor.worker.model_runner import StepInputs
 
 MIN_WIDTH = 8  # blocks: the narrowest table a graph reads
 
@@ -86,7 +90,6 @@ class DecodeGraphs:
     ) -> None:
         """kv_caches: the layers' caches, each with the scratch block last (see the module)."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
-        self.capture = capture
         self.scratch_block = kv_caches[0].shape[1] - 1
         self.rows = row_buckets(max_rows)
         self.widths = width_buckets(-(-max_model_len // block_size))
@@ -104,32 +107,35 @@ class DecodeGraphs:
         self.capture_seconds = 0.0  # spent capturing (and warming up) the graphs so far
         self.replays = 0  # steps run here
 
-    def eligible(self, query_lens: np.ndarray, num_tokens: int, num_logits_rows: int,
-                 context_lens: np.ndarray) -> bool:  # fmt: skip
-        """Whether a step of these inputs runs here: one token and one sampled row per
-        request, and a batch and table that some graph holds."""
-        num_rows = len(query_lens)
-        if not 0 < num_rows <= self.rows[-1] or num_tokens != num_rows:
+    def eligible(self, step: StepInputs) -> bool:
+        """Whether the step runs here: one token and one sampled row per request (no drafts,
+        prompt logprobs or pooling rows), no prompt route, and a shape some graph holds."""
+        num_rows = len(step.query_lens)
+        if not 0 < num_rows <= self.rows[-1] or step.prompt_tokens is not None:
             return False
-        if num_logits_rows != num_rows:
+        if len(step.input_ids) != num_rows or len(step.logits_rows) != num_rows:
             return False
-        return -(-(int(context_lens.max()) + 1) // self.block_size) <= self.widths[-1]
+        return self._blocks(step.context_lens) <= self.widths[-1]
 
-    def run(self, input_ids: np.ndarray, context_lens: np.ndarray, tables: np.ndarray):
-        """The logits (num_rows, vocab) of a decode step (eligible), a view of the graph's
-        output: read it before the next step."""
-        num_rows = len(input_ids)
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """The logits (num_rows, vocab) of an eligible step, a view of the graph's output:
+        read it before the next step."""
+        num_rows = len(step.input_ids)
         rows = bucket(num_rows, self.rows)
-        width = bucket(-(-(int(context_lens.max()) + 1) // self.block_size), self.widths)
+        width = bucket(self._blocks(step.context_lens), self.widths)
         entry = self.entries.get((rows, width))
         if entry is None:
             entry = self.entries[(rows, width)] = self._new_entry(rows, width)
-        self._fill(rows, width, input_ids, context_lens, tables)
+        self._fill(rows, width, step.input_ids, step.context_lens, step.block_tables)
         self.replays += 1
         if entry.graph is None:
             return self._forward(rows, width)[:num_rows]
         entry.graph.replay()
         return entry.logits[:num_rows]
+
+    def _blocks(self, context_lens: np.ndarray) -> int:
+        """Table columns the step reads: its longest sequence's blocks, this token included."""
+        return -(-(int(context_lens.max()) + 1) // self.block_size)
 
     def _fill(self, rows, width, input_ids, context_lens, tables) -> None:
         """The step's inputs into the buffers, rows past its requests padded (scratch slot)."""
@@ -168,7 +174,7 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _new_entry(self, rows: int, width: int) -> Entry:
-        if not self.capture:
+        if self.pool is None:  # the padded step without capture
             return Entry(None, None)
         start = time.perf_counter()
         self._pad(rows, width)  # warm-up and capture write the scratch block only

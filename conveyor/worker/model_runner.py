@@ -127,9 +127,9 @@ class ModelRunner:
         if self.publish is not None:
             self.publish(step)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
-        if self._replays(step):
+        if self.graphs is not None and self.graphs.eligible(step):
             prepared = time.perf_counter()
-            logits = self.graphs.run(step.input_ids, step.context_lens, step.block_tables)
+            logits = self.graphs.run(step)
             hidden = None
         else:
             input_ids, positions, meta, logits_rows = self.tensors(step)
@@ -157,14 +157,6 @@ class ModelRunner:
         self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return ModelRunnerOutput(
             [sched.scheduled[i].request_id for i in sampled], token_ids, logprobs, *prompt_rows
-        )
-
-    def _replays(self, step: StepInputs) -> bool:
-        """Whether this step runs as a decode graph (cuda_graphs.py says which steps can)."""
-        if self.graphs is None or step.prompt_tokens is not None:
-            return False
-        return self.graphs.eligible(
-            step.query_lens, len(step.input_ids), len(step.logits_rows), step.context_lens
         )
 
     def _prompt_rows(
