@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from conveyor.sampling_params import SamplingParams
@@ -174,3 +175,16 @@ class RequestOutput:
     # request's first output).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     embedding: list[float] | None = None  # SamplingParams.pooling: set on the final output
+
+
+class StepInputs(NamedTuple):
+    """One step's model inputs, as arrays: all that every tensor-parallel rank needs to run
+    its share of the forward (the step description rank 0 sends the others)."""
+
+    input_ids: np.ndarray  # (T,) the step's tokens, requests concatenated
+    query_lens: np.ndarray  # (S,) tokens of each request in this step (drafts included)
+    context_lens: np.ndarray  # (S,) tokens of each request already in the KV cache
+    block_tables: np.ndarray  # (S, W) padded with block 0
+    logits_rows: np.ndarray  # rows whose logits the sampler needs (may be empty)
+    # (S,) each request's leading rows that are prompt tokens (model/prompt_route.py), or None
+    prompt_tokens: np.ndarray | None = None

@@ -36,7 +36,7 @@ import torch
 from conveyor.model.attention import AttentionMetadata, ReferencePlan
 
 if TYPE_CHECKING:
-    from conveyor.worker.model_runner import StepInputs
+    from conveyor.outputs import StepInputs
 
 MIN_WIDTH = 8  # blocks: the narrowest table a graph reads
 

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from itertools import chain
 from types import ModuleType
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,26 +28,13 @@ from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
-from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepInputs
 from conveyor.sample.sampler import Sampler, target_logprobs
 from conveyor.sample.verifier import verify
 from conveyor.worker.cuda_graphs import DecodeGraphs, graph_mode
 
 # Proposes the drafts of a step's requests (the draft model's `propose`); see _drafts.
 ProposeDrafts = Callable[[list[ScheduledRequest]], list[list[int]]]
-
-
-class StepInputs(NamedTuple):
-    """One step's model inputs, as arrays: all that every tensor-parallel rank needs to run
-    its share of the forward (the step description rank 0 sends the others)."""
-
-    input_ids: np.ndarray  # (T,) the step's tokens, requests concatenated
-    query_lens: np.ndarray  # (S,) tokens of each request in this step (drafts included)
-    context_lens: np.ndarray  # (S,) tokens of each request already in the KV cache
-    block_tables: np.ndarray  # (S, W) padded with block 0
-    logits_rows: np.ndarray  # rows whose logits the sampler needs (may be empty)
-    # (S,) each request's leading rows that are prompt tokens (model/prompt_route.py), or None
-    prompt_tokens: np.ndarray | None = None
 
 
 class ModelRunner:
