@@ -1,5 +1,5 @@
 """`python -m benchmarks compare | step | quality | split | spec | structured | scaling |
-dashboard | storm | kernels | quant-kernels`: the lab's commands.
+peers | dashboard | storm | kernels | quant-kernels`: the lab's commands.
 
 The flags they share with `conveyor bench serve | throughput` and `conveyor serve` come from
 conveyor.bench.args and conveyor.entrypoints.args. Each command's module is imported when the
@@ -29,6 +29,8 @@ COMMANDS = [
      "mask's cost per step"),
     ("scaling", "scaling", "one engine vs data-parallel replicas vs tensor-parallel ranks, "
      "side by side"),
+    ("peers", "peers", "conveyor against vLLM's CPU backend and llama-server, one server at "
+     "a time in one sitting, the same prompts: tok/s, TTFT, p99 ITL and ratios"),
     ("dashboard", "dashboard", "what watching /dashboard costs: served with it watched vs "
      "--no-dashboard, side by side"),
     ("storm", "storm", "many short streams opened at once against a running server, some cut "
