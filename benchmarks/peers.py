@@ -20,7 +20,7 @@ that the machine's drift over the sitting shows):
   vllm       vLLM's CPU backend as `--vllm-dir` holds it (venv/ and the default model's weights
              in bfloat16 in smollm2-bf16/; docs/benchmarks.md, "The peers", says how to install
              it), its OpenMP threads on every core of --num-threads, tcmalloc and Intel's OpenMP
-             preloaded where found, as vLLM's CPU guide asks (without them it made 0.89-0.95x
+             preloaded where found, as vLLM's CPU guide asks (without them it made 0.89-0.93x
              the tokens here, and 1.5x the TTFT at 64 streams)
   llama      llama-server (`--llama-server`) on the GGUF file (`--llama-model`, default the
              default model's), -t/-tb threads, one slot per stream of the largest concurrency
@@ -54,6 +54,7 @@ ANCHORS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "conv
 BUILT_IN = ("conveyor", "vllm", "llama")
 PERCENTILES = [50.0, 99.0]
 WARMUP = (16, 8, 32)  # prompts, streams, output tokens
+CELL = 31  # characters of a column of the report
 READY_TIMEOUT = 900.0  # vLLM compiles its model at every start (1-2 min on 2 cores)
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc.so.4")
 
@@ -339,7 +340,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def format_summary(summary: dict, concurrencies: list[int]) -> str:
     cs = sorted(set(concurrencies))
-    head = "".join(f"{f'{c} stream' + ('s' if c > 1 else ''):>26}" for c in cs)
+    head = "".join(f" {f'{c} stream' + ('s' if c > 1 else ''):>{CELL}}" for c in cs)
     lines = [
         "output tok/s (mean TTFT ms; p99 ITL ms), the mean over a system's runs",
         f"{'system':<20}{head}",
@@ -349,12 +350,12 @@ def format_summary(summary: dict, concurrencies: list[int]) -> str:
         for c in cs:
             cell = row.get(c)
             if cell is None:
-                cells.append(f"{'-':>26}")
+                cells.append(f" {'-':>{CELL}}")
                 continue
             ttft, itl = _num(cell["mean_ttft_ms"]), _num(cell["p99_itl_ms"])
             text = f"{cell['output_throughput']:.1f} ({ttft}; {itl})"
             text += f" {cell['failed']} failed" if cell["failed"] else ""
-            cells.append(f"{text:>26}")
+            cells.append(f" {text:>{CELL}}")
         lines.append(f"{name:<20}" + "".join(cells))
     first = summary["first"]
     for name, row in summary["ratios"].items():
@@ -364,7 +365,7 @@ def format_summary(summary: dict, concurrencies: list[int]) -> str:
             ("mean_ttft_ms", "mean TTFT"),
             ("p99_itl_ms", "p99 ITL"),
         ):
-            cells = [f"{_x(row.get(c, {}).get(key)):>26}" for c in cs]
+            cells = [f" {_x(row.get(c, {}).get(key)):>{CELL}}" for c in cs]
             lines.append(f"  {label:<18}" + "".join(cells))
     return "\n".join(lines)
 
