@@ -401,8 +401,15 @@ def main(args: argparse.Namespace) -> int:
     }
     log_dir = Path(args.result_dir or tempfile.mkdtemp(prefix="peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    report["not_started"] = {}
     for name in args.systems:
-        with Server(systems[name], threads, log_dir) as server:
+        try:
+            server = Server(systems[name], threads, log_dir).__enter__()
+        except RuntimeError as error:  # the sitting goes on without it, and says so
+            print(f"{name}: did not start: {error}", flush=True)
+            report["not_started"][name] = str(error)
+            continue
+        with server:
             print(f"{name}: ready in {server.ready_s:.0f} s", flush=True)
             measure(server.base_url, warmup, WARMUP[1], tokenizer)
             for c, requests in zip(args.concurrency, run_requests, strict=True):
@@ -421,4 +428,7 @@ def main(args: argparse.Namespace) -> int:
         path = log_dir / (args.result_filename or f"peers-{report['date']}.json")
         path.write_text(json.dumps(report, indent=2))
         print(f"written: {path}")
+    if report["not_started"]:
+        print(f"did not start: {', '.join(report['not_started'])}", file=sys.stderr)
+        return 1
     return 0

@@ -154,3 +154,14 @@ def _listening(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(2)
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_server_that_does_not_start_is_reported_and_the_sitting_goes_on(tmp_path, capsys):
+    broken = f"{shlex.quote(sys.executable)} -c 'import sys; sys.exit(3)' {{port}}"
+    argv = ["peers", "--systems", "broken", "--system", f"broken={broken}"]
+    argv += ["--concurrency", "1", "--result-dir", str(tmp_path)]
+    assert lab_main(argv) == 1
+    captured = capsys.readouterr()
+    assert "broken: did not start: the server exited (3)" in captured.out
+    assert "did not start: broken" in captured.err
+    assert "broken" in captured.out.split("the mean over a system's runs")[1]  # its row: "-"
