@@ -198,7 +198,7 @@ def fill(system: System, port: int, threads: int) -> tuple[list[str], dict[str, 
 
 class Server:
     """One system's server on a free local port, in its own process group, its output in a
-    log file; stopped (the whole group) on exit."""
+    log file: start() waits until it answers, stop() ends the whole group."""
 
     def __init__(self, system: System, threads: int, log_dir: Path) -> None:
         with socket.socket() as sock:
@@ -209,7 +209,9 @@ class Server:
         self.env = os.environ | env
         self.log = log_dir / f"{system.name}-{self.port}.log"
 
-    def __enter__(self) -> Server:
+    def start(self) -> None:
+        """Starts the server and waits until it answers; RuntimeError if it exits first or
+        is not ready in READY_TIMEOUT (then it is stopped)."""
         import httpx
 
         print(f"starting: {shlex.join(self.argv)}", flush=True)
@@ -225,6 +227,7 @@ class Server:
         while time.monotonic() - start < READY_TIMEOUT:
             if self.proc.poll() is not None:
                 tail = self.log.read_text(errors="replace")[-2000:]
+                self.stop()  # whatever of its group outlived it
                 raise RuntimeError(f"the server exited ({self.proc.returncode}): {tail}")
             try:
                 if all(
@@ -232,14 +235,15 @@ class Server:
                     for path in ("/health", "/v1/models")
                 ):
                     self.ready_s = time.monotonic() - start
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.__exit__()
+        self.stop()
         raise RuntimeError(f"the server was not ready in {READY_TIMEOUT:.0f} s; log: {self.log}")
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """SIGTERM to the whole group, SIGKILL to what is left of it after a grace time."""
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -403,13 +407,14 @@ def main(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     report["not_started"] = {}
     for name in args.systems:
+        server = Server(systems[name], threads, log_dir)
         try:
-            server = Server(systems[name], threads, log_dir).__enter__()
+            server.start()
         except RuntimeError as error:  # the sitting goes on without it, and says so
             print(f"{name}: did not start: {error}", flush=True)
             report["not_started"][name] = str(error)
             continue
-        with server:
+        try:
             print(f"{name}: ready in {server.ready_s:.0f} s", flush=True)
             measure(server.base_url, warmup, WARMUP[1], tokenizer)
             for c, requests in zip(args.concurrency, run_requests, strict=True):
@@ -421,6 +426,8 @@ def main(args: argparse.Namespace) -> int:
                     f"{run['failed']} failed",
                     flush=True,
                 )
+        finally:
+            server.stop()
     report["summary"] = summarize(report["runs"], args.systems)
     print(format_summary(report["summary"], args.concurrency))
     print(f"server logs: {log_dir}")

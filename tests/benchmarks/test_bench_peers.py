@@ -143,6 +143,7 @@ def test_bench_peers_runs_each_server_alone_and_stops_it(tiny_checkpoint, tmp_pa
     assert set(report["summary"]["ratios"]["one-seat"]) == {"1", "2"}  # JSON keys
     out = capsys.readouterr().out
     assert "conveyor against one-seat:" in out and "output tok/s" in out
+    assert out.count("starting: ") == 2, "a server was started twice"
     logs = sorted(tmp_path.glob("*.log"))
     assert [p.name.split("-")[0] for p in logs].count("conveyor") == 1 and len(logs) == 2
     for log in logs:  # every server is gone: nothing listens on its port any more
