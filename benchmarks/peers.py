@@ -176,8 +176,8 @@ def build_system(name: str, args: argparse.Namespace, custom: dict[str, System])
 def vllm_preloads(vllm_dir: Path) -> list[str]:
     """tcmalloc and Intel's OpenMP (from vLLM's venv), each where it is found."""
     found = [p for p in TCMALLOC if Path(p).exists()][:1]
-    iomp = sorted((vllm_dir / "venv" / "lib").glob("libiomp5.so"))
-    return found + [str(p) for p in iomp[:1]]
+    iomp = vllm_dir / "venv" / "lib" / "libiomp5.so"
+    return found + ([str(iomp)] if iomp.exists() else [])
 
 
 def default_gguf(model: str | None) -> Path:
@@ -190,10 +190,16 @@ def default_gguf(model: str | None) -> Path:
 
 
 def fill(system: System, port: int, threads: int) -> tuple[list[str], dict[str, str]]:
-    values = {"port": str(port), "threads": str(threads), "last_core": str(threads - 1)}
-    argv = [part.format(**values) for part in system.argv]
-    env = {key: value.format(**values) for key, value in system.env.items()}
-    return argv, env
+    """The argv and env with {port}, {threads} and {last_core} filled in; other braces (a JSON
+    flag value) are left as they are."""
+    values = {"port": port, "threads": threads, "last_core": threads - 1}
+
+    def filled(text: str) -> str:
+        for key, value in values.items():
+            text = text.replace(f"{{{key}}}", str(value))
+        return text
+
+    return [filled(part) for part in system.argv], {k: filled(v) for k, v in system.env.items()}
 
 
 class Server:

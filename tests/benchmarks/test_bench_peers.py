@@ -60,11 +60,13 @@ def test_built_in_commands(tmp_path):
     server.touch()
     args = parse(
         "--vllm-dir", str(vllm_dir), "--llama-server", str(server), "--llama-model", "m.gguf",
-        "--concurrency", "1", "8", "64", "--conveyor-args", "--max-step-ms 100",
+        "--concurrency", "1", "8", "64",
+        "--conveyor-args", """--max-step-ms 100 --speculative-config '{"method": "ngram"}'""",
     )  # fmt: skip
     conveyor, env = peers.fill(peers.build_system("conveyor", args, {}), 9000, 2)
     assert conveyor[:4] == [sys.executable, "-m", "conveyor", "serve"] and env == {}
-    assert "--no-enable-prefix-caching" in conveyor and conveyor[-2:] == ["--max-step-ms", "100"]
+    assert "--no-enable-prefix-caching" in conveyor
+    assert conveyor[-4:] == ["--max-step-ms", "100", "--speculative-config", '{"method": "ngram"}']
     assert conveyor[conveyor.index("--port") + 1] == "9000"
     assert conveyor[conveyor.index("--num-threads") + 1] == "2"
     vllm, env = peers.fill(peers.build_system("vllm", args, {}), 9001, 2)
