@@ -35,7 +35,6 @@ runs): output tok/s (> 1: the first is faster), mean TTFT and p99 ITL (< 1: the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shlex
@@ -52,7 +51,6 @@ from pathlib import Path
 
 ANCHORS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "conveyor-anchor"
 BUILT_IN = ("conveyor", "vllm", "llama")
-PERCENTILES = [50.0, 99.0]
 WARMUP = (16, 8, 32)  # prompts, streams, output tokens
 CELL = 31  # characters of a column of the report
 READY_TIMEOUT = 900.0  # vLLM compiles its model at every start (1-2 min on 2 cores)
@@ -288,27 +286,6 @@ def prompts_for(concurrency: int) -> int:
     return max(4, 2 * concurrency)
 
 
-def measure(base_url: str, requests, concurrency: int, tokenizer) -> dict:
-    from benchmarks.structured import stream
-    from conveyor.bench.serve import compute_metrics
-
-    results, duration = asyncio.run(
-        stream(base_url, "/v1/completions", requests, concurrency, tokenizer, None, True)
-    )
-    m = compute_metrics(results, duration, PERCENTILES, {})
-    itl = dict(m.summaries["itl"].percentiles_ms)
-    return {
-        "concurrency": concurrency,
-        "completed": m.completed,
-        "failed": m.failed,
-        "duration": duration,
-        "output_throughput": m.output_throughput,
-        "mean_ttft_ms": m.summaries["ttft"].mean_ms,
-        "p99_itl_ms": itl.get(99.0),
-        "errors": [r.error for r in results if r.error][:5],
-    }
-
-
 def summarize(runs: list[dict], systems: list[str]) -> dict:
     """Per distinct system and concurrency: the mean over its runs; and the first system's
     ratios to each other one."""
@@ -389,6 +366,7 @@ def _x(value: float | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from benchmarks.scaling import measure
     from conveyor.bench.serve import load_tokenizer
     from conveyor.config import resolve_model_path
 

@@ -143,11 +143,14 @@ async def _stream(base_url: str, requests, concurrency: int, tokenizer):
 
 
 def measure(base_url: str, requests, concurrency: int, tokenizer) -> dict:
+    """Streams the requests (greedy, EOS ignored) and returns what a side-by-side report
+    shows of them (also `benchmarks peers`')."""
     from conveyor.bench.serve import compute_metrics
 
     results, duration = asyncio.run(_stream(base_url, requests, concurrency, tokenizer))
     m = compute_metrics(results, duration, PERCENTILES, {})
     return {
+        "concurrency": concurrency,
         "completed": m.completed,
         "failed": m.failed,
         "duration": duration,
@@ -155,6 +158,8 @@ def measure(base_url: str, requests, concurrency: int, tokenizer) -> dict:
         "output_throughput": m.output_throughput,
         "median_tpot_ms": m.summaries["tpot"].median_ms,
         "median_ttft_ms": m.summaries["ttft"].median_ms,
+        "mean_ttft_ms": m.summaries["ttft"].mean_ms,
+        "p99_itl_ms": dict(m.summaries["itl"].percentiles_ms).get(99.0),
         "errors": [r.error for r in results if r.error][:5],
     }
 
