@@ -615,9 +615,12 @@ def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple
     )
     kinds = {"projections": "int8_dot" if quantized else float_kind}
     work = {part: (n, kinds.get(part, float_kind)) for part, n in ops.items()}
-    if engine.runner.model.prompt_route and limits.roofs.get("amx_bf16", 0) > 0:
-        # prompt tokens' projections and attention on the AMX tiles (model/prompt_route.py),
-        # the rest on the blocks and float32 vectors
+    model = engine.runner.model
+    if model.prompt_route:
+        # prompt tokens' projections and attention on the AMX tiles, or their attention alone
+        # on AVX512-BF16 (model/prompt_route.py); the rest on the blocks and float32 vectors
+        tiles = any(getattr(m, "prompt_tiles", None) is not None for m in model.modules())
+        attention_kind = "amx_bf16" if limits.roofs.get("amx_bf16", 0) > 0 else "bf16_dot"
         prompt = prompt_pairs = 0
         for s in sched.scheduled:
             if s.num_prompt_tokens is None:
@@ -625,14 +628,15 @@ def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple
             p = max(0, min(len(s.token_ids), s.num_prompt_tokens - s.num_computed_tokens))
             prompt += p
             prompt_pairs += p * s.num_computed_tokens + p * (p + 1) // 2
-        share = prompt / max(1, sched.total_num_scheduled_tokens)
-        total = ops["projections"]
-        work["projections"] = (total * (1 - share), "int8_dot")
-        work["prompt projections"] = (total * share, "amx_bf16")
+        if tiles:
+            share = prompt / max(1, sched.total_num_scheduled_tokens)
+            total = ops["projections"]
+            work["projections"] = (total * (1 - share), "int8_dot")
+            work["prompt projections"] = (total * share, "amx_bf16")
         if os.environ.get("CONVEYOR_PROMPT_ATTENTION", "1") != "0":
             share = prompt_pairs / max(1, pairs)
             work["attention"] = (ops["attention"] * (1 - share), float_kind)
-            work["prompt attention"] = (ops["attention"] * share, "amx_bf16")
+            work["prompt attention"] = (ops["attention"] * share, attention_kind)
     return work
 
 

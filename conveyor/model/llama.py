@@ -176,7 +176,8 @@ class LlamaForCausalLM(nn.Module):
         # projections' outputs in steps with adapter rows (hooks on the modules; the compiled
         # layers take its tensors).
         self.lora = None
-        # Prompt tokens run the AMX bfloat16 tiles (model/prompt_route.py; set at load).
+        # Prompt tokens run bfloat16: the AMX tiles, or their attention alone on AVX512-BF16
+        # (model/prompt_route.py; set at load).
         self.prompt_route = False
 
     def forward(

@@ -61,8 +61,8 @@ def load_model(
         from conveyor.model import kernels, prompt_route
 
         ops = kernels.load()
-        if cfg.dtype == torch.float32 and prompt_route.applies(model, ops):
-            prompt_route.pack_prompt_tiles(model, ops)
+        if cfg.dtype == torch.float32:
+            prompt_route.choose(model, ops)
     return model.eval()
 
 

@@ -1,4 +1,4 @@
-"""The prompt route: a quantized model's prompt tokens through AMX bfloat16 tiles.
+"""The prompt route: a quantized model's prompt tokens through bfloat16 dot products.
 
 A prompt chunk is hundreds of rows, so its projections are bound by arithmetic, where the
 tile unit of a CPU with AMX-BF16 outruns the int8 VNNI block kernel (kernels/amx_gemm.cpp;
@@ -19,9 +19,19 @@ gets as a later request's prompt token: the prefix cache keys blocks that hold g
 tokens apart (core/kv_cache_manager.py: salt_generated), so a cache hit always serves KV
 computed the way a miss would compute it.
 
+On a CPU with AVX512-BF16 but no AMX (a Zen 4 or 5, a Cooper Lake Xeon), or where the tiles do
+not apply, a prompt row's attention alone takes bfloat16 (the same kernel's vdpbf16ps engine:
+twice float32's multiply-adds per instruction; a 512-token chunk's attention 2.4x faster on a
+Zen 4, docs/benchmarks.md) and its projections stay on the blocks: the projections' int8 dot
+products already run at four times float32's rate there, where bfloat16 would halve it. The
+route is then the same rule, attention only: a prompt token's attention in bfloat16, a
+generated token's in float32, and the prefix cache keys their blocks apart as above.
+
 On by default where it applies (a CPU model served quantized, batch-invariant, AMX-BF16 usable,
-and the tiles taking under a quarter of the memory available: a 7B model's would be 13 GiB);
-CONVEYOR_ISA=avx512 or avx2 turns it off with the rest of AMX, CONVEYOR_PROMPT_TILES=0 alone.
+and the tiles taking under a quarter of the memory available: a 7B model's would be 13 GiB;
+attention alone: AVX512-BF16 usable). CONVEYOR_ISA=avx2 turns both off, CONVEYOR_ISA=avx512
+the tiles (the attention then takes AVX512-BF16); CONVEYOR_PROMPT_TILES=0 turns off the tiles
+and CONVEYOR_PROMPT_ATTENTION=0 the attention (both: no route at all).
 """
 
 from __future__ import annotations
@@ -40,22 +50,11 @@ def applies(model: nn.Module, ops: ModuleType | None) -> bool:
     """Whether the model's prompt tokens can take the tiles here: every decoder projection a
     block-quantized float32 module on the CPU, packed for the batch-invariant kernels, whose
     layers run compiled (kernels/decoder_layer.cpp holds the route)."""
-    from conveyor.model.quant import QuantLinear
-
-    if ops is None or os.environ.get("CONVEYOR_PROMPT_TILES", "1") == "0":
+    if os.environ.get("CONVEYOR_PROMPT_TILES", "1") == "0" or not _quantized_compiled(model, ops):
         return False
-    if os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") == "0":
-        return False  # the tiles run inside the compiled layers only
     if not ops.amx_available():
         return False
-    if model.config.head_dim % 16:  # the attention tiles' columns (amx_attention.cpp)
-        return False
     projections = list(_projections(model))
-    if not projections or not all(
-        isinstance(m, QuantLinear) and m.panels is not None and m.qs.device.type == "cpu"
-        for m in projections
-    ):
-        return False
     need = sum(2 * m.d.shape[0] * m.in_features for m in projections)
     if need > MEMORY_SHARE * available_memory():
         logger.info(
@@ -66,6 +65,44 @@ def applies(model: nn.Module, ops: ModuleType | None) -> bool:
 
 
 MEMORY_SHARE = 0.25  # of the memory available, at most, for the tiles
+
+
+def attention_applies(model: nn.Module, ops: ModuleType | None) -> bool:
+    """Whether the model's prompt rows can take the bfloat16 attention alone here (the tiles'
+    conditions, with AVX512-BF16 or AMX usable for the attention kernel)."""
+    if os.environ.get("CONVEYOR_PROMPT_ATTENTION", "1") == "0":
+        return False
+    return _quantized_compiled(model, ops) and bool(ops.prompt_attention_isa())
+
+
+def _quantized_compiled(model: nn.Module, ops: ModuleType | None) -> bool:
+    from conveyor.model.quant import QuantLinear
+
+    if ops is None or os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") == "0":
+        return False  # the route runs inside the compiled layers only
+    if model.config.head_dim % 16:  # the attention tiles' columns (amx_attention.cpp)
+        return False
+    projections = list(_projections(model))
+    return bool(projections) and all(
+        isinstance(m, QuantLinear) and m.panels is not None and m.qs.device.type == "cpu"
+        for m in projections
+    )
+
+
+def choose(model: nn.Module, ops: ModuleType | None) -> str:
+    """Sets the model's prompt route where one applies; returns what it is: "tiles" (the
+    projections' bfloat16 tiles and the attention's), "attention" (the attention alone), or
+    "" (none: prompt tokens and generated ones compute alike)."""
+    if applies(model, ops):
+        pack_prompt_tiles(model, ops)
+        return "tiles"
+    if attention_applies(model, ops):
+        model.prompt_route = True
+        logger.info(
+            "conveyor: prompt rows' attention runs bfloat16 (%s)", ops.prompt_attention_isa()
+        )
+        return "attention"
+    return ""
 
 
 def available_memory() -> int:

@@ -67,9 +67,14 @@ def test_bench_quality_scores_the_batch_invariant_kernels_that_serving_runs(tmp_
     assert 0 < generated["mean_kl"] < 1e-2 and generated["top1_agreement"] > 0.9
     assert 0 < served["mean_kl"] < 1e-2 and served["top1_agreement"] > 0.9
     # The chunk scored as a prompt: on a CPU with AMX-BF16 the bfloat16 tiles (closer to
-    # float32 than int8 activations), elsewhere the blocks, as a generated token's.
-    if model.prompt_route:
+    # float32 than int8 activations); with AVX512-BF16 alone the blocks with the attention in
+    # bfloat16 (another rounding, as small); elsewhere the blocks, as a generated token's.
+    tiles = any(getattr(m, "prompt_tiles", None) is not None for m in model.modules())
+    if tiles:
         assert served["mean_kl"] < generated["mean_kl"]
+    elif model.prompt_route:
+        assert served["mean_kl"] != generated["mean_kl"]
+        assert served["mean_kl"] < 2 * generated["mean_kl"]
     else:
         assert served["mean_kl"] == generated["mean_kl"]
 

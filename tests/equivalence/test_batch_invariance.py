@@ -223,12 +223,13 @@ def test_speculative_requests_equal_each_alone(models, baseline, name):
 def test_a_prompt_repeating_an_answer_equals_it_alone(models, name):
     """A chat's next turn: a prompt that holds an earlier request's answer gives the same bits
     on the warm prefix cache as alone. On a CPU with AMX-BF16 prompt tokens and generated ones
-    take different routes (model/prompt_route.py), so the cache must not serve the answer's
-    KV to the prompt that repeats it (their blocks are keyed apart)."""
+    take different routes (model/prompt_route.py; with AVX512-BF16 alone, their attention
+    does), so the cache must not serve the answer's KV to the prompt that repeats it (their
+    blocks are keyed apart)."""
     first = PROMPTS[1]  # 16 tokens: the answer fills blocks of its own
     with make_llm(models, name) as llm:
         runner = llm.engine.core.runner
-        assert runner.model.prompt_route == bool(kernels.load().amx_available())
+        assert runner.model.prompt_route == bool(kernels.load().prompt_attention_isa())
         answer = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         (out,) = llm.generate([first], answer, use_tqdm=False)
         follow = first + list(out.outputs[0].token_ids) + [5, 6, 7]

@@ -1,9 +1,10 @@
-"""The prompt route's attention on AMX bfloat16 tiles (kernels/amx_attention.cpp, reached
-through paged_attention's prompt_rows): close to its twin, a float64 softmax of the same
-bfloat16-rounded operands, on random steps (GQA/MQA/MHA, head dims 48/64/128, block sizes at
-and off 16, every cache dtype, garbage past each sequence); a prompt row the same bits whatever
-chunk, step, neighbours or thread count computes it; the other rows untouched; bad input
-raises. Runs where the CPU has AMX-BF16 (`lscpu`: amx_bf16); skips elsewhere."""
+"""The prompt route's attention in bfloat16 (kernels/amx_attention.cpp, reached through
+paged_attention's prompt_rows), on AMX tiles or AVX512-BF16 dot products, whichever this CPU
+has: close to its twin, a float64 softmax of the same bfloat16-rounded operands, on random
+steps (GQA/MQA/MHA, head dims 48/64/128, block sizes at and off 16, every cache dtype, garbage
+past each sequence); a prompt row the same bits whatever chunk, step, neighbours or thread
+count computes it; the other rows untouched; bad input raises. Runs where the CPU has AMX-BF16
+or AVX512-BF16 (`lscpu`: amx_bf16, avx512_bf16); skips elsewhere."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ CACHE_TYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
 
 @pytest.fixture
 def amx(ops):
-    if not ops.amx_available():
-        pytest.skip("no AMX-BF16 here (or CONVEYOR_ISA asks for a narrower path)")
+    if not ops.prompt_attention_isa():
+        pytest.skip("no AMX-BF16 or AVX512-BF16 here (or CONVEYOR_ISA asks for a narrower path)")
     return ops
 
 

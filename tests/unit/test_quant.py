@@ -241,10 +241,11 @@ def test_quantized_gguf_generates_what_its_dequantized_model_generates(quantized
 def test_compiled_layers_generate_what_the_modules_generate(qtype, quantized_gguf, monkeypatch):
     """Decode steps of a quantized model run its layers as one compiled call (block kernel
     projections, kernels/decoder_layer.cpp); CONVEYOR_COMPILED_LAYERS=0 runs the modules. The
-    prompt tokens' AMX tiles (model/prompt_route.py) run in the compiled layers only, so they
-    are off for both here."""
+    prompt route (model/prompt_route.py: AMX tiles, or the attention alone in bfloat16) runs in
+    the compiled layers only, so it is off for both here."""
     path = str(quantized_gguf(qtype))
     monkeypatch.setenv("CONVEYOR_PROMPT_TILES", "0")
+    monkeypatch.setenv("CONVEYOR_PROMPT_ATTENTION", "0")
     prompts = random_prompts(4, 384, seed=4, max_len=12)
     params = [SamplingParams(temperature=0, max_tokens=8, logprobs=0) for _ in prompts]
     runs = []

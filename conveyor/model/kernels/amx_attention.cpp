@@ -1,8 +1,13 @@
-// Attention of a step's prompt rows on AMX tiles in bfloat16, float32 sums and softmax: the
-// prompt route's attention (model/prompt_route.py says which rows take it; paged_attention.cpp
-// computes every other row and calls this for these). A 512-token prompt chunk spent 130-150 ms
-// of its ~360-450 in attention with float32 vectors; here S = Q K^T and acc += P V are tile dot
-// products, and what is left is the softmax.
+// Attention of a step's prompt rows in bfloat16, float32 sums and softmax: the prompt route's
+// attention (model/prompt_route.py says which rows take it; paged_attention.cpp computes every
+// other row and calls this for these). A 512-token prompt chunk spent 130-150 ms of its ~360-450
+// in attention with float32 vectors; here S = Q K^T and acc += P V are bfloat16 dot products,
+// and what is left is the softmax. Two engines run the same operands in the same layout:
+//   AMX tiles (TileEngine) where the CPU has AMX-BF16: a tile dot product per 16 x 16 x 32;
+//   AVX512-BF16's vdpbf16ps (DotEngine) where it has only that (a Zen 4 or 5): 16 float lanes
+//     each summing a pair of products per instruction, twice float32's FMAs. A tile's row of
+//     pairs is exactly one such operand (16 keys, or 16 columns, x a pair of k), so the packed
+//     K, V and P tiles are shared; Q's pair of d is broadcast to the 16 lanes.
 //
 // Per item (sequence, kv head, up to 64 rows: tokens x the GQA group, as paged_attention.cpp):
 //   Q (scaled) rounded to bfloat16 tiles once; then for each group of 64 keys at absolute
@@ -39,7 +44,7 @@
 
 #include "ops.h"
 
-#if CONVEYOR_AMX
+#if CONVEYOR_AMX || CONVEYOR_BF16_DOT
 #include <immintrin.h>
 
 #include "vec.h"
@@ -47,7 +52,7 @@
 
 namespace conveyor_amx {
 
-#if CONVEYOR_AMX
+#if CONVEYOR_AMX || CONVEYOR_BF16_DOT
 namespace {
 
 constexpr int kM = 16;                  // rows of a tile
@@ -204,6 +209,7 @@ void load_group(const C* kc, const C* vc, const int64_t* table, int64_t h, const
   }
 }
 
+#if CONVEYOR_AMX
 // Sum tiles 0..3 <- the four score tiles of row tile mt (zeroed first).
 inline void scores(const uint16_t* qt, const uint16_t* kt, int64_t kc_count, float* s,
                    int64_t rows_p) {
@@ -266,6 +272,98 @@ inline void weighted_values(const uint16_t* pt, const uint16_t* vt, int64_t ct, 
   }
 }
 
+struct TileEngine {
+  static void begin() { configure(); }
+  static void end() { _tile_release(); }
+  static void scores(const uint16_t* qt, const uint16_t* kt, int64_t kc_count, float* s,
+                     int64_t rows_p) {
+    conveyor_amx::scores(qt, kt, kc_count, s, rows_p);
+  }
+  static void values(const uint16_t* pt, const uint16_t* vt, int64_t ct, float* acc,
+                     int64_t padded) {
+    int64_t c0 = 0;
+    for (; c0 + 4 <= ct; c0 += 4) weighted_values<4>(pt, vt, ct, c0, acc, padded);
+    if (c0 < ct) weighted_values<2>(pt, vt, ct, c0, acc, padded);
+  }
+};
+#endif
+
+// The same products on AVX512-BF16: lane j of vdpbf16ps adds a[2j] b[2j] + a[2j + 1] b[2j + 1]
+// to its float32 sum, so one tile row of K (16 keys x a pair of d) or of V (16 columns x a
+// pair of keys) is one operand, and the other is a row's pair of Q (or of P) broadcast. Each
+// sum runs over the pairs in order, tile after tile, as the tile unit walks them: a row's
+// values depend on its own operands only. Rows in groups of kDotRows: 4 x 4 sums and 4
+// operands stay in registers.
+struct DotEngine {
+  static constexpr int kDotRows = 4;
+  static void begin() {}
+  static void end() {}
+  static __m512bh pair(const uint16_t* p) {  // the two bfloat16 at p, in every lane
+    int32_t bits;
+    std::memcpy(&bits, p, sizeof(bits));
+    return (__m512bh)_mm512_set1_epi32(bits);
+  }
+  static __m512bh row(const uint16_t* p) { return (__m512bh)_mm512_load_si512(p); }
+
+  // s[n][r][16] = the four 16-key score blocks of the tile's 16 rows (s laid out as TileEngine
+  // stores them: sub-block n at n * rows_p * 16).
+  static void scores(const uint16_t* qt, const uint16_t* kt, int64_t kc_count, float* s,
+                     int64_t rows_p) {
+    const int64_t sub = kc_count * kTileValues, n_stride = rows_p * kSubKeys;
+    for (int r0 = 0; r0 < kM; r0 += kDotRows) {
+      __m512 acc[kDotRows][kSubs];
+      for (int i = 0; i < kDotRows; ++i)
+        for (int n = 0; n < kSubs; ++n) acc[i][n] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < kc_count; ++c) {
+        const uint16_t* q = qt + c * kTileValues + r0 * 32;
+        const uint16_t* k = kt + c * kTileValues;
+        for (int pr = 0; pr < 16; ++pr) {
+          __m512bh kv[kSubs];
+          for (int n = 0; n < kSubs; ++n) kv[n] = row(k + n * sub + pr * 32);
+          for (int i = 0; i < kDotRows; ++i) {
+            const __m512bh qv = pair(q + i * 32 + 2 * pr);
+            for (int n = 0; n < kSubs; ++n) acc[i][n] = _mm512_dpbf16_ps(acc[i][n], qv, kv[n]);
+          }
+        }
+      }
+      for (int i = 0; i < kDotRows; ++i)
+        for (int n = 0; n < kSubs; ++n)
+          _mm512_storeu_ps(s + n * n_stride + (r0 + i) * kSubKeys, acc[i][n]);
+    }
+  }
+
+  // acc[16 rows][padded] += P V over the group's 64 keys, N column blocks of 16 at a time.
+  template <int N>
+  static void values_columns(const uint16_t* pt, const uint16_t* vt, int64_t ct, int64_t c0,
+                             float* acc, int64_t padded) {
+    for (int r0 = 0; r0 < kM; r0 += kDotRows) {
+      __m512 a[kDotRows][N];
+      for (int i = 0; i < kDotRows; ++i)
+        for (int c = 0; c < N; ++c) a[i][c] = _mm512_loadu_ps(acc + (r0 + i) * padded + (c0 + c) * 16);
+      for (int j = 0; j < 2; ++j) {  // keys 32 j .. 32 j + 31
+        const uint16_t* p = pt + j * kTileValues + r0 * 32;
+        const uint16_t* v = vt + (j * ct + c0) * kTileValues;
+        for (int pr = 0; pr < 16; ++pr) {
+          __m512bh vv[N];
+          for (int c = 0; c < N; ++c) vv[c] = row(v + c * kTileValues + pr * 32);
+          for (int i = 0; i < kDotRows; ++i) {
+            const __m512bh pv = pair(p + i * 32 + 2 * pr);
+            for (int c = 0; c < N; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], pv, vv[c]);
+          }
+        }
+      }
+      for (int i = 0; i < kDotRows; ++i)
+        for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + (r0 + i) * padded + (c0 + c) * 16, a[i][c]);
+    }
+  }
+  static void values(const uint16_t* pt, const uint16_t* vt, int64_t ct, float* acc,
+                     int64_t padded) {
+    int64_t c0 = 0;
+    for (; c0 + 4 <= ct; c0 += 4) values_columns<4>(pt, vt, ct, c0, acc, padded);
+    if (c0 < ct) values_columns<2>(pt, vt, ct, c0, acc, padded);  // ct is even (padded / 16)
+  }
+};
+
 // Online softmax of row r over the group [k0, k0 + 64): P row into the P tiles, m, l and the
 // accumulator row updated. Keys past the row's position weigh exactly 0.
 inline void softmax_row(int64_t r, int64_t k0, Scratch& w, const Dims& dm) {
@@ -316,7 +414,7 @@ inline void softmax_row(int64_t r, int64_t k0, Scratch& w, const Dims& dm) {
   w.l[r] += sum;
 }
 
-template <typename C>
+template <typename E, typename C>
 void run_item(const Item& item, const Args& a, const C* kc, const C* vc, const Dims& dm,
               Scratch& w) {
   const int64_t group = a.num_heads / a.num_kv_heads, h = item.kv_head;
@@ -355,14 +453,11 @@ void run_item(const Item& item, const Args& a, const C* kc, const C* vc, const D
     for (int64_t mt = 0; mt < row_tiles; ++mt) {  // each row tile on its own: scores, P, P V
       const int64_t last = std::min(rows, (mt + 1) * kM) - 1;  // the tile's furthest row
       if (w.pos[last] < k0) continue;  // the whole row tile is before this group
-      scores(w.q.p + mt * kc_count * kTileValues, w.k.p, kc_count, w.s.p + mt * kM * kSubKeys,
-             rows_p);
+      E::scores(w.q.p + mt * kc_count * kTileValues, w.k.p, kc_count,
+                w.s.p + mt * kM * kSubKeys, rows_p);
       for (int64_t r = mt * kM; r < (mt + 1) * kM; ++r) softmax_row(r, k0, w, dm);
       const uint16_t* pt = w.p.p + mt * 2 * kTileValues;
-      float* acc = w.acc.p + mt * kM * dm.padded;
-      int64_t c0 = 0;
-      for (; c0 + 4 <= dm.ct(); c0 += 4) weighted_values<4>(pt, w.v.p, dm.ct(), c0, acc, dm.padded);
-      if (c0 < dm.ct()) weighted_values<2>(pt, w.v.p, dm.ct(), c0, acc, dm.padded);
+      E::values(pt, w.v.p, dm.ct(), w.acc.p + mt * kM * dm.padded, dm.padded);
     }
   }
 
@@ -375,7 +470,7 @@ void run_item(const Item& item, const Args& a, const C* kc, const C* vc, const D
 }
 
 // Items handed out costliest first through an atomic counter, so the threads finish together.
-template <typename C>
+template <typename E, typename C>
 void run(std::vector<Item>& items, const Args& a, const C* kc, const C* vc, const Dims& dm,
          int64_t max_rows) {
   std::stable_sort(items.begin(), items.end(),
@@ -384,16 +479,40 @@ void run(std::vector<Item>& items, const Args& a, const C* kc, const C* vc, cons
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    configure();
+    E::begin();
     Scratch w(max_rows, dm);
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1))
-      run_item(items[i], a, kc, vc, dm, w);
-    _tile_release();
+      run_item<E>(items[i], a, kc, vc, dm, w);
+    E::end();
   });
+}
+
+// The AMX engine where this process may use it, else AVX512-BF16's.
+template <typename C>
+void run_engine(std::vector<Item>& items, const Args& a, const C* kc, const C* vc, const Dims& dm,
+                int64_t max_rows) {
+#if CONVEYOR_AMX
+  if (available()) return run<TileEngine>(items, a, kc, vc, dm, max_rows);
+#endif
+  run<DotEngine>(items, a, kc, vc, dm, max_rows);
 }
 
 }  // namespace
 #endif
+
+std::string prompt_attention_isa() {
+  if (available()) return "amx";
+#if CONVEYOR_BF16_DOT
+  // CONVEYOR_ISA=avx2 (or scalar) asks for the narrower kernels everywhere; avx512 keeps this.
+  static const bool cpu = __builtin_cpu_supports("avx512bf16") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+  const char* env = std::getenv("CONVEYOR_ISA");
+  const std::string want = env ? env : "";
+  if (cpu && (want.empty() || want == "auto" || want == "amx" || want == "avx512"))
+    return "avx512_bf16";
+#endif
+  return "";
+}
 
 void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                       const at::Tensor& query_start, const at::Tensor& seq_lens,
@@ -404,8 +523,10 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 1024,
               "paged_attention: prompt rows on tiles need a head dim that is a multiple of 16");
-#if CONVEYOR_AMX
-  TORCH_CHECK(available(), "paged_attention: this CPU (or CONVEYOR_ISA) has no AMX-BF16");
+#if CONVEYOR_AMX || CONVEYOR_BF16_DOT
+  TORCH_CHECK(!prompt_attention_isa().empty(),
+              "paged_attention: this CPU (or CONVEYOR_ISA) has neither AMX-BF16 nor AVX512-BF16 "
+              "for prompt rows");
   const int64_t num_heads = q.size(1), num_kv_heads = kv_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tokens_per_item = std::max<int64_t>(1, kItemRows / group);
@@ -437,19 +558,19 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
   switch (kv_cache.scalar_type()) {
     case at::kFloat: {
       const float* c = kv_cache.data_ptr<float>();
-      return run(items, args, c, c + half, dm, max_rows);
+      return run_engine(items, args, c, c + half, dm, max_rows);
     }
     case at::kHalf: {
       const c10::Half* c = kv_cache.data_ptr<c10::Half>();
-      return run(items, args, c, c + half, dm, max_rows);
+      return run_engine(items, args, c, c + half, dm, max_rows);
     }
     case at::kBFloat16: {
       const c10::BFloat16* c = kv_cache.data_ptr<c10::BFloat16>();
-      return run(items, args, c, c + half, dm, max_rows);
+      return run_engine(items, args, c, c + half, dm, max_rows);
     }
     case at::kFloat8_e4m3fn: {
       const c10::Float8_e4m3fn* c = kv_cache.data_ptr<c10::Float8_e4m3fn>();
-      return run(items, args, c, c + half, dm, max_rows);
+      return run_engine(items, args, c, c + half, dm, max_rows);
     }
     default:
       TORCH_CHECK(false, "paged_attention: cache dtype ", kv_cache.scalar_type(),
@@ -458,7 +579,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
 #else
   (void)kv_cache, (void)block_size, (void)query_start, (void)seq_lens, (void)block_tables,
       (void)scale, (void)prompt_tokens, (void)out;
-  TORCH_CHECK(false, "paged_attention: this build has no AMX-BF16 for prompt rows");
+  TORCH_CHECK(false, "paged_attention: this build has neither AMX-BF16 nor AVX512-BF16 for prompt rows");
 #endif
 }
 

@@ -46,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace amx = conveyor_amx;
   m.def("amx_available", &amx::available,
         "whether bf16_linear runs here (AMX-BF16, and CONVEYOR_ISA unset, auto or amx)");
+  m.def("prompt_attention_isa", &amx::prompt_attention_isa,
+        "what a prompt row's bfloat16 attention runs here: amx, avx512_bf16, or '' (none)");
   m.def("pack_bf16", &amx::pack_bf16, "float weight (N, K) -> AMX bfloat16 tiles (P, KS, 16, 32)");
   m.def("bf16_linear", &amx::bf16_linear, "x @ W^T on AMX bfloat16 tiles, one order per value",
         py::arg("x"), py::arg("packed"), py::arg("n_out"));

@@ -76,6 +76,14 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
 #define CONVEYOR_AMX 0
 #endif
 
+// AVX512-BF16's dot products (vdpbf16ps), the prompt rows' attention where there are no tiles
+// (a Zen 4 or 5, a Cooper Lake Xeon): built where the compiler targets them.
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__)
+#define CONVEYOR_BF16_DOT 1
+#else
+#define CONVEYOR_BF16_DOT 0
+#endif
+
 // amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
 namespace conveyor_amx {
 bool available();
@@ -86,9 +94,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
 void configure();  // this thread's tiles: eight of 16 rows x 64 bytes
 #endif
 
-// amx_attention.cpp: attention of a step's prompt rows in bfloat16 tiles (float32 sums and
-// softmax); prompt_tokens[s]: sequence s's leading rows that take it. Writes those rows of
-// out (T, H, D); the metadata as paged_attention's, already checked.
+// amx_attention.cpp: attention of a step's prompt rows in bfloat16 (float32 sums and softmax),
+// on AMX tiles or else AVX512-BF16 dot products; prompt_tokens[s]: sequence s's leading rows
+// that take it. Writes those rows of out (T, H, D); the metadata as paged_attention's, already
+// checked. prompt_attention_isa: which of the two runs here ("amx", "avx512_bf16"), "" for none.
+std::string prompt_attention_isa();
 void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                       const at::Tensor& query_start, const at::Tensor& seq_lens,
                       const at::Tensor& block_tables, double scale,
