@@ -305,6 +305,21 @@ struct DotEngine {
   }
   static __m512bh row(const uint16_t* p) { return (__m512bh)_mm512_load_si512(p); }
 
+  // acc[i][n] += the products of one tile's 16 pairs: row i of the A operand (a: 16 rows of
+  // 32 bfloat16, kDotRows of them from here) against operand row n of b[n] (16 lanes x a pair).
+  template <int N>
+  static void tile_pairs(__m512 (&acc)[kDotRows][N], const uint16_t* a,
+                         const uint16_t* const (&b)[N]) {
+    for (int pr = 0; pr < 16; ++pr) {
+      __m512bh bv[N];
+      for (int n = 0; n < N; ++n) bv[n] = row(b[n] + pr * 32);
+      for (int i = 0; i < kDotRows; ++i) {
+        const __m512bh av = pair(a + i * 32 + 2 * pr);
+        for (int n = 0; n < N; ++n) acc[i][n] = _mm512_dpbf16_ps(acc[i][n], av, bv[n]);
+      }
+    }
+  }
+
   // s[n][r][16] = the four 16-key score blocks of the tile's 16 rows (s laid out as TileEngine
   // stores them: sub-block n at n * rows_p * 16).
   static void scores(const uint16_t* qt, const uint16_t* kt, int64_t kc_count, float* s,
@@ -314,17 +329,10 @@ struct DotEngine {
       __m512 acc[kDotRows][kSubs];
       for (int i = 0; i < kDotRows; ++i)
         for (int n = 0; n < kSubs; ++n) acc[i][n] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < kc_count; ++c) {
-        const uint16_t* q = qt + c * kTileValues + r0 * 32;
-        const uint16_t* k = kt + c * kTileValues;
-        for (int pr = 0; pr < 16; ++pr) {
-          __m512bh kv[kSubs];
-          for (int n = 0; n < kSubs; ++n) kv[n] = row(k + n * sub + pr * 32);
-          for (int i = 0; i < kDotRows; ++i) {
-            const __m512bh qv = pair(q + i * 32 + 2 * pr);
-            for (int n = 0; n < kSubs; ++n) acc[i][n] = _mm512_dpbf16_ps(acc[i][n], qv, kv[n]);
-          }
-        }
+      for (int64_t c = 0; c < kc_count; ++c) {  // d = 32 c .. 32 c + 31
+        const uint16_t* k[kSubs];
+        for (int n = 0; n < kSubs; ++n) k[n] = kt + n * sub + c * kTileValues;
+        tile_pairs<kSubs>(acc, qt + c * kTileValues + r0 * 32, k);
       }
       for (int i = 0; i < kDotRows; ++i)
         for (int n = 0; n < kSubs; ++n)
@@ -341,16 +349,9 @@ struct DotEngine {
       for (int i = 0; i < kDotRows; ++i)
         for (int c = 0; c < N; ++c) a[i][c] = _mm512_loadu_ps(acc + (r0 + i) * padded + (c0 + c) * 16);
       for (int j = 0; j < 2; ++j) {  // keys 32 j .. 32 j + 31
-        const uint16_t* p = pt + j * kTileValues + r0 * 32;
-        const uint16_t* v = vt + (j * ct + c0) * kTileValues;
-        for (int pr = 0; pr < 16; ++pr) {
-          __m512bh vv[N];
-          for (int c = 0; c < N; ++c) vv[c] = row(v + c * kTileValues + pr * 32);
-          for (int i = 0; i < kDotRows; ++i) {
-            const __m512bh pv = pair(p + i * 32 + 2 * pr);
-            for (int c = 0; c < N; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], pv, vv[c]);
-          }
-        }
+        const uint16_t* v[N];
+        for (int c = 0; c < N; ++c) v[c] = vt + (j * ct + c0 + c) * kTileValues;
+        tile_pairs<N>(a, pt + j * kTileValues + r0 * 32, v);
       }
       for (int i = 0; i < kDotRows; ++i)
         for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + (r0 + i) * padded + (c0 + c) * 16, a[i][c]);
