@@ -261,6 +261,40 @@ def test_compiled_layers_generate_what_the_modules_generate(qtype, quantized_ggu
             assert abs(lp_a.logprob - lp_b.logprob) < 1e-4, token
 
 
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {},
+        {"CONVEYOR_PROMPT_TILES": "0"},
+        {"CONVEYOR_PROMPT_ATTENTION": "0"},
+        {"CONVEYOR_ISA": "avx2"},
+    ],
+    ids=["default", "no-tiles", "no-attention", "avx2"],
+)
+def test_the_prompt_route_follows_the_cpu_and_its_switches(switches, quantized_gguf, monkeypatch):
+    """model/prompt_route.py: the AMX tiles where the CPU has AMX-BF16, else the attention alone
+    in bfloat16 where it has AVX512-BF16, else none; each switch turns its part off, and
+    CONVEYOR_ISA=avx2 both. The route is set at load and decides the prefix cache's keys."""
+    from conveyor.model import kernels
+
+    ops = kernels.load()
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
+    amx = ops.amx_available() and "CONVEYOR_PROMPT_TILES" not in switches
+    attention = bool(ops.prompt_attention_isa()) and "CONVEYOR_PROMPT_ATTENTION" not in switches
+    want = "tiles" if amx else "attention" if attention else ""
+    llm = LLM(str(quantized_gguf("Q4_1")), dtype="float32", num_blocks=32, max_num_seqs=2)
+    model = llm.engine.runner.model
+    tiles = any(getattr(m, "prompt_tiles", None) is not None for m in model.modules())
+    got = "tiles" if tiles else "attention" if model.prompt_route else ""
+    assert got == want, (switches, ops.prompt_attention_isa())
+    assert llm.engine.kv_cache.salt_generated == bool(want)
+    (out,) = llm.generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )
+    assert len(out.outputs[0].token_ids) == 4
+
+
 def test_quantization_none_of_a_q4_1_gguf_matches_transformers(quantized_gguf):
     path = quantized_gguf("Q4_1")
     ref_model = AutoModelForCausalLM.from_pretrained(
