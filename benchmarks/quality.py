@@ -14,9 +14,11 @@ ATen's ops, logits cast to float64 for scoring), `int8` (projections requantized
 blocks) and `auto` (a quantized GGUF's own blocks with the default cache, float16 on the CPU;
 a float checkpoint runs float32 there); `auto+kv-float32` the blocks with a float32 cache, and
 `kv-float16` the float32 model with a float16 cache (what the cache alone costs).
-A chunk is scored as a prompt, so on a CPU with AMX-BF16 `auto` runs the prompt route (its
-bfloat16 tiles, model/prompt_route.py); `auto+generated` scores the same model with every token
-counted as generated: the route of decode rows (the blocks), which is all `auto` runs elsewhere.
+A chunk is scored as a prompt, so `auto` runs the prompt route where the CPU has one (column
+`route`, model/prompt_route.py: `tiles`, the projections' and the attention's bfloat16 on AMX;
+`attention`, the attention alone in bfloat16 on AVX512-BF16); `auto+generated` scores the same
+model with every token counted as generated: the route of decode rows (the blocks and float32
+attention), which is all `auto` runs elsewhere.
 Every model is loaded as `conveyor serve` loads it by default, so the float32 and quantized
 scores are those of the batch-invariant kernels (model/kernels/panel_gemm.cpp): every row count
 of a block projection runs one kernel with activations rounded to int8 per block of 32, and the
@@ -62,6 +64,7 @@ class VariantStats:
     weight_bytes: int
     kv_cache_dtype: str  # "auto": the model's dtype
     tile_bytes: int = 0  # the prompt route's bfloat16 tiles (model/prompt_route.py), if any
+    route: str = "none"  # what the scored rows ran: tiles | attention | none (prompt_route.py)
     kl: list[float] = field(default_factory=list, repr=False)
     top1_same: int = 0
     nll_sum: float = 0.0
@@ -75,6 +78,7 @@ class VariantStats:
             resolved=self.resolved,
             weight_mib=round(self.weight_bytes / 2**20, 1),
             prompt_tiles_mib=round(self.tile_bytes / 2**20, 1),
+            prompt_route=self.route,
             kv_cache_dtype=self.kv_cache_dtype,
             mean_kl=kl.mean().item() if len(kl) else 0.0,
             p99_kl=kl.quantile(0.99).item() if len(kl) else 0.0,
@@ -184,7 +188,12 @@ def _stats(name: str, runner) -> VariantStats:
     tiles = [getattr(m, "prompt_tiles", None) for m in runner.model.modules()]
     tile_bytes = sum(t.numel() * t.element_size() for t in tiles if t is not None)
     dtype, mode, kv = VARIANTS.get(name, ("float32", "none", "auto"))
-    return VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes, kv, tile_bytes)
+    route = "none"
+    if getattr(runner.model, "prompt_route", False) and name not in GENERATED:
+        route = "tiles" if tile_bytes else "attention"
+    stats = VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes, kv, tile_bytes)
+    stats.route = route
+    return stats
 
 
 def _chunks(tokenizer, text: Path, context: int, max_chunks: int | None) -> list[list[int]]:
@@ -223,15 +232,15 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['model']}: {report['num_scored_tokens']} tokens scored in "
         f"{report['num_chunks']} chunks of {report['context']}",
-        f"{'variant':<22}{'weights MiB':>12}{'tiles MiB':>10}{'mean KL':>10}{'p99 KL':>10}"
-        f"{'max KL':>10}{'top-1 %':>9}{'ppl':>9}",
+        f"{'variant':<22}{'route':>10}{'weights MiB':>12}{'tiles MiB':>10}{'mean KL':>10}"
+        f"{'p99 KL':>10}{'max KL':>10}{'top-1 %':>9}{'ppl':>9}",
     ]
     for v in report["variants"]:
         name = v["variant"]
         if v["quantization"] not in ("none", v["resolved"]):
             name += f"->{v['resolved']}"  # auto->gguf, auto->none
         lines.append(
-            f"{name:<22}{v['weight_mib']:>12.1f}{v['prompt_tiles_mib']:>10.1f}{v['mean_kl']:>10.5f}{v['p99_kl']:>10.5f}"
+            f"{name:<22}{v['prompt_route']:>10}{v['weight_mib']:>12.1f}{v['prompt_tiles_mib']:>10.1f}{v['mean_kl']:>10.5f}{v['p99_kl']:>10.5f}"
             f"{v['max_kl']:>10.5f}{100 * v['top1_agreement']:>9.2f}{v['perplexity']:>9.3f}"
         )
     return "\n".join(lines)

@@ -70,6 +70,8 @@ def test_bench_quality_scores_the_batch_invariant_kernels_that_serving_runs(tmp_
     # float32 than int8 activations); with AVX512-BF16 alone the blocks with the attention in
     # bfloat16 (another rounding, as small); elsewhere the blocks, as a generated token's.
     tiles = any(getattr(m, "prompt_tiles", None) is not None for m in model.modules())
+    route = "tiles" if tiles else "attention" if model.prompt_route else "none"
+    assert (served["prompt_route"], generated["prompt_route"]) == (route, "none")
     if tiles:
         assert served["mean_kl"] < generated["mean_kl"]
     elif model.prompt_route:
