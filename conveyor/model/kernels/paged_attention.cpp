@@ -152,9 +152,16 @@ struct Ahead {
   // Lines per iteration of a loop of `iters` iterations: one division, before the loop (a
   // division in every iteration cost ~10% of the kernel).
   inline int per(int iters) const { return (lines + iters - 1) / iters; }
+  // No loop for the usual one or two lines: a loop nested in the callers' loops kept GCC from
+  // holding their accumulators in registers (it stored them all at every step).
   inline void step(int it, int per) const {
     if (!p) return;
-    const int from = it * per, to = std::min(from + per, lines);
+    const int from = it * per;
+    if (per > 2) return step_many(from, std::min(from + per, lines));
+    if (from < lines) __builtin_prefetch(p + from * 64, 0, 1);
+    if (per == 2 && from + 1 < lines) __builtin_prefetch(p + (from + 1) * 64, 0, 1);
+  }
+  __attribute__((noinline)) void step_many(int from, int to) const {
     for (int i = from; i < to; ++i) __builtin_prefetch(p + i * 64, 0, 1);
   }
   inline void all() const {
@@ -183,31 +190,32 @@ CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt,
     // prompt chunk's tile (a split chosen by the group's size made those differ in the last
     // bits, and a cache hit then changed a greedy answer).
     constexpr int SPLIT = kScoreSplit;
-    static_assert(D % SPLIT == 0, "head_dim must divide into the partial sums");
-    Vec<T> acc[SPLIT][R][NV];
-    for (int h = 0; h < SPLIT; ++h)
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < NV; ++i) acc[h][r][i] = Vec<T>{};
+    static_assert(SPLIT == 2 && D % SPLIT == 0, "two partial sums, over even and odd d");
+    // Two arrays, not one of [SPLIT]: GCC 12 held a [2][R][NV] array in memory and stored all
+    // of it at every step of the loop over d (R = 3, decode rows), even out of line.
+    Vec<T> even[R][NV], odd[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < NV; ++i) even[r][i] = odd[r][i] = Vec<T>{};
     const int per = ahead.per(D / SPLIT);
-    for (int d0 = 0; d0 < D; d0 += SPLIT) {
-      ahead.step(d0 / SPLIT, per);
-      for (int h = 0; h < SPLIT; ++h) {
-        const int d = d0 + h;
-        Vec<T> k[NV];
-        for (int i = 0; i < NV; ++i) k[i] = load_cache<T>(kt + d * BS + i * kLanes<T>);
-        for (int r = 0; r < R; ++r) {
-          const Vec<T> qb = broadcast(q[r * D + d]);
-          // Fused in every instantiation (vec.h: fmadd); the two partial sums above keep
-          // enough chains in flight for it (split, as in pv_rows, cost decode rows ~8% here).
-          for (int i = 0; i < NV; ++i) acc[h][r][i] = fmadd<T>(qb, k[i], acc[h][r][i]);
+    for (int d = 0; d < D; d += SPLIT) {
+      ahead.step(d / SPLIT, per);
+      Vec<T> ke[NV], ko[NV];
+      for (int i = 0; i < NV; ++i) {
+        ke[i] = load_cache<T>(kt + d * BS + i * kLanes<T>);
+        ko[i] = load_cache<T>(kt + (d + 1) * BS + i * kLanes<T>);
+      }
+      for (int r = 0; r < R; ++r) {
+        const Vec<T> qe = broadcast(q[r * D + d]), qo = broadcast(q[r * D + d + 1]);
+        // Fused in every instantiation (vec.h: fmadd); the two partial sums keep enough
+        // chains in flight for it (split, as in pv_rows, cost decode rows ~8% here).
+        for (int i = 0; i < NV; ++i) {
+          even[r][i] = fmadd<T>(qe, ke[i], even[r][i]);
+          odd[r][i] = fmadd<T>(qo, ko[i], odd[r][i]);
         }
       }
     }
-    for (int h = 1; h < SPLIT; ++h)
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < NV; ++i) acc[0][r][i] += acc[h][r][i];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < NV; ++i) store(s + r * BS + i * kLanes<T>, acc[0][r][i]);
+      for (int i = 0; i < NV; ++i) store(s + r * BS + i * kLanes<T>, even[r][i] + odd[r][i]);
   } else {
     ahead.all();
     const int bs = static_cast<int>(sh.block_size);
