@@ -188,9 +188,9 @@ def _stats(name: str, runner) -> VariantStats:
     tiles = [getattr(m, "prompt_tiles", None) for m in runner.model.modules()]
     tile_bytes = sum(t.numel() * t.element_size() for t in tiles if t is not None)
     dtype, mode, kv = VARIANTS.get(name, ("float32", "none", "auto"))
-    route = "none"
-    if getattr(runner.model, "prompt_route", False) and name not in GENERATED:
-        route = "tiles" if tile_bytes else "attention"
+    from conveyor.model.prompt_route import route_of
+
+    route = "none" if name in GENERATED else route_of(runner.model)
     stats = VariantStats(name, dtype, mode, runner.cfg.quantization, weight_bytes, kv, tile_bytes)
     stats.route = route
     return stats

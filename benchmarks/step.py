@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from conveyor.model import prompt_route
 from conveyor.model.layers import matmul_forms
 from conveyor.model.quant import QuantLinear
 from conveyor.outputs import ModelRunnerOutput, OutputKind, SchedulerOutput
@@ -615,11 +616,10 @@ def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple
     )
     kinds = {"projections": "int8_dot" if quantized else float_kind}
     work = {part: (n, kinds.get(part, float_kind)) for part, n in ops.items()}
-    model = engine.runner.model
-    if model.prompt_route:
+    route = prompt_route.route_of(engine.runner.model)
+    if route != "none":
         # prompt tokens' projections and attention on the AMX tiles, or their attention alone
         # on AVX512-BF16 (model/prompt_route.py); the rest on the blocks and float32 vectors
-        tiles = any(getattr(m, "prompt_tiles", None) is not None for m in model.modules())
         attention_kind = "amx_bf16" if limits.roofs.get("amx_bf16", 0) > 0 else "bf16_dot"
         prompt = prompt_pairs = 0
         for s in sched.scheduled:
@@ -628,7 +628,7 @@ def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple
             p = max(0, min(len(s.token_ids), s.num_prompt_tokens - s.num_computed_tokens))
             prompt += p
             prompt_pairs += p * s.num_computed_tokens + p * (p + 1) // 2
-        if tiles:
+        if route == "tiles":
             share = prompt / max(1, sched.total_num_scheduled_tokens)
             total = ops["projections"]
             work["projections"] = (total * (1 - share), "int8_dot")

@@ -89,20 +89,24 @@ def _quantized_compiled(model: nn.Module, ops: ModuleType | None) -> bool:
     )
 
 
-def choose(model: nn.Module, ops: ModuleType | None) -> str:
-    """Sets the model's prompt route where one applies; returns what it is: "tiles" (the
-    projections' bfloat16 tiles and the attention's), "attention" (the attention alone), or
-    "" (none: prompt tokens and generated ones compute alike)."""
+def choose(model: nn.Module, ops: ModuleType | None) -> None:
+    """Sets the model's prompt route where one applies (route_of says which it took)."""
     if applies(model, ops):
         pack_prompt_tiles(model, ops)
-        return "tiles"
-    if attention_applies(model, ops):
+    elif attention_applies(model, ops):
         model.prompt_route = True
         logger.info(
             "conveyor: prompt rows' attention runs bfloat16 (%s)", ops.prompt_attention_isa()
         )
-        return "attention"
-    return ""
+
+
+def route_of(model: nn.Module) -> str:
+    """The model's prompt route: "tiles" (the projections' bfloat16 tiles and the attention's),
+    "attention" (the attention alone), or "none" (prompt and generated tokens compute alike)."""
+    if not getattr(model, "prompt_route", False):
+        return "none"
+    tiles = any(getattr(m, "prompt_tiles", None) is not None for m in model.modules())
+    return "tiles" if tiles else "attention"
 
 
 def available_memory() -> int:

@@ -180,8 +180,8 @@ constexpr int kScoreSplit = 2;  // partial sums of a score (qk_rows)
 
 // S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
 template <typename T, typename C, int R, int BS, int D>
-CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt, T* __restrict s, Shape sh,
-                    Ahead ahead = {}) {
+CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt,
+                                  T* __restrict s, Shape sh, Ahead ahead = {}) {
   if constexpr (BS != 0) {
     constexpr int NV = BS / kLanes<T>;
     // Two independent partial sums over d (even and odd d), added at the end: a decode row's
@@ -262,8 +262,8 @@ inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh, Ahead ah
 // them); the accumulators stay in registers, 8 vectors of each row at a time. `ahead` is
 // prefetched over the keys of the first pass.
 template <typename T, typename C, int D, int RP>
-CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __restrict v, T* __restrict acc, int n,
-                    Ahead ahead = {}) {
+CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __restrict v,
+                                  T* __restrict acc, int n, Ahead ahead = {}) {
   constexpr int L = kLanes<T>;
   constexpr int NV = D / L;
   constexpr int NC = NV < 8 ? NV : 8;
