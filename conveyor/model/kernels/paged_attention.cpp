@@ -144,30 +144,19 @@ inline Vec<T> load_cache(const C* p) {
   }
 }
 
-// A tile to prefetch a few lines at a time over the iterations of a loop that computes another
-// tile (see kPrefetchBlocks); p == nullptr: none.
-struct Ahead {
-  const char* p = nullptr;
-  int lines = 0;
-  // Lines per iteration of a loop of `iters` iterations: one division, before the loop (a
-  // division in every iteration cost ~10% of the kernel).
-  inline int per(int iters) const { return (lines + iters - 1) / iters; }
-  // No loop for the usual one or two lines: a loop nested in the callers' loops kept GCC from
-  // holding their accumulators in registers (it stored them all at every step).
-  inline void step(int it, int per) const {
-    if (!p) return;
-    const int from = it * per;
-    if (per > 2) return step_many(from, std::min(from + per, lines));
-    if (from < lines) __builtin_prefetch(p + from * 64, 0, 1);
-    if (per == 2 && from + 1 < lines) __builtin_prefetch(p + (from + 1) * 64, 0, 1);
+// Asks the lines of one tile into L2 (prefetcht2 on x86), ahead of its use. Inline assembly,
+// not __builtin_prefetch: GCC 12 deleted the builtin from the specialised loops this kernel had
+// it in (no prefetch instruction was left in any decode row's Q K^T or P V), silently.
+inline void prefetch_tile(const void* tile, int lines) {
+  const char* p = static_cast<const char*>(tile);
+  for (int i = 0; i < lines; ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("prefetcht2 %0" : : "m"(p[i * 64]));
+#else
+    __builtin_prefetch(p + i * 64, 0, 1);
+#endif
   }
-  __attribute__((noinline)) void step_many(int from, int to) const {
-    for (int i = from; i < to; ++i) __builtin_prefetch(p + i * 64, 0, 1);
-  }
-  inline void all() const {
-    for (int i = 0; p && i < lines; ++i) __builtin_prefetch(p + i * 64, 0, 1);
-  }
-};
+}
 
 constexpr int kScoreSplit = 2;  // partial sums of a score (qk_rows)
 
@@ -181,7 +170,7 @@ constexpr int kScoreSplit = 2;  // partial sums of a score (qk_rows)
 // S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
 template <typename T, typename C, int R, int BS, int D>
 CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt,
-                                  T* __restrict s, Shape sh, Ahead ahead = {}) {
+                                  T* __restrict s, Shape sh) {
   if constexpr (BS != 0) {
     constexpr int NV = BS / kLanes<T>;
     // Two independent partial sums over d (even and odd d), added at the end: a decode row's
@@ -196,9 +185,7 @@ CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt,
     Vec<T> even[R][NV], odd[R][NV];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < NV; ++i) even[r][i] = odd[r][i] = Vec<T>{};
-    const int per = ahead.per(D / SPLIT);
     for (int d = 0; d < D; d += SPLIT) {
-      ahead.step(d / SPLIT, per);
       Vec<T> ke[NV], ko[NV];
       for (int i = 0; i < NV; ++i) {
         ke[i] = load_cache<T>(kt + d * BS + i * kLanes<T>);
@@ -217,7 +204,6 @@ CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt,
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < NV; ++i) store(s + r * BS + i * kLanes<T>, even[r][i] + odd[r][i]);
   } else {
-    ahead.all();
     const int bs = static_cast<int>(sh.block_size);
     const int dim = static_cast<int>(sh.head_dim);
     for (int r = 0; r < R; ++r) {
@@ -239,41 +225,37 @@ constexpr int kRowGroup =
     BS == 0 ? 4 : std::max(1, std::min(8, (kRegisters - 4) / (kScoreSplit * BS / kLanes<T>)));
 
 template <typename T, typename C, int BS, int D, int R>
-inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh, Ahead ahead) {
+inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh) {
   if constexpr (R > 0) {
-    if (rows == R) return qk_rows<T, C, R, BS, D>(q, kt, s, sh, ahead);
-    return qk_tail<T, C, BS, D, R - 1>(q, kt, s, rows, sh, ahead);
+    if (rows == R) return qk_rows<T, C, R, BS, D>(q, kt, s, sh);
+    return qk_tail<T, C, BS, D, R - 1>(q, kt, s, rows, sh);
   }
 }
 
-// S = Q K^T for all rows; `ahead` is prefetched during the first register group's pass.
+// S = Q K^T for all rows.
 template <typename T, typename C, int BS, int D>
-inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh, Ahead ahead = {}) {
+inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh) {
   const int dim = D ? D : static_cast<int>(sh.head_dim);
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   constexpr int G = kRowGroup<T, BS>;
   int r = 0;
-  for (; r + G <= rows; r += G, ahead = {})
-    qk_rows<T, C, G, BS, D>(q + r * dim, kt, s + r * bs, sh, ahead);
-  if (r < rows) qk_tail<T, C, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh, ahead);
+  for (; r + G <= rows; r += G) qk_rows<T, C, G, BS, D>(q + r * dim, kt, s + r * bs, sh);
+  if (r < rows) qk_tail<T, C, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh);
 }
 
 // acc[r][:] += sum_{j < n} p[r][j] * v[j][:] for RP rows at once (each V row loaded once for
-// them); the accumulators stay in registers, 8 vectors of each row at a time. `ahead` is
-// prefetched over the keys of the first pass.
+// them); the accumulators stay in registers, 8 vectors of each row at a time.
 template <typename T, typename C, int D, int RP>
 CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __restrict v,
-                                  T* __restrict acc, int n, Ahead ahead = {}) {
+                                  T* __restrict acc, int n) {
   constexpr int L = kLanes<T>;
   constexpr int NV = D / L;
   constexpr int NC = NV < 8 ? NV : 8;
-  const int per = ahead.per(n > 0 ? n : 1);
   for (int c0 = 0; c0 < NV; c0 += NC) {
     Vec<T> a[RP][NC];
     for (int r = 0; r < RP; ++r)
       for (int i = 0; i < NC; ++i) a[r][i] = load(acc + r * D + (c0 + i) * L);
     for (int j = 0; j < n; ++j) {
-      if (c0 == 0) ahead.step(j, per);
       Vec<T> pb[RP];
       for (int r = 0; r < RP; ++r) pb[r] = broadcast(p[r * bs + j]);
       const C* vrow = v + j * D + c0 * L;
@@ -289,27 +271,24 @@ CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __rest
 }
 
 // acc += P V for all rows; v is one (block_size, head_dim) tile. Rows in threes where the
-// registers allow it (AVX-512 machines have 32 of them for 32-byte vectors). `ahead` is
-// prefetched during the first pass over the tile.
+// registers allow it (AVX-512 machines have 32 of them for 32-byte vectors).
 template <typename T, typename C, int BS, int D>
 inline void pv_block(const T* __restrict p, const C* __restrict v, T* __restrict acc, int rows,
-                     int n, Shape sh, Ahead ahead = {}) {
+                     int n, Shape sh) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   if constexpr (D != 0) {
     // Rows in threes with 32 registers (24 accumulators: a decode row's GQA group of 3 in one
     // pass over V), else one at a time; then the rest.
     constexpr int RP = kRegisters >= 32 ? 3 : 1;
-    if (n <= 0) return ahead.all();
+    if (n <= 0) return;
     int r = 0;
-    for (; r + RP <= rows; r += RP, ahead = {})
-      pv_rows<T, C, D, RP>(p + r * bs, bs, v, acc + r * D, n, ahead);
+    for (; r + RP <= rows; r += RP) pv_rows<T, C, D, RP>(p + r * bs, bs, v, acc + r * D, n);
     if (RP == 3 && r + 2 <= rows) {
-      pv_rows<T, C, D, 2>(p + r * bs, bs, v, acc + r * D, n, ahead);
-      r += 2, ahead = {};
+      pv_rows<T, C, D, 2>(p + r * bs, bs, v, acc + r * D, n);
+      r += 2;
     }
-    for (; r < rows; ++r, ahead = {}) pv_rows<T, C, D, 1>(p + r * bs, bs, v, acc + r * D, n, ahead);
+    for (; r < rows; ++r) pv_rows<T, C, D, 1>(p + r * bs, bs, v, acc + r * D, n);
   } else {
-    ahead.all();
     const int dim = static_cast<int>(sh.head_dim);
     for (int r = 0; r < rows; ++r) {
       T* arow = acc + r * dim;
@@ -463,14 +442,17 @@ inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int row
 }
 
 // Tiles sit at scattered places (a block table is any list of block ids), so the hardware
-// prefetcher, which follows a stream within a 4 KiB page, starts every tile cold. The tiles
-// kPrefetchBlocks blocks ahead are asked into L2 while this one is computed (the first ones of
-// an item all at once): 32 decode rows x 512 tokens over 30 layers (2 threads, SmolLM2's heads)
-// went from 53 to 39 ms with a float32 cache and from 47 to 25 ms with a float16 one. A line or
-// two per iteration of the loops over this tile, not the whole tile before them: a core has
-// ~16 line-fill buffers, and a burst of 64 prefetches stalled it until they drained, computing
-// nothing (a third of the kernel's cycles, on the Xeon); spread, 47 -> 39 ms (float32) and
-// 29 -> 25.5 ms (float16).
+// prefetcher, which follows a stream within a 4 KiB page, starts every tile cold. The K tile
+// kPrefetchBlocks blocks ahead is asked into L2 before a block's Q K^T, the V tile before its
+// P V (the first ones of an item all at once). Only for items of few rows (decode rows, a
+// short verification's tiles), which are bound by reading the cache: a many-row item computes
+// long enough on each tile for the hardware to keep up. Measured on a Zen 4 (2 threads,
+// SmolLM2's heads, float16 cache, 30 layers each with its own cache): 64 decode rows at 256
+// tokens 30-34 -> 18-21 ms, 8 decode rows 4.1 -> 2.1 ms, with no prefetch at all (what GCC had
+// left of the earlier per-iteration form) against these bursts; earlier on a Xeon, spreading
+// the lines over the loops beat bursts, but that form needs the prefetch inside the loops, and
+// any code there (a call, a nested loop, an asm statement) cost the many-row items up to 1.6x
+// through worse register allocation.
 constexpr int64_t kPrefetchBlocks = 2;
 
 template <typename T, typename C, int BS, int D>
@@ -506,25 +488,28 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
   int* limit = w.limit.data();
   const int64_t block_end = item.block_end >= 0 ? item.block_end : (num_keys + bs - 1) / bs;
   const bool widened = !std::is_same_v<T, C> && rows >= kWidenRows;
+  const bool stream = rows < kWidenRows;  // few rows: prefetch the tiles ahead (see above)
   for (int64_t b0 = item.block_begin; b0 < block_end; b0 += kGroupBlocks) {
     const int nb = static_cast<int>(std::min<int64_t>(kGroupBlocks, block_end - b0));
     int n[kGroupBlocks];  // keys in each block (the last block of a sequence may be partial)
     int64_t offsets[kGroupBlocks];  // each block's K (and V) tile in its half of the cache
-    Ahead k_ahead[kGroupBlocks], v_ahead[kGroupBlocks];  // tiles to prefetch during each block
+    // The tiles kPrefetchBlocks blocks ahead of each block of the group (nullptr: none).
+    const C* k_next[kGroupBlocks] = {};
+    const C* v_next[kGroupBlocks] = {};
     for (int i = 0; i < nb; ++i) {
       const int64_t b = b0 + i, base = b * bs;
       const int64_t offset = offsets[i] = (table[b] * in.num_kv_heads + item.kv_head) * tile;
       if (b == item.block_begin) {
         for (int64_t a = b; a < std::min(b + kPrefetchBlocks, block_end); ++a) {
           const int64_t first = (table[a] * in.num_kv_heads + item.kv_head) * tile;
-          Ahead{reinterpret_cast<const char*>(kc + first), tile_lines}.all();
-          Ahead{reinterpret_cast<const char*>(vc + first), tile_lines}.all();
+          prefetch_tile(kc + first, tile_lines);
+          prefetch_tile(vc + first, tile_lines);
         }
       }
-      if (b + kPrefetchBlocks < block_end) {
+      if (stream && b + kPrefetchBlocks < block_end) {
         const int64_t ahead = (table[b + kPrefetchBlocks] * in.num_kv_heads + item.kv_head) * tile;
-        k_ahead[i] = {reinterpret_cast<const char*>(kc + ahead), tile_lines};
-        v_ahead[i] = {reinterpret_cast<const char*>(vc + ahead), tile_lines};
+        k_next[i] = kc + ahead;
+        v_next[i] = vc + ahead;
       }
       for (int r = 0; r < rows; ++r) {
         const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
@@ -535,18 +520,20 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
       if (widened) {
         widen(kc + offset, w.k.data() + i * tile, tile);
         widen(vc + offset, w.v.data() + i * tile, tile);
-        qk_block<T, T, BS, D>(w.q.data(), w.k.data() + i * tile, si, rows, sh, k_ahead[i]);
+        qk_block<T, T, BS, D>(w.q.data(), w.k.data() + i * tile, si, rows, sh);
       } else {
-        qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh, k_ahead[i]);
+        if (k_next[i]) prefetch_tile(k_next[i], tile_lines);
+        qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh);
       }
     }
     softmax_group<T, BS>(w.s.data(), limit, nb, w, rows, sh);
     for (int i = 0; i < nb; ++i) {
       const T* si = w.s.data() + i * rows * bs;
       if (widened) {
-        pv_block<T, T, BS, D>(si, w.v.data() + i * tile, w.acc.data(), rows, n[i], sh, v_ahead[i]);
+        pv_block<T, T, BS, D>(si, w.v.data() + i * tile, w.acc.data(), rows, n[i], sh);
       } else {
-        pv_block<T, C, BS, D>(si, vc + offsets[i], w.acc.data(), rows, n[i], sh, v_ahead[i]);
+        if (v_next[i]) prefetch_tile(v_next[i], tile_lines);
+        pv_block<T, C, BS, D>(si, vc + offsets[i], w.acc.data(), rows, n[i], sh);
       }
     }
   }
