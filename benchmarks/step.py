@@ -475,12 +475,15 @@ def profile_execute(runner, sched: SchedulerOutput) -> dict[str, float]:
     handles = _attach_hooks(runner.model, timer)
     sampler = runner.sampler
     runner.sampler = _TimedCall(sampler, timer, "logits_sampling")
+    # Plain greedy rows: the lm_head's argmax tokens instead of its forward (llama.py).
+    runner.model.greedy_tokens = _TimedCall(runner.model.greedy_tokens, timer, "logits_sampling")
     compiled = torch.zeros(len(COMPILED_CATEGORIES), dtype=torch.float64)
     runner.model.compiled_seconds = compiled
     try:
         total = _execute_seconds(runner, sched, timer.sync)
     finally:
         runner.sampler = sampler
+        del runner.model.greedy_tokens  # the method again
         runner.model.compiled_seconds = None
         for handle in handles:
             handle.remove()

@@ -251,6 +251,15 @@ class LlamaForCausalLM(nn.Module):
             logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]
         return logits.contiguous()  # (N, vocab), row-major for the sampler
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden).argmax(-1), exactly, where the lm_head can find it without
+        computing every logit in float (model/quant.py: QuantLinear.argmax); None: it cannot
+        here, compute the logits."""
+        argmax = getattr(self.lm_head, "argmax", None)
+        if argmax is None or self.tp.size > 1:
+            return None
+        return argmax(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()

@@ -423,6 +423,23 @@ def reference_int8_linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
 # --------------------------------------------------------------------------- modules
 
 
+def error_weights(weight: BlockWeight) -> torch.Tensor:
+    """Per output row n, max over its blocks b of |d_nb| * sum_k |q_nk| + 32 |m_nb| (q4: q in
+    0..15): int8 activations with a per-block scale xd_b put a value of x @ W^T off by at most
+    sum_b (xd_b / 2) times this (kernels/panel_gemm.cpp: block_argmax)."""
+    num_rows, num_blocks = weight.d.shape
+    if weight.format == "q4":
+        qs = weight.qs.reshape(num_rows, num_blocks, 16).to(torch.int32)
+        size = ((qs & 0x0F) + (qs >> 4)).sum(-1)
+    else:
+        size = weight.qs.reshape(num_rows, num_blocks, 32).to(torch.int32).abs().sum(-1)
+    scale = weight.d.view(torch.float16).to(torch.float32).abs()
+    bound = scale * size.to(torch.float32)
+    if weight.format == "q4":
+        bound += 32 * weight.m.view(torch.float16).to(torch.float32).abs()
+    return bound.amax(dim=1).contiguous()
+
+
 class QuantLinear(nn.Module):
     """A projection over block-quantized rows; merged projections (q/k/v, gate/up) keep
     `out_sizes` for the model's split. The bias (if any) stays float."""
@@ -444,6 +461,8 @@ class QuantLinear(nn.Module):
         self.outlier_ratio = OUTLIER_RATIO
         # (wq, dw, mw): the blocks packed for the batch-invariant panel kernels (pack_panels).
         self.panels: list[torch.Tensor] | None = None
+        # (int8 panels, error weights): the lm_head's exact argmax from int8 values (argmax).
+        self.argmax_panels: tuple[torch.Tensor, torch.Tensor] | None = None
         # int16 / uint8 / int8 buffers: Module.to(dtype) casts floats only, so they survive it.
         _register_blocks(self, weight)
         self.register_buffer("bias", bias)
@@ -469,6 +488,24 @@ class QuantLinear(nn.Module):
         row count runs one kernel with one reduction order per output value."""
         m = self.m if self.format == "q4" else None
         self.panels = ops.pack_blocks(self.qs, self.d, m, float_acts=self.float_acts)
+        if self.float_acts and self.bias is None:  # the lm_head: greedy rows' argmax (below)
+            int8_panels = ops.pack_blocks(self.qs, self.d, m, float_acts=False)
+            self.argmax_panels = (int8_panels[0], error_weights(self.weight_blocks))
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of forward(x), the first of equal maxima as torch.argmax picks,
+        without computing every value in float: the int8 panels' approximate values, then the
+        float kernel on the columns their error bound leaves in the running (panel_gemm.cpp:
+        block_argmax). None where it does not apply (call forward): no packed panels, not a
+        CPU float32 matrix, or a row with values that are not finite."""
+        if self.argmax_panels is None or x.device.type != "cpu" or x.dim() != 2:
+            return None
+        if x.dtype != torch.float32:
+            return None
+        wq, wmax = self.argmax_panels
+        wk, dw, mw = self.panels
+        out = kernels().block_argmax(x, wk, wq, dw, mw, wmax, self.d.shape[0])
+        return None if bool((out < 0).any()) else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.device.type == "cpu" and x.dim() == 2:

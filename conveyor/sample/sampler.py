@@ -41,6 +41,23 @@ class SamplerOutput(NamedTuple):
     logprobs: list[PositionLogprobs | None]  # None where params.logprobs is None
 
 
+def plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is the argmax of its raw logits, and nothing else is read from
+    them: greedy, and no grammar, logit bias, penalty, allowed or bad words, min_tokens still
+    to reach or logprobs. (Its drafts' positions then are too: a draft only adds output.)"""
+    params = row.params
+    return (
+        params.greedy
+        and row.grammar is None
+        and params.logprobs is None
+        and not params.logit_bias
+        and not params.has_penalties
+        and not params.allowed_token_ids
+        and not params.bad_words_token_ids
+        and len(row.output_token_ids) >= params.min_tokens
+    )
+
+
 class Sampler:
     def __init__(self, eos_token_ids: Iterable[int], seed: int | None = None) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)

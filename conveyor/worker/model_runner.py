@@ -29,8 +29,8 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
 from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepInputs
-from conveyor.sample.sampler import Sampler, target_logprobs
-from conveyor.sample.verifier import verify
+from conveyor.sample.sampler import Sampler, plain_greedy, target_logprobs
+from conveyor.sample.verifier import accept_greedy, verify
 from conveyor.worker.cuda_graphs import DecodeGraphs, graph_mode
 
 # Proposes the drafts of a step's requests (the draft model's `propose`); see _drafts.
@@ -116,15 +116,19 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.eligible(step):
             prepared = time.perf_counter()
             logits = self.graphs.run(step)
-            hidden = None
+            hidden = greedy = None
         else:
             input_ids, positions, meta, logits_rows = self.tensors(step)
             prepared = time.perf_counter()
             with self._lora_rows(sched.scheduled, step):
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            logits = None
+            logits = greedy = None
             if len(step.logits_rows):
-                logits = self.model.compute_logits(hidden[logits_rows])
+                selected = hidden[logits_rows]
+                if self._only_plain_greedy(sched.scheduled, sampled):
+                    greedy = self.model.greedy_tokens(selected)
+                if greedy is None:
+                    logits = self.model.compute_logits(selected)
         num_prompt_rows = sum(len(s.prompt_targets or ()) for s in sched.scheduled)
         prompt_rows = self._prompt_rows(sched.scheduled, step, hidden, logits, num_prompt_rows)
         if num_prompt_rows:  # the sampler reads the sampled rows only
@@ -134,7 +138,14 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], *prompt_rows)
         forwarded = time.perf_counter()
         rows = [sched.scheduled[i].sampling for i in sampled]
-        if any(drafts[i] for i in sampled):
+        if greedy is not None:  # each row's argmax of the raw logits, all the sampler would do
+            argmax = iter(greedy.tolist())
+            token_ids = [
+                accept_greedy(drafts[i], [next(argmax) for _ in range(len(drafts[i]) + 1)])
+                for i in sampled
+            ]
+            logprobs = [None] * len(sampled)
+        elif any(drafts[i] for i in sampled):
             token_ids, logprobs = verify(self.sampler, logits, rows, [drafts[i] for i in sampled])
         else:
             out = self.sampler(logits, rows)
@@ -144,6 +155,14 @@ class ModelRunner:
         return ModelRunnerOutput(
             [sched.scheduled[i].request_id for i in sampled], token_ids, logprobs, *prompt_rows
         )
+
+    @staticmethod
+    def _only_plain_greedy(scheduled: list[ScheduledRequest], sampled: list[int]) -> bool:
+        """Whether the step's logits serve only to pick argmax tokens (sample/sampler.py:
+        plain_greedy), so that the model may find those without computing every logit."""
+        if any(s.prompt_targets for s in scheduled):
+            return False
+        return all(plain_greedy(scheduled[i].sampling) for i in sampled)
 
     def _prompt_rows(
         self,

@@ -338,6 +338,77 @@ def test_reference_linear_rounds_activations_as_the_kernel(ops):
     assert worst <= TOLERANCE["blocks"] * ref.abs().max().item()
 
 
+# ---- (e) the lm_head's greedy argmax --------------------------------------------------------
+
+
+class Argmax:
+    """block_argmax over one weight: the float-activation panels, the int8 ones and the
+    weight's error bounds (quant.error_weights), as QuantLinear.argmax calls it."""
+
+    def __init__(self, ops, weight: BlockWeight) -> None:
+        self.ops, self.n = ops, weight.shape[0]
+        self.floats = Blocks(ops, weight, float_acts=True)
+        self.ints = Blocks(ops, weight, float_acts=False)
+        self.wmax = quant.error_weights(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.floats
+        return self.ops.block_argmax(x, f.wq, self.ints.wq, f.dw, f.mw, self.wmax, self.n)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_block_argmax_is_the_float_kernels_argmax(ops, isas, fmt):
+    """Each row's argmax equals torch.argmax of block_linear(float_acts=True), on every
+    instruction set: over 3,001 columns (a padded panel) and 400 rows the int8 values rank the
+    top of some rows differently (asserted, so the candidates the bound keeps are exercised);
+    a column duplicated from an earlier one ties with it exactly where a row points at it (the
+    first wins, as torch.argmax); a zero row makes every value 0 (column 0)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 3001, 576
+    dense = torch.randn(n, k, generator=gen) * 0.05
+    dense[2000] = dense[5]
+    weight = QUANTIZERS[fmt](dense)
+    argmax = Argmax(ops, weight)
+    x = torch.randn(400, k, generator=gen) * 3
+    x[0] = 0.0
+    x[1] = weight.dequantize()[5] * 40  # its maximum: columns 5 and 2000, equal
+    expected = argmax.floats(x).argmax(-1)
+    assert expected[0] == 0 and expected[1] == 5
+    flipped = argmax.ints(x).argmax(-1) != expected
+    assert flipped.any(), "no row where int8 values rank the top differently: make ties nearer"
+    try:
+        for isa in isas:
+            ops.set_isa(isa)
+            assert torch.equal(argmax(x), expected), f"{isa}: rows {flipped.nonzero().tolist()}"
+            assert torch.equal(argmax(x[1:2]), expected[1:2])
+    finally:
+        ops.set_isa("auto")
+
+
+def test_block_argmax_marks_rows_that_are_not_finite(ops):
+    weight = quant.quantize_q8(torch.randn(37, 64))
+    argmax = Argmax(ops, weight)
+    x = torch.randn(4, 64)
+    x[1, 3] = float("inf")
+    x[2, 40] = float("nan")
+    out = argmax(x)
+    assert out.tolist()[1:3] == [-1, -1]
+    assert out[0] == argmax.floats(x[:1]).argmax(-1)[0] and out[3] >= 0
+    with pytest.raises(RuntimeError, match="wmax"):
+        argmax.ops.block_argmax(
+            x,
+            argmax.floats.wq,
+            argmax.ints.wq,
+            argmax.floats.dw,
+            argmax.floats.mw,
+            argmax.wmax[:-1],
+            37,
+        )
+    with pytest.raises(RuntimeError, match="float-activation panels"):
+        f = argmax.floats
+        argmax.ops.block_argmax(x, argmax.ints.wq, argmax.ints.wq, f.dw, f.mw, argmax.wmax, 37)
+
+
 # ---- paged attention without key splits ----------------------------------------------------
 
 

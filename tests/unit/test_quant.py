@@ -237,6 +237,44 @@ def test_quantized_gguf_generates_what_its_dequantized_model_generates(quantized
     assert same >= 3  # of 4: a near tie may flip one token under int8 activations
 
 
+def test_plain_greedy_steps_take_the_lm_heads_argmax_and_generate_the_same(
+    quantized_gguf, monkeypatch
+):
+    """Steps whose rows are all plain greedy ask the lm_head for argmax tokens
+    (QuantLinear.argmax, kernels/panel_gemm.cpp: block_argmax) instead of every logit. Their
+    tokens equal those of the same requests with logprobs, which need the logits; with n-gram
+    speculation too, where each request's rows verify its drafts."""
+    taken = []
+    argmax = QuantLinear.argmax
+
+    def counted(self, x):
+        out = argmax(self, x)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(QuantLinear, "argmax", counted)
+    path = str(quantized_gguf("Q8_0"))
+    prompts = [p * 3 for p in random_prompts(6, 384, seed=5, max_len=12)]  # repeats to draft from
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "adaptive": False,
+    }
+    for speculative_config in (None, ngram):
+        llm = LLM(path, dtype="float32", num_blocks=96, speculative_config=speculative_config)
+        fast = llm.generate(prompts, plain, use_tqdm=False)
+        assert taken and all(taken), "a plain greedy step computed its logits"
+        num_taken = len(taken)
+        full = llm.generate(prompts, with_logprobs, use_tqdm=False)
+        assert len(taken) == num_taken, "a step with logprobs asked for argmax tokens"
+        assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in full]
+        taken.clear()
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_compiled_layers_generate_what_the_modules_generate(qtype, quantized_gguf, monkeypatch):
     """Decode steps of a quantized model run its layers as one compiled call (block kernel

@@ -41,6 +41,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &pg::block_linear, "x @ W^T over block panels, one order per value",
         py::arg("x"), py::arg("wq"), py::arg("dw"), py::arg("mw"), py::arg("n_out"),
         py::arg("float_acts") = false);
+  m.def("block_argmax", &pg::block_argmax,
+        "each row's argmax of block_linear(x, float_acts=True), from the int8 panels' values and "
+        "exact float values of the columns within their error bound; -1: not finite",
+        py::arg("x"), py::arg("wk"), py::arg("wq"), py::arg("dw"), py::arg("mw"), py::arg("wmax"),
+        py::arg("n_out"));
   m.def("peak_rate", &pg::peak_rate, "ops/s of the kernels' instructions in registers, all "
         "threads: f32_fma, f64_fma, int8_dot, bf16_dot, amx_bf16", py::arg("kind"), py::arg("iters"));
   namespace amx = conveyor_amx;

@@ -53,6 +53,9 @@ std::vector<at::Tensor> pack_blocks(const at::Tensor& qs, const at::Tensor& d,
                                     const std::optional<at::Tensor>& m, bool float_acts);
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& dw,
                         const at::Tensor& mw, int64_t n_out, bool float_acts);
+at::Tensor block_argmax(const at::Tensor& x, const at::Tensor& wk, const at::Tensor& wq,
+                        const at::Tensor& dw, const at::Tensor& mw, const at::Tensor& wmax,
+                        int64_t n_out);
 double peak_rate(const std::string& kind, int64_t iters);
 #if CONVEYOR_QUANT_KERNELS
 // One token's int8 blocks (AVX2): values, scale max|x| / 127, scale * sum, integer sum (isum
