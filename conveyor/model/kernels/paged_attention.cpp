@@ -451,8 +451,8 @@ inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int row
 // tokens 30-34 -> 18-21 ms, 8 decode rows 4.1 -> 2.1 ms, with no prefetch at all (what GCC had
 // left of the earlier per-iteration form) against these bursts; earlier on a Xeon, spreading
 // the lines over the loops beat bursts, but that form needs the prefetch inside the loops, and
-// any code there (a call, a nested loop, an asm statement) cost the many-row items up to 1.6x
-// through worse register allocation.
+// an asm statement there (with or without a call, even never executed) cost the many-row items
+// up to 1.6x through worse register allocation.
 constexpr int64_t kPrefetchBlocks = 2;
 
 template <typename T, typename C, int BS, int D>
