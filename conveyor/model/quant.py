@@ -498,9 +498,8 @@ class QuantLinear(nn.Module):
         float kernel on the columns their error bound leaves in the running (panel_gemm.cpp:
         block_argmax). None where it does not apply (call forward): no packed panels, not a
         CPU float32 matrix, or a row with values that are not finite."""
-        if self.argmax_panels is None or x.device.type != "cpu" or x.dim() != 2:
-            return None
-        if x.dtype != torch.float32:
+        on_cpu = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+        if self.argmax_panels is None or not on_cpu:
             return None
         wq, wmax = self.argmax_panels
         wk, dw, mw = self.panels

@@ -80,7 +80,8 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SamplingRow], mask: StepMask | None = None
     ) -> torch.Tensor:
         """Grammar mask, logit bias, penalties and min_tokens applied. Never writes into
-        `logits`; returns it (in the work dtype) when no row needs any of them."""
+        `logits`; returns it (in the work dtype) when no row needs any of them. (A processor
+        added here must also be excluded by plain_greedy: such rows never reach it.)"""
         logits = logits.to(work_dtype(logits.dtype))
         biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]

@@ -878,10 +878,23 @@ void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels) {
   }
 }
 
-// y (T, n_out) = x (T, K) @ W^T for panel-packed blocks (pack_blocks with the same
-// float_acts): int8 activations (float_acts false) or float ones.
-at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& dw,
-                        const at::Tensor& mw, int64_t n_out, bool float_acts) {
+// Each block's sum of x (T, K), in order of k: the float-activation kernel's q4 term.
+std::vector<float> block_sums(const float* x, int64_t tokens, int64_t k) {
+  const int64_t nb = k / QK;
+  std::vector<float> sums(tokens * nb);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < QK; ++j) s += x[t * k + b * QK + j];
+      sums[t * nb + b] = s;
+    }
+  return sums;
+}
+
+// block_linear; with int8 activations, `acts` (when given) receives them (block_argmax bounds
+// the values' error by their scales).
+at::Tensor block_linear_impl(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& dw,
+                             const at::Tensor& mw, int64_t n_out, bool float_acts, Acts* acts) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "block_linear: x must be float32 (T, K) on the CPU");
   const at::Tensor x = x_in.contiguous();
@@ -915,25 +928,28 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
     a.x = x.data_ptr<float>();
     std::vector<float> sums;  // q4: each block's sum of x, in order of k
     if (q4) {
-      sums.resize(tokens * nb);
-      for (int64_t t = 0; t < tokens; ++t)
-        for (int64_t b = 0; b < nb; ++b) {
-          float s = 0.0f;
-          for (int64_t j = 0; j < QK; ++j) s += a.x[t * k + b * QK + j];
-          sums[t * nb + b] = s;
-        }
+      sums = block_sums(a.x, tokens, k);
       a.xs = sums.data();
     }
     if (q4) return block_dispatch<true, true>(a, tokens, panels), y;
     return block_dispatch<false, true>(a, tokens, panels), y;
   }
-  const Acts acts = quantize(x.data_ptr<float>(), tokens, k);
-  a.xq = acts.q.data();
-  a.xd = acts.d.data();
-  a.xs = acts.s.data();
-  a.xi = acts.isum.data();
+  Acts local;
+  Acts& quantized = acts != nullptr ? *acts : local;
+  quantized = quantize(x.data_ptr<float>(), tokens, k);
+  a.xq = quantized.q.data();
+  a.xd = quantized.d.data();
+  a.xs = quantized.s.data();
+  a.xi = quantized.isum.data();
   if (q4) return block_dispatch<true, false>(a, tokens, panels), y;
   return block_dispatch<false, false>(a, tokens, panels), y;
+}
+
+// y (T, n_out) = x (T, K) @ W^T for panel-packed blocks (pack_blocks with the same
+// float_acts): int8 activations (float_acts false) or float ones.
+at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& dw,
+                        const at::Tensor& mw, int64_t n_out, bool float_acts) {
+  return block_linear_impl(x_in, wq, dw, mw, n_out, float_acts, nullptr);
 }
 
 // ------------------------------------------------------------------------ greedy argmax
@@ -983,7 +999,8 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
   TORCH_CHECK(wmax.scalar_type() == at::kFloat && wmax.is_contiguous() && wmax.dim() == 1 &&
                   wmax.size(0) == n_out,
               "block_argmax: wmax must be float32 (n_out,)");
-  const at::Tensor approx = block_linear(x, wq, dw, mw, n_out, false);  // checks x, wq, dw, mw
+  Acts acts;  // the int8 activations behind approx: their scales xd bound its error
+  const at::Tensor approx = block_linear_impl(x, wq, dw, mw, n_out, false, &acts);  // checks
   TORCH_CHECK(wk.dim() == 3 && wk.size(0) == wq.size(0) && wk.size(1) == x.size(1) &&
                   wk.size(2) == kCols && wk.scalar_type() == at::kChar && wk.is_contiguous(),
               "block_argmax: float-activation panels that match the int8 ones");
@@ -994,22 +1011,19 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
   const float* ap = approx.data_ptr<float>();
   const float* wm = wmax.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
+  // Each block's sum of x: the float kernel's q4 term, and a finite check (a NaN in x slips
+  // through the scales' max|x|).
+  const std::vector<float> sums = block_sums(xp, tokens, k);
   at::parallel_for(0, tokens, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> exact(n_out), sums(nb);
+    std::vector<float> exact(n_out);
     for (int64_t t = t0; t < t1; ++t) {
       const float* xr = xp + t * k;
       const float* ar = ap + t * n_out;
-      float scale_sum = 0.0f;  // sum_b xd_b, as quantize computes xd
-      bool finite = true;      // x (a NaN would slip through max_abs) and the values
+      float scale_sum = 0.0f;  // sum_b xd_b
+      bool finite = true;
       for (int64_t b = 0; b < nb; ++b) {
-        float max_abs = 0.0f, s = 0.0f;
-        for (int64_t j = 0; j < QK; ++j) {
-          max_abs = std::max(max_abs, std::fabs(xr[b * QK + j]));
-          s += xr[b * QK + j];  // q4: the block's sum in order, as block_linear's
-        }
-        scale_sum += max_abs / 127.0f;
-        sums[b] = s;
-        finite = finite && std::isfinite(s);
+        scale_sum += acts.d[t * nb + b];
+        finite = finite && std::isfinite(sums[t * nb + b]);
       }
       const float c = kSlack * scale_sum;
       float m = -std::numeric_limits<float>::infinity();
@@ -1021,7 +1035,7 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
       }
       BlockArgs f{};
       f.x = xr;
-      f.xs = q4 ? sums.data() : nullptr;
+      f.xs = q4 ? sums.data() + t * nb : nullptr;
       f.wk = wk.data_ptr<int8_t>();
       f.k = k;
       f.nb = nb;
