@@ -341,8 +341,18 @@ struct Scratch {
 
 // Rows from which a 16-bit tile is widened once into scratch rather than at every load: a
 // prompt tile's rows reload each V vector (one or two FMAs per load), decode rows (a GQA group)
-// read it about once.
-constexpr int kWidenRows = 8;
+// read it about once. Below it the tiles are also prefetched (run_item). Speculative
+// verifications sit between the two: 1 + k tokens times the GQA group, 9-27 rows an item for
+// SmolLM2 at k = 8. With the threshold at 8 they were widened, and the widening pass stalled on
+// every tile's first touch; at 32 they read the tiles in place, prefetched (Zen 4, 30 layers
+// with their own float16 caches, 2 threads, medians of two runs): one sequence's 9 rows at 400
+// tokens 2.6-2.7 -> 2.4-2.5 ms, 8 sequences' 9 rows 20-22 -> 17-18 ms, 4 sequences' 5 rows
+// 4.4-5.0 -> 3.7-3.9 ms; 64 decode rows and 512- and 32-token prompt chunks unchanged within
+// noise. Bits unchanged: widening converts exactly, and the loops' order does not depend on it.
+// With 16 registers (AVX2) Q K^T takes 3 rows a pass, so a 9-row item converted each key tile
+// three times in place: 8 stays (the AVX2 build run on the same Zen 4: one sequence's 9 rows
+// 2.9-3.1 -> 3.2-3.3 ms at 32).
+constexpr int kWidenRows = kRegisters >= 32 ? 32 : 8;
 
 template <typename T, typename C>
 inline void widen(const C* src, T* dst, int64_t n) {
@@ -444,8 +454,8 @@ inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int row
 // Tiles sit at scattered places (a block table is any list of block ids), so the hardware
 // prefetcher, which follows a stream within a 4 KiB page, starts every tile cold. The K tile
 // kPrefetchBlocks blocks ahead is asked into L2 before a block's Q K^T, the V tile before its
-// P V (the first ones of an item all at once). Only for items of few rows (decode rows, a
-// short verification's tiles), which are bound by reading the cache: a many-row item computes
+// P V (the first ones of an item all at once). Only for items of fewer than kWidenRows rows
+// (decode rows, verifications), which are bound by reading the cache: a many-row item computes
 // long enough on each tile for the hardware to keep up. Measured on a Zen 4 (2 threads,
 // SmolLM2's heads, float16 cache, 30 layers each with its own cache): 64 decode rows at 256
 // tokens 30-34 -> 18-21 ms, 8 decode rows 4.1 -> 2.1 ms, with no prefetch at all (what GCC had
