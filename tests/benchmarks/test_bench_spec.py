@@ -160,6 +160,7 @@ def test_bench_spec_runs_the_whole_grid(model_path, tmp_path, capsys):
         assert row["total_output_tokens"] == 2 * 8  # exact lengths, speculation or not
         assert row["output_throughput"] > 0 and row["speedup"] > 0
         assert row["median_tpot_ms"] > 0 and row["p99_itl_ms"] >= row["median_itl_ms"]
+        assert row["median_ttft_ms"] > 0
         for key in ("acceptance_rate", "mean_accepted_length", *spec.SPEC_COUNTERS):
             assert key in row
         drafts, proposed, accepted = (row[key] for key in spec.SPEC_COUNTERS)
@@ -173,4 +174,6 @@ def test_bench_spec_runs_the_whole_grid(model_path, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("ngram k=2, spec-") == 2 and out.count("ngram k=2 fixed, spec-") == 2
     assert "[6/6]" in out
+    header = next(line for line in out.splitlines() if line.startswith("| workload"))
+    assert "| TTFT p50 ms |" in header
     assert "| workload | k | concurrency | acceptance | mean accepted len |" in out
