@@ -18,8 +18,18 @@ from matplotlib.figure import Figure
 
 from benchmarks.records import RunResult, StepSpan
 
-COLORS = {"conveyor-fcfs": "#1f77b4", "conveyor-static": "#ff7f0e", "hf-generate": "#2ca02c"}
-MARKERS = {"conveyor-fcfs": "o", "conveyor-static": "s", "hf-generate": "^"}
+COLORS = {
+    "conveyor-fcfs": "#1f77b4",
+    "conveyor-static": "#ff7f0e",
+    "static-batch-end": "#8c564b",
+    "hf-generate": "#2ca02c",
+}
+MARKERS = {
+    "conveyor-fcfs": "o",
+    "conveyor-static": "s",
+    "static-batch-end": "D",
+    "hf-generate": "^",
+}
 JOIN_COLOR, LEAVE_COLOR = "#2ca02c", "#d62728"
 DPI = 110
 PART_COLORS = {
@@ -53,7 +63,12 @@ def plot_all(
             diagonal=True,
         ),
     ]
-    timeline = [r for r in results if r.request_rate == timeline_rate and r.steps]
+    # A run's derived view (static-batch-end: conveyor-static's steps) is drawn once.
+    timeline, drawn = [], set()
+    for r in results:
+        if r.request_rate == timeline_rate and r.steps and id(r.steps) not in drawn:
+            timeline.append(r)
+            drawn.add(id(r.steps))
     if timeline:
         paths.append(plot_timeline(timeline, out_dir / "timeline.png"))
     return paths

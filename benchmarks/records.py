@@ -22,6 +22,9 @@ class RequestRecord:
     finish: float
     # 99th percentile of the gaps between its consecutive output tokens (s); set after the run
     tbt_p99: float = 0.0
+    # The request-level batch it ran in, numbered from 0 (conveyor-static, hf-generate); -1:
+    # none (continuous batching has no batches, only steps)
+    batch: int = -1
 
     @property
     def e2e(self) -> float:

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -75,10 +76,13 @@ def runs_of(data: dict, system: str) -> list[dict]:
     return [r for r in data["runs"] if r["system"] == system]
 
 
+REPORTED = (*compare.SYSTEMS, compare.HELD)  # the systems run, and the one derived
+
+
 def test_every_system_completes_every_request_with_its_exact_output_length(run):
     _, data, _ = run
     assert sorted((r["system"], str(r["request_rate"])) for r in data["runs"]) == sorted(
-        (s, rate) for s in compare.SYSTEMS for rate in ("40.0", "inf")
+        (s, rate) for s in REPORTED for rate in ("40.0", "inf")
     )
     for result in data["runs"]:
         requests = result["requests"]
@@ -117,7 +121,7 @@ def table_rows(text: str) -> dict[tuple[str, str], tuple[float, float]]:
     rows = {}
     for line in text.splitlines():
         cells = line.split()
-        if cells and cells[0] in compare.SYSTEMS and len(cells) == len(compare.TABLE_COLUMNS):
+        if cells and cells[0] in REPORTED and len(cells) == len(compare.TABLE_COLUMNS):
             rows[(cells[0], cells[1])] = (float(cells[3]), float(cells[5]))
     return rows
 
@@ -125,13 +129,13 @@ def table_rows(text: str) -> dict[tuple[str, str], tuple[float, float]]:
 def test_ratio_lines_agree_with_the_table(run):
     text, data, _ = run
     rows = table_rows(text)
-    assert len(rows) == len(compare.SYSTEMS) * len(RATES)
+    assert len(rows) == len(REPORTED) * len(RATES)
     pattern = re.compile(
         r"rate\s+(\S+) req/s\s+vs (\S+)\s+throughput ([\d.]+)x"
         r"\s+median normalized latency ([\d.]+)x"
     )
     lines = pattern.findall(text)
-    assert len(lines) == (len(compare.SYSTEMS) - 1) * len(RATES)
+    assert len(lines) == (len(REPORTED) - 1) * len(RATES)
     for rate, baseline, throughput, latency in lines:
         ours, theirs = rows[("conveyor-fcfs", rate)], rows[(baseline, rate)]
         assert float(throughput) == pytest.approx(ours[0] / theirs[0], rel=0.01, abs=0.006)
@@ -186,6 +190,67 @@ def test_static_batches_admit_nobody_in_progress_while_fcfs_does(run):
     assert fcfs_inf["summary"]["num_joins_in_progress"] > 0
 
 
+def test_static_batches_are_numbered_as_the_scheduler_formed_them(run):
+    """Each conveyor-static request carries its batch: at most max_num_seqs members, and every
+    member of a batch starts only after every member of the one before has finished (nobody
+    joins a batch in progress); hf-generate's are numbered too, fcfs has none."""
+    _, data, _ = run
+    for result in runs_of(data, "conveyor-static") + runs_of(data, "hf-generate"):
+        batches: dict[int, list[dict]] = {}
+        for r in result["requests"]:
+            batches.setdefault(r["batch"], []).append(r)
+        assert sorted(batches) == list(range(len(batches))), result["system"]
+        previous_end = -math.inf
+        for number in sorted(batches):
+            members = batches[number]
+            assert len(members) <= MAX_NUM_SEQS
+            assert min(m["first_token"] for m in members) > previous_end, (result["system"], number)
+            previous_end = max(m["finish"] for m in members)
+    assert len({r["batch"] for r in runs_of(data, "conveyor-static")[1]["requests"]}) > 1
+    for result in runs_of(data, "conveyor-fcfs"):
+        assert {r["batch"] for r in result["requests"]} == {-1}
+
+
+def test_static_batch_end_holds_every_result_until_its_batch_finishes(run):
+    """static-batch-end is conveyor-static's run with each result handed over when its
+    batch's last member finishes: the same first tokens, a later or equal finish, and a
+    higher median normalized latency where a batch mixes output lengths."""
+    _, data, _ = run
+    static_runs, held_runs = runs_of(data, "conveyor-static"), runs_of(data, compare.HELD)
+    for static, held in zip(static_runs, held_runs, strict=True):
+        assert static["request_rate"] == held["request_rate"]
+        assert held["steps"] == static["steps"]
+        ends: dict[int, float] = {}
+        for r in static["requests"]:
+            ends[r["batch"]] = max(ends.get(r["batch"], 0.0), r["finish"])
+        for before, after in zip(static["requests"], held["requests"], strict=True):
+            assert after["request_id"] == before["request_id"]
+            assert after["first_token"] == before["first_token"]
+            assert after["finish"] == ends[before["batch"]] >= before["finish"]
+        assert held["summary"]["goodput"] == static["summary"]["goodput"]
+    inf = [runs_of(data, s)[1]["summary"] for s in ("conveyor-static", compare.HELD)]
+    assert inf[1]["normalized_latency_median"] > inf[0]["normalized_latency_median"]
+
+
+def step(scheduled: list[str], finished: list[str]):
+    return SimpleNamespace(
+        num_scheduled_tokens=dict.fromkeys(scheduled, 1), finished_request_ids=finished
+    )
+
+
+def test_a_batch_member_admitted_after_another_finished_stays_in_its_batch():
+    """The token budget can leave a member waiting (in static_batch) past the step in which
+    another member of its batch finished: it is still that batch's, and the next batch
+    starts only once all of them have finished."""
+    batches = compare._StaticBatches()
+    batches.step(step(["a"], ["a"]), {"b"})  # a: one output token, finished at once; b waits
+    batches.step(step(["b"], []), {"b"})
+    batches.step(step(["b"], ["b"]), set())
+    batches.step(step(["c", "d"], []), {"c", "d"})
+    batches.step(step(["c", "d"], ["c", "d"]), set())
+    assert batches.of == {"a": 0, "b": 0, "c": 1, "d": 1}
+
+
 def test_bad_ranges_are_refused_with_the_flag_named():
     args = parse(["--prompt-range", "64", "32"])
     with pytest.raises(ValueError, match="--prompt-range"):
@@ -198,7 +263,7 @@ def test_bad_ranges_are_refused_with_the_flag_named():
 def test_capacity_and_goodput_are_printed_and_saved_for_both_baselines(run):
     text, data, _ = run
     capacity, goodput = data["capacity"], data["goodput"]
-    assert set(capacity["ratios"]) == set(goodput["ratios"]) == {"conveyor-static", "hf-generate"}
+    assert set(capacity["ratios"]) == set(goodput["ratios"]) == set(REPORTED[1:])
     ours = capacity["systems"]["conveyor-fcfs"]
     for baseline, ratio in capacity["ratios"].items():
         assert ratio["ratio"] == pytest.approx(ours["rate"] / capacity["systems"][baseline]["rate"])
