@@ -463,14 +463,16 @@ class _StaticBatches:
 
     def __init__(self) -> None:
         self.of: dict[str, int] = {}  # request id -> batch number
+        self._number = -1  # the current batch's
         self._unfinished: set[str] = set()  # of the current batch, before the next step
 
     def step(self, record, static_batch: set[str]) -> None:
         new = [i for i in (*record.num_scheduled_tokens, *static_batch) if i not in self.of]
         if new:
-            number = len(set(self.of.values())) - bool(self._unfinished)
+            if not self._unfinished:
+                self._number += 1
             for request_id in new:
-                self.of[request_id] = number
+                self.of[request_id] = self._number
             self._unfinished.update(new)
         self._unfinished.difference_update(record.finished_request_ids)
 
@@ -518,7 +520,7 @@ def drive_hf(
     start = time.monotonic()
     records: list[RequestRecord] = []
     steps: list[StepSpan] = []
-    num_taken = 0
+    num_taken = num_batches = 0
     while num_taken < len(workload.requests):
         _sleep_until(start + workload.arrivals[num_taken])
         now = time.monotonic() - start
@@ -530,8 +532,8 @@ def drive_hf(
         ):
             batch.append(num_taken)
             num_taken += 1
-        number = len({r.batch for r in records})
-        records += _generate_batch(model, workload, batch, number, pad_id, start, steps)
+        records += _generate_batch(model, workload, batch, num_batches, pad_id, start, steps)
+        num_batches += 1
         bar.update(len(batch))
     return records, steps
 

@@ -348,7 +348,8 @@ struct Scratch {
 // with their own float16 caches, 2 threads, ranges over 2-6 runs of best-of-20): one
 // sequence's 9 rows at 400 tokens 2.6-2.7 -> 2.4-2.7 ms, 8 sequences' 9 rows 20-22 -> 17-19 ms,
 // 4 sequences' 5 rows 4.4-5.0 -> 3.7-4.0 ms; 64 decode rows and a 512-token prompt unchanged
-// within noise, a 32-token float32 chunk (tiles of 33 and 30 rows) 6.2-6.5 -> 6.4-6.7 ms. Bits unchanged: widening converts exactly, and the loops' order does not depend on it.
+// within noise, a 32-token float32 chunk (tiles of 33 and 30 rows) 6.2-6.5 -> 6.4-6.7 ms.
+// Bits unchanged: widening converts exactly, and the loops' order does not depend on it.
 // With 16 registers (AVX2) Q K^T takes 3 rows a pass, so a 9-row item converted each key tile
 // three times in place: 8 stays (the AVX2 build run on the same Zen 4: one sequence's 9 rows
 // 2.9-3.1 -> 3.2-3.3 ms at 32).

@@ -1028,25 +1028,40 @@ void check_block_panels(const at::Tensor& x, const at::Tensor& wq, const at::Ten
               "block_linear: panels from pack_blocks that match x");
 }
 
+// The weights' part of BlockArgs: panels from pack_blocks(..., float_acts) over K = k.
+BlockArgs panel_args(const at::Tensor& wq, const at::Tensor& dw, const at::Tensor& mw,
+                     int64_t k, int64_t n_out, bool float_acts) {
+  BlockArgs a{};
+  a.k = k;
+  a.nb = k / QK;
+  a.wq = float_acts ? nullptr : wq.data_ptr<uint8_t>();
+  a.wk = float_acts ? wq.data_ptr<int8_t>() : nullptr;
+  a.dw = dw.data_ptr<int16_t>();
+  a.mw = mw.numel() > 0 ? mw.data_ptr<int16_t>() : nullptr;
+  a.n_out = n_out;
+  return a;
+}
+
+// The int8 activations' part.
+void set_acts(BlockArgs& a, const Acts& acts) {
+  a.xq = acts.q.data();
+  a.xd = acts.d.data();
+  a.xs = acts.s.data();
+  a.xi = acts.isum.data();
+}
+
 // y (T, n_out) = x (T, K) @ W^T for panel-packed blocks (pack_blocks with the same
 // float_acts): int8 activations (float_acts false) or float ones.
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& dw,
                         const at::Tensor& mw, int64_t n_out, bool float_acts) {
   check_block_panels(x_in, wq, dw, mw, n_out, float_acts);
   const at::Tensor x = x_in.contiguous();
-  const int64_t tokens = x.size(0), k = x.size(1), nb = k / QK;
+  const int64_t tokens = x.size(0), k = x.size(1);
   const bool q4 = mw.numel() > 0;
   at::Tensor y = at::empty({tokens, n_out}, x.options());
   if (tokens == 0 || n_out == 0) return y;
-  BlockArgs a{};
-  a.k = k;
-  a.nb = nb;
-  a.wq = float_acts ? nullptr : wq.data_ptr<uint8_t>();
-  a.wk = float_acts ? wq.data_ptr<int8_t>() : nullptr;
-  a.dw = dw.data_ptr<int16_t>();
-  a.mw = q4 ? mw.data_ptr<int16_t>() : nullptr;
+  BlockArgs a = panel_args(wq, dw, mw, k, n_out, float_acts);
   a.y = y.data_ptr<float>();
-  a.n_out = n_out;
   const int64_t panels = wq.size(0);
   if (float_acts) {
     a.x = x.data_ptr<float>();
@@ -1059,10 +1074,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
     return block_dispatch<false, true>(a, tokens, panels), y;
   }
   const Acts quantized = quantize(x.data_ptr<float>(), tokens, k);
-  a.xq = quantized.q.data();
-  a.xd = quantized.d.data();
-  a.xs = quantized.s.data();
-  a.xi = quantized.isum.data();
+  set_acts(a, quantized);
   if (q4) return block_dispatch<true, false>(a, tokens, panels), y;
   return block_dispatch<false, false>(a, tokens, panels), y;
 }
@@ -1139,17 +1151,8 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
   }
   // The int8 kernel's tiles reduce their approximate values to each panel's lo and hi.
   std::vector<float> lo(tokens * panels), hi(tokens * panels);
-  BlockArgs a{};
-  a.k = k;
-  a.nb = nb;
-  a.wq = wq.data_ptr<uint8_t>();
-  a.dw = dw.data_ptr<int16_t>();
-  a.mw = q4 ? mw.data_ptr<int16_t>() : nullptr;
-  a.n_out = n_out;
-  a.xq = acts.q.data();
-  a.xd = acts.d.data();
-  a.xs = acts.s.data();
-  a.xi = acts.isum.data();
+  BlockArgs a = panel_args(wq, dw, mw, k, n_out, false);
+  set_acts(a, acts);
   a.c = c.data();
   a.wmax = wmax.data_ptr<float>();
   a.lo = lo.data();
@@ -1176,16 +1179,10 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
         op[t] = -1;
         continue;
       }
-      BlockArgs f{};
+      BlockArgs f = panel_args(wk, dw, mw, k, n_out, true);
       f.x = xp + t * k;
       f.xs = q4 ? sums.data() + t * nb : nullptr;
-      f.wk = wk.data_ptr<int8_t>();
-      f.k = k;
-      f.nb = nb;
-      f.dw = dw.data_ptr<int16_t>();
-      f.mw = q4 ? mw.data_ptr<int16_t>() : nullptr;
       f.y = exact.data();
-      f.n_out = n_out;
       int64_t best = -1;
       float best_value = 0.0f;
       for (int64_t p = 0; p < panels; ++p) {
