@@ -171,6 +171,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # set on the finishing output
     error: str | None = None  # set when handling this request failed: it ended, finish "error"
+    # The error is the request's own input's doing (its output constraint could not be
+    # followed): the client's to fix (HTTP 400), not the server's failure.
+    bad_input: bool = False
     # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (set on the
     # request's first output).
     prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -99,6 +99,9 @@ class Request:
     # Structured output: the request's own matcher, set by the engine once it has compiled.
     grammar: Grammar | None = None
     error: str | None = None  # why it ended with FINISHED_ERROR
+    # The error is the request's own input's doing (its constraint could not be followed):
+    # the client's to fix, a 400, not the server's failure.
+    bad_input: bool = False
     # prompt_logprobs: one entry per prompt position (the first stays None), filled by the
     # prompt's prefill steps and handed over (None from then on) with the first output.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
@@ -176,5 +179,12 @@ class Request:
             return RequestStatus.FINISHED_STOPPED
         if not is_eos and grammar.accept(token_id):
             return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
-        self.error = f"the grammar does not allow token {token_id} here ({grammar.error})"
+        if grammar.error is not None:  # the matcher gave up: the constraint's doing
+            self.error = (
+                "the output constraint could not be followed at output token "
+                f"{grammar.num_consumed + 1}: {grammar.error}"
+            )
+            self.bad_input = True
+        else:  # a token the step's mask forbade: the engine's fault
+            self.error = f"the grammar does not allow token {token_id} here"
         return RequestStatus.FINISHED_ERROR

@@ -86,6 +86,7 @@ class CoreOutput:
     error: str | None = None  # set when the core refused or failed this sequence
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, when complete
     embedding: list[float] | None = None  # a pooling request's, when it finishes
+    bad_input: bool = False  # the error is the request's input's doing (Request.bad_input)
 
     @classmethod
     def failed(cls, request_id: str, error: str) -> CoreOutput:
@@ -510,6 +511,7 @@ class EngineCore:
                     request.error,
                     _take_prompt_logprobs(request),
                     request.embedding,
+                    request.bad_input,
                 )
             )
             if request.is_finished:

@@ -25,6 +25,10 @@ from conveyor.request import RequestStatus
 from conveyor.sampling_params import SamplingParams
 
 
+class _InputError(Exception):
+    """The core ended a sequence for its request's own input (CoreOutput.bad_input)."""
+
+
 @dataclass(slots=True, eq=False)
 class _Sequence:
     request_id: str
@@ -141,7 +145,7 @@ class OutputProcessor:
     def process(self, core_outputs: list[CoreOutput]) -> Processed:
         now = time.monotonic()
         changed: dict[str, list[_Sequence]] = {}
-        errors: dict[str, str] = {}
+        errors: dict[str, tuple[str, bool]] = {}  # parent id -> (message, bad_input)
         stopped: list[str] = []
         for out in core_outputs:
             sequence = self._sequences.get(out.request_id)
@@ -153,8 +157,10 @@ class OutputProcessor:
             try:
                 if self._update(sequence, out, now):
                     stopped.append(sequence.request_id)
+            except _InputError as error:
+                errors[parent_id] = (str(error), True)
             except Exception as error:  # noqa: BLE001 - one request's fault must not stop the rest
-                errors[parent_id] = f"{type(error).__name__}: {error}"
+                errors[parent_id] = (f"{type(error).__name__}: {error}", False)
             changed.setdefault(parent_id, []).append(sequence)
         outputs, failed = [], []
         for parent_id, sequences in changed.items():
@@ -165,9 +171,9 @@ class OutputProcessor:
                 try:
                     out = self._parent_output(parent, sequences, now)
                 except Exception as failure:  # noqa: BLE001 - fail this request only
-                    error = f"{type(failure).__name__}: {failure}"
+                    error = (f"{type(failure).__name__}: {failure}", False)
             if error is not None:
-                out = _error_output(parent, error)
+                out = _error_output(parent, *error)
                 failed.extend(s.request_id for s in parent.sequences if not s.status.finished)
             if out is not None:
                 outputs.append(out)
@@ -185,7 +191,7 @@ class OutputProcessor:
         sequence.first_scheduled_time = out.first_scheduled_time
         sequence.num_preemptions = out.num_preemptions
         if out.error is not None:  # the core refused or failed this sequence
-            raise RuntimeError(out.error)
+            raise (_InputError if out.bad_input else RuntimeError)(out.error)
         detokenizer = sequence.detokenizer
         parent = sequence.parent
         if out.prompt_logprobs is not None:
@@ -295,7 +301,7 @@ def _output(sequence: _Sequence, text: str, token_ids: list[int], logprobs) -> C
     )
 
 
-def _error_output(parent: _Parent, message: str) -> RequestOutput:
+def _error_output(parent: _Parent, message: str, bad_input: bool = False) -> RequestOutput:
     """The last output of a request whose handling failed: every completion ends with "error"."""
     completions = [
         CompletionOutput(i, "", [], None, None, finish_reason="error")
@@ -308,6 +314,7 @@ def _error_output(parent: _Parent, message: str) -> RequestOutput:
         outputs=completions,
         finished=True,
         error=message,
+        bad_input=bad_input,
     )
 
 

@@ -18,6 +18,11 @@ class RequestFailedError(RuntimeError):
     """Handling this one request failed inside the engine; the engine goes on."""
 
 
+class RequestInputError(RequestFailedError):
+    """This one request ended for its own input (RequestOutput.bad_input: its output
+    constraint could not be followed): the client's to fix, a 400 over HTTP."""
+
+
 @dataclass(slots=True, eq=False)
 class RequestStream:
     """Outputs of one request, delivered on the event loop that created it."""
@@ -49,6 +54,8 @@ class RequestStream:
                 self.finished = True
                 raise item
             self.finished = item.finished
+            if item.bad_input:
+                raise RequestInputError(item.error)
             if item.error is not None:
                 raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
             yield item

@@ -47,7 +47,10 @@ class Grammar:
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        """Why the matcher gave up, on one line (llguidance's dumps cut: sandbox.short)."""
+        from conveyor.structured.sandbox import short
+
+        return short(self.matcher.get_error()) if self.matcher.is_error() else None
 
     def accept(self, token_id: int) -> bool:
         """Advances by one content token; False if the grammar forbids it."""

@@ -99,8 +99,30 @@ def build_lltokenizer(tokenizer_file: str | None, load_hf, n_vocab: int, eos: Se
     return llguidance.hf.from_tokenizer(hf, n_vocab=max(n_vocab, len(hf)), eos_token=list(eos))
 
 
+# llguidance's stop reasons, when one is all its error says.
+_STOP_REASONS = {
+    "NoExtension": "no text satisfies the constraint from here (e.g. a schema whose every "
+    "instance nests forever)",
+    "NoExtensionBias": "no text satisfies the constraint from here (e.g. a schema whose every "
+    "instance nests forever)",
+    "ParserTooComplex": "the constraint is too complex for the grammar engine to follow",
+    "LexerTooComplex": "the constraint is too complex for the grammar engine to follow",
+    "MaxTokensParser": "the constraint ran past the grammar engine's token limit",
+    "MaxTokensTotal": "the constraint ran past the grammar engine's token limit",
+}
+
+
 def short(message: str, limit: int = 500) -> str:
-    message = " ".join(str(message).split())
+    """An error for the client, on one line. llguidance appends a dump of its parser state and
+    of the grammar (<state>...</state><grammar>...</grammar>): the client sent the grammar, and
+    the state is for llguidance's own debugging, so both are cut; a bare stop reason
+    (NoExtensionBias) is put in words."""
+    message = str(message)
+    for tag in ("<state>", "<grammar>"):
+        message = message.split(tag, 1)[0]
+    message = " ".join(message.split()).rstrip(" (")
+    if message in _STOP_REASONS:
+        message = f"{_STOP_REASONS[message]} (llguidance: {message})"
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 

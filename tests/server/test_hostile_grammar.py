@@ -4,6 +4,7 @@ server goes on serving everyone else, and nothing crashes or is left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -103,6 +104,49 @@ def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_server_lives(serve
     assert_serving(server)
     again = post(server, CHAT, body)  # a crash is never cached as a verdict either way
     assert "crashed the grammar compiler" in assert_refused(again)
+
+
+# Every instance nests forever: llguidance takes the schema, allows the first token, then
+# its parser runs past its item limit. {"$ref": "#"} alone allows no text at all.
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+def schema_body(schema: dict, stream: bool = False) -> dict:
+    body = {"model": MODEL, "messages": HI, "max_tokens": 8, "temperature": 0, "stream": stream}
+    json_schema = {"name": "s", "schema": schema}
+    body["response_format"] = {"type": "json_schema", "json_schema": json_schema}
+    return body
+
+
+def assert_readable(message: str) -> None:
+    """llguidance's errors carry a dump of its parser state and of the grammar: not for the
+    client, who sent the grammar."""
+    assert "<state>" not in message and "<grammar>" not in message and "RuntimeError" not in message
+    assert len(message) < 600, message
+
+
+def test_a_constraint_that_fails_while_generating_is_a_400_and_the_server_lives(server):
+    message = assert_refused(post(server, CHAT, schema_body(ENDLESS)))
+    assert "constraint could not be followed at output token 1:" in message, message
+    assert_readable(message)
+    assert_serving(server)
+
+
+def test_a_constraint_that_fails_mid_stream_ends_it_with_a_client_error_event(server):
+    response = post(server, CHAT, schema_body(ENDLESS, stream=True))
+    assert response.status_code == 200, response.text[:500]
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "BadRequestError" and "could not be followed" in error["message"]
+    assert_readable(error["message"])
+    assert_serving(server)
+
+
+def test_a_constraint_no_text_satisfies_is_refused_in_words(server):
+    message = assert_refused(post(server, CHAT, schema_body({"$ref": "#"})))
+    assert_readable(message)
+    assert "no text" in message, message
 
 
 def test_slow_grammars_are_stopped_at_the_limit_while_plain_requests_flow(server):
@@ -265,6 +309,17 @@ def test_the_library_refuses_a_crashing_grammar_with_a_value_error(tiny_checkpoi
         llm.generate(["hi"], bomb, use_tqdm=False)
     ok = SamplingParams(max_tokens=4, structured_outputs={"choice": ["a", "b"]})
     assert llm.generate(["hi"], ok, use_tqdm=False)[0].outputs[0].text in ("a", "b")
+
+
+def test_the_library_ends_a_request_whose_constraint_fails_and_serves_the_rest(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float64", **DEVICE_KWARGS)
+    endless = SamplingParams(max_tokens=8, structured_outputs={"json": ENDLESS})
+    ok = SamplingParams(max_tokens=4, structured_outputs={"choice": ["a", "b"]})
+    failed, fine = llm.generate(["hi", "hi"], [endless, ok], use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error" and failed.bad_input
+    assert failed.error.startswith("the output constraint could not be followed at output token")
+    assert_readable(failed.error)
+    assert fine.error is None and fine.outputs[0].text in ("a", "b")
 
 
 def test_a_constraint_is_compiled_once_in_the_core_and_never_in_the_front_end(tiny_checkpoint):

@@ -10,7 +10,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from conveyor.engine.streams import EngineDeadError, RequestFailedError, RequestStream
+from conveyor.engine.streams import (
+    EngineDeadError,
+    RequestFailedError,
+    RequestInputError,
+    RequestStream,
+)
 from conveyor.entrypoints.anthropic.errors import (
     MESSAGES_PATH,
     AnthropicError,
@@ -92,6 +97,8 @@ async def _guarded(
             yield event
     except AnthropicError as error:
         yield error_event(error.status, error.message)
+    except RequestInputError as error:  # its own constraint: the client's to fix
+        yield error_event(400, str(error))
     except (EngineDeadError, RequestFailedError) as error:
         yield error_event(500, str(error))
     except Exception:  # noqa: BLE001 - the client must hear of it

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conveyor.engine.streams import EngineDeadError, RequestFailedError
+from conveyor.engine.streams import EngineDeadError, RequestFailedError, RequestInputError
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(_: Request, error: RequestFailedError):
+        if isinstance(error, RequestInputError):  # its own constraint: the client's to fix
+            return error_response(400, str(error), "BadRequestError")
         return error_response(500, str(error), "InternalServerError")
 
     @app.exception_handler(StarletteHTTPException)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from conveyor.engine.streams import EngineDeadError, RequestFailedError
+from conveyor.engine.streams import EngineDeadError, RequestFailedError, RequestInputError
 from conveyor.entrypoints.openai.errors import INTERNAL, APIError, error_response, sse_error
 from conveyor.entrypoints.openai.guard import ADMITTED
 from conveyor.entrypoints.openai.serving import OpenAIServing
@@ -83,6 +83,8 @@ async def guarded(serving: OpenAIServing, streams, chunks: AsyncIterator[str]):
     try:
         async for chunk in chunks:
             yield chunk
+    except RequestInputError as error:  # its own constraint: the client's to fix
+        yield sse_error(str(error), "BadRequestError")
     except (EngineDeadError, RequestFailedError) as error:
         yield sse_error(str(error), "InternalServerError")
     except Exception:  # noqa: BLE001 - the client must hear of it
