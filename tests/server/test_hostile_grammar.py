@@ -149,6 +149,17 @@ def test_a_constraint_no_text_satisfies_is_refused_in_words(server):
     assert "no text" in message, message
 
 
+def test_a_choice_of_thousands_is_followed(server):
+    """llguidance's choice grammar (one alternative each) runs past its parser's 2,000 items
+    a row at the first token; one regex lexeme of all of them does not."""
+    choices = [f"{i} [{i % 7}] a.b|c" for i in range(5000)]
+    body = {"model": MODEL, "messages": HI, "max_tokens": 32, "temperature": 0}
+    response = post(server, CHAT, body | {"structured_outputs": {"choice": choices}})
+    assert response.status_code == 200, response.text[:500]
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] in choices
+
+
 def test_slow_grammars_are_stopped_at_the_limit_while_plain_requests_flow(server):
     """Three schemas that would compile for minutes, at once: each is stopped at the limit
     (a 400), never cached, and a plain chat and /tokenize are answered meanwhile."""

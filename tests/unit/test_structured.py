@@ -32,7 +32,7 @@ PERSON = {
     "additionalProperties": False,
 }
 REGEX = r"[0-9]{3}-[a-z]{2,5}"
-CHOICES = ["yes", "no", "maybe so"]
+CHOICES = ["yes", "no", "maybe so", "a.b|c (d)* [e]"]  # with regex metacharacters
 CONSTRAINTS = [
     StructuredOutputs(json=PERSON),
     StructuredOutputs(regex=REGEX),
