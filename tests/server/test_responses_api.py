@@ -243,6 +243,23 @@ def test_text_format_json_schema_gives_json_that_fits(client):
     assert isinstance(parsed, City)
 
 
+def test_a_constraint_that_fails_mid_stream_ends_it_with_error_and_response_failed(client, server):
+    """llguidance gives up on this schema at the first token (every instance nests forever):
+    the stream ends as the Responses API's do, with an error event and response.failed."""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "name": "endless", "schema": endless}
+    found = events(server, input="A", text={"format": fmt}, max_output_tokens=8)
+    kinds = [e["type"] for e in found]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds[-2:] == ["error", "response.failed"], kinds
+    error, failed = found[-2], found[-1]["response"]
+    assert error["code"] == "invalid_prompt" and "could not be followed" in error["message"]
+    assert failed["status"] == "failed" and failed["error"]["message"] == error["message"]
+    assert client.responses.retrieve(failed["id"]).status == "failed"
+    with pytest.raises(openai.BadRequestError, match="could not be followed"):  # not streamed
+        client.responses.create(model=MODEL, input="A", text={"format": fmt}, max_output_tokens=8)
+
+
 def test_previous_response_id_carries_the_conversation_but_not_its_instructions(client, server):
     first = client.responses.create(
         model=MODEL, input="Hi", instructions="Be brief.", temperature=0, max_output_tokens=6

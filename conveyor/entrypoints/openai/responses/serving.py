@@ -5,8 +5,10 @@ that GET can show one in progress and cancel can end one.
 
 Status: completed; incomplete (reason max_output_tokens) when the reply was cut by
 max_output_tokens or the context; cancelled when POST .../cancel ended it; failed when the
-server ended it (shutting down). A cancelled stream ends with response.incomplete (the
-Responses stream has no event of its own for it) whose response says "cancelled".
+server ended it (shutting down), or when a streamed one's request failed (an `error` event,
+then response.failed; not streamed, such a failure is the route's 4xx or 5xx). A cancelled
+stream ends with response.incomplete (the Responses stream has no event of its own for it)
+whose response says "cancelled".
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from conveyor.engine.streams import RequestStream, aborted_output
+from conveyor.engine.streams import (
+    EngineDeadError,
+    RequestFailedError,
+    RequestInputError,
+    RequestStream,
+    aborted_output,
+)
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, InvalidParam
 from conveyor.entrypoints.openai.responses.output import OutputBuilder
 from conveyor.entrypoints.openai.responses.protocol import (
@@ -192,13 +200,30 @@ class ResponsesServing:
         return final
 
     async def stream(self, turn: Turn, streams: list[RequestStream]) -> AsyncIterator[str]:
-        """The response's stream events as server-sent events, numbered from 0."""
+        """The response's stream events as server-sent events, numbered from 0. A request
+        that fails once the stream has begun ends it as the Responses API's streams end: an
+        `error` event, then `response.failed` (code invalid_prompt when the request's own
+        constraint could not be followed, else server_error)."""
         number = 0
-        async for event in self._events(turn, streams):
+
+        def sse(event: dict) -> str:
+            nonlocal number
             kind = event.pop("type")
             data = dumps({"type": kind, "sequence_number": number} | event)
             number += 1
-            yield f"event: {kind}\ndata: {data}\n\n"
+            return f"event: {kind}\ndata: {data}\n\n"
+
+        try:
+            async for event in self._events(turn, streams):
+                yield sse(event)
+        except (RequestFailedError, EngineDeadError) as error:
+            code = "invalid_prompt" if isinstance(error, RequestInputError) else "server_error"
+            failure = {"code": code, "message": str(error)}
+            yield sse({"type": "error", "param": None} | failure)
+            final = turn.response("failed", usage=turn.usage(), error=failure)
+            if turn.keep:  # retrievable as failed, as a finished one is as what it became
+                self.store.put(StoredResponse(final, turn.conversation, turn.num_own))
+            yield sse({"type": "response.failed", "response": final})
 
     async def _events(self, turn: Turn, streams: list[RequestStream]) -> AsyncIterator[dict]:
         turn.streams, turn.done = streams, asyncio.get_running_loop().create_future()
