@@ -18,6 +18,31 @@ logger = logging.getLogger(__name__)
 
 INTERNAL = "internal error: the request failed in the server (its log has the details)"
 
+# vLLM's guided_* fields, removed in vLLM 0.12 (which since ignores them, so the output comes
+# back unconstrained): what to send instead.
+_GUIDED = {
+    "guided_json": "structured_outputs.json",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+}
+
+
+def _guided_hint(fields: list[str]) -> str:
+    """The migration of any of vLLM's removed guided_* fields among `fields`, or ''."""
+    moves = [f"{f} -> {_GUIDED[f]}" for f in fields if _GUIDED.get(f)]
+    dropped = [f for f in fields if f in _GUIDED and _GUIDED[f] is None]
+    if not moves and not dropped:
+        return ""
+    hint = " (vLLM's guided_* fields, removed in vLLM 0.12, which ignores them"
+    if moves:
+        hint += f"; send {', '.join(moves)}"
+    if dropped:
+        hint += f"; {', '.join(dropped)}: no equivalent, leave out"
+    return hint + ")"
+
 
 class APIError(Exception):
     def __init__(
@@ -66,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if unknown:
             message = (
                 f"unknown or unsupported field(s): {', '.join(unknown)}; "
-                "this server refuses fields it would otherwise ignore"
+                "this server refuses fields it would otherwise ignore" + _guided_hint(unknown)
             )
             return error_response(400, message, "BadRequestError", unknown[0])
         first = errors[0] if errors else {}
