@@ -11,6 +11,9 @@ import openai
 import pytest
 from server_util import start_tiny
 
+from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
+from conveyor.entrypoints.openai.serving import ChatTemplateOptions
+
 MODEL = "tiny"
 PROMPT = [5, 9, 13, 40, 77, 101, 150, 200, 33, 64, 90, 7]
 
@@ -211,6 +214,25 @@ def test_chat_template_fields(client, server):
         {"messages": messages, "max_tokens": 2, "continue_final_message": True},
     )
     assert both.status_code == 400
+
+
+def test_reasoning_effort_reaches_the_chat_template(client, server):
+    """OpenAI's reasoning_effort (sent by agent SDKs and langchain) is the template variable
+    reasoning_effort, as chat_template_kwargs would set it; a value OpenAI does not have, or
+    one that contradicts chat_template_kwargs, is a 400 naming the field."""
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, reasoning_effort="low"
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    request = ChatCompletionRequest(messages=messages, reasoning_effort="high")
+    assert ChatTemplateOptions.of(request).template_kwargs() == {"reasoning_effort": "high"}
+    body = {"messages": messages, "max_tokens": 2}
+    bogus = post(server, "/v1/chat/completions", body | {"reasoning_effort": "extreme"})
+    assert bogus.status_code == 400 and bogus.json()["error"]["param"] == "reasoning_effort"
+    clash = body | {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}
+    refused = post(server, "/v1/chat/completions", clash)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
 
 
 def test_embeddings_equal_transformers_hidden_state_and_ride_with_generation(

@@ -380,6 +380,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     echo: bool = False
+    # OpenAI's (and vLLM's): handed to the chat template as the variable reasoning_effort,
+    # which templates of reasoning models read; others leave it unused, as they do any
+    # chat_template_kwargs they do not know.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

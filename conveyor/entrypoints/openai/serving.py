@@ -605,11 +605,15 @@ class ChatTemplateOptions:
     continue_final_message: bool = False
     chat_template: str | None = None
     kwargs: dict | None = None
+    reasoning_effort: str | None = None
 
     @classmethod
     def of(cls, request: ChatCompletionRequest) -> ChatTemplateOptions:
         return cls(
-            request.continue_final_message, request.chat_template, request.chat_template_kwargs
+            request.continue_final_message,
+            request.chat_template,
+            request.chat_template_kwargs,
+            getattr(request, "reasoning_effort", None),
         )
 
     def template_kwargs(self) -> dict:
@@ -621,6 +625,14 @@ class ChatTemplateOptions:
                 "own fields set them",
                 "chat_template_kwargs",
             )
+        effort = self.reasoning_effort
+        if effort is not None:
+            if kwargs.get("reasoning_effort", effort) != effort:
+                raise InvalidParam(
+                    "reasoning_effort and chat_template_kwargs.reasoning_effort disagree",
+                    "reasoning_effort",
+                )
+            kwargs["reasoning_effort"] = effort
         return kwargs
 
 
