@@ -18,6 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
 from server_util import HTTP, post, start_tiny
 
+from conveyor.entrypoints.openai.responses.protocol import ResponsesRequest
 from conveyor.entrypoints.openai.responses.store import ResponseStore, StoredResponse, StoreLimits
 
 API_KEY = "test-key"
@@ -381,7 +382,8 @@ HOSTILE = [
     ({"input": 5}, "input", "list"),
     ({"input": []}, "input", "at least one"),
     ({"background": True}, "background", "not supported"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning format"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning", "no reasoning summaries"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "extreme"),
     ({"truncation": "auto"}, "truncation", "auto"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
     (
@@ -400,6 +402,15 @@ HOSTILE = [
     ({"max_output_tokens": 10**6}, None, "max_output_tokens"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "16"),
 ]
+
+
+def test_reasoning_effort_reaches_the_chat_template(client):
+    response = client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=4, reasoning={"effort": "low"}
+    )
+    assert response.status in ("completed", "incomplete")
+    request = ResponsesRequest.model_validate({"input": "Hi", "reasoning": {"effort": "high"}})
+    assert request.chat_request(request.input).reasoning_effort == "high"
 
 
 def test_hostile_requests_are_refused_and_the_server_serves_on(client, server):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -37,6 +37,11 @@ from conveyor.structured.tools import required_schema
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 ALIASED = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+# OpenAI's reasoning efforts (chat's reasoning_effort, the Responses API's reasoning.effort).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+REASONING_EFFORTS = get_args(ReasoningEffort)
 
 
 class InvalidParam(ValueError):
@@ -383,7 +388,7 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's (and vLLM's): handed to the chat template as the variable reasoning_effort,
     # which templates of reasoning models read; others leave it unused, as they do any
     # chat_template_kwargs they do not know.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -17,7 +17,8 @@ when all null, `top_logprobs` 0, `truncation` "disabled", `background` false.
 
 Refused with a 400 that says why: hosted tools (web_search, file_search, ...), items and
 content parts other than the above (reasoning, images, files, ...), `background` true,
-`truncation` "auto", `reasoning` (this server runs no reasoning format), `conversation`,
+`truncation` "auto", `reasoning` other than `effort` (which becomes the chat template's
+reasoning_effort, as chat's reasoning_effort does), `conversation`,
 `prompt`, `max_tool_calls`, `top_logprobs`, a non-empty `include`.
 """
 
@@ -38,6 +39,7 @@ from pydantic import (
 
 from conveyor.entrypoints.openai.protocol import (
     ALIASED,
+    REASONING_EFFORTS,
     STRICT,
     ChatCompletionRequest,
     InvalidParam,
@@ -316,8 +318,20 @@ class ResponsesRequest(BaseModel):
             why.append(("background", "background responses are not supported; stream instead"))
         if self.truncation == "auto":
             why.append(("truncation", '"auto" is not supported: an input too long is refused'))
-        if self.reasoning and any(value is not None for value in self.reasoning.values()):
-            why.append(("reasoning", "this model has no reasoning format; leave reasoning out"))
+        reasoning = {k: v for k, v in (self.reasoning or {}).items() if v is not None}
+        effort = reasoning.pop("effort", None)
+        if effort is not None and effort not in REASONING_EFFORTS:
+            why.append(
+                ("reasoning.effort", f"{effort!r} is not one of {', '.join(REASONING_EFFORTS)}")
+            )
+        if reasoning:
+            why.append(
+                (
+                    "reasoning",
+                    f"{', '.join(sorted(reasoning))}: this server makes no reasoning summaries; "
+                    "only effort is taken (the chat template's reasoning_effort)",
+                )
+            )
         if self.include:
             why.append(("include", "no extra output data is available; leave include empty"))
         for name in ("conversation", "prompt", "max_tool_calls"):
@@ -373,6 +387,7 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "tools": [tool.chat_tool() for tool in self.tools] if self.tools else None,
             "tool_choice": _chat_tool_choice(self.tool_choice),
+            "reasoning_effort": (self.reasoning or {}).get("effort"),
             "response_format": self.text.format.response_format()
             if self.text and self.text.format
             else None,
