@@ -613,7 +613,7 @@ class ChatTemplateOptions:
             request.continue_final_message,
             request.chat_template,
             request.chat_template_kwargs,
-            getattr(request, "reasoning_effort", None),
+            request.reasoning_effort,
         )
 
     def template_kwargs(self) -> dict:
