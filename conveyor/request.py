@@ -179,10 +179,11 @@ class Request:
             return RequestStatus.FINISHED_STOPPED
         if not is_eos and grammar.accept(token_id):
             return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
-        if grammar.error is not None:  # the matcher gave up: the constraint's doing
+        error = grammar.error
+        if error is not None:  # the matcher gave up: the constraint's doing
             self.error = (
                 "the output constraint could not be followed at output token "
-                f"{grammar.num_consumed + 1}: {grammar.error}"
+                f"{grammar.num_consumed + 1}: {error}"
             )
             self.bad_input = True
         else:  # a token the step's mask forbade: the engine's fault

@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from conveyor.structured.sandbox import short
+
 NEG_INF = float("-inf")
 
 
@@ -48,8 +50,6 @@ class Grammar:
     @property
     def error(self) -> str | None:
         """Why the matcher gave up, on one line (llguidance's dumps cut: sandbox.short)."""
-        from conveyor.structured.sandbox import short
-
         return short(self.matcher.get_error()) if self.matcher.is_error() else None
 
     def accept(self, token_id: int) -> bool:

@@ -113,15 +113,17 @@ def build_lltokenizer(tokenizer_file: str | None, load_hf, n_vocab: int, eos: Se
 
 
 # llguidance's stop reasons, when one is all its error says.
+_NO_TEXT = "no text satisfies the constraint from here (e.g. a schema whose every instance "
+_NO_TEXT += "nests forever)"
+_TOO_COMPLEX = "the constraint is too complex for the grammar engine to follow"
+_TOO_LONG = "the constraint ran past the grammar engine's token limit"
 _STOP_REASONS = {
-    "NoExtension": "no text satisfies the constraint from here (e.g. a schema whose every "
-    "instance nests forever)",
-    "NoExtensionBias": "no text satisfies the constraint from here (e.g. a schema whose every "
-    "instance nests forever)",
-    "ParserTooComplex": "the constraint is too complex for the grammar engine to follow",
-    "LexerTooComplex": "the constraint is too complex for the grammar engine to follow",
-    "MaxTokensParser": "the constraint ran past the grammar engine's token limit",
-    "MaxTokensTotal": "the constraint ran past the grammar engine's token limit",
+    "NoExtension": _NO_TEXT,
+    "NoExtensionBias": _NO_TEXT,
+    "ParserTooComplex": _TOO_COMPLEX,
+    "LexerTooComplex": _TOO_COMPLEX,
+    "MaxTokensParser": _TOO_LONG,
+    "MaxTokensTotal": _TOO_LONG,
 }
 
 

@@ -221,8 +221,7 @@ class ResponsesServing:
             failure = {"code": code, "message": str(error)}
             yield sse({"type": "error", "param": None} | failure)
             final = turn.response("failed", usage=turn.usage(), error=failure)
-            if turn.keep:  # retrievable as failed, as a finished one is as what it became
-                self.store.put(StoredResponse(final, turn.conversation, turn.num_own))
+            self._keep(turn, final)  # retrievable as failed (_events has settled turn.done)
             yield sse({"type": "response.failed", "response": final})
 
     async def _events(self, turn: Turn, streams: list[RequestStream]) -> AsyncIterator[dict]:
@@ -252,9 +251,13 @@ class ResponsesServing:
                 turn.done.set_result(turn.response("cancelled" if turn.cancelled else "failed"))
 
     def _finished(self, turn: Turn, final: dict) -> None:
+        self._keep(turn, final)
+        turn.done.set_result(final)
+
+    def _keep(self, turn: Turn, final: dict) -> None:
+        """Stores the finished response, unless the request said store: false."""
         if turn.keep:
             self.store.put(StoredResponse(final, turn.conversation, turn.num_own))
-        turn.done.set_result(final)
 
     # ---- retrieve, delete, cancel, input items ---------------------------------------------
 
