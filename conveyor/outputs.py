@@ -116,6 +116,17 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+# Why a row could not be sampled (sample/sampler.py, ModelRunnerOutput.failures). The first is
+# the model's (or its adapter's) doing; the other two are the request's own.
+LOGITS_NOT_FINITE = "the model's logits are not finite (NaN or infinity)"
+PARAMS_NOT_FINITE = "the request's sampling parameters made its logits non-finite"
+NO_TOKEN_LEFT = (
+    "no token can be sampled: the request's allowed_token_ids, bad_words, logit_bias, "
+    "min_tokens and output constraint together exclude every token"
+)
+REQUEST_FAILURES = frozenset({PARAMS_NOT_FINITE, NO_TOKEN_LEFT})
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     request_ids: list[str]  # the requests that sampled, in scheduled order
@@ -126,6 +137,9 @@ class ModelRunnerOutput:
     # Per request that asked: its chunk's prompt logprobs, and its chunk's final hidden states.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Requests that cannot go on: their rows had nothing to sample from, or were not finite
+    # (request id -> why; sample/sampler.py). The scheduler ends them with that error.
+    failures: dict[str, str] = field(default_factory=dict)
 
 
 class OutputKind(enum.Enum):

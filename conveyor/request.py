@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from conveyor.outputs import PenaltyCounts
+from conveyor.outputs import REQUEST_FAILURES, PenaltyCounts
 from conveyor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -179,13 +179,29 @@ class Request:
             return RequestStatus.FINISHED_STOPPED
         if not is_eos and grammar.accept(token_id):
             return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
-        error = grammar.error
-        if error is not None:  # the matcher gave up: the constraint's doing
-            self.error = (
-                "the output constraint could not be followed at output token "
-                f"{grammar.num_consumed + 1}: {error}"
-            )
-            self.bad_input = True
-        else:  # a token the step's mask forbade: the engine's fault
+        if not self._constraint_failed():  # a token the step's mask forbade: the engine's fault
             self.error = f"the grammar does not allow token {token_id} here"
         return RequestStatus.FINISHED_ERROR
+
+    def _constraint_failed(self) -> bool:
+        """Whether the request's matcher gave up (the constraint's doing); it then holds the
+        request's error."""
+        grammar = self.grammar
+        if grammar is None or grammar.error is None:
+            return False
+        self.error = (
+            "the output constraint could not be followed at output token "
+            f"{grammar.num_consumed + 1}: {grammar.error}"
+        )
+        self.bad_input = True
+        return True
+
+    def fail_step(self, reason: str) -> None:
+        """Ends the request (FINISHED_ERROR) because its step had nothing to sample from:
+        `reason` is sample/sampler.py's. Its own parameters' doing, or its adapter's, is the
+        client's to fix (a 400); the model's own non-finite output is the server's."""
+        self.status = RequestStatus.FINISHED_ERROR
+        if self._constraint_failed():
+            return
+        self.error = f"{reason} (at output token {self.num_output_tokens + 1})"
+        self.bad_input = reason in REQUEST_FAILURES or bool(self.lora_id)

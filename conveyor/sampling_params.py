@@ -17,6 +17,9 @@ MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 POOLING_TYPES = ("last", "mean")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
+# vLLM's upper bound; the lower one keeps logit / penalty finite in float32 (1e-300 is 0 there,
+# and a seen token's logit / 0 is inf, 0 / 0 NaN).
+REPETITION_PENALTY_RANGE = (0.01, 2.0)
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64).
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 _SEED_MODULUS = 2**64
@@ -183,10 +186,33 @@ class SamplingParams:
             if name == "top_p":
                 ok = ok and value > 0
             _check(ok, f"{name} must be a finite number in {text}, got {value!r}")
-        value = self.repetition_penalty
+        value, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
         _check(
-            _is_real(value) and value > 0,
-            f"repetition_penalty must be a finite number > 0, got {value!r}",
+            _is_real(value) and low <= value <= high,
+            f"repetition_penalty must be a finite number in [{low:g}, {high:g}], got {value!r}",
+        )
+        choice = self.structured_outputs.choice if self.structured_outputs is not None else None
+        _check(
+            not (choice and self.bad_words and set(choice) <= set(self.bad_words)),
+            "structured_outputs.choice: every choice is also in bad_words, so no output is left",
+        )
+
+    def check_leaves_a_token(self, eos_token_ids: frozenset[int] | set[int]) -> None:
+        """Refuses allowed_token_ids that its other fields ban entirely (one-token bad words;
+        stop tokens and EOS while min_tokens is not reached): the first step would have no
+        token to sample. Needs the tokenized bad words and the model's EOS ids."""
+        if not self.allowed_token_ids:
+            return
+        banned = {ids[0] for ids in self.bad_words_token_ids or () if len(ids) == 1}
+        reason = "bad_words"
+        if self.min_tokens > 0:
+            banned |= set(self.stop_token_ids)
+            if not self.ignore_eos:
+                banned |= set(eos_token_ids)
+            reason = f"bad_words, stop_token_ids or EOS (min_tokens={self.min_tokens})"
+        _check(
+            not set(self.allowed_token_ids) <= banned,
+            f"allowed_token_ids: every allowed token is banned by {reason}, so no token is left",
         )
 
     def clone(self, **changes) -> SamplingParams:

@@ -433,6 +433,7 @@ class Scheduler:
             if request.prompt_only and request.num_computed_tokens == request.num_tokens:
                 prompt_done.append(request)
         updated = []
+        failures = runner_output.failures
         for request_id, token_ids, logprobs in zip(
             runner_output.request_ids,
             runner_output.sampled_token_ids,
@@ -440,6 +441,10 @@ class Scheduler:
             strict=True,
         ):
             request = self.requests[request_id]
+            if request_id in failures:  # in place: the engine lines outputs up by position
+                self._fail(request, failures[request_id])
+                updated.append(request)
+                continue
             num_drafts = drafts.get(request_id, 0)
             if num_drafts:
                 num_accepted = len(token_ids) - 1
@@ -451,12 +456,25 @@ class Scheduler:
             self._append_tokens(request, token_ids, logprobs, cache=num_drafts > 0)
             updated.append(request)
         for request in prompt_done:  # they sampled nothing: they end with their prompt
+            if request.request_id in failures:
+                continue  # below
             _finish_pooling(request)
             self.running.remove(request)
             request.status = RequestStatus.FINISHED_LENGTH
             self._free(request)
             updated.append(request)
+        for request_id, reason in failures.items():  # prompt chunks: no output token yet
+            request = self.requests[request_id]
+            if not request.is_finished:
+                self._fail(request, reason)
+                updated.append(request)
         return updated
+
+    def _fail(self, request: Request, reason: str) -> None:
+        """Ends a running request whose step had nothing to sample from (sample/sampler.py)."""
+        request.fail_step(reason)
+        self.running.remove(request)
+        self._free(request)
 
     def _append_tokens(
         self, request: Request, token_ids: list[int], logprobs, cache: bool = False

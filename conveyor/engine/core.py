@@ -497,11 +497,12 @@ class EngineCore:
             # A stop condition may end a request before all of its sampled tokens.
             num_new = request.num_output_tokens - num_before
             self._num_generation_tokens += num_new
-            logprobs = request.logprobs[-num_new:] if request.logprobs is not None else None
+            new_ids = request.output_token_ids[num_before:]  # [-0:] would be all of them
+            logprobs = request.logprobs[num_before:] if request.logprobs is not None else None
             outputs.append(
                 CoreOutput(
                     request.request_id,
-                    request.output_token_ids[-num_new:],
+                    new_ids,
                     logprobs,
                     request.status,
                     request.stop_reason,

@@ -108,6 +108,7 @@ class InputProcessor:
         max_tokens = self._check_lengths(token_ids, params)
         params = self._with_bad_words(params)
         self._check_token_ids(params)
+        params.check_leaves_a_token(self.info.model_config.eos_token_ids)
         if params.structured_outputs is not None:  # checked once, then cached
             self.grammars.validate(params.structured_outputs)
         if lora_request is not None:

@@ -16,17 +16,30 @@ Pipeline, as in vLLM, on the rows of one engine step:
 The exponential race picks argmax(probs / E) with E ~ Exponential(1): an exact draw from probs.
 Every random row draws one vocab-sized E from its own generator (or the sampler's), so a seeded
 row gets the same tokens whatever else shares its batch.
+
+The sampler is total: a row that has nothing to sample from (a NaN or an infinity in its raw or
+processed logits, or every token masked to -inf by its own parameters) is reported in
+`failures`, with why, and computed on zeros instead, so that it neither raises nor touches its
+neighbours' bits; the engine ends that request with the reason (core/scheduler.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from conveyor.outputs import Logprob, PositionLogprobs, SamplingRow
+from conveyor.outputs import (
+    LOGITS_NOT_FINITE,
+    NO_TOKEN_LEFT,
+    PARAMS_NOT_FINITE,
+    Logprob,
+    PositionLogprobs,
+    SamplingRow,
+)
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.grammar import StepMask, apply_bitmask, step_mask
 
@@ -39,6 +52,8 @@ TOP_P_CANDIDATES = 1024
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # one sampled token per row
     logprobs: list[PositionLogprobs | None]  # None where params.logprobs is None
+    # Row index -> why it has no token (its token_ids entry is then meaningless).
+    failures: dict[int, str]
 
 
 def plain_greedy(row: SamplingRow) -> bool:
@@ -72,9 +87,12 @@ class Sampler:
         logits = logits.to(work_dtype(logits.dtype))
         mask = step_mask([row.grammar for row in rows], logits.shape[1])
         processed = self.process_logits(logits, rows, mask)
+        failures = failed_rows(logits, processed)
+        if failures:
+            logits, processed = without_rows(logits, processed, failures)
         token_ids = self._sample(processed, rows)
         logprobs = collect_logprobs(logits, rows, token_ids)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return SamplerOutput(token_ids.tolist(), logprobs, failures)
 
     def process_logits(
         self, logits: torch.Tensor, rows: list[SamplingRow], mask: StepMask | None = None
@@ -174,6 +192,38 @@ class Sampler:
                 generator.manual_seed(self.seed)
             self._generators[device] = generator
         return generator
+
+
+def failed_rows(raw: torch.Tensor, processed: torch.Tensor) -> dict[int, str]:
+    """Row index -> why the row has nothing to sample from. One max per row finds them all: it
+    is NaN where any logit is NaN, +inf where any is +inf, -inf where every one is -inf."""
+    raw_top = raw.amax(dim=-1)
+    top = raw_top if processed is raw else processed.amax(dim=-1)
+    finite = torch.isfinite(raw_top) & torch.isfinite(top)
+    if bool(finite.all()):
+        return {}
+    failures = {}
+    raw_top, top = raw_top.tolist(), top.tolist()
+    for i in (~finite).nonzero().squeeze(1).tolist():
+        if not math.isfinite(raw_top[i]):
+            failures[i] = LOGITS_NOT_FINITE
+        elif top[i] == NEG_INF:
+            failures[i] = NO_TOKEN_LEFT
+        else:
+            failures[i] = PARAMS_NOT_FINITE
+    return failures
+
+
+def without_rows(
+    raw: torch.Tensor, processed: torch.Tensor, failures: dict[int, str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of both in which the failed rows are zeros: every later op is per row, so the
+    other rows' results keep their bits, and none of them raises on a NaN or an empty row."""
+    index = torch.tensor(sorted(failures), device=raw.device)
+    clean_raw = raw.clone().index_fill_(0, index, 0.0)
+    if processed is raw:
+        return clean_raw, clean_raw
+    return clean_raw, processed.clone().index_fill_(0, index, 0.0)
 
 
 def _bad_word_bans(rows: list[SamplingRow]) -> tuple[list[int], list[int]]:

@@ -21,11 +21,27 @@ request with no drafts draws exactly what the plain sampler draws.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from conveyor.outputs import PositionLogprobs, SamplingRow
-from conveyor.sample.sampler import Sampler, collect_logprobs, sampling_probs, work_dtype
+from conveyor.sample.sampler import (
+    Sampler,
+    collect_logprobs,
+    failed_rows,
+    sampling_probs,
+    without_rows,
+    work_dtype,
+)
 from conveyor.structured.grammar import step_mask
+
+
+class Verified(NamedTuple):
+    token_ids: list[list[int]]  # per request: its accepted drafts, then one token of its own
+    logprobs: list[list[PositionLogprobs] | None]  # None where the request asks for none
+    # Request index -> why a position it reached had nothing to sample from (sampler.py).
+    failures: dict[int, str]
 
 
 def verify(
@@ -33,7 +49,7 @@ def verify(
     logits: torch.Tensor,  # (sum of 1 + d_i, V): the rows of each request, in order
     rows: list[SamplingRow],
     drafts: list[list[int]],
-) -> tuple[list[list[int]], list[list[PositionLogprobs] | None]]:
+) -> Verified:
     """Per request: the accepted drafts and one token of the target's own, and their
     logprobs (None where the request asks for none)."""
     starts = [0]
@@ -49,6 +65,9 @@ def verify(
         grammars = [row.grammar for row in rows]
         mask = step_mask(grammars, logits.shape[1], drafts, stops)
     processed = sampler.process_logits(logits, position_rows, mask)
+    row_failures = failed_rows(logits, processed)
+    if row_failures:
+        logits, processed = without_rows(logits, processed, row_failures)
     greedy = [row.params.greedy for row in position_rows]
     if any(greedy):
         argmax = processed.argmax(dim=-1).tolist()
@@ -68,7 +87,24 @@ def verify(
         else:
             generator = row.generator or sampler.default_generator(logits.device)
             tokens.append(rejection_sample(probs[start:end], draft, generator))
-    return tokens, _logprobs(logits, position_rows, starts, tokens)
+    failures = reached_failures(row_failures, starts, tokens)
+    return Verified(tokens, _logprobs(logits, position_rows, starts, tokens), failures)
+
+
+def reached_failures(
+    row_failures: dict[int, str], starts: list[int], tokens: list[list[int]]
+) -> dict[int, str]:
+    """Request index -> the failure of the first of its rows that gave it a token: a failed
+    row after its first rejected draft was never reached, and does not end the request."""
+    failures = {}
+    if not row_failures:
+        return failures
+    for i, (start, kept) in enumerate(zip(starts[:-1], tokens, strict=True)):
+        for row in range(start, start + len(kept)):
+            if row in row_failures:
+                failures[i] = row_failures[row]
+                break
+    return failures
 
 
 def row_at(row: SamplingRow, earlier_drafts: list[int]) -> SamplingRow:

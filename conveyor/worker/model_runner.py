@@ -28,9 +28,15 @@ from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
-from conveyor.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepInputs
+from conveyor.outputs import (
+    LOGITS_NOT_FINITE,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepInputs,
+)
 from conveyor.sample.sampler import Sampler, plain_greedy, target_logprobs
-from conveyor.sample.verifier import accept_greedy, verify
+from conveyor.sample.verifier import accept_greedy, reached_failures, verify
 from conveyor.worker.cuda_graphs import DecodeGraphs, graph_mode
 
 # Proposes the drafts of a step's requests (the draft model's `propose`); see _drafts.
@@ -138,23 +144,25 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], *prompt_rows)
         forwarded = time.perf_counter()
         rows = [sched.scheduled[i].sampling for i in sampled]
+        step_drafts = [drafts[i] for i in sampled]
         if greedy is not None:  # each row's argmax of the raw logits, all the sampler would do
             argmax = iter(greedy.tolist())
             token_ids = [
-                accept_greedy(drafts[i], [next(argmax) for _ in range(len(drafts[i]) + 1)])
-                for i in sampled
+                accept_greedy(d, [next(argmax) for _ in range(len(d) + 1)]) for d in step_drafts
             ]
             logprobs = [None] * len(sampled)
-        elif any(drafts[i] for i in sampled):
-            token_ids, logprobs = verify(self.sampler, logits, rows, [drafts[i] for i in sampled])
+            failures = _greedy_failures(selected, step_drafts, token_ids)
+        elif any(step_drafts):
+            token_ids, logprobs, failures = verify(self.sampler, logits, rows, step_drafts)
         else:
             out = self.sampler(logits, rows)
             token_ids = [[t] for t in out.token_ids]
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
+            failures = out.failures
         self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
-        return ModelRunnerOutput(
-            [sched.scheduled[i].request_id for i in sampled], token_ids, logprobs, *prompt_rows
-        )
+        request_ids = [sched.scheduled[i].request_id for i in sampled]
+        prompt_rows[2].update({request_ids[i]: reason for i, reason in failures.items()})
+        return ModelRunnerOutput(request_ids, token_ids, logprobs, *prompt_rows)
 
     @staticmethod
     def _only_plain_greedy(scheduled: list[ScheduledRequest], sampled: list[int]) -> bool:
@@ -171,24 +179,30 @@ class ModelRunner:
         hidden: torch.Tensor,
         logits: torch.Tensor | None,
         num_prompt_rows: int,
-    ) -> tuple[dict, dict]:
+    ) -> tuple[dict, dict, dict]:
         """Prompt logprobs of the chunks that asked (their logits rows follow the sampled
-        rows, see step_inputs) and the final hidden states of pooling chunks."""
-        prompt_logprobs, pooled = {}, {}
+        rows, see step_inputs), the final hidden states of pooling chunks, and the requests
+        whose rows are not finite (request id -> why: they end with that error)."""
+        prompt_logprobs, pooled, failures = {}, {}, {}
         if not num_prompt_rows and not any(s.pooling for s in scheduled):
-            return prompt_logprobs, pooled
+            return prompt_logprobs, pooled, failures
         starts = np.cumsum(step.query_lens) - step.query_lens
         row = len(step.logits_rows) - num_prompt_rows
         for s, start in zip(scheduled, starts.tolist(), strict=True):
             if s.prompt_targets:
                 chunk = logits[row : row + len(s.prompt_targets)]
                 row += len(s.prompt_targets)
+                if not _all_finite(chunk):
+                    failures[s.request_id] = LOGITS_NOT_FINITE
+                    continue
                 prompt_logprobs[s.request_id] = target_logprobs(
                     chunk, s.prompt_targets, s.num_prompt_logprobs
                 )
             if s.pooling:
                 pooled[s.request_id] = hidden[start : start + len(s.token_ids)].clone()
-        return prompt_logprobs, pooled
+                if not _all_finite(pooled[s.request_id]):
+                    failures[s.request_id] = HIDDEN_NOT_FINITE
+        return prompt_logprobs, pooled, failures
 
     def _lora_rows(self, scheduled: list[ScheduledRequest], step: StepInputs):
         """The step's adapter rows for the forward (lora/slots.py); nothing without LoRA."""
@@ -357,3 +371,26 @@ def positions_and_slots(
     positions = np.arange(int(query_lens.sum())) - np.repeat(starts - context_lens, query_lens)
     slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
     return positions, slots
+
+
+HIDDEN_NOT_FINITE = "the model's hidden states are not finite (NaN or infinity)"
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    return bool(torch.isfinite(values).all())
+
+
+def _greedy_failures(
+    hidden: torch.Tensor, drafts: list[list[int]], token_ids: list[list[int]]
+) -> dict[int, str]:
+    """Request index -> why: the rows whose argmax the lm_head found from hidden states that
+    are not finite (its argmax of them is meaningless). Checked on the hidden states, a
+    fraction of the logits' size: finite hidden states and weights give finite logits."""
+    finite = torch.isfinite(hidden).all(dim=-1)
+    if bool(finite.all()):
+        return {}
+    rows = {i: LOGITS_NOT_FINITE for i in (~finite).nonzero().squeeze(1).tolist()}
+    starts = [0]
+    for draft in drafts:
+        starts.append(starts[-1] + len(draft) + 1)
+    return reached_failures(rows, starts, token_ids)

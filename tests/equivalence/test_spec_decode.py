@@ -238,16 +238,16 @@ GREEDY = SamplingParams(temperature=0)
 def test_verifier_greedy_cases():
     sampler = Sampler([0])
     # all accepted plus the bonus token
-    tokens, _ = verify(sampler, one_hot_logits([3, 4, 5, 6]), [row(GREEDY)], [[3, 4, 5]])
+    tokens, _, _ = verify(sampler, one_hot_logits([3, 4, 5, 6]), [row(GREEDY)], [[3, 4, 5]])
     assert tokens == [[3, 4, 5, 6]]
     # first mismatch: the target's token replaces it and the rest is dropped
-    tokens, _ = verify(sampler, one_hot_logits([3, 7, 5, 6]), [row(GREEDY)], [[3, 4, 5]])
+    tokens, _, _ = verify(sampler, one_hot_logits([3, 7, 5, 6]), [row(GREEDY)], [[3, 4, 5]])
     assert tokens == [[3, 7]]
-    tokens, _ = verify(sampler, one_hot_logits([2, 4, 5, 6]), [row(GREEDY)], [[3, 4, 5]])
+    tokens, _, _ = verify(sampler, one_hot_logits([2, 4, 5, 6]), [row(GREEDY)], [[3, 4, 5]])
     assert tokens == [[2]]
     # a batch mixing 0, 1 and k drafts
     logits = one_hot_logits([1] + [2, 3] + [4, 5, 6, 7])
-    tokens, logprobs = verify(
+    tokens, logprobs, _ = verify(
         sampler,
         logits,
         [row(GREEDY), row(SamplingParams(temperature=0, logprobs=1)), row(GREEDY)],
@@ -264,15 +264,15 @@ def test_verifier_applies_penalties_and_min_tokens_as_of_each_position():
     params = SamplingParams(temperature=0, min_tokens=2)
     logits = one_hot_logits([0, 0, 0])
     logits[:, 5] = 4.0  # the runner-up
-    tokens, _ = verify(sampler, logits, [row(params)], [[5, 5]])
+    tokens, _, _ = verify(sampler, logits, [row(params)], [[5, 5]])
     assert tokens == [[5, 5, 0]]
     # A repetition penalty counts the accepted drafts before a position as generated.
-    params = SamplingParams(temperature=0, repetition_penalty=4.0)
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
     logits = torch.zeros(2, 8, dtype=torch.float64)
-    logits[:, 3], logits[:, 4] = 5.0, 2.0
+    logits[:, 3], logits[:, 4] = 5.0, 3.0
     counts = PenaltyCounts([1], 8)
-    tokens, _ = verify(sampler, logits, [SamplingRow(params, None, [], counts)], [[3]])
-    assert tokens == [[3, 4]]  # position 1 sees 3 as generated: 5 / 4 < 2
+    tokens, _, _ = verify(sampler, logits, [SamplingRow(params, None, [], counts)], [[3]])
+    assert tokens == [[3, 4]]  # position 1 sees 3 as generated: 5 / 2 < 3
 
 
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
@@ -325,7 +325,7 @@ def test_sampled_verification_through_the_sampler_pipeline():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.8, 0.3, 0.9]] * 3, dtype=torch.float64)
     counts = np.zeros(8)
     for _ in range(6000):
-        tokens, _ = verify(sampler, logits, [row(params)], [[5, 1]])
+        tokens, _, _ = verify(sampler, logits, [row(params)], [[5, 1]])
         counts[tokens[0][0]] += 1
     assert chi_square_p(counts, target_distribution(logits[0], params)) > 1e-3
 
