@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from conveyor.engine.llm_engine import EngineStats, LLMEngine
 from conveyor.engine.records import SNAPSHOT_TIMEOUT, CoreSnapshot
 from conveyor.engine.streams import (
+    EngineClosedError,
     EngineDeadError,
     RequestFailedError,
     RequestStream,
@@ -83,6 +84,10 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._error: BaseException | None = None
+        # Set by drain() / abort_all() (any thread), never cleared: no request is admitted
+        # after it, checked on submission and again on the engine thread (an add already queued
+        # when abort_all ran must not outlive it).
+        self._closed = False
         self._ready = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(factory,), name="conveyor-engine", daemon=True
@@ -145,6 +150,8 @@ class AsyncEngine:
         """Submits a request; raises ValueError here if the engine refuses it."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
+        if self._closed:
+            raise EngineClosedError()
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, accepted=loop.create_future())
         self._commands.put(_Add(request_id, prompt, params, priority, stream, lora_request))
@@ -188,8 +195,14 @@ class AsyncEngine:
         """Thread-safe; the request is aborted before the next step and its blocks freed."""
         self._commands.put(_Abort(request_id))
 
+    def drain(self) -> None:
+        """Thread-safe: later submissions raise EngineClosedError; open requests run on."""
+        self._closed = True
+
     def abort_all(self) -> None:
-        """Thread-safe: ends every open request now, its stream with finish_reason "abort"."""
+        """Thread-safe: ends every open request now, its stream with finish_reason "abort", and
+        admits none after it (drain)."""
+        self._closed = True
         self._commands.put(_ABORT_ALL)
 
     def shutdown(self) -> None:
@@ -275,6 +288,9 @@ class AsyncEngine:
                 self._callback(self.on_abort, command.request_id)
             return
         stream = command.stream
+        if self._closed:
+            stream.loop.call_soon_threadsafe(_settle, stream.accepted, EngineClosedError())
+            return
         try:
             self.engine.add_request(
                 command.request_id,

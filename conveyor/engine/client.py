@@ -69,7 +69,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
-    ) -> RequestStream: ...  # ValueError if the request is refused
+    ) -> RequestStream: ...  # ValueError if the request is refused; EngineClosedError: drained
 
     # LoRA adapters (enable_lora): ValueError for a folder that cannot be applied, and for
     # removing an adapter that unfinished requests use.
@@ -81,7 +81,12 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...  # thread-safe
 
-    def abort_all(self) -> None: ...  # ends every open request with finish_reason "abort"
+    # Shutting down (thread-safe): after drain(), add_request raises EngineClosedError (a 503)
+    # while the open requests run on; abort_all() ends them with finish_reason "abort" and
+    # drains too, so nothing admitted later outlives it.
+    def drain(self) -> None: ...
+
+    def abort_all(self) -> None: ...
 
     def shutdown(self) -> None: ...  # ends open streams, stops the engine
 

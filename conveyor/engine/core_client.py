@@ -29,7 +29,12 @@ from conveyor.engine.core_proc import CoreProcess
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.records import SNAPSHOT_TIMEOUT, CoreSnapshot
-from conveyor.engine.streams import EngineDeadError, RequestStream, aborted_output
+from conveyor.engine.streams import (
+    EngineClosedError,
+    EngineDeadError,
+    RequestStream,
+    aborted_output,
+)
 from conveyor.engine_args import EngineArgs
 from conveyor.lora.request import LoRARequest
 from conveyor.messages import (
@@ -215,6 +220,7 @@ class AsyncMPEngine:
         self._socket: zmq.asyncio.Socket | None = None
         self._watchdog: asyncio.Task | None = None
         self._stopping = False
+        self._closed = False  # drain() / abort_all(): no request is admitted after it
         self._snapshot: asyncio.Future | None = None
         self._lora_calls: dict[int, asyncio.Future] = {}  # call_id -> the caller's future
         self._call_ids = itertools.count(1)
@@ -273,6 +279,8 @@ class AsyncMPEngine:
         moved here from a replica that died before it produced anything)."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine core is not running: {self._error!r}")
+        if self._closed:
+            raise EngineClosedError()
         token_ids, sequences = self.inputs.register(
             self.outputs,
             request_id,
@@ -295,8 +303,14 @@ class AsyncMPEngine:
         """Thread-safe; the core frees the request's blocks before its next step."""
         self._call(self._abort, request_id)
 
+    def drain(self) -> None:
+        """Thread-safe: later submissions raise EngineClosedError; open requests run on."""
+        self._closed = True
+
     def abort_all(self) -> None:
-        """Thread-safe: ends every open request now, its stream with finish_reason "abort"."""
+        """Thread-safe: ends every open request now, its stream with finish_reason "abort", and
+        admits none after it (drain)."""
+        self._closed = True
         self._call(self._abort_all)
 
     def shutdown(self) -> None:

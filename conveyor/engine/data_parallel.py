@@ -333,6 +333,10 @@ class AsyncDPEngine:
         if placed is not None:
             self.replicas[placed.replica].abort(request_id)
 
+    def drain(self) -> None:
+        for replica in self.replicas:
+            replica.drain()
+
     def abort_all(self) -> None:
         for replica in self.replicas:
             replica.abort_all()

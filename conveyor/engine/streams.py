@@ -14,6 +14,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop died: no request can be served until the server is restarted."""
 
 
+class EngineClosedError(EngineDeadError):
+    """The server is shutting down: the engine takes no new request (a 503, as for a dead one);
+    those it holds run on until their streams are aborted."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down: it takes no new requests")
+
+
 class RequestFailedError(RuntimeError):
     """Handling this one request failed inside the engine; the engine goes on."""
 
