@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -15,7 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.streams import EngineClosedError
 from conveyor.entrypoints.anthropic import add_messages_routes
+from conveyor.entrypoints.anthropic.errors import error_response as anthropic_error_response
+from conveyor.entrypoints.anthropic.errors import is_messages_path
 from conveyor.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
 from conveyor.entrypoints.openai.embeddings import EmbeddingRequest, embed
 from conveyor.entrypoints.openai.errors import APIError, error_response, install_error_handlers
@@ -223,25 +228,87 @@ def default_model_name(model_config) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+class Unanswered:
+    """ASGI middleware, outermost: tracks the HTTP requests in progress, so that at shutdown's
+    deadline those with no response yet (a body still arriving, waiting for an admission slot,
+    tokenizing, compiling a grammar, a whole response not written yet) are answered 503 rather
+    than dropped unanswered when uvicorn's graceful timeout cancels them. A response that has
+    started is left alone: abort_all ends its stream with its final event."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self._open: dict[asyncio.Task, _Open] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        state = self._open[task] = _Open()
+
+        async def tracked(message) -> None:
+            if message["type"] == "http.response.start":
+                state.started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not state.cut or state.started:
+                raise  # not the cut's: uvicorn's own deadline, say
+            task.uncancel()
+        finally:
+            del self._open[task]
+        if state.cut and not state.started:
+            await _shutting_down(scope)(scope, receive, send)
+
+    def cut(self) -> None:
+        """Thread-safe: every request without a response yet stops and answers 503."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._cut)
+
+    def _cut(self) -> None:
+        for task, state in self._open.items():
+            if not state.started and not state.cut:
+                state.cut = True
+                task.cancel()
+
+
+@dataclass(slots=True)
+class _Open:
+    started: bool = False  # its response's first message went out
+    cut: bool = False  # cancelled by Unanswered.cut, to answer 503
+
+
+def _shutting_down(scope) -> Response:
+    """The 503 of a request cut at shutdown, in the shape of the API its path belongs to."""
+    message = str(EngineClosedError())
+    if is_messages_path(scope["path"]):
+        return anthropic_error_response(503, message)
+    return error_response(503, message, "ServiceUnavailableError")
+
+
 class GracefulServer(uvicorn.Server):
-    """On SIGINT/SIGTERM uvicorn stops accepting and waits for open responses. Streams still
-    open shortly before its deadline are ended cleanly (finish_reason "abort", then [DONE])
-    instead of being cut mid-chunk. When the engine dies for good, the server answers 503 for
-    DEAD_LINGER seconds (so probes see why) and then exits, non-zero."""
+    """On SIGINT/SIGTERM uvicorn stops accepting and waits for open responses; the engine
+    takes no new request from then on (a 503: one still uploading, or accepted just before the
+    listening socket closed). Streams still open 1 s before its deadline are ended cleanly
+    (finish_reason "abort", then [DONE]) instead of being cut mid-chunk, and requests that have
+    no response 0.5 s before it answer 503 (Unanswered). When the engine dies for good, the
+    server answers 503 for DEAD_LINGER seconds (so probes see why) and then exits, non-zero."""
 
     DEAD_LINGER = 2.0
 
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncEngine, grace: float, dashboard=None
+        self, config: uvicorn.Config, engine: EngineClient, grace: float, dashboard=None
     ) -> None:
+        config.app = self.unanswered = Unanswered(config.app)  # before uvicorn loads it
         super().__init__(config)
         self.engine, self.grace, self.dashboard = engine, grace, dashboard
         engine.on_fatal = self._engine_died
 
     def _engine_died(self) -> None:  # any thread; uvicorn's loop polls should_exit
-        timer = threading.Timer(self.DEAD_LINGER, self._exit_now)
-        timer.daemon = True
-        timer.start()
+        _later(self.DEAD_LINGER, self._exit_now)
 
     def _exit_now(self) -> None:
         if self.dashboard is not None:
@@ -257,9 +324,16 @@ class GracefulServer(uvicorn.Server):
         if self.dashboard is not None:
             self.dashboard.closed = True  # its event streams end, not held open to the deadline
         if first:
-            timer = threading.Timer(max(self.grace - 1.0, 0.0), self.engine.abort_all)
-            timer.daemon = True
-            timer.start()
+            self.engine.drain()
+            _later(max(self.grace - 1.0, 0.0), self.engine.abort_all)
+            _later(max(self.grace - 0.5, self.grace / 2), self.unanswered.cut)
+
+
+def _later(seconds: float, fn: Callable[[], None]) -> None:
+    """fn on a timer thread: it runs even while the event loop is busy."""
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    timer.start()
 
 
 def run_server(
