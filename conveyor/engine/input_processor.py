@@ -3,6 +3,8 @@ core can hold, become the core's sequences (one per completion, n of them)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -130,18 +132,82 @@ class InputProcessor:
         ]
         return text, token_ids, sequences
 
+    @property
+    def max_text_chars(self) -> int | None:
+        """The most characters a prompt of this tokenizer may have (see max_prompt_chars)."""
+        if self._char_limit is _UNKNOWN:
+            self._char_limit = max_prompt_chars(self.tokenizer, self.max_model_len)
+        return self._char_limit
+
     def check_text_length(self, num_chars: int, param: str = "prompt") -> None:
         """Refuses, before tokenizing, a text that cannot fit in the context: tokenizing a
         30 MB prompt only to count it took minutes and gigabytes."""
-        if self._char_limit is _UNKNOWN:
-            self._char_limit = max_prompt_chars(self.tokenizer, self.max_model_len)
-        limit = self._char_limit
-        if limit is not None and num_chars > limit:
-            raise ValueError(
-                f"{param}: {num_chars} characters cannot fit in the model's context length of "
-                f"{self.max_model_len} tokens (no {self.max_model_len} tokens of this "
-                f"tokenizer hold more than {limit} characters)"
+        self.check_texts({param: num_chars})
+
+    def check_texts(self, fields: dict[str, Any]) -> None:
+        """check_text_length of everything a prompt is made of at once: `fields` maps each
+        field's name to its text, its JSON-like value (messages, tools, template variables:
+        num_chars; None: not given) or its number of characters; the error's param is the
+        field with the most."""
+        limit = self.max_text_chars
+        if limit is None:
+            return
+        counts = {
+            name: value if isinstance(value, int) else num_chars(value, limit)
+            for name, value in fields.items()
+            if value is not None
+        }
+        total = sum(counts.values())
+        if total > limit:
+            raise FieldError(
+                f"{listed(list(counts))}: {total} characters cannot fit in the model's context "
+                f"length of {self.max_model_len} tokens (no {self.max_model_len} tokens of this "
+                f"tokenizer hold more than {limit} characters)",
+                max(counts, key=counts.get),
             )
+
+    def chat_prompt(
+        self,
+        messages: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        variables: dict | None = None,
+    ) -> list[int]:
+        """The token ids of a conversation: the chat template renders text (its special
+        tokens written by the template), which is bounded as a prompt is and tokenized
+        without the tokenizer's own special tokens, as transformers' tokenize=True does.
+        variables: the template's own (chat_template_kwargs); none may name a parameter of
+        the template's caller or of the tokenizer (reserved_template_variables). The caller
+        bounds the texts before (check_texts)."""
+        variables = dict(variables or {})
+        reserved = sorted(reserved_template_variables(self.tokenizer) & variables.keys())
+        if reserved:
+            raise FieldError(
+                f"chat_template_kwargs: {listed(reserved)} cannot be set here: parameters of "
+                "the chat template's caller or of the tokenizer, not template variables",
+                "chat_template_kwargs",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **variables,
+            )
+        except Exception as error:  # the template refused the conversation (jinja raise)
+            raise ValueError(
+                f"messages could not be rendered by the chat template: {_template_error(error)}"
+            ) from None
+        self.check_text_length(len(text), "messages")
+        try:
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
+            raise ValueError(f"messages could not be tokenized: {error}") from error
 
     def _check_without_tokenizer(self, params: SamplingParams) -> None:
         """skip_tokenizer_init: what needs text is refused."""
@@ -247,6 +313,115 @@ class InputProcessor:
                 f"({sched.max_num_batched_tokens}) with chunked prefill disabled"
             )
         return max_tokens
+
+
+class FieldError(ValueError):
+    """A request's input refused; param: the field it came from (an HTTP 400 names it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Names a chat template's caller takes for itself, whatever its release: apply_chat_template's
+# parameters and the tokenizer's (__call__, encode), which it forwards. A template variable of
+# one of these names would set how the prompt is made (padded to millions of tokens, cut,
+# returned as tensors, tokenized with other arguments), not what the template writes; those of
+# the installed release are read from its signatures as well (reserved_template_variables).
+TEMPLATE_CALLER_PARAMETERS = frozenset(
+    {
+        "self",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "text",
+        "text_pair",
+        "text_target",
+        "text_pair_target",
+        "add_special_tokens",
+        "stride",
+        "is_split_into_words",
+        "pad_to_multiple_of",
+        "padding_side",
+        "return_token_type_ids",
+        "return_attention_mask",
+        "return_overflowing_tokens",
+        "return_special_tokens_mask",
+        "return_offsets_mapping",
+        "return_length",
+        "verbose",
+        "split_special_tokens",
+    }
+)
+
+
+def reserved_template_variables(tokenizer: Any = None) -> frozenset[str]:
+    """TEMPLATE_CALLER_PARAMETERS, with every named parameter of transformers' and the
+    tokenizer's own apply_chat_template, __call__ and encode."""
+    from transformers import PreTrainedTokenizerBase
+
+    names = _signature_names(PreTrainedTokenizerBase)
+    return names if tokenizer is None else names | _signature_names(type(tokenizer))
+
+
+@functools.cache
+def _signature_names(cls: type) -> frozenset[str]:
+    names = set(TEMPLATE_CALLER_PARAMETERS)
+    for method in ("apply_chat_template", "__call__", "encode", "encode_plus"):
+        function = getattr(cls, method, None)
+        if function is None:
+            continue
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature
+            continue
+        names.update(p.name for p in parameters if p.kind not in _VARIADIC)
+    return frozenset(names)
+
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _template_error(error: Exception) -> str:
+    """What a client may read of a template's failure: a Jinja error's own message (the
+    template's raise_exception, an undefined name), else only the kind of error: another
+    exception may carry the tokenizer's repr, with the model's folder on the server's disk."""
+    from jinja2 import TemplateError
+
+    if isinstance(error, TemplateError):
+        return str(error)[:500]
+    return f"the template failed ({type(error).__name__})"
+
+
+def num_chars(value: Any, stop_above: int | None = None) -> int:
+    """Characters a JSON-like value writes at the least: every string and key, one for each
+    other scalar (iteratively: it may nest deep). Counting stops once past stop_above."""
+    total, stack = 0, [value]
+    while stack and (stop_above is None or total <= stop_above):
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(key) if isinstance(key, str) else 1 for key in item)
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            total += 1
+    return total
 
 
 _UNKNOWN = object()

@@ -98,10 +98,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
+        """chat_template_kwargs: the template's own variables (e.g. enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations
+            self.apply_chat_template(c, add_generation_prompt, chat_template, chat_template_kwargs)
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -110,20 +113,23 @@ class LLM:
         messages: list[dict],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[int]:
+        """The conversation's prompt token ids, made as the server makes a chat request's:
+        its text bounded before the template renders it, the rendered text bounded and
+        tokenized (without the tokenizer's own special tokens: the template wrote them); a
+        chat_template_kwargs name that is a parameter of transformers' apply_chat_template
+        or of the tokenizer (padding, max_length, ...) is a ValueError."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM has none (skip_tokenizer_init)")
         if chat_template is None and not tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
-        ids = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            tokenize=True,
-            return_dict=False,
+        inputs = self.engine.inputs
+        inputs.check_texts({"messages": messages, "chat_template_kwargs": chat_template_kwargs})
+        return inputs.chat_prompt(
+            messages, chat_template, add_generation_prompt, variables=chat_template_kwargs
         )
-        return list(ids)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import torch_threads
 
-from conveyor.model import kernels
 from conveyor.model.attention import build_metadata, paged_attention, to_cache_dtype
 from conveyor.worker.model_runner import pad_block_tables, positions_and_slots
 
@@ -637,19 +636,3 @@ def test_layers_without_a_compiled_form_keep_the_module_path(ops):
     layer, _ = _decoder_layer(torch.float32, 4, 2, 64, False, False, seed=0)
     layer.mlp.down_proj = nn.Identity()
     assert layer.compiled(ops) is None
-
-
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
-    """A build killed mid-way leaves torch's lock behind; later starts waited on it for ever."""
-    import os
-    import time
-
-    lock = tmp_path / "lock"
-    lock.touch()
-    kernels.clear_stale_lock(tmp_path)
-    assert lock.exists() and "waiting for another process's kernel build" in caplog.text
-    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    kernels.clear_stale_lock(tmp_path)
-    assert not lock.exists() and "removing a stale kernel build lock" in caplog.text
-    kernels.clear_stale_lock(tmp_path)  # no lock: nothing to do

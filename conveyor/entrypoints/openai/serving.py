@@ -12,6 +12,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.input_processor import reserved_template_variables
 from conveyor.engine.streams import RequestStream
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -149,33 +150,25 @@ class OpenAIServing:
             raise ValueError("this model has no chat template; use /v1/completions")
         native = "tools" in template
         dicts = [message_dict(m, native) for m in messages]
-        # Everything the messages say is rendered into the prompt: too much text for the
-        # context is refused before the template and the tokenizer see it.
-        self.engine.inputs.check_text_length(_num_chars(dicts), "messages")
         kwargs = options.template_kwargs()
-        if tools and native:
-            kwargs["tools"] = tools
-        elif tools:
+        # Everything the request renders into the prompt is counted before the template or
+        # the tokenizer sees any of it: too much text for the context is refused at once.
+        inputs = self.engine.inputs
+        inputs.check_texts({"messages": dicts, "tools": tools, "chat_template_kwargs": kwargs})
+        if tools and not native:
             hint = tools_prompt(tools, tool_choice)
             if dicts[0].get("role") == "system":
                 dicts[0]["content"] = f"{dicts[0].get('content') or ''}\n\n{hint}".lstrip()
             else:
                 dicts.insert(0, {"role": "system", "content": hint})
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                dicts,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-                continue_final_message=options.continue_final_message,
-                chat_template=template,
-                **kwargs,
-            )
-        except Exception as error:  # the template refused the conversation (jinja raise)
-            raise ValueError(
-                f"messages could not be rendered by the chat template: {error}"
-            ) from error
-        return list(ids)
+        return inputs.chat_prompt(
+            dicts,
+            template,
+            add_generation_prompt,
+            options.continue_final_message,
+            tools if tools and native else None,
+            kwargs,
+        )
 
     async def check_constraint(self, constraint: StructuredOutputs | None, param: str) -> None:
         """Checks the request's grammar in the sandbox (structured/sandbox.py; the verdict is
@@ -580,24 +573,6 @@ class OpenAIServing:
         return {"content": content}
 
 
-# Variables a chat template gets from the request's own fields (or from transformers):
-# chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_VARIABLES = frozenset(
-    {
-        "messages",
-        "conversation",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "continue_final_message",
-        "chat_template",
-        "tokenize",
-        "return_dict",
-        "return_assistant_tokens_mask",
-    }
-)
-
-
 @dataclass(frozen=True, slots=True)
 class ChatTemplateOptions:
     """vLLM's chat-template fields of a request."""
@@ -618,11 +593,12 @@ class ChatTemplateOptions:
 
     def template_kwargs(self) -> dict:
         kwargs = dict(self.kwargs or {})
-        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+        reserved = sorted(reserved_template_variables() & kwargs.keys())
         if reserved:
             raise InvalidParam(
                 f"chat_template_kwargs: {listed(reserved)} cannot be set here: the request's "
-                "own fields set them",
+                "own fields set them, or they are parameters of the template's caller or of "
+                "the tokenizer, not template variables",
                 "chat_template_kwargs",
             )
         effort = self.reasoning_effort
@@ -647,20 +623,6 @@ def truncated(prompt: list[int], keep: int | None, max_model_len: int) -> list[i
         )
     keep = max_model_len if keep == -1 else keep
     return prompt[-keep:] if len(prompt) > keep else prompt
-
-
-def _num_chars(value) -> int:
-    """Characters of every string in a JSON-like value (iteratively: it may nest deep)."""
-    total, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return total
 
 
 async def _anext(iterator):

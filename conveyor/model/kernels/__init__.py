@@ -5,6 +5,9 @@
 Python versions, the compiler flags and the CPU's feature flags (the code is built with
 -march=native), so a machine builds once (~1.5 min on 2 cores) and later processes just load
 the library.
+One process builds a folder at a time: it holds an advisory lock (flock) on BUILD_LOCK there
+for the whole build, which the kernel releases when the process ends however it ends, so a
+build killed mid-way (Ctrl-C, a CI timeout) never blocks the next start (see build_lock).
 Without a compiler, or if the build fails, `load()` logs one warning and returns None; callers
 then use the pure-PyTorch reference ops (conveyor/model/attention.py), which stay the readable
 oracle. CONVEYOR_ATTENTION=reference forces the reference (see worker/model_runner.py).
@@ -12,13 +15,15 @@ oracle. CONVEYOR_ATTENTION=reference forces the reference (see worker/model_runn
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -42,6 +47,7 @@ SOURCES = (
 HEADERS = ("balance.h", "ops.h", "vec.h")  # included by the sources; in the build key too
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"
+BUILD_LOCK = "conveyor-build.lock"  # ours, flocked; torch's own lock file is `lock`
 
 
 def build_dir() -> Path:
@@ -69,17 +75,16 @@ def _build() -> ModuleType:
 
     put_ninja_on_path()
     folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(folder)
-    sources = _copy_sources(folder / "src")
-    return cpp_extension.load(
-        name=NAME,
-        sources=[str(sources / name) for name in SOURCES],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        verbose=False,
-    )
+    with build_lock(folder):
+        sources = _copy_sources(folder / "src")
+        return cpp_extension.load(
+            name=NAME,
+            sources=[str(sources / name) for name in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
 
 
 def _copy_sources(folder: Path) -> Path:
@@ -96,30 +101,33 @@ def _copy_sources(folder: Path) -> Path:
     return folder
 
 
-# torch's build lock has no owner: a build killed mid-way (Ctrl-C at the first start) leaves
-# it behind, and every later start then waited on it silently, for ever. A build takes 1.5-5
-# minutes on 2 cores; a lock much older than that belongs to nobody.
-STALE_LOCK_SECONDS = 900
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """The right to build in `folder` (made if missing), held until the block ends: an
+    exclusive flock on its BUILD_LOCK, waited for while another live process holds it. torch's
+    own build lock (a file named `lock`, made and removed by cpp_extension.load) has no owner:
+    one left by a killed build made every later start wait for ever. Under this lock no other
+    process builds here, so a `lock` file present is a dead build's, and is removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / BUILD_LOCK, "a") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("conveyor: waiting for another process's kernel build in %s", folder)
+            fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            _remove_dead_torch_lock(folder)
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
 
 
-def clear_stale_lock(folder: Path, stale_after: float = STALE_LOCK_SECONDS) -> None:
-    """Removes the build lock in `folder` when it is older than `stale_after` seconds; says
-    that it waits on a younger one."""
+def _remove_dead_torch_lock(folder: Path) -> None:
     lock = folder / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > stale_after:
-        logger.warning("conveyor: removing a stale kernel build lock (%.0f s old): %s", age, lock)
+    if lock.exists():
+        logger.warning("conveyor: removing the lock of a kernel build that did not finish: %s",
+                       lock)  # fmt: skip
         lock.unlink(missing_ok=True)
-    else:
-        logger.warning(
-            "conveyor: waiting for another process's kernel build (lock %s, %.0f s old; "
-            "delete it if no build is running)",
-            lock,
-            age,
-        )
 
 
 def build_key() -> str:
