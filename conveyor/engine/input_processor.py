@@ -104,6 +104,11 @@ class InputProcessor:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if params.n > 1 and params.max_tokens == 0:
+            raise ValueError(
+                "n must be 1 with max_tokens=0: the prompt alone is computed, the same for "
+                "every completion"
+            )
         if self.tokenizer is None:
             self._check_without_tokenizer(params)
         text, token_ids = self._tokenize(prompt)
@@ -282,9 +287,12 @@ class InputProcessor:
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         """Resolves max_tokens and refuses what could never run."""
         num_prompt, limit = len(token_ids), self.max_model_len
-        if num_prompt >= limit:
+        # A prompt-only request (pooling, max_tokens 0) needs no room for an output token.
+        prompt_only = params.pooling is not None or params.max_tokens == 0
+        if num_prompt > limit or (num_prompt == limit and not prompt_only):
+            room = "" if prompt_only else " (one position is kept for the output)"
             raise ValueError(
-                f"prompt has {num_prompt} tokens; the model's context length is {limit}"
+                f"prompt has {num_prompt} tokens; the model's context length is {limit}{room}"
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
         if params.pooling is not None:

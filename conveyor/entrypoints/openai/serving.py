@@ -94,10 +94,15 @@ class OpenAIServing:
     # ---- prompts -------------------------------------------------------------------------
 
     def completion_prompts(
-        self, prompt, add_special_tokens: bool = True, truncate: int | None = None
+        self,
+        prompt,
+        add_special_tokens: bool = True,
+        truncate: int | None = None,
+        fit: int | None = None,
     ) -> list[list[int]]:
         """Token ids of each prompt; truncate (vLLM's truncate_prompt_tokens): keep only the
-        last `truncate` tokens of each (-1: as many as the context holds)."""
+        last `truncate` tokens of each (-1: the last `fit`, what the context holds beside the
+        output; by default all but one of its positions)."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -109,7 +114,8 @@ class OpenAIServing:
                 self.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
                 for p in prompt
             ]
-        return [truncated(p, truncate, self.engine.max_model_len) for p in prompts]
+        fit = fit if fit is not None else self.engine.max_model_len - 1
+        return [truncated(p, truncate, fit) for p in prompts]
 
     def prompt_texts(self, prompt, prompts: list[list[int]], truncate: int | None) -> list[str]:
         """What echo sends back for each prompt: its own text, or its tokens decoded when it
@@ -242,17 +248,28 @@ class OpenAIServing:
         constraint, param = request.constraint()
         params = request.sampling_params(max_tokens, constraint)
         await self.check_constraint(constraint, param)
+        if max_tokens == 0 and request.n > 1:  # one prompt-only computation serves all n
+            params = params.clone(n=1)
         prompts = await self.off_loop(
             self.completion_prompts,
             request.prompt,
             request.add_special_tokens,
             request.truncate_prompt_tokens,
+            self.room_for_prompt(max_tokens),
         )
         return prompts, params
 
+    def room_for_prompt(self, max_tokens: int | None) -> int:
+        """The most prompt tokens the context holds beside max_tokens of output (None: at
+        least one token), what truncate_prompt_tokens -1 keeps."""
+        limit = self.engine.max_model_len
+        return max(limit - (1 if max_tokens is None else max_tokens), 1)
+
     async def complete(self, request: CompletionRequest, prompts, streams) -> dict:
         states = await self._prompt_states(request, prompts)
-        choices, created = await self._collect(streams, request.n, states), int(time.time())
+        copies = _copies(request)
+        choices = await self._collect(streams, request.n // copies, states, copies)
+        created = int(time.time())
         return {
             "id": streams[0].request_id,
             "object": "text_completion",
@@ -302,7 +319,8 @@ class OpenAIServing:
         states = await self._prompt_states(request, prompts)
         choices: dict[int, _Choice] = {}
         continuous = _continuous_usage(request)
-        async for index, delta in self._deltas(streams, request.n, states):
+        copies = _copies(request)
+        async for index, delta in self._deltas(streams, request.n // copies, states, copies):
             choice = choices.setdefault(index, _Choice(index))
             choice.num_tokens += len(delta.token_ids)
             first, choice.started = not choice.started, True
@@ -351,7 +369,7 @@ class OpenAIServing:
             ChatTemplateOptions.of(request),
         )
         keep = request.truncate_prompt_tokens
-        return [truncated(prompt, keep, self.engine.max_model_len)], params
+        return [truncated(prompt, keep, self.room_for_prompt(max_tokens))], params
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
         states = await self._prompt_states(request, prompts)
@@ -436,16 +454,22 @@ class OpenAIServing:
     # ---- shared --------------------------------------------------------------------------
 
     async def _deltas(
-        self, streams: list[RequestStream], n: int, states: list[_PromptState] | None = None
+        self,
+        streams: list[RequestStream],
+        n: int,
+        states: list[_PromptState] | None = None,
+        copies: int = 1,
     ) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """(choice index, delta) in arrival order, merged across the prompts' streams; each
-        prompt's state takes what its outputs say of the prompt first."""
+        prompt's state takes what its outputs say of the prompt first. copies: each of the n
+        completions of a prompt is sent as that many choices (see _copies)."""
         if len(streams) == 1:  # the common case: no merging, no task per output
             async for out in streams[0]:
                 if states is not None:
                     states[0].take(out)
                 for completion in out.outputs:
-                    yield completion.index, completion
+                    for copy in range(copies):
+                        yield completion.index * copies + copy, completion
             return
         iterators = [stream.__aiter__() for stream in streams]
         pending = {asyncio.ensure_future(_anext(it)): i for i, it in enumerate(iterators)}
@@ -460,7 +484,9 @@ class OpenAIServing:
                     if states is not None:
                         states[prompt_index].take(out)
                     for completion in out.outputs:
-                        yield prompt_index * n + completion.index, completion
+                        index = (prompt_index * n + completion.index) * copies
+                        for copy in range(copies):
+                            yield index + copy, completion
                     next_task = asyncio.ensure_future(_anext(iterators[prompt_index]))
                     pending[next_task] = prompt_index
         finally:
@@ -468,10 +494,14 @@ class OpenAIServing:
                 task.cancel()
 
     async def _collect(
-        self, streams: list[RequestStream], n: int, states: list[_PromptState] | None = None
+        self,
+        streams: list[RequestStream],
+        n: int,
+        states: list[_PromptState] | None = None,
+        copies: int = 1,
     ) -> list[_Choice]:
-        choices = [_Choice(i) for i in range(len(streams) * n)]
-        async for index, delta in self._deltas(streams, n, states):
+        choices = [_Choice(i) for i in range(len(streams) * n * copies)]
+        async for index, delta in self._deltas(streams, n, states, copies):
             choice = choices[index]
             choice.text += delta.text
             choice.num_tokens += len(delta.token_ids)
@@ -612,16 +642,17 @@ class ChatTemplateOptions:
         return kwargs
 
 
-def truncated(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context's)."""
+def truncated(prompt: list[int], keep: int | None, fit: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens; -1: the last `fit`,
+    as many as the context holds beside the output (all of it for a prompt-only request)."""
     if keep is None:
         return prompt
     if keep == 0:
         raise InvalidParam(
-            "truncate_prompt_tokens must be -1 (the context length) or >= 1",
+            "truncate_prompt_tokens must be -1 (what the context holds) or >= 1",
             "truncate_prompt_tokens",
         )
-    keep = max_model_len if keep == -1 else keep
+    keep = fit if keep == -1 else keep
     return prompt[-keep:] if len(prompt) > keep else prompt
 
 
@@ -774,6 +805,13 @@ def _usage(prompts: list[list[int]], choices, states: list[_PromptState] | None 
         cached = sum(state.num_cached_tokens for state in states)
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
+
+
+def _copies(request: CompletionRequest) -> int:
+    """How many choices each completion the engine makes is sent as: a prompt-only request
+    (max_tokens 0: echo, prompt logprobs) is computed once for all n choices, each the same,
+    as vLLM sends them."""
+    return request.n if request.max_tokens == 0 else 1
 
 
 def _continuous_usage(request) -> bool:
