@@ -37,9 +37,11 @@ from conveyor.entrypoints.openai.protocol import (
     ChatMessage,
     FunctionDefinition,
     FunctionName,
+    HintText,
     InvalidParam,
     JsonSchemaFormat,
     NamedToolChoice,
+    OptionalMetadata,
     ResponseFormat,
     Tool,
     check_depth,
@@ -332,9 +334,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
-    # Harmless hints: accepted, ignored.
-    metadata: dict[str, str | None] | None = None
-    service_tier: str | None = None
+    # Harmless hints: accepted, ignored (and bounded).
+    metadata: OptionalMetadata | None = None
+    service_tier: HintText | None = None
 
     def check_limits(self, limits: RequestLimits) -> None:
         super().check_limits(limits)

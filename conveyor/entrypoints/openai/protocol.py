@@ -5,7 +5,9 @@ include_stop_str_in_output, skip_special_tokens, structured_outputs.
 Unknown fields are refused (400 naming them), not ignored: a client that sends a field it
 relies on must not get an answer that silently did not honour it. Accepted and ignored, as
 harmless hints: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`. Non-finite floats (JSON 1e999) are refused as well.
+`safety_identifier`; bounded all the same (a hint string at most MAX_HINT_CHARS, metadata as
+OpenAI bounds it), as an API that echoes or stores them must. Non-finite floats (JSON 1e999)
+are refused as well.
 
 Nested JSON a request carries (schemas, tool parameters, tool-call arguments) is refused
 beyond RequestLimits.max_json_depth levels: the server recurses over it (see
@@ -21,9 +23,9 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from conveyor import nesting
 from conveyor.limits import RequestLimits
@@ -42,6 +44,31 @@ _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # OpenAI's reasoning efforts (chat's reasoning_effort, the Responses API's reasoning.effort).
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 REASONING_EFFORTS = get_args(ReasoningEffort)
+
+
+# What a request carries beside its prompt that an API echoes or stores (the Responses API
+# keeps `user` and `metadata` with the response): `user`, an end user's id, and the other hint
+# strings at most MAX_HINT_CHARS characters; metadata as OpenAI bounds it, 16 pairs of keys of
+# 64 and values of 512 characters.
+MAX_HINT_CHARS = 256
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def _bounded_metadata(value: dict | None) -> dict | None:
+    if value is not None and len(value) > MAX_METADATA:
+        raise ValueError(f"at most {MAX_METADATA} pairs, got {len(value)}")
+    for key, item in (value or {}).items():
+        if len(key) > MAX_METADATA_KEY or len(item or "") > MAX_METADATA_VALUE:
+            raise ValueError(
+                f"keys may have at most {MAX_METADATA_KEY} characters, values at most "
+                f"{MAX_METADATA_VALUE}"
+            )
+    return value
+
+
+HintText = Annotated[str, Field(max_length=MAX_HINT_CHARS)]
+Metadata = Annotated[dict[str, str], AfterValidator(_bounded_metadata)]
+OptionalMetadata = Annotated[dict[str, str | None], AfterValidator(_bounded_metadata)]
 
 
 class InvalidParam(ValueError):
@@ -146,13 +173,13 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # Harmless hints: accepted, ignored.
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    # Harmless hints: accepted, ignored (and bounded).
+    user: HintText | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    service_tier: HintText | None = None
+    prompt_cache_key: HintText | None = None
+    safety_identifier: HintText | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set that conveyor cannot honour yet: refused rather than silently ignored."""

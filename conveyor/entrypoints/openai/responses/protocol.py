@@ -42,7 +42,9 @@ from conveyor.entrypoints.openai.protocol import (
     REASONING_EFFORTS,
     STRICT,
     ChatCompletionRequest,
+    HintText,
     InvalidParam,
+    Metadata,
     _shown,
     check_depth,
 )
@@ -50,7 +52,6 @@ from conveyor.limits import RequestLimits
 
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 _PART_TYPES = ("input_text", "output_text", "refusal")
-MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, keys of 64 and values of 512 chars
 _Status = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -105,7 +106,7 @@ class MessageItem(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[_Part]
-    id: str | None = None
+    id: HintText | None = None
     status: _Status | None = None
     phase: Literal["commentary", "final_answer"] | None = None
 
@@ -127,7 +128,7 @@ class FunctionCallItem(BaseModel):
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
-    id: str | None = None
+    id: HintText | None = None
     status: _Status | None = None
 
 
@@ -137,7 +138,7 @@ class FunctionCallOutputItem(BaseModel):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[InputText]
-    id: str | None = None
+    id: HintText | None = None
     status: _Status | None = None
 
     @field_validator("output", mode="before")
@@ -256,7 +257,7 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     previous_response_id: str | None = None
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     background: bool | None = None
     reasoning: dict | None = None
     truncation: Literal["disabled", "auto"] | None = None
@@ -265,12 +266,13 @@ class ResponsesRequest(BaseModel):
     prompt: Any = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
-    # Harmless hints: accepted, ignored.
-    user: str | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    safety_identifier: str | None = None
+    # Harmless hints: accepted, ignored; `user` is echoed and stored. Each is bounded
+    # (protocol.MAX_HINT_CHARS).
+    user: HintText | None = None
+    service_tier: HintText | None = None
+    prompt_cache_key: HintText | None = None
+    prompt_cache_retention: HintText | None = None
+    safety_identifier: HintText | None = None
     stream_options: StreamOptions | None = None
 
     @field_validator("input", mode="before")
@@ -300,15 +302,6 @@ class ResponsesRequest(BaseModel):
                 f"type {_shown(value.get('type'))} is not supported; give none, auto, required "
                 'or {"type": "function", "name": ...}'
             )
-        return value
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is not None and len(value) > MAX_METADATA:
-            raise ValueError(f"at most {MAX_METADATA} pairs, got {len(value)}")
-        if value and any(len(k) > 64 or len(v) > 512 for k, v in value.items()):
-            raise ValueError("keys may have at most 64 characters, values at most 512")
         return value
 
     def refused(self) -> list[tuple[str, str]]:
@@ -356,6 +349,29 @@ class ResponsesRequest(BaseModel):
         for i, item in enumerate(self.input):
             if isinstance(item, FunctionCallItem):
                 check_depth(item.arguments, limits.max_json_depth, f"input.{i}.arguments")
+        self._check_ids()
+
+    def _check_ids(self) -> None:
+        """Each input item's id names one item: input_items pages by id."""
+        first: dict[str, int] = {}
+        for i, item in enumerate(self.input):
+            if item.id is None:
+                continue
+            if item.id in first:
+                raise InvalidParam(
+                    f"input.{i}.id: {_shown(item.id)} is the id of input.{first[item.id]} as "
+                    "well; each item's id must be unique",
+                    f"input.{i}.id",
+                )
+            first[item.id] = i
+
+    def echoed(self) -> dict:
+        """The fields a response echoes and the store keeps beside its items."""
+        return {
+            "instructions": self.instructions,
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
+            "text": self.text_echo(),
+        }
 
     def text_echo(self) -> dict:
         fmt = self.text.format if self.text else None

@@ -163,6 +163,11 @@ class ResponsesServing:
         request.check(self.serving.limits)
         history = self._history(request.previous_response_id)
         own = request.input
+        # The store keeps what a response echoes as well as what its prompt renders: an item's
+        # id and annotations, tools a tool_choice "none" leaves out of the prompt. Bounded
+        # together as a prompt's text is, so no turn stores more than its context could hold.
+        given = [item.model_dump(exclude_none=True) for item in own]
+        self.serving.engine.inputs.check_texts({"input": given} | request.echoed())
         chat = request.chat_request(parse_items(history) + own, first=len(history))
         prompts, params = await self.serving.chat_params(chat)
         return Turn(
