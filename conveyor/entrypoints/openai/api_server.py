@@ -182,7 +182,7 @@ def build_app(
         check_model(body.model)
         admitted(raw)
         hidden_size = async_engine.model_config.hidden_size
-        return await bad_request(embed(serving, body, embedding_pooling, hidden_size))
+        return await bad_request(embed(serving, body, embedding_pooling, hidden_size, raw))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, raw: Request) -> dict:

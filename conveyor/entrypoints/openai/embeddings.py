@@ -17,10 +17,13 @@ import base64
 from typing import Literal
 
 import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.engine.streams import RequestFailedError
-from conveyor.entrypoints.openai.protocol import InvalidParam
+from conveyor.entrypoints.openai.handling import until_disconnected
+from conveyor.entrypoints.openai.protocol import HintText, InvalidParam
 from conveyor.entrypoints.openai.serving import OpenAIServing
 from conveyor.limits import RequestLimits
 from conveyor.sampling_params import SamplingParams
@@ -33,7 +36,7 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None  # a harmless hint: accepted, ignored
+    user: HintText | None = None  # a harmless hint: accepted, ignored (and bounded)
     # vLLM's
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     add_special_tokens: bool = True
@@ -52,9 +55,14 @@ class EmbeddingRequest(BaseModel):
 
 
 async def embed(
-    serving: OpenAIServing, request: EmbeddingRequest, pooling: str, hidden_size: int
-) -> dict:
-    """The embeddings of every input, in order (all inputs are accepted, or none)."""
+    serving: OpenAIServing,
+    request: EmbeddingRequest,
+    pooling: str,
+    hidden_size: int,
+    raw: Request,
+) -> dict | Response:
+    """The embeddings of every input, in order (all inputs are accepted, or none). A client
+    that goes away first has its inputs aborted, as every generating route's (a 499)."""
     request.check_limits(serving.limits)
     if request.dimensions is not None and request.dimensions != hidden_size:
         raise InvalidParam(
@@ -67,10 +75,16 @@ async def embed(
         request.input,
         request.add_special_tokens,
         request.truncate_prompt_tokens,
+        serving.engine.max_model_len,  # a prompt-only request may fill the context
     )
     params = SamplingParams(max_tokens=0, pooling=pooling)
     priority = serving.limits.clamp_priority(request.priority)
     streams = await serving.submit("embd", prompts, params, priority, request.model)
+    work = _embeddings(serving, request, prompts, streams)
+    return await until_disconnected(raw, serving, streams, work)
+
+
+async def _embeddings(serving: OpenAIServing, request: EmbeddingRequest, prompts, streams) -> dict:
     try:
         vectors = [await _embedding(stream) for stream in streams]
     finally:
