@@ -19,7 +19,12 @@ Refused with a 400 that says why: hosted tools (web_search, file_search, ...), i
 content parts other than the above (reasoning, images, files, ...), `background` true,
 `truncation` "auto", `reasoning` other than `effort` (which becomes the chat template's
 reasoning_effort, as chat's reasoning_effort does), `conversation`,
-`prompt`, `max_tool_calls`, `top_logprobs`, a non-empty `include`.
+`prompt`, `max_tool_calls`, `top_logprobs`, a non-empty `include`, two input items with one
+`id` (input_items pages by id).
+
+What a response echoes and the store keeps is bounded: the hint strings and item ids at
+protocol.MAX_HINT_CHARS, `metadata` as OpenAI bounds it, and the input items, instructions,
+tools and text format together as a prompt's text is (serving.ResponsesServing.prepare).
 """
 
 from __future__ import annotations
