@@ -159,6 +159,7 @@ def _stop_within(server: ServerProcess, signalled: float, grace: float = GRACE) 
 
 def _server(tmp_path, grace: float = GRACE) -> ServerProcess:
     args = ["--max-model-len", "512", "--graceful-timeout", str(grace)]
+    args += ["--served-model-name", "default"]
     return ServerProcess(args, tmp_path / "server.log")
 
 
@@ -279,3 +280,54 @@ def test_engine_admits_no_request_after_abort_all(tiny_checkpoint, engine_proces
     finally:
         engine.shutdown()
     assert finishes[-1] == "abort" and len(finishes) < 400
+
+
+def test_each_api_s_stream_open_at_sigterm_ends_with_its_own_final_event(tmp_path):
+    # Chat Completions: finish_reason "abort", then [DONE]; Anthropic Messages: an error event
+    # (overloaded_error); Responses: response.failed. None is cut off mid-way.
+    server = _server(tmp_path)
+    prompt = "Count from 1 to 1000, one number a line."
+    messages = [{"role": "user", "content": prompt}]
+    common = {"model": "default", "temperature": 0, "stream": True}
+    requests = {
+        "/v1/chat/completions": {"messages": messages, "max_tokens": MAX_TOKENS},
+        "/v1/messages": {"messages": messages, "max_tokens": MAX_TOKENS},
+        "/v1/responses": {"input": prompt, "max_output_tokens": MAX_TOKENS},
+    }
+    lines: dict[str, list[str]] = {path: [] for path in requests}
+    errors: list[str] = []
+    started = {path: threading.Event() for path in requests}
+
+    def read(path: str) -> None:
+        try:
+            body = requests[path] | common
+            with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines[path].append(line)
+                    if len(lines[path]) == 20:
+                        started[path].set()
+        except httpx.HTTPError as error:
+            errors.append(f"{path}: {error!r}")
+        finally:
+            started[path].set()
+
+    readers = [threading.Thread(target=read, args=(path,)) for path in requests]
+    for reader in readers:
+        reader.start()
+    for event in started.values():
+        event.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    for reader in readers:
+        reader.join(30)
+    _stop_within(server, signalled)
+    assert errors == []
+    chat = [line for line in lines["/v1/chat/completions"] if line]
+    _assert_whole_stream("\n".join(chat).encode())
+    assert json.loads(chat[-2][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
+    events = [line for line in lines["/v1/messages"] if line]
+    assert events[-2] == "event: error"
+    assert json.loads(events[-1][len("data: ") :])["error"]["type"] == "overloaded_error"
+    events = [line for line in lines["/v1/responses"] if line]
+    assert events[-2] == "event: response.failed"
+    assert json.loads(events[-1][len("data: ") :])["response"]["status"] == "failed"
