@@ -14,7 +14,10 @@ lie inside --lora-allowed-dir when one is set (after resolving symlinks), hold i
 as regular files inside the folder itself (a symlink leaving it is refused), and its weights
 must not be larger than an adapter of rank max_lora_rank for this model can be. The engine's
 own checks (lora/adapter.py: shapes of another base model, ranks over the maximum, NaN weights,
-unsupported modules) answer 400 with the engine's message.
+unsupported modules, every malformed adapter_config.json field, a scaling that overflows the
+model's dtype) answer 400 with the engine's message, which names the folder as the client did
+(never where its links lead). The engine reads the folder off the event loop (a thread of the
+front end, then the engine core), bounded: the config's size and nesting, the weights' size.
 """
 
 from __future__ import annotations
@@ -33,12 +36,11 @@ from pydantic import BaseModel, ConfigDict
 
 from conveyor.engine.client import EngineClient
 from conveyor.entrypoints.openai.errors import APIError
-from conveyor.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from conveyor.lora.adapter import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
 from conveyor.lora.request import LoRARequest, module_requests
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 MAX_NAME_CHARS = 256
-MAX_CONFIG_BYTES = 1 << 20
 UNLOAD_POLL_SECONDS = 0.05
 
 
@@ -148,7 +150,8 @@ class ServedLoRAs:
             try:
                 await self.engine.add_lora(lora)
             except ValueError as error:
-                raise APIError(400, str(error), "BadRequestError", "lora_path") from None
+                message = str(error).replace(repr(folder), repr(path))  # the client's spelling
+                raise APIError(400, message, "BadRequestError", "lora_path") from None
             self._by_name[name] = lora
         return f"Success: LoRA adapter '{name}' added successfully."
 
