@@ -44,15 +44,24 @@ def cache(tmp_path, monkeypatch):
     return folder
 
 
-def _start(marker: Path, mode: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", START, str(marker), mode],
-        cwd=REPO,
-        env=os.environ.copy(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+@pytest.fixture
+def start(cache):
+    """start(marker, mode, log=pipe): a start (START) in the temporary cache, its stderr to the
+    file `log` or a pipe; any still running at the end of the test is killed."""
+    procs: list[subprocess.Popen] = []
+
+    def run(marker: Path, mode: str, log=subprocess.PIPE) -> subprocess.Popen:
+        command = [sys.executable, "-c", START, str(marker), mode]
+        proc = subprocess.Popen(command, cwd=REPO, env=os.environ.copy(),
+                                stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
+        procs.append(proc)
+        return proc
+
+    yield run
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def _wait_for(marker: Path, proc: subprocess.Popen) -> None:
@@ -63,15 +72,15 @@ def _wait_for(marker: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-def _killed_mid_build(cache: Path, tmp_path: Path) -> None:
-    first = _start(tmp_path / "first", "hang")
+def _killed_mid_build(start, cache: Path, tmp_path: Path) -> None:
+    first = start(tmp_path / "first", "hang")
     _wait_for(tmp_path / "first", first)
     first.kill()
     first.communicate()
     assert list(cache.glob("kernels/*/lock")), "torch's lock file is left behind"
 
 
-def _finish(proc: subprocess.Popen, marker: Path, timeout: float = SECONDS) -> str:
+def _finish(proc: subprocess.Popen, marker: Path, timeout: float = SECONDS) -> None:
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -80,35 +89,39 @@ def _finish(proc: subprocess.Popen, marker: Path, timeout: float = SECONDS) -> s
         pytest.fail(f"the start waited on the build lock for more than {timeout} s")
     assert proc.returncode == 0, err
     assert marker.exists(), err
-    return err
 
 
-def test_a_start_after_a_build_killed_mid_way_builds_at_once(cache, tmp_path):
-    _killed_mid_build(cache, tmp_path)
-    second = _start(tmp_path / "second", "quick")
+def test_a_start_after_a_build_killed_mid_way_builds_at_once(start, cache, tmp_path):
+    _killed_mid_build(start, cache, tmp_path)
+    second = start(tmp_path / "second", "quick")
     _finish(second, tmp_path / "second")
     assert not list(cache.glob("kernels/*/lock")), "torch's lock is released after the build"
 
 
-def test_a_start_waits_for_a_live_build_and_goes_on_when_its_process_dies(cache, tmp_path):
-    first = _start(tmp_path / "first", "hang")
+def test_a_start_waits_for_a_live_build_and_goes_on_when_its_process_dies(start, tmp_path):
+    first = start(tmp_path / "first", "hang")
     _wait_for(tmp_path / "first", first)
-    second = _start(tmp_path / "second", "quick")
+    log = tmp_path / "second.log"
+    with open(log, "w") as file:
+        second = start(tmp_path / "second", "quick", log=file)
     try:
-        time.sleep(8)  # imports, then the lock: long enough to have built if it did not wait
-        assert second.poll() is None and not (tmp_path / "second").exists()
+        deadline = time.monotonic() + SECONDS
+        while "waiting for another process's kernel build" not in log.read_text():
+            assert second.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the second start never said that it waits"
+            time.sleep(0.1)
+        assert not (tmp_path / "second").exists()
     finally:
         first.kill()
         first.communicate()
-    err = _finish(second, tmp_path / "second")
-    assert "waiting for another process's kernel build" in err
+    _finish(second, tmp_path / "second")
 
 
-def test_a_lock_file_left_without_a_live_builder_is_removed(cache, tmp_path):
+def test_a_lock_file_left_without_a_live_builder_is_removed(start, tmp_path):
     """An older conveyor's, or a build that died before this lock existed."""
     from conveyor.model import kernels
 
     folder = kernels.build_dir()
     folder.mkdir(parents=True)
     (folder / "lock").touch()
-    _finish(_start(tmp_path / "marker", "quick"), tmp_path / "marker")
+    _finish(start(tmp_path / "marker", "quick"), tmp_path / "marker")

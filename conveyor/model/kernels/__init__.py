@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +49,10 @@ HEADERS = ("balance.h", "ops.h", "vec.h")  # included by the sources; in the bui
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"
 BUILD_LOCK = "conveyor-build.lock"  # ours, flocked; torch's own lock file is `lock`
+# A start that finds the kernels built holds the lock for well under a second (torch's no-op
+# ninja run and the import): processes starting together (data-parallel engine cores) wait on
+# each other that long without a word; a longer wait is a build, and is logged.
+QUIET_WAIT_SECONDS = 5.0
 
 
 def build_dir() -> Path:
@@ -110,16 +115,26 @@ def build_lock(folder: Path) -> Iterator[None]:
     process builds here, so a `lock` file present is a dead build's, and is removed."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / BUILD_LOCK, "a") as file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.warning("conveyor: waiting for another process's kernel build in %s", folder)
-            fcntl.flock(file, fcntl.LOCK_EX)
+        _lock(file, folder)
         try:
             _remove_dead_torch_lock(folder)
             yield
         finally:
             fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _lock(file, folder: Path) -> None:
+    deadline = time.monotonic() + QUIET_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    logger.warning("conveyor: waiting for another process's kernel build in %s", folder)
+    fcntl.flock(file, fcntl.LOCK_EX)
 
 
 def _remove_dead_torch_lock(folder: Path) -> None:
