@@ -108,7 +108,7 @@ class PatternKeys:
     as the regex `(.*\\.)?(key)$`; keys here must be module names (dotted words), for which
     that is what the regex finds (but for its `.` matching any character: `q.proj` would match
     q_proj there), so a match is a few dictionary look-ups and no key can backtrack (as a
-    regex, `(.|.)*Z` took seconds to hours per module, holding the GIL)."""
+    regex, `(.|.)*Z` took seconds to minutes per module, holding the GIL)."""
 
     def __init__(self, pattern: dict[str, Any]) -> None:
         self._first = {key: (i, value) for i, (key, value) in enumerate(pattern.items())}
