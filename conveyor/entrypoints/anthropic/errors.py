@@ -16,6 +16,8 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
+from conveyor.entrypoints.openai.errors import ErrorJSON
+
 MESSAGES_PATH = "/v1/messages"  # and the paths below it
 
 _TYPES = {
@@ -46,7 +48,7 @@ def error_body(status: int, message: str) -> dict:
 
 
 def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
+    return ErrorJSON(error_body(status, message), status_code=status)
 
 
 def error_event(status: int, message: str) -> str:

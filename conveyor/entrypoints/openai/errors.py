@@ -67,10 +67,18 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class ErrorJSON(JSONResponse):
+    """An error body in ASCII JSON: a message that quotes what a client sent (a lone surrogate
+    in a path, say) is escaped, never a UnicodeEncodeError and a 500 in place of the 4xx."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(
     status: int, message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+    return ErrorJSON(error_body(message, type_, param, code), status_code=status)
 
 
 def sse_error(message: str, type_: str) -> str:

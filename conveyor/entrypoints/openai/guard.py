@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import re
 from collections.abc import Callable
 
 from fastapi.responses import Response
@@ -19,6 +21,9 @@ from conveyor.entrypoints.openai.vllm_routes import PROBES
 # validation) at once: see Guard.
 ADMISSION_SLOTS = 8
 ADMITTED = "conveyor.admitted"  # scope key: the handler calls it once its body is validated
+# A JSON escape of a UTF-16 surrogate: the body is decoded to look for lone ones only then.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Guard:
@@ -99,7 +104,16 @@ class Guard:
                 return await self._too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
-        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        body = b"".join(chunks)
+        where = lone_surrogate(body)
+        if where is not None:
+            message = (
+                f"{where}: the text holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                "without its pair), which is not Unicode"
+            )
+            response = self._error(scope, 400, message, "BadRequestError")
+            return await response(scope, receive, send)
+        whole = {"type": "http.request", "body": body, "more_body": False}
 
         async def replay():
             nonlocal whole
@@ -148,3 +162,30 @@ class Guard:
         if is_messages_path(scope["path"]):
             return anthropic_error_response(status, message)
         return error_response(status, message, type_, code=code)
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """Where a JSON body holds a string with a lone surrogate (json.loads joins the escapes of a
+    pair into one character, so any surrogate left is alone), as a field path; None if nowhere.
+    Such a string passes JSON parsing and then fails wherever it is encoded (pydantic's tagged
+    unions, an error message that quotes it, the tokenizer): refused once, here. Bodies without
+    such an escape are not decoded."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # the route's own parsing refuses it
+    stack: list[tuple[str, object]] = [("body", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str) and _SURROGATE.search(item):
+            return path
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if _SURROGATE.search(key):
+                    return f"{path} (a key)"
+                stack.append((f"{path}.{key}" if path != "body" else key, child))
+        elif isinstance(item, list):
+            stack.extend((f"{path}.{i}", child) for i, child in enumerate(item))
+    return None

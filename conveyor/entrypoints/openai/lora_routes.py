@@ -178,10 +178,14 @@ class ServedLoRAs:
     def _check_folder(self, path: str) -> str:
         """The folder, resolved; a 4xx unless it is a plain adapter folder inside the allowed
         one, whose files do not lead outside it."""
+        if "\x00" in path:  # no file name holds one; os calls raise ValueError on it
+            raise APIError(
+                400, "lora_path must not contain a NUL character", "BadRequestError", "lora_path"
+            )
         folder = Path(path).expanduser()
         try:
             resolved = folder.resolve(strict=True)
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError, ValueError):
             resolved = None
         if resolved is None or not resolved.is_dir():
             raise APIError(404, f"No adapter found at {path!r}", "NotFoundError", "lora_path")
