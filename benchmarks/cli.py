@@ -1,5 +1,6 @@
 """`python -m benchmarks compare | step | quality | split | spec | structured | scaling |
-peers | dashboard | storm | fuzz | kernels | quant-kernels`: the lab's commands.
+peers | dashboard | storm | contention | fuzz |
+kernels | quant-kernels`: the lab's commands.
 
 The flags they share with `conveyor bench serve | throughput` and `conveyor serve` come from
 conveyor.bench.args and conveyor.entrypoints.args. Each command's module is imported when the
@@ -35,6 +36,8 @@ COMMANDS = [
      "--no-dashboard, side by side"),
     ("storm", "storm", "many short streams opened at once against a running server, some cut "
      "after the first chunk: errors, requests left running, /health latency meanwhile"),
+    ("contention", "contention", "the server next to other busy processes: output tok/s and "
+     "TTFT quiet and busy, all threads kept vs the adaptive thread count"),
     ("fuzz", "fuzz", "random hostile requests against every route of a running server: 5xx, "
      "dropped connections, unterminated streams, engine deaths"),
     ("kernels", "kernels", "ModelRunner.execute per attention path (PyTorch reference vs "

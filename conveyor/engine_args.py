@@ -159,6 +159,13 @@ class EngineArgs:
     )
     seed: int = _setting(0, "engine", "seed of unseeded sampling")
     num_threads: int | None = _setting(None, "engine", "CPU threads (default: physical cores)")
+    adaptive_threads: bool = _setting(
+        True,
+        "engine",
+        "CPU: run on one thread while another process keeps the cores busy (the threads of a "
+        "step would wait for each other), and on all again once they are free "
+        "(engine/threads.py)",
+    )
     record_trace: bool = _setting(
         False, "engine", "keep a trace of every step (tests, benchmarks)", cli=False
     )

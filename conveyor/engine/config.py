@@ -28,6 +28,7 @@ class EngineConfig:
     record_trace: bool
     lora_config: LoRAConfig | None = None  # LoRA on (enable_lora)
     enforce_eager: bool = False  # no CUDA graphs (worker/cuda_graphs.py)
+    adaptive_threads: bool = True  # engine/threads.py
 
     @classmethod
     def resolve(cls, args: EngineArgs, model_config: ModelConfig | None = None) -> EngineConfig:
@@ -59,6 +60,7 @@ class EngineConfig:
             args.record_trace,
             args.lora_config(),
             args.enforce_eager,
+            args.adaptive_threads,
         )
 
 

@@ -36,6 +36,7 @@ from conveyor.engine.records import (
     StepTiming,
     core_snapshot,
 )
+from conveyor.engine.threads import ThreadGovernor
 from conveyor.engine_args import EngineArgs
 from conveyor.lora.adapter import LoRAAdapter, LoRAShapes
 from conveyor.lora.registry import LoRARegistry
@@ -173,6 +174,9 @@ class EngineCore:
         except BaseException:  # the ranks started above end now, not when collected
             self.close()
             raise
+        self.threads = None  # the CPU thread count, following the cores the process gets
+        if config.adaptive_threads:
+            self.threads = ThreadGovernor.for_engine(self.device, self.tp_workers is not None)
         self.proposer = ngram_proposer(spec)
         self.grammars = self._grammar_compiler(config)
         self._grammar_waiting: dict[str, tuple[Request, Future, float]] = {}
@@ -438,6 +442,8 @@ class EngineCore:
         # The step-time target's cost model (max_step_ms), on what the step's shape decides:
         # not its scheduling, which may include a wait for a grammar.
         self.scheduler.observe_step(sched, timing.total - timing.schedule)
+        if self.threads is not None:
+            self.threads.after_step(timing.total)
         if self.speculative_config is not None:  # what a step of this width costs
             self.scheduler.draft_policy.observe_step(
                 sched.total_num_scheduled_tokens, timing.prepare + timing.forward + timing.sample
