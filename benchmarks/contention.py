@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +51,7 @@ class Neighbours:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.scaling import _stream, measure, report_header, run_order
+    from benchmarks.scaling import _stream, measure, report_header, run_order, save_report
     from benchmarks.split import Server, model_flags
     from conveyor.bench.datasets import random_requests
     from conveyor.bench.serve import load_tokenizer
@@ -83,12 +82,7 @@ def main(args: argparse.Namespace) -> int:
                     print(f"[{step}/{len(order)}] {_line(run)}", flush=True)
     report["summary"] = summarize(report["runs"], args.concurrency)
     print(format_report(report))
-    if args.save_result:
-        name = args.result_filename or f"contention-{report['date']}"
-        path = Path(args.result_dir or ".") / (name if name.endswith(".json") else name + ".json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"written: {path}")
+    save_report(report, args, "contention")
     return 0
 
 

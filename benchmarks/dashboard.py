@@ -20,7 +20,6 @@ import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
@@ -77,7 +76,7 @@ class Watcher(threading.Thread):
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.scaling import _stream, measure, report_header, run_order
+    from benchmarks.scaling import _stream, measure, report_header, run_order, save_report
     from benchmarks.split import Server, model_flags
     from conveyor.bench.datasets import random_requests
     from conveyor.bench.serve import load_tokenizer
@@ -123,12 +122,7 @@ def main(args: argparse.Namespace) -> int:
         with Server(model_flags(args)) as server:
             screenshot(server.base_url, batch, args.max_concurrency, tokenizer, args.screenshot)
         print(f"written: {args.screenshot}")
-    if args.save_result:
-        name = args.result_filename or f"dashboard-{Path(report['model']).stem}-{report['date']}"
-        path = Path(args.result_dir or ".") / (name if name.endswith(".json") else name + ".json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"written: {path}")
+    save_report(report, args, "dashboard")
     return 0
 
 

@@ -113,13 +113,19 @@ def main(args: argparse.Namespace) -> int:
         print(f"[{step}/{len(order)}] {progress(run)}", flush=True)
     report["summary"] = summarize(report["runs"], [f"{k}{n}" for k, n in layouts])
     print(format_report(report))
-    if args.save_result:
-        name = args.result_filename or f"scaling-{Path(report['model']).stem}-{report['date']}.json"
-        path = Path(args.result_dir or ".") / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"written: {path}")
+    save_report(report, args, "scaling")
     return 0
+
+
+def save_report(report: dict, args: argparse.Namespace, kind: str) -> None:
+    """With --save-result: the report as JSON, named --result-filename or KIND-MODEL-DATE."""
+    if not args.save_result:
+        return
+    name = args.result_filename or f"{kind}-{Path(report['model']).stem}-{report['date']}"
+    path = Path(args.result_dir or ".") / (name if name.endswith(".json") else name + ".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"written: {path}")
 
 
 def report_header(args: argparse.Namespace, config) -> dict:

@@ -163,12 +163,18 @@ def _server(tmp_path, grace: float = GRACE) -> ServerProcess:
     return ServerProcess(args, tmp_path / "server.log")
 
 
-def test_request_still_uploading_at_sigterm_gets_503(tmp_path):
+def _uploading_at_sigterm(tmp_path) -> tuple:
+    """(server, upload, when the signal went): a streamed completion whose headers the server
+    has read, its body not whole, when SIGTERM arrives."""
     server = _server(tmp_path)
     upload = _Upload(server, "/v1/completions", _stream_body())
-    time.sleep(0.5)  # its headers are read: the request is open, its body not whole
+    time.sleep(0.5)
     server.proc.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
+    return server, upload, time.monotonic()
+
+
+def test_request_still_uploading_at_sigterm_gets_503(tmp_path):
+    server, upload, signalled = _uploading_at_sigterm(tmp_path)
     time.sleep(0.3)
     upload.finish()
     _assert_shutting_down_503(*upload.answer())
@@ -178,11 +184,7 @@ def test_request_still_uploading_at_sigterm_gets_503(tmp_path):
 def test_upload_finished_after_the_abort_still_gets_an_answer(tmp_path):
     # Its body is whole only after the open streams were aborted (GRACE - 1 s after the signal):
     # it must not start a stream that the graceful timeout then cuts off mid-way.
-    server = _server(tmp_path)
-    upload = _Upload(server, "/v1/completions", _stream_body())
-    time.sleep(0.5)
-    server.proc.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
+    server, upload, signalled = _uploading_at_sigterm(tmp_path)
     time.sleep(GRACE - 0.5)
     upload.finish()
     status, body, whole = upload.answer()
@@ -197,11 +199,7 @@ def test_upload_finished_after_the_abort_still_gets_an_answer(tmp_path):
 
 def test_upload_unfinished_at_the_deadline_gets_503(tmp_path):
     # A client that never finishes its body: answered before uvicorn's deadline cancels it.
-    server = _server(tmp_path)
-    upload = _Upload(server, "/v1/completions", _stream_body())
-    time.sleep(0.5)
-    server.proc.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
+    server, upload, signalled = _uploading_at_sigterm(tmp_path)
     _assert_shutting_down_503(*upload.answer())
     assert time.monotonic() - signalled < GRACE
     _stop_within(server, signalled)
