@@ -70,7 +70,9 @@ def main(args: argparse.Namespace) -> int:
             asyncio.run(_stream(server.base_url, warmup, 2, tokenizer))
             for neighbour in NEIGHBOURS:
                 for concurrency in args.concurrency:
-                    seed = args.seed + concurrency
+                    # Prompts of their own per run: a busy run must not hit the quiet one's
+                    # prefix cache.
+                    seed = args.seed + concurrency + (1000 if neighbour == "busy" else 0)
                     batch = random_requests(tokenizer, args.num_prompts, *lengths, 0.0, seed)
                     busy = Neighbours(args.busy_threads if neighbour == "busy" else 0)
                     try:

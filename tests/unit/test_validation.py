@@ -36,7 +36,7 @@ from conveyor.config import CacheConfig, SchedulerConfig
         (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
         (dict(n=0), "n must be an integer >= 1"),
         (dict(min_p=1.5), r"min_p must be a finite number in \[0, 1\]"),
-        (dict(repetition_penalty=0.0), r"repetition_penalty must be a finite number in \[0.01, 2\]"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty must be .* in \[0.01, 2\]"),
         (dict(repetition_penalty=1e-300), "repetition_penalty must be a finite number in"),
         (dict(repetition_penalty=2.5), "repetition_penalty must be a finite number in"),
         (dict(presence_penalty=3.0), r"presence_penalty must be a finite number in \[-2, 2\]"),
