@@ -119,6 +119,7 @@ class SchedulerOutput:
 # Why a row could not be sampled (sample/sampler.py, ModelRunnerOutput.failures). The first is
 # the model's (or its adapter's) doing; the other two are the request's own.
 LOGITS_NOT_FINITE = "the model's logits are not finite (NaN or infinity)"
+HIDDEN_NOT_FINITE = "the model's hidden states are not finite (NaN or infinity)"  # pooling
 PARAMS_NOT_FINITE = "the request's sampling parameters made its logits non-finite"
 NO_TOKEN_LEFT = (
     "no token can be sampled: the request's allowed_token_ids, bad_words, logit_bias, "

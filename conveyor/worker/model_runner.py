@@ -29,6 +29,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
 from conveyor.outputs import (
+    HIDDEN_NOT_FINITE,
     LOGITS_NOT_FINITE,
     ModelRunnerOutput,
     ScheduledRequest,
@@ -161,8 +162,9 @@ class ModelRunner:
             failures = out.failures
         self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         request_ids = [sched.scheduled[i].request_id for i in sampled]
-        prompt_rows[2].update({request_ids[i]: reason for i, reason in failures.items()})
-        return ModelRunnerOutput(request_ids, token_ids, logprobs, *prompt_rows)
+        prompt_logprobs, pooled, failed = prompt_rows
+        failed.update({request_ids[i]: reason for i, reason in failures.items()})
+        return ModelRunnerOutput(request_ids, token_ids, logprobs, prompt_logprobs, pooled, failed)
 
     @staticmethod
     def _only_plain_greedy(scheduled: list[ScheduledRequest], sampled: list[int]) -> bool:
@@ -371,9 +373,6 @@ def positions_and_slots(
     positions = np.arange(int(query_lens.sum())) - np.repeat(starts - context_lens, query_lens)
     slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
     return positions, slots
-
-
-HIDDEN_NOT_FINITE = "the model's hidden states are not finite (NaN or infinity)"
 
 
 def _all_finite(values: torch.Tensor) -> bool:

@@ -51,16 +51,7 @@ def test_sigterm_aborts_open_streams_cleanly_and_exits_zero(tmp_path):
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    events = []
-    with httpx.stream(
-        "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
-    ) as response:
-        for line in response.iter_lines():
-            if not line:
-                continue
-            events.append(line)
-            if len(events) == 5:
-                server.proc.send_signal(signal.SIGTERM)
+    events = _stream_with_sigterm(server, body)
     assert server.stop() == 0, (tmp_path / "server.log").read_text()[-2000:]
     watcher.join(10)
     assert not watcher.is_alive() and watch_errors == []
@@ -209,9 +200,25 @@ def test_request_sent_after_sigterm_is_refused_while_older_streams_end(tmp_path)
     server = _server(tmp_path, grace=3.0)
     late = httpx.Client(timeout=30)  # its own connections: none left idle by an earlier call
     late_answers: list = []
+    signalled: list[float] = []
+
+    def after_signal() -> None:
+        signalled.append(time.monotonic())
+        late_answers.append(_late_request(late, server))
+
+    events = _stream_with_sigterm(server, _stream_body(), after_signal)
+    late.close()
+    _stop_within(server, signalled[0], grace=3.0)
+    _assert_whole_stream("\n".join(events).encode())
+    assert late_answers[0] in ("refused", "closed unanswered", 503), late_answers
+
+
+def _stream_with_sigterm(server: ServerProcess, body: dict, after_signal=None) -> list[str]:
+    """The SSE lines of a streamed completion whose server gets SIGTERM at its fifth line
+    (after_signal runs then), read to the end."""
     events = []
     with httpx.stream(
-        "POST", f"{server.base_url}/v1/completions", json=_stream_body(), timeout=60
+        "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
     ) as response:
         for line in response.iter_lines():
             if not line:
@@ -219,12 +226,9 @@ def test_request_sent_after_sigterm_is_refused_while_older_streams_end(tmp_path)
             events.append(line)
             if len(events) == 5:
                 server.proc.send_signal(signal.SIGTERM)
-                signalled = time.monotonic()
-                late_answers.append(_late_request(late, server))
-    late.close()
-    _stop_within(server, signalled, grace=3.0)
-    _assert_whole_stream("\n".join(events).encode())
-    assert late_answers[0] in ("refused", "closed unanswered", 503), late_answers
+                if after_signal is not None:
+                    after_signal()
+    return events
 
 
 def _late_request(client: httpx.Client, server: ServerProcess) -> str | int:
