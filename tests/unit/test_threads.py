@@ -78,21 +78,21 @@ def test_the_kernel_counts_a_busy_threads_time_on_a_core():
     first = thread_times()
     if first is None:
         pytest.skip("this kernel does not report per-thread scheduling statistics")
-    tid = {}
 
     def spin() -> None:
-        tid["id"] = str(threading.get_native_id())
         end = time.monotonic() + 0.3
         while time.monotonic() < end:
             pass
 
     worker = threading.Thread(target=spin)
     worker.start()
-    time.sleep(0.1)
+    time.sleep(0.15)
     during = thread_times()
     worker.join()
-    run, wait = during[tid["id"]]
-    assert run + wait >= 0.05
+    # The new thread is found as the one /proc did not list before, not by its native id: where
+    # /proc is mounted from another PID namespace (a CI sandbox), the two numberings differ.
+    new = [run + wait for tid, (run, wait) in during.items() if tid not in first]
+    assert new and max(new) >= 0.05
 
 
 def test_an_engine_on_cpu_with_two_threads_has_a_governor():
