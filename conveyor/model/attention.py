@@ -22,10 +22,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+class AttentionKind(NamedTuple):
+    """What a layer's attention computes besides softmax(q k^T scale) v over earlier keys."""
+
+    scale: float  # head_dim ** -0.5, or the family's (query_pre_attn_scalar, a multiplier)
+    window: int = 0  # sliding window: a row at position p sees keys (p - window, p]; 0: all
+    softcap: float = 0.0  # scores -> tanh(s / softcap) * softcap before the softmax; 0: none
 
 
 @dataclass(slots=True)
@@ -138,11 +147,11 @@ def paged_attention(
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
+    kind: AttentionKind,
 ) -> torch.Tensor:  # (T, H, D)
     if meta.ops is None:
-        return reference_paged_attention(q, k, v, kv_cache, meta)
+        return reference_paged_attention(q, k, v, kv_cache, meta, kind)
     meta.ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size)
-    scale = q.shape[-1] ** -0.5
     return meta.ops.paged_attention(
         q,
         kv_cache,
@@ -150,20 +159,24 @@ def paged_attention(
         meta.query_start,
         meta.seq_lens,
         meta.block_tables,
-        scale,
+        kind.scale,
         meta.split_keys,
+        window=kind.window,
+        softcap=kind.softcap,
     )
 
 
-def reference_paged_attention(q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+def reference_paged_attention(
+    q, k, v, kv_cache, meta: AttentionMetadata, kind: AttentionKind
+) -> torch.Tensor:
     plan = meta.reference
     write_kv(kv_cache, k, v, meta.slot_mapping, meta.block_size)
     out = torch.empty_like(q)
     if plan.num_decodes:
-        out[plan.decode_rows] = _decode_attention(q[plan.decode_rows], kv_cache, plan)
+        out[plan.decode_rows] = _decode_attention(q[plan.decode_rows], kv_cache, plan, kind)
     for chunk in plan.prefills:
         rows = slice(chunk.start, chunk.end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, kind)
     return out
 
 
@@ -201,24 +214,38 @@ def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, head_dim: int, dtype: 
     return keys.flatten(-3, -2).to(dtype), values.flatten(-3, -2).to(dtype)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: ReferencePlan):
+def _decode_attention(q, kv_cache, plan: ReferencePlan, kind: AttentionKind):
     tables = plan.decode_block_tables  # (B, N)
     keys, values = _gather(kv_cache, tables, q.shape[-1], q.dtype)  # (B, Hkv, L, D)
-    positions = torch.arange(keys.shape[2], device=q.device)
-    mask = (positions[None, :] < plan.decode_seq_lens[:, None])[:, None, None, :]  # (B,1,1,L)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # (B, H, 1, D)
-        keys,
-        values,
-        attn_mask=mask,
-        enable_gqa=True,
-    )
-    return out.squeeze(2)
+    positions = torch.arange(keys.shape[2], device=q.device)[None, :]
+    seq_lens = plan.decode_seq_lens[:, None]
+    mask = positions < seq_lens  # (B, L)
+    if kind.window:
+        mask &= positions >= seq_lens - kind.window
+    out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], False, kind)
+    return out.squeeze(2)  # (B, H, D)
 
 
-def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk):
+def _attend(q, keys, values, mask, causal: bool, kind: AttentionKind) -> torch.Tensor:
+    """softmax(q k^T scale [soft-capped]) v over (..., H, Tq, D) queries and (..., Hkv, L, D)
+    keys; mask: True where a key is seen (broadcast), or causal."""
+    if not kind.softcap:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, scale=kind.scale, enable_gqa=True
+        )
+    group = q.shape[-3] // keys.shape[-3]
+    keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * kind.scale
+    scores = torch.tanh(scores / kind.softcap) * kind.softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
+
+
+def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk, kind: AttentionKind):
     num_q = q.shape[0]
-    if chunk.context_len == 0:
+    if chunk.context_len == 0 and not kind.window:
         # The whole sequence is in this chunk: attend to the fresh K/V, no gather needed.
         # Rounded as the cache holds them, so the chunk sees the same keys as later steps.
         k, v = (to_cache_dtype(x, kv_cache.dtype).to(q.dtype) for x in (k, v))
@@ -229,14 +256,10 @@ def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk):
         keys, values = _gather(kv_cache, chunk.block_table, q.shape[-1], q.dtype)  # (Hkv, L, D)
         keys, values = keys[:, :seq_len], values[:, :seq_len]
         rows = torch.arange(num_q, device=q.device)[:, None] + chunk.context_len
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (Tq, L)
+        positions = torch.arange(seq_len, device=q.device)[None, :]
+        mask = positions <= rows  # (Tq, L)
+        if kind.window:
+            mask &= positions > rows - kind.window
         causal = False
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),  # (H, Tq, D)
-        keys,
-        values,
-        attn_mask=mask,
-        is_causal=causal,
-        enable_gqa=True,
-    )
+    out = _attend(q.transpose(0, 1), keys, values, mask, causal, kind)  # (H, Tq, D)
     return out.transpose(0, 1)

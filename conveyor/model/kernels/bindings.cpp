@@ -13,7 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a whole step (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_size"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"),
-        py::arg("split_keys") = true, py::arg("prompt_rows") = std::vector<int64_t>{});
+        py::arg("split_keys") = true, py::arg("prompt_rows") = std::vector<int64_t>{},
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
   m.def("small_gemm", &small_gemm, "x @ weight.T for a few rows of x (CPU)");
   m.def("lora_add", &lora_add, "y += a step's LoRA deltas, in place (CPU)", py::arg("y"),

@@ -332,11 +332,13 @@ template <typename T>
 struct Scratch {
   std::vector<T> q, s, acc, m, l;
   std::vector<T> k, v;  // the group's K/V tiles widened from a 16-bit cache (many-row items)
-  std::vector<int> limit;  // per block of the group and row: keys of the block it may see
+  // Per block of the group and row: the keys of the block it may see are [low, limit).
+  std::vector<int> limit, low;
   explicit Scratch(int64_t rows, Shape sh)
       : q(rows * sh.head_dim), s(kGroupBlocks * rows * sh.block_size), acc(rows * sh.head_dim),
         m(rows), l(rows), k(kGroupBlocks * sh.block_size * sh.head_dim),
-        v(kGroupBlocks * sh.block_size * sh.head_dim), limit(kGroupBlocks * rows) {}
+        v(kGroupBlocks * sh.block_size * sh.head_dim), limit(kGroupBlocks * rows),
+        low(kGroupBlocks * rows) {}
 };
 
 // Rows from which a 16-bit tile is widened once into scratch rather than at every load: a
@@ -374,14 +376,21 @@ struct Inputs {
   // Per sequence, its leading rows that are prompt tokens on the tile route (amx_attention.cpp
   // computes them; this kernel the rest); nullptr: none.
   const int64_t* prompt_tokens = nullptr;
+  // Sliding-window attention: a row at position p sees keys (p - window, p], as transformers'
+  // sliding_window_overlay; 0: every earlier key.
+  int64_t window = 0;
+  // Soft-capped scores (Gemma 2): s -> tanh(s / softcap) * softcap before the softmax; 0: none.
+  double softcap = 0;
 };
 
 
 // Online softmax over a group of nb blocks for every row. Block i's scores are the sub-buffer
-// s + i * rows * block_size (rows x block_size) and become its weights P; limit[i * rows + r]:
-// keys of block i that row r may see (<= 0: none).
+// s + i * rows * block_size (rows x block_size) and become its weights P; row r may see keys
+// [low[i * rows + r], limit[i * rows + r]) of block i (an empty range: none). A group in which
+// a row sees no key leaves its state (m, l, acc) as it was, bit for bit.
 template <typename T, int BS>
-inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int rows, Shape sh) {
+inline void softmax_group(T* s, const int* limit, const int* low, int nb, Scratch<T>& w,
+                          int rows, Shape sh) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   const int dim = static_cast<int>(sh.head_dim);
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -397,9 +406,11 @@ inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int row
       for (int b = 0; b < nb; ++b) {  // masked keys become -inf; the max over the group
         T* srow = s + (b * rows + r) * BS;
         const T n = static_cast<T>(limit[b * rows + r]);
+        const T lo = static_cast<T>(low[b * rows + r]);
         for (int i = 0; i < NV; ++i) {
           Vec<T> x = load(srow + i * L);
-          x = iota + static_cast<T>(i * L) < n ? x : broadcast(kNegInf);
+          const Vec<T> key = iota + static_cast<T>(i * L);
+          x = (key < n) & (key >= lo) ? x : broadcast(kNegInf);
           store(srow + i * L, x);
           mx = mx > x ? mx : x;
         }
@@ -425,7 +436,8 @@ inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int row
       for (int b = 0; b < nb; ++b) {
         const T* srow = s + (b * rows + r) * bs;
         const int n = limit[b * rows + r];
-        for (int j = 0; j < n; ++j) m_new = srow[j] > m_new ? srow[j] : m_new;
+        for (int j = std::max(low[b * rows + r], 0); j < n; ++j)
+          m_new = srow[j] > m_new ? srow[j] : m_new;
       }
       if (m_new == kNegInf) {
         for (int b = 0; b < nb; ++b) std::fill_n(s + (b * rows + r) * bs, bs, T(0));
@@ -433,9 +445,9 @@ inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int row
       }
       for (int b = 0; b < nb; ++b) {
         T* srow = s + (b * rows + r) * bs;
-        const int n = limit[b * rows + r];
+        const int n = limit[b * rows + r], lo = low[b * rows + r];
         for (int j = 0; j < bs; ++j) {
-          const T p = j < n ? std::exp(srow[j] - m_new) : T(0);
+          const T p = j < n && j >= lo ? std::exp(srow[j] - m_new) : T(0);
           srow[j] = p;
           sum += p;
         }
@@ -450,6 +462,12 @@ inline void softmax_group(T* s, const int* limit, int nb, Scratch<T>& w, int row
     }
     w.l[r] += sum;
   }
+}
+
+// s -> tanh(s / cap) * cap over n scores, as transformers' eager attention soft-caps them.
+template <typename T>
+void soft_cap(T* s, int64_t n, T cap) {
+  for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
 }
 
 // Tiles sit at scattered places (a block table is any list of block ids), so the hardware
@@ -497,10 +515,17 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
   const int64_t tile = sh.block_size * sh.head_dim;
   const int tile_lines = static_cast<int>((tile * static_cast<int64_t>(sizeof(C)) + 63) / 64);
   int* limit = w.limit.data();
+  int* low = w.low.data();
   const int64_t block_end = item.block_end >= 0 ? item.block_end : (num_keys + bs - 1) / bs;
+  // With a window, the blocks before the tile's first row's window are skipped, from a multiple
+  // of kGroupBlocks: a row's softmax groups are then the same blocks in any tile (a group it
+  // sees nothing of leaves it unchanged), so its result does not depend on the tile.
+  const int64_t first_key = in.window > 0 ? std::max<int64_t>(0, pos0 - in.window + 1) : 0;
+  const int64_t block_begin =
+      std::max(item.block_begin, first_key / bs / kGroupBlocks * kGroupBlocks);
   const bool widened = !std::is_same_v<T, C> && rows >= kWidenRows;
   const bool stream = rows < kWidenRows;  // few rows: prefetch the tiles ahead (see above)
-  for (int64_t b0 = item.block_begin; b0 < block_end; b0 += kGroupBlocks) {
+  for (int64_t b0 = block_begin; b0 < block_end; b0 += kGroupBlocks) {
     const int nb = static_cast<int>(std::min<int64_t>(kGroupBlocks, block_end - b0));
     int n[kGroupBlocks];  // keys in each block (the last block of a sequence may be partial)
     int64_t offsets[kGroupBlocks];  // each block's K (and V) tile in its half of the cache
@@ -510,7 +535,7 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
     for (int i = 0; i < nb; ++i) {
       const int64_t b = b0 + i, base = b * bs;
       const int64_t offset = offsets[i] = (table[b] * in.num_kv_heads + item.kv_head) * tile;
-      if (b == item.block_begin) {
+      if (b == block_begin) {
         for (int64_t a = b; a < std::min(b + kPrefetchBlocks, block_end); ++a) {
           const int64_t first = (table[a] * in.num_kv_heads + item.kv_head) * tile;
           prefetch_tile(kc + first, tile_lines);
@@ -525,6 +550,8 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
       for (int r = 0; r < rows; ++r) {
         const int64_t visible = pos0 + r / group + 1 - base;  // keys [base, pos] are visible
         limit[i * rows + r] = static_cast<int>(std::clamp<int64_t>(visible, 0, bs));
+        const int64_t hidden = in.window > 0 ? visible - in.window : 0;  // keys before the window
+        low[i * rows + r] = static_cast<int>(std::clamp<int64_t>(hidden, 0, bs));
       }
       n[i] = static_cast<int>(std::min<int64_t>(num_keys - base, bs));
       T* si = w.s.data() + i * rows * bs;
@@ -536,8 +563,9 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
         if (k_next[i]) prefetch_tile(k_next[i], tile_lines);
         qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh);
       }
+      if (in.softcap > 0) soft_cap(si, rows * bs, static_cast<T>(in.softcap));
     }
-    softmax_group<T, BS>(w.s.data(), limit, nb, w, rows, sh);
+    softmax_group<T, BS>(w.s.data(), limit, low, nb, w, rows, sh);
     for (int i = 0; i < nb; ++i) {
       const T* si = w.s.data() + i * rows * bs;
       if (widened) {
@@ -792,7 +820,9 @@ static std::vector<int64_t> prompt_counts(const at::Tensor& query_start,
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale, bool split_keys,
-                           const std::vector<int64_t>& prompt_rows) {
+                           const std::vector<int64_t>& prompt_rows, int64_t window,
+                           double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_attention: window and softcap are >= 0");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
               "paged_attention: q (T, H, D), kv_cache (2, blocks, kv heads, block_size * D)");
   TORCH_CHECK(kv_cache.is_contiguous(), "paged_attention: kv_cache must be contiguous");
@@ -808,8 +838,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
     const char* env = std::getenv("CONVEYOR_PROMPT_ATTENTION");
     return env == nullptr || std::string(env) != "0";
   }();
+  // The tiles attend to every earlier key with plain scores: a windowed or soft-capped layer's
+  // prompt rows stay on this kernel (their projections still take the tiles).
+  const bool plain = window == 0 && softcap == 0;
   const std::vector<int64_t> prompt =
-      tiles ? prompt_counts(query_start, prompt_rows) : std::vector<int64_t>{};
+      tiles && plain ? prompt_counts(query_start, prompt_rows) : std::vector<int64_t>{};
   if (!prompt.empty())
     conveyor_amx::prompt_attention(q, kv_cache, block_size, query_start, seq_lens, block_tables,
                                    scale, prompt, out);
@@ -822,7 +855,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                   {q.stride(0), q.stride(1), q.stride(2)},
                   scale,
                   split_keys,
-                  prompt.empty() ? nullptr : prompt.data()};
+                  prompt.empty() ? nullptr : prompt.data(),
+                  window,
+                  softcap};
   const Shape sh{block_size, head_dim};
   const int64_t half = kv_cache.stride(0);
   dispatch_types(q.scalar_type(), kv_cache.scalar_type(), "paged_attention", [&](auto t, auto c) {
