@@ -12,11 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Architecture name (config.json's `architectures`) -> family (model/families.py describes
+# each one's layers).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 # RoPE variants whose inverse frequencies are fixed at load time (no sequence-length dependence).
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}

@@ -35,6 +35,43 @@ ARCHS = {
 }
 
 
+# The families beyond Llama's four (model/families.py), each with the mechanisms it brings set
+# small enough that the tests' prompts (up to 70 tokens) run past every window.
+FAMILIES = {
+    "mistral-window": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=7
+    ),
+    "qwen2-window": dict(  # slides on layers from max_window_layers on: layer 1 of 2
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True,
+        sliding_window=9, max_window_layers=1, tie_word_embeddings=True,
+    ),
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=16,
+        query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+    ),
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=16,
+        query_pre_attn_scalar=16, sliding_window=8, rope_local_base_freq=100.0,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+    ),
+    "phi3": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=11,
+        original_max_position_embeddings=512,
+    ),
+    "olmo2": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2"),
+    "granite": dict(
+        architectures=["GraniteForCausalLM"], model_type="granite", attention_multiplier=0.2,
+        embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0,
+    ),
+    "smollm3": dict(
+        architectures=["SmolLM3ForCausalLM"], model_type="smollm3", no_rope_layers=[1, 0],
+        use_sliding_window=False,
+    ),
+}  # fmt: skip
+
+
 def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,7 +92,7 @@ def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
     kwargs = dict(
-        ARCHS[arch],
+        ARCHS[arch] if arch in ARCHS else FAMILIES[arch],
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -100,6 +137,11 @@ def make_tiny_checkpoint(
     config = tiny_config(arch, vocab_size, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    if arch in FAMILIES:  # norms away from their initial 1 (or Gemma's 0): each one counts
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(0.2 * torch.randn_like(param))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)

@@ -9,12 +9,8 @@ from pathlib import Path
 
 import torch
 
-from conveyor.config import (
-    QUANTIZATION_MODES,
-    STATIC_ROPE_TYPES,
-    SUPPORTED_ARCHITECTURES,
-    resolve_model_path,
-)
+from conveyor.config import QUANTIZATION_MODES, STATIC_ROPE_TYPES, resolve_model_path
+from conveyor.model.families import Parts, architecture, parts_of
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +28,7 @@ DTYPES = {
 @dataclass(frozen=True)
 class ModelConfig:
     path: Path
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # the family: model/families.py
     dtype: torch.dtype
     vocab_size: int
     hidden_size: int
@@ -58,6 +54,8 @@ class ModelConfig:
     # One reduction order per output value whatever the batch (model/kernels/panel_gemm.cpp):
     # a request's tokens and logprobs do not depend on its neighbours or on cache hits.
     batch_invariant: bool = True
+    # What the family's layers add to Llama's (model/families.py).
+    parts: Parts = field(default_factory=Parts)
 
     @property
     def is_gguf(self) -> bool:
@@ -105,6 +103,7 @@ class ModelConfig:
             quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
             tokenizer=_resolve_tokenizer(tokenizer),
             batch_invariant=bool(batch_invariant),
+            parts=Parts.from_dict(facts["parts"]),
         )
 
 
@@ -122,9 +121,10 @@ def _read_facts(folder: Path) -> dict:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(folder)
-    arch = _architecture(hf)
+    arch = architecture(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
+    parts = parts_of(hf, arch, int(hf.num_hidden_layers), int(head_dim))
     saved = getattr(hf, "dtype", None)
     return {
         "architecture": arch,
@@ -138,13 +138,14 @@ def _read_facts(folder: Path) -> dict:
         "rms_norm_eps": float(hf.rms_norm_eps),
         "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
         "qkv_bias": arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-        "qk_norm": arch == "qwen3",
+        "qk_norm": parts.qk_norm == "head",
         "max_position_embeddings": int(getattr(hf, "max_position_embeddings", None) or 2048),
         # the name of the dtype the checkpoint was saved in ("float32", ...), or None
         "saved_dtype": str(saved).removeprefix("torch.") if saved is not None else None,
         "eos_token_ids": sorted(_eos_ids(folder, hf)),
         "rope_inv_freq": list(rope_inv_freq),
         "rope_scaling": rope_scaling,
+        "parts": parts.to_dict(),
     }
 
 
@@ -181,24 +182,16 @@ def hf_folder(path: Path) -> Path:
     return path
 
 
-def _architecture(hf) -> str:
-    names = list(getattr(hf, "architectures", None) or [])
-    model_type = getattr(hf, "model_type", "")
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[name]
-    if not names and model_type in SUPPORTED_ARCHITECTURES.values():
-        return model_type  # GGUF configs carry model_type only
-    raise ValueError(
-        f"unsupported architecture {names or model_type!r}; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def rope_frequencies(hf, head_dim: int) -> tuple[tuple[float, ...], float]:
+def rope_frequencies(
+    hf, head_dim: int, layer_type: str = "full_attention"
+) -> tuple[tuple[float, ...], float]:
     """RoPE's float32 inverse frequencies and attention scaling for a transformers config, as
-    transformers computes them (its ROPE_INIT_FUNCTIONS for the scaled variants)."""
+    transformers computes them (its ROPE_INIT_FUNCTIONS for the scaled variants). A config
+    with one RoPE per layer type (Gemma 3) gives `layer_type`'s."""
     params = getattr(hf, "rope_parameters", None) or {}
+    by_type = isinstance(params.get(layer_type), dict)
+    if by_type:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(
@@ -212,7 +205,8 @@ def rope_frequencies(hf, head_dim: int) -> tuple[tuple[float, ...], float]:
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        extra = {"layer_type": layer_type} if by_type else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **extra)
     return tuple(inv_freq.float().tolist()), float(scaling)
 
 

@@ -18,18 +18,28 @@ from conveyor.paths import write_atomic
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """RMSNorm as transformers computes it: normalized in float32 (also for float64 models), then
+    scaled by w in the model dtype (Llama), or with offset by 1 + w in float32 before the cast
+    (Gemma's norms, whose checkpoints store w - 1)."""
+
+    def __init__(self, hidden_size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.offset = offset
+
+    def scale_weight(self) -> torch.Tensor:
+        """What the normalized rows are multiplied by: w, or 1 + w in float32."""
+        return 1.0 + self.weight.float() if self.offset else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; the same arithmetic as below for float32
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # As transformers: normalize in float32 (also for float64 models), scale in the model dtype.
+            return torch.rms_norm(x, self.weight.shape, self.scale_weight(), self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * self.scale_weight()).to(dtype)
         return self.weight * h.to(dtype)
 
 

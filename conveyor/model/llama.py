@@ -1,6 +1,8 @@
-"""Llama, Mistral, Qwen2 and Qwen3 in one module: the differences are config flags
-(qkv bias, q/k RMSNorm, tied embeddings). Parameter names follow transformers, so checkpoints
-load by name; q/k/v and gate/up are merged into one matmul each.
+"""Every supported family in one module: a layer is built from the model's layer description
+(model/families.py: which norms, their kind, the activation, each layer's attention kind and
+rotary table, the multipliers), both as modules and as the compiled layer of
+kernels/decoder_layer.cpp. Parameter names follow transformers, so checkpoints load by name;
+q/k/v and gate/up are merged into one matmul each (Phi-3 stores them merged).
 
 All non-attention work runs once over the step's flattened tokens (T, hidden); attention
 reads each request's KV through its block table (see attention.py).
@@ -22,8 +24,9 @@ import torch
 from torch import nn
 
 from conveyor.distributed.parallel import TPGroup
-from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.attention import AttentionKind, AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
+from conveyor.model.families import Parts
 from conveyor.model.layers import (
     MATMUL_BUCKETS,
     Linear,
@@ -41,8 +44,9 @@ class RopeRows(NamedTuple):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int) -> None:
         super().__init__()
+        parts = cfg.parts
         self.tp = tp
         self.num_heads = tp.shard.heads(cfg.num_heads)[1]
         self.num_kv_heads = tp.shard.kv_heads(cfg.num_kv_heads)[1]
@@ -50,23 +54,31 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+        # "", "head" or "full" (the whole q and k projections)
+        self.qk_norm = parts.qk_norm or ("head" if cfg.qk_norm else "")
+        if self.qk_norm:
+            full = self.qk_norm == "full"
+            self.q_norm = _norm(parts, q_size if full else self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = _norm(parts, kv_size if full else self.head_dim, cfg.rms_norm_eps)
+        self.kind = AttentionKind(
+            parts.scale(cfg.head_dim), parts.window(index), parts.attn_softcap
+        )
+        self.rope = parts.rope(index)  # which of the model's rotary tables; -1: none
 
-    def forward(
-        self, x, rope: RopeRows, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata
-    ):
+    def forward(self, x, ropes: list[RopeRows], rotaries: list[RotaryEmbedding], kv_cache, meta):
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, rope.cos, rope.sin, meta.ops)
-        out = paged_attention(q, k, v, kv_cache, meta)  # (T, H, D)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope >= 0:
+            rope = ropes[self.rope]
+            q, k = rotaries[self.rope](q, k, rope.cos, rope.sin, meta.ops)
+        out = paged_attention(q, k, v, kv_cache, meta, self.kind)  # (T, H, D)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
@@ -77,23 +89,52 @@ class LlamaMLP(nn.Module):
         size = tp.shard.part(cfg.intermediate_size)[1]
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=False)
         self.down_proj = Linear(size, cfg.hidden_size)
+        self.act = cfg.parts.act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of a fresh tensor: in place
-        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up)))
+        if self.act == "gelu_tanh":
+            gate = nn.functional.gelu(gate, approximate="tanh")
+        else:
+            gate = nn.functional.silu(gate, inplace=True)
+        return self.tp.all_reduce(self.down_proj(gate.mul_(up)))
+
+
+# The compiled layer's activations (kernels/decoder_layer.cpp: Activation).
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+    """[attn_in norm] -> attention -> [attn_out norm] -> (* residual_scale) + x, then the same
+    around the MLP; which norms a family has, and their checkpoint names: Parts.norms."""
 
-    def forward(self, x, rope: RopeRows, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int) -> None:
+        super().__init__()
+        parts = cfg.parts
+        self.roles: dict[str, str] = dict(parts.norms)
+        for name in self.roles.values():
+            self.add_module(name, _norm(parts, cfg.hidden_size, cfg.rms_norm_eps))
+        self.self_attn = LlamaAttention(cfg, tp, index)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.residual_scale = parts.residual_scale
+
+    def norm(self, role: str) -> RMSNorm | None:
+        name = self.roles.get(role)
+        return None if name is None else getattr(self, name)
+
+    def forward(self, x, ropes, rotaries, kv_cache, meta):
+        h = self._normed("attn_in", x)
+        h = self._normed("attn_out", self.self_attn(h, ropes, rotaries, kv_cache, meta))
+        x = x + self._scaled(h)
+        h = self._normed("mlp_out", self.mlp(self._normed("mlp_in", x)))
+        return x + self._scaled(h)
+
+    def _normed(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        norm = self.norm(role)
+        return x if norm is None else norm(x)
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_scale == 1.0 else h * self.residual_scale
 
     def compiled(self, ops: ModuleType):
         """This layer as the compiled ops' DecoderLayer (kernels/decoder_layer.cpp: the same
@@ -104,12 +145,13 @@ class LlamaDecoderLayer(nn.Module):
         if None in projections:
             return None
         qkv, o, gate_up, down = projections
+        norms = {role: _kernel_weight(self.norm(role)) for role in _ROLES}
+        eps = next(n.eps for n in map(self.norm, _ROLES) if n is not None)
         return ops.DecoderLayer(
-            input_norm=self.input_layernorm.weight.detach(),
-            post_norm=self.post_attention_layernorm.weight.detach(),
-            q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
-            k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
-            eps=self.input_layernorm.eps,
+            **norms,
+            q_norm=_kernel_weight(attn.q_norm) if attn.qk_norm else None,
+            k_norm=_kernel_weight(attn.k_norm) if attn.qk_norm else None,
+            eps=eps,
             qkv=qkv,
             o=o,
             gate_up=gate_up,
@@ -117,7 +159,28 @@ class LlamaDecoderLayer(nn.Module):
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
+            scale=attn.kind.scale,
+            window=attn.kind.window,
+            softcap=attn.kind.softcap,
+            rope=attn.rope,
+            activation=_ACTIVATIONS[mlp.act],
+            residual_scale=self.residual_scale,
         )
+
+
+_ROLES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+
+
+def _norm(parts: Parts, size: int, eps: float) -> RMSNorm:
+    return RMSNorm(size, eps, offset=parts.norm_offset)
+
+
+def _kernel_weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    """The weight the compiled rms_norm takes: the module's, or for a (1 + w) norm that sum in
+    float32 (the compiled op then multiplies in float32, as transformers' Gemma norms do)."""
+    if norm is None:
+        return None
+    return norm.scale_weight().detach()
 
 
 def _projection(module: nn.Module, ops: ModuleType):
@@ -148,8 +211,8 @@ class LlamaModel(nn.Module):
         # one imports torch._dynamo, ~2 s of a start).
         shape = (tp.shard.vocab(cfg.vocab_size)[2], cfg.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
+        self.norm = _norm(cfg.parts, cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,9 +221,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp = tp or TPGroup()
         self.model = LlamaModel(cfg, tp)
-        self.rotary = RotaryEmbedding(
-            cfg.rope_inv_freq, cfg.rope_scaling, cfg.max_model_len, cfg.dtype
-        )
+        self.rotaries = self.rotary_tables()
         self.lm_head = Linear(cfg.hidden_size, tp.shard.vocab(cfg.vocab_size)[2])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -180,6 +241,18 @@ class LlamaForCausalLM(nn.Module):
         # (model/prompt_route.py; set at load).
         self.prompt_route = False
 
+    def rotary_tables(self, device: torch.device | None = None) -> nn.ModuleList:
+        """cos/sin tables by Parts.ropes' index: the global RoPE, then the local one (Gemma 3).
+        Computed, not loaded: a model built on the meta device computes them again here."""
+        cfg = self.config
+        tables = [
+            RotaryEmbedding(cfg.rope_inv_freq, cfg.rope_scaling, cfg.max_model_len, cfg.dtype)
+        ]
+        if cfg.parts.local_rope_inv_freq:
+            local = cfg.parts.local_rope_inv_freq
+            tables.append(RotaryEmbedding(local, 1.0, cfg.max_model_len, cfg.dtype))
+        return nn.ModuleList(tables).to(device) if device is not None else nn.ModuleList(tables)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (T,)
@@ -188,19 +261,22 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self._embed(input_ids)  # (T, hidden)
-        rope = RopeRows(*self.rotary.rows(positions))  # once per step, for every layer
+        if self.config.parts.embed_scale != 1.0:
+            x = x * self.config.parts.embed_scale
+        # once per step, for every layer
+        ropes = [RopeRows(*rotary.rows(positions)) for rotary in self.rotaries]
         form = self._compiled_form(x, meta)
         if form is not None:  # x updated in place, layer by layer
             lora = self.lora.compiled_arguments() if self.lora and self.lora.active else {}
             meta.ops.decoder_layers(
-                self._compiled, x, kv_caches, rope.cos, rope.sin, meta.slot_mapping,
-                meta.block_size, meta.query_start, meta.seq_lens, meta.block_tables,
-                self.config.head_dim**-0.5, self.compiled_seconds, form, meta.split_keys,
+                self._compiled, x, kv_caches, [r.cos for r in ropes], [r.sin for r in ropes],
+                meta.slot_mapping, meta.block_size, meta.query_start, meta.seq_lens,
+                meta.block_tables, self.compiled_seconds, form, meta.split_keys,
                 prompt_rows=meta.prompt_rows if self.prompt_route else [], **lora,
             )  # fmt: skip
             return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, rope, self.rotary, kv_cache, meta)
+            x = layer(x, ropes, self.rotaries, kv_cache, meta)
         return self.model.norm(x)
 
     def _compiled_form(self, x: torch.Tensor, meta: AttentionMetadata) -> int | None:
@@ -249,6 +325,11 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.tp.size > 1:  # every rank's vocabulary rows, the padding cut off
             logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]
+        parts = self.config.parts
+        if parts.logits_divisor != 1.0:
+            logits = logits / parts.logits_divisor
+        if parts.final_softcap:
+            logits = torch.tanh(logits / parts.final_softcap) * parts.final_softcap
         return logits.contiguous()  # (N, vocab), row-major for the sampler
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -256,8 +337,9 @@ class LlamaForCausalLM(nn.Module):
         computing every logit in float (model/quant.py: QuantLinear.argmax); None: it cannot
         here, compute the logits."""
         argmax = getattr(self.lm_head, "argmax", None)
-        if argmax is None or self.tp.size > 1:
-            return None
+        parts = self.config.parts
+        if argmax is None or self.tp.size > 1 or parts.final_softcap or parts.logits_divisor != 1:
+            return None  # (monotonic, but a soft-cap can round two logits into a tie)
         return argmax(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 
 from conveyor.distributed.parallel import TPGroup, TPShard
 from conveyor.model.config import ModelConfig, check_tokenizer
-from conveyor.model.layers import RotaryEmbedding
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.quant import QuantPlan, plan_quantization
 
@@ -38,10 +37,7 @@ def load_model(
     # tensors imports sympy (~1 s of every start) for their strides.
     model._apply(lambda t: torch.empty(t.shape, dtype=_dtype(t, cfg.dtype), device=device))
     # Buffers computed at construction were lost on the meta device: compute them again.
-    model.rotary = RotaryEmbedding(
-        cfg.rope_inv_freq, cfg.rope_scaling, cfg.max_model_len, cfg.dtype
-    )
-    model.rotary.to(device)
+    model.rotaries = model.rotary_tables(device)
     if cfg.tie_word_embeddings and (plan is None or "lm_head" not in plan.specs):
         model.lm_head.weight = model.model.embed_tokens.weight  # _apply() made two tensors
     weights = tqdm(

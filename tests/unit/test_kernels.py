@@ -10,15 +10,16 @@ import pytest
 import torch
 from conftest import torch_threads
 
-from conveyor.model.attention import build_metadata, paged_attention, to_cache_dtype
+from conveyor.model.attention import AttentionKind, build_metadata, paged_attention, to_cache_dtype
 from conveyor.worker.model_runner import pad_block_tables, positions_and_slots
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
 def run_both(
-    ops, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, cache_dtype=None
-):
+    ops, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, cache_dtype=None,
+    kind=None,
+):  # fmt: skip
     """seqs: (context_len, query_len) per sequence. Runs one attention layer of the step through
     the kernel and through the reference, on identical random caches and inputs (the cache in
     `cache_dtype`, default `dtype`)."""
@@ -52,7 +53,7 @@ def run_both(
             query_lens, context_lens, tables, slots, block_size, torch.device("cpu"), path_ops
         )
         layer_cache = cache.clone()
-        out = paged_attention(q, k, v, layer_cache, meta)
+        out = paged_attention(q, k, v, layer_cache, meta, kind or AttentionKind(head_dim**-0.5))
         results.append((out, layer_cache))
     return results
 
@@ -173,6 +174,45 @@ def test_a_rows_result_does_not_depend_on_its_tile(ops, cache_dtype):
         q[:n], cache, bs, query_start[:2], seq_lens[:1], tables[:1], scale, False
     )
     assert torch.equal(alone, together[:n]), "a row's result depends on the tile it sits in"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "window,softcap", [(1, 0.0), (5, 0.0), (16, 0.0), (37, 0.0), (0, 2.5), (20, 3.0)]
+)
+def test_sliding_window_and_soft_capped_attention_match_reference(ops, dtype, window, softcap):
+    """Windows shorter than a block, one block, and spanning groups of blocks, on decode rows
+    and chunks that start inside, at and past the window."""
+    seqs = [(0, 37), (40, 1), (200, 1), (32, 16), (5, 70), (0, 1), (100, 3), (300, 20)]
+    kind = AttentionKind(64**-0.5, window, softcap)
+    results = run_both(ops, seqs, 8, 2, 64, 16, dtype, kind=kind)
+    assert_close(results, dtype)
+
+
+@pytest.mark.parametrize("window", [3, 40, 100])
+def test_a_windowed_rows_result_does_not_depend_on_its_step(ops, window):
+    """A row's keys are summed in the same groups of blocks whether it decodes alone or sits
+    in a long prompt chunk whose first rows see earlier blocks (the batch-invariance contract
+    with a sliding window)."""
+    bs, num_heads, num_kv_heads, dim = 16, 4, 2, 64
+    gen = torch.Generator().manual_seed(9)
+    length = 300
+    cache = torch.randn(2, -(-length // bs), num_kv_heads, bs * dim, generator=gen)
+    table = torch.arange(-(-length // bs)).unsqueeze(0)
+    q = torch.randn(length, num_heads, dim, generator=gen)
+    scale = dim**-0.5
+
+    def attend(first: int, last: int) -> torch.Tensor:  # rows [first, last) as one chunk
+        query_start = torch.tensor([0, last - first])
+        return ops.paged_attention(
+            q[first:last], cache, bs, query_start, torch.tensor([last]), table, scale, False,
+            window=window,
+        )  # fmt: skip
+
+    whole = attend(0, length)
+    for row in (0, 7, 64, 150, 299):
+        assert torch.equal(attend(row, row + 1), whole[row : row + 1]), f"row {row}"
+    assert torch.equal(attend(131, 260), whole[131:260])
 
 
 def test_negative_slots_are_skipped(ops):
@@ -489,12 +529,14 @@ def test_bad_kv_cache_dtype_is_refused():
         CacheConfig(kv_cache_dtype="fp8_e5m2")
 
 
-def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, seed):
-    """A random decoder layer of the Llama family, and its rotary table."""
+def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, seed, parts=None):
+    """A random decoder layer of the Llama family (or of the layer description `parts`), and
+    its rotary table."""
     from transformers import LlamaConfig
 
     from conveyor.distributed.parallel import TPGroup
     from conveyor.model.config import ModelConfig, rope_frequencies
+    from conveyor.model.families import Parts
     from conveyor.model.layers import RotaryEmbedding
     from conveyor.model.llama import LlamaDecoderLayer
 
@@ -505,9 +547,10 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
         head_dim=head_dim, rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=qkv_bias,
         qk_norm=qk_norm, max_model_len=512, eos_token_ids=frozenset(),
         rope_inv_freq=rope_frequencies(LlamaConfig(rope_theta=10000.0), head_dim)[0],
+        parts=parts or Parts(),
     )  # fmt: skip
     torch.manual_seed(seed)
-    layer = LlamaDecoderLayer(cfg, TPGroup()).to(dtype)
+    layer = LlamaDecoderLayer(cfg, TPGroup(), 0).to(dtype)
     with torch.no_grad():
         for param in layer.parameters():  # norms near 1, projections small: a layer-like scale
             param.copy_(1 + 0.1 * torch.randn_like(param) if param.dim() == 1 else param.normal_())
@@ -562,12 +605,11 @@ def test_compiled_decoder_layers_match_the_modules(
     with torch.inference_mode():
         ref_x, ref_caches, before = x.clone(), [c.clone() for c in caches], x.clone()
         for (layer, _), cache in zip(layers, ref_caches, strict=True):
-            ref_x = layer(ref_x, rope, rotary, cache, meta)
+            ref_x = layer(ref_x, [rope], [rotary], cache, meta)
         compiled = [layer.compiled(ops) for layer, _ in layers]
         ops.decoder_layers(
-            compiled, x, caches, rope.cos, rope.sin, meta.slot_mapping, block_size,
-            meta.query_start, meta.seq_lens, meta.block_tables, head_dim**-0.5, None,
-            _FORMS[form],
+            compiled, x, caches, [rope.cos], [rope.sin], meta.slot_mapping, block_size,
+            meta.query_start, meta.seq_lens, meta.block_tables, None, _FORMS[form],
         )  # fmt: skip
     if dtype == torch.float64:
         assert torch.equal(x, ref_x)
@@ -606,21 +648,22 @@ def test_compiled_layers_time_their_parts_and_refuse_bad_input(ops):
     cos, sin = rotary.rows(torch.tensor([0]))
     meta = (torch.tensor([0]), 16, torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([[0]]))
     seconds = torch.zeros(3, dtype=torch.float64)
-    ops.decoder_layers([compiled], x, [cache], cos, sin, *meta, 0.125, seconds)
+    ops.decoder_layers([compiled], x, [cache], [cos], [sin], *meta, seconds)
     assert (seconds > 0).all(), "projections, attention and the rest each take some time"
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
-        ops.decoder_layers([compiled], x, [], cos, sin, *meta, 0.125, None)
+        ops.decoder_layers([compiled], x, [], [cos], [sin], *meta, None)
     with pytest.raises(RuntimeError, match="seconds"):
-        ops.decoder_layers([compiled], x, [cache], cos, sin, *meta, 0.125, torch.zeros(2))
+        ops.decoder_layers([compiled], x, [cache], [cos], [sin], *meta, torch.zeros(2))
     with pytest.raises(RuntimeError, match="form 0"):
-        ops.decoder_layers([compiled], x, [cache], cos, sin, *meta, 0.125, None, 3)
+        ops.decoder_layers([compiled], x, [cache], [cos], [sin], *meta, None, 3)
     dense = [ops.Projection(weight=torch.zeros(*shape)) for shape in ((10, 96), (96, 256))]
     with pytest.raises(RuntimeError, match="weight shapes"):
         ops.DecoderLayer(
-            input_norm=torch.ones(96), post_norm=torch.ones(96), q_norm=None, k_norm=None,
-            eps=1e-5, qkv=dense[0], o=dense[1], gate_up=ops.Projection(weight=torch.zeros(320, 96)),
+            attn_in=torch.ones(96), attn_out=None, mlp_in=torch.ones(96), mlp_out=None,
+            q_norm=None, k_norm=None, eps=1e-5, qkv=dense[0], o=dense[1],
+            gate_up=ops.Projection(weight=torch.zeros(320, 96)),
             down=ops.Projection(weight=torch.zeros(96, 160)), num_heads=4, num_kv_heads=2,
-            head_dim=64,
+            head_dim=64, scale=0.125,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="dense weight, or block weights"):
         ops.Projection(weight=torch.zeros(4, 4), qs=torch.zeros(4, 2, dtype=torch.uint8))

@@ -10,11 +10,14 @@
 // on this machine; run here they are plain loops and a few ATen calls whose working set is
 // small.
 //
-// Per layer, for x (T, hidden), the residual stream, updated in place:
-//   h = rms_norm(x) ; qkv = h Wqkv^T (+ bias) ; q, k, v = views of qkv
-//   [q, k = rms_norm per head (qk_norm)] ; rotary(q, k) in place ; write k, v into the cache
-//   x += paged_attention(q) Wo^T
-//   h = rms_norm(x) ; gate, up = halves of h Wgu^T ; x += (silu(gate) * up) Wdown^T
+// Per layer, for x (T, hidden), the residual stream, updated in place (model/families.py says
+// which family has which [part]):
+//   h = [rms_norm](x) ; qkv = h Wqkv^T (+ bias) ; q, k, v = views of qkv
+//   [q, k = rms_norm of all heads, or per head] ; [rotary(q, k) in place, by the layer's table]
+//   write k, v into the cache ; a = paged_attention(q) [window, soft-cap]
+//   x += [rms_norm](a Wo^T) [* residual_scale]
+//   h = [rms_norm](x) ; gate, up = halves of h Wgu^T
+//   x += [rms_norm]((act(gate) * up) Wdown^T) [* residual_scale], act silu or tanh-gelu
 // The arithmetic is the model's (model/llama.py, model/layers.py): the matmuls take the form
 // the modules would at the step's rows (MatmulForm: the small-row kernel of small_gemm.cpp or
 // MKL, as layers.matmul_forms measured; for a quantized model's block weights the block kernel
@@ -114,6 +117,12 @@ void residual_add(at::Tensor& x, const at::Tensor& y) {
   }
   const at::Tensor yc = y.contiguous();
   add_into(x.data_ptr<float>(), yc.data_ptr<float>(), x.numel());
+}
+
+// out (T, I) = gelu_tanh(gate) * up, ATen's ops as the modules run them (Gemma's GeGLU).
+at::Tensor gelu_mul(const at::Tensor& gate_up) {
+  const int64_t inner = gate_up.size(1) / 2;
+  return at::gelu(gate_up.narrow(1, 0, inner), "tanh").mul_(gate_up.narrow(1, inner, inner));
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
@@ -252,9 +261,9 @@ struct LoRA {
 };
 
 struct Step {
-  at::Tensor cos, sin, slot_mapping, query_start, seq_lens, block_tables;
+  std::vector<at::Tensor> cos, sin;  // per rotary table (a layer's `rope` picks one)
+  at::Tensor slot_mapping, query_start, seq_lens, block_tables;
   int64_t block_size;
-  double scale;
   MatmulForm form;
   bool split_keys;
   LoRA lora;
@@ -272,14 +281,32 @@ inline void add_lora(at::Tensor& y, const at::Tensor& h, const Step& step, size_
            step.lora.rows, step.lora.slots, std::vector<int64_t>(columns), step.lora.num_slots);
 }
 
+// The model's layer description (model/families.py) as the compiled layer takes it.
+struct Attention {
+  double scale;
+  int64_t window;  // 0: full attention
+  double softcap;  // 0: none
+  int64_t rope;    // the step's rotary table; -1: none
+};
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+inline at::Tensor optional_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return weight.defined() ? rms_norm(x, weight, eps) : x;
+}
+
 class DecoderLayer {
  public:
-  DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-               std::optional<at::Tensor> k_norm, double eps, Projection qkv, Projection o,
-               Projection gate_up, Projection down, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim)
-      : input_norm_(std::move(input_norm)),
-        post_norm_(std::move(post_norm)),
+  DecoderLayer(std::optional<at::Tensor> attn_in, std::optional<at::Tensor> attn_out,
+               std::optional<at::Tensor> mlp_in, std::optional<at::Tensor> mlp_out,
+               std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, double eps,
+               Projection qkv, Projection o, Projection gate_up, Projection down,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+               int64_t window, double softcap, int64_t rope, int64_t activation,
+               double residual_scale)
+      : attn_in_(attn_in.value_or(at::Tensor())),
+        attn_out_(attn_out.value_or(at::Tensor())),
+        mlp_in_(mlp_in.value_or(at::Tensor())),
+        mlp_out_(mlp_out.value_or(at::Tensor())),
         q_norm_(q_norm.value_or(at::Tensor())),
         k_norm_(k_norm.value_or(at::Tensor())),
         eps_(eps),
@@ -289,75 +316,106 @@ class DecoderLayer {
         down_(std::move(down)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
-        head_dim_(head_dim) {
+        head_dim_(head_dim),
+        attention_{scale, window, softcap, rope},
+        activation_(static_cast<Activation>(activation)),
+        residual_scale_(residual_scale) {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    const int64_t hidden = input_norm_.size(0);
+    const int64_t hidden = o_.out_features();
     TORCH_CHECK(qkv_.out_features() == q_size + 2 * kv_size && qkv_.in_features() == hidden &&
-                    o_.out_features() == hidden && o_.in_features() == q_size &&
+                    o_.in_features() == q_size &&
                     gate_up_.in_features() == hidden && gate_up_.out_features() % 2 == 0 &&
                     down_.out_features() == hidden &&
                     2 * down_.in_features() == gate_up_.out_features(),
                 "DecoderLayer: weight shapes do not fit together");
+    TORCH_CHECK(q_norm_.defined() == k_norm_.defined() &&
+                    (!q_norm_.defined() || q_norm_.size(0) == head_dim ||
+                     (q_norm_.size(0) == q_size && k_norm_.size(0) == kv_size)),
+                "DecoderLayer: q/k norms per head (head_dim) or of all heads (q, kv sizes)");
+    TORCH_CHECK(activation == kSilu || activation == kGeluTanh,
+                "DecoderLayer: activation 0 (silu) or 1 (gelu_tanh)");
+    TORCH_CHECK(window >= 0 && softcap >= 0 && rope >= -1, "DecoderLayer: bad attention kind");
   }
 
   void forward(at::Tensor& x, at::Tensor& kv_cache, const Step& step, Stopwatch& clock,
                size_t index) const {
     const int64_t num_tokens = x.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    at::Tensor h = rms_norm(x, input_norm_, eps_);
+    at::Tensor h = optional_norm(x, attn_in_, eps_);
     clock.lap(kOther);
     at::Tensor qkv = qkv_(h, step.form, step.prompt_rows);  // (T, q + 2 kv)
     add_lora(qkv, h, step, index, 0, {0, q_size, q_size + kv_size, q_size + 2 * kv_size});
     clock.lap(kProjections);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, head_dim_});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads_, head_dim_});
-    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view(k.sizes());
-    if (q_norm_.defined()) {
+    at::Tensor q = qkv.narrow(1, 0, q_size);
+    at::Tensor k = qkv.narrow(1, q_size, kv_size);
+    const bool full_norms = q_norm_.defined() && q_norm_.size(0) != head_dim_;
+    if (full_norms) {  // over all heads (OLMo 2)
       q = rms_norm(q, q_norm_, eps_);
       k = rms_norm(k, k_norm_, eps_);
     }
-    rotary_embedding(q, k, step.cos, step.sin);
+    q = q.view({num_tokens, num_heads_, head_dim_});
+    k = k.view({num_tokens, num_kv_heads_, head_dim_});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view(k.sizes());
+    if (q_norm_.defined() && !full_norms) {
+      q = rms_norm(q, q_norm_, eps_);
+      k = rms_norm(k, k_norm_, eps_);
+    }
+    if (attention_.rope >= 0)
+      rotary_embedding(q, k, step.cos[attention_.rope], step.sin[attention_.rope]);
     clock.lap(kOther);
     write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
     at::Tensor attn = paged_attention(q, kv_cache, step.block_size, step.query_start,
-                                      step.seq_lens, step.block_tables, step.scale,
-                                      step.split_keys, step.prompt_rows);
+                                      step.seq_lens, step.block_tables, attention_.scale,
+                                      step.split_keys, step.prompt_rows, attention_.window,
+                                      attention_.softcap);
     clock.lap(kAttention);
     const at::Tensor attn_rows = attn.view({num_tokens, q_size});
     at::Tensor o = o_(attn_rows, step.form, step.prompt_rows);
     add_lora(o, attn_rows, step, index, 1, {0, o.size(1)});
     clock.lap(kProjections);
-    residual_add(x, o);
-    h = rms_norm(x, post_norm_, eps_);
+    residual_add(x, scaled(optional_norm(o, attn_out_, eps_)));
+    h = optional_norm(x, mlp_in_, eps_);
     clock.lap(kOther);
     at::Tensor gate_up = gate_up_(h, step.form, step.prompt_rows);  // (T, 2 I)
     add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1) / 2, gate_up.size(1)});
     clock.lap(kProjections);
-    at::Tensor act = silu_mul(gate_up);
+    at::Tensor act = activation_ == kGeluTanh ? gelu_mul(gate_up) : silu_mul(gate_up);
     clock.lap(kOther);
     at::Tensor down = down_(act, step.form, step.prompt_rows);
     add_lora(down, act, step, index, 3, {0, down.size(1)});
     clock.lap(kProjections);
-    residual_add(x, down);
+    residual_add(x, scaled(optional_norm(down, mlp_out_, eps_)));
     clock.lap(kOther);
   }
 
  private:
-  at::Tensor input_norm_, post_norm_, q_norm_, k_norm_;
+  // A sublayer's output times the residual multiplier (Granite), as the modules compute it.
+  at::Tensor scaled(at::Tensor y) const {
+    return residual_scale_ == 1.0 ? y : y.mul(residual_scale_);
+  }
+
+  at::Tensor attn_in_, attn_out_, mlp_in_, mlp_out_, q_norm_, k_norm_;
   double eps_;
   Projection qkv_, o_, gate_up_, down_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
+  Attention attention_;
+  Activation activation_;
+  double residual_scale_;
 };
 
 }  // namespace
 
 // RMSNorm over the last dim, as the model's RMSNorm module computes it (see the header).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.size(-1) == weight.size(0) && x.scalar_type() == weight.scalar_type(),
-              "rms_norm: weight (n,) of x's dtype for x (..., n)");
+  TORCH_CHECK(x.size(-1) == weight.size(0) &&
+                  (x.scalar_type() == weight.scalar_type() || weight.scalar_type() == at::kFloat),
+              "rms_norm: weight (n,) of x's dtype, or float32, for x (..., n)");
   if (x.scalar_type() != at::kFloat) {
     const at::Tensor h = x.to(at::kFloat);
-    return weight * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
+    const at::Tensor normed = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
+    // A float32 weight of a float64 model: multiplied before the cast (Gemma's 1 + w).
+    if (weight.scalar_type() == at::kFloat) return (normed * weight).to(x.scalar_type());
+    return weight * normed.to(x.scalar_type());
   }
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty(xc.sizes(), xc.options());
@@ -375,10 +433,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // Every layer of a step, in order, over x (T, hidden) in place. seconds: a float64 (3,) CPU
 // tensor that gets each category's time added (see Stopwatch), or None.
 void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& x,
-                    std::vector<at::Tensor>& kv_caches, const at::Tensor& cos,
-                    const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t block_size,
-                    const at::Tensor& query_start, const at::Tensor& seq_lens,
-                    const at::Tensor& block_tables, double scale,
+                    std::vector<at::Tensor>& kv_caches, const std::vector<at::Tensor>& cos,
+                    const std::vector<at::Tensor>& sin, const at::Tensor& slot_mapping,
+                    int64_t block_size, const at::Tensor& query_start, const at::Tensor& seq_lens,
+                    const at::Tensor& block_tables,
                     std::optional<at::Tensor> seconds, int64_t form, bool split_keys,
                     std::optional<std::vector<at::Tensor>> lora,
                     std::vector<int64_t> lora_slots, int64_t lora_num_slots,
@@ -391,9 +449,10 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
               "decoder_layers: seconds, a float64 tensor of 3");
   TORCH_CHECK(form >= kKernel && form <= kTransposed,
               "decoder_layers: form 0 (kernel), 1 (linear) or 2 (transposed)");
-  Step step{cos,         sin,   slot_mapping,
-                  query_start, seq_lens, block_tables,
-                  block_size,  scale, static_cast<MatmulForm>(form), split_keys, LoRA{}};
+  TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "decoder_layers: cos, sin per table");
+  Step step{cos,      sin,          slot_mapping,
+            query_start, seq_lens, block_tables,
+            block_size, static_cast<MatmulForm>(form), split_keys, LoRA{}};
   TORCH_CHECK(prompt_rows.size() % 2 == 0, "decoder_layers: prompt_rows are (begin, end) pairs");
   for (size_t i = 0; i < prompt_rows.size(); i += 2)
     TORCH_CHECK((i == 0 ? 0 : prompt_rows[i - 1]) <= prompt_rows[i] &&
@@ -427,17 +486,21 @@ void bind_decoder_layer(pybind11::module& m) {
            py::arg("m") = py::none(), py::arg("bias") = py::none(),
            py::arg("panels") = py::none(), py::arg("block_panels") = py::none(),
            py::arg("prompt_tiles") = py::none());
+  using Tensor = std::optional<at::Tensor>;
   py::class_<DecoderLayer>(m, "DecoderLayer")
-      .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
-                    double, Projection, Projection, Projection, Projection, int64_t, int64_t,
-                    int64_t>(),
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"));
+      .def(py::init<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, double, Projection,
+                    Projection, Projection, Projection, int64_t, int64_t, int64_t, double,
+                    int64_t, double, int64_t, int64_t, double>(),
+           py::arg("attn_in"), py::arg("attn_out"), py::arg("mlp_in"), py::arg("mlp_out"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("scale"), py::arg("window") = 0,
+           py::arg("softcap") = 0.0, py::arg("rope") = 0, py::arg("activation") = 0,
+           py::arg("residual_scale") = 1.0);
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a step, x in place (CPU)",
         py::arg("layers"), py::arg("x"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("slot_mapping"), py::arg("block_size"), py::arg("query_start"),
-        py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("seconds"),
+        py::arg("seq_lens"), py::arg("block_tables"), py::arg("seconds"),
         py::arg("form") = 0, py::arg("split_keys") = true, py::arg("lora") = py::none(),
         py::arg("lora_slots") = std::vector<int64_t>{}, py::arg("lora_num_slots") = 0,
         py::arg("prompt_rows") = std::vector<int64_t>{});

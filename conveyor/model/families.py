@@ -1,0 +1,205 @@
+"""Each supported family as a description of its layers: what it adds to Llama's.
+
+A decoder layer here is always: [norm] -> attention -> [norm] -> residual add, then
+[norm] -> MLP -> [norm] -> residual add. A family says which of the four norms it has and
+what their checkpoint names are, how a norm scales (w, or Gemma's 1 + w), the MLP's activation,
+and per layer the attention's kind (full or a sliding window, soft-capped scores, its scale)
+and rotary table (the global one, Gemma 3's local one, or none: SmolLM3's NoPE layers); around
+the layers, the embedding, residual and logit multipliers. `Parts` holds that, resolved once
+from the checkpoint's config (as transformers reads it); model/llama.py builds both the modules
+and the compiled layers (kernels/decoder_layer.cpp) from it, so a family is written once.
+
+A setting a family does not support (a rope variant, partial rotary dims, a norm kind) is
+refused at load with the field's name: never loaded and computed wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, fields
+
+from conveyor.config import SUPPORTED_ARCHITECTURES as ARCHITECTURES
+
+# The four norms by role: attn_in (before attention), attn_out (on its output, before the
+# residual add), mlp_in and mlp_out likewise; the value is the checkpoint's module name.
+LLAMA_NORMS = (("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm"))
+SANDWICH_NORMS = (  # Gemma 2 and 3: all four
+    ("attn_in", "input_layernorm"),
+    ("attn_out", "post_attention_layernorm"),
+    ("mlp_in", "pre_feedforward_layernorm"),
+    ("mlp_out", "post_feedforward_layernorm"),
+)
+OUTPUT_NORMS = (  # OLMo 2: on the sublayers' outputs only
+    ("attn_out", "post_attention_layernorm"),
+    ("mlp_out", "post_feedforward_layernorm"),
+)
+
+# What each family needs beyond Llama's layer (the README's table says the same).
+MECHANISMS = {
+    "llama": "RoPE (default, linear, llama3, yarn scaling)",
+    "mistral": "sliding window on every layer where the config sets one",
+    "qwen2": "q/k/v bias; sliding window on the layers the config names",
+    "qwen3": "per-head q/k RMSNorm",
+    "gemma2": "(1 + w) norms around both sublayers, GeGLU, embedding scale, alternating "
+    "sliding/global layers, soft-capped attention and final logits, query_pre_attn_scalar",
+    "gemma3": "as Gemma 2 without soft-caps, per-head (1 + w) q/k norms, a second RoPE base "
+    "for the local (sliding) layers",
+    "phi3": "fused qkv_proj and gate_up_proj in the checkpoint; sliding window",
+    "olmo2": "norms on the sublayers' outputs only, full-width q/k RMSNorm",
+    "granite": "embedding, attention, residual and logit multipliers",
+    "smollm3": "layers without RoPE (no_rope_layers)",
+}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One model's layer description (see the module docstring); the defaults are Llama's."""
+
+    family: str = "llama"
+    norms: tuple[tuple[str, str], ...] = LLAMA_NORMS
+    norm_offset: bool = False  # Gemma: the norm scales by 1 + w, multiplied in float32
+    qk_norm: str = ""  # "" none, "head" per head (Qwen3, Gemma 3), "full" all heads (OLMo 2)
+    act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
+    windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 full attention
+    ropes: tuple[int, ...] = ()  # per layer: 0 the global RoPE, 1 the local one, -1 none
+    local_rope_inv_freq: tuple[float, ...] = ()  # the local layers' (Gemma 3)
+    attn_scale: float = 0.0  # the scores' scale; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    embed_scale: float = 1.0  # the embedding rows' multiplier
+    residual_scale: float = 1.0  # each sublayer's output is multiplied by it before the add
+    logits_divisor: float = 1.0  # logits are divided by it (Granite's logits_scaling)
+
+    def norm_name(self, role: str) -> str | None:
+        return dict(self.norms).get(role)
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
+
+    def rope(self, layer: int) -> int:
+        return self.ropes[layer] if self.ropes else 0
+
+    def scale(self, head_dim: int) -> float:
+        return self.attn_scale or head_dim**-0.5
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Parts:
+        """From to_dict's output after a JSON round trip (lists back to tuples)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: _tuples(v) for k, v in data.items() if k in known})
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def architecture(hf) -> str:
+    """The family of a transformers config, or a ValueError that lists the supported ones."""
+    names = list(getattr(hf, "architectures", None) or [])
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    model_type = getattr(hf, "model_type", "")
+    if not names and model_type in ARCHITECTURES.values():
+        return model_type  # configs written from GGUF metadata carry model_type only
+    raise ValueError(
+        f"unsupported architecture {names or model_type!r}; supported: "
+        f"{', '.join(ARCHITECTURES)} (README: supported families)"
+    )
+
+
+def parts_of(hf, family: str, num_layers: int, head_dim: int) -> Parts:
+    """The layer description of a transformers config of `family`."""
+    _refuse_unsupported(hf, family)
+    builder = _BUILDERS.get(family)
+    extra = builder(hf, head_dim) if builder else {}
+    return Parts(family=family, windows=_windows(hf, family, num_layers), **extra)
+
+
+def _windows(hf, family: str, num_layers: int) -> tuple[int, ...]:
+    """Per layer the sliding window transformers applies (its sliding_window_overlay), 0: full.
+    Families with `layer_types` slide on the layers it names; the others on every layer."""
+    window = getattr(hf, "sliding_window", None)
+    if not window or getattr(hf, "use_sliding_window", True) is False:
+        return ()
+    types = getattr(hf, "layer_types", None)
+    if family in ("mistral", "phi3") or types is None:
+        return (int(window),) * num_layers
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+
+
+def _gemma(hf, head_dim: int) -> dict:
+    # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the model dtype.
+    embed_scale = struct.unpack("f", struct.pack("f", hf.hidden_size**0.5))[0]
+    return dict(
+        norms=SANDWICH_NORMS,
+        norm_offset=True,
+        act=_activation(getattr(hf, "hidden_activation", None) or hf.hidden_act),
+        attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
+        final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        embed_scale=embed_scale,
+    )
+
+
+def _gemma3(hf, head_dim: int) -> dict:
+    from conveyor.model.config import rope_frequencies
+
+    types = list(hf.layer_types)
+    local, _ = rope_frequencies(hf, head_dim, "sliding_attention")
+    return dict(
+        _gemma(hf, head_dim),
+        qk_norm="head",
+        ropes=tuple(1 if t == "sliding_attention" else 0 for t in types),
+        local_rope_inv_freq=local,
+    )
+
+
+def _granite(hf, head_dim: int) -> dict:
+    return dict(
+        attn_scale=float(hf.attention_multiplier),
+        embed_scale=float(hf.embedding_multiplier),
+        residual_scale=float(hf.residual_multiplier),
+        logits_divisor=float(hf.logits_scaling),
+    )
+
+
+def _smollm3(hf, head_dim: int) -> dict:
+    return dict(ropes=tuple(0 if use else -1 for use in hf.no_rope_layers))
+
+
+_BUILDERS = {
+    "qwen3": lambda hf, head_dim: dict(qk_norm="head"),
+    "gemma2": _gemma,
+    "gemma3": _gemma3,
+    "olmo2": lambda hf, head_dim: dict(norms=OUTPUT_NORMS, qk_norm="full"),
+    "granite": _granite,
+    "smollm3": _smollm3,
+}
+
+
+def _activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_activation {name!r}; supported: {list(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def _refuse_unsupported(hf, family: str) -> None:
+    """Settings inside a supported family that conveyor does not compute: refused by name."""
+    act = getattr(hf, "hidden_act", None) or "silu"
+    if family not in ("gemma2", "gemma3"):
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} for {family}; supported: 'silu'")
+    params = getattr(hf, "rope_parameters", None) or {}
+    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    if partial is not None and not math.isclose(float(partial), 1.0):
+        raise ValueError(f"unsupported partial_rotary_factor {partial} (rotary on every dim only)")
+    if family == "gemma3" and getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError("unsupported use_bidirectional_attention for gemma3 (causal only)")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError(f"unsupported mlp_bias for {family}")

@@ -1,0 +1,102 @@
+"""Every family beyond Llama's four (model/families.py) against transformers in float64, on
+tiny random checkpoints whose windows are shorter than the prompts: greedy tokens equal
+transformers' generate, and logprobs agree, however the engine runs them. All prompts in one
+step; chunked at an odd budget with requests arriving while others decode; with a small cache
+that preempts, shared prefixes that hit the prefix cache, and n-gram speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE_KWARGS, hf_greedy, random_prompts
+from tiny import FAMILIES, make_tiny_checkpoint
+from transformers import AutoModelForCausalLM
+
+from conveyor import LLMEngine, SamplingParams
+
+MAX_TOKENS = 8
+NUM_PROMPTS = 8
+MAX_STEPS = 2000
+# transformers runs Gemma 2 on its eager attention, whose softmax is float32 even for a float64
+# model; the others' references are float64 throughout (sdpa).
+TOLERANCE = {"gemma2": 2e-5}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    name = request.param
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
+    reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    vocab_size = reference_model.config.vocab_size
+    prompts = random_prompts(NUM_PROMPTS, vocab_size, seed=3, max_len=40)
+    shared = max(prompts, key=len)[:13]  # prompts that share a prefix: prefix-cache hits
+    prompts += [shared + p[:5] for p in prompts[:4]]
+    reference = hf_greedy(reference_model, prompts, MAX_TOKENS)
+    return name, str(path), prompts, reference
+
+
+def requests(prompts) -> list[tuple[str, list[int], SamplingParams]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    return [(str(i), p, params) for i, p in enumerate(prompts)]
+
+
+def run(engine: LLMEngine, todo: list, arrive_every: int = 0) -> dict:
+    """Steps until idle, checking block accounting after every step; with arrive_every > 0,
+    one request is added every that many steps (the rest at once otherwise)."""
+    pending = list(todo)
+    done = {}
+    for step in range(MAX_STEPS):
+        while pending and (not arrive_every or step % arrive_every == 0):
+            engine.add_request(*pending.pop(0))
+            if arrive_every:
+                break
+        if not pending and not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        engine.check_integrity()
+    raise AssertionError("requests unfinished")
+
+
+def assert_reference(name: str, done: dict, reference) -> None:
+    tolerance = TOLERANCE.get(name, 1e-6)
+    for i, (tokens, logprobs) in enumerate(reference):
+        out = done[str(i)]
+        assert out.token_ids == tokens, f"{name} prompt {i}: tokens differ from transformers"
+        got = [pos[t].logprob for pos, t in zip(out.logprobs, tokens, strict=True)]
+        worst = max(abs(a - b) for a, b in zip(got, logprobs, strict=True))
+        assert worst < tolerance, f"{name} prompt {i}: logprob differs by {worst}"
+
+
+def test_all_prompts_in_one_step_match_transformers(family):
+    name, path, prompts, reference = family
+    engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=4096)
+    assert_reference(name, run(engine, requests(prompts)), reference)
+
+
+def test_odd_chunks_and_staggered_arrivals_match_transformers(family):
+    name, path, prompts, reference = family
+    engine = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=7, record_trace=True
+    )
+    done = run(engine, requests(prompts), arrive_every=3)
+    assert max(sum(s.num_scheduled_tokens.values()) for s in engine.trace) == 7
+    assert_reference(name, done, reference)
+
+
+def test_preemption_prefix_hits_and_speculation_match_transformers(family):
+    name, path, prompts, reference = family
+    engine = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=24,
+        max_num_batched_tokens=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1},
+    )  # fmt: skip
+    done = run(engine, requests(prompts))
+    stats = engine.get_stats()
+    assert stats.scheduler.num_preemptions_total > 0
+    assert stats.scheduler.prefix_cache_hits > 0
+    assert stats.spec.num_draft_tokens > 0
+    assert_reference(name, done, reference)
+    assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
