@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -74,6 +73,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from conveyor import envs
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ DEQUANT_FROM_TOKENS = 16
 # wins (16: 92-102 vs 99-106 ms; 32: 124-163 vs 172-192).
 INT8_FROM_TOKENS = 16
 # Input channels above this many times a token's RMS skip the int8 route (see int8_linear).
-OUTLIER_RATIO = float(os.environ.get("CONVEYOR_QUANT_OUTLIER_RATIO", "4"))
+OUTLIER_RATIO = envs.quant_outlier_ratio()
 # CONVEYOR_QUANT_INT8=1 builds int8 copies at load and runs steps of 16 tokens or more
 # through fbgemm (CPUs with VNNI only). Off by default: its 8-bit activations per token move
 # logits more than the block kernels' 8-bit activations per block of 32 do, and which route a
@@ -366,7 +367,7 @@ def has_vnni() -> bool:
 
 
 def int8_route_enabled() -> bool:
-    return os.environ.get(INT8_ENV, "0") == "1" and has_vnni() and int8_gemm_available()
+    return envs.quant_int8() and has_vnni() and int8_gemm_available()
 
 
 def pack_int8(weight: BlockWeight, tile_rows: int = 1024) -> torch.ScriptObject:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
+from conveyor import envs
 from conveyor.distributed.channel import Opener, Sealer, hand_over, local_address, new_key
 from conveyor.distributed.parallel import DEFAULT_TIMEOUT, TPGroup, TPShard, connect, serve_store
 from conveyor.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
@@ -117,7 +118,7 @@ class TPWorkers:
         from conveyor.distributed import shm
 
         use_shm = device.type == "cpu" and shm.available()
-        if os.environ.get("CONVEYOR_TP_SHM", "1") == "0":  # gloo only (tests, comparisons)
+        if not envs.tp_shm():  # gloo only (tests, comparisons)
             use_shm = False
         self.shm_path = shm.create(size) if use_shm else None
         self.procs: list[subprocess.Popen] = []
