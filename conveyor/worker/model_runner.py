@@ -11,7 +11,6 @@ and runs its own share of the forward alongside them; it alone samples.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from itertools import chain
@@ -24,10 +23,12 @@ from conveyor.distributed.parallel import TPGroup
 from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.slots import LoRASlots
 from conveyor.model import kernels, prompt_route
+from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
+from conveyor.model.plan import CpuFeatures, KernelPlan, PlanSettings
 from conveyor.outputs import (
     HIDDEN_NOT_FINITE,
     LOGITS_NOT_FINITE,
@@ -73,11 +74,18 @@ class ModelRunner:
         if device.type == "cpu":
             matmul_forms(cfg.dtype)  # the matmul form per token count, measured once
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg, device)
+        ops = kernels.load() if device.type == "cpu" else None
+        planned = kernel_plan.build(
+            PlanSettings.from_env(), cfg, CpuFeatures.detect(ops), ops is not None
+        ).apply(ops)  # before the load: prompt_route.choose reads it
         self.model = load_model(cfg, device, self.tp)
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
-        self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype)
+        self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
+        route = prompt_route.route_of(self.model)
+        self.plan = planned.settled(route).with_attention(self.attention_ops is not None)
+        self.plan.apply(ops)  # EngineCore logs it, once
         # Decode graphs: one rank, no adapters; built with the cache (its scratch block).
         mode = graph_mode(device) if graph_rows and self.tp.size == 1 and loras is None else None
         self.graph_mode, self.graph_rows = mode, graph_rows
@@ -335,11 +343,15 @@ KERNEL_DTYPES = {
 
 
 def select_attention_ops(
-    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
+    plan: KernelPlan | None = None,
 ) -> ModuleType | None:
     """The compiled attention kernels where they apply (CPU, see KERNEL_DTYPES, built here);
-    None -> the PyTorch reference. CONVEYOR_ATTENTION=reference forces the reference."""
-    if os.environ.get("CONVEYOR_ATTENTION", "").lower() == "reference":
+    None -> the PyTorch reference. A plan of attention=reference (CONVEYOR_ATTENTION) forces
+    the reference."""
+    if plan is not None and plan.attention == "reference":
         return None
     if device.type != "cpu" or (dtype, kv_dtype or dtype) not in KERNEL_DTYPES:
         return None
