@@ -160,3 +160,24 @@ def test_only_envs_reads_conveyor_variables():
         if p.name != "envs.py" and pattern.search(p.read_text())
     ]
     assert readers == []
+
+
+def test_prompt_attention_off_keeps_prompt_rows_on_the_float_kernel(q4_gguf, monkeypatch):
+    """CONVEYOR_PROMPT_ATTENTION=0 reaches paged_attention.cpp through the plan (its setter),
+    not the environment: the tiles still run the prompt's projections, no bfloat16 attention."""
+    if not _cpu().amx:
+        pytest.skip("this CPU has no AMX-BF16")
+    monkeypatch.setenv("CONVEYOR_PROMPT_ATTENTION", "0")
+    ops = kernels.load()
+    try:
+        llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, max_num_seqs=2)
+        assert llm.engine.kernel_plan["prompt_attention"] == "paged_attention[float]"
+        before = ops.kernel_runs()
+        params = SamplingParams(temperature=0, max_tokens=3)
+        llm.generate([list(range(5, 45))], params, use_tqdm=False)
+        ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
+    finally:
+        monkeypatch.delenv("CONVEYOR_PROMPT_ATTENTION")
+        kernel_plan.build(PlanSettings(), _config(), _cpu()).apply(ops)
+    assert ran["amx/bf16_linear"] > 0
+    assert ran["attention/amx"] == ran["attention/avx512_bf16"] == 0
