@@ -45,6 +45,7 @@ from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.request import LoRARequest, LoRAStats, module_requests
 from conveyor.model.config import ModelConfig
 from conveyor.model.loader import load_tokenizer
+from conveyor.model.plan import PlanSettings
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
@@ -209,6 +210,7 @@ class EngineCore:
                 config.seed,
                 cache.kv_cache_dtype,
                 config.num_threads,
+                PlanSettings.from_env(config.kernel_isa),
             )
             self.tp_workers = TPWorkers(settings, config.tensor_parallel_size, self.device)
             tp, publish = self.tp_workers.group, self.tp_workers.publish
@@ -226,6 +228,7 @@ class EngineCore:
             publish=publish,
             loras=self.loras,
             graph_rows=0 if config.enforce_eager else self.scheduler_config.max_num_seqs,
+            plan_settings=PlanSettings.from_env(config.kernel_isa),
         )
 
     def _allocate_kv_cache(self) -> None:
@@ -288,7 +291,15 @@ class EngineCore:
                 f"differs from the target's ({target.vocab_size})"
             )
         cache = self.cache_config
-        return ModelRunner(draft, self.device, cache.block_size, config.seed, cache.kv_cache_dtype)
+        plan = PlanSettings.from_env(config.kernel_isa)
+        return ModelRunner(
+            draft,
+            self.device,
+            cache.block_size,
+            config.seed,
+            cache.kv_cache_dtype,
+            plan_settings=plan,
+        )
 
     def _num_blocks(self) -> int:
         if self.cache_config.num_blocks is not None:

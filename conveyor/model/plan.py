@@ -66,9 +66,10 @@ class PlanSettings(NamedTuple):
     attention: str = "auto"
 
     @classmethod
-    def from_env(cls) -> PlanSettings:
+    def from_env(cls, isa: str | None = None) -> PlanSettings:
+        """The switches in the environment; isa: the engine's setting, over CONVEYOR_ISA."""
         return cls(
-            envs.isa(),
+            isa or envs.isa(),
             envs.matmul(),
             envs.compiled_layers(),
             envs.prompt_tiles(),

@@ -43,6 +43,7 @@ from conveyor.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
 
 if TYPE_CHECKING:
     from conveyor.model.config import ModelConfig
+    from conveyor.model.plan import PlanSettings
 
 # The labels of the two directions (distributed/channel.py); every worker gets the same steps.
 STEPS, REPLIES = "tp-steps", "tp-replies"
@@ -59,6 +60,7 @@ class WorkerSettings:
     seed: int
     kv_cache_dtype: str
     num_threads: int | None  # each rank's CPU threads; None: torch's default
+    plan_settings: PlanSettings | None = None  # the kernel plan's (None: the environment's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,12 +58,14 @@ class ModelRunner:
         publish: Callable[[StepInputs], None] | None = None,
         loras: LoRARegistry | None = None,
         graph_rows: int = 0,
+        plan_settings: PlanSettings | None = None,
     ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
         rank 0, sends each step's inputs to the other ranks before the forward; loras: the
         adapters in host memory, with LoRA on (never with tensor parallelism); graph_rows:
         decode steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
-        0: every step eager, --enforce-eager)."""
+        0: every step eager, --enforce-eager); plan_settings: the kernel plan's (model/plan.py;
+        None: the environment's)."""
         self.cfg = cfg
         self.tp = tp or TPGroup()
         self.publish = publish
@@ -76,7 +78,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg, device)
         ops = kernels.load() if device.type == "cpu" else None
         planned = kernel_plan.build(
-            PlanSettings.from_env(), cfg, CpuFeatures.detect(ops), ops is not None
+            plan_settings or PlanSettings.from_env(), cfg, CpuFeatures.detect(ops), ops is not None
         ).apply(ops)  # before the load: prompt_route.choose reads it
         self.model = load_model(cfg, device, self.tp)
         self.lora = None if loras is None else LoRASlots(self.model, loras)

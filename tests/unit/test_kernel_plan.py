@@ -181,3 +181,21 @@ def test_prompt_attention_off_keeps_prompt_rows_on_the_float_kernel(q4_gguf, mon
         kernel_plan.build(PlanSettings(), _config(), _cpu()).apply(ops)
     assert ran["amx/bf16_linear"] > 0
     assert ran["attention/amx"] == ran["attention/avx512_bf16"] == 0
+
+
+def test_the_engine_setting_caps_the_isa_over_the_environment(q4_gguf, monkeypatch):
+    """--kernel-isa (EngineArgs.kernel_isa) is the user's setting; CONVEYOR_ISA its default."""
+    from conveyor.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="kernel_isa"):
+        EngineArgs(model=str(q4_gguf), kernel_isa="sse2")
+    if not _cpu().avx2:
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv("CONVEYOR_ISA", "scalar")
+    ops = kernels.load()
+    try:
+        llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, kernel_isa="avx2")
+        assert llm.engine.kernel_plan["isa"] == "avx2" and ops.isa() == "avx2"
+    finally:
+        monkeypatch.delenv("CONVEYOR_ISA")
+        kernel_plan.build(PlanSettings(), _config(), _cpu()).apply(ops)
