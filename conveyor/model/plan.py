@@ -102,8 +102,8 @@ class KernelPlan:
 
     def ops(self) -> dict[str, str]:
         """op -> kernel[isa], by row class: what the summary shows and the tests check."""
-        decode = self._projection()
-        prompt = "amx_bf16_tiles[amx]" if self.prompt_tiles else decode
+        decode = self._projection(prompt=False)
+        prompt = "amx_bf16_tiles[amx]" if self.prompt_tiles else self._projection(prompt=True)
         generated = "paged_attention[float]" if self.attention == "compiled" else "torch_sdpa"
         prompt_attn = f"amx_attention[{self.bf16_attention}]" if self.prompt_attention else ""
         norms = "rms_norm[compiled]" if self.compiled_layers else "torch"
@@ -116,13 +116,18 @@ class KernelPlan:
             "norms": norms,
         }
 
-    def _projection(self) -> str:
+    def _projection(self, prompt: bool) -> str:
+        """Without batch invariance the kernel follows the row count (model/quant: the block
+        kernel below DEQUANT_FROM_TOKENS rows, then MKL on dequantized tiles; layers: the
+        measured forms up to 64 rows, then ATen); a prompt chunk is named by its many rows."""
         if not self.compiled:
             return "torch"
         if self.batch_invariant:
             weights = "blocks" if self.quantized else "dense"
             return f"panel_{weights}[{self.gemm_isa}]"
-        return f"matmul[{self.matmul}]"
+        if self.quantized:
+            return "dequant_tiles[mkl]" if prompt else "quant_gemm[avx2]"
+        return "aten_linear[mkl]" if prompt else f"matmul[{self.matmul}]"
 
     def summary(self) -> dict[str, str]:
         """The plan as a small dict of strings: logged at start, sent to the front end."""

@@ -199,3 +199,12 @@ def test_the_engine_setting_caps_the_isa_over_the_environment(q4_gguf, monkeypat
     finally:
         monkeypatch.delenv("CONVEYOR_ISA")
         kernel_plan.build(PlanSettings(), _config(), _cpu()).apply(ops)
+
+
+def test_without_batch_invariance_the_plan_names_the_row_count_kernels():
+    cfg = SimpleNamespace(**{**vars(_config()), "batch_invariant": False})
+    ops = kernel_plan.build(PlanSettings(), cfg, AMX_CPU).ops()
+    assert (ops["decode_projections"], ops["prompt_projections"]) == (
+        "quant_gemm[avx2]",
+        "dequant_tiles[mkl]",
+    )
