@@ -77,17 +77,14 @@ class ModelRunner:
             matmul_forms(cfg.dtype)  # the matmul form per token count, measured once
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg, device)
         ops = kernels.load() if device.type == "cpu" else None
-        planned = kernel_plan.build(
-            plan_settings or PlanSettings.from_env(), cfg, CpuFeatures.detect(ops), ops is not None
-        ).apply(ops)  # before the load: prompt_route.choose reads it
+        planned = plan_kernels(cfg, ops, plan_settings)  # before the load: prompt_route reads it
         self.model = load_model(cfg, device, self.tp)
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
-        route = prompt_route.route_of(self.model)
-        self.plan = planned.settled(route).with_attention(self.attention_ops is not None)
-        self.plan.apply(ops)  # EngineCore logs it, once
+        self.plan = planned.settled(prompt_route.route_of(self.model))
+        self.plan = self.plan.with_attention(self.attention_ops is not None).apply(ops)
         # Decode graphs: one rank, no adapters; built with the cache (its scratch block).
         mode = graph_mode(device) if graph_rows and self.tp.size == 1 and loras is None else None
         self.graph_mode, self.graph_rows = mode, graph_rows
@@ -342,6 +339,17 @@ KERNEL_DTYPES = {
     (torch.float32, torch.bfloat16),
     (torch.float32, torch.float8_e4m3fn),
 }
+
+
+def plan_kernels(
+    cfg: ModelConfig, ops: ModuleType | None, settings: PlanSettings | None = None
+) -> KernelPlan:
+    """The model's kernel plan from the settings (None: the environment's) and the CPU as the
+    kernels see it, applied: the C++ ops take its choices before the model loads. EngineCore
+    logs the plan once it is settled."""
+    settings = settings or PlanSettings.from_env()
+    plan = kernel_plan.build(settings, cfg, CpuFeatures.detect(ops), ops is not None)
+    return plan.apply(ops)
 
 
 def select_attention_ops(
