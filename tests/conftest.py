@@ -45,6 +45,16 @@ if DEVICE != "cpu":
     DEVICE_FLAGS += ["--kv-cache-memory", CUDA_KV_CACHE_MEMORY]
 
 
+@pytest.fixture(autouse=True)
+def _no_kernel_plan_left_behind():
+    """An engine's kernel plan narrows the process-wide C++ ops (model/plan.py); the next test
+    starts from the defaults, whatever the last one built (CONVEYOR_ISA=avx2, ...)."""
+    yield
+    from conveyor.model import plan
+
+    plan.reset()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: arch -> folder of a float64 random checkpoint with a tokenizer (cached)."""

@@ -196,6 +196,23 @@ def build(
     )
 
 
+def reset() -> None:
+    """No plan applied: the C++ ops back to their defaults, every kernel the CPU runs allowed
+    (tests that call the ops directly after an engine narrowed them)."""
+    global _current
+    if _current is None:
+        return
+    _current = None
+    from conveyor.model import kernels
+
+    ops = kernels.load()
+    if ops is not None:
+        ops.set_isa("auto")
+        ops.set_amx(True)
+        ops.set_bf16_dot(True)
+        ops.set_prompt_attention(True)
+
+
 def current(cfg: ModelConfig) -> KernelPlan:
     """The applied plan; where none was (a model loaded without a runner), the one the
     environment and this CPU give for cfg, applied now."""

@@ -119,17 +119,13 @@ def test_the_plan_is_what_runs(profile, q4_gguf, monkeypatch):
         pytest.skip(f"this CPU has no {profile}")
     monkeypatch.setenv("CONVEYOR_ISA", profile)
     ops = kernels.load()
-    try:
-        llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, max_num_seqs=2)
-        plan = llm.engine.core.runner.plan
-        assert plan.isa == profile and llm.engine.kernel_plan == plan.summary()
-        before = ops.kernel_runs()
-        params = SamplingParams(temperature=0, max_tokens=3)
-        llm.generate([list(range(5, 45))], params, use_tqdm=False)
-        ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
-    finally:
-        monkeypatch.delenv("CONVEYOR_ISA")
-        kernel_plan.build(PlanSettings(), _config(), _cpu()).apply(ops)  # the default, again
+    llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, max_num_seqs=2)
+    plan = llm.engine.core.runner.plan
+    assert plan.isa == profile and llm.engine.kernel_plan == plan.summary()
+    before = ops.kernel_runs()
+    params = SamplingParams(temperature=0, max_tokens=3)
+    llm.generate([list(range(5, 45))], params, use_tqdm=False)
+    ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
     panel_isa = "avx512" if profile == "amx" else profile
     assert ran[f"panel/{panel_isa}"] > 0
     assert all(ran[f"panel/{isa}"] == 0 for isa in ("avx512", "avx2", "scalar") if isa != panel_isa)
@@ -169,16 +165,12 @@ def test_prompt_attention_off_keeps_prompt_rows_on_the_float_kernel(q4_gguf, mon
         pytest.skip("this CPU has no AMX-BF16")
     monkeypatch.setenv("CONVEYOR_PROMPT_ATTENTION", "0")
     ops = kernels.load()
-    try:
-        llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, max_num_seqs=2)
-        assert llm.engine.kernel_plan["prompt_attention"] == "paged_attention[float]"
-        before = ops.kernel_runs()
-        params = SamplingParams(temperature=0, max_tokens=3)
-        llm.generate([list(range(5, 45))], params, use_tqdm=False)
-        ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
-    finally:
-        monkeypatch.delenv("CONVEYOR_PROMPT_ATTENTION")
-        kernel_plan.build(PlanSettings(), _config(), _cpu()).apply(ops)
+    llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, max_num_seqs=2)
+    assert llm.engine.kernel_plan["prompt_attention"] == "paged_attention[float]"
+    before = ops.kernel_runs()
+    params = SamplingParams(temperature=0, max_tokens=3)
+    llm.generate([list(range(5, 45))], params, use_tqdm=False)
+    ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
     assert ran["amx/bf16_linear"] > 0
     assert ran["attention/amx"] == ran["attention/avx512_bf16"] == 0
 
@@ -193,12 +185,8 @@ def test_the_engine_setting_caps_the_isa_over_the_environment(q4_gguf, monkeypat
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setenv("CONVEYOR_ISA", "scalar")
     ops = kernels.load()
-    try:
-        llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, kernel_isa="avx2")
-        assert llm.engine.kernel_plan["isa"] == "avx2" and ops.isa() == "avx2"
-    finally:
-        monkeypatch.delenv("CONVEYOR_ISA")
-        kernel_plan.build(PlanSettings(), _config(), _cpu()).apply(ops)
+    llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, kernel_isa="avx2")
+    assert llm.engine.kernel_plan["isa"] == "avx2" and ops.isa() == "avx2"
 
 
 def test_without_batch_invariance_the_plan_names_the_row_count_kernels():
@@ -208,3 +196,14 @@ def test_without_batch_invariance_the_plan_names_the_row_count_kernels():
         "quant_gemm[avx2]",
         "dequant_tiles[mkl]",
     )
+
+
+def test_reset_gives_the_ops_back_every_kernel_the_cpu_runs():
+    """conftest resets after each test: an engine's narrowed plan never leaks into the next."""
+    cpu = _cpu()
+    ops = kernels.load()
+    kernel_plan.build(PlanSettings(isa="avx2"), _config(), cpu).apply(ops)
+    assert ops.isa() != "avx512" and not ops.amx_available()
+    kernel_plan.reset()
+    assert ops.isa() == ("avx512" if cpu.avx512 else "avx2" if cpu.avx2 else "scalar")
+    assert ops.amx_available() == cpu.amx
