@@ -46,13 +46,15 @@ if DEVICE != "cpu":
 
 
 @pytest.fixture(autouse=True)
-def _no_kernel_plan_left_behind():
-    """An engine's kernel plan narrows the process-wide C++ ops (model/plan.py); the next test
-    starts from the defaults, whatever the last one built (CONVEYOR_ISA=avx2, ...)."""
-    yield
+def _kernel_plan_restored():
+    """An engine's kernel plan narrows the process-wide C++ ops (model/plan.py): after a test,
+    the plan in force before it (a module fixture's engine's, or none) is put back, whatever
+    the test built (CONVEYOR_ISA=avx2, ...)."""
     from conveyor.model import plan
 
-    plan.reset()
+    before = plan.applied()
+    yield
+    plan.restore(before)
 
 
 @pytest.fixture(scope="session")

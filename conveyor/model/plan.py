@@ -196,16 +196,24 @@ def build(
     )
 
 
-def reset() -> None:
-    """No plan applied: the C++ ops back to their defaults, every kernel the CPU runs allowed
-    (tests that call the ops directly after an engine narrowed them)."""
+def applied() -> KernelPlan | None:
+    """The plan the C++ ops follow now, if any was applied."""
+    return _current
+
+
+def restore(previous: KernelPlan | None) -> None:
+    """Puts back a plan applied() returned earlier; None: no plan, the C++ ops' defaults (every
+    kernel the CPU runs allowed). Tests use it so that one engine's plan never outlives them."""
     global _current
-    if _current is None:
+    if previous is _current:
         return
-    _current = None
     from conveyor.model import kernels
 
     ops = kernels.load()
+    if previous is not None:
+        previous.apply(ops)
+        return
+    _current = None
     if ops is not None:
         ops.set_isa("auto")
         ops.set_amx(True)

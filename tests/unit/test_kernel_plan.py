@@ -198,12 +198,13 @@ def test_without_batch_invariance_the_plan_names_the_row_count_kernels():
     )
 
 
-def test_reset_gives_the_ops_back_every_kernel_the_cpu_runs():
-    """conftest resets after each test: an engine's narrowed plan never leaks into the next."""
+def test_restore_gives_the_ops_back_every_kernel_the_cpu_runs():
+    """conftest restores after each test: an engine's narrowed plan never leaks into the next."""
     cpu = _cpu()
     ops = kernels.load()
+    kernel_plan.restore(None)
     kernel_plan.build(PlanSettings(isa="avx2"), _config(), cpu).apply(ops)
     assert ops.isa() != "avx512" and not ops.amx_available()
-    kernel_plan.reset()
+    kernel_plan.restore(None)
     assert ops.isa() == ("avx512" if cpu.avx512 else "avx2" if cpu.avx2 else "scalar")
     assert ops.amx_available() == cpu.amx
