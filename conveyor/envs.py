@@ -79,12 +79,12 @@ def attention() -> str:
 
 
 def quant_int8() -> bool:
-    """CONVEYOR_QUANT_INT8=1 builds int8 copies of block weights at load (model/quant.py)."""
+    """CONVEYOR_QUANT_INT8=1 builds int8 copies of block weights at load (model/quant/)."""
     return _get("CONVEYOR_QUANT_INT8", "0") == "1"
 
 
 def quant_outlier_ratio() -> float:
-    """CONVEYOR_QUANT_OUTLIER_RATIO: the int8 route's outlier threshold (model/quant.py)."""
+    """CONVEYOR_QUANT_OUTLIER_RATIO: the int8 route's outlier threshold (model/quant/)."""
     return float(_get("CONVEYOR_QUANT_OUTLIER_RATIO", "4") or "4")
 
 
