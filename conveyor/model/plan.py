@@ -23,17 +23,24 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from conveyor import envs
 from conveyor.envs import ISAS
 
-if TYPE_CHECKING:
-    from conveyor.model.config import ModelConfig
-
 logger = logging.getLogger(__name__)
+
+
+class ModelFacts(Protocol):
+    """What a plan reads of a ModelConfig (a Protocol: model/config.py imports model/quant,
+    which consults the plan, so the plan does not import the config)."""
+
+    batch_invariant: bool
+    quantization: str
+    dtype: torch.dtype
+    head_dim: int
 
 
 class CpuFeatures(NamedTuple):
@@ -64,6 +71,7 @@ class PlanSettings(NamedTuple):
     prompt_tiles: bool = True
     prompt_attention: bool = True
     attention: str = "auto"
+    quant_int8: bool = False
 
     @classmethod
     def from_env(cls, isa: str | None = None) -> PlanSettings:
@@ -75,6 +83,7 @@ class PlanSettings(NamedTuple):
             envs.prompt_tiles(),
             envs.prompt_attention(),
             envs.attention(),
+            envs.quant_int8(),
         )
 
 
@@ -98,6 +107,7 @@ class KernelPlan:
     matmul: str  # the non-invariant matmul forms: measured | linear | transposed | kernel
     prompt_tiles: bool  # prompt rows' projections may take AMX bfloat16 tiles
     prompt_attention: bool  # prompt rows' attention may take bfloat16
+    int8_route: bool = False  # blocks without batch invariance: fbgemm int8 from 16 rows on
     settings: PlanSettings = PlanSettings()
 
     def ops(self) -> dict[str, str]:
@@ -125,8 +135,10 @@ class KernelPlan:
         if self.batch_invariant:
             weights = "blocks" if self.quantized else "dense"
             return f"panel_{weights}[{self.gemm_isa}]"
+        if self.quantized and prompt:
+            return "fbgemm_int8[vnni]" if self.int8_route else "dequant_tiles[mkl]"
         if self.quantized:
-            return "dequant_tiles[mkl]" if prompt else "quant_gemm[avx2]"
+            return "quant_gemm[avx2]"
         return "aten_linear[mkl]" if prompt else f"matmul[{self.matmul}]"
 
     def summary(self) -> dict[str, str]:
@@ -136,12 +148,16 @@ class KernelPlan:
     def log_line(self) -> str:
         return "kernel plan: " + ", ".join(f"{k}={v}" for k, v in self.summary().items())
 
-    def settled(self, route: str) -> KernelPlan:
+    def settled(self, route: str, int8: bool = False) -> KernelPlan:
         """The plan once the model is loaded: prompt_route.choose may have declined the tiles
-        (memory) or the route ("tiles" | "attention" | "none"); the plan then says so."""
+        (memory) or the route ("tiles" | "attention" | "none"), and the int8 copies need VNNI
+        (int8: whether the modules got them); the plan then says so."""
         tiles = self.prompt_tiles and route == "tiles"
         attention = self.prompt_attention and route != "none"
-        return dataclasses.replace(self, prompt_tiles=tiles, prompt_attention=attention)
+        int8_route = self.int8_route and int8
+        return dataclasses.replace(
+            self, prompt_tiles=tiles, prompt_attention=attention, int8_route=int8_route
+        )
 
     def with_attention(self, compiled: bool) -> KernelPlan:
         """The plan once the runner knows whether the attention kernels take its dtypes."""
@@ -164,7 +180,7 @@ _current: KernelPlan | None = None
 
 
 def build(
-    settings: PlanSettings, cfg: ModelConfig, features: CpuFeatures, compiled: bool = True
+    settings: PlanSettings, cfg: ModelFacts, features: CpuFeatures, compiled: bool = True
 ) -> KernelPlan:
     """The plan for a model: compiled says whether the C++ kernels are loaded and the model
     runs on the CPU (else every op is PyTorch's)."""
@@ -192,6 +208,7 @@ def build(
         matmul="measured" if settings.matmul == "auto" else settings.matmul,
         prompt_tiles=route and settings.prompt_tiles and isa == "amx",
         prompt_attention=route and settings.prompt_attention and bf16 != "",
+        int8_route=compiled and quantized and not invariant and settings.quant_int8,
         settings=settings,
     )
 
@@ -221,7 +238,7 @@ def restore(previous: KernelPlan | None) -> None:
         ops.set_prompt_attention(True)
 
 
-def current(cfg: ModelConfig) -> KernelPlan:
+def current(cfg: ModelFacts) -> KernelPlan:
     """The applied plan; where none was (a model loaded without a runner), the one the
     environment and this CPU give for cfg, applied now."""
     if _current is not None:

@@ -83,7 +83,8 @@ class ModelRunner:
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
-        self.plan = planned.settled(prompt_route.route_of(self.model))
+        int8 = any(getattr(m, "int8_weight", None) is not None for m in self.model.modules())
+        self.plan = planned.settled(prompt_route.route_of(self.model), int8)
         self.plan = self.plan.with_attention(self.attention_ops is not None).apply(ops)
         # Decode graphs: one rank, no adapters; built with the cache (its scratch block).
         mode = graph_mode(device) if graph_rows and self.tp.size == 1 and loras is None else None

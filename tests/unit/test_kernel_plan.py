@@ -208,3 +208,15 @@ def test_restore_gives_the_ops_back_every_kernel_the_cpu_runs():
     kernel_plan.restore(None)
     assert ops.isa() == ("avx512" if cpu.avx512 else "avx2" if cpu.avx2 else "scalar")
     assert ops.amx_available() == cpu.amx
+
+
+def test_the_int8_route_is_the_plans_and_only_without_batch_invariance(monkeypatch):
+    """CONVEYOR_QUANT_INT8=1 reaches model/quant through the plan: int8 copies only where the
+    panels do not serve every row count already."""
+    monkeypatch.setenv("CONVEYOR_QUANT_INT8", "1")
+    settings = PlanSettings.from_env()
+    assert not kernel_plan.build(settings, _config(), AMX_CPU).int8_route
+    cfg = SimpleNamespace(**{**vars(_config()), "batch_invariant": False})
+    plan = kernel_plan.build(settings, cfg, AMX_CPU)
+    assert plan.int8_route and plan.ops()["prompt_projections"] == "fbgemm_int8[vnni]"
+    assert not plan.settled("none", int8=False).int8_route  # no VNNI: no copies were made

@@ -46,7 +46,7 @@ def is_quantized_gguf(path: Path) -> bool:
 def pack_int8_modules(model: nn.Module) -> int:
     """Gives every QuantLinear but the lm_head its int8 copy where the route is on; returns
     how many got one."""
-    if not int8_route_enabled():
+    if not int8_route_enabled(model.config):
         return 0
     count = 0
     for name, module in model.named_modules():

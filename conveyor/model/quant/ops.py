@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from conveyor import envs
+from conveyor.model import plan as kernel_plan
 from conveyor.model.quant.formats import QK, BlockWeight
 
 logger = logging.getLogger(__name__)
@@ -140,8 +141,10 @@ def has_vnni() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & set(flags))
 
 
-def int8_route_enabled() -> bool:
-    return envs.quant_int8() and has_vnni() and int8_gemm_available()
+def int8_route_enabled(cfg: kernel_plan.ModelFacts) -> bool:
+    """The kernel plan's int8 route (CONVEYOR_QUANT_INT8=1 without batch invariance: the panels
+    serve every row count otherwise), on a CPU with VNNI and fbgemm."""
+    return kernel_plan.current(cfg).int8_route and has_vnni() and int8_gemm_available()
 
 
 def pack_int8(weight: BlockWeight, tile_rows: int = 1024) -> torch.ScriptObject:
