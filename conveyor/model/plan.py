@@ -208,7 +208,7 @@ def build(
         matmul="measured" if settings.matmul == "auto" else settings.matmul,
         prompt_tiles=route and settings.prompt_tiles and isa == "amx",
         prompt_attention=route and settings.prompt_attention and bf16 != "",
-        int8_route=compiled and quantized and not invariant and settings.quant_int8,
+        int8_route=quantized and not invariant and settings.quant_int8,
         settings=settings,
     )
 
