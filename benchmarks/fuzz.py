@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from conveyor import envs
+
 NAN, INF = "\u0000NaN\u0000", "\u0000Inf\u0000"  # written as the bare literals NaN, Infinity
 SSE_ENDS = ("[DONE]", "response.completed", "response.failed", "response.incomplete")
 SSE_ENDS += ("message_stop", "error")
@@ -348,7 +350,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.num_cases < 1 or args.check_every < 1:
         raise ValueError("--num-cases and --check-every must be >= 1")
-    key = args.api_key or os.environ.get("CONVEYOR_API_KEY")
+    key = args.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     core = args.core_pid
     report = run_fuzz(

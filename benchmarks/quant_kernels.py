@@ -1,6 +1,6 @@
 """`python -m benchmarks quant-kernels`: ms per call of each quantized-matmul candidate for
 SmolLM2-135M's projection shapes, the measurement behind the kernel choice described at the top
-of conveyor/model/quant.py (its table was printed with the defaults: one thread, 30 weights).
+of conveyor/model/quant/ (its table was printed with the defaults: one thread, 30 weights).
 
 Candidates: float32 matmul, fbgemm's dynamic int8 linear, torch's int8 / int4 packed matmuls,
 and conveyor's block kernels (q4_block, q8_block, q4_tiles). Each cycles through --copies

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from conveyor import envs
 from conveyor.model import prompt_route
 from conveyor.model.layers import matmul_forms
 from conveyor.model.quant import QuantLinear
@@ -636,7 +637,7 @@ def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple
             total = ops["projections"]
             work["projections"] = (total * (1 - share), "int8_dot")
             work["prompt projections"] = (total * share, "amx_bf16")
-        if os.environ.get("CONVEYOR_PROMPT_ATTENTION", "1") != "0":
+        if envs.prompt_attention():
             share = prompt_pairs / max(1, pairs)
             work["attention"] = (ops["attention"] * (1 - share), float_kind)
             work["prompt attention"] = (ops["attention"] * share, attention_kind)

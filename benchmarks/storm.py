@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
+
+from conveyor import envs
 
 # Metrics that must fall back to zero once every stream ended or was cut.
 LEFT_GAUGES = ("conveyor:num_requests_running", "conveyor:num_requests_waiting")
@@ -51,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--num-streams >= 1, --cancel-fraction in [0, 1], --probe-period > 0")
     from benchmarks.split import Probe
 
-    key = args.api_key or os.environ.get("CONVEYOR_API_KEY")
+    key = args.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     probe = Probe(f"{args.base_url}/health", args.probe_period)
     try:

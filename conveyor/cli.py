@@ -7,6 +7,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from conveyor import envs
 from conveyor.bench.cli import add_bench_parser
 from conveyor.entrypoints.args import add_engine_args, engine_args
 from conveyor.entrypoints.openai.responses.store import add_store_args, store_limits
@@ -80,7 +81,6 @@ def _serve(args: argparse.Namespace, settings: EngineArgs, started=None) -> int:
 
 def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     """The app over a ready engine, or an exit status for flags that do not go together."""
-    import os
 
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
@@ -89,7 +89,7 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     from conveyor.limits import RequestLimits
 
     limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
-    api_key = args.api_key or os.environ.get("CONVEYOR_API_KEY") or None
+    api_key = args.api_key or envs.api_key() or None
     ray = args.distributed_executor_backend == "ray"
     if args.data_parallel_size != 1 or ray:
         if not args.engine_process:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor import envs
 from conveyor.config import (
     DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     DTYPE_NAMES,
@@ -47,6 +48,8 @@ def _speculative_config(text: str) -> SpeculativeConfig | None:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
+
+KERNEL_ISAS = ("auto", *envs.ISAS)
 
 # A flag's value type: the first type of its field's annotation (`int | None` -> int).
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
@@ -100,6 +103,14 @@ class EngineArgs:
     )
     skip_tokenizer_init: bool = _setting(
         False, "model", "no tokenizer: token ids in, token ids out", cli=False
+    )
+    kernel_isa: str | None = _setting(
+        None,
+        "model",
+        "CPU: the widest instruction set the kernels use, auto|amx|avx512|avx2|scalar, capped "
+        "by the CPU (default: $CONVEYOR_ISA, else auto); every one gives the same bits "
+        "(model/plan.py)",
+        choices=KERNEL_ISAS,
     )
     # ---- engine ---------------------------------------------------------------------------
     max_num_seqs: int = _setting(256, "engine", "most requests in one step's batch")
@@ -229,6 +240,8 @@ class EngineArgs:
         if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
             raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
         object.__setattr__(self, "device", str(self.device))
+        if self.kernel_isa is not None and self.kernel_isa not in KERNEL_ISAS:
+            raise ValueError(f"kernel_isa must be one of {KERNEL_ISAS}, got {self.kernel_isa!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}"

@@ -1,20 +1,22 @@
 """Where conveyor keeps what it makes once per machine: a leaf module (the standard library
-only), so that the model's kernels, its GGUF loader and the configuration all read it without
-importing each other."""
+and conveyor/envs.py only), so that the model's kernels, its GGUF loader and the configuration
+all read it without importing each other."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from conveyor import envs
+
 
 def cache_dir() -> Path:
     """conveyor's cache (converted GGUF metadata, compiled kernels): $CONVEYOR_CACHE_DIR, else
     $XDG_CACHE_HOME/conveyor, else ~/.cache/conveyor."""
-    explicit = os.environ.get("CONVEYOR_CACHE_DIR")
+    explicit = envs.cache_dir()
     if explicit:
         return Path(explicit).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "conveyor"
+    return Path(envs.xdg_cache_home() or "~/.cache").expanduser() / "conveyor"
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:

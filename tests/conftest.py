@@ -45,6 +45,18 @@ if DEVICE != "cpu":
     DEVICE_FLAGS += ["--kv-cache-memory", CUDA_KV_CACHE_MEMORY]
 
 
+@pytest.fixture(autouse=True)
+def _kernel_plan_restored():
+    """An engine's kernel plan narrows the process-wide C++ ops (model/plan.py): after a test,
+    the plan in force before it (a module fixture's engine's, or none) is put back, whatever
+    the test built (CONVEYOR_ISA=avx2, ...)."""
+    from conveyor.model import plan
+
+    before = plan.applied()
+    yield
+    plan.restore(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: arch -> folder of a float64 random checkpoint with a tokenizer (cached)."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
+from conveyor import envs
 from conveyor.bench.datasets import SampleRequest, arrival_times, sample_requests
 
 if TYPE_CHECKING:
@@ -510,7 +511,7 @@ def _tokenizer_source(args: argparse.Namespace) -> str | None:
 
 
 def _headers() -> dict[str, str]:
-    key = os.environ.get("OPENAI_API_KEY") or os.environ.get("CONVEYOR_API_KEY")
+    key = os.environ.get("OPENAI_API_KEY") or envs.api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

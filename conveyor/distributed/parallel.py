@@ -103,6 +103,11 @@ def check_tensor_parallel(cfg, size: int) -> None:
         problems.append(f"its {kv} key/value heads (nor does {size} divide by them)")
     if cfg.intermediate_size % size:
         problems.append(f"its MLP's intermediate size {cfg.intermediate_size}")
+    parts = getattr(cfg, "parts", None)
+    if parts is not None and parts.qk_norm == "full":  # OLMo 2: one norm over every head
+        problems.append("its q/k norms over all heads at once")
+    if parts is not None and parts.family == "phi3":
+        problems.append("its fused qkv_proj / gate_up_proj checkpoint tensors (not sliced yet)")
     if problems:
         raise ValueError(
             f"tensor_parallel_size={size} does not divide {' or '.join(problems)}; "

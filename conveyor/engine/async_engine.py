@@ -117,6 +117,10 @@ class AsyncEngine:
     def device(self) -> str:
         return str(self.engine.core.device)
 
+    @property
+    def kernel_plan(self) -> dict[str, str]:
+        return self.engine.kernel_plan
+
     num_replicas = 1
     replica_index = 0
 

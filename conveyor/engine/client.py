@@ -49,6 +49,9 @@ class EngineClient(Protocol):
     def device(self) -> str: ...  # where the model runs: "cpu", "cuda:0", ...
 
     @property
+    def kernel_plan(self) -> dict[str, str]: ...  # op -> kernel[isa], model/plan.py
+
+    @property
     def num_replicas(self) -> int: ...  # data-parallel replicas (1 for one engine)
 
     @property

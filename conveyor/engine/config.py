@@ -29,6 +29,7 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # LoRA on (enable_lora)
     enforce_eager: bool = False  # no CUDA graphs (worker/cuda_graphs.py)
     adaptive_threads: bool = True  # engine/threads.py
+    kernel_isa: str | None = None  # the plan's ISA cap (model/plan.py); None: $CONVEYOR_ISA
 
     @classmethod
     def resolve(cls, args: EngineArgs, model_config: ModelConfig | None = None) -> EngineConfig:
@@ -61,6 +62,7 @@ class EngineConfig:
             args.lora_config(),
             args.enforce_eager,
             args.adaptive_threads,
+            args.kernel_isa,
         )
 
 

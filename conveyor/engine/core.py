@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from conveyor import envs
 from conveyor.config import (
     DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     CacheConfig,
@@ -43,6 +45,7 @@ from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.request import LoRARequest, LoRAStats, module_requests
 from conveyor.model.config import ModelConfig
 from conveyor.model.loader import load_tokenizer
+from conveyor.model.plan import PlanSettings
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling_params import SamplingParams
@@ -52,6 +55,8 @@ from conveyor.speculative.stats import SpecDecodingStats
 from conveyor.structured.backend import GrammarCompiler
 from conveyor.structured.grammar import Grammar
 from conveyor.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 GPU_MEMORY_UTILIZATION = 0.9
@@ -131,6 +136,7 @@ class CoreInfo:
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out
     grammar_unavailable: str | None = None  # why structured output is off, if it is
     lora_config: LoRAConfig | None = None  # set when LoRA is on
+    kernel_plan: dict[str, str] = field(default_factory=dict)  # model/plan.py: summary()
 
 
 class EngineCore:
@@ -160,6 +166,7 @@ class EngineCore:
         self.tp_workers = None
         try:
             self.runner = self._runner(config)
+            logger.info("conveyor: %s", self.runner.plan.log_line())
             self.num_blocks = self._num_blocks()
             self._allocate_kv_cache()
             cache = self.cache_config
@@ -203,6 +210,7 @@ class EngineCore:
                 config.seed,
                 cache.kv_cache_dtype,
                 config.num_threads,
+                PlanSettings.from_env(config.kernel_isa),
             )
             self.tp_workers = TPWorkers(settings, config.tensor_parallel_size, self.device)
             tp, publish = self.tp_workers.group, self.tp_workers.publish
@@ -220,6 +228,7 @@ class EngineCore:
             publish=publish,
             loras=self.loras,
             graph_rows=0 if config.enforce_eager else self.scheduler_config.max_num_seqs,
+            plan_settings=PlanSettings.from_env(config.kernel_isa),
         )
 
     def _allocate_kv_cache(self) -> None:
@@ -259,7 +268,14 @@ class EngineCore:
             self.skip_tokenizer_init,
             self.grammars.unavailable,
             self.lora_config,
+            self.kernel_plan,
         )
+
+    @property
+    def kernel_plan(self) -> dict[str, str]:
+        """The model's kernel plan as strings (model/plan.py), for the front end to show."""
+        plan = getattr(self.runner, "plan", None)
+        return {} if plan is None else plan.summary()
 
     def _draft_runner(self, config: EngineConfig) -> ModelRunner | None:
         spec = config.speculative_config
@@ -275,7 +291,15 @@ class EngineCore:
                 f"differs from the target's ({target.vocab_size})"
             )
         cache = self.cache_config
-        return ModelRunner(draft, self.device, cache.block_size, config.seed, cache.kv_cache_dtype)
+        plan = PlanSettings.from_env(config.kernel_isa)
+        return ModelRunner(
+            draft,
+            self.device,
+            cache.block_size,
+            config.seed,
+            cache.kv_cache_dtype,
+            plan_settings=plan,
+        )
 
     def _num_blocks(self) -> int:
         if self.cache_config.num_blocks is not None:
@@ -598,7 +622,7 @@ class Fault:
 
     @classmethod
     def from_env(cls) -> Fault | None:
-        setting = os.environ.get("CONVEYOR_FAULT_INJECT")
+        setting = envs.fault_inject()
         if not setting:
             return None
         kind, _, step = setting.partition("@")

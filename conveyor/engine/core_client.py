@@ -237,6 +237,10 @@ class AsyncMPEngine:
     def device(self) -> str:
         return str(self.info.device)
 
+    @property
+    def kernel_plan(self) -> dict[str, str]:
+        return self.info.kernel_plan
+
     num_replicas = 1
 
     @property

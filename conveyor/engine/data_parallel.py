@@ -214,6 +214,10 @@ class AsyncDPEngine:
     def device(self) -> str:
         return self.replicas[0].device
 
+    @property
+    def kernel_plan(self) -> dict[str, str]:
+        return self.replicas[0].kernel_plan
+
     replica_index = 0  # callbacks get the replica itself, numbered from 0
 
     @property

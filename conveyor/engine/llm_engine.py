@@ -73,6 +73,11 @@ class LLMEngine:
         return self.core.device
 
     @property
+    def kernel_plan(self) -> dict[str, str]:
+        """The core's kernel plan as strings (model/plan.py)."""
+        return self.core.info.kernel_plan
+
+    @property
     def scheduler(self):
         return self.core.scheduler
 

@@ -124,7 +124,7 @@ def _read_facts(folder: Path) -> dict:
     arch = architecture(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
-    parts = parts_of(hf, arch, int(hf.num_hidden_layers), int(head_dim))
+    parts = parts_of(hf, arch, int(hf.num_hidden_layers), int(head_dim), _local_rope)
     saved = getattr(hf, "dtype", None)
     return {
         "architecture": arch,
@@ -147,6 +147,10 @@ def _read_facts(folder: Path) -> dict:
         "rope_scaling": rope_scaling,
         "parts": parts.to_dict(),
     }
+
+
+def _local_rope(hf, head_dim: int) -> tuple[float, ...]:
+    return rope_frequencies(hf, head_dim, "sliding_attention")[0]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

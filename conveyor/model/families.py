@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from conveyor.config import SUPPORTED_ARCHITECTURES as ARCHITECTURES
@@ -113,11 +114,12 @@ def architecture(hf) -> str:
     )
 
 
-def parts_of(hf, family: str, num_layers: int, head_dim: int) -> Parts:
-    """The layer description of a transformers config of `family`."""
+def parts_of(hf, family: str, num_layers: int, head_dim: int, local_rope: Callable) -> Parts:
+    """The layer description of a transformers config of `family`; local_rope(hf, head_dim):
+    the inverse frequencies of the sliding layers' RoPE (model/config.py's)."""
     _refuse_unsupported(hf, family)
     builder = _BUILDERS.get(family)
-    extra = builder(hf, head_dim) if builder else {}
+    extra = builder(hf, head_dim, local_rope) if builder else {}
     return Parts(family=family, windows=_windows(hf, family, num_layers), **extra)
 
 
@@ -133,7 +135,7 @@ def _windows(hf, family: str, num_layers: int) -> tuple[int, ...]:
     return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
-def _gemma(hf, head_dim: int) -> dict:
+def _gemma(hf, head_dim: int, local_rope: Callable) -> dict:
     # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the model dtype.
     embed_scale = struct.unpack("f", struct.pack("f", hf.hidden_size**0.5))[0]
     return dict(
@@ -147,20 +149,17 @@ def _gemma(hf, head_dim: int) -> dict:
     )
 
 
-def _gemma3(hf, head_dim: int) -> dict:
-    from conveyor.model.config import rope_frequencies
-
+def _gemma3(hf, head_dim: int, local_rope: Callable) -> dict:
     types = list(hf.layer_types)
-    local, _ = rope_frequencies(hf, head_dim, "sliding_attention")
     return dict(
-        _gemma(hf, head_dim),
+        _gemma(hf, head_dim, local_rope),
         qk_norm="head",
         ropes=tuple(1 if t == "sliding_attention" else 0 for t in types),
-        local_rope_inv_freq=local,
+        local_rope_inv_freq=local_rope(hf, head_dim),
     )
 
 
-def _granite(hf, head_dim: int) -> dict:
+def _granite(hf, head_dim: int, local_rope: Callable) -> dict:
     return dict(
         attn_scale=float(hf.attention_multiplier),
         embed_scale=float(hf.embedding_multiplier),
@@ -169,15 +168,15 @@ def _granite(hf, head_dim: int) -> dict:
     )
 
 
-def _smollm3(hf, head_dim: int) -> dict:
+def _smollm3(hf, head_dim: int, local_rope: Callable) -> dict:
     return dict(ropes=tuple(0 if use else -1 for use in hf.no_rope_layers))
 
 
 _BUILDERS = {
-    "qwen3": lambda hf, head_dim: dict(qk_norm="head"),
+    "qwen3": lambda hf, head_dim, local_rope: dict(qk_norm="head"),
     "gemma2": _gemma,
     "gemma3": _gemma3,
-    "olmo2": lambda hf, head_dim: dict(norms=OUTPUT_NORMS, qk_norm="full"),
+    "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
     "granite": _granite,
     "smollm3": _smollm3,
 }

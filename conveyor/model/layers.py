@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +13,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from conveyor import envs
 from conveyor.paths import write_atomic
 
 
@@ -132,7 +132,7 @@ def matmul_forms(dtype: torch.dtype) -> dict[int, str]:
     picks other forms from one disturbed by a neighbour. Without a kept file a process measures
     for itself, once (the runner calls this at load, so no request pays for it), and keeps it
     to itself: a measurement under load is not written for others to trust."""
-    forced = os.environ.get("CONVEYOR_MATMUL", "").lower()
+    forced = envs.matmul()
     if forced and forced != "auto":
         if forced not in ("linear", "transposed", "kernel"):
             raise ValueError(f"CONVEYOR_MATMUL={forced!r}: expected linear, transposed or kernel")

@@ -14,7 +14,6 @@ group's collectives (see distributed/parallel.py for the split).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterable
 from types import ModuleType
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from conveyor.distributed.parallel import TPGroup
+from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionKind, AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
 from conveyor.model.families import Parts
@@ -287,9 +287,9 @@ class LlamaForCausalLM(nn.Module):
         Each projection is computed as the module would at this row count."""
         if meta.ops is None or self.tp.size > 1 or x.device.type != "cpu" or x.dim() != 2:
             return None
-        if self._compiled is None:  # CONVEYOR_COMPILED_LAYERS=0: the modules always
+        if self._compiled is None:  # a plan without compiled layers: the modules always
             layers = [layer.compiled(meta.ops) for layer in self.model.layers]
-            enabled = os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") != "0"
+            enabled = kernel_plan.current(self.config).compiled_layers
             self._compiled = layers if enabled and all(layers) else []
             self._quantized_rows = _block_kernel_rows(self.model.layers)
             projections = [m for m in self.model.layers.modules() if hasattr(m, "panels")]

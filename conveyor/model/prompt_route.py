@@ -43,6 +43,8 @@ from types import ModuleType
 import numpy as np
 from torch import nn
 
+from conveyor.model import plan as kernel_plan
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ def applies(model: nn.Module, ops: ModuleType | None) -> bool:
     """Whether the model's prompt tokens can take the tiles here: every decoder projection a
     block-quantized float32 module on the CPU, packed for the batch-invariant kernels, whose
     layers run compiled (kernels/decoder_layer.cpp holds the route)."""
-    if os.environ.get("CONVEYOR_PROMPT_TILES", "1") == "0" or not _quantized_compiled(model, ops):
+    if not kernel_plan.current(model.config).prompt_tiles or not _quantized_compiled(model, ops):
         return False
     if not ops.amx_available():
         return False
@@ -70,7 +72,7 @@ MEMORY_SHARE = 0.25  # of the memory available, at most, for the tiles
 def attention_applies(model: nn.Module, ops: ModuleType | None) -> bool:
     """Whether the model's prompt rows can take the bfloat16 attention alone here (the tiles'
     conditions, with AVX512-BF16 or AMX usable for the attention kernel)."""
-    if os.environ.get("CONVEYOR_PROMPT_ATTENTION", "1") == "0":
+    if not kernel_plan.current(model.config).prompt_attention:
         return False
     return _quantized_compiled(model, ops) and bool(ops.prompt_attention_isa())
 
@@ -78,7 +80,7 @@ def attention_applies(model: nn.Module, ops: ModuleType | None) -> bool:
 def _quantized_compiled(model: nn.Module, ops: ModuleType | None) -> bool:
     from conveyor.model.quant import QuantLinear
 
-    if ops is None or os.environ.get("CONVEYOR_COMPILED_LAYERS", "1") == "0":
+    if ops is None or not kernel_plan.current(model.config).compiled_layers:
         return False  # the route runs inside the compiled layers only
     if model.config.head_dim % 16:  # the attention tiles' columns (amx_attention.cpp)
         return False

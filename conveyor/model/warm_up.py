@@ -1,6 +1,6 @@
 """`python -m conveyor.model.warm_up`: the one-time work of a new machine, done at set-up
 (`make` runs it after installing) instead of at the first start of a server or test: the
-compiled CPU kernels (kernels/, quant.py), the matmul forms that run fastest here (measured on
+compiled CPU kernels (kernels/, quant/), the matmul forms that run fastest here (measured on
 a machine that is otherwise quiet, at torch's default thread count, for float32 and float64)
 and the default model's config and tokenizer, which transformers converts from its GGUF once
 (all cached under conveyor's cache folder). Safe to run again: what is cached is loaded, and

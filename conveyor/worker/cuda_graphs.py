@@ -25,7 +25,6 @@ padding bug. CONVEYOR_CUDA_GRAPHS=0 is --enforce-eager.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from conveyor import envs
 from conveyor.model.attention import AttentionMetadata, ReferencePlan
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ MIN_WIDTH = 8  # blocks: the narrowest table a graph reads
 
 def graph_mode(device: torch.device) -> str | None:
     """ "capture" (CUDA's default), "eager" (the padded step without capture) or None (off)."""
-    setting = os.environ.get("CONVEYOR_CUDA_GRAPHS", "").lower()
+    setting = envs.cuda_graphs()
     if setting in ("0", "off", "false"):
         return None
     if setting == "eager":

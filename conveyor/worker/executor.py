@@ -36,12 +36,14 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
+from conveyor import envs
 from conveyor.distributed.channel import Opener, Sealer, hand_over, local_address, new_key
 from conveyor.distributed.parallel import DEFAULT_TIMEOUT, TPGroup, TPShard, connect, serve_store
 from conveyor.messages import AllocateKV, Failed, Hello, Ready, RunStep, Stop
 
 if TYPE_CHECKING:
     from conveyor.model.config import ModelConfig
+    from conveyor.model.plan import PlanSettings
 
 # The labels of the two directions (distributed/channel.py); every worker gets the same steps.
 STEPS, REPLIES = "tp-steps", "tp-replies"
@@ -58,6 +60,7 @@ class WorkerSettings:
     seed: int
     kv_cache_dtype: str
     num_threads: int | None  # each rank's CPU threads; None: torch's default
+    plan_settings: PlanSettings | None = None  # the kernel plan's (None: the environment's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +120,7 @@ class TPWorkers:
         from conveyor.distributed import shm
 
         use_shm = device.type == "cpu" and shm.available()
-        if os.environ.get("CONVEYOR_TP_SHM", "1") == "0":  # gloo only (tests, comparisons)
+        if not envs.tp_shm():  # gloo only (tests, comparisons)
             use_shm = False
         self.shm_path = shm.create(size) if use_shm else None
         self.procs: list[subprocess.Popen] = []

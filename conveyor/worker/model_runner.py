@@ -11,7 +11,6 @@ and runs its own share of the forward alongside them; it alone samples.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from itertools import chain
@@ -24,10 +23,12 @@ from conveyor.distributed.parallel import TPGroup
 from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.slots import LoRASlots
 from conveyor.model import kernels, prompt_route
+from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
+from conveyor.model.plan import CpuFeatures, KernelPlan, PlanSettings
 from conveyor.outputs import (
     HIDDEN_NOT_FINITE,
     LOGITS_NOT_FINITE,
@@ -57,12 +58,14 @@ class ModelRunner:
         publish: Callable[[StepInputs], None] | None = None,
         loras: LoRARegistry | None = None,
         graph_rows: int = 0,
+        plan_settings: PlanSettings | None = None,
     ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
         rank 0, sends each step's inputs to the other ranks before the forward; loras: the
         adapters in host memory, with LoRA on (never with tensor parallelism); graph_rows:
         decode steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
-        0: every step eager, --enforce-eager)."""
+        0: every step eager, --enforce-eager); plan_settings: the kernel plan's (model/plan.py;
+        None: the environment's)."""
         self.cfg = cfg
         self.tp = tp or TPGroup()
         self.publish = publish
@@ -73,11 +76,16 @@ class ModelRunner:
         if device.type == "cpu":
             matmul_forms(cfg.dtype)  # the matmul form per token count, measured once
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg, device)
+        ops = kernels.load() if device.type == "cpu" else None
+        planned = plan_kernels(cfg, ops, plan_settings)  # before the load: prompt_route reads it
         self.model = load_model(cfg, device, self.tp)
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list[torch.Tensor] = []
-        self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype)
+        self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
+        int8 = any(getattr(m, "int8_weight", None) is not None for m in self.model.modules())
+        self.plan = planned.settled(prompt_route.route_of(self.model), int8)
+        self.plan = self.plan.with_attention(self.attention_ops is not None).apply(ops)
         # Decode graphs: one rank, no adapters; built with the cache (its scratch block).
         mode = graph_mode(device) if graph_rows and self.tp.size == 1 and loras is None else None
         self.graph_mode, self.graph_rows = mode, graph_rows
@@ -334,12 +342,27 @@ KERNEL_DTYPES = {
 }
 
 
+def plan_kernels(
+    cfg: ModelConfig, ops: ModuleType | None, settings: PlanSettings | None = None
+) -> KernelPlan:
+    """The model's kernel plan from the settings (None: the environment's) and the CPU as the
+    kernels see it, applied: the C++ ops take its choices before the model loads. EngineCore
+    logs the plan once it is settled."""
+    settings = settings or PlanSettings.from_env()
+    plan = kernel_plan.build(settings, cfg, CpuFeatures.detect(ops), ops is not None)
+    return plan.apply(ops)
+
+
 def select_attention_ops(
-    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
+    plan: KernelPlan | None = None,
 ) -> ModuleType | None:
     """The compiled attention kernels where they apply (CPU, see KERNEL_DTYPES, built here);
-    None -> the PyTorch reference. CONVEYOR_ATTENTION=reference forces the reference."""
-    if os.environ.get("CONVEYOR_ATTENTION", "").lower() == "reference":
+    None -> the PyTorch reference. A plan of attention=reference (CONVEYOR_ATTENTION) forces
+    the reference."""
+    if plan is not None and plan.attention == "reference":
         return None
     if device.type != "cpu" or (dtype, kv_dtype or dtype) not in KERNEL_DTYPES:
         return None

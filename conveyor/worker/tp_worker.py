@@ -113,6 +113,7 @@ def _build_runner(settings: RankSettings):
         own.seed,
         own.kv_cache_dtype,
         tp=group,
+        plan_settings=own.plan_settings,
     )
 
 

@@ -30,6 +30,9 @@ CASES = {
     # qwen2 with MQA (one KV head, replicated on both ranks), q/k/v biases, tied embeddings
     # and 387 tokens: the vocabulary splits 194 + 193.
     "mqa-tied-odd-vocab": ("qwen2", {"num_key_value_heads": 1, "vocab_size": 387}),
+    # Gemma 3: sliding-window and global layers with their own rotary bases, (1 + w) per-head
+    # q/k norms, the embedding scale (tests/tiny.py FAMILIES).
+    "gemma3-window": ("gemma3", {}),
 }
 
 
@@ -62,7 +65,7 @@ def test_two_ranks_match_transformers(case, monkeypatch):
         attn = llm.engine.core.runner.model.model.layers[0].self_attn
         assert attn.num_heads == 2  # half of the 4 query heads on this rank
         assert attn.num_kv_heads == 1  # half of GQA's 2; MQA's one, replicated
-        if name != "gqa":
+        if name == "mqa-tied-odd-vocab":
             assert (
                 attn.qkv_proj.bias is not None and llm.engine.core.model_config.tie_word_embeddings
             )
@@ -142,3 +145,12 @@ def test_a_shared_memory_wait_ends_when_a_peer_is_gone_or_late():
         group.close()
     finally:
         shm.remove(path)
+
+
+@pytest.mark.parametrize(
+    "family,reason", [("olmo2", "q/k norms over all heads"), ("phi3", "fused qkv_proj")]
+)
+def test_families_that_do_not_split_yet_are_refused_with_the_reason(tmp_path, family, reason):
+    path = make_tiny_checkpoint(tmp_path, family)
+    with pytest.raises(ValueError, match=reason):
+        LLM(str(path), dtype="float64", tensor_parallel_size=2)

@@ -251,6 +251,7 @@ def test_in_process_engine_feeds_the_dashboard(tiny_checkpoint):
         )
         metrics = EngineMetrics("tiny", recent=True)
         feed = DashboardFeed(engine, metrics, "tiny", "cpu")
+        assert feed.kernel_plan == engine.kernel_plan and feed.kernel_plan["isa"]  # the header
 
         def on_step(eng, outputs):
             metrics.on_step(eng, outputs)

@@ -86,13 +86,25 @@ def test_models_retrieve_gives_the_card_and_a_404_for_another_model(client):
 
 
 def test_version_ping_and_head_variants(server):
-    assert get(server, "/version").json() == {"version": conveyor.__version__}
+    version = get(server, "/version").json()
+    assert version["version"] == conveyor.__version__
     for method in ("GET", "POST", "HEAD"):
         assert get(server, "/ping", method, key=None).status_code == 200  # open, as /health
     for path in ("/v1/models", f"/v1/models/{MODEL}", "/version", "/tokenizer_info", "/metrics"):
         head = get(server, path, "HEAD")
         assert (head.status_code, head.content) == (200, b""), path
     assert get(server, "/v1/models/other", "HEAD").status_code == 404
+
+
+def test_version_shows_the_kernel_plan_the_core_process_chose(server):
+    """model/plan.py: the plan is made in the engine-core process and travels to the front end
+    with the core's other facts (CoreInfo); /version names each op's kernel and the ISA."""
+    plan = get(server, "/version").json()["kernel_plan"]
+    assert plan["isa"] in ("amx", "avx512", "avx2", "scalar")
+    for op in ("decode_projections", "prompt_projections", "generated_attention", "lm_head"):
+        assert isinstance(plan[op], str) and plan[op], op
+    # the tiny llama is float32, batch-invariant on the CPU: the panels, at the plan's width
+    assert plan["decode_projections"].startswith("panel_dense[")
 
 
 def test_routes_other_than_the_probes_need_the_key(server):

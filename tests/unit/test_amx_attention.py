@@ -20,7 +20,7 @@ CACHE_TYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
 @pytest.fixture
 def amx(ops):
     if not ops.prompt_attention_isa():
-        pytest.skip("no AMX-BF16 or AVX512-BF16 here (or CONVEYOR_ISA asks for a narrower path)")
+        pytest.skip("no AMX-BF16 or AVX512-BF16 here (or the kernel plan narrows it)")
     return ops
 
 

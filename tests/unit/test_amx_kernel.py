@@ -21,7 +21,7 @@ ROWS = [1, 15, 16, 17, 31, 32, 33, 70]
 @pytest.fixture
 def amx(ops):
     if not ops.amx_available():
-        pytest.skip("no AMX-BF16 here (or CONVEYOR_ISA asks for a narrower path)")
+        pytest.skip("no AMX-BF16 here (or the kernel plan narrows it)")
     return ops
 
 

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from conveyor import LLM, SamplingParams
 from conveyor.model import quant
 from conveyor.model.config import ModelConfig
+from conveyor.model.plan import CpuFeatures
 from conveyor.model.quant import BlockWeight, QuantEmbedding, QuantLinear
 
 pytestmark = pytest.mark.skipif(
@@ -316,10 +317,13 @@ def test_the_prompt_route_follows_the_cpu_and_its_switches(switches, quantized_g
     from conveyor.model import kernels
 
     ops = kernels.load()
+    cpu = CpuFeatures.detect(ops)  # what the CPU runs; the plan narrows it (model/plan.py)
     for name, value in switches.items():
         monkeypatch.setenv(name, value)
-    amx = ops.amx_available() and "CONVEYOR_PROMPT_TILES" not in switches
-    attention = bool(ops.prompt_attention_isa()) and "CONVEYOR_PROMPT_ATTENTION" not in switches
+    wide = switches.get("CONVEYOR_ISA") != "avx2"
+    amx = cpu.amx and wide and "CONVEYOR_PROMPT_TILES" not in switches
+    bf16 = cpu.amx or cpu.avx512_bf16
+    attention = bf16 and wide and "CONVEYOR_PROMPT_ATTENTION" not in switches
     want = "tiles" if amx else "attention" if attention else ""
     llm = LLM(str(quantized_gguf("Q4_1")), dtype="float32", num_blocks=32, max_num_seqs=2)
     model = llm.engine.runner.model

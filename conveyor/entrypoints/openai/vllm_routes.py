@@ -72,7 +72,8 @@ def add_vllm_routes(
 
     @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> dict:
-        return {"version": package_version("conveyor")}
+        # conveyor's addition: which kernel and instruction set each op runs (model/plan.py)
+        return {"version": package_version("conveyor"), "kernel_plan": engine.kernel_plan}
 
     @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
     async def ping() -> Response:  # answered by _Guard first; here for the schema

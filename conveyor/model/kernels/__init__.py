@@ -10,7 +10,7 @@ for the whole build, which the kernel releases when the process ends however it 
 build killed mid-way (Ctrl-C, a CI timeout) never blocks the next start (see build_lock).
 Without a compiler, or if the build fails, `load()` logs one warning and returns None; callers
 then use the pure-PyTorch reference ops (conveyor/model/attention.py), which stay the readable
-oracle. CONVEYOR_ATTENTION=reference forces the reference (see worker/model_runner.py).
+oracle. CONVEYOR_ATTENTION=reference forces the reference (the kernel plan, model/plan.py).
 """
 
 from __future__ import annotations

@@ -34,12 +34,15 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -501,18 +504,41 @@ void run_engine(std::vector<Item>& items, const Args& a, const C* kc, const C* v
 }  // namespace
 #endif
 
-std::string prompt_attention_isa() {
-  if (available()) return "amx";
+namespace {
+// Whether the kernel plan lets AVX512-BF16 run (set_bf16_dot, once at load: model/plan.py):
+// a plan of avx2 or scalar keeps prompt rows off both engines.
+std::atomic<bool>& bf16_dot_allowed() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// Calls of prompt_attention per engine: [0] AMX tiles, [1] AVX512-BF16 dot products.
+std::array<std::atomic<int64_t>, 2>& engine_runs() {
+  static std::array<std::atomic<int64_t>, 2> counts{};
+  return counts;
+}
+}  // namespace
+
+bool bf16_dot_usable() {
 #if CONVEYOR_BF16_DOT
-  // CONVEYOR_ISA=avx2 (or scalar) asks for the narrower kernels everywhere; avx512 keeps this.
   static const bool cpu = __builtin_cpu_supports("avx512bf16") &&
                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
-  const char* env = std::getenv("CONVEYOR_ISA");
-  const std::string want = env ? env : "";
-  if (cpu && (want.empty() || want == "auto" || want == "amx" || want == "avx512"))
-    return "avx512_bf16";
+  return cpu;
+#else
+  return false;
 #endif
+}
+
+void set_bf16_dot(bool on) { bf16_dot_allowed().store(on); }
+
+std::string prompt_attention_isa() {
+  if (available()) return "amx";
+  if (bf16_dot_usable() && bf16_dot_allowed().load()) return "avx512_bf16";
   return "";
+}
+
+std::map<std::string, int64_t> prompt_attention_runs() {
+  return {{"amx", engine_runs()[0].load()}, {"avx512_bf16", engine_runs()[1].load()}};
 }
 
 void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
@@ -526,8 +552,8 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
               "paged_attention: prompt rows on tiles need a head dim that is a multiple of 16");
 #if CONVEYOR_AMX || CONVEYOR_BF16_DOT
   TORCH_CHECK(!prompt_attention_isa().empty(),
-              "paged_attention: this CPU (or CONVEYOR_ISA) has neither AMX-BF16 nor AVX512-BF16 "
-              "for prompt rows");
+              "paged_attention: this CPU (or the kernel plan) has neither AMX-BF16 nor "
+              "AVX512-BF16 for prompt rows");
   const int64_t num_heads = q.size(1), num_kv_heads = kv_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tokens_per_item = std::max<int64_t>(1, kItemRows / group);
@@ -543,6 +569,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
     }
   }
   if (items.empty()) return;
+  engine_runs()[available() ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   const Args args{q.data_ptr<float>(),
                   {q.stride(0), q.stride(1), q.stride(2)},
                   qs,

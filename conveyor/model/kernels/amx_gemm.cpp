@@ -27,6 +27,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -147,22 +148,33 @@ void round_row(const float* x, int64_t k, uint16_t* out, int64_t ks_count) {
 }
 #endif
 
-bool env_allows() {
-  const char* env = std::getenv("CONVEYOR_ISA");
-  const std::string want = env ? env : "";
-  return want.empty() || want == "auto" || want == "amx";
+// Whether the kernel plan lets the tiles run (set_allowed, once at load: model/plan.py).
+std::atomic<bool>& allowed() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+std::atomic<int64_t>& linear_runs() {
+  static std::atomic<int64_t> count{0};
+  return count;
 }
 
 }  // namespace
 
-bool available() {
+bool usable() {
 #if CONVEYOR_AMX
   static const bool usable = probe();
-  return usable && env_allows();
+  return usable;
 #else
   return false;
 #endif
 }
+
+bool available() { return usable() && allowed().load(); }
+
+void set_allowed(bool on) { allowed().store(on); }
+
+int64_t bf16_linear_runs() { return linear_runs().load(); }
 
 // Tile dot products per second on all threads, as FLOPs (16 x 16 x 32 multiply-adds each):
 // four independent accumulators on operands already in tiles, nothing loaded. 0 without AMX.
@@ -240,7 +252,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
   at::Tensor y = at::empty({m, n_out}, x.options());
   if (m == 0) return y;
 #if CONVEYOR_AMX
-  TORCH_CHECK(available(), "bf16_linear: this CPU (or CONVEYOR_ISA) has no AMX-BF16");
+  TORCH_CHECK(available(), "bf16_linear: this CPU (or the kernel plan) has no AMX-BF16");
+  linear_runs().fetch_add(1, std::memory_order_relaxed);
   const at::Tensor xc = x.contiguous();
   // x in tile-major bfloat16 (round_row): each tile one contiguous KiB for the tile loads.
   const int64_t row_tiles = (m + 2 * kM - 1) / (2 * kM) * 2;

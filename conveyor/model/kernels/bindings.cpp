@@ -6,6 +6,29 @@
 
 void bind_decoder_layer(pybind11::module& m);  // decoder_layer.cpp: the DecoderLayer class
 
+namespace {
+
+std::map<std::string, bool> cpu_features() {
+  const std::string best = conveyor_panel::best_isa_name();
+  return {{"avx2", best != "scalar"},
+          {"avx512", best == "avx512"},
+          {"avx512_bf16", conveyor_amx::bf16_dot_usable()},
+          {"amx", conveyor_amx::usable()}};
+}
+
+// "panel/<isa>", "amx/bf16_linear", "attention/<engine>": the counts tests read to see that
+// what ran is what the kernel plan chose.
+std::map<std::string, int64_t> kernel_runs() {
+  std::map<std::string, int64_t> out;
+  for (const auto& [isa, n] : conveyor_panel::isa_runs()) out["panel/" + isa] = n;
+  out["amx/bf16_linear"] = conveyor_amx::bf16_linear_runs();
+  for (const auto& [engine, n] : conveyor_amx::prompt_attention_runs())
+    out["attention/" + engine] = n;
+  return out;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("advise_huge_pages", &advise_huge_pages, "madvise(MADV_HUGEPAGE) over a tensor");
@@ -51,11 +74,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "threads: f32_fma, f64_fma, int8_dot, bf16_dot, amx_bf16", py::arg("kind"), py::arg("iters"));
   namespace amx = conveyor_amx;
   m.def("amx_available", &amx::available,
-        "whether bf16_linear runs here (AMX-BF16, and CONVEYOR_ISA unset, auto or amx)");
+        "whether bf16_linear runs here (AMX-BF16, and the kernel plan allows it)");
   m.def("prompt_attention_isa", &amx::prompt_attention_isa,
         "what a prompt row's bfloat16 attention runs here: amx, avx512_bf16, or '' (none)");
   m.def("pack_bf16", &amx::pack_bf16, "float weight (N, K) -> AMX bfloat16 tiles (P, KS, 16, 32)");
   m.def("bf16_linear", &amx::bf16_linear, "x @ W^T on AMX bfloat16 tiles, one order per value",
         py::arg("x"), py::arg("packed"), py::arg("n_out"));
+  // The kernel plan (model/plan.py): what the CPU runs, the plan's choices, what ran.
+  m.def("cpu_features", &cpu_features, "what this CPU and build run: avx2, avx512, "
+        "avx512_bf16, amx (whatever the plan allows)");
+  m.def("set_amx", &amx::set_allowed, "whether the AMX tiles may run (the plan's choice)");
+  m.def("set_bf16_dot", &amx::set_bf16_dot, "whether AVX512-BF16 attention may run");
+  m.def("set_prompt_attention", &set_prompt_attention,
+        "whether prompt rows take the bfloat16 attention (the plan's choice)");
+  m.def("kernel_runs", &kernel_runs, "calls per kernel and instruction set since start");
   bind_decoder_layer(m);
 }

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +20,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
               const at::Tensor& slot_mapping, int64_t block_size);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 bool advise_huge_pages(const at::Tensor& t);
+// Whether prompt rows named by prompt_rows take the bfloat16 attention (the kernel plan's
+// choice, set once at load; off: they take this kernel, their projections still the tiles).
+void set_prompt_attention(bool on);
 
 // small_gemm.cpp
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight);
@@ -48,6 +52,8 @@ at::Tensor q8_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
 namespace conveyor_panel {
 std::string get_isa();
 std::string set_isa(const std::string& name);
+std::string best_isa_name();  // what the CPU and the build run, whatever set_isa chose
+std::map<std::string, int64_t> isa_runs();  // kernel calls per instruction set
 at::Tensor pack_dense(const at::Tensor& weight);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
 std::vector<at::Tensor> pack_blocks(const at::Tensor& qs, const at::Tensor& d,
@@ -90,7 +96,10 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
 
 // amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
 namespace conveyor_amx {
-bool available();
+bool usable();     // the CPU, the build and the OS allow the tiles
+bool available();  // usable, and the kernel plan lets them run (set_allowed)
+void set_allowed(bool on);
+int64_t bf16_linear_runs();
 double peak(int64_t iters);
 at::Tensor pack_bf16(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
@@ -103,6 +112,9 @@ void configure();  // this thread's tiles: eight of 16 rows x 64 bytes
 // that take it. Writes those rows of out (T, H, D); the metadata as paged_attention's, already
 // checked. prompt_attention_isa: which of the two runs here ("amx", "avx512_bf16"), "" for none.
 std::string prompt_attention_isa();
+bool bf16_dot_usable();  // AVX512-BF16 in the CPU and the build
+void set_bf16_dot(bool on);  // the kernel plan's choice: may AVX512-BF16 run
+std::map<std::string, int64_t> prompt_attention_runs();  // calls per engine
 void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                       const at::Tensor& query_start, const at::Tensor& seq_lens,
                       const at::Tensor& block_tables, double scale,

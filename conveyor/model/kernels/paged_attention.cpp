@@ -814,6 +814,13 @@ static std::vector<int64_t> prompt_counts(const at::Tensor& query_start,
   return counts;
 }
 
+std::atomic<bool>& prompt_attention_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+void set_prompt_attention(bool on) { prompt_attention_on().store(on); }
+
 // Attention of all rows of a step: q (T, H, D) -> out (T, H, D). The step's K/V must already
 // be in the cache (write_kv). prompt_rows ([begin, end) pairs): rows that are prompt tokens of
 // a model on the prompt route, computed on AMX tiles (amx_attention.cpp).
@@ -832,17 +839,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
               "paged_attention: head counts or cache tile size do not match");
   check_metadata(query_start, seq_lens, block_tables, block_size, kv_cache.size(1), q.size(0));
   at::Tensor out = at::empty({q.size(0), num_heads, head_dim}, q.options());
-  // CONVEYOR_PROMPT_ATTENTION=0 keeps prompt rows on this kernel (their projections still take
-  // the tiles): the attention tiles' own cost and quality, measured apart.
-  static const bool tiles = [] {
-    const char* env = std::getenv("CONVEYOR_PROMPT_ATTENTION");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  // The tiles attend to every earlier key with plain scores: a windowed or soft-capped layer's
-  // prompt rows stay on this kernel (their projections still take the tiles).
+  // A plan without the bfloat16 attention keeps prompt rows on this kernel (their projections
+  // still take the tiles): the attention tiles' own cost and quality, measured apart. The tiles
+  // attend to every earlier key with plain scores: a windowed or soft-capped layer's prompt rows
+  // stay here too.
   const bool plain = window == 0 && softcap == 0;
-  const std::vector<int64_t> prompt =
-      tiles && plain ? prompt_counts(query_start, prompt_rows) : std::vector<int64_t>{};
+  const std::vector<int64_t> prompt = prompt_attention_on().load() && plain
+                                          ? prompt_counts(query_start, prompt_rows)
+                                          : std::vector<int64_t>{};
   if (!prompt.empty())
     conveyor_amx::prompt_attention(q, kv_cache, block_size, query_start, seq_lens, block_tables,
                                    scale, prompt, out);

@@ -39,7 +39,8 @@
 // Work split: threads take groups of NP panels (balanced_for); inside, tokens in tiles of TT
 // rows. A tile keeps TT x NP vector accumulators in registers and reads each weight vector
 // once for its TT rows. The instruction set is chosen at run time: AVX-512 where the CPU and
-// the build have it, unless CONVEYOR_ISA=avx2 (or set_isa) asks for the narrower path.
+// the build have it, unless set_isa (called once at load with the kernel plan's choice,
+// model/plan.py) asks for a narrower one. isa_runs counts the calls each set ran.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -54,6 +55,7 @@
 #include <cstring>
 #include <memory>
 #include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -95,17 +97,21 @@ int best_isa() {
   return kScalar;
 }
 
-int isa_from_env() {
-  const char* env = std::getenv("CONVEYOR_ISA");
-  const std::string want = env ? env : "";
-  const int best = best_isa();
-  if (want == "scalar") return kScalar;
-  if (want == "avx2") return std::min(best, int(kAvx2));
-  return best;
+std::atomic<int>& current_isa() {
+  static std::atomic<int> isa{best_isa()};
+  return isa;
 }
 
-std::atomic<int>& current_isa() {
-  static std::atomic<int> isa{isa_from_env()};
+// Calls of dense_linear and block_linear per instruction set (tests: the plan is what runs).
+std::array<std::atomic<int64_t>, 3>& runs() {
+  static std::array<std::atomic<int64_t>, 3> counts{};
+  return counts;
+}
+
+// The instruction set a kernel call runs, counted once per call.
+int running_isa() {
+  const int isa = current_isa().load();
+  runs()[isa].fetch_add(1, std::memory_order_relaxed);
   return isa;
 }
 
@@ -114,6 +120,14 @@ const char* isa_name(int isa) {
 }
 
 std::string get_isa() { return isa_name(current_isa().load()); }
+
+std::string best_isa_name() { return isa_name(best_isa()); }
+
+std::map<std::string, int64_t> isa_runs() {
+  std::map<std::string, int64_t> out;
+  for (int isa = kScalar; isa <= kAvx512; ++isa) out[isa_name(isa)] = runs()[isa].load();
+  return out;
+}
 
 std::string set_isa(const std::string& name) {
   const int best = best_isa();
@@ -307,7 +321,7 @@ at::Tensor pack_dense(const at::Tensor& weight) {
 template <typename T>
 void dense_dispatch(const T* x, int64_t tokens, int64_t k, const T* w, int64_t panels, T* y,
                     int64_t n) {
-  switch (current_isa().load()) {
+  switch (running_isa()) {
 #if CONVEYOR_PANEL_AVX512
     case kAvx512:
       return Dense<T, kAvx512>::run(x, tokens, k, w, panels, y, n);
@@ -961,7 +975,7 @@ void run_tiles(const BlockArgs& a, int64_t tokens, int64_t panels) {
 
 template <bool Q4, bool FloatActs>
 void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels) {
-  switch (current_isa().load()) {
+  switch (running_isa()) {
 #if CONVEYOR_PANEL_AVX512
     case kAvx512:
       if constexpr (FloatActs) {

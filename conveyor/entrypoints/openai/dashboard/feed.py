@@ -28,6 +28,7 @@ class DashboardFeed:
     def __init__(self, engine, metrics: EngineMetrics, model_name: str, device: str) -> None:
         self.engine, self.metrics = engine, metrics
         self.model_name, self.device = model_name, device
+        self.kernel_plan = engine.kernel_plan  # op -> kernel[isa], fixed at load (model/plan.py)
         self.num_replicas = engine.num_replicas
         self.started = time.time()
         self.closed = False  # set on shutdown: open event streams end
@@ -136,6 +137,7 @@ class DashboardFeed:
             "time": now,
             "model": self.model_name,
             "device": self.device,
+            "kernel_plan": self.kernel_plan,
             "replicas": self.num_replicas,
             "uptime": now - self.started,
             "now": {

@@ -1,0 +1,222 @@
+"""The kernel plan (model/plan.py): chosen once at load from the settings, the config and the
+CPU; what it names is what runs (the C++ ops count their calls per instruction set); the
+environment is read in conveyor/envs.py only, and never by compiled code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf_util
+import pytest
+import torch
+from gguf_util import write_gguf
+
+from conveyor import LLM, SamplingParams
+from conveyor.model import kernels
+from conveyor.model import plan as kernel_plan
+from conveyor.model.plan import CpuFeatures, PlanSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+AMX_CPU = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True, amx=True)
+
+
+def _config(quantization: str = "gguf", dtype: torch.dtype = torch.float32) -> SimpleNamespace:
+    """The fields of a ModelConfig that a plan reads."""
+    return SimpleNamespace(
+        batch_invariant=True, quantization=quantization, dtype=dtype, head_dim=64
+    )
+
+
+# ---- choosing -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("isa", "gemm", "bf16", "tiles"),
+    [
+        ("auto", "avx512", "amx", True),
+        ("amx", "avx512", "amx", True),
+        ("avx512", "avx512", "avx512_bf16", False),
+        ("avx2", "avx2", "", False),
+        ("scalar", "scalar", "", False),
+    ],
+)
+def test_the_isa_setting_caps_every_kernel_of_the_plan(isa, gemm, bf16, tiles):
+    plan = kernel_plan.build(PlanSettings(isa=isa), _config(), AMX_CPU)
+    assert (plan.gemm_isa, plan.bf16_attention, plan.prompt_tiles) == (gemm, bf16, tiles)
+    assert plan.prompt_attention == bool(bf16)
+    assert plan.ops()["decode_projections"] == f"panel_blocks[{gemm}]"
+
+
+def test_the_cpu_caps_the_setting_too():
+    avx2_cpu = CpuFeatures(avx2=True)
+    plan = kernel_plan.build(PlanSettings(isa="amx"), _config(), avx2_cpu)
+    assert (plan.isa, plan.gemm_isa, plan.bf16_attention) == ("avx2", "avx2", "")
+    assert plan.ops()["prompt_attention"] == plan.ops()["generated_attention"]
+
+
+def test_a_model_that_is_not_served_quantized_keeps_prompt_rows_on_its_kernels():
+    plan = kernel_plan.build(PlanSettings(), _config("none"), AMX_CPU)
+    assert not plan.prompt_tiles and not plan.prompt_attention
+    assert plan.ops()["prompt_projections"] == plan.ops()["decode_projections"]
+    assert plan.ops()["decode_projections"] == "panel_dense[avx512]"
+
+
+def test_switches_and_missing_kernels_name_the_fallbacks():
+    off = PlanSettings(compiled_layers=False, attention="reference")
+    plan = kernel_plan.build(off, _config(), AMX_CPU)
+    assert (plan.compiled_layers, plan.prompt_tiles, plan.attention) == (False, False, "reference")
+    assert plan.ops()["norms"] == "torch"
+    bare = kernel_plan.build(PlanSettings(), _config(), CpuFeatures(), compiled=False)
+    assert set(bare.ops().values()) <= {"torch", "torch_sdpa"}
+
+
+def test_the_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_ISA", "AVX2")
+    monkeypatch.setenv("CONVEYOR_PROMPT_TILES", "0")
+    monkeypatch.setenv("CONVEYOR_MATMUL", "kernel")
+    assert PlanSettings.from_env() == PlanSettings(isa="avx2", matmul="kernel", prompt_tiles=False)
+    monkeypatch.setenv("CONVEYOR_ISA", "sse2")
+    with pytest.raises(ValueError, match="CONVEYOR_ISA"):
+        PlanSettings.from_env()
+
+
+def test_the_summary_is_one_line_of_strings():
+    plan = kernel_plan.build(PlanSettings(), _config(), AMX_CPU)
+    summary = plan.summary()
+    assert all(isinstance(v, str) for v in summary.values())
+    assert summary["isa"] == "amx" and "\n" not in plan.log_line()
+
+
+# ---- what runs is the plan ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tiny_checkpoint, tmp_path_factory):
+    """A tiny llama in Q4_1 blocks (served quantized: the panels, the prompt route)."""
+    import gguf
+
+    out = tmp_path_factory.mktemp("plan-gguf") / "tiny-Q4_1.gguf"
+    with pytest.MonkeyPatch.context() as patch:  # the writer lists F32 and Q8_0 only
+        patch.setitem(gguf_util.QTYPES, "Q4_1", gguf.GGMLQuantizationType.Q4_1)
+        patch.setitem(gguf_util.FILE_TYPES, "Q4_1", gguf.LlamaFileType.MOSTLY_Q4_1)
+        return write_gguf(tiny_checkpoint("llama"), out, "Q4_1")
+
+
+def _cpu() -> CpuFeatures:
+    ops = kernels.load()
+    if ops is None:
+        pytest.skip("no compiled kernels here")
+    return CpuFeatures.detect(ops)
+
+
+@pytest.mark.parametrize("profile", ["amx", "avx512", "avx2"])
+def test_the_plan_is_what_runs(profile, q4_gguf, monkeypatch):
+    """Per CPU profile, forced through CONVEYOR_ISA where this CPU has a wider one: the engine's
+    plan names it, and the kernels' own call counts show it ran and nothing wider did."""
+    if kernel_plan.ISAS.index(_cpu().best()) > kernel_plan.ISAS.index(profile):
+        pytest.skip(f"this CPU has no {profile}")
+    monkeypatch.setenv("CONVEYOR_ISA", profile)
+    ops = kernels.load()
+    llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, max_num_seqs=2)
+    plan = llm.engine.core.runner.plan
+    assert plan.isa == profile and llm.engine.kernel_plan == plan.summary()
+    before = ops.kernel_runs()
+    params = SamplingParams(temperature=0, max_tokens=3)
+    llm.generate([list(range(5, 45))], params, use_tqdm=False)
+    ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
+    panel_isa = "avx512" if profile == "amx" else profile
+    assert ran[f"panel/{panel_isa}"] > 0
+    assert all(ran[f"panel/{isa}"] == 0 for isa in ("avx512", "avx2", "scalar") if isa != panel_isa)
+    assert (ran["amx/bf16_linear"] > 0) == (plan.prompt_tiles and profile == "amx")
+    assert (ran["attention/amx"] > 0) == (plan.bf16_attention == "amx" and plan.prompt_attention)
+    bf16_dot = plan.bf16_attention == "avx512_bf16" and plan.prompt_attention
+    assert (ran["attention/avx512_bf16"] > 0) == bf16_dot
+    if profile == "avx2":
+        assert plan.ops()["prompt_attention"] == plan.ops()["generated_attention"]
+
+
+# ---- the environment is read in one place ---------------------------------------------------
+
+
+def test_no_kernel_source_reads_the_environment():
+    sources = sorted((ROOT / "conveyor/model/kernels").glob("*.[ch]*"))
+    assert sources
+    readers = [p.name for p in sources if re.search(r"\b(std::)?getenv\s*\(", p.read_text())]
+    assert readers == []
+
+
+def test_only_envs_reads_conveyor_variables():
+    pattern = re.compile(r"(os\.environ|os\.getenv|getenv)[^\n]{0,40}[\"']CONVEYOR_")
+    files = [*(ROOT / "conveyor").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    readers = [
+        str(p.relative_to(ROOT))
+        for p in files
+        if p.name != "envs.py" and pattern.search(p.read_text())
+    ]
+    assert readers == []
+
+
+def test_prompt_attention_off_keeps_prompt_rows_on_the_float_kernel(q4_gguf, monkeypatch):
+    """CONVEYOR_PROMPT_ATTENTION=0 reaches paged_attention.cpp through the plan (its setter),
+    not the environment: the tiles still run the prompt's projections, no bfloat16 attention."""
+    if not _cpu().amx:
+        pytest.skip("this CPU has no AMX-BF16")
+    monkeypatch.setenv("CONVEYOR_PROMPT_ATTENTION", "0")
+    ops = kernels.load()
+    llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, max_num_seqs=2)
+    assert llm.engine.kernel_plan["prompt_attention"] == "paged_attention[float]"
+    before = ops.kernel_runs()
+    params = SamplingParams(temperature=0, max_tokens=3)
+    llm.generate([list(range(5, 45))], params, use_tqdm=False)
+    ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
+    assert ran["amx/bf16_linear"] > 0
+    assert ran["attention/amx"] == ran["attention/avx512_bf16"] == 0
+
+
+def test_the_engine_setting_caps_the_isa_over_the_environment(q4_gguf, monkeypatch):
+    """--kernel-isa (EngineArgs.kernel_isa) is the user's setting; CONVEYOR_ISA its default."""
+    from conveyor.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="kernel_isa"):
+        EngineArgs(model=str(q4_gguf), kernel_isa="sse2")
+    if not _cpu().avx2:
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv("CONVEYOR_ISA", "scalar")
+    ops = kernels.load()
+    llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, kernel_isa="avx2")
+    assert llm.engine.kernel_plan["isa"] == "avx2" and ops.isa() == "avx2"
+
+
+def test_without_batch_invariance_the_plan_names_the_row_count_kernels():
+    cfg = SimpleNamespace(**{**vars(_config()), "batch_invariant": False})
+    ops = kernel_plan.build(PlanSettings(), cfg, AMX_CPU).ops()
+    assert (ops["decode_projections"], ops["prompt_projections"]) == (
+        "quant_gemm[avx2]",
+        "dequant_tiles[mkl]",
+    )
+
+
+def test_restore_gives_the_ops_back_every_kernel_the_cpu_runs():
+    """conftest restores after each test: an engine's narrowed plan never leaks into the next."""
+    cpu = _cpu()
+    ops = kernels.load()
+    kernel_plan.restore(None)
+    kernel_plan.build(PlanSettings(isa="avx2"), _config(), cpu).apply(ops)
+    assert ops.isa() != "avx512" and not ops.amx_available()
+    kernel_plan.restore(None)
+    assert ops.isa() == ("avx512" if cpu.avx512 else "avx2" if cpu.avx2 else "scalar")
+    assert ops.amx_available() == cpu.amx
+
+
+def test_the_int8_route_is_the_plans_and_only_without_batch_invariance(monkeypatch):
+    """CONVEYOR_QUANT_INT8=1 reaches model/quant through the plan: int8 copies only where the
+    panels do not serve every row count already."""
+    monkeypatch.setenv("CONVEYOR_QUANT_INT8", "1")
+    settings = PlanSettings.from_env()
+    assert not kernel_plan.build(settings, _config(), AMX_CPU).int8_route
+    cfg = SimpleNamespace(**{**vars(_config()), "batch_invariant": False})
+    plan = kernel_plan.build(settings, cfg, AMX_CPU)
+    assert plan.int8_route and plan.ops()["prompt_projections"] == "fbgemm_int8[vnni]"
+    assert not plan.settled("none", int8=False).int8_route  # no VNNI: no copies were made
