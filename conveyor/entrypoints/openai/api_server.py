@@ -45,6 +45,7 @@ from conveyor.entrypoints.openai.vllm_routes import (
     model_card,
     tokenize_response,
 )
+from conveyor.entrypoints.parsers import ParserNames
 from conveyor.limits import RequestLimits
 from conveyor.lora.request import LoRARequest
 from conveyor.metrics import EngineMetrics
@@ -64,13 +65,15 @@ def build_app(
     embedding_pooling: str = "last",
     allow_runtime_lora_updating: bool = False,
     lora_allowed_dir: str | None = None,
+    parsers: ParserNames | None = None,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
     run as an AsyncEngine (a function: called on the engine thread). dashboard: serve the live
     page at /dashboard (see entrypoints/openai/dashboard). allow_runtime_lora_updating:
     serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also turned on by vLLM's
-    VLLM_ALLOW_RUNTIME_LORA_UPDATING); lora_allowed_dir: the folder they may load from."""
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); lora_allowed_dir: the folder they may load from.
+    parsers: the reasoning and tool-call parsers named on the command line."""
     limits = limits or RequestLimits()
     async_engine: EngineClient = (
         engine
@@ -93,7 +96,9 @@ def build_app(
     async_engine.on_abort = (
         metrics.on_abort if feed is None else _both(metrics.on_abort, feed.on_abort)
     )
-    serving = OpenAIServing(async_engine, model_name, limits, trust_request_chat_template)
+    serving = OpenAIServing(
+        async_engine, model_name, limits, trust_request_chat_template, parsers or ParserNames()
+    )
     loras = serving.loras = ServedLoRAs(async_engine, model_name, lora_allowed_dir)
 
     @asynccontextmanager

@@ -20,6 +20,7 @@ from conveyor.entrypoints.openai.protocol import (
     CompletionRequest,
     InvalidParam,
 )
+from conveyor.entrypoints.parsers import ParserNames
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
 from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -74,6 +75,7 @@ class OpenAIServing:
         model_name: str,
         limits: RequestLimits | None = None,
         trust_request_chat_template: bool = False,
+        parsers: ParserNames | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -83,6 +85,7 @@ class OpenAIServing:
         # what it may touch but not how long it loops: only an operator who trusts the clients
         # turns it on (vLLM's --trust-request-chat-template).
         self.trust_request_chat_template = trust_request_chat_template
+        self.parsers = parsers or ParserNames()
         self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
