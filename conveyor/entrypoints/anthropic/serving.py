@@ -49,8 +49,8 @@ class MessagesServing:
         prompts, _ = await self.serving.chat_params(body.chat_request())
         return len(prompts[0])
 
-    def _reply(self, chat: ChatCompletionRequest) -> _ToolReply:
-        return _ToolReply(chat, self.serving.limits.max_json_depth)
+    def _reply(self, chat: ChatCompletionRequest, prompt: list[int]) -> _ToolReply:
+        return self.serving.tool_reply(chat, prompt)
 
     # ---- a whole message -----------------------------------------------------------------
 
@@ -59,10 +59,15 @@ class MessagesServing:
     ) -> dict:
         outcome = _Outcome()
         text = "".join([delta.text async for delta in _deltas(stream, outcome)])
-        content, calls = self._reply(chat).calls(text)
-        blocks = [{"type": "text", "text": content}] if content else []
+        parsed = self._reply(chat, prompt).parsed(text)
+        blocks = []
+        if parsed.reasoning and chat.include_reasoning:
+            blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+        if parsed.content:
+            blocks.append({"type": "text", "text": parsed.content})
         depth = self.serving.limits.max_json_depth
-        blocks += [_tool_use(call.name, _input(call.arguments, depth)) for call in calls]
+        calls = parsed.calls
+        blocks += [_tool_use(name, _input(arguments, depth)) for name, arguments in calls]
         stop_reason, stop_sequence = outcome.stop(bool(calls))
         usage = {"input_tokens": len(prompt), "output_tokens": outcome.num_tokens}
         return _head(stream, self.serving.served_name(chat.model)) | {
@@ -85,7 +90,7 @@ class MessagesServing:
         }
         yield _event("message_start", {"type": "message_start", "message": start})
         yield _event("ping", {"type": "ping"})
-        reply, blocks, outcome = self._reply(chat), _Blocks(), _Outcome()
+        reply, blocks, outcome = self._reply(chat, prompt), _Blocks(), _Outcome()
         async for delta in _deltas(stream, outcome):
             for piece, _, _ in reply.feed(delta.text, [], delta.finish_reason):
                 for event in blocks.feed(piece):
@@ -132,9 +137,10 @@ async def _deltas(stream: RequestStream, outcome: _Outcome) -> AsyncIterator[Com
 
 
 class _Blocks:
-    """Content blocks from the chat deltas _ToolReply.feed writes ({"content": text} or
-    {"tool_calls": [call]}): text goes to an open text block; a call with an id opens a
-    tool_use block, which its arguments (now or in later deltas) go to as partial JSON."""
+    """Content blocks from the chat deltas _ToolReply.feed writes ({"reasoning": text},
+    {"content": text} or {"tool_calls": [call]}): reasoning goes to an open thinking block,
+    text to an open text block; a call with an id opens a tool_use block, which its
+    arguments (now or in later deltas) go to as partial JSON."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -143,6 +149,10 @@ class _Blocks:
 
     def feed(self, delta: dict) -> list[str]:
         events = []
+        if delta.get("reasoning"):
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]}))
         if delta.get("content"):
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""})

@@ -21,21 +21,23 @@ from conveyor.entrypoints.openai.protocol import (
     InvalidParam,
 )
 from conveyor.entrypoints.parsers import ParserNames
+from conveyor.entrypoints.parsers.events import (
+    ContentDelta,
+    Event,
+    Parsed,
+    ReasoningDelta,
+    ToolArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from conveyor.entrypoints.pipeline import Parsers, ReplyParser
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
 from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarError
 from conveyor.structured.params import StructuredOutputs
-from conveyor.structured.tools import (
-    HEAD_LENGTH,
-    MAX_DEPTH,
-    ToolCall,
-    may_be_tool_call,
-    parse_auto,
-    parse_required,
-    tools_prompt,
-)
+from conveyor.structured.tools import MAX_DEPTH, ToolCall, parse_required, tools_prompt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -85,7 +87,8 @@ class OpenAIServing:
         # what it may touch but not how long it loops: only an operator who trusts the clients
         # turns it on (vLLM's --trust-request-chat-template).
         self.trust_request_chat_template = trust_request_chat_template
-        self.parsers = parsers or ParserNames()
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.parsers = Parsers.of(parsers or ParserNames(), template)
         self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
@@ -93,6 +96,18 @@ class OpenAIServing:
     async def off_loop(self, fn: Callable, *args):
         """Runs fn(*args) on the tokenizer threads, so open streams keep flowing meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def tool_reply(self, request: ChatCompletionRequest, prompt: list[int]) -> _ToolReply:
+        """How one choice's reply is read: the server's parsers, for this request."""
+        constrained = request.tool_mode in ("required", "named") or bool(
+            request.response_format is not None or request.structured_outputs is not None
+        )
+        tools = _declared(request) if request.tool_mode == "auto" else None
+        tail = self.tokenizer.decode(prompt[-8:]) if self.tokenizer is not None else ""
+        parser = self.parsers.for_request(
+            tools, self.limits.max_json_depth, tail, constrained, request.chat_template_kwargs
+        )
+        return _ToolReply(request, self.limits.max_json_depth, parser)
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -377,8 +392,9 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
         states = await self._prompt_states(request, prompts)
         choices = await self._collect(streams, request.n, states)
-        depth = self.limits.max_json_depth
-        replies = [_ToolReply(request, depth).message(c.text, c.finish_reason) for c in choices]
+        replies = [
+            self.tool_reply(request, prompts[0]).message(c.text, c.finish_reason) for c in choices
+        ]
         echoed = _chat_echo(request)
         body = {
             "id": streams[0].request_id,
@@ -427,8 +443,7 @@ class OpenAIServing:
             choices[index] = _Choice(index)
             delta = {"role": "assistant", "content": echoed or ""}
             yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
-        depth = self.limits.max_json_depth
-        replies = {index: _ToolReply(request, depth) for index in range(request.n)}
+        replies = {index: self.tool_reply(request, prompts[0]) for index in range(request.n)}
         first = True
         async for index, delta in self._deltas(streams, request.n, states):
             choice = choices[index]
@@ -704,91 +719,131 @@ def _call_json(call: dict) -> dict:
 class _ToolReply:
     """One choice's reply in the request's tool mode: its message (whole) or its stream of
     deltas. named: the text is the function's arguments, streamed as they come; required:
-    the text is a JSON list of calls, sent once complete; auto: text that may be a call is
-    held back until it is known (it either parses as calls of declared tools, or is sent
-    as content).
+    the text is a JSON list of calls, sent once complete; auto and none: the text is read by
+    the server's parsers (pipeline.ReplyParser): reasoning, content and, under auto, the calls
+    in the model's own format, whole or streamed alike.
 
     A forced reply cut by max_tokens is never sent as content: required sends the calls
     completed before the cut (none if none was), named sends the arguments written so far,
     as OpenAI does; finish_reason is "length". Reading a reply is linear in its length, and
     a stream reads each delta once."""
 
-    def __init__(self, request: ChatCompletionRequest, max_depth: int = MAX_DEPTH) -> None:
+    def __init__(
+        self,
+        request: ChatCompletionRequest,
+        max_depth: int = MAX_DEPTH,
+        parser: ReplyParser | None = None,
+    ) -> None:
         self.mode = request.tool_mode
-        self.names = {tool.function.name for tool in request.tools or []}
         self.name = request.tool_choice.function.name if self.mode == "named" else None
         self.max_depth = max_depth
-        self.holding = self.mode in ("required", "auto")
-        self.pieces: list[str] = []  # the held text, joined once: += would copy it each time
-        self.head = ""  # auto: the held text's start after blanks, until it decides
+        if parser is None and self.mode in ("auto", "none"):
+            tools = _declared(request) if self.mode == "auto" else None
+            parser = Parsers(ParserNames()).for_request(tools, max_depth)
+        self.parser = parser if self.mode in ("auto", "none") else None
+        self.include_reasoning = request.include_reasoning
+        self.pieces: list[str] = []  # required: the held text, joined once at the end
         self.held: list = []
         self.started = False
+        self.num_calls = 0
+
+    def parsed(self, text: str) -> Parsed:
+        """The whole reply's reasoning, content and calls; content None for a forced call."""
+        if self.mode == "named":
+            return Parsed(None, None, [(self.name, text)])
+        if self.mode == "required":
+            return Parsed(None, None, list(parse_required(text, self.max_depth)))
+        parsed = self.parser.parse(text)
+        content = parsed.content
+        if parsed.calls and content is not None and not content.strip():
+            content = None
+        return parsed._replace(content=content)
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls): content is None for a forced call, whatever it holds."""
-        if self.mode == "named":
-            return None, [ToolCall(self.name, text)]
-        if self.mode == "required":
-            return None, parse_required(text, self.max_depth)
-        if self.mode == "auto":
-            return parse_auto(text, self.names, self.max_depth)
-        return text, []
+        """(content, calls) of the whole reply."""
+        parsed = self.parsed(text)
+        return parsed.content, [ToolCall(name, arguments) for name, arguments in parsed.calls]
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        content, calls = self.calls(text)
-        if not calls:
-            return {"role": "assistant", "content": content}, finish_reason
-        message = {
-            "role": "assistant",
-            "content": content,
-            "tool_calls": [call.to_openai() for call in calls],
-        }
-        return message, _tool_finish(finish_reason)
+        parsed = self.parsed(text)
+        message: dict = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None and self.include_reasoning:
+            message |= {"reasoning": parsed.reasoning, "reasoning_content": parsed.reasoning}
+        if not parsed.calls:
+            return message, finish_reason
+        calls = [ToolCall(name, arguments).to_openai() for name, arguments in parsed.calls]
+        return message | {"tool_calls": calls}, _tool_finish(finish_reason)
 
     def feed(self, text: str, logprobs: list, finish: str | None) -> list[tuple]:
         """(delta, logprob entries, finish_reason) chunks for one delta of output."""
         if self.mode == "named":
-            out = []
-            if not self.started:
-                self.started = True
-                head = ToolCall(self.name, "").to_openai(0)
-                out.append(({"tool_calls": [head]}, [], None))
-            if text or logprobs:
-                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-                out.append((delta if text else {}, logprobs, None))
-            if finish is not None:
-                out.append(({}, [], _tool_finish(finish)))
-            return out
-        if self.holding:
+            return self._feed_named(text, logprobs, finish)
+        if self.mode == "required":
             self.pieces.append(text)
             self.held += logprobs
-            if self.mode == "auto" and not self._may_be_call(text):
-                self.holding = False  # plain text after all: send what was held
-                text, logprobs = "".join(self.pieces), self.held
-            elif finish is None:
-                return []
-            else:
-                return self._final(finish)
-        if not text and not logprobs and finish is None:
-            return []
-        return [({"content": text} if text else {}, logprobs, finish)]
+            return [] if finish is None else self._final(finish)
+        events = self.parser.feed(text)
+        if finish is not None:
+            events += self.parser.finish()
+        deltas = [delta for event in events if (delta := self._delta(event)) is not None]
+        self.held += logprobs
+        if finish is not None:
+            finish = _tool_finish(finish) if self.num_calls else finish
+            if not deltas or "tool_calls" in deltas[-1]:
+                deltas.append({})  # a call's chunk is the call alone
+        elif not deltas:
+            return []  # logprobs, if any, go with the next chunk
+        chunks = [(d, [], None) for d in deltas]
+        chunks[-1] = (deltas[-1], self._take_held(), finish)
+        return chunks
 
-    def _may_be_call(self, text: str) -> bool:
-        """may_be_tool_call of the held text, reading only the new text: once the held text
-        has HEAD_LENGTH characters after its blanks (or starts a JSON value) it is settled."""
-        if len(self.head) == HEAD_LENGTH or self.head[:1] in ("{", "["):
-            return True
-        self.head = (self.head + text).lstrip()[:HEAD_LENGTH]
-        return may_be_tool_call(self.head)
+    def _take_held(self) -> list:
+        held, self.held = self.held, []
+        return held
+
+    def _delta(self, event: Event) -> dict | None:
+        """A chat delta for one parser event (a call is sent whole, at its end)."""
+        if isinstance(event, ReasoningDelta):
+            if not self.include_reasoning:
+                return None
+            return {"reasoning": event.text, "reasoning_content": event.text}
+        if isinstance(event, ContentDelta):
+            return {"content": event.text}
+        if isinstance(event, ToolCallStart):
+            self.pieces = [event.name]
+        elif isinstance(event, ToolArgsDelta):
+            self.pieces.append(event.text)
+        elif isinstance(event, ToolCallEnd):
+            call = ToolCall(self.pieces[0], "".join(self.pieces[1:]))
+            self.pieces, self.num_calls = [], self.num_calls + 1
+            return {"tool_calls": [call.to_openai(event.index)]}
+        return None
+
+    def _feed_named(self, text: str, logprobs: list, finish: str | None) -> list[tuple]:
+        out = []
+        if not self.started:
+            self.started = True
+            head = ToolCall(self.name, "").to_openai(0)
+            out.append(({"tool_calls": [head]}, [], None))
+        if text or logprobs:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            out.append((delta if text else {}, logprobs, None))
+        if finish is not None:
+            out.append(({}, [], _tool_finish(finish)))
+        return out
 
     def _final(self, finish: str) -> list[tuple]:
-        content, calls = self.calls("".join(self.pieces))
+        calls = parse_required("".join(self.pieces), self.max_depth)
         if not calls:
-            return [({"content": content} if content else {}, self.held, finish)]
-        out = [({"content": content}, [], None)] if content else []
-        out += [({"tool_calls": [call.to_openai(i)]}, [], None) for i, call in enumerate(calls)]
+            return [({}, self.held, finish)]
+        out = [({"tool_calls": [call.to_openai(i)]}, [], None) for i, call in enumerate(calls)]
         out.append(({}, self.held, _tool_finish(finish)))
         return out
+
+
+def _declared(request: ChatCompletionRequest) -> dict[str, dict]:
+    """Each declared function's parameters schema, by name."""
+    return {tool.function.name: tool.function.parameters or {} for tool in request.tools or []}
 
 
 def _tool_finish(finish_reason: str | None) -> str | None:

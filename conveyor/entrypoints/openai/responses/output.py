@@ -1,9 +1,12 @@
 """A response's output items, built from the chat deltas the chat route streams (serving.py's
 _ToolReply.feed), with the Responses API's stream events that build them.
 
-One item is open at a time: a message (one output_text part) or a function call. Its
-output_index is its place in `items`, which holds the items closed before it:
+One item is open at a time: reasoning (one reasoning_text part), a message (one output_text
+part) or a function call. Its output_index is its place in `items`, which holds the items
+closed before it:
 
+    reasoning:      output_item.added, reasoning_text.delta ..., reasoning_text.done,
+                    output_item.done
     message:        output_item.added, content_part.added, output_text.delta ...,
                     output_text.done, content_part.done, output_item.done
     function call:  output_item.added, function_call_arguments.delta ...,
@@ -37,6 +40,10 @@ class OutputBuilder:
         """Events for one chat delta: {"content": text} and / or {"tool_calls": [...]}, each
         call either whole (with its id: a new call) or more of the open call's arguments."""
         events = []
+        if delta.get("reasoning"):
+            if self._open is None or self._open["type"] != "reasoning":
+                events += self._close("completed") + self._open_reasoning()
+            events.append(self._delta("response.reasoning_text.delta", delta["reasoning"]))
         if delta.get("content"):
             if self._open is None or self._open["type"] != "message":
                 events += self._close("completed") + self._open_message()
@@ -82,6 +89,17 @@ class OutputBuilder:
             self._head() | {"type": "response.content_part.added", "part": _text_part("")},
         ]
 
+    def _open_reasoning(self) -> list[dict]:
+        self._open = {
+            "id": new_id("rs"),
+            "type": "reasoning",
+            "status": "in_progress",
+            "summary": [],
+            "content": [],
+        }
+        item = dict(self._open, content=[])
+        return [{"type": "response.output_item.added", "output_index": self._index, "item": item}]
+
     def _open_call(self, call: dict) -> list[dict]:
         self._open = {
             "id": new_id("fc"),
@@ -97,6 +115,8 @@ class OutputBuilder:
     def _delta(self, kind: str, text: str) -> dict:
         self._pieces.append(text)
         event = {"type": kind, "item_id": self._open["id"], "output_index": self._index}
+        if kind == "response.reasoning_text.delta":
+            return event | {"content_index": 0, "delta": text}
         if kind == "response.output_text.delta":
             return event | {"content_index": 0, "delta": text, "logprobs": []}
         return event | {"delta": text}
@@ -109,6 +129,8 @@ class OutputBuilder:
         text = "".join(self._pieces)
         if item["type"] == "message":
             return dict(item, status=status, content=[_text_part(text)])
+        if item["type"] == "reasoning":
+            return dict(item, status=status, content=[{"type": "reasoning_text", "text": text}])
         return dict(item, status=status, arguments=text)
 
     def _close(self, status: str) -> list[dict]:
@@ -116,7 +138,10 @@ class OutputBuilder:
             return []
         item = self._filled(self._open, status)
         index, text = self._index, "".join(self._pieces)
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            head = self._head()
+            events = [head | {"type": "response.reasoning_text.done", "text": text}]
+        elif item["type"] == "message":
             head = self._head()
             events = [
                 head | {"type": "response.output_text.done", "text": text, "logprobs": []},

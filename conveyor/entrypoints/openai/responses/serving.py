@@ -35,7 +35,7 @@ from conveyor.entrypoints.openai.responses.protocol import (
     stored_item,
 )
 from conveyor.entrypoints.openai.responses.store import ResponseStore, StoredResponse
-from conveyor.entrypoints.openai.serving import OpenAIServing, _ToolReply
+from conveyor.entrypoints.openai.serving import OpenAIServing
 from conveyor.sampling_params import SamplingParams
 
 CANCEL_WAIT = 5.0  # seconds a cancel waits for its response's last output before answering
@@ -195,7 +195,9 @@ class ResponsesServing:
                     "previous_response_id",
                 )
             raise ResponseNotFound(response_id, "previous_response_id")
-        return entry.conversation + entry.response["output"]
+        # Earlier turns' reasoning is not read again, as chat templates drop it.
+        output = [item for item in entry.response["output"] if item["type"] != "reasoning"]
+        return entry.conversation + output
 
     async def respond(self, turn: Turn, streams: list[RequestStream]) -> dict:
         """The whole response (a non-streamed request)."""
@@ -235,7 +237,7 @@ class ResponsesServing:
         try:
             yield {"type": "response.created", "response": turn.response()}
             yield {"type": "response.in_progress", "response": turn.response()}
-            reply = _ToolReply(turn.chat, self.serving.limits.max_json_depth)
+            reply = self.serving.tool_reply(turn.chat, turn.prompt)
             finish = None
             async for out in streams[0]:  # n is 1: one stream, one completion
                 completion = out.outputs[0]
