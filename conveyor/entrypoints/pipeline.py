@@ -1,25 +1,69 @@
-"""The part of answering that every generating route shares: a reply's text, read once by the
-server's parsers into typed events (reasoning, content, tool calls), whole or streamed.
+"""The part of answering that every generating route shares: a reply read once into typed
+events (reasoning, content, tool calls, then its finish with usage), whole or streamed.
 
 Chat completions, the Responses API and Anthropic's Messages API all read a reply through one
-ReplyParser, so a model's reasoning and calls come out the same on each, whole or streamed;
-each route's adapter renders the events in its API's shape. Which parsers run is decided once
-per server (Parsers, from the flags or the chat template) and once per request (`for_request`:
-a forced tool call or a grammar leaves no room for reasoning the prompt opened).
+ReplyReader, so a model's reasoning and calls come out the same on each, whole or streamed,
+and a forced call (tool_choice required or named) comes out as the same call events as one
+the model chose; each route's adapter renders the events in its API's shape. Which parsers run
+is decided once per server (Parsers, from the flags or the chat template) and once per request
+(`for_request`: a forced tool call or a grammar leaves no room for reasoning the prompt
+opened). `generate` is the one loop from a request's engine outputs to those events.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from conveyor.engine.streams import RequestStream
 from conveyor.entrypoints.parsers import ParserNames
-from conveyor.entrypoints.parsers.events import ContentDelta, Event, Parsed, joined
+from conveyor.entrypoints.parsers.events import (
+    ContentDelta,
+    Event,
+    Parsed,
+    ToolArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    joined,
+)
 from conveyor.entrypoints.parsers.reasoning import ReasoningParser, reasoning_parser
 from conveyor.entrypoints.parsers.select import chosen
 from conveyor.entrypoints.parsers.tools import tool_parser
-from conveyor.entrypoints.parsers.tools.stream import ToolStream
+from conveyor.entrypoints.parsers.tools.stream import ToolStream, call_events
+from conveyor.structured.tools import parse_required
 
 DEFAULT_TOOL_PARSER = "hermes"  # conveyor's reading before parsers had names
+
+
+class Usage(NamedTuple):
+    """What one request's tokens add up to, in neutral names (each API renames them)."""
+
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+class Finish(NamedTuple):
+    """The last event of a reply. reason: the engine's ("stop", "length", "abort", "error"),
+    or "tool_calls" when a reply that stopped made calls; stop: the stop string or token id
+    that ended it."""
+
+    reason: str | None
+    stop: int | str | None
+    usage: Usage
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A reply that stopped after making calls finished by calling (every API says so)."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def tidy(parsed: Parsed) -> Parsed:
+    """A whole reply as every API shows it: no content beside its calls when it is blank."""
+    if parsed.calls and parsed.content is not None and not parsed.content.strip():
+        return parsed._replace(content=None)
+    return parsed
 
 
 class ReplyParser:
@@ -53,6 +97,89 @@ class ReplyParser:
         for event in events:
             out += self.tools.feed(event.text) if isinstance(event, ContentDelta) else [event]
         return out
+
+
+class ReplyReader:
+    """One reply in its request's tool mode, as events. auto and none: the server's parsers
+    read it; named: the text is the function's arguments, streamed as they come; required:
+    the text is a JSON list of calls, sent once complete. A forced reply cut by max_tokens is
+    never content: required keeps the calls completed before the cut, named the arguments
+    written so far, as OpenAI does."""
+
+    __slots__ = ("mode", "name", "parser", "max_depth", "_held", "_started", "num_calls")
+
+    def __init__(
+        self, mode: str, parser: ReplyParser | None, name: str | None, max_depth: int
+    ) -> None:
+        self.mode, self.name, self.max_depth = mode, name, max_depth
+        self.parser = parser if mode in ("auto", "none") else None
+        self._held: list[str] = []  # required: the reply, joined once at its end
+        self._started = False
+        self.num_calls = 0
+
+    def feed(self, text: str, finished: bool = False) -> list[Event]:
+        """The events of one more piece of the reply (finished: it is the last)."""
+        if self.mode == "named":
+            events = self._named(text, finished)
+        elif self.mode == "required":
+            self._held.append(text)
+            events = [] if not finished else call_events(self._required(), "")
+        else:
+            events = self.parser.feed(text) + (self.parser.finish() if finished else [])
+        self.num_calls += sum(isinstance(event, ToolCallStart) for event in events)
+        return events
+
+    def parse(self, text: str) -> Parsed:
+        """The whole reply's reasoning, content and calls (content None beside calls when it
+        is blank, and for a forced call), apart from what this reader was fed."""
+        if self.mode == "named":
+            return Parsed(None, None, [(self.name, text)])
+        if self.mode == "required":
+            return Parsed(None, None, list(parse_required(text, self.max_depth)))
+        return tidy(self.parser.parse(text))
+
+    def _named(self, text: str, finished: bool) -> list[Event]:
+        events: list[Event] = []
+        if not self._started:
+            self._started = True
+            events.append(ToolCallStart(0, self.name))
+        if text:
+            events.append(ToolArgsDelta(0, text))
+        return events + ([ToolCallEnd(0)] if finished else [])
+
+    def _required(self) -> list:
+        return parse_required("".join(self._held), self.max_depth)
+
+
+@dataclass(slots=True)
+class Tally:
+    """What a reply's outputs add up to so far, besides its text."""
+
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def usage(self, num_prompt_tokens: int) -> Usage:
+        return Usage(num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+
+async def generate(
+    stream: RequestStream, reader: ReplyReader, num_prompt_tokens: int, tally: Tally | None = None
+) -> AsyncIterator[Event | Finish]:
+    """The events of a one-choice request's reply, then its Finish: the one loop from engine
+    outputs to what the Responses and Messages adapters render. tally: kept up to date, for an
+    adapter that tells the usage of a reply that fails before its Finish."""
+    tally = tally if tally is not None else Tally()
+    reason = stop = None
+    async for out in stream:
+        tally.num_cached_tokens = max(tally.num_cached_tokens, out.num_cached_tokens)
+        for completion in out.outputs:
+            tally.num_output_tokens += len(completion.token_ids)
+            if completion.finish_reason is not None:
+                reason, stop = completion.finish_reason, completion.stop_reason
+            for event in reader.feed(completion.text, completion.finish_reason is not None):
+                yield event
+    called = reader.num_calls > 0
+    yield Finish(finish_reason(reason, called), stop, tally.usage(num_prompt_tokens))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Reasoning in each API's own shape: the Responses API's reasoning items and
 response.reasoning_text.delta events, Anthropic's thinking blocks and thinking_delta events,
-built from the chat deltas every route's reply reader writes."""
+built from the typed events every route's reply reader (pipeline.ReplyReader) writes."""
 
 from __future__ import annotations
 
@@ -16,13 +16,12 @@ from conveyor.entrypoints.pipeline import Parsers
 RAW = "<think>Let me see.</think>\n\nParis."
 
 
-def deltas(raw: str = RAW) -> list[dict]:
+def deltas(raw: str = RAW) -> list:
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     reply = _ToolReply(request, 16, Parsers(ParserNames("qwen3")).for_request(None, 16))
     out = []
     for i, piece in enumerate(raw[j : j + 3] for j in range(0, len(raw), 3)):
-        last = i == (len(raw) - 1) // 3
-        out += [delta for delta, _, _ in reply.feed(piece, [], "stop" if last else None)]
+        out += reply.reader.feed(piece, finished=i == (len(raw) - 1) // 3)
     return out
 
 

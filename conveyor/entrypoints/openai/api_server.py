@@ -23,9 +23,15 @@ from conveyor.entrypoints.anthropic.errors import error_response as anthropic_er
 from conveyor.entrypoints.anthropic.errors import is_messages_path
 from conveyor.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
 from conveyor.entrypoints.openai.embeddings import EmbeddingRequest, embed
-from conveyor.entrypoints.openai.errors import APIError, error_response, install_error_handlers
-from conveyor.entrypoints.openai.guard import Guard
-from conveyor.entrypoints.openai.handling import admitted, bad_request, run_request
+from conveyor.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    install_error_handlers,
+    refuse,
+    stream_failed,
+)
+from conveyor.entrypoints.openai.guard import Guard, admitted
 from conveyor.entrypoints.openai.lora_routes import (
     ServedLoRAs,
     add_lora_routes,
@@ -46,6 +52,7 @@ from conveyor.entrypoints.openai.vllm_routes import (
     tokenize_response,
 )
 from conveyor.entrypoints.parsers import ParserNames
+from conveyor.entrypoints.runner import Answer, run
 from conveyor.limits import RequestLimits
 from conveyor.lora.request import LoRARequest
 from conveyor.metrics import EngineMetrics
@@ -169,18 +176,18 @@ def build_app(
         check_model(body.model)
         admitted(raw)
         prompts, params = await bad_request(serving.completion_params(body))
-        return await run_request(
-            raw, serving, prompts, params, body, "cmpl", serving.complete, serving.complete_stream
-        )
+        submission = serving.submission("cmpl", body, prompts, params)
+        answer = _answer(serving.complete, serving.complete_stream, body, prompts)
+        return await run(raw, serving, submission, answer, refuse)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
         admitted(raw)
         prompts, params = await bad_request(serving.chat_params(body))
-        return await run_request(
-            raw, serving, prompts, params, body, "chatcmpl", serving.chat, serving.chat_stream
-        )
+        submission = serving.submission("chatcmpl", body, prompts, params)
+        answer = _answer(serving.chat, serving.chat_stream, body, prompts)
+        return await run(raw, serving, submission, answer, refuse)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> dict:
@@ -218,6 +225,19 @@ def build_app(
     add_messages_routes(app, serving, check_model, admitted)  # Anthropic's Messages API
     add_response_routes(app, serving, check_model, response_store)  # OpenAI's Responses API
     return app
+
+
+def _answer(whole: Callable, stream: Callable, body, prompts) -> Callable[[list], Answer]:
+    """The chat or completions answer to a request, once its streams are submitted."""
+
+    def answer(streams: list) -> Answer:
+        return Answer(
+            lambda: whole(body, prompts, streams),
+            lambda: stream(body, prompts, streams),
+            stream_failed,
+        )
+
+    return answer
 
 
 def _both(first: Callable, second: Callable) -> Callable:

@@ -27,17 +27,17 @@ from conveyor.entrypoints.parsers.events import (
     Parsed,
     ReasoningDelta,
     ToolArgsDelta,
-    ToolCallEnd,
     ToolCallStart,
 )
-from conveyor.entrypoints.pipeline import Parsers, ReplyParser
+from conveyor.entrypoints.pipeline import Parsers, ReplyParser, ReplyReader, finish_reason
+from conveyor.entrypoints.runner import DONE, Submission, frame
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
 from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarError
 from conveyor.structured.params import StructuredOutputs
-from conveyor.structured.tools import MAX_DEPTH, ToolCall, parse_required, tools_prompt
+from conveyor.structured.tools import MAX_DEPTH, ToolCall, tools_prompt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -108,6 +108,10 @@ class OpenAIServing:
             tools, self.limits.max_json_depth, tail, constrained, request.chat_template_kwargs
         )
         return _ToolReply(request, self.limits.max_json_depth, parser)
+
+    def reply_reader(self, request: ChatCompletionRequest, prompt: list[int]) -> ReplyReader:
+        """How one reply is read into events, the same for every API."""
+        return self.tool_reply(request, prompt).reader
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -238,6 +242,13 @@ class OpenAIServing:
             raise
         return streams
 
+    def submission(self, prefix: str, body, prompts: list[list[int]], params) -> Submission:
+        """A validated request of any API as the engine runs it (body: its priority, model
+        and stream fields, where it has them)."""
+        priority = self.limits.clamp_priority(getattr(body, "priority", 0))
+        model = getattr(body, "model", None)  # may name a LoRA adapter
+        return Submission(prefix, prompts, params, priority, model, bool(body.stream))
+
     def served_name(self, model: str | None) -> str:
         """The `model` a response names, as vLLM's: the LoRA adapter the request named, else the
         served model's name."""
@@ -358,7 +369,7 @@ class OpenAIServing:
             yield chunk(body, usage)
         if request.stream_options and request.stream_options.include_usage:
             yield chunk.usage(_usage(prompts, list(choices.values()), states))
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     async def _prompt_states(self, request, prompts: list[list[int]]) -> list[_PromptState]:
         states = [_PromptState(list(p)) for p in prompts]
@@ -467,7 +478,7 @@ class OpenAIServing:
                 yield chunk(body, usage, extras)
         if request.stream_options and request.stream_options.include_usage:
             yield chunk.usage(_usage(prompts, list(choices.values()), states))
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     # ---- shared --------------------------------------------------------------------------
 
@@ -717,16 +728,12 @@ def _call_json(call: dict) -> dict:
 
 
 class _ToolReply:
-    """One choice's reply in the request's tool mode: its message (whole) or its stream of
-    deltas. named: the text is the function's arguments, streamed as they come; required:
-    the text is a JSON list of calls, sent once complete; auto and none: the text is read by
-    the server's parsers (pipeline.ReplyParser): reasoning, content and, under auto, the calls
-    in the model's own format, whole or streamed alike.
-
-    A forced reply cut by max_tokens is never sent as content: required sends the calls
-    completed before the cut (none if none was), named sends the arguments written so far,
-    as OpenAI does; finish_reason is "length". Reading a reply is linear in its length, and
-    a stream reads each delta once."""
+    """One choice's reply as the chat API shows it: the events of pipeline.ReplyReader (the
+    same reading as every API's) rendered as chat's message (whole) or deltas (streamed).
+    A call's start and the arguments that came with it are one delta; arguments that come
+    later are deltas of their own. Logprobs are held until a chunk goes out, so none is lost
+    with text a parser holds back. Reading a reply is linear in its length, and a stream
+    reads each delta once."""
 
     def __init__(
         self,
@@ -734,120 +741,75 @@ class _ToolReply:
         max_depth: int = MAX_DEPTH,
         parser: ReplyParser | None = None,
     ) -> None:
-        self.mode = request.tool_mode
-        self.name = request.tool_choice.function.name if self.mode == "named" else None
-        self.max_depth = max_depth
-        if parser is None and self.mode in ("auto", "none"):
-            tools = _declared(request) if self.mode == "auto" else None
+        mode = request.tool_mode
+        name = request.tool_choice.function.name if mode == "named" else None
+        if parser is None and mode in ("auto", "none"):
+            tools = _declared(request) if mode == "auto" else None
             parser = Parsers(ParserNames()).for_request(tools, max_depth)
-        self.parser = parser if self.mode in ("auto", "none") else None
+        self.reader = ReplyReader(mode, parser, name, max_depth)
         self.include_reasoning = request.include_reasoning
-        self.pieces: list[str] = []  # required: the held text, joined once at the end
         self.held: list = []
-        self.started = False
-        self.num_calls = 0
 
     def parsed(self, text: str) -> Parsed:
         """The whole reply's reasoning, content and calls; content None for a forced call."""
-        if self.mode == "named":
-            return Parsed(None, None, [(self.name, text)])
-        if self.mode == "required":
-            return Parsed(None, None, list(parse_required(text, self.max_depth)))
-        parsed = self.parser.parse(text)
-        content = parsed.content
-        if parsed.calls and content is not None and not content.strip():
-            content = None
-        return parsed._replace(content=content)
+        return self.reader.parse(text)
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of the whole reply."""
         parsed = self.parsed(text)
         return parsed.content, [ToolCall(name, arguments) for name, arguments in parsed.calls]
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         parsed = self.parsed(text)
         message: dict = {"role": "assistant", "content": parsed.content}
         if parsed.reasoning is not None and self.include_reasoning:
             message |= {"reasoning": parsed.reasoning, "reasoning_content": parsed.reasoning}
         if not parsed.calls:
-            return message, finish_reason
+            return message, finish
         calls = [ToolCall(name, arguments).to_openai() for name, arguments in parsed.calls]
-        return message | {"tool_calls": calls}, _tool_finish(finish_reason)
+        return message | {"tool_calls": calls}, finish_reason(finish, True)
 
     def feed(self, text: str, logprobs: list, finish: str | None) -> list[tuple]:
         """(delta, logprob entries, finish_reason) chunks for one delta of output."""
-        if self.mode == "named":
-            return self._feed_named(text, logprobs, finish)
-        if self.mode == "required":
-            self.pieces.append(text)
-            self.held += logprobs
-            return [] if finish is None else self._final(finish)
-        events = self.parser.feed(text)
-        if finish is not None:
-            events += self.parser.finish()
-        deltas = [delta for event in events if (delta := self._delta(event)) is not None]
+        events = self.reader.feed(text, finish is not None)
+        deltas = chat_deltas(events, self.include_reasoning)
         self.held += logprobs
         if finish is not None:
-            finish = _tool_finish(finish) if self.num_calls else finish
+            finish = finish_reason(finish, self.reader.num_calls > 0)
             if not deltas or "tool_calls" in deltas[-1]:
                 deltas.append({})  # a call's chunk is the call alone
         elif not deltas:
             return []  # logprobs, if any, go with the next chunk
         chunks = [(d, [], None) for d in deltas]
-        chunks[-1] = (deltas[-1], self._take_held(), finish)
+        held, self.held = self.held, []
+        chunks[-1] = (deltas[-1], held, finish)
         return chunks
 
-    def _take_held(self) -> list:
-        held, self.held = self.held, []
-        return held
 
-    def _delta(self, event: Event) -> dict | None:
-        """A chat delta for one parser event (a call is sent whole, at its end)."""
-        if isinstance(event, ReasoningDelta):
-            if not self.include_reasoning:
-                return None
-            return {"reasoning": event.text, "reasoning_content": event.text}
-        if isinstance(event, ContentDelta):
-            return {"content": event.text}
-        if isinstance(event, ToolCallStart):
-            self.pieces = [event.name]
+def chat_deltas(events: list[Event], include_reasoning: bool = True) -> list[dict]:
+    """Chat's deltas for a reply's events: a call's start opens one with its id and name, and
+    the arguments that follow in the same events join it."""
+    deltas: list[dict] = []
+    for event in events:
+        if isinstance(event, ReasoningDelta) and include_reasoning:
+            deltas.append({"reasoning": event.text, "reasoning_content": event.text})
+        elif isinstance(event, ContentDelta):
+            deltas.append({"content": event.text})
+        elif isinstance(event, ToolCallStart):
+            deltas.append({"tool_calls": [ToolCall(event.name, "").to_openai(event.index)]})
         elif isinstance(event, ToolArgsDelta):
-            self.pieces.append(event.text)
-        elif isinstance(event, ToolCallEnd):
-            call = ToolCall(self.pieces[0], "".join(self.pieces[1:]))
-            self.pieces, self.num_calls = [], self.num_calls + 1
-            return {"tool_calls": [call.to_openai(event.index)]}
-        return None
-
-    def _feed_named(self, text: str, logprobs: list, finish: str | None) -> list[tuple]:
-        out = []
-        if not self.started:
-            self.started = True
-            head = ToolCall(self.name, "").to_openai(0)
-            out.append(({"tool_calls": [head]}, [], None))
-        if text or logprobs:
-            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-            out.append((delta if text else {}, logprobs, None))
-        if finish is not None:
-            out.append(({}, [], _tool_finish(finish)))
-        return out
-
-    def _final(self, finish: str) -> list[tuple]:
-        calls = parse_required("".join(self.pieces), self.max_depth)
-        if not calls:
-            return [({}, self.held, finish)]
-        out = [({"tool_calls": [call.to_openai(i)]}, [], None) for i, call in enumerate(calls)]
-        out.append(({}, self.held, _tool_finish(finish)))
-        return out
+            last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
+            if last is not None and last["index"] == event.index:
+                last["function"]["arguments"] += event.text
+            else:
+                function = {"arguments": event.text}
+                deltas.append({"tool_calls": [{"index": event.index, "function": function}]})
+    return deltas
 
 
 def _declared(request: ChatCompletionRequest) -> dict[str, dict]:
     """Each declared function's parameters schema, by name."""
     return {tool.function.name: tool.function.parameters or {} for tool in request.tools or []}
-
-
-def _tool_finish(finish_reason: str | None) -> str | None:
-    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _usage(prompts: list[list[int]], choices, states: list[_PromptState] | None = None) -> dict:
@@ -908,14 +870,14 @@ class _ChunkWriter:
     are encoded once, so a token costs the encoding of its own choice only."""
 
     def __init__(self, head: dict) -> None:
-        self._head = "data: " + _json(head)[:-1] + ',"choices":['
+        self._head = _json(head)[:-1] + ',"choices":['
 
     def __call__(self, choice: dict, usage: dict | None = None, extras: dict | None = None) -> str:
         """extras: fields beside choices (vLLM's prompt_token_ids, prompt_logprobs)."""
         tail = "".join(f",{_json(k)}:{_json(v)}" for k, v in (extras or {}).items())
         if usage is not None:
             tail += f',"usage":{_json(usage)}'
-        return f"{self._head}{_json(choice)}]{tail}}}\n\n"
+        return frame(f"{self._head}{_json(choice)}]{tail}}}")
 
     def usage(self, usage: dict) -> str:
-        return f'{self._head}],"usage":{_json(usage)}}}\n\n'
+        return frame(f'{self._head}],"usage":{_json(usage)}}}')
