@@ -28,12 +28,42 @@ from conveyor.entrypoints.parsers.events import (
     joined,
 )
 from conveyor.entrypoints.parsers.reasoning import ReasoningParser, reasoning_parser
+from conveyor.entrypoints.parsers.scan import MarkerScan
 from conveyor.entrypoints.parsers.select import chosen
 from conveyor.entrypoints.parsers.tools import tool_parser
 from conveyor.entrypoints.parsers.tools.stream import ToolStream, call_events
 from conveyor.structured.tools import parse_required
 
 DEFAULT_TOOL_PARSER = "hermes"  # conveyor's reading before parsers had names
+
+# The marker texts each parser reads. A family's tokenizer may make them special tokens,
+# which the detokenizer's skip_special_tokens removes before a parser could see them.
+_HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>")
+_HARMONY += ("<|return|>",)
+_THINK = ("<think>", "</think>")
+REASONING_MARKERS: dict[str, tuple[str, ...]] = {
+    "deepseek_r1": _THINK,
+    "deepseek_v3": _THINK,
+    "granite": (),
+    "mistral": ("[THINK]", "[/THINK]"),
+    "openai_gptoss": _HARMONY,
+    "qwen3": _THINK,
+    "think": _THINK,
+}
+_DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>")
+_DEEPSEEK_CALLS += ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+TOOL_MARKERS: dict[str, tuple[str, ...]] = {
+    "deepseek_v3": _DEEPSEEK_CALLS,
+    "granite": ("<|tool_call|>", "<tool_call>", "</tool_call>"),
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": ("<|python_tag|>",),
+    "llama4_pythonic": ("<|python_start|>", "<|python_end|>"),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "openai": _HARMONY,
+    "pythonic": (),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+    "qwen3_xml": ("<tool_call>", "</tool_call>"),
+}
 
 
 class Usage(NamedTuple):
@@ -99,26 +129,64 @@ class ReplyParser:
         return out
 
 
+class Hidden:
+    """Removes texts (special tokens) from text fed piece by piece, whatever the cuts."""
+
+    __slots__ = ("_scan",)
+
+    def __init__(self, texts: tuple[str, ...]) -> None:
+        self._scan = MarkerScan(texts) if texts else None
+
+    def feed(self, text: str) -> str:
+        if self._scan is None:
+            return text
+        kept = []
+        found = self._scan.feed(text)
+        while found.marker is not None:
+            kept.append(found.before)
+            found = self._scan.feed(found.after)
+        return "".join(kept) + found.before
+
+    def flush(self) -> str:
+        return self._scan.flush() if self._scan is not None else ""
+
+    def whole(self, text: str) -> str:
+        """A whole text, apart from what was fed."""
+        if self._scan is None:
+            return text
+        fresh = Hidden(self._scan.markers)
+        return fresh.feed(text) + fresh.flush()
+
+
 class ReplyReader:
     """One reply in its request's tool mode, as events. auto and none: the server's parsers
     read it; named: the text is the function's arguments, streamed as they come; required:
     the text is a JSON list of calls, sent once complete. A forced reply cut by max_tokens is
     never content: required keeps the calls completed before the cut, named the arguments
-    written so far, as OpenAI does."""
+    written so far, as OpenAI does. hidden: special tokens decoded so that the parsers see
+    their markers, which the client must not see (they are removed before any reading)."""
 
-    __slots__ = ("mode", "name", "parser", "max_depth", "_held", "_started", "num_calls")
+    __slots__ = ("mode", "name", "parser", "max_depth", "hidden", "_held", "_started")
+    __slots__ += ("num_calls",)
 
     def __init__(
-        self, mode: str, parser: ReplyParser | None, name: str | None, max_depth: int
+        self,
+        mode: str,
+        parser: ReplyParser | None,
+        name: str | None,
+        max_depth: int,
+        hidden: tuple[str, ...] = (),
     ) -> None:
         self.mode, self.name, self.max_depth = mode, name, max_depth
         self.parser = parser if mode in ("auto", "none") else None
+        self.hidden = Hidden(hidden)
         self._held: list[str] = []  # required: the reply, joined once at its end
         self._started = False
         self.num_calls = 0
 
     def feed(self, text: str, finished: bool = False) -> list[Event]:
         """The events of one more piece of the reply (finished: it is the last)."""
+        text = self.hidden.feed(text) + (self.hidden.flush() if finished else "")
         if self.mode == "named":
             events = self._named(text, finished)
         elif self.mode == "required":
@@ -132,6 +200,7 @@ class ReplyReader:
     def parse(self, text: str) -> Parsed:
         """The whole reply's reasoning, content and calls (content None beside calls when it
         is blank, and for a forced call), apart from what this reader was fed."""
+        text = self.hidden.whole(text)
         if self.mode == "named":
             return Parsed(None, None, [(self.name, text)])
         if self.mode == "required":
@@ -192,6 +261,17 @@ class Parsers:
     @classmethod
     def of(cls, names: ParserNames, chat_template: str | None) -> Parsers:
         return cls(chosen(names, chat_template))
+
+    def markers(self, reasoning: bool, tools: bool) -> frozenset[str]:
+        """The marker texts a request's parsers read (reasoning: its reasoning is parsed;
+        tools: its calls are)."""
+        names = self.names
+        found: tuple[str, ...] = ()
+        if reasoning and names.reasoning is not None:
+            found += REASONING_MARKERS[names.reasoning]
+        if tools:
+            found += TOOL_MARKERS[names.tool_call or DEFAULT_TOOL_PARSER]
+        return frozenset(found)
 
     def for_request(
         self,

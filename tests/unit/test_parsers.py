@@ -5,6 +5,7 @@ reply's; a malformed call is content, never an exception."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from conveyor.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserNames
 from conveyor.entrypoints.parsers.events import Parsed, joined
-from conveyor.entrypoints.pipeline import Parsers, ReplyParser
+from conveyor.entrypoints.pipeline import Hidden, Parsers, ReplyParser
 
 TOOLS = {
     "get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -261,3 +262,19 @@ def test_the_template_names_the_parsers_only_when_unambiguous():
 
 def vars_of(parsers: Parsers) -> tuple:
     return parsers.names.reasoning, parsers.names.tool_call
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(["<|end|>", "<|e", "nd|>", "a", "<|", "|>", "[THINK]"])),
+    data=st.data(),
+)
+def test_hidden_special_tokens_are_removed_over_any_cuts(pieces, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    hidden = Hidden(("<|end|>", "<|im_end|>"))
+    bounds = [0, *cuts, len(text)]
+    out = "".join(hidden.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+    out += hidden.flush()
+    expected = re.sub(r"<\|end\|>|<\|im_end\|>", "", text)  # one pass, left to right
+    assert out == expected == hidden.whole(text)

@@ -89,6 +89,7 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         template = getattr(self.tokenizer, "chat_template", None)
         self.parsers = Parsers.of(parsers or ParserNames(), template)
+        self._specials = _special_texts(self.tokenizer)
         self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
@@ -107,7 +108,22 @@ class OpenAIServing:
         parser = self.parsers.for_request(
             tools, self.limits.max_json_depth, tail, constrained, request.chat_template_kwargs
         )
-        return _ToolReply(request, self.limits.max_json_depth, parser)
+        hidden = self.hidden_specials(request) or ()
+        return _ToolReply(request, self.limits.max_json_depth, parser, hidden)
+
+    def hidden_specials(self, request: ChatCompletionRequest) -> tuple[str, ...] | None:
+        """None: the reply is decoded as the request asks. Otherwise the request's parsers
+        read markers that are special tokens of this tokenizer, which skip_special_tokens
+        would remove before they are read: the reply is decoded with its special tokens, and
+        these, the others, are removed from what the client sees (vLLM reads such markers as
+        token ids)."""
+        if not request.skip_special_tokens or not self._specials:
+            return None
+        tools = request.tool_mode == "auto"
+        markers = self.parsers.markers(request.tool_mode in ("auto", "none"), tools)
+        if not markers & self._specials:
+            return None
+        return tuple(sorted(self._specials - markers))
 
     def reply_reader(self, request: ChatCompletionRequest, prompt: list[int]) -> ReplyReader:
         """How one reply is read into events, the same for every API."""
@@ -398,6 +414,8 @@ class OpenAIServing:
             ChatTemplateOptions.of(request),
         )
         keep = request.truncate_prompt_tokens
+        if self.hidden_specials(request) is not None:  # the parsers must see their markers
+            params = params.clone(skip_special_tokens=False)
         return [truncated(prompt, keep, self.room_for_prompt(max_tokens))], params
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
@@ -740,13 +758,14 @@ class _ToolReply:
         request: ChatCompletionRequest,
         max_depth: int = MAX_DEPTH,
         parser: ReplyParser | None = None,
+        hidden: tuple[str, ...] = (),
     ) -> None:
         mode = request.tool_mode
         name = request.tool_choice.function.name if mode == "named" else None
         if parser is None and mode in ("auto", "none"):
             tools = _declared(request) if mode == "auto" else None
             parser = Parsers(ParserNames()).for_request(tools, max_depth)
-        self.reader = ReplyReader(mode, parser, name, max_depth)
+        self.reader = ReplyReader(mode, parser, name, max_depth, hidden)
         self.include_reasoning = request.include_reasoning
         self.held: list = []
 
@@ -805,6 +824,15 @@ def chat_deltas(events: list[Event], include_reasoning: bool = True) -> list[dic
                 function = {"arguments": event.text}
                 deltas.append({"tool_calls": [{"index": event.index, "function": function}]})
     return deltas
+
+
+def _special_texts(tokenizer) -> frozenset[str]:
+    """The texts of the tokens that skip_special_tokens removes."""
+    if tokenizer is None:
+        return frozenset()
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {token.content for token in added.values() if getattr(token, "special", False)}
+    return frozenset(specials | set(getattr(tokenizer, "all_special_tokens", ())))
 
 
 def _declared(request: ChatCompletionRequest) -> dict[str, dict]:
