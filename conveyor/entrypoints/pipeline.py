@@ -273,6 +273,17 @@ class Parsers:
             found += TOOL_MARKERS[names.tool_call or DEFAULT_TOOL_PARSER]
         return frozenset(found)
 
+    def hidden(
+        self, specials: frozenset[str], reasoning: bool, tools: bool
+    ) -> tuple[str, ...] | None:
+        """None when none of a request's markers is one of the tokenizer's special tokens
+        (specials); else those others, which the client must not see once the reply is
+        decoded with its special tokens so that the parsers see their markers."""
+        markers = self.markers(reasoning, tools)
+        if not markers & specials:
+            return None
+        return tuple(sorted(specials - markers))
+
     def for_request(
         self,
         tools: dict[str, dict] | None,
@@ -295,6 +306,15 @@ class Parsers:
         if tools is not None:
             calls = tool_parser(self.names.tool_call or DEFAULT_TOOL_PARSER, tools, max_depth)
         return ReplyParser(reasoning, calls)
+
+
+def special_texts(tokenizer) -> frozenset[str]:
+    """The texts of the tokens that skip_special_tokens removes."""
+    if tokenizer is None:
+        return frozenset()
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {token.content for token in added.values() if getattr(token, "special", False)}
+    return frozenset(specials | set(getattr(tokenizer, "all_special_tokens", ())))
 
 
 def _opens_reasoning(tail: str) -> bool:

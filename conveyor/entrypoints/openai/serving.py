@@ -29,7 +29,13 @@ from conveyor.entrypoints.parsers.events import (
     ToolArgsDelta,
     ToolCallStart,
 )
-from conveyor.entrypoints.pipeline import Parsers, ReplyParser, ReplyReader, finish_reason
+from conveyor.entrypoints.pipeline import (
+    Parsers,
+    ReplyParser,
+    ReplyReader,
+    finish_reason,
+    special_texts,
+)
 from conveyor.entrypoints.runner import DONE, Submission, frame
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
@@ -89,7 +95,7 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         template = getattr(self.tokenizer, "chat_template", None)
         self.parsers = Parsers.of(parsers or ParserNames(), template)
-        self._specials = _special_texts(self.tokenizer)
+        self._specials = special_texts(self.tokenizer)
         self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
@@ -117,13 +123,10 @@ class OpenAIServing:
         would remove before they are read: the reply is decoded with its special tokens, and
         these, the others, are removed from what the client sees (vLLM reads such markers as
         token ids)."""
-        if not request.skip_special_tokens or not self._specials:
+        if not request.skip_special_tokens:
             return None
-        tools = request.tool_mode == "auto"
-        markers = self.parsers.markers(request.tool_mode in ("auto", "none"), tools)
-        if not markers & self._specials:
-            return None
-        return tuple(sorted(self._specials - markers))
+        reasoning = request.tool_mode in ("auto", "none")
+        return self.parsers.hidden(self._specials, reasoning, request.tool_mode == "auto")
 
     def reply_reader(self, request: ChatCompletionRequest, prompt: list[int]) -> ReplyReader:
         """How one reply is read into events, the same for every API."""
@@ -824,15 +827,6 @@ def chat_deltas(events: list[Event], include_reasoning: bool = True) -> list[dic
                 function = {"arguments": event.text}
                 deltas.append({"tool_calls": [{"index": event.index, "function": function}]})
     return deltas
-
-
-def _special_texts(tokenizer) -> frozenset[str]:
-    """The texts of the tokens that skip_special_tokens removes."""
-    if tokenizer is None:
-        return frozenset()
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    specials = {token.content for token in added.values() if getattr(token, "special", False)}
-    return frozenset(specials | set(getattr(tokenizer, "all_special_tokens", ())))
 
 
 def _declared(request: ChatCompletionRequest) -> dict[str, dict]:
