@@ -80,3 +80,16 @@ def test_thinking_block_on_the_messages_api(server):
         final = stream.get_final_message()
     assert [block.type for block in final.content] == ["thinking", "text"]
     assert final.content[1].text == "Paris"
+
+
+def test_reasoning_item_on_the_responses_api(client):
+    response = client.responses.create(model=MODEL, input="Where?", max_output_tokens=20)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "ok"
+    assert message.type == "message" and response.output_text == "Paris"
+    stream = client.responses.create(model=MODEL, input="Where?", max_output_tokens=20, stream=True)
+    deltas = {"response.reasoning_text.delta": "", "response.output_text.delta": ""}
+    for event in stream:
+        if event.type in deltas:
+            deltas[event.type] += event.delta
+    assert list(deltas.values()) == ["ok", "Paris"]
