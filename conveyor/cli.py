@@ -11,6 +11,7 @@ from conveyor import envs
 from conveyor.bench.cli import add_bench_parser
 from conveyor.entrypoints.args import add_engine_args, engine_args
 from conveyor.entrypoints.openai.responses.store import add_store_args, store_limits
+from conveyor.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserNames
 
 if TYPE_CHECKING:
     from conveyor.engine_args import EngineArgs
@@ -136,6 +137,9 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         response_store=store_limits(args),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         lora_allowed_dir=args.lora_allowed_dir,
+        parsers=ParserNames(
+            args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
+        ),
     )
     name = app.state.metrics.model_name
     base = f"http://{args.host}:{args.port}"
@@ -224,6 +228,35 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_parser_args(group) -> None:
+    """vLLM's parser flags, with its names (entrypoints/parsers): a name that is none is a usage
+    error (exit 2) that lists the valid ones."""
+    group.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        metavar="NAME",
+        help="how the model writes its reasoning, returned as message.reasoning: "
+        f"{', '.join(REASONING_PARSERS)} (default: chosen from the chat template when it is "
+        "unambiguous, else none)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        metavar="NAME",
+        help="how the model writes tool calls: "
+        f"{', '.join(TOOL_CALL_PARSERS)} (default: chosen from the chat template when it is "
+        "unambiguous, else hermes: <tool_call> blocks or a reply that is JSON)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='vLLM\'s flag, accepted: tool_choice "auto" is always served here, read with '
+        "--tool-call-parser",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Imports no torch (nor do the bench commands' parsers): `serve` starts its engine core
     right after parsing, before the server's imports (see cmd_serve)."""
@@ -288,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="/v1/load_lora_adapter loads only adapter folders inside DIR (symlinks resolved)",
     )
+    add_parser_args(server)
     server.add_argument(
         "--log-level", default="info", help="uvicorn's: critical|error|warning|info|debug"
     )

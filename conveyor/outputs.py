@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
@@ -174,6 +174,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # LLM.chat: the text read by the reasoning and tool-call parsers, as the server reads it
+    # (entrypoints.parsers.events.Parsed: reasoning, content, calls); None elsewhere
+    parsed: Any = None
 
 
 @dataclass(slots=True)

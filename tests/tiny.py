@@ -148,14 +148,19 @@ def make_tiny_checkpoint(
     return path
 
 
-def make_scripted_checkpoint(path: Path, successor: dict[int, int]) -> Path:
+def make_scripted_checkpoint(
+    path: Path, successor: dict[int, int], specials: tuple[str, ...] = ()
+) -> Path:
     """A model whose greedy next token after token x is successor[x], whatever the context.
 
     One-hot embeddings (hidden size = vocab size), a layer whose attention and MLP output
     zero, and an LM head that maps x to successor[x]: the logit of successor[x] is
     sqrt(vocab) and every other logit is 0. Lets engine tests script exact token sequences.
+    specials: more special tokens (ids from 384 on), as a family's markers are.
     """
     tokenizer = build_tokenizer()
+    if specials:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
     vocab = len(tokenizer)
     config = tiny_config(
         "llama",

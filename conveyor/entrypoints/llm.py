@@ -10,9 +10,12 @@ from tqdm.auto import tqdm
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine_args import EngineArgs
+from conveyor.entrypoints.parsers import ParserNames
+from conveyor.entrypoints.pipeline import Parsers, ReplyReader, special_texts
 from conveyor.lora.request import LoRARequest
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.tools import MAX_DEPTH
 
 Prompt = str | list[int]
 
@@ -99,14 +102,39 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
-        """chat_template_kwargs: the template's own variables (e.g. enable_thinking)."""
+        """chat_template_kwargs: the template's own variables (e.g. enable_thinking). Each
+        completion's text is also read as the server reads a chat reply (its `parsed`:
+        reasoning, content, and with tools the calls of declared functions), by the parsers
+        named (vLLM's names) or those the chat template makes unambiguous."""
+        names = ParserNames(reasoning_parser, tool_call_parser)  # ValueError for a bad name
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.apply_chat_template(c, add_generation_prompt, chat_template, chat_template_kwargs)
+            self.apply_chat_template(
+                c, add_generation_prompt, chat_template, chat_template_kwargs, tools
+            )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        tokenizer = self.engine.tokenizer
+        parsers = Parsers.of(names, chat_template or tokenizer.chat_template)
+        hidden = parsers.hidden(special_texts(tokenizer), True, bool(tools))
+        asked = _as_params_list(sampling_params, len(prompts))
+        # the parsers must see their markers, as the server's do (unless all are asked for)
+        hides = [hidden is not None and p.skip_special_tokens for p in asked]
+        params = [
+            p.clone(skip_special_tokens=False) if hide else p
+            for p, hide in zip(asked, hides, strict=True)
+        ]
+        outputs = self.generate(prompts, params, use_tqdm)
+        for prompt, out, hide in zip(prompts, outputs, hides, strict=True):
+            tail = tokenizer.decode(prompt[-8:])
+            for completion in out.outputs:
+                reader = _read(parsers, tools, tail, chat_template_kwargs, hidden if hide else ())
+                completion.parsed = reader.parse(completion.text)
+        return outputs
 
     def apply_chat_template(
         self,
@@ -114,6 +142,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The conversation's prompt token ids, made as the server makes a chat request's:
         its text bounded before the template renders it, the rendered text bounded and
@@ -126,9 +155,14 @@ class LLM:
         if chat_template is None and not tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
         inputs = self.engine.inputs
-        inputs.check_texts({"messages": messages, "chat_template_kwargs": chat_template_kwargs})
+        texts = {"messages": messages, "tools": tools, "chat_template_kwargs": chat_template_kwargs}
+        inputs.check_texts(texts)
         return inputs.chat_prompt(
-            messages, chat_template, add_generation_prompt, variables=chat_template_kwargs
+            messages,
+            chat_template,
+            add_generation_prompt,
+            tools=tools,
+            variables=chat_template_kwargs,
         )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -147,14 +181,58 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif (
+        isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
         return [list(prompts)]
-    prompts = list(prompts)
+    prompts = [_prompt_of(p) for p in prompts]
     if not prompts:
         raise ValueError("prompts must not be empty")
     return prompts
+
+
+def _is_token_ids(prompts) -> bool:
+    return (
+        isinstance(prompts, (list, tuple))
+        and bool(prompts)
+        and all(isinstance(t, int) for t in prompts)
+    )
+
+
+def _prompt_of(prompt) -> Prompt:
+    """A prompt as the engine takes it: vLLM's prompt dicts ({"prompt": text} or
+    {"prompt_token_ids": ids}) are read as their text or ids; a string or ids as they are."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "multi_modal_data" in prompt:
+        raise ValueError(
+            "multi_modal_data: this engine runs text-only models; give the prompt as text or "
+            "token ids"
+        )
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown or len(prompt) != 1:
+        raise ValueError(
+            "a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids' (ids); "
+            f"got keys {sorted(prompt)}"
+        )
+    return prompt.get("prompt", prompt.get("prompt_token_ids"))
+
+
+def _read(
+    parsers: Parsers,
+    tools: list[dict] | None,
+    tail: str,
+    kwargs: dict | None,
+    hidden: tuple[str, ...],
+) -> ReplyReader:
+    """The reader of one LLM.chat reply: the server's (pipeline.ReplyReader)."""
+    declared = None
+    if tools:
+        declared = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+    parser = parsers.for_request(declared, MAX_DEPTH, tail, False, kwargs)
+    return ReplyReader("auto" if declared else "none", parser, None, MAX_DEPTH, hidden)
 
 
 def _as_lora_list(lora_request, num: int) -> list[LoRARequest | None]:

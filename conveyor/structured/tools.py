@@ -97,7 +97,7 @@ def parse_required(text: str, max_depth: int = MAX_DEPTH) -> list[ToolCall]:
     """The complete calls of a "required" reply: each whole element of its JSON list, so a
     reply cut by max_tokens keeps the calls finished before the cut (and an empty list if
     none was)."""
-    return [call for item in _whole_items(text, max_depth) if (call := _call(item)) is not None]
+    return [call for item in _whole_items(text, max_depth) if (call := call_of(item)) is not None]
 
 
 def parse_auto(
@@ -105,16 +105,16 @@ def parse_auto(
 ) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a free reply: calls found in <tool_call> blocks, or the whole reply
     as one call or a list of calls of declared tools; otherwise (text, [])."""
-    blocks = _tool_call_blocks(text)
+    blocks = tool_call_blocks(text)
     if blocks:
-        calls = [_call(_loads(body, max_depth), names, max_depth) for _, _, body in blocks]
+        calls = [call_of(loads_bounded(body, max_depth), names, max_depth) for _, _, body in blocks]
         if all(call is not None for call in calls):
-            content = _outside(text, blocks).strip()
+            content = outside_blocks(text, blocks).strip()
             return content or None, calls
         return text, []
-    value = _loads(text.strip(), max_depth)
+    value = loads_bounded(text.strip(), max_depth)
     items = value if isinstance(value, list) and value else [value]
-    calls = [_call(item, names, max_depth) for item in items]
+    calls = [call_of(item, names, max_depth) for item in items]
     if value is not None and all(call is not None for call in calls):
         return None, calls
     return text, []
@@ -160,7 +160,7 @@ def tools_prompt(tools: list[dict], tool_choice: Any) -> str:
     return f"You can call these functions:\n{listing}\n{how}"
 
 
-def _tool_call_blocks(text: str) -> list[tuple[int, int, str]]:
+def tool_call_blocks(text: str) -> list[tuple[int, int, str]]:
     """(start, end, stripped body) of each <tool_call>...</tool_call> block: a body ends at the
     first closing tag after its opening one."""
     blocks: list[tuple[int, int, str]] = []
@@ -174,7 +174,7 @@ def _tool_call_blocks(text: str) -> list[tuple[int, int, str]]:
     return blocks
 
 
-def _outside(text: str, blocks: list[tuple[int, int, str]]) -> str:
+def outside_blocks(text: str, blocks: list[tuple[int, int, str]]) -> str:
     pieces, position = [], 0
     for start, end, _ in blocks:
         pieces.append(text[position:start])
@@ -206,21 +206,23 @@ def _whole_items(text: str, max_depth: int) -> list:
         position += 1
 
 
-def _loads(text: str, max_depth: int) -> Any:
+def loads_bounded(text: str, max_depth: int) -> Any:
     try:
         return nesting.loads(text, max_depth)
     except ValueError:  # not JSON, or nested deeper than max_depth
         return None
 
 
-def _call(item: Any, names: set[str] | None = None, max_depth: int = MAX_DEPTH) -> ToolCall | None:
+def call_of(
+    item: Any, names: set[str] | None = None, max_depth: int = MAX_DEPTH
+) -> ToolCall | None:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
     if names is not None and item["name"] not in names:
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as JSON text
-        if not isinstance(_loads(arguments, max_depth), dict):
+        if not isinstance(loads_bounded(arguments, max_depth), dict):
             return None
         return ToolCall(item["name"], arguments)
     if not isinstance(arguments, dict):

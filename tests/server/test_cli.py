@@ -32,6 +32,24 @@ def test_python_m_conveyor_reports_usage_errors_like_the_command():
     assert "conveyor serve: error: argument --max-num-seqs" in result.stderr
 
 
+def test_vllms_parser_flags_are_accepted_as_a_model_card_writes_them():
+    from conveyor.cli import build_parser
+
+    line = "serve m --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes"
+    args = build_parser().parse_args(line.split())
+    assert (args.reasoning_parser, args.tool_call_parser) == ("qwen3", "hermes")
+    assert args.enable_auto_tool_choice
+
+
+@pytest.mark.parametrize("flag", ["--reasoning-parser", "--tool-call-parser"])
+def test_an_unknown_parser_name_is_a_usage_error_listing_the_valid_ones(flag):
+    result = run(sys.executable, "-m", "conveyor", "serve", "m", flag, "qwen9")
+    assert result.returncode == 2
+    assert f"argument {flag}: invalid choice: 'qwen9'" in result.stderr
+    for name in ("deepseek_r1", "qwen3") if flag == "--reasoning-parser" else ("hermes", "mistral"):
+        assert name in result.stderr
+
+
 def test_serve_starts_its_engine_core_before_importing_torch():
     """`conveyor serve` spawns the core right after parsing its flags, so the core's imports and
     model load run while the server imports torch: the parsing must not import torch itself."""

@@ -51,12 +51,6 @@ def error_response(status: int, message: str) -> JSONResponse:
     return ErrorJSON(error_body(status, message), status_code=status)
 
 
-def error_event(status: int, message: str) -> str:
-    """An error after the 200 went out: the stream's last event."""
-    data = json.dumps(error_body(status, message), ensure_ascii=False)
-    return f"event: error\ndata: {data}\n\n"
-
-
 def is_messages_path(path: str) -> bool:
     return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
 

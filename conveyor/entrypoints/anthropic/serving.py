@@ -2,9 +2,9 @@
 chat request (protocol.py), runs as one, and its output is written back as a message or as
 Anthropic's event stream.
 
-Tool calls are read as the chat route reads them (serving._ToolReply): in tool_choice "auto"
-a reply that is a call of a declared tool becomes tool_use blocks; "any" and "tool" are
-grammar-forced. A stream's content blocks come from the same chat deltas:
+The reply is read as every route reads it (pipeline.ReplyReader), into typed events: in
+tool_choice "auto" a call of a declared tool becomes a tool_use block; "any" and "tool" are
+grammar-forced. A stream's content blocks come from the same events:
 
     message_start, ping,
     (content_block_start, content_block_delta*, content_block_stop)*   text or tool_use
@@ -13,18 +13,25 @@ grammar-forced. A stream's content blocks come from the same chat deltas:
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
 from conveyor import nesting
 from conveyor.engine.streams import RequestStream
-from conveyor.entrypoints.anthropic.errors import AnthropicError
+from conveyor.entrypoints.anthropic.errors import error_body
 from conveyor.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
-from conveyor.entrypoints.openai.serving import OpenAIServing, _ToolReply
-from conveyor.outputs import CompletionOutput
+from conveyor.entrypoints.openai.serving import OpenAIServing
+from conveyor.entrypoints.parsers.events import (
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    ToolArgsDelta,
+    ToolCallStart,
+    joined,
+)
+from conveyor.entrypoints.pipeline import Finish, generate, tidy
+from conveyor.entrypoints.runner import Answer, Failure, GenerationError, sse
 from conveyor.sampling_params import SamplingParams
 
 ABORTED = "the request was aborted before it finished (the server may be shutting down)"
@@ -49,27 +56,55 @@ class MessagesServing:
         prompts, _ = await self.serving.chat_params(body.chat_request())
         return len(prompts[0])
 
-    def _reply(self, chat: ChatCompletionRequest) -> _ToolReply:
-        return _ToolReply(chat, self.serving.limits.max_json_depth)
+    def answer(
+        self, chat: ChatCompletionRequest, prompt: list[int]
+    ) -> Callable[[list[RequestStream]], Answer]:
+        """The Messages answer to a request, once its stream is submitted."""
+
+        def answer(streams: list[RequestStream]) -> Answer:
+            return Answer(
+                lambda: self.message(chat, prompt, streams[0]),
+                lambda: self.events(chat, prompt, streams[0]),
+                _stream_failed,
+            )
+
+        return answer
+
+    async def _generate(
+        self, chat: ChatCompletionRequest, prompt: list[int], stream: RequestStream
+    ) -> AsyncIterator[Event | Finish]:
+        """The reply's events; an aborted request is an error (503), not a message."""
+        reader = self.serving.reply_reader(chat, prompt)
+        async for event in generate(stream, reader, len(prompt)):
+            if isinstance(event, Finish) and event.reason == "abort":
+                raise GenerationError(503, ABORTED)
+            yield event
 
     # ---- a whole message -----------------------------------------------------------------
 
     async def message(
         self, chat: ChatCompletionRequest, prompt: list[int], stream: RequestStream
     ) -> dict:
-        outcome = _Outcome()
-        text = "".join([delta.text async for delta in _deltas(stream, outcome)])
-        content, calls = self._reply(chat).calls(text)
-        blocks = [{"type": "text", "text": content}] if content else []
+        events = [event async for event in self._generate(chat, prompt, stream)]
+        finish = events.pop()
+        parsed = tidy(joined(events))
+        blocks = []
+        if parsed.reasoning and chat.include_reasoning:
+            blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+        if parsed.content:
+            blocks.append({"type": "text", "text": parsed.content})
         depth = self.serving.limits.max_json_depth
-        blocks += [_tool_use(call.name, _input(call.arguments, depth)) for call in calls]
-        stop_reason, stop_sequence = outcome.stop(bool(calls))
-        usage = {"input_tokens": len(prompt), "output_tokens": outcome.num_tokens}
+        blocks += [_tool_use(name, _input(arguments, depth)) for name, arguments in parsed.calls]
+        stop_reason, stop_sequence = _stop(finish)
+        usage = finish.usage
         return _head(stream, self.serving.served_name(chat.model)) | {
             "content": blocks,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
-            "usage": usage,
+            "usage": {
+                "input_tokens": usage.num_prompt_tokens,
+                "output_tokens": usage.num_output_tokens,
+            },
         }
 
     # ---- the event stream ----------------------------------------------------------------
@@ -83,96 +118,82 @@ class MessagesServing:
             "stop_sequence": None,
             "usage": {"input_tokens": len(prompt), "output_tokens": 0},
         }
-        yield _event("message_start", {"type": "message_start", "message": start})
-        yield _event("ping", {"type": "ping"})
-        reply, blocks, outcome = self._reply(chat), _Blocks(), _Outcome()
-        async for delta in _deltas(stream, outcome):
-            for piece, _, _ in reply.feed(delta.text, [], delta.finish_reason):
-                for event in blocks.feed(piece):
-                    yield event
-        for event in blocks.close():
-            yield event
-        stop_reason, stop_sequence = outcome.stop(blocks.called)
+        yield sse({"type": "message_start", "message": start}, "message_start")
+        yield sse({"type": "ping"}, "ping")
+        blocks = _Blocks(chat.include_reasoning)
+        async for event in self._generate(chat, prompt, stream):
+            if isinstance(event, Finish):
+                break
+            for frame in blocks.feed(event):
+                yield frame
+        for frame in blocks.close():
+            yield frame
+        stop_reason, stop_sequence = _stop(event)
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-        usage = {"output_tokens": outcome.num_tokens}
-        yield _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
-        yield _event("message_stop", {"type": "message_stop"})
+        usage = {"output_tokens": event.usage.num_output_tokens}
+        yield sse({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
 
 
-@dataclass(slots=True)
-class _Outcome:
-    """What a request's deltas add up to, besides its text."""
-
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # the stop string or token id that ended it
-
-    def stop(self, called: bool) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence): a string stop_reason is the stop sequence that
-        matched; a token id (EOS, stop_token_ids) is the end of the turn."""
-        if self.finish_reason == "length":
-            return "max_tokens", None
-        if called:
-            return "tool_use", None
-        if isinstance(self.stop_reason, str):
-            return "stop_sequence", self.stop_reason
-        return "end_turn", None
+def _stop(finish: Finish) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): a string stop is the stop sequence that matched; a token
+    id (EOS, stop_token_ids) is the end of the turn."""
+    if finish.reason == "length":
+        return "max_tokens", None
+    if finish.reason == "tool_calls":
+        return "tool_use", None
+    if isinstance(finish.stop, str):
+        return "stop_sequence", finish.stop
+    return "end_turn", None
 
 
-async def _deltas(stream: RequestStream, outcome: _Outcome) -> AsyncIterator[CompletionOutput]:
-    """The request's deltas, tallied into outcome; an aborted request is an error (503)."""
-    async for output in stream:
-        for delta in output.outputs:
-            outcome.num_tokens += len(delta.token_ids)
-            if delta.finish_reason == "abort":
-                raise AnthropicError(503, ABORTED)
-            if delta.finish_reason is not None:
-                outcome.finish_reason, outcome.stop_reason = delta.finish_reason, delta.stop_reason
-            yield delta
+def _stream_failed(failure: Failure) -> str:
+    """An error after the 200 went out: the stream's last event."""
+    return sse(error_body(failure.status, failure.message), "error")
 
 
 class _Blocks:
-    """Content blocks from the chat deltas _ToolReply.feed writes ({"content": text} or
-    {"tool_calls": [call]}): text goes to an open text block; a call with an id opens a
-    tool_use block, which its arguments (now or in later deltas) go to as partial JSON."""
+    """Content blocks from a reply's events: reasoning goes to an open thinking block, text
+    to an open text block; a call's start opens a tool_use block, which its arguments go to
+    as partial JSON."""
 
-    def __init__(self) -> None:
+    def __init__(self, include_reasoning: bool = True) -> None:
+        self.include_reasoning = include_reasoning
         self.index = -1
         self.open: str | None = None  # the type of the block open now
-        self.called = False
 
-    def feed(self, delta: dict) -> list[str]:
-        events = []
-        if delta.get("content"):
-            if self.open != "text":
-                events += self._start({"type": "text", "text": ""})
-            events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-        for call in delta.get("tool_calls", ()):
-            function = call.get("function", {})
-            if "id" in call:
-                events += self._start(_tool_use(function["name"], {}))
-                self.called = True
-            if function.get("arguments"):
-                piece = {"type": "input_json_delta", "partial_json": function["arguments"]}
-                events.append(self._delta(piece))
-        return events
+    def feed(self, event: Event) -> list[str]:
+        if isinstance(event, ReasoningDelta) and event.text and self.include_reasoning:
+            events = [] if self.open == "thinking" else self._start(_THINKING)
+            return events + [self._delta({"type": "thinking_delta", "thinking": event.text})]
+        if isinstance(event, ContentDelta) and event.text:
+            events = [] if self.open == "text" else self._start({"type": "text", "text": ""})
+            return events + [self._delta({"type": "text_delta", "text": event.text})]
+        if isinstance(event, ToolCallStart):
+            return self._start(_tool_use(event.name, {}))
+        if isinstance(event, ToolArgsDelta) and event.text:
+            return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
+        return []
 
     def close(self) -> list[str]:
         if self.open is None:
             return []
         self.open = None
-        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
 
     def _start(self, block: dict) -> list[str]:
         events = self.close()
         self.index += 1
         self.open = block["type"]
         body = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return [*events, _event("content_block_start", body)]
+        return [*events, sse(body, "content_block_start")]
 
     def _delta(self, delta: dict) -> str:
         body = {"type": "content_block_delta", "index": self.index, "delta": delta}
-        return _event("content_block_delta", body)
+        return sse(body, "content_block_delta")
+
+
+_THINKING = {"type": "thinking", "thinking": "", "signature": ""}
 
 
 def _head(stream: RequestStream, model: str) -> dict:
@@ -205,7 +226,3 @@ def _input(arguments: str, max_depth: int) -> dict:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -23,9 +23,15 @@ from conveyor.entrypoints.anthropic.errors import error_response as anthropic_er
 from conveyor.entrypoints.anthropic.errors import is_messages_path
 from conveyor.entrypoints.openai.dashboard import DashboardFeed, add_dashboard_routes
 from conveyor.entrypoints.openai.embeddings import EmbeddingRequest, embed
-from conveyor.entrypoints.openai.errors import APIError, error_response, install_error_handlers
-from conveyor.entrypoints.openai.guard import Guard
-from conveyor.entrypoints.openai.handling import admitted, bad_request, run_request
+from conveyor.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    install_error_handlers,
+    refuse,
+    stream_failed,
+)
+from conveyor.entrypoints.openai.guard import Guard, admitted
 from conveyor.entrypoints.openai.lora_routes import (
     ServedLoRAs,
     add_lora_routes,
@@ -45,6 +51,8 @@ from conveyor.entrypoints.openai.vllm_routes import (
     model_card,
     tokenize_response,
 )
+from conveyor.entrypoints.parsers import ParserNames
+from conveyor.entrypoints.runner import Answer, run
 from conveyor.limits import RequestLimits
 from conveyor.lora.request import LoRARequest
 from conveyor.metrics import EngineMetrics
@@ -64,13 +72,15 @@ def build_app(
     embedding_pooling: str = "last",
     allow_runtime_lora_updating: bool = False,
     lora_allowed_dir: str | None = None,
+    parsers: ParserNames | None = None,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
     run as an AsyncEngine (a function: called on the engine thread). dashboard: serve the live
     page at /dashboard (see entrypoints/openai/dashboard). allow_runtime_lora_updating:
     serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also turned on by vLLM's
-    VLLM_ALLOW_RUNTIME_LORA_UPDATING); lora_allowed_dir: the folder they may load from."""
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); lora_allowed_dir: the folder they may load from.
+    parsers: the reasoning and tool-call parsers named on the command line."""
     limits = limits or RequestLimits()
     async_engine: EngineClient = (
         engine
@@ -93,7 +103,9 @@ def build_app(
     async_engine.on_abort = (
         metrics.on_abort if feed is None else _both(metrics.on_abort, feed.on_abort)
     )
-    serving = OpenAIServing(async_engine, model_name, limits, trust_request_chat_template)
+    serving = OpenAIServing(
+        async_engine, model_name, limits, trust_request_chat_template, parsers or ParserNames()
+    )
     loras = serving.loras = ServedLoRAs(async_engine, model_name, lora_allowed_dir)
 
     @asynccontextmanager
@@ -164,18 +176,18 @@ def build_app(
         check_model(body.model)
         admitted(raw)
         prompts, params = await bad_request(serving.completion_params(body))
-        return await run_request(
-            raw, serving, prompts, params, body, "cmpl", serving.complete, serving.complete_stream
-        )
+        submission = serving.submission("cmpl", body, prompts, params)
+        answer = _answer(serving.complete, serving.complete_stream, body, prompts)
+        return await run(raw, serving, submission, answer, refuse)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
         admitted(raw)
         prompts, params = await bad_request(serving.chat_params(body))
-        return await run_request(
-            raw, serving, prompts, params, body, "chatcmpl", serving.chat, serving.chat_stream
-        )
+        submission = serving.submission("chatcmpl", body, prompts, params)
+        answer = _answer(serving.chat, serving.chat_stream, body, prompts)
+        return await run(raw, serving, submission, answer, refuse)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> dict:
@@ -213,6 +225,19 @@ def build_app(
     add_messages_routes(app, serving, check_model, admitted)  # Anthropic's Messages API
     add_response_routes(app, serving, check_model, response_store)  # OpenAI's Responses API
     return app
+
+
+def _answer(whole: Callable, stream: Callable, body, prompts) -> Callable[[list], Answer]:
+    """The chat or completions answer to a request, once its streams are submitted."""
+
+    def answer(streams: list) -> Answer:
+        return Answer(
+            lambda: whole(body, prompts, streams),
+            lambda: stream(body, prompts, streams),
+            stream_failed,
+        )
+
+    return answer
 
 
 def _both(first: Callable, second: Callable) -> Callable:

@@ -22,9 +22,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.engine.streams import RequestFailedError
-from conveyor.entrypoints.openai.handling import until_disconnected
 from conveyor.entrypoints.openai.protocol import HintText, InvalidParam
 from conveyor.entrypoints.openai.serving import OpenAIServing
+from conveyor.entrypoints.runner import until_disconnected
 from conveyor.limits import RequestLimits
 from conveyor.sampling_params import SamplingParams
 

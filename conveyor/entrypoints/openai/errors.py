@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,10 +14,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.engine.streams import EngineDeadError, RequestFailedError, RequestInputError
+from conveyor.entrypoints.runner import DONE, INTERNAL, Failure, refused_if_invalid, sse
 
 logger = logging.getLogger(__name__)
-
-INTERNAL = "internal error: the request failed in the server (its log has the details)"
 
 # vLLM's guided_* fields, removed in vLLM 0.12 (which since ignores them, so the output comes
 # back unconstrained): what to send instead.
@@ -81,10 +81,19 @@ def error_response(
     return ErrorJSON(error_body(message, type_, param, code), status_code=status)
 
 
-def sse_error(message: str, type_: str) -> str:
+def refuse(failure: Failure, param: str | None = None) -> APIError:
+    """A failure before the first byte, in OpenAI's shape."""
+    return APIError(failure.status, failure.message, failure.kind, param)
+
+
+def stream_failed(failure: Failure) -> str:
     """The last events of a stream that failed after its 200 went out."""
-    payload = json.dumps(error_body(message, type_), ensure_ascii=False)
-    return f"data: {payload}\n\ndata: [DONE]\n\n"
+    return sse(error_body(failure.message, failure.kind)) + DONE
+
+
+async def bad_request(awaitable: Awaitable):
+    """awaitable's result; a ValueError is a 400 in OpenAI's shape, naming its field."""
+    return await refused_if_invalid(awaitable, refuse)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Callable
 
+from fastapi import Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -189,3 +190,10 @@ def lone_surrogate(body: bytes) -> str | None:
         elif isinstance(item, list):
             stack.extend((f"{path}.{i}", child) for i, child in enumerate(item))
     return None
+
+
+def admitted(raw: Request) -> None:
+    """Frees the request's admission slot (see Guard): its body is parsed and validated."""
+    release = raw.scope.get(ADMITTED)
+    if release is not None:
+        release()

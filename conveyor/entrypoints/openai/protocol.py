@@ -416,6 +416,8 @@ class ChatCompletionRequest(_SamplingFields):
     # which templates of reasoning models read; others leave it unused, as they do any
     # chat_template_kwargs they do not know.
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: false leaves the reasoning (read by --reasoning-parser) out of the answer.
+    include_reasoning: bool = True
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -20,21 +20,30 @@ from conveyor.entrypoints.openai.protocol import (
     CompletionRequest,
     InvalidParam,
 )
+from conveyor.entrypoints.parsers import ParserNames
+from conveyor.entrypoints.parsers.events import (
+    ContentDelta,
+    Event,
+    Parsed,
+    ReasoningDelta,
+    ToolArgsDelta,
+    ToolCallStart,
+)
+from conveyor.entrypoints.pipeline import (
+    Parsers,
+    ReplyParser,
+    ReplyReader,
+    finish_reason,
+    special_texts,
+)
+from conveyor.entrypoints.runner import DONE, Submission, frame
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
 from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarError
 from conveyor.structured.params import StructuredOutputs
-from conveyor.structured.tools import (
-    HEAD_LENGTH,
-    MAX_DEPTH,
-    ToolCall,
-    may_be_tool_call,
-    parse_auto,
-    parse_required,
-    tools_prompt,
-)
+from conveyor.structured.tools import MAX_DEPTH, ToolCall, tools_prompt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -74,6 +83,7 @@ class OpenAIServing:
         model_name: str,
         limits: RequestLimits | None = None,
         trust_request_chat_template: bool = False,
+        parsers: ParserNames | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -83,6 +93,9 @@ class OpenAIServing:
         # what it may touch but not how long it loops: only an operator who trusts the clients
         # turns it on (vLLM's --trust-request-chat-template).
         self.trust_request_chat_template = trust_request_chat_template
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.parsers = Parsers.of(parsers or ParserNames(), template)
+        self._specials = special_texts(self.tokenizer)
         self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
@@ -90,6 +103,34 @@ class OpenAIServing:
     async def off_loop(self, fn: Callable, *args):
         """Runs fn(*args) on the tokenizer threads, so open streams keep flowing meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def tool_reply(self, request: ChatCompletionRequest, prompt: list[int]) -> _ToolReply:
+        """How one choice's reply is read: the server's parsers, for this request."""
+        constrained = request.tool_mode in ("required", "named") or bool(
+            request.response_format is not None or request.structured_outputs is not None
+        )
+        tools = _declared(request) if request.tool_mode == "auto" else None
+        tail = self.tokenizer.decode(prompt[-8:]) if self.tokenizer is not None else ""
+        parser = self.parsers.for_request(
+            tools, self.limits.max_json_depth, tail, constrained, request.chat_template_kwargs
+        )
+        hidden = self.hidden_specials(request) or ()
+        return _ToolReply(request, self.limits.max_json_depth, parser, hidden)
+
+    def hidden_specials(self, request: ChatCompletionRequest) -> tuple[str, ...] | None:
+        """None: the reply is decoded as the request asks. Otherwise the request's parsers
+        read markers that are special tokens of this tokenizer, which skip_special_tokens
+        would remove before they are read: the reply is decoded with its special tokens, and
+        these, the others, are removed from what the client sees (vLLM reads such markers as
+        token ids)."""
+        if not request.skip_special_tokens:
+            return None
+        reasoning = request.tool_mode in ("auto", "none")
+        return self.parsers.hidden(self._specials, reasoning, request.tool_mode == "auto")
+
+    def reply_reader(self, request: ChatCompletionRequest, prompt: list[int]) -> ReplyReader:
+        """How one reply is read into events, the same for every API."""
+        return self.tool_reply(request, prompt).reader
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -220,6 +261,13 @@ class OpenAIServing:
             raise
         return streams
 
+    def submission(self, prefix: str, body, prompts: list[list[int]], params) -> Submission:
+        """A validated request of any API as the engine runs it (body: its priority, model
+        and stream fields, where it has them)."""
+        priority = self.limits.clamp_priority(getattr(body, "priority", 0))
+        model = getattr(body, "model", None)  # may name a LoRA adapter
+        return Submission(prefix, prompts, params, priority, model, bool(body.stream))
+
     def served_name(self, model: str | None) -> str:
         """The `model` a response names, as vLLM's: the LoRA adapter the request named, else the
         served model's name."""
@@ -340,7 +388,7 @@ class OpenAIServing:
             yield chunk(body, usage)
         if request.stream_options and request.stream_options.include_usage:
             yield chunk.usage(_usage(prompts, list(choices.values()), states))
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     async def _prompt_states(self, request, prompts: list[list[int]]) -> list[_PromptState]:
         states = [_PromptState(list(p)) for p in prompts]
@@ -369,13 +417,16 @@ class OpenAIServing:
             ChatTemplateOptions.of(request),
         )
         keep = request.truncate_prompt_tokens
+        if self.hidden_specials(request) is not None:  # the parsers must see their markers
+            params = params.clone(skip_special_tokens=False)
         return [truncated(prompt, keep, self.room_for_prompt(max_tokens))], params
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
         states = await self._prompt_states(request, prompts)
         choices = await self._collect(streams, request.n, states)
-        depth = self.limits.max_json_depth
-        replies = [_ToolReply(request, depth).message(c.text, c.finish_reason) for c in choices]
+        replies = [
+            self.tool_reply(request, prompts[0]).message(c.text, c.finish_reason) for c in choices
+        ]
         echoed = _chat_echo(request)
         body = {
             "id": streams[0].request_id,
@@ -424,8 +475,7 @@ class OpenAIServing:
             choices[index] = _Choice(index)
             delta = {"role": "assistant", "content": echoed or ""}
             yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
-        depth = self.limits.max_json_depth
-        replies = {index: _ToolReply(request, depth) for index in range(request.n)}
+        replies = {index: self.tool_reply(request, prompts[0]) for index in range(request.n)}
         first = True
         async for index, delta in self._deltas(streams, request.n, states):
             choice = choices[index]
@@ -449,7 +499,7 @@ class OpenAIServing:
                 yield chunk(body, usage, extras)
         if request.stream_options and request.stream_options.include_usage:
             yield chunk.usage(_usage(prompts, list(choices.values()), states))
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     # ---- shared --------------------------------------------------------------------------
 
@@ -699,97 +749,89 @@ def _call_json(call: dict) -> dict:
 
 
 class _ToolReply:
-    """One choice's reply in the request's tool mode: its message (whole) or its stream of
-    deltas. named: the text is the function's arguments, streamed as they come; required:
-    the text is a JSON list of calls, sent once complete; auto: text that may be a call is
-    held back until it is known (it either parses as calls of declared tools, or is sent
-    as content).
+    """One choice's reply as the chat API shows it: the events of pipeline.ReplyReader (the
+    same reading as every API's) rendered as chat's message (whole) or deltas (streamed).
+    A call's start and the arguments that came with it are one delta; arguments that come
+    later are deltas of their own. Logprobs are held until a chunk goes out, so none is lost
+    with text a parser holds back. Reading a reply is linear in its length, and a stream
+    reads each delta once."""
 
-    A forced reply cut by max_tokens is never sent as content: required sends the calls
-    completed before the cut (none if none was), named sends the arguments written so far,
-    as OpenAI does; finish_reason is "length". Reading a reply is linear in its length, and
-    a stream reads each delta once."""
-
-    def __init__(self, request: ChatCompletionRequest, max_depth: int = MAX_DEPTH) -> None:
-        self.mode = request.tool_mode
-        self.names = {tool.function.name for tool in request.tools or []}
-        self.name = request.tool_choice.function.name if self.mode == "named" else None
-        self.max_depth = max_depth
-        self.holding = self.mode in ("required", "auto")
-        self.pieces: list[str] = []  # the held text, joined once: += would copy it each time
-        self.head = ""  # auto: the held text's start after blanks, until it decides
+    def __init__(
+        self,
+        request: ChatCompletionRequest,
+        max_depth: int = MAX_DEPTH,
+        parser: ReplyParser | None = None,
+        hidden: tuple[str, ...] = (),
+    ) -> None:
+        mode = request.tool_mode
+        name = request.tool_choice.function.name if mode == "named" else None
+        if parser is None and mode in ("auto", "none"):
+            tools = _declared(request) if mode == "auto" else None
+            parser = Parsers(ParserNames()).for_request(tools, max_depth)
+        self.reader = ReplyReader(mode, parser, name, max_depth, hidden)
+        self.include_reasoning = request.include_reasoning
         self.held: list = []
-        self.started = False
+
+    def parsed(self, text: str) -> Parsed:
+        """The whole reply's reasoning, content and calls; content None for a forced call."""
+        return self.reader.parse(text)
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls): content is None for a forced call, whatever it holds."""
-        if self.mode == "named":
-            return None, [ToolCall(self.name, text)]
-        if self.mode == "required":
-            return None, parse_required(text, self.max_depth)
-        if self.mode == "auto":
-            return parse_auto(text, self.names, self.max_depth)
-        return text, []
+        """(content, calls) of the whole reply."""
+        parsed = self.parsed(text)
+        return parsed.content, [ToolCall(name, arguments) for name, arguments in parsed.calls]
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        content, calls = self.calls(text)
-        if not calls:
-            return {"role": "assistant", "content": content}, finish_reason
-        message = {
-            "role": "assistant",
-            "content": content,
-            "tool_calls": [call.to_openai() for call in calls],
-        }
-        return message, _tool_finish(finish_reason)
+    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        parsed = self.parsed(text)
+        message: dict = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None and self.include_reasoning:
+            message |= {"reasoning": parsed.reasoning, "reasoning_content": parsed.reasoning}
+        if not parsed.calls:
+            return message, finish
+        calls = [ToolCall(name, arguments).to_openai() for name, arguments in parsed.calls]
+        return message | {"tool_calls": calls}, finish_reason(finish, True)
 
     def feed(self, text: str, logprobs: list, finish: str | None) -> list[tuple]:
         """(delta, logprob entries, finish_reason) chunks for one delta of output."""
-        if self.mode == "named":
-            out = []
-            if not self.started:
-                self.started = True
-                head = ToolCall(self.name, "").to_openai(0)
-                out.append(({"tool_calls": [head]}, [], None))
-            if text or logprobs:
-                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-                out.append((delta if text else {}, logprobs, None))
-            if finish is not None:
-                out.append(({}, [], _tool_finish(finish)))
-            return out
-        if self.holding:
-            self.pieces.append(text)
-            self.held += logprobs
-            if self.mode == "auto" and not self._may_be_call(text):
-                self.holding = False  # plain text after all: send what was held
-                text, logprobs = "".join(self.pieces), self.held
-            elif finish is None:
-                return []
+        events = self.reader.feed(text, finish is not None)
+        deltas = chat_deltas(events, self.include_reasoning)
+        self.held += logprobs
+        if finish is not None:
+            finish = finish_reason(finish, self.reader.num_calls > 0)
+            if not deltas or "tool_calls" in deltas[-1]:
+                deltas.append({})  # a call's chunk is the call alone
+        elif not deltas:
+            return []  # logprobs, if any, go with the next chunk
+        chunks = [(d, [], None) for d in deltas]
+        held, self.held = self.held, []
+        chunks[-1] = (deltas[-1], held, finish)
+        return chunks
+
+
+def chat_deltas(events: list[Event], include_reasoning: bool = True) -> list[dict]:
+    """Chat's deltas for a reply's events: a call's start opens one with its id and name, and
+    the arguments that follow in the same events join it."""
+    deltas: list[dict] = []
+    for event in events:
+        if isinstance(event, ReasoningDelta) and include_reasoning:
+            deltas.append({"reasoning": event.text, "reasoning_content": event.text})
+        elif isinstance(event, ContentDelta):
+            deltas.append({"content": event.text})
+        elif isinstance(event, ToolCallStart):
+            deltas.append({"tool_calls": [ToolCall(event.name, "").to_openai(event.index)]})
+        elif isinstance(event, ToolArgsDelta):
+            last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
+            if last is not None and last["index"] == event.index:
+                last["function"]["arguments"] += event.text
             else:
-                return self._final(finish)
-        if not text and not logprobs and finish is None:
-            return []
-        return [({"content": text} if text else {}, logprobs, finish)]
-
-    def _may_be_call(self, text: str) -> bool:
-        """may_be_tool_call of the held text, reading only the new text: once the held text
-        has HEAD_LENGTH characters after its blanks (or starts a JSON value) it is settled."""
-        if len(self.head) == HEAD_LENGTH or self.head[:1] in ("{", "["):
-            return True
-        self.head = (self.head + text).lstrip()[:HEAD_LENGTH]
-        return may_be_tool_call(self.head)
-
-    def _final(self, finish: str) -> list[tuple]:
-        content, calls = self.calls("".join(self.pieces))
-        if not calls:
-            return [({"content": content} if content else {}, self.held, finish)]
-        out = [({"content": content}, [], None)] if content else []
-        out += [({"tool_calls": [call.to_openai(i)]}, [], None) for i, call in enumerate(calls)]
-        out.append(({}, self.held, _tool_finish(finish)))
-        return out
+                function = {"arguments": event.text}
+                deltas.append({"tool_calls": [{"index": event.index, "function": function}]})
+    return deltas
 
 
-def _tool_finish(finish_reason: str | None) -> str | None:
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def _declared(request: ChatCompletionRequest) -> dict[str, dict]:
+    """Each declared function's parameters schema, by name."""
+    return {tool.function.name: tool.function.parameters or {} for tool in request.tools or []}
 
 
 def _usage(prompts: list[list[int]], choices, states: list[_PromptState] | None = None) -> dict:
@@ -850,14 +892,14 @@ class _ChunkWriter:
     are encoded once, so a token costs the encoding of its own choice only."""
 
     def __init__(self, head: dict) -> None:
-        self._head = "data: " + _json(head)[:-1] + ',"choices":['
+        self._head = _json(head)[:-1] + ',"choices":['
 
     def __call__(self, choice: dict, usage: dict | None = None, extras: dict | None = None) -> str:
         """extras: fields beside choices (vLLM's prompt_token_ids, prompt_logprobs)."""
         tail = "".join(f",{_json(k)}:{_json(v)}" for k, v in (extras or {}).items())
         if usage is not None:
             tail += f',"usage":{_json(usage)}'
-        return f"{self._head}{_json(choice)}]{tail}}}\n\n"
+        return frame(f"{self._head}{_json(choice)}]{tail}}}")
 
     def usage(self, usage: dict) -> str:
-        return f'{self._head}],"usage":{_json(usage)}}}\n\n'
+        return frame(f'{self._head}],"usage":{_json(usage)}}}')

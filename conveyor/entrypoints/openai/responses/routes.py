@@ -19,12 +19,13 @@ from typing import Literal
 
 from fastapi import FastAPI, Query, Request
 
-from conveyor.entrypoints.openai.errors import APIError
-from conveyor.entrypoints.openai.handling import admitted, bad_request, run_request
+from conveyor.entrypoints.openai.errors import APIError, bad_request, refuse
+from conveyor.entrypoints.openai.guard import admitted
 from conveyor.entrypoints.openai.responses.protocol import ResponsesRequest
 from conveyor.entrypoints.openai.responses.serving import ResponseNotFound, ResponsesServing
 from conveyor.entrypoints.openai.responses.store import ResponseStore, StoreLimits
 from conveyor.entrypoints.openai.serving import OpenAIServing
+from conveyor.entrypoints.runner import run
 
 # chat's field -> this API's, in error messages and params
 _RENAMES = [
@@ -64,18 +65,8 @@ def add_response_routes(
         check_model(body.model)
         admitted(raw)
         turn = await answer(bad_request(responses.prepare(body)))
-        return await answer(
-            run_request(
-                raw,
-                serving,
-                [turn.prompt],
-                turn.params,
-                turn.chat,
-                "resp",
-                lambda _body, _prompts, streams: responses.respond(turn, streams),
-                lambda _body, _prompts, streams: responses.stream(turn, streams),
-            )
-        )
+        submission = serving.submission("resp", turn.chat, [turn.prompt], turn.params)
+        return await answer(run(raw, serving, submission, responses.answer(turn), refuse))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, stream: bool = False) -> dict:

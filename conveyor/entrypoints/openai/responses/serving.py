@@ -15,16 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from conveyor.engine.streams import (
-    EngineDeadError,
-    RequestFailedError,
-    RequestInputError,
-    RequestStream,
-    aborted_output,
-)
+from conveyor.engine.streams import RequestStream, aborted_output
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, InvalidParam
 from conveyor.entrypoints.openai.responses.output import OutputBuilder
 from conveyor.entrypoints.openai.responses.protocol import (
@@ -35,7 +29,9 @@ from conveyor.entrypoints.openai.responses.protocol import (
     stored_item,
 )
 from conveyor.entrypoints.openai.responses.store import ResponseStore, StoredResponse
-from conveyor.entrypoints.openai.serving import OpenAIServing, _ToolReply
+from conveyor.entrypoints.openai.serving import OpenAIServing
+from conveyor.entrypoints.pipeline import Finish, Tally, generate
+from conveyor.entrypoints.runner import Answer, Failure, frame
 from conveyor.sampling_params import SamplingParams
 
 CANCEL_WAIT = 5.0  # seconds a cancel waits for its response's last output before answering
@@ -45,6 +41,19 @@ _TERMINAL = {
     "cancelled": "response.incomplete",
     "failed": "response.failed",
 }
+
+
+class _Numbered:
+    """Stream events as server-sent events, numbered from 0 (their sequence_number)."""
+
+    def __init__(self) -> None:
+        self.number = 0
+
+    def __call__(self, event: dict) -> str:
+        kind = event.pop("type")
+        data = dumps({"type": kind, "sequence_number": self.number} | event)
+        self.number += 1
+        return frame(data, kind)
 
 
 class ResponseNotFound(LookupError):
@@ -69,8 +78,7 @@ class Turn:
     output: OutputBuilder
     created_at: int = field(default_factory=lambda: int(time.time()))
     streams: list[RequestStream] = field(default_factory=list)
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
+    tally: Tally = field(default_factory=Tally)
     cancelled: bool = False
     keep: bool = True  # store when done: request.store, unless deleted while running
     done: asyncio.Future | None = None  # its final response
@@ -127,16 +135,16 @@ class Turn:
         return self.response(status, **end), events
 
     def usage(self) -> dict:
-        num_input = len(self.prompt)
+        usage = self.tally.usage(len(self.prompt))
         return {
-            "input_tokens": num_input,
+            "input_tokens": usage.num_prompt_tokens,
             "input_tokens_details": {
-                "cached_tokens": self.num_cached_tokens,
+                "cached_tokens": usage.num_cached_tokens,
                 "cache_write_tokens": 0,
             },
-            "output_tokens": self.num_output_tokens,
+            "output_tokens": usage.num_output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": num_input + self.num_output_tokens,
+            "total_tokens": usage.num_prompt_tokens + usage.num_output_tokens,
         }
 
     def cancel(self, engine) -> None:
@@ -179,7 +187,7 @@ class ResponsesServing:
             params=params,
             conversation=history + [stored_item(item) for item in own],
             num_own=len(own),
-            output=OutputBuilder(plain=chat.tool_mode in ("none", "auto")),
+            output=OutputBuilder(chat.tool_mode in ("none", "auto"), chat.include_reasoning),
             keep=request.store,
         )
 
@@ -195,7 +203,34 @@ class ResponsesServing:
                     "previous_response_id",
                 )
             raise ResponseNotFound(response_id, "previous_response_id")
-        return entry.conversation + entry.response["output"]
+        # Earlier turns' reasoning is not read again, as chat templates drop it.
+        output = [item for item in entry.response["output"] if item["type"] != "reasoning"]
+        return entry.conversation + output
+
+    def answer(self, turn: Turn) -> Callable[[list[RequestStream]], Answer]:
+        """The response to a turn, once its stream is submitted: whole, or its stream events
+        numbered from 0. A request that fails once the stream has begun ends it as the
+        Responses API's streams end: an `error` event, then `response.failed` (code
+        invalid_prompt when the request's own constraint could not be followed, else
+        server_error), and the response is retrievable as failed."""
+        write = _Numbered()
+
+        def failed(failure: Failure) -> str:
+            code = "invalid_prompt" if failure.status == 400 else "server_error"
+            error = {"code": code, "message": failure.message}
+            final = turn.response("failed", usage=turn.usage(), error=error)
+            self._keep(turn, final)  # _events has settled turn.done
+            closing = write({"type": "error", "param": None} | error)
+            return closing + write({"type": "response.failed", "response": final})
+
+        def answer(streams: list[RequestStream]) -> Answer:
+            return Answer(
+                lambda: self.respond(turn, streams),
+                lambda: (write(event) async for event in self._events(turn, streams)),
+                failed,
+            )
+
+        return answer
 
     async def respond(self, turn: Turn, streams: list[RequestStream]) -> dict:
         """The whole response (a non-streamed request)."""
@@ -204,47 +239,20 @@ class ResponsesServing:
             final = event.get("response", final)
         return final
 
-    async def stream(self, turn: Turn, streams: list[RequestStream]) -> AsyncIterator[str]:
-        """The response's stream events as server-sent events, numbered from 0. A request
-        that fails once the stream has begun ends it as the Responses API's streams end: an
-        `error` event, then `response.failed` (code invalid_prompt when the request's own
-        constraint could not be followed, else server_error)."""
-        number = 0
-
-        def sse(event: dict) -> str:
-            nonlocal number
-            kind = event.pop("type")
-            data = dumps({"type": kind, "sequence_number": number} | event)
-            number += 1
-            return f"event: {kind}\ndata: {data}\n\n"
-
-        try:
-            async for event in self._events(turn, streams):
-                yield sse(event)
-        except (RequestFailedError, EngineDeadError) as error:
-            code = "invalid_prompt" if isinstance(error, RequestInputError) else "server_error"
-            failure = {"code": code, "message": str(error)}
-            yield sse({"type": "error", "param": None} | failure)
-            final = turn.response("failed", usage=turn.usage(), error=failure)
-            self._keep(turn, final)  # retrievable as failed (_events has settled turn.done)
-            yield sse({"type": "response.failed", "response": final})
-
     async def _events(self, turn: Turn, streams: list[RequestStream]) -> AsyncIterator[dict]:
         turn.streams, turn.done = streams, asyncio.get_running_loop().create_future()
         self.running[turn.id] = turn
         try:
             yield {"type": "response.created", "response": turn.response()}
             yield {"type": "response.in_progress", "response": turn.response()}
-            reply = _ToolReply(turn.chat, self.serving.limits.max_json_depth)
+            reader = self.serving.reply_reader(turn.chat, turn.prompt)
             finish = None
-            async for out in streams[0]:  # n is 1: one stream, one completion
-                completion = out.outputs[0]
-                turn.num_output_tokens += len(completion.token_ids)
-                turn.num_cached_tokens = max(turn.num_cached_tokens, out.num_cached_tokens)
-                for delta, _, reason in reply.feed(completion.text, [], completion.finish_reason):
-                    for event in turn.output.feed(delta):
-                        yield event
-                    finish = reason or finish
+            async for event in generate(streams[0], reader, len(turn.prompt), turn.tally):
+                if isinstance(event, Finish):
+                    finish = event.reason
+                    continue
+                for item_event in turn.output.feed(event):
+                    yield item_event
             final, closing = turn.final(finish)
             for event in closing:
                 yield event

@@ -1,0 +1,56 @@
+"""Reasoning and tool-call parsers, by vLLM's names.
+
+A model family writes its reasoning and its tool calls in its own syntax (`<think>` blocks,
+`[TOOL_CALLS]`, harmony channels, ...); a parser turns that raw text into typed pieces. The
+names are vLLM's, so that a model card's `vllm serve ... --reasoning-parser qwen3
+--tool-call-parser hermes` line works as written. This module imports nothing heavy (no torch,
+no parser modules): the command line reads the names before anything loads.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS: tuple[str, ...] = (
+    "deepseek_r1",
+    "deepseek_v3",
+    "granite",
+    "mistral",
+    "openai_gptoss",
+    "qwen3",
+    "think",
+)
+TOOL_CALL_PARSERS: tuple[str, ...] = (
+    "deepseek_v3",
+    "granite",
+    "hermes",
+    "llama3_json",
+    "llama4_pythonic",
+    "mistral",
+    "openai",
+    "pythonic",
+    "qwen3_coder",
+    "qwen3_xml",
+)
+
+
+def check_name(kind: str, name: str | None, names: tuple[str, ...]) -> str | None:
+    """name itself when it is one of names (or None); else a ValueError listing the valid ones."""
+    if name is None or name in names:
+        return name
+    raise ValueError(f"--{kind}: unknown parser {name!r}; valid names: {', '.join(names)}")
+
+
+class ParserNames:
+    """The parsers a server was started with: None lets the chat template choose (when it is
+    unambiguous; parsers/select.py)."""
+
+    __slots__ = ("reasoning", "tool_call", "auto_tool_choice")
+
+    def __init__(
+        self,
+        reasoning: str | None = None,
+        tool_call: str | None = None,
+        auto_tool_choice: bool = False,
+    ) -> None:
+        self.reasoning = check_name("reasoning-parser", reasoning, REASONING_PARSERS)
+        self.tool_call = check_name("tool-call-parser", tool_call, TOOL_CALL_PARSERS)
+        self.auto_tool_choice = auto_tool_choice

@@ -1,0 +1,106 @@
+"""vLLM's serve line (`--reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser
+hermes`) through the real `openai` client: the tiny model is made to write a family's exact raw
+text (a `choice` grammar of that one text), and the client's parsed objects are checked, whole
+and streamed: reasoning in message.reasoning and reasoning_content, calls in tool_calls, a
+thinking reply that then calls a tool streamed as a call (finish_reason tool_calls)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from server_util import start_tiny
+
+MODEL = "tiny"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+THINK_THEN_CALL = "<think>I need the weather.</think>\n" + CALL
+THINK_THEN_ANSWER = "<think>Easy.</think>\n\nParis."
+
+
+@pytest.fixture(scope="module")
+def client(tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("parsers")
+    flags = "--reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes"
+    server = start_tiny(tiny_checkpoint, folder, *flags.split())
+    yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    server.stop()
+
+
+def ask(client, raw: str, stream: bool = False, **fields):
+    extra = {"structured_outputs": {"choice": [raw]}} | fields.pop("extra_body", {})
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=200,
+        temperature=0,
+        stream=stream,
+        extra_body=extra,
+        **fields,
+    )
+
+
+def gathered(chunks) -> dict:
+    out = {"reasoning": "", "reasoning_content": "", "content": "", "calls": [], "finish": None}
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        delta = choice.delta.model_dump()
+        for key in ("reasoning", "reasoning_content", "content"):
+            out[key] += delta.get(key) or ""
+        for call in delta.get("tool_calls") or []:
+            if call.get("id"):
+                out["calls"].append([call["function"]["name"], ""])
+            out["calls"][-1][1] += call["function"].get("arguments") or ""
+        out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+def test_reasoning_is_returned_apart_from_the_answer(client):
+    choice = ask(client, THINK_THEN_ANSWER).choices[0]
+    message = choice.message.model_dump()
+    assert message["content"] == "Paris."
+    assert message["reasoning"] == message["reasoning_content"] == "Easy."
+    streamed = gathered(ask(client, THINK_THEN_ANSWER, stream=True))
+    assert (streamed["reasoning"], streamed["reasoning_content"]) == ("Easy.", "Easy.")
+    assert streamed["content"] == "Paris." and streamed["finish"] == "stop"
+
+
+def test_a_reply_that_thinks_then_calls_a_tool_is_a_call_whole_and_streamed(client):
+    choice = ask(client, THINK_THEN_CALL, tools=TOOLS).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.model_dump()["reasoning"] == "I need the weather."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    streamed = gathered(ask(client, THINK_THEN_CALL, stream=True, tools=TOOLS))
+    assert streamed["finish"] == "tool_calls"
+    assert streamed["reasoning"] == "I need the weather." and not streamed["content"].strip()
+    assert [(n, json.loads(a)) for n, a in streamed["calls"]] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+
+def test_include_reasoning_false_drops_the_reasoning_and_keeps_the_answer(client):
+    extra = {"include_reasoning": False}
+    message = ask(client, THINK_THEN_ANSWER, extra_body=extra).choices[0].message.model_dump()
+    assert message["content"] == "Paris." and message.get("reasoning") is None
+    streamed = gathered(ask(client, THINK_THEN_ANSWER, stream=True, extra_body=extra))
+    assert streamed["reasoning"] == "" and streamed["content"] == "Paris."
+
+
+def test_a_malformed_call_stays_content(client):
+    broken = '<tool_call>{"name": "get_weather", "arguments": </tool_call>'
+    choice = ask(client, broken, tools=TOOLS).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert choice.message.content == broken
+    streamed = gathered(ask(client, broken, stream=True, tools=TOOLS))
+    assert streamed["content"] == broken and streamed["calls"] == []

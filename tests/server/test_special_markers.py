@@ -1,0 +1,95 @@
+"""A family's markers that its tokenizer makes special tokens (Mistral's [THINK] and
+[TOOL_CALLS], harmony's <|channel|>): the detokenizer's skip_special_tokens would remove them
+before the parser saw them, so with a parser on the reply is decoded with its special tokens,
+the parser reads its markers, and the client sees none of the other special tokens (the end of
+turn, here). A scripted checkpoint whose tokenizer has [THINK] and [/THINK] as special tokens
+writes `[THINK]ok[/THINK]Paris` and ends its turn; the real clients read it."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+from server_util import ServerProcess
+from tiny import build_tokenizer, make_scripted_checkpoint
+
+MODEL = "tiny"
+# 8 more tokens keep the scripted model's heads even (392 = 4 x 98)
+SPECIALS = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|channel|>")
+SPECIALS += ("<|message|>", "<|end|>")
+HI = [{"role": "user", "content": "Where?"}]
+
+
+def _script() -> dict[int, int]:
+    """nl -> [THINK] o k [/THINK] P a r i s <|im_end|>: each token once, so each has one next."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS)})
+    think, end_think = tokenizer.convert_tokens_to_ids(list(SPECIALS[:2]))
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    (newline,) = ids("\n")
+    order = [newline, think, *ids("o"), *ids("k"), end_think]
+    order += [*(i for c in "Paris" for i in ids(c)), tokenizer.eos_token_id]
+    assert len(set(order)) == len(order)
+    return dict(zip(order[:-1], order[1:], strict=True))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("markers")
+    path = make_scripted_checkpoint(folder / "ckpt", _script(), SPECIALS)
+    args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
+    proc = ServerProcess([*args, "--reasoning-parser", "mistral"], folder / "server.log")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def test_special_token_markers_reach_the_reasoning_parser(client):
+    message = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20)
+    assert message.choices[0].message.content == "Paris"
+    assert message.choices[0].message.model_dump()["reasoning"] == "ok"
+    stream = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, stream=True)
+    reasoning, content = "", ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta.model_dump()
+        reasoning += delta.get("reasoning") or ""
+        content += delta.get("content") or ""
+    assert (reasoning, content) == ("ok", "Paris")
+
+
+def test_skip_special_tokens_false_still_shows_every_token(client):
+    body = {"skip_special_tokens": False}
+    message = (
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, extra_body=body)
+        .choices[0]
+        .message
+    )
+    assert "<|im_end|>" in (message.content or "")
+
+
+def test_thinking_block_on_the_messages_api(server):
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    message = client.messages.create(model=MODEL, max_tokens=20, messages=HI)
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "ok" and message.content[1].text == "Paris"
+    with client.messages.stream(model=MODEL, max_tokens=20, messages=HI) as stream:
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == ["thinking", "text"]
+    assert final.content[1].text == "Paris"
+
+
+def test_reasoning_item_on_the_responses_api(client):
+    response = client.responses.create(model=MODEL, input="Where?", max_output_tokens=20)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "ok"
+    assert message.type == "message" and response.output_text == "Paris"
+    stream = client.responses.create(model=MODEL, input="Where?", max_output_tokens=20, stream=True)
+    deltas = {"response.reasoning_text.delta": "", "response.output_text.delta": ""}
+    for event in stream:
+        if event.type in deltas:
+            deltas[event.type] += event.delta
+    assert list(deltas.values()) == ["ok", "Paris"]

@@ -1,0 +1,70 @@
+"""The offline LLM as vLLM's: prompt dicts ({"prompt": text}, {"prompt_token_ids": ids}) are
+taken as vLLM's docs write them, multi_modal_data is refused with a message that says why, and
+LLM.chat reads each reply as the server does (reasoning apart from the answer, the family's
+markers seen even when the tokenizer makes them special tokens)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import DEVICE_KWARGS
+from tiny import build_tokenizer, make_scripted_checkpoint
+
+from conveyor import LLM
+from conveyor.sampling_params import SamplingParams
+
+SPECIALS = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|channel|>")
+SPECIALS += ("<|message|>", "<|end|>")  # 392 = 4 heads x 98
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def _script() -> dict[int, int]:
+    """nl -> [THINK] o k [/THINK] P a r i s <|im_end|>: each token once."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS)})
+    think, end_think = tokenizer.convert_tokens_to_ids(list(SPECIALS[:2]))
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    (newline,) = ids("\n")
+    order = [newline, think, *ids("o"), *ids("k"), end_think]
+    order += [*(i for c in "Paris" for i in ids(c)), tokenizer.eos_token_id]
+    return dict(zip(order[:-1], order[1:], strict=True))
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_scripted_checkpoint(tmp_path_factory.mktemp("llm"), _script(), SPECIALS)
+    with LLM(str(path), dtype="float64", **DEVICE_KWARGS) as llm:
+        yield llm
+
+
+def test_prompt_dicts_generate_as_their_text_or_ids(llm):
+    ids = llm.get_tokenizer().encode("Paris", add_special_tokens=False)
+    plain = llm.generate(["Paris", ids], GREEDY, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Paris"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    (one,) = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert one.prompt_token_ids == ids
+    assert len(llm.embed([{"prompt": "Paris"}], use_tqdm=False)[0]) > 0
+
+
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        ({"prompt": "a", "multi_modal_data": {"image": None}}, "multi_modal_data"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
+        ({"text": "a"}, "exactly one"),
+    ],
+)
+def test_a_prompt_dict_it_cannot_run_is_a_clear_value_error(llm, prompt, words):
+    with pytest.raises(ValueError, match=words):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+
+
+def test_chat_reads_the_reply_as_the_server_does(llm):
+    messages = [{"role": "user", "content": "Where?"}]
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False, reasoning_parser="mistral")
+    parsed = out.outputs[0].parsed
+    assert (parsed.reasoning, parsed.content, parsed.calls) == ("ok", "Paris", [])
+    (plain,) = llm.chat(messages, GREEDY, use_tqdm=False)  # no parser: the text as it was
+    assert plain.outputs[0].parsed.reasoning is None
+    with pytest.raises(ValueError, match="reasoning-parser"):
+        llm.chat(messages, GREEDY, use_tqdm=False, reasoning_parser="nope")

@@ -1,0 +1,280 @@
+"""Reasoning and tool-call parsers by vLLM's names: each family's raw text becomes its
+reasoning, content and calls; streamed over any cuts, the pieces re-joined are the whole
+reply's; a malformed call is content, never an exception."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserNames
+from conveyor.entrypoints.parsers.events import Parsed, joined
+from conveyor.entrypoints.pipeline import Hidden, Parsers, ReplyParser
+
+TOOLS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
+    "add": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}}},
+}
+W = '{"city": "Paris"}'
+NESTED = '{"city": "Paris", "when": {"days": [1, 2, {"x": null}]}}'
+DS = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+DS_SEP, DS_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+# (reasoning parser, tool parser, raw reply) -> (reasoning, content, [(name, arguments)])
+CASES = [
+    ("qwen3", None, "<think>\nI ponder.\n</think>\n\nParis.", ("I ponder.\n", "Paris.", [])),
+    ("qwen3", None, "Paris.", (None, "Paris.", [])),
+    ("think", None, "<think>unclosed", ("unclosed", None, [])),
+    ("deepseek_r1", None, "ponder</think>Paris.", ("ponder", "Paris.", [])),
+    ("mistral", None, "[THINK]hm[/THINK]Yes.", ("hm", "Yes.", [])),
+    (
+        "granite",
+        None,
+        "Here is my thought process: a. Here is my response: b.",
+        ("a. ", "b.", []),
+    ),
+    (
+        "openai_gptoss",
+        None,
+        "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Answer.<|return|>",
+        ("think", "Answer.", []),
+    ),
+    (
+        "qwen3",
+        "hermes",
+        f'<think>need weather</think>\n<tool_call>\n{{"name": "get_weather", "arguments": {W}}}'
+        "\n</tool_call>",
+        ("need weather", None, [("get_weather", W)]),
+    ),
+    (
+        None,
+        "hermes",
+        f'Sure. <tool_call>{{"name": "get_weather", "arguments": {W}}}</tool_call>'
+        f'<tool_call>{{"name": "add", "arguments": {{"a": 1}}}}</tool_call>',
+        (None, "Sure. ", [("get_weather", W), ("add", '{"a": 1}')]),
+    ),
+    (
+        None,
+        "hermes",
+        f'{{"name": "get_weather", "arguments": {NESTED}}}',
+        (None, None, [("get_weather", NESTED)]),
+    ),
+    (
+        None,
+        "hermes",
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+        (None, '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', []),
+    ),
+    (
+        None,
+        "llama3_json",
+        f'<|python_tag|>{{"name": "get_weather", "parameters": {W}}}; '
+        '{"name": "add", "parameters": {"a": 1}}',
+        (None, None, [("get_weather", W), ("add", '{"a": 1}')]),
+    ),
+    (None, "llama3_json", "Hello {there", (None, "Hello {there", [])),
+    (
+        None,
+        "pythonic",
+        '[get_weather(city="Paris"), add(a=1, b=2.5)]',
+        (None, None, [("get_weather", W), ("add", '{"a": 1, "b": 2.5}')]),
+    ),
+    (None, "pythonic", "[__import__('os')]", (None, "[__import__('os')]", [])),
+    (
+        None,
+        "llama4_pythonic",
+        'Ok <|python_start|>[get_weather(city="Paris")]<|python_end|>',
+        (None, "Ok ", [("get_weather", W)]),
+    ),
+    (
+        None,
+        "mistral",
+        f'Hi[TOOL_CALLS][{{"name": "get_weather", "arguments": {W}}}]',
+        (None, "Hi", [("get_weather", W)]),
+    ),
+    (
+        None,
+        "mistral",
+        f'[TOOL_CALLS]get_weather[ARGS]{W}[TOOL_CALLS]add[ARGS]{{"a": 1}}',
+        (None, None, [("get_weather", W), ("add", '{"a": 1}')]),
+    ),
+    (
+        None,
+        "qwen3_coder",
+        "Let me check.\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+        "<parameter=b>\n2.5\n</parameter>\n</function>\n</tool_call>",
+        (None, "Let me check.\n", [("add", '{"a": 1, "b": 2.5}')]),
+    ),
+    (
+        None,
+        "qwen3_xml",
+        "<tool_call><function=get_weather><parameter=city>Paris</parameter></function></tool_call>",
+        (None, None, [("get_weather", W)]),
+    ),
+    (
+        "openai_gptoss",
+        "openai",
+        "<|channel|>analysis<|message|>call it<|end|><|start|>assistant<|channel|>commentary "
+        f"to=functions.get_weather <|constrain|>json<|message|>{W}<|call|>",
+        ("call it", None, [("get_weather", W)]),
+    ),
+    (
+        None,
+        "deepseek_v3",
+        f"Hi{DS}function{DS_SEP}get_weather\n```json\n{W}\n```{DS_END}<｜tool▁calls▁end｜>",
+        (None, "Hi", [("get_weather", W)]),
+    ),
+    (
+        None,
+        "deepseek_v3",
+        f'{DS}add{DS_SEP}{{"a": 1}}{DS_END}<｜tool▁calls▁end｜>',
+        (None, None, [("add", '{"a": 1}')]),
+    ),
+    (
+        None,
+        "granite",
+        f'<|tool_call|>[{{"name": "get_weather", "arguments": {W}}}]',
+        (None, None, [("get_weather", W)]),
+    ),
+]
+
+
+def parser(reasoning: str | None, tool: str | None) -> ReplyParser:
+    parsers = Parsers(ParserNames(reasoning, tool))
+    return parsers.for_request(TOOLS if tool else None, 16)
+
+
+def streamed(reply: ReplyParser, text: str, cuts: list[int]) -> Parsed:
+    events, start = [], 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        events += reply.feed(text[start:cut])
+        start = cut
+    return joined(events + reply.finish())
+
+
+def normal(parsed: Parsed) -> tuple:
+    calls = [(name, json.loads(arguments)) for name, arguments in parsed.calls]
+    return parsed.reasoning, parsed.content, calls
+
+
+@pytest.mark.parametrize(("reasoning", "tool", "text", "expected"), CASES)
+def test_each_family_reply_parses_into_reasoning_content_and_calls(reasoning, tool, text, expected):
+    parsed = parser(reasoning, tool).parse(text)
+    want_calls = [(name, json.loads(arguments)) for name, arguments in expected[2]]
+    assert normal(parsed) == (expected[0], expected[1], want_calls)
+
+
+@pytest.mark.parametrize(("reasoning", "tool", "text", "expected"), CASES)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_streamed_pieces_rejoin_to_the_whole_parse_over_any_cuts(
+    reasoning, tool, text, expected, data
+):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=len(text)))
+    assert streamed(parser(reasoning, tool), text, cuts) == parser(reasoning, tool).parse(text)
+
+
+FRAGMENTS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[THINK]",
+    "[/THINK]",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|call|>",
+    "<|start|>",
+    "analysis",
+    "final",
+    "commentary to=functions.add",
+    '{"name": "add", "arguments": {"a": 1}}',
+    "{",
+    "}",
+    "[",
+    "]",
+    "(",
+    ")",
+    "add(a=1)",
+    "<function=add>",
+    "<parameter=a>",
+    "</parameter>",
+    "</function>",
+    "<|python_tag|>",
+    "<|tool_call|>",
+    DS,
+    DS_SEP,
+    DS_END,
+    "Here is my response:",
+    "Here is my thought process:",
+    " ",
+    "\n",
+    "x",
+    "<",
+    "|",
+    ";",
+    '"',
+]
+
+
+@pytest.mark.parametrize("tool", TOOL_CALL_PARSERS)
+@pytest.mark.parametrize("reasoning", [None, *REASONING_PARSERS])
+@settings(max_examples=25, deadline=None)
+@given(pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=14), data=st.data())
+def test_any_text_streams_as_it_parses_whole_and_never_raises(tool, reasoning, pieces, data):
+    text = "".join(pieces)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    assert streamed(parser(reasoning, tool), text, cuts) == parser(reasoning, tool).parse(text)
+
+
+def test_a_prompt_that_opens_the_reasoning_makes_the_reply_start_in_it():
+    reply = Parsers(ParserNames("qwen3")).for_request(None, 16, "<|im_start|>assistant\n<think>\n")
+    assert reply.parse("hm</think>Paris.")[:2] == ("hm", "Paris.")
+    constrained = Parsers(ParserNames("qwen3")).for_request(None, 16, "<think>\n", True)
+    assert constrained.parse('{"a": 1}')[:2] == (None, '{"a": 1}')
+
+
+def test_deep_or_huge_replies_are_content_in_linear_time():
+    deep = "<tool_call>" + '{"name": "add", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
+    assert parser(None, "hermes").parse(deep + "</tool_call>").calls == []
+    reply = parser("qwen3", "pythonic")
+    events = []
+    for _ in range(20_000):
+        events += reply.feed("<thi")
+    assert joined(events + reply.finish()).content.startswith("<thi")
+
+
+def test_the_template_names_the_parsers_only_when_unambiguous():
+    qwen = "{{'<|im_start|>'}}<think></think><tool_call></tool_call>"
+    assert vars_of(Parsers.of(ParserNames(), qwen)) == ("qwen3", "hermes")
+    assert vars_of(Parsers.of(ParserNames(), "<think>[THINK]")) == (None, None)
+    assert vars_of(Parsers.of(ParserNames("think", "mistral"), qwen)) == ("think", "mistral")
+    assert vars_of(Parsers.of(ParserNames(), None)) == (None, None)
+
+
+def vars_of(parsers: Parsers) -> tuple:
+    return parsers.names.reasoning, parsers.names.tool_call
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(["<|end|>", "<|e", "nd|>", "a", "<|", "|>", "[THINK]"])),
+    data=st.data(),
+)
+def test_hidden_special_tokens_are_removed_over_any_cuts(pieces, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    hidden = Hidden(("<|end|>", "<|im_end|>"))
+    bounds = [0, *cuts, len(text)]
+    out = "".join(hidden.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+    out += hidden.flush()
+    expected = re.sub(r"<\|end\|>|<\|im_end\|>", "", text)  # one pass, left to right
+    assert out == expected == hidden.whole(text)

@@ -1,0 +1,51 @@
+"""Reasoning in each API's own shape: the Responses API's reasoning items and
+response.reasoning_text.delta events, Anthropic's thinking blocks and thinking_delta events,
+built from the typed events every route's reply reader (pipeline.ReplyReader) writes."""
+
+from __future__ import annotations
+
+import json
+
+from conveyor.entrypoints.anthropic.serving import _Blocks
+from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
+from conveyor.entrypoints.openai.responses.output import OutputBuilder
+from conveyor.entrypoints.openai.serving import _ToolReply
+from conveyor.entrypoints.parsers import ParserNames
+from conveyor.entrypoints.pipeline import Parsers
+
+RAW = "<think>Let me see.</think>\n\nParis."
+
+
+def deltas(raw: str = RAW) -> list:
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    reply = _ToolReply(request, 16, Parsers(ParserNames("qwen3")).for_request(None, 16))
+    out = []
+    for i, piece in enumerate(raw[j : j + 3] for j in range(0, len(raw), 3)):
+        out += reply.reader.feed(piece, finished=i == (len(raw) - 1) // 3)
+    return out
+
+
+def test_responses_output_has_a_reasoning_item_before_the_message():
+    builder = OutputBuilder(plain=True)
+    events = [event for delta in deltas() for event in builder.feed(delta)]
+    events += builder.finish("completed")
+    reasoning, message = builder.items
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Let me see."}]
+    assert message["content"][0]["text"] == "Paris."
+    pieces = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(pieces) == "Let me see."
+    (done,) = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert done["text"] == "Let me see."
+
+
+def test_anthropic_stream_opens_a_thinking_block_then_a_text_block():
+    blocks = _Blocks()
+    frames = [frame for delta in deltas() for frame in blocks.feed(delta)] + blocks.close()
+    data = [json.loads(frame.split("data: ", 1)[1]) for frame in frames]
+    starts = [d["content_block"]["type"] for d in data if d["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    thinking = [
+        d["delta"]["thinking"] for d in data if d.get("delta", {}).get("type") == "thinking_delta"
+    ]
+    assert "".join(thinking) == "Let me see."
