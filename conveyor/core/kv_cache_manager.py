@@ -9,6 +9,15 @@ Layout of one request's table (block_size 4, 10 tokens, 6 of them computed):
 allocate_slots() only adds the blocks that this step's tokens need, so allocated-but-unused KV
 is under one block per request, plus the slots of rejected drafts (speculative decoding),
 which the request's next tokens write again.
+
+Sliding window (a model whose every layer attends to its last `sliding_window` tokens only,
+as Mistral v0.1 or Phi-3): a block whose tokens are all before the window of the request's next
+token is never read again, so it goes back to the pool while the request runs (still cached
+by its hash) and its table entry becomes the null block, a zeroed block past the pool
+(the runner allocates it) that the attention kernel may read but always masks:
+
+    blocks:  [ null | null | b9 | b4 | b6 ]     window 6, 17 tokens computed: the next token
+    tokens:  [ ---- | ---- | xxxx | xxxx | x... ]  sees positions 12..17, blocks 3 and 4 only
 """
 
 from __future__ import annotations
@@ -19,9 +28,17 @@ from conveyor.request import BlockHash, Request
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, salt_generated: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        salt_generated: bool = False,
+        sliding_window: int = 0,
     ) -> None:
+        """sliding_window: every layer's (0: a model with any full-attention layer)."""
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.null_block = KVBlock(num_blocks)  # outside the pool: never allocated or freed
         self.enable_caching = enable_caching
         # The model computes prompt and generated tokens by different routes
         # (model/prompt_route.py): a block holding generated tokens gets its own key, so that a
@@ -30,6 +47,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already hashed
+        self.num_null_blocks: dict[str, int] = {}  # leading blocks that left the window
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -88,7 +106,27 @@ class KVCacheManager:
         return new_blocks
 
     def cache_blocks(self, request: Request) -> None:
-        """Hashes and caches the request's full blocks whose KV is now computed."""
+        """Hashes and caches the request's full blocks whose KV is now computed; with a sliding
+        window, then frees those that left it."""
+        self._cache_full_blocks(request)
+        if self.sliding_window:
+            self._free_outside_window(request)
+
+    def _free_outside_window(self, request: Request) -> None:
+        """The next token to compute, at position num_computed_tokens, sees positions from
+        num_computed_tokens - sliding_window + 1 on (and later ones see no earlier)."""
+        first_seen = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        blocks = self.req_to_blocks.get(request.request_id)
+        start = self.num_null_blocks.get(request.request_id, 0)
+        stop = min(first_seen // self.block_size, len(blocks or ()))
+        if stop <= start:
+            return
+        left = blocks[start:stop]
+        blocks[start:stop] = [self.null_block] * (stop - start)
+        self.num_null_blocks[request.request_id] = stop
+        self.pool.free_blocks(left[::-1])  # later blocks evicted first: prefixes are shared
+
+    def _cache_full_blocks(self, request: Request) -> None:
         if not self.enable_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
@@ -104,6 +142,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.num_null_blocks.pop(request.request_id, 0):
+            blocks = [b for b in blocks if b is not self.null_block]
         # Tail first: a request's last blocks are the least likely to be shared, evict them first.
         self.pool.free_blocks(blocks[::-1])
 
@@ -128,7 +168,11 @@ class KVCacheManager:
         """Every block is free, or referenced exactly by the tables that hold it; ref counts,
         the free queue and the hash map agree. Raises AssertionError otherwise."""
         refs = [0] * self.pool.num_blocks
-        for request_id, blocks in self.req_to_blocks.items():
+        for request_id, all_blocks in self.req_to_blocks.items():
+            blocks = [b for b in all_blocks if b is not self.null_block]
+            nulls = len(all_blocks) - len(blocks)
+            assert nulls == self.num_null_blocks.get(request_id, 0), f"{request_id}: null blocks"
+            assert all(b is self.null_block for b in all_blocks[:nulls]), "null blocks lead"
             ids = [b.block_id for b in blocks]
             assert len(set(ids)) == len(ids), f"{request_id} holds a block twice"
             for block in blocks:

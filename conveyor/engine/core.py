@@ -137,6 +137,8 @@ class CoreInfo:
     grammar_unavailable: str | None = None  # why structured output is off, if it is
     lora_config: LoRAConfig | None = None  # set when LoRA is on
     kernel_plan: dict[str, str] = field(default_factory=dict)  # model/plan.py: summary()
+    # Blocks that leave this window go back to the pool while a request runs (0: none).
+    sliding_window: int = 0
 
 
 class EngineCore:
@@ -175,6 +177,7 @@ class EngineCore:
                 cache.block_size,
                 cache.enable_prefix_caching,
                 salt_generated=getattr(getattr(self.runner, "model", None), "prompt_route", False),
+                sliding_window=self._sliding_window(),
             )
             max_loras = None if self.lora_config is None else self.lora_config.max_loras
             self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec, max_loras)
@@ -231,6 +234,14 @@ class EngineCore:
             plan_settings=PlanSettings.from_env(config.kernel_isa),
         )
 
+    def _sliding_window(self) -> int:
+        """The window blocks may be freed by: every layer's when all slide (0 otherwise), and
+        no draft model, whose full attention reads the same block tables."""
+        windows = self.model_config.parts.windows
+        if not windows or not all(windows) or self.draft_runner is not None:
+            return 0
+        return min(windows)
+
     def _allocate_kv_cache(self) -> None:
         if self.tp_workers is not None:  # they started while this rank loaded
             self.tp_workers.connect()
@@ -269,6 +280,7 @@ class EngineCore:
             self.grammars.unavailable,
             self.lora_config,
             self.kernel_plan,
+            self.kv_cache.sliding_window,
         )
 
     @property

@@ -309,6 +309,11 @@ class InputProcessor:
             )
         block_size, num_blocks = self.info.cache_config.block_size, self.info.num_blocks
         needed_blocks = -(-(num_prompt + max_tokens) // block_size)
+        if self.info.sliding_window:  # it holds at most its window and a step's tokens at once
+            step = self.info.scheduler_config.max_num_batched_tokens
+            needed_blocks = min(
+                needed_blocks, -(-(self.info.sliding_window + step) // block_size) + 2
+            )
         if needed_blocks > num_blocks:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs "

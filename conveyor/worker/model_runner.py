@@ -101,8 +101,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # One contiguous (block, kv head) tile per block and head: see model/attention.py.
         tile = self.block_size * self.cfg.head_dim
-        scratch = self.graph_mode is not None  # one block more: the padded rows' (cuda_graphs)
-        shape = (2, num_blocks + scratch, self.num_kv_heads, tile)
+        # One block more, zeroed and never written: the null block that a sliding-window
+        # request's table holds where its blocks left the window (core/kv_cache_manager.py);
+        # and one more for the padded rows of CUDA graphs, last (cuda_graphs).
+        scratch = self.graph_mode is not None
+        shape = (2, num_blocks + 1 + scratch, self.num_kv_heads, tile)
         self.kv_caches = [self._new_cache(shape) for _ in range(self.cfg.num_layers)]
         if scratch:
             self.graphs = DecodeGraphs(

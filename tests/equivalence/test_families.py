@@ -87,8 +87,10 @@ def test_odd_chunks_and_staggered_arrivals_match_transformers(family):
 
 def test_preemption_prefix_hits_and_speculation_match_transformers(family):
     name, path, prompts, reference = family
+    # Where every layer slides, a request holds only its window's blocks: a smaller cache.
+    num_blocks = 10 if name in ("mistral-window", "phi3") else 24
     engine = LLMEngine(
-        path, dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=24,
+        path, dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=num_blocks,
         max_num_batched_tokens=16,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                             "prompt_lookup_min": 1},
@@ -100,3 +102,32 @@ def test_preemption_prefix_hits_and_speculation_match_transformers(family):
     assert stats.spec.num_draft_tokens > 0
     assert_reference(name, done, reference)
     assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
+
+
+def test_a_windowed_request_holds_only_its_window_of_blocks(tmp_path):
+    """Every layer slides (Mistral's window of 7): blocks that left the window go back to the
+    pool while the request runs, so a 90-token request runs in a cache of 8 blocks of 4 tokens
+    (32 tokens), with transformers' tokens; a model with a full-attention layer keeps them."""
+    path = make_tiny_checkpoint(tmp_path / "mistral", "mistral-window")
+    reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    prompt = random_prompts(3, reference_model.config.vocab_size, seed=5, max_len=70)[2]
+    [(tokens, _)] = hf_greedy(reference_model, [prompt], 20)
+    engine = LLMEngine(
+        str(path), dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=8,
+        max_num_batched_tokens=8,
+    )  # fmt: skip
+    assert engine.kv_cache.sliding_window == 7
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine.add_request("long", prompt, params)
+    held, done = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0]
+        engine.check_integrity()
+        table = engine.kv_cache.req_to_blocks.get("long", [])
+        held.append(sum(b is not engine.kv_cache.null_block for b in table))
+    assert done["long"].token_ids == tokens
+    assert max(held) <= -(-(7 + 8) // 4) + 1  # the window and one step's tokens
+    assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
+    gemma = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2")  # a global layer: no freeing
+    assert LLMEngine(str(gemma), dtype="float64", num_blocks=64).kv_cache.sliding_window == 0
