@@ -190,6 +190,43 @@ def test_batched_chunked_and_cached_requests_equal_each_alone(models, baseline, 
         assert_same(warm, want, f"{name}, again on the warm cache, budget {budget}")
 
 
+# ---- a sliding-window family ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> str:
+    """A tiny Gemma 3 (tests/tiny.py FAMILIES): a sliding layer with a window of 8 tokens and
+    its own RoPE base, a global layer, (1 + w) norms around both sublayers, GeGLU."""
+    from tiny import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3"))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_sliding_window_family_is_batch_invariant(gemma3, quantization):
+    """Gemma 3 in float32 and served quantized: each request alone against batched in chunks
+    of 32, from the warm prefix cache, and preempted in a small cache, all compared with ==."""
+    prompts = PROMPTS[:6] + PROMPTS[12:15]
+    kwargs = dict(dtype="float32", quantization=quantization)
+    want = []
+    for prompt in prompts:
+        with LLM(gemma3, **kwargs, enable_prefix_caching=False) as llm:
+            assert llm.engine.model_config.parts.windows == (8, 0)
+            want.append(signature(llm.generate([prompt], greedy(), use_tqdm=False)[0]))
+
+    def check(outputs, what: str) -> None:
+        found = [first_difference(signature(o), w) for o, w in zip(outputs, want, strict=True)]
+        assert found == [None] * len(want), f"{quantization}, {what}: {found}"
+
+    with LLM(gemma3, **kwargs, max_num_batched_tokens=32) as llm:
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "batched, budget 32")
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "again, from the prefix cache")
+        assert llm.engine.get_stats().scheduler.prefix_cache_hits > 0
+    with LLM(gemma3, **kwargs, num_blocks=7, max_num_batched_tokens=48) as llm:
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "preempted")
+        assert llm.engine.get_stats().scheduler.num_preemptions_total > 0
+
+
 # ---- (d) preemption ------------------------------------------------------------------------
 
 
