@@ -1,6 +1,6 @@
 """`python -m benchmarks compare | step | quality | split | spec | structured | scaling |
 peers | dashboard | storm | contention | fuzz |
-kernels | quant-kernels`: the lab's commands.
+families | kernels | quant-kernels`: the lab's commands.
 
 The flags they share with `conveyor bench serve | throughput` and `conveyor serve` come from
 conveyor.bench.args and conveyor.entrypoints.args. Each command's module is imported when the
@@ -40,6 +40,8 @@ COMMANDS = [
      "TTFT quiet and busy, all threads kept vs the adaptive thread count"),
     ("fuzz", "fuzz", "random hostile requests against every route of a running server: 5xx, "
      "dropped connections, unterminated streams, engine deaths"),
+    ("families", "families", "each family's step time against Llama of the same shape, per "
+     "parameter, and a sliding window's peak KV blocks against full attention"),
     ("kernels", "kernels", "ModelRunner.execute per attention path (PyTorch reference vs "
      "compiled kernels) on synthetic decode and prefill steps"),
     ("quant-kernels", "quant_kernels", "ms per call of each quantized-matmul candidate for "

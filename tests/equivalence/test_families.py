@@ -93,7 +93,7 @@ def test_preemption_prefix_hits_and_speculation_match_transformers(family):
         path, dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=num_blocks,
         max_num_batched_tokens=16,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                            "prompt_lookup_min": 1},
+                            "prompt_lookup_min": 1, "adaptive": False},
     )  # fmt: skip
     done = run(engine, requests(prompts))
     stats = engine.get_stats()

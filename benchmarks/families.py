@@ -1,0 +1,202 @@
+"""`python -m benchmarks families`: what each family costs against Llama of the same shape, and
+what a sliding window saves in KV blocks.
+
+1. Step time. For every supported family a random checkpoint of one shape (hidden, layers,
+   heads, MLP width, vocabulary: --hidden etc.) is built with transformers, loaded as conveyor
+   serves it (float32, batch-invariant, the compiled layers), and timed on the same steps:
+   --batch decode rows at --context tokens of context, and one --chunk-token prompt chunk. The
+   families' parameter counts differ a little (Gemma's four norms, biases), so the ratio is
+   per parameter: (family ms / family parameters) / (Llama ms / Llama parameters). Families run
+   in alternation, --rounds times, and each step's time is the best of its rounds.
+2. KV memory. One long request (--long-prompt tokens, then --long-output) on a Mistral whose
+   every layer slides (--window) and on the same weights with full attention: the most blocks
+   the request held at once, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# family -> (architecture, model_type, config fields beyond the shared shape)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "llama", {}),
+    "mistral (window)": ("MistralForCausalLM", "mistral", {"sliding_window": 256}),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", {}),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", {}),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", {
+        "query_pre_attn_scalar": 64, "sliding_window": 256, "hidden_activation":
+        "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", {
+        "query_pre_attn_scalar": 64, "sliding_window": 256}),
+    "phi3": ("Phi3ForCausalLM", "phi3", {"original_max_position_embeddings": 4096}),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", {}),
+    "granite": ("GraniteForCausalLM", "granite", {
+        "attention_multiplier": 0.125, "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22, "logits_scaling": 8.0}),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", {"use_sliding_window": False}),
+}  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--batch", type=int, default=8, help="decode rows per step")
+    parser.add_argument("--context", type=int, default=512, help="each decode row's context")
+    parser.add_argument("--chunk", type=int, default=256, help="tokens of the prompt chunk")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--long-prompt", type=int, default=4096)
+    parser.add_argument("--long-output", type=int, default=64)
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--save-result", action="store_true")
+    parser.add_argument("--result-dir", default=None)
+
+
+def main(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="conveyor-families-") as tmp:
+        report = {"shape": _shape(args), "steps": _step_times(args, Path(tmp))}
+        report["kv_blocks"] = _window_blocks(args, Path(tmp))
+    _print(report, args)
+    if args.save_result:
+        out = Path(args.result_dir or ".") / f"families-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        out.write_text(json.dumps(report, indent=2))
+        print(f"written: {out}")
+    return 0
+
+
+def _shape(args: argparse.Namespace) -> dict:
+    return dict(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
+        vocab_size=args.vocab, head_dim=args.hidden // args.heads, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )  # fmt: skip
+
+
+def _checkpoint(folder: Path, family: str, shape: dict, **overrides) -> tuple[str, int]:
+    """A random float32 checkpoint of the family: its path and parameter count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch, model_type, extra = FAMILIES[family]
+    config = AutoConfig.for_model(
+        model_type, architectures=[arch], **{**shape, **extra, **overrides}
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = folder / f"{family.split()[0]}-{sum(1 for _ in folder.iterdir())}"
+    model.save_pretrained(path)
+    return str(path), sum(p.numel() for p in model.parameters())
+
+
+def _engine(path: str, **kwargs):
+    from conveyor import LLMEngine
+
+    # Ten engines side by side: each a small cache, not the default share of the memory.
+    return LLMEngine(
+        path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory="512MiB", **kwargs
+    )
+
+
+def _step_times(args: argparse.Namespace, folder: Path) -> dict:
+    """family -> {params, decode_ms, chunk_ms}: the best of args.rounds, families alternated."""
+    models = {f: _checkpoint(folder, f, _shape(args)) for f in args.families}
+    engines = {f: _engine(path, max_num_batched_tokens=4096) for f, (path, _) in models.items()}
+    best: dict[str, dict] = {f: {"params": models[f][1]} for f in models}
+    for _ in range(args.rounds):
+        for family, engine in engines.items():
+            decode, chunk = _time_steps(engine, args)
+            for key, ms in (("decode_ms", decode), ("chunk_ms", chunk)):
+                best[family][key] = min(best[family].get(key, ms), ms)
+    return best
+
+
+def _time_steps(engine, args: argparse.Namespace) -> tuple[float, float]:
+    """ms of one decode step of args.batch rows, and of one args.chunk-token prompt chunk."""
+    from conveyor import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(args.batch):  # prompts of args.context tokens, then timed decode steps
+        engine.add_request(f"d{i}-{time.monotonic_ns()}", _tokens(args.context, i, args), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in _running(engine)):
+        engine.step()
+    start = time.perf_counter()
+    engine.step()
+    decode = (time.perf_counter() - start) * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(f"c-{time.monotonic_ns()}", _tokens(args.chunk, 99, args), params)
+    start = time.perf_counter()
+    engine.step()
+    chunk = (time.perf_counter() - start) * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    return decode, chunk
+
+
+def _running(engine):
+    return list(engine.core.scheduler.requests.values())
+
+
+def _tokens(n: int, seed: int, args: argparse.Namespace) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 7919 + time.monotonic_ns() % 1000)
+    return torch.randint(3, args.vocab, (n,), generator=generator).tolist()
+
+
+def _window_blocks(args: argparse.Namespace, folder: Path) -> dict:
+    """The most blocks one long request held at once, windowed and with full attention."""
+    from conveyor import SamplingParams
+
+    shape = _shape(args)
+    result = {}
+    for name, overrides in (("window", {}), ("full", {"sliding_window": None})):
+        extra = {"sliding_window": args.window} if name == "window" else overrides
+        path, _ = _checkpoint(folder, "mistral (window)", shape, **extra)
+        engine = _engine(path, max_num_batched_tokens=512, enable_prefix_caching=False)
+        params = SamplingParams(temperature=0, max_tokens=args.long_output, ignore_eos=True)
+        engine.add_request("long", _tokens(args.long_prompt, 1, args), params)
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            table = engine.core.kv_cache.req_to_blocks.get("long", [])
+            peak = max(peak, sum(b is not engine.core.kv_cache.null_block for b in table))
+        result[name] = peak
+    result["ratio"] = result["window"] / result["full"]
+    return result
+
+
+def _print(report: dict, args: argparse.Namespace) -> None:
+    steps = report["steps"]
+    llama = steps.get("llama")
+    print(f"shape: {report['shape']}")
+    print(
+        f"{'family':<18}{'params':>12}{'decode ms':>11}{'chunk ms':>10}{'per param vs llama':>21}"
+    )
+    for family, row in steps.items():
+        ratios = ""
+        if llama:
+            per = [
+                (row[k] / row["params"]) / (llama[k] / llama["params"])
+                for k in ("decode_ms", "chunk_ms")
+            ]
+            ratios = f"{per[0]:.2f}x / {per[1]:.2f}x"
+        print(
+            f"{family:<18}{row['params']:>12,}{row['decode_ms']:>11.1f}{row['chunk_ms']:>10.1f}"
+            f"{ratios:>21}"
+        )
+    kv = report["kv_blocks"]
+    print(
+        f"one request of {args.long_prompt} + {args.long_output} tokens, window {args.window}: "
+        f"peak KV blocks {kv['window']} windowed vs {kv['full']} full attention "
+        f"({kv['ratio']:.3f}x)"
+    )
