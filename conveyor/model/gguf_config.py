@@ -132,7 +132,7 @@ def _layer_types(metadata: dict[str, Any], arch: str, is_sliding: Callable[[int]
     return ["sliding_attention" if flag else "full_attention" for flag in flags]
 
 
-def _gemma_scalar(metadata: dict[str, Any], arch: str, config: dict[str, Any]) -> None:
+def _gemma_scalar(arch: str, config: dict[str, Any]) -> None:
     """llama.cpp scales Gemma's queries by head_dim ** -0.5, by (hidden / heads) ** -0.5 on the
     27B models; query_pre_attn_scalar says the same to transformers."""
     heads = config["num_attention_heads"]
@@ -144,7 +144,7 @@ def _gemma_scalar(metadata: dict[str, Any], arch: str, config: dict[str, Any]) -
 
 
 def _gemma2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
-    _gemma_scalar(metadata, "gemma2", config)
+    _gemma_scalar("gemma2", config)
     # llama.cpp's defaults where the keys are absent (llama_hparams)
     config.setdefault("attn_logit_softcapping", 50.0)
     config.setdefault("final_logit_softcapping", 30.0)
@@ -153,7 +153,7 @@ def _gemma2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
 
 
 def _gemma3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
-    _gemma_scalar(metadata, "gemma3", config)
+    _gemma_scalar("gemma3", config)
     config["attn_logit_softcapping"] = None
     config.setdefault("final_logit_softcapping", None)
     config["layer_types"] = _layer_types(metadata, "gemma3", lambda i: (i + 1) % 6 != 0)
