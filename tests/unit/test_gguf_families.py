@@ -1,0 +1,155 @@
+"""GGUF files of the families beyond Llama's four, written as llama.cpp writes them (its
+architecture names, metadata keys and tensor names): an F32 file holds the same model as the
+checkpoint it was converted from (same weights by name, same config, same greedy tokens in
+float64), and a Q8_0 file is served quantized."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from conftest import DEVICE_KWARGS, random_prompts
+from gguf_util import snap_to_f32_gguf, write_bare_gguf, write_gguf
+from safetensors.torch import load_file
+from tiny import make_tiny_checkpoint
+from transformers.utils import logging as hf_logging
+
+from conveyor import LLM, SamplingParams
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_loader import gguf_architecture, iter_gguf_weights
+
+# The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
+# not store set to the value llama.cpp fixes in its code: Gemma's query scale is head_dim's,
+# Gemma 2's head is its embeddings;
+# Gemma 3 slides on all layers but every sixth, its local RoPE base is 10000 (the global one
+# differs, so that each table counts); SmolLM3 drops RoPE on every fourth layer.
+GGUF_FAMILIES = {
+    "gemma2": dict(query_pre_attn_scalar=16, tie_word_embeddings=True),
+    "gemma3": dict(num_hidden_layers=6, layer_types=None, rope_theta=1e6, rope_local_base_freq=1e4),
+    "phi3": {},
+    "olmo2": {},
+    "granite": {},
+    "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
+}
+LLAMA_CPP_NAMES = {"gemma3": "gemma3"}  # HF gemma3_text is llama.cpp's gemma3
+# Phi-3's checkpoint tensors that a GGUF loader splits into the HF tensors they fuse.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+MAX_TOKENS = 8
+# The config's floats pass through float32 metadata (rms_norm_eps, Granite's multipliers).
+LOGPROB_TOLERANCE = 1e-5
+
+
+class Converted(NamedTuple):
+    family: str
+    hf_dir: Path
+    f32: Path
+    q8_0: Path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_transformers():
+    hf_logging.set_verbosity_error()
+    yield
+    hf_logging.set_verbosity_warning()
+
+
+@pytest.fixture(scope="module", params=list(GGUF_FAMILIES))
+def converted(request, tmp_path_factory) -> Converted:
+    family = request.param
+    hf_dir = tmp_path_factory.mktemp(f"hf-{family}")
+    snap_to_f32_gguf(make_tiny_checkpoint(hf_dir, family, **GGUF_FAMILIES[family]))
+    out = tmp_path_factory.mktemp(f"gguf-{family}")
+    f32 = write_gguf(hf_dir, out / f"tiny-{family}-F32.gguf", "F32")
+    q8_0 = write_gguf(hf_dir, out / f"tiny-{family}-Q8_0.gguf", "Q8_0")
+    return Converted(family, hf_dir, f32, q8_0)
+
+
+def fused_like_checkpoint(ours: dict[str, torch.Tensor], names: set[str]) -> dict:
+    """Our split tensors joined again where the checkpoint keeps them fused (Phi-3)."""
+    joined = dict(ours)
+    for name in names:
+        module, _, param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in FUSED:
+            parts = [joined.pop(f"{parent}.{part}.{param}") for part in FUSED[leaf]]
+            joined[name] = torch.cat(parts)
+    return joined
+
+
+def test_file_states_llama_cpp_architecture(converted: Converted):
+    assert gguf_architecture(converted.f32) == LLAMA_CPP_NAMES.get(
+        converted.family, converted.family
+    )
+
+
+def test_f32_gguf_weights_equal_checkpoint_by_name(converted: Converted):
+    checkpoint = load_file(converted.hf_dir / "model.safetensors")
+    ours = dict(iter_gguf_weights(converted.f32, torch.float64))
+    assert len(ours) == len(list(iter_gguf_weights(converted.f32, torch.float64)))
+    ours = fused_like_checkpoint(ours, set(checkpoint))
+    tied = {"lm_head.weight"} if "lm_head.weight" not in ours else set()
+    assert set(ours) == set(checkpoint) - tied
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float64
+        assert torch.equal(tensor, checkpoint[name]), name
+
+
+def test_config_from_metadata_equals_checkpoint_config(converted: Converted):
+    ours = ModelConfig.from_hf(str(converted.f32), dtype="float64")
+    theirs = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+    for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert (ours.qkv_bias, ours.qk_norm, ours.max_model_len) == (
+        theirs.qkv_bias,
+        theirs.qk_norm,
+        theirs.max_model_len,
+    )
+    assert ours.rope_inv_freq == pytest.approx(theirs.rope_inv_freq, rel=1e-6)
+    assert_close_dicts(ours.parts.to_dict(), theirs.parts.to_dict())
+
+
+def assert_close_dicts(ours: dict, theirs: dict) -> None:
+    """Equal, floats to float32's precision (the metadata holds float32)."""
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, float):
+            assert math.isclose(ours[key], value, rel_tol=1e-6), key
+        elif key == "local_rope_inv_freq":
+            assert ours[key] == pytest.approx(value, rel=1e-6), key
+        else:
+            assert ours[key] == value, key
+
+
+def test_f32_gguf_greedy_tokens_equal_checkpoint_in_float64(converted: Converted):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    prompts = random_prompts(6, 384, seed=5, max_len=40)  # longer than every window
+    runs = []
+    for path in (converted.hf_dir, converted.f32):
+        llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
+        runs.append([out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)])
+    for ours, theirs in zip(*reversed(runs), strict=True):
+        assert ours.token_ids == theirs.token_ids
+        for got, want, token in zip(ours.logprobs, theirs.logprobs, ours.token_ids, strict=True):
+            assert abs(got[token].logprob - want[token].logprob) < LOGPROB_TOLERANCE
+
+
+def test_q8_0_gguf_is_served_quantized_and_generates(converted: Converted):
+    config = ModelConfig.from_hf(str(converted.q8_0))
+    assert (config.quantization, config.dtype) == ("gguf", torch.float32)
+    llm = LLM(str(converted.q8_0), **DEVICE_KWARGS)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(random_prompts(3, 384, seed=6, max_len=40), params, use_tqdm=False)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [MAX_TOKENS] * 3
+
+
+def test_unsupported_architecture_is_refused_listing_every_family(tmp_path):
+    path = write_bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
+    with pytest.raises(ValueError, match="'gpt2'") as error:
+        gguf_architecture(path)
+    for family in ("llama", "qwen3", *(LLAMA_CPP_NAMES.get(f, f) for f in GGUF_FAMILIES)):
+        assert family in str(error.value)
