@@ -1,7 +1,8 @@
 """GGUF files of the families beyond Llama's four, written as llama.cpp writes them (its
 architecture names, metadata keys and tensor names): an F32 file holds the same model as the
 checkpoint it was converted from (same weights by name, same config, same greedy tokens in
-float64), and a Q8_0 file is served quantized."""
+float64), and a Q8_0 file is served quantized. What llama.cpp fixes in code rather than stores
+is taken as llama.cpp takes it, on real models' sizes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from transformers.utils import logging as hf_logging
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, iter_gguf_weights
 
 # The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
@@ -153,3 +155,55 @@ def test_unsupported_architecture_is_refused_listing_every_family(tmp_path):
         gguf_architecture(path)
     for family in ("llama", "qwen3", *(LLAMA_CPP_NAMES.get(f, f) for f in GGUF_FAMILIES)):
         assert family in str(error.value)
+
+
+def metadata_of(arch: str, num_layers: int, **keys) -> dict:
+    """The metadata keys a converter writes for a model of `num_layers` layers, plus `keys`."""
+    base = {
+        "context_length": 8192,
+        "embedding_length": 4608,
+        "block_count": num_layers,
+        "feed_forward_length": 36864,
+        "attention.head_count": 32,
+        "attention.head_count_kv": 16,
+        "attention.key_length": 128,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "attention.sliding_window": 4096,
+    }
+    return {"general.architecture": arch} | {f"{arch}.{k}": v for k, v in (base | keys).items()}
+
+
+SHAPES = {"token_embd.weight": (256000, 4608)}
+
+
+def test_gemma_query_scale_is_llama_cpps_head_dim_or_hidden_per_head_for_27b():
+    # Gemma 2 27B (46 layers): hidden / heads = 144, as its query_pre_attn_scalar; 9B: head_dim
+    assert hf_config_dict(metadata_of("gemma2", 46), SHAPES)["query_pre_attn_scalar"] == 144
+    assert hf_config_dict(metadata_of("gemma2", 42), SHAPES)["query_pre_attn_scalar"] == 128
+    assert hf_config_dict(metadata_of("gemma3", 62), SHAPES)["query_pre_attn_scalar"] == 144
+
+
+def test_sliding_layers_follow_llama_cpp_unless_the_file_states_a_pattern():
+    gemma2 = hf_config_dict(metadata_of("gemma2", 4), SHAPES)["layer_types"]
+    assert gemma2 == ["sliding_attention", "full_attention"] * 2
+    gemma3 = hf_config_dict(metadata_of("gemma3", 12), SHAPES)
+    assert [t[0] for t in gemma3["layer_types"]] == list("sssssfsssssf")
+    assert gemma3["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+    stated = metadata_of("gemma3", 3, **{"attention.sliding_window_pattern": [True, False, True]})
+    assert [t[0] for t in hf_config_dict(stated, SHAPES)["layer_types"]] == list("sfs")
+    unwindowed = metadata_of("gemma3", 6, **{"attention.sliding_window": 0})
+    assert set(hf_config_dict(unwindowed, SHAPES)["layer_types"]) == {"full_attention"}
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "tensor", "message"),
+    [
+        ("phi3", {}, "rope_factors_long.weight", "longrope"),
+        ("smollm3", {}, "rope_freqs.weight", "llama3 rope scaling"),
+        ("granite", {"rope.scaling.type": "su"}, None, "rope.scaling.type 'su'"),
+    ],
+)
+def test_rope_settings_conveyor_does_not_compute_are_refused_by_name(arch, keys, tensor, message):
+    shapes = SHAPES | ({tensor: (64,)} if tensor else {})
+    with pytest.raises(ValueError, match=message):
+        hf_config_dict(metadata_of(arch, 2, **keys), shapes)
