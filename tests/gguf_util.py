@@ -41,9 +41,14 @@ GGUF_ARCHS = {
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
 PERMUTED_QK = ("llama", "granite", "smollm3")
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # Gemma's converters store a norm weight w as 1 + w
-QTYPES = {"F32": gguf.GGMLQuantizationType.F32, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+QTYPES = {
+    "F32": gguf.GGMLQuantizationType.F32,
+    "F16": gguf.GGMLQuantizationType.F16,
+    "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
 FILE_TYPES = {
     "F32": gguf.LlamaFileType.ALL_F32,
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
 }
 
@@ -67,15 +72,18 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     return out_path
 
 
-def snap_to_f32_gguf(hf_dir: Path) -> Path:
-    """Rewrites the checkpoint's weights as the values an F32 GGUF of it loads back (float32
-    values; Gemma's norms such that float32 (1 + w) - 1 is w again), so that the GGUF and the
-    checkpoint hold the same model, bit for bit."""
+def snap_to_float_gguf(hf_dir: Path) -> Path:
+    """Rewrites the checkpoint's weights as the values its F32 and F16 GGUF files load back:
+    matrices in float16's values, norms and biases in float32's (llama.cpp keeps 1-D tensors in
+    F32), Gemma's norms such that float32 (1 + w) - 1 is w again; so that the GGUF files and
+    the checkpoint hold the same model, bit for bit."""
     arch = GGUF_ARCHS[AutoConfig.from_pretrained(hf_dir).model_type]
     for shard in sorted(Path(hf_dir).glob("*.safetensors")):
         state = load_file(shard)
         for name, tensor in state.items():
             plus_one = arch in NORM_PLUS_ONE and name.endswith("norm.weight")
+            if tensor.dim() >= 2:
+                tensor = tensor.to(torch.float16).to(tensor.dtype)
             state[name] = _f32_round_trip(tensor, plus_one)
         save_file(state, shard, metadata={"format": "pt"})
     return hf_dir

@@ -1,6 +1,6 @@
 """GGUF files of the families beyond Llama's four, written as llama.cpp writes them (its
-architecture names, metadata keys and tensor names): an F32 file holds the same model as the
-checkpoint it was converted from (same weights by name, same config, same greedy tokens in
+architecture names, metadata keys and tensor names): an F32 or F16 file holds the same model as
+the checkpoint it was converted from (same weights by name, same config, same greedy tokens in
 float64), and a Q8_0 file is served quantized. What llama.cpp fixes in code rather than stores
 is taken as llama.cpp takes it, on real models' sizes."""
 
@@ -13,7 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import DEVICE_KWARGS, random_prompts
-from gguf_util import snap_to_f32_gguf, write_bare_gguf, write_gguf
+from gguf_util import snap_to_float_gguf, write_bare_gguf, write_gguf
 from safetensors.torch import load_file
 from tiny import make_tiny_checkpoint
 from transformers.utils import logging as hf_logging
@@ -48,6 +48,7 @@ class Converted(NamedTuple):
     family: str
     hf_dir: Path
     f32: Path
+    f16: Path
     q8_0: Path
 
 
@@ -62,11 +63,10 @@ def quiet_transformers():
 def converted(request, tmp_path_factory) -> Converted:
     family = request.param
     hf_dir = tmp_path_factory.mktemp(f"hf-{family}")
-    snap_to_f32_gguf(make_tiny_checkpoint(hf_dir, family, **GGUF_FAMILIES[family]))
+    snap_to_float_gguf(make_tiny_checkpoint(hf_dir, family, **GGUF_FAMILIES[family]))
     out = tmp_path_factory.mktemp(f"gguf-{family}")
-    f32 = write_gguf(hf_dir, out / f"tiny-{family}-F32.gguf", "F32")
-    q8_0 = write_gguf(hf_dir, out / f"tiny-{family}-Q8_0.gguf", "Q8_0")
-    return Converted(family, hf_dir, f32, q8_0)
+    files = [write_gguf(hf_dir, out / f"tiny-{family}-{q}.gguf", q) for q in ("F32", "F16", "Q8_0")]
+    return Converted(family, hf_dir, *files)
 
 
 def fused_like_checkpoint(ours: dict[str, torch.Tensor], names: set[str]) -> dict:
@@ -87,10 +87,12 @@ def test_file_states_llama_cpp_architecture(converted: Converted):
     )
 
 
-def test_f32_gguf_weights_equal_checkpoint_by_name(converted: Converted):
+@pytest.mark.parametrize("qtype", ["f32", "f16"])
+def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype: str):
     checkpoint = load_file(converted.hf_dir / "model.safetensors")
-    ours = dict(iter_gguf_weights(converted.f32, torch.float64))
-    assert len(ours) == len(list(iter_gguf_weights(converted.f32, torch.float64)))
+    path = getattr(converted, qtype)
+    ours = dict(iter_gguf_weights(path, torch.float64))
+    assert len(ours) == len(list(iter_gguf_weights(path, torch.float64)))
     ours = fused_like_checkpoint(ours, set(checkpoint))
     tied = {"lm_head.weight"} if "lm_head.weight" not in ours else set()
     assert set(ours) == set(checkpoint) - tied
@@ -127,11 +129,12 @@ def assert_close_dicts(ours: dict, theirs: dict) -> None:
             assert ours[key] == value, key
 
 
-def test_f32_gguf_greedy_tokens_equal_checkpoint_in_float64(converted: Converted):
+@pytest.mark.parametrize("qtype", ["f32", "f16"])
+def test_float_gguf_greedy_tokens_equal_checkpoint_in_float64(converted: Converted, qtype: str):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
     prompts = random_prompts(6, 384, seed=5, max_len=40)  # longer than every window
     runs = []
-    for path in (converted.hf_dir, converted.f32):
+    for path in (converted.hf_dir, getattr(converted, qtype)):
         llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
         runs.append([out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)])
     for ours, theirs in zip(*reversed(runs), strict=True):
