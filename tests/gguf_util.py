@@ -1,7 +1,16 @@
 """Writing a tiny HF checkpoint as a GGUF file, the way llama.cpp's convert_hf_to_gguf.py does.
 
-Only what transformers needs to rebuild config, tokenizer and weights from the file, plus the
-llama.cpp details a loader must undo (Q/K row permutation, llama3 `rope_freqs`, quantization).
+Only what a loader needs to rebuild config, tokenizer and weights from the file, plus the
+llama.cpp details a loader must undo (Q/K row permutation, llama3 `rope_freqs`, quantization,
+Gemma's norms stored as 1 + w, Phi-3's fused attn_qkv and gate+up ffn_up), under llama.cpp's
+architecture names, metadata keys and tensor names (gguf.get_tensor_name_map).
+
+What llama.cpp does not store but fixes in its code (Gemma's sliding layers and query scale,
+Gemma 3's local RoPE base, SmolLM3's RoPE-less layers; see conveyor/model/gguf_config.py) a
+checkpoint must match: write_gguf refuses one that does not, rather than write a file that
+llama.cpp would run as another model. One deviation: every vocabulary is written as the byte
+level BPE ("gpt2") it is in the tests, where llama.cpp writes Gemma 2's and Phi-3's from their
+sentencepiece tokenizer.model.
 """
 
 from __future__ import annotations
@@ -13,14 +22,33 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 # HF model_type -> llama.cpp architecture; llama.cpp converts Mistral with its llama converter.
-GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-QTYPES = {"F32": gguf.GGMLQuantizationType.F32, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+GGUF_ARCHS = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "olmo2": "olmo2",
+    "granite": "granite",
+    "smollm3": "smollm3",
+}
+# llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
+PERMUTED_QK = ("llama", "granite", "smollm3")
+NORM_PLUS_ONE = ("gemma2", "gemma3")  # Gemma's converters store a norm weight w as 1 + w
+QTYPES = {
+    "F32": gguf.GGMLQuantizationType.F32,
+    "F16": gguf.GGMLQuantizationType.F16,
+    "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
 FILE_TYPES = {
     "F32": gguf.LlamaFileType.ALL_F32,
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
 }
 
@@ -44,6 +72,34 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     return out_path
 
 
+def snap_to_float_gguf(hf_dir: Path) -> Path:
+    """Rewrites the checkpoint's weights as the values its F32 and F16 GGUF files load back:
+    matrices in float16's values, norms and biases in float32's (llama.cpp keeps 1-D tensors in
+    F32), Gemma's norms such that float32 (1 + w) - 1 is w again; so that the GGUF files and
+    the checkpoint hold the same model, bit for bit."""
+    arch = GGUF_ARCHS[AutoConfig.from_pretrained(hf_dir).model_type]
+    for shard in sorted(Path(hf_dir).glob("*.safetensors")):
+        state = load_file(shard)
+        for name, tensor in state.items():
+            plus_one = arch in NORM_PLUS_ONE and name.endswith("norm.weight")
+            if tensor.dim() >= 2:
+                tensor = tensor.to(torch.float16).to(tensor.dtype)
+            state[name] = _f32_round_trip(tensor, plus_one)
+        save_file(state, shard, metadata={"format": "pt"})
+    return hf_dir
+
+
+def _f32_round_trip(tensor: torch.Tensor, plus_one: bool) -> torch.Tensor:
+    if not plus_one:
+        return tensor.to(torch.float32).to(tensor.dtype)
+    for _ in range(4):  # the writer adds 1 in the checkpoint's dtype, the loader subtracts in f32
+        snapped = ((tensor + 1).to(torch.float32) - 1.0).to(tensor.dtype)
+        if torch.equal(snapped, tensor):
+            return tensor
+        tensor = snapped
+    raise AssertionError("a norm weight does not settle under the 1 + w round trip")
+
+
 def write_bare_gguf(out_path: Path, arch: str) -> Path:
     """A minimal GGUF with `general.architecture = arch` and one tensor."""
     writer = gguf.GGUFWriter(out_path, arch)
@@ -61,8 +117,10 @@ def _finish(writer: gguf.GGUFWriter) -> None:
 
 
 def _rope(config) -> dict:
-    # transformers 5 keeps rope_theta and scaling together in rope_parameters.
+    # transformers 5 keeps rope_theta and scaling together in rope_parameters; Gemma 3 one set
+    # per layer type, of which the file states the global layers'.
     params = dict(getattr(config, "rope_parameters", None) or {})
+    params = dict(params.get("full_attention", params))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
 
@@ -72,6 +130,7 @@ def _head_dim(config) -> int:
 
 
 def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -> None:
+    check_expressible(config, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -79,12 +138,13 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     rope = _rope(config)
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch != "gemma2":  # Gemma2Model writes no base: llama.cpp's default 10000 holds
+        writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if raw_config.get("head_dim") is not None:  # llama.cpp writes these when head_dim is stated
-        writer.add_key_length(raw_config["head_dim"])
-        writer.add_value_length(raw_config["head_dim"])
-    if arch == "llama":
+    if raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE:
+        writer.add_key_length(_head_dim(config))  # llama.cpp writes these when head_dim is stated
+        writer.add_value_length(_head_dim(config))
+    if arch in PERMUTED_QK:
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(_head_dim(config))
     rope_type = rope.get("rope_type", "default")
@@ -93,6 +153,83 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
         writer.add_rope_scaling_factor(rope["factor"])
     if rope_type == "yarn":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    _FAMILY_HPARAMS.get(arch, lambda writer, config: None)(writer, config)
+
+
+def _gemma2_hparams(writer: gguf.GGUFWriter, config) -> None:
+    writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+
+
+def _gemma3_hparams(writer: gguf.GGUFWriter, config) -> None:
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+
+
+def _phi3_hparams(writer: gguf.GGUFWriter, config) -> None:
+    writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+    writer.add_rope_dimension_count(_head_dim(config))
+    writer.add_sliding_window(config.sliding_window or 0)
+
+
+def _granite_hparams(writer: gguf.GGUFWriter, config) -> None:
+    # llama.cpp's names for Granite's multipliers
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+
+
+_FAMILY_HPARAMS = {
+    "gemma2": _gemma2_hparams,
+    "gemma3": _gemma3_hparams,
+    "phi3": _phi3_hparams,
+    "granite": _granite_hparams,
+}
+
+
+def check_expressible(config, arch: str) -> None:
+    """Refuses a checkpoint whose settings llama.cpp fixes in code to other values (see the
+    module docstring): its GGUF would be another model."""
+    layers = range(config.num_hidden_layers)
+    expected: dict[str, object] = {}
+    if arch in NORM_PLUS_ONE:
+        big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]
+        scalar = config.hidden_size // config.num_attention_heads if big else _head_dim(config)
+        expected["query_pre_attn_scalar"] = scalar
+    if arch == "gemma2":
+        expected["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in layers
+        ]
+        expected["rope_theta"] = 10000.0
+        expected["tie_word_embeddings"] = True  # Gemma2Model drops lm_head.weight
+    if arch == "gemma3":
+        expected["layer_types"] = [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in layers
+        ]
+        expected["local rope_theta"] = 10000.0
+    if arch == "smollm3":
+        expected["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in layers]
+    if arch == "phi3":
+        expected["rope_scaling"] = None
+    for name, value in expected.items():
+        if _setting(config, name) != value:
+            raise ValueError(
+                f"llama.cpp's {arch} GGUF cannot state {name}={_setting(config, name)}"
+            )
+
+
+def _setting(config, name: str):
+    params = getattr(config, "rope_parameters", None) or {}
+    if name == "rope_theta":
+        return _rope(config)["rope_theta"]
+    if name == "local rope_theta":
+        return params["sliding_attention"]["rope_theta"]
+    if name == "rope_scaling":
+        return None if _rope(config).get("rope_type", "default") == "default" else params
+    return getattr(config, name)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
@@ -145,12 +282,18 @@ def _add_tensors(
 ) -> None:
     name_map = gguf.get_tensor_name_map(_model_arch(arch), config.num_hidden_layers)
     for hf_name, tensor in state.items():
-        data = tensor.to(torch.float32)
-        if arch == "llama" and ".q_proj." in hf_name:
+        data = tensor
+        if arch in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+            data = data + 1  # in the checkpoint's dtype, then cast, as llama.cpp does
+        data = data.to(torch.float32)
+        if arch in PERMUTED_QK and ".q_proj." in hf_name:
             data = permute(data, config.num_attention_heads, config.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in hf_name:
+        elif arch in PERMUTED_QK and ".k_proj." in hf_name:
             data = permute(data, config.num_attention_heads, config.num_key_value_heads)
+        # Phi-3's qkv_proj and gate_up_proj map as they are: attn_qkv, and ffn_up
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"llama.cpp has no {arch} tensor name for {hf_name}")
         _add_tensor(writer, name, data.numpy(), qtype)
     if arch == "llama" and _rope(config).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))

@@ -1,10 +1,14 @@
 """Weights of a GGUF file (llama.cpp's format), under Hugging Face parameter names.
 
 Config and tokenizer come from transformers (`AutoConfig.from_pretrained(dirname,
-gguf_file=basename)`, likewise `AutoTokenizer`); only the weights are read here. Each tensor is
-dequantized with the `gguf` package, renamed, reshaped to its HF shape and, for llama files, has
-the row permutation llama.cpp's converter applies to Q and K undone, so that every tensor equals
-the one transformers loads from the same file.
+gguf_file=basename)`, likewise `AutoTokenizer`), or for the families transformers does not
+convert (or converts only in part) from model/gguf_config.py. Each tensor is dequantized with
+the `gguf` package, renamed, reshaped to its HF shape, and what llama.cpp's converter did to it
+is undone: the row permutation of Q and K (its llama converter, which Granite's and SmolLM3's
+extend), the 1 it adds to Gemma's norm weights, the fused tensors of Phi-3 (`attn_qkv`, and
+`ffn_up` holding gate and up), which are split into the HF tensors they were made of. So every
+tensor equals the one transformers loads from the same file (or from the checkpoint it was
+converted from).
 
 The header is parsed here rather than with `gguf.GGUFReader`, which decodes every vocabulary and
 merge string into numpy views (about 5 s for a 49k-token vocabulary); we skip string arrays.
@@ -35,7 +39,13 @@ import gguf
 import numpy as np
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+from conveyor.model.gguf_config import FAMILIES, hf_config_dict
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *FAMILIES)
+# Architectures whose llama.cpp converter derives from its llama one, which permutes Q/K rows.
+_PERMUTED_QK = ("llama", "granite", "smollm3")
+# Gemma's norms scale by 1 + w; llama.cpp stores 1 + w.
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 # GGUF name -> HF name for tensors outside the decoder layers.
 _GLOBAL_NAMES = {
@@ -52,13 +62,24 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3
-    "attn_k_norm": "self_attn.k_norm",  # Qwen3
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3, OLMo 2
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",  # Gemma, OLMo 2: on attention's output
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Where an architecture means another module by the same GGUF name: Gemma's ffn_norm is the norm
+# before the MLP (Llama's ffn_norm is the same norm, which Llama names post_attention_layernorm).
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+}
+# GGUF tensors that only exist fused (Phi-3's Q, K and V); Phi-3's ffn_up is another one, gate
+# and up stacked, under the name other architectures give up alone (see _fused_parts).
+_FUSED = ("attn_qkv",)
 
 # Tensors llama.cpp writes that HF models keep no parameter for. `rope_freqs` holds the llama3
 # rope-scaling factors, which the model derives from its config's rope parameters instead;
@@ -110,6 +131,22 @@ class RawTensor(NamedTuple):
     row_order: torch.Tensor | None  # rows to take (undoes llama.cpp's Q/K permutation)
 
 
+class _Layout(NamedTuple):
+    """What naming and undoing a tensor needs to know of the file's model."""
+
+    architecture: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class _Target(NamedTuple):
+    """One HF tensor made of a GGUF tensor: all of it, or (fused tensors) a range of its rows."""
+
+    hf_name: str
+    rows: slice | None
+
+
 def iter_gguf_weights(
     path: str | Path, dtype: torch.dtype, keep_raw: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor | RawTensor]]:
@@ -117,37 +154,64 @@ def iter_gguf_weights(
     tensors whose HF name `keep_raw` accepts come as RawTensor, still in their blocks."""
     buffer = _map(path)
     header = _read_header(buffer, path)
-    architecture = _architecture(header, path)
-    num_heads, num_kv_heads = _head_counts(header, architecture)
+    layout = _layout(header, path)
     for info in header.tensors:
         if _SKIPPED.fullmatch(info.name):
             continue
-        hf_name = _hf_name(info.name, path)
-        # llama.cpp permutes Q/K rows only in its llama converter (mistral is stored as llama), and
-        # transformers undoes it only for files whose architecture says llama; we do the same.
-        heads = None
-        if architecture == "llama" and ".attn_q." in info.name:
-            heads = num_heads
-        elif architecture == "llama" and ".attn_k." in info.name:
-            heads = num_kv_heads
-        if keep_raw is not None and keep_raw(hf_name):
-            yield hf_name, _raw(buffer, header.data_offset, info, heads)
-            continue
-        weight = _dequantize(buffer, header.data_offset, info)
-        if heads is not None:
-            weight = _unpermute_rows(weight, heads)
-        yield hf_name, weight.to(dtype)
+        targets = _targets(info, layout, path)
+        raw = float_weight = None
+        for target in targets:
+            if keep_raw is not None and keep_raw(target.hf_name):
+                raw = raw or _raw(buffer, header.data_offset, info, _permuted_heads(info, layout))
+                yield target.hf_name, _raw_rows(raw, target.rows)
+                continue
+            if float_weight is None:
+                float_weight = _float_weight(buffer, header.data_offset, info, layout)
+            rows = float_weight if target.rows is None else float_weight[target.rows]
+            yield target.hf_name, rows.to(dtype)
 
 
 def gguf_tensor_types(path: str | Path) -> dict[str, str]:
     """HF name -> GGUF type name (e.g. "Q4_1") of every weight in the file."""
     with _map(path) as buffer:
         header = _read_header(buffer, path)
+    layout = _layout(header, path)
     return {
-        _hf_name(info.name, path): info.qtype.name
+        target.hf_name: info.qtype.name
         for info in header.tensors
         if not _SKIPPED.fullmatch(info.name)
+        for target in _targets(info, layout, path)
     }
+
+
+def _float_weight(
+    buffer: mmap.mmap, data_offset: int, info: _TensorInfo, layout: _Layout
+) -> torch.Tensor:
+    """The tensor in float32 with llama.cpp's changes to it undone: the Q/K permutation, and
+    the 1 added to Gemma's norms, subtracted in float32, so that the model's float32 1 + w is
+    the stored multiplier again (exactly, for the stored values in [0.5, 2])."""
+    weight = _dequantize(buffer, data_offset, info)
+    heads = _permuted_heads(info, layout)
+    if heads is not None:
+        weight = _unpermute_rows(weight, heads)
+    if layout.architecture in _NORM_PLUS_ONE and info.name.endswith("norm.weight"):
+        weight = weight - 1.0
+    return weight
+
+
+def _permuted_heads(info: _TensorInfo, layout: _Layout) -> int | None:
+    """The head count whose rows llama.cpp permuted in this tensor; None: not permuted.
+
+    llama.cpp permutes Q/K rows only in its llama converter and those built on it (mistral is
+    stored as llama), and transformers undoes it only for files that say llama; we do the same.
+    """
+    if layout.architecture not in _PERMUTED_QK:
+        return None
+    if ".attn_q." in info.name:
+        return layout.num_heads
+    if ".attn_k." in info.name:
+        return layout.num_kv_heads
+    return None
 
 
 def _raw(buffer: mmap.mmap, data_offset: int, info: _TensorInfo, heads: int | None) -> RawTensor:
@@ -159,6 +223,15 @@ def _raw(buffer: mmap.mmap, data_offset: int, info: _TensorInfo, heads: int | No
     if heads is not None:  # whole rows move, so block-wise formats stay valid
         order = _unpermute_rows(torch.arange(info.shape[0]), heads)
     return RawTensor(info.qtype, info.shape, data, order)
+
+
+def _raw_rows(raw: RawTensor, rows: slice | None) -> RawTensor:
+    """A range of a RawTensor's rows: blocks run along a row, so a row range is whole blocks."""
+    if rows is None:
+        return raw
+    assert raw.row_order is None, "fused tensors are not permuted"
+    data = raw.data[rows]
+    return RawTensor(raw.qtype, (data.shape[0], *raw.shape[1:]), data, None)
 
 
 def _map(path: str | Path) -> mmap.mmap:
@@ -243,22 +316,57 @@ def _architecture(header: _Header, path: str | Path) -> str:
     return architecture
 
 
-def _head_counts(header: _Header, architecture: str) -> tuple[int, int]:
-    """`(num_heads, num_kv_heads)`; without head_count_kv there are as many KV heads as heads."""
-    num_heads = header.metadata.get(f"{architecture}.attention.head_count")
+def _layout(header: _Header, path: str | Path) -> _Layout:
+    """Heads and head size; without head_count_kv there are as many KV heads as heads."""
+    architecture = _architecture(header, path)
+    metadata = header.metadata
+    num_heads = metadata.get(f"{architecture}.attention.head_count")
     if not isinstance(num_heads, int):  # per-layer lists belong to architectures we do not run
         raise ValueError(f"GGUF {architecture}.attention.head_count is {num_heads!r}, not an int")
-    return num_heads, header.metadata.get(f"{architecture}.attention.head_count_kv", num_heads)
+    num_kv_heads = metadata.get(f"{architecture}.attention.head_count_kv", num_heads)
+    head_dim = metadata.get(f"{architecture}.attention.key_length") or (
+        metadata[f"{architecture}.embedding_length"] // num_heads
+    )
+    return _Layout(architecture, num_heads, num_kv_heads, head_dim)
 
 
-def _hf_name(gguf_name: str, path: str | Path) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match[2] not in _LAYER_NAMES:
+def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Target]:
+    """The HF tensors a GGUF tensor holds: one, or the parts of a fused one (Phi-3's)."""
+    if info.name in _GLOBAL_NAMES:
+        return [_Target(_GLOBAL_NAMES[info.name], None)]
+    match = _LAYER_TENSOR.fullmatch(info.name)
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(layout.architecture, {})}
+    if match is None or (match[2] not in names and match[2] not in _FUSED):
         # Failing beats dropping a weight silently and running a model with random parameters.
-        raise ValueError(f"GGUF tensor {gguf_name!r} in {str(path)!r} has no Hugging Face name")
-    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+        raise ValueError(f"GGUF tensor {info.name!r} in {str(path)!r} has no Hugging Face name")
+    layer, kind, param = match[1], match[2], match[3]
+    parts = _fused_parts(kind, info, layout)
+    if parts is None:
+        return [_Target(f"model.layers.{layer}.{names[kind]}.{param}", None)]
+    targets, start = [], 0
+    for part, num_rows in parts:
+        targets.append(
+            _Target(f"model.layers.{layer}.{names[part]}.{param}", slice(start, start + num_rows))
+        )
+        start += num_rows
+    if start != info.shape[0]:
+        raise ValueError(f"GGUF tensor {info.name!r} has {info.shape[0]} rows, expected {start}")
+    return targets
+
+
+def _fused_parts(kind: str, info: _TensorInfo, layout: _Layout) -> list[tuple[str, int]] | None:
+    """(GGUF name, rows) of each part of a fused tensor, in order; None: not fused. Phi-3's
+    ffn_up is gate and up stacked (its gate_up_proj), other architectures' ffn_up is up."""
+    if kind == "attn_qkv":
+        kv_rows = layout.num_kv_heads * layout.head_dim
+        return [
+            ("attn_q", layout.num_heads * layout.head_dim),
+            ("attn_k", kv_rows),
+            ("attn_v", kv_rows),
+        ]
+    if kind == "ffn_up" and layout.architecture == "phi3":
+        return [("ffn_gate", info.shape[0] // 2), ("ffn_up", info.shape[0] // 2)]
+    return None
 
 
 def _dequantize(buffer: mmap.mmap, data_offset: int, info: _TensorInfo) -> torch.Tensor:
@@ -308,20 +416,13 @@ def gguf_hf_folder(path: str | Path) -> Path:
     folder = _cache_root() / "gguf" / f"{path.stem}-{key}"
     if (folder / "config.json").exists():
         return folder
-    from transformers import AutoConfig, AutoTokenizer
-
     print(
         f"conveyor: reading config and tokenizer of {path.name} once (can take ~30 s); "
         f"cached in {folder}",
         file=sys.stderr,
         flush=True,
     )
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    # transformers keeps Qwen3Config's default head_dim instead of reading key_length.
-    key_length = gguf_metadata(path).get(f"{architecture}.attention.key_length")
-    if architecture == "qwen3" and key_length:
-        config.head_dim = key_length
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config, tokenizer = _hf_config_and_tokenizer(path, architecture)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent))
     config.save_pretrained(tmp)
@@ -331,6 +432,27 @@ def gguf_hf_folder(path: str | Path) -> Path:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     return folder
+
+
+def _hf_config_and_tokenizer(path: Path, architecture: str) -> tuple[Any, Any]:
+    """transformers' config and tokenizer of the file; for FAMILIES the config is ours, and the
+    tokenizer is built from `tokenizer.ggml.model` alone (AutoTokenizer would first convert the
+    config, which transformers cannot for some of them)."""
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+
+    if architecture in FAMILIES:
+        with _map(path) as buffer:
+            header = _read_header(buffer, path)
+        fields = hf_config_dict(header.metadata, {t.name: t.shape for t in header.tensors})
+        config = AutoConfig.for_model(**fields)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+        return config, tokenizer
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers keeps Qwen3Config's default head_dim instead of reading key_length.
+    key_length = gguf_metadata(path).get(f"{architecture}.attention.key_length")
+    if architecture == "qwen3" and key_length:
+        config.head_dim = key_length
+    return config, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def _cache_root() -> Path:

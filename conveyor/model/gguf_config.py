@@ -1,0 +1,195 @@
+"""A Hugging Face config for GGUF files of the families beyond Llama's four, from llama.cpp's
+metadata keys.
+
+transformers converts no GGUF config of OLMo 2, Granite or SmolLM3, and for Gemma 2 / 3 and
+Phi-3 it drops what these families compute with (soft-caps, sliding layers, the local RoPE
+base, the query scale), so the config of each is written here, one table for the keys they
+share and one function per family for what llama.cpp does not store but fixes in its code
+(llama-model.cpp): which layers slide (Gemma 2 every other one from layer 0, Gemma 3 all but
+every sixth), the local RoPE base of Gemma 3 (10000), the query scale of Gemma (head_dim, or
+hidden / heads for the 27B models: 46 or 62 layers), SmolLM3's RoPE-less layers (every
+fourth). A file that states one of these (`attention.sliding_window_pattern`,
+`rope.freq_base_swa`) is taken at its word.
+
+A setting the file states and conveyor does not compute (Phi-3's longrope factors, llama3
+`rope_freqs`, a rope scaling type) is refused by name, never dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# HF model_type and class of each llama.cpp architecture handled here.
+FAMILIES = {
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "granite": ("granite", "GraniteForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+}
+
+# `{arch}.` + key -> HF config field, for the keys llama.cpp writes in the same sense for all.
+_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    # Granite's multipliers, which llama.cpp names scales
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+}
+_TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
+_ROPE_SCALINGS = ("none", "linear", "yarn")
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B of each
+
+
+def hf_config_dict(
+    metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """The config.json fields of a GGUF file of one of FAMILIES, from its key-values and the
+    (torch order) shapes of its tensors by GGUF name."""
+    arch = metadata["general.architecture"]
+    if arch not in FAMILIES:
+        raise ValueError(f"GGUF architecture {arch!r} has no config mapping here")
+    _refuse_extra_tensors(arch, set(tensor_shapes))
+    model_type, class_name = FAMILIES[arch]
+    config = {"model_type": model_type, "architectures": [class_name]}
+    prefix = f"{arch}."
+    for key, field in _KEYS.items():
+        if (value := metadata.get(prefix + key)) is not None:
+            config[field] = value
+    # Most converters write no vocab_size: llama.cpp counts the embedding rows.
+    config.setdefault("vocab_size", tensor_shapes["token_embd.weight"][0])
+    config["tie_word_embeddings"] = "output.weight" not in tensor_shapes
+    for field, name in _TOKEN_IDS.items():
+        config[field] = metadata.get(f"tokenizer.ggml.{name}_token_id")
+    config["rope_parameters"] = _rope(metadata, arch)
+    _FAMILY_FIELDS[arch](metadata, config)
+    return config
+
+
+def _refuse_extra_tensors(arch: str, tensor_names: set[str]) -> None:
+    """Tensors that carry RoPE settings a config cannot say here; see the module docstring."""
+    for name, what in (
+        ("rope_factors_long.weight", "longrope scaling (rope_factors_long / _short)"),
+        ("rope_freqs.weight", "llama3 rope scaling (rope_freqs)"),
+    ):
+        if name in tensor_names:
+            raise ValueError(f"unsupported {what} in a GGUF {arch} file")
+
+
+def _rope(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """rope_parameters of the (global) layers: base, and llama.cpp's linear or yarn scaling."""
+    params: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": metadata.get(f"{arch}.rope.freq_base", 10000.0),
+    }
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in _ROPE_SCALINGS:
+        raise ValueError(
+            f"unsupported {arch}.rope.scaling.type {scaling!r}; supported: {_ROPE_SCALINGS}"
+        )
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if scaling != "none" and factor not in (None, 1.0):
+        params.update(rope_type=scaling, factor=factor)
+        if scaling == "yarn":
+            key = f"{arch}.rope.scaling.original_context_length"
+            params["original_max_position_embeddings"] = metadata.get(key)
+    return params
+
+
+def _rotary_fraction(metadata: dict[str, Any], arch: str, config: dict[str, Any]) -> None:
+    """rope.dimension_count below head_dim means partial rotary (refused by model/families)."""
+    dims = metadata.get(f"{arch}.rope.dimension_count")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if dims is not None and dims != head_dim:
+        config["rope_parameters"]["partial_rotary_factor"] = dims / head_dim
+
+
+def _layer_types(metadata: dict[str, Any], arch: str, is_sliding: Callable[[int], bool]) -> list:
+    """Per layer "sliding_attention" or "full_attention": the file's pattern, else llama.cpp's."""
+    num_layers = metadata[f"{arch}.block_count"]
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        flags = [bool(p) for p in pattern]
+    elif isinstance(pattern, int) and pattern > 0:  # llama.cpp's set_swa_pattern(n)
+        flags = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        flags = [is_sliding(i) for i in range(num_layers)]
+    if not metadata.get(f"{arch}.attention.sliding_window"):
+        flags = [False] * num_layers  # no window: every layer attends to the whole context
+    return ["sliding_attention" if flag else "full_attention" for flag in flags]
+
+
+def _gemma_scalar(arch: str, config: dict[str, Any]) -> None:
+    """llama.cpp scales Gemma's queries by head_dim ** -0.5, by (hidden / heads) ** -0.5 on the
+    27B models; query_pre_attn_scalar says the same to transformers."""
+    heads = config["num_attention_heads"]
+    if config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:
+        config["query_pre_attn_scalar"] = config["hidden_size"] // heads
+    else:
+        config["query_pre_attn_scalar"] = config.get("head_dim", 256)
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+
+
+def _gemma2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    _gemma_scalar("gemma2", config)
+    # llama.cpp's defaults where the keys are absent (llama_hparams)
+    config.setdefault("attn_logit_softcapping", 50.0)
+    config.setdefault("final_logit_softcapping", 30.0)
+    config["layer_types"] = _layer_types(metadata, "gemma2", lambda i: i % 2 == 0)
+    config["sliding_window"] = metadata.get("gemma2.attention.sliding_window") or None
+
+
+def _gemma3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    _gemma_scalar("gemma3", config)
+    config["attn_logit_softcapping"] = None
+    config.setdefault("final_logit_softcapping", None)
+    config["layer_types"] = _layer_types(metadata, "gemma3", lambda i: (i + 1) % 6 != 0)
+    config["sliding_window"] = metadata.get("gemma3.attention.sliding_window") or None
+    local = {"rope_type": "default", "rope_theta": metadata.get("gemma3.rope.freq_base_swa", 1e4)}
+    config["rope_parameters"] = {
+        "full_attention": config["rope_parameters"],
+        "sliding_attention": local,
+    }
+
+
+def _phi3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    _rotary_fraction(metadata, "phi3", config)
+    config["sliding_window"] = metadata.get("phi3.attention.sliding_window") or None
+    original = metadata.get("phi3.rope.scaling.original_context_length")
+    config["original_max_position_embeddings"] = original or config["max_position_embeddings"]
+
+
+def _llama_like(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    return lambda metadata, config: _rotary_fraction(metadata, arch, config)
+
+
+def _smollm3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    _rotary_fraction(metadata, "smollm3", config)
+    config["use_sliding_window"] = False
+    # llama.cpp: every fourth layer without RoPE (n_no_rope_layer_step), no key for it
+    config["no_rope_layer_interval"] = 4
+    layers = range(config["num_hidden_layers"])
+    config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in layers]
+
+
+_FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "phi3": _phi3,
+    "olmo2": _llama_like("olmo2"),
+    "granite": _llama_like("granite"),
+    "smollm3": _smollm3,
+}

@@ -1,0 +1,212 @@
+"""GGUF files of the families beyond Llama's four, written as llama.cpp writes them (its
+architecture names, metadata keys and tensor names): an F32 or F16 file holds the same model as
+the checkpoint it was converted from (same weights by name, same config, same greedy tokens in
+float64), and a Q8_0 file is served quantized. What llama.cpp fixes in code rather than stores
+is taken as llama.cpp takes it, on real models' sizes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from conftest import DEVICE_KWARGS, random_prompts
+from gguf_util import snap_to_float_gguf, write_bare_gguf, write_gguf
+from safetensors.torch import load_file
+from tiny import make_tiny_checkpoint
+from transformers.utils import logging as hf_logging
+
+from conveyor import LLM, SamplingParams
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_config import hf_config_dict
+from conveyor.model.gguf_loader import gguf_architecture, iter_gguf_weights
+
+# The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
+# not store set to the value llama.cpp fixes in its code: Gemma's query scale is head_dim's,
+# Gemma 2's head is its embeddings;
+# Gemma 3 slides on all layers but every sixth, its local RoPE base is 10000 (the global one
+# differs, so that each table counts); SmolLM3 drops RoPE on every fourth layer.
+GGUF_FAMILIES = {
+    "gemma2": dict(query_pre_attn_scalar=16, tie_word_embeddings=True),
+    "gemma3": dict(num_hidden_layers=6, layer_types=None, rope_theta=1e6, rope_local_base_freq=1e4),
+    "phi3": {},
+    "olmo2": {},
+    "granite": {},
+    "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
+}
+LLAMA_CPP_NAMES = {"gemma3": "gemma3"}  # HF gemma3_text is llama.cpp's gemma3
+# Phi-3's checkpoint tensors that a GGUF loader splits into the HF tensors they fuse.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+MAX_TOKENS = 8
+# The config's floats pass through float32 metadata (rms_norm_eps, Granite's multipliers).
+LOGPROB_TOLERANCE = 1e-5
+
+
+class Converted(NamedTuple):
+    family: str
+    hf_dir: Path
+    f32: Path
+    f16: Path
+    q8_0: Path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_transformers():
+    hf_logging.set_verbosity_error()
+    yield
+    hf_logging.set_verbosity_warning()
+
+
+@pytest.fixture(scope="module", params=list(GGUF_FAMILIES))
+def converted(request, tmp_path_factory) -> Converted:
+    family = request.param
+    hf_dir = tmp_path_factory.mktemp(f"hf-{family}")
+    snap_to_float_gguf(make_tiny_checkpoint(hf_dir, family, **GGUF_FAMILIES[family]))
+    out = tmp_path_factory.mktemp(f"gguf-{family}")
+    files = [write_gguf(hf_dir, out / f"tiny-{family}-{q}.gguf", q) for q in ("F32", "F16", "Q8_0")]
+    return Converted(family, hf_dir, *files)
+
+
+def fused_like_checkpoint(ours: dict[str, torch.Tensor], names: set[str]) -> dict:
+    """Our split tensors joined again where the checkpoint keeps them fused (Phi-3)."""
+    joined = dict(ours)
+    for name in names:
+        module, _, param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in FUSED:
+            parts = [joined.pop(f"{parent}.{part}.{param}") for part in FUSED[leaf]]
+            joined[name] = torch.cat(parts)
+    return joined
+
+
+def test_file_states_llama_cpp_architecture(converted: Converted):
+    assert gguf_architecture(converted.f32) == LLAMA_CPP_NAMES.get(
+        converted.family, converted.family
+    )
+
+
+@pytest.mark.parametrize("qtype", ["f32", "f16"])
+def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype: str):
+    checkpoint = load_file(converted.hf_dir / "model.safetensors")
+    path = getattr(converted, qtype)
+    ours = dict(iter_gguf_weights(path, torch.float64))
+    assert len(ours) == len(list(iter_gguf_weights(path, torch.float64)))
+    ours = fused_like_checkpoint(ours, set(checkpoint))
+    tied = {"lm_head.weight"} if "lm_head.weight" not in ours else set()
+    assert set(ours) == set(checkpoint) - tied
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float64
+        assert torch.equal(tensor, checkpoint[name]), name
+
+
+def test_config_from_metadata_equals_checkpoint_config(converted: Converted):
+    ours = ModelConfig.from_hf(str(converted.f32), dtype="float64")
+    theirs = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+    for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert (ours.qkv_bias, ours.qk_norm, ours.max_model_len) == (
+        theirs.qkv_bias,
+        theirs.qk_norm,
+        theirs.max_model_len,
+    )
+    assert ours.rope_inv_freq == pytest.approx(theirs.rope_inv_freq, rel=1e-6)
+    assert_close_dicts(ours.parts.to_dict(), theirs.parts.to_dict())
+
+
+def assert_close_dicts(ours: dict, theirs: dict) -> None:
+    """Equal, floats to float32's precision (the metadata holds float32)."""
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, float):
+            assert math.isclose(ours[key], value, rel_tol=1e-6), key
+        elif key == "local_rope_inv_freq":
+            assert ours[key] == pytest.approx(value, rel=1e-6), key
+        else:
+            assert ours[key] == value, key
+
+
+@pytest.mark.parametrize("qtype", ["f32", "f16"])
+def test_float_gguf_greedy_tokens_equal_checkpoint_in_float64(converted: Converted, qtype: str):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    prompts = random_prompts(6, 384, seed=5, max_len=40)  # longer than every window
+    runs = []
+    for path in (converted.hf_dir, getattr(converted, qtype)):
+        llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
+        runs.append([out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)])
+    for ours, theirs in zip(*reversed(runs), strict=True):
+        assert ours.token_ids == theirs.token_ids
+        for got, want, token in zip(ours.logprobs, theirs.logprobs, ours.token_ids, strict=True):
+            assert abs(got[token].logprob - want[token].logprob) < LOGPROB_TOLERANCE
+
+
+def test_q8_0_gguf_is_served_quantized_and_generates(converted: Converted):
+    config = ModelConfig.from_hf(str(converted.q8_0))
+    assert (config.quantization, config.dtype) == ("gguf", torch.float32)
+    llm = LLM(str(converted.q8_0), **DEVICE_KWARGS)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(random_prompts(3, 384, seed=6, max_len=40), params, use_tqdm=False)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [MAX_TOKENS] * 3
+
+
+def test_unsupported_architecture_is_refused_listing_every_family(tmp_path):
+    path = write_bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
+    with pytest.raises(ValueError, match="'gpt2'") as error:
+        gguf_architecture(path)
+    for family in ("llama", "qwen3", *(LLAMA_CPP_NAMES.get(f, f) for f in GGUF_FAMILIES)):
+        assert family in str(error.value)
+
+
+def metadata_of(arch: str, num_layers: int, **keys) -> dict:
+    """The metadata keys a converter writes for a model of `num_layers` layers, plus `keys`."""
+    base = {
+        "context_length": 8192,
+        "embedding_length": 4608,
+        "block_count": num_layers,
+        "feed_forward_length": 36864,
+        "attention.head_count": 32,
+        "attention.head_count_kv": 16,
+        "attention.key_length": 128,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "attention.sliding_window": 4096,
+    }
+    return {"general.architecture": arch} | {f"{arch}.{k}": v for k, v in (base | keys).items()}
+
+
+SHAPES = {"token_embd.weight": (256000, 4608)}
+
+
+def test_gemma_query_scale_is_llama_cpps_head_dim_or_hidden_per_head_for_27b():
+    # Gemma 2 27B (46 layers): hidden / heads = 144, as its query_pre_attn_scalar; 9B: head_dim
+    assert hf_config_dict(metadata_of("gemma2", 46), SHAPES)["query_pre_attn_scalar"] == 144
+    assert hf_config_dict(metadata_of("gemma2", 42), SHAPES)["query_pre_attn_scalar"] == 128
+    assert hf_config_dict(metadata_of("gemma3", 62), SHAPES)["query_pre_attn_scalar"] == 144
+
+
+def test_sliding_layers_follow_llama_cpp_unless_the_file_states_a_pattern():
+    gemma2 = hf_config_dict(metadata_of("gemma2", 4), SHAPES)["layer_types"]
+    assert gemma2 == ["sliding_attention", "full_attention"] * 2
+    gemma3 = hf_config_dict(metadata_of("gemma3", 12), SHAPES)
+    assert [t[0] for t in gemma3["layer_types"]] == list("sssssfsssssf")
+    assert gemma3["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+    stated = metadata_of("gemma3", 3, **{"attention.sliding_window_pattern": [True, False, True]})
+    assert [t[0] for t in hf_config_dict(stated, SHAPES)["layer_types"]] == list("sfs")
+    unwindowed = metadata_of("gemma3", 6, **{"attention.sliding_window": 0})
+    assert set(hf_config_dict(unwindowed, SHAPES)["layer_types"]) == {"full_attention"}
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "tensor", "message"),
+    [
+        ("phi3", {}, "rope_factors_long.weight", "longrope"),
+        ("smollm3", {}, "rope_freqs.weight", "llama3 rope scaling"),
+        ("granite", {"rope.scaling.type": "su"}, None, "rope.scaling.type 'su'"),
+    ],
+)
+def test_rope_settings_conveyor_does_not_compute_are_refused_by_name(arch, keys, tensor, message):
+    shapes = SHAPES | ({tensor: (64,)} if tensor else {})
+    with pytest.raises(ValueError, match=message):
+        hf_config_dict(metadata_of(arch, 2, **keys), shapes)
