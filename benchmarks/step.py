@@ -588,10 +588,11 @@ def _weights_of(module: nn.Module):
     yield from (t for n, t in module._buffers.items() if t is not None and n not in skip)
 
 
-def kv_bytes(kv_caches: list[torch.Tensor], num_slots: int, sched: SchedulerOutput) -> int:
+def kv_bytes(kv_caches: list[torch.Tensor], block_size: int, sched: SchedulerOutput) -> int:
     """KV of every token a step attends to or writes, at the cache's own size per token (of
-    all layers, K and V), whatever its layout or element type."""
-    per_token = sum(c.nbytes for c in kv_caches) // num_slots
+    all layers, K and V), whatever its layout or element type: a cache is (2, blocks, ...),
+    with rows past the pool (the null block, CUDA graphs' scratch) that hold no token."""
+    per_token = sum(c.nbytes // c.shape[1] for c in kv_caches) // block_size
     return per_token * sum(s.num_computed_tokens + len(s.token_ids) for s in sched.scheduled)
 
 
@@ -647,8 +648,7 @@ def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple
 def step_floor(engine, sched: SchedulerOutput, limits: Limits) -> Floor:
     num_tokens = sched.total_num_scheduled_tokens
     weights = weight_bytes(engine.runner.model, num_tokens)
-    num_slots = engine.num_blocks * engine.cache_config.block_size
-    kv = kv_bytes(engine.runner.kv_caches, num_slots, sched)
+    kv = kv_bytes(engine.runner.kv_caches, engine.cache_config.block_size, sched)
     work = {
         part: {"ops": n, "roof": kind, "ms": n / limits.roofs[kind] * 1e3}
         for part, (n, kind) in step_work(engine, sched, limits).items()
