@@ -1,0 +1,47 @@
+"""A checkpoint conveyor cannot compute exactly is refused at load with the setting's name,
+never loaded and computed wrong: an unknown architecture (the error lists the families), a
+RoPE that depends on the sequence length (Phi-3's longrope), partial rotary dims, another
+activation, biased MLPs, Gemma 3's bidirectional attention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny import make_tiny_checkpoint
+
+from conveyor.config import SUPPORTED_ARCHITECTURES
+from conveyor.model.config import ModelConfig
+
+
+def edited(path, **fields):
+    config = json.loads((path / "config.json").read_text())
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_an_unknown_architecture_is_refused_with_the_supported_families(tmp_path):
+    path = edited(make_tiny_checkpoint(tmp_path, "llama"), architectures=["FooForCausalLM"])
+    with pytest.raises(ValueError, match="unsupported architecture") as error:
+        ModelConfig.from_hf(str(path))
+    assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "named"),
+    [
+        ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                   "long_factor": [2.0] * 8, "factor": 4.0}}, "longrope"),
+        ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+        ("olmo2", {"hidden_act": "gelu"}, "hidden_act"),
+        ("llama", {"mlp_bias": True}, "mlp_bias"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ],
+    ids=["longrope", "partial-rotary", "activation", "mlp-bias", "bidirectional"],
+)  # fmt: skip
+def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
+    path = edited(make_tiny_checkpoint(tmp_path, family), **fields)
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf(str(path))
