@@ -25,7 +25,7 @@ import re
 from collections import Counter
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from conveyor import nesting
 from conveyor.limits import RequestLimits
@@ -195,25 +195,20 @@ class _SamplingFields(BaseModel):
         """(what the output is constrained to, the field it came from); InvalidParam if the
         fields asking for one are malformed or contradict each other."""
         found = None
-        fmt = self.response_format
+        fmt, name = self.response_format, self.field_name("response_format")
         if fmt is not None and fmt.type == "json_object":
-            found = StructuredOutputs(json_object=True), "response_format"
+            found = StructuredOutputs(json_object=True), name
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise InvalidParam(
-                    "response_format: json_schema is required when type is json_schema",
-                    "response_format",
+                    f"{name}: json_schema is required when type is json_schema", name
                 )
             schema = fmt.json_schema.schema_
             if schema is None:
-                found = StructuredOutputs(json_object=True), "response_format"
+                found = StructuredOutputs(json_object=True), name
             else:
-                found = (
-                    StructuredOutputs(
-                        json=strict_schema(schema) if fmt.json_schema.strict else schema
-                    ),
-                    "response_format",
-                )
+                strict = fmt.json_schema.strict
+                found = StructuredOutputs(json=strict_schema(schema) if strict else schema), name
         if self.structured_outputs is not None:
             if found is not None:
                 raise InvalidParam(
@@ -221,6 +216,11 @@ class _SamplingFields(BaseModel):
                 )
             found = self.structured_outputs.constraint(), "structured_outputs"
         return found or (None, None)
+
+    def field_name(self, name: str) -> str:
+        """The name errors give a field: its own, or, for a request that runs another API's
+        request, that API's (ChatCompletionRequest.names)."""
+        return name
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Raises ValueError (-> 400) naming the first field beyond the server's limits."""
@@ -400,6 +400,10 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # The request's fields by the names of the API it came in by, where that is not chat
+    # (the Responses API's max_output_tokens, text.format, input): errors are written with
+    # them when raised, so the client reads its own fields' names.
+    _names: dict[str, str] = PrivateAttr(default_factory=dict)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
@@ -421,6 +425,14 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    def named(self, names: dict[str, str]) -> ChatCompletionRequest:
+        """This request, its errors naming its fields by `names` (chat's name -> the API's)."""
+        self._names = names
+        return self
+
+    def field_name(self, name: str) -> str:
+        return self._names.get(name, name)
 
     @property
     def tool_mode(self) -> str:

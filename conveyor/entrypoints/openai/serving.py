@@ -179,7 +179,8 @@ class OpenAIServing:
         # Everything the request renders into the prompt is counted before the template or
         # the tokenizer sees any of it: too much text for the context is refused at once.
         inputs = self.engine.inputs
-        inputs.check_texts({"messages": dicts, "tools": tools, "chat_template_kwargs": kwargs})
+        texts = {options.messages_field: dicts, "tools": tools, "chat_template_kwargs": kwargs}
+        inputs.check_texts(texts)
         if tools and not native:
             hint = tools_prompt(tools, tool_choice)
             if dicts[0].get("role") == "system":
@@ -193,6 +194,7 @@ class OpenAIServing:
             options.continue_final_message,
             tools if tools and native else None,
             kwargs,
+            options.messages_field,
         )
 
     async def check_constraint(self, constraint: StructuredOutputs | None, param: str) -> None:
@@ -403,9 +405,22 @@ class OpenAIServing:
             ChatTemplateOptions.of(request),
         )
         prompt = truncated(prompt, request.truncate_prompt_tokens, self.room_for_prompt(max_tokens))
+        limited = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        self._check_room(len(prompt), max_tokens, request.field_name(limited))
         if self.hidden_specials(request) is not None:  # the parsers must see their markers
             params = params.clone(skip_special_tokens=False)
         return [prompt], params
+
+    def _check_room(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+        """A prompt and max_tokens beyond the context, refused naming the request's own field
+        (the engine refuses it as well, in its own words)."""
+        limit = self.engine.max_model_len
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise InvalidParam(
+                f"{param}: prompt ({num_prompt} tokens) plus {param} ({max_tokens}) is "
+                f"{num_prompt + max_tokens} tokens, beyond the model's context length {limit}",
+                param,
+            )
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
         choices = await self._choices(request, prompts, keep=True)
@@ -591,6 +606,7 @@ class ChatTemplateOptions:
     chat_template: str | None = None
     kwargs: dict | None = None
     reasoning_effort: str | None = None
+    messages_field: str = "messages"  # what errors call the messages (chat_request.names)
 
     @classmethod
     def of(cls, request: ChatCompletionRequest) -> ChatTemplateOptions:
@@ -599,6 +615,7 @@ class ChatTemplateOptions:
             request.chat_template,
             request.chat_template_kwargs,
             request.reasoning_effort,
+            request.field_name("messages"),
         )
 
     def template_kwargs(self) -> dict:
