@@ -322,24 +322,32 @@ class OpenAIServing:
     def _prompt_extras(
         self, request, state: PromptState, token_ids: list[int], with_prompt: bool
     ) -> dict:
-        """vLLM's prompt_logprobs and return_token_ids fields of a completion choice."""
+        """vLLM's prompt_logprobs, prompt_token_ids and token_ids fields of a completion
+        choice (with_prompt: the prompt's too)."""
+        extras = self._prompt_fields(request, state) if with_prompt else {}
+        return extras | ({"token_ids": token_ids} if request.return_token_ids else {})
+
+    def _prompt_fields(self, request, state: PromptState) -> dict:
+        """vLLM's prompt_logprobs and prompt_token_ids, where the request asks for them (a
+        chat completion's at its top level, a completion's in each choice)."""
         extras = {}
-        if with_prompt and request.prompt_logprobs is not None:
+        if request.prompt_logprobs is not None:
             extras["prompt_logprobs"] = self._vllm_prompt_logprobs(
                 state.logprobs, request.prompt_logprobs
             )
         if request.return_token_ids:
-            if with_prompt:
-                extras["prompt_token_ids"] = state.token_ids
-            extras["token_ids"] = token_ids
+            extras["prompt_token_ids"] = state.token_ids
         return extras
+
+    def _writer(self, request, streams: list[RequestStream], kind: str) -> _ChunkWriter:
+        """The SSE chunk writer of a streamed answer whose chunks are objects of `kind`."""
+        head = {"id": streams[0].request_id, "object": kind, "created": int(time.time())}
+        return _ChunkWriter(head | {"model": self.served_name(request.model)})
 
     async def complete_stream(
         self, request: CompletionRequest, prompts, streams
     ) -> AsyncIterator[str]:
-        created, rid = int(time.time()), streams[0].request_id
-        head = {"id": rid, "object": "text_completion", "created": created}
-        chunk = _ChunkWriter(head | {"model": self.served_name(request.model)})
+        chunk = self._writer(request, streams, "text_completion")
         choices = await self._choices(request, prompts)
         continuous = _continuous_usage(request)
         async for step in choices.steps(streams):
@@ -449,25 +457,12 @@ class OpenAIServing:
             ],
             "usage": openai_usage(choices.usage()),
         }
-        return body | self._chat_prompt_extras(request, choices.prompts[0])
-
-    def _chat_prompt_extras(self, request: ChatCompletionRequest, state: PromptState) -> dict:
-        """vLLM's response-level prompt_logprobs and prompt_token_ids of a chat completion."""
-        extras = {}
-        if request.prompt_logprobs is not None:
-            extras["prompt_logprobs"] = self._vllm_prompt_logprobs(
-                state.logprobs, request.prompt_logprobs
-            )
-        if request.return_token_ids:
-            extras["prompt_token_ids"] = state.token_ids
-        return extras
+        return body | self._prompt_fields(request, choices.prompts[0])
 
     async def chat_stream(
         self, request: ChatCompletionRequest, prompts, streams
     ) -> AsyncIterator[str]:
-        created, rid = int(time.time()), streams[0].request_id
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created}
-        chunk = _ChunkWriter(head | {"model": self.served_name(request.model)})
+        chunk = self._writer(request, streams, "chat.completion.chunk")
         echoed = _chat_echo(request)
         for index in range(request.n):
             delta = {"role": "assistant", "content": echoed or ""}
@@ -480,7 +475,7 @@ class OpenAIServing:
             for body in self._chat_pieces(request, replies[step.choice.index], choices, step):
                 usage = openai_usage(choices.usage()) if continuous else None
                 if extras is None:
-                    extras = self._chat_prompt_extras(request, choices.prompts[0])
+                    extras = self._prompt_fields(request, choices.prompts[0])
                     yield chunk(body, usage, extras)
                 else:
                     yield chunk(body, usage)
