@@ -79,6 +79,10 @@ class InvalidParam(ValueError):
         self.param = param
 
 
+def _is_token_id(key: str) -> bool:
+    return key.strip().isdigit()
+
+
 def check_depth(value: Any, limit: int, param: str) -> None:
     """InvalidParam if `value` (a dict or list, or the JSON text of one) nests deeper than
     limit levels."""
@@ -224,6 +228,7 @@ class _SamplingFields(BaseModel):
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Raises ValueError (-> 400) naming the first field beyond the server's limits."""
+        self._check_vllm_forms()
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         counts = [
             ("n", self.n, limits.max_n),
@@ -246,6 +251,22 @@ class _SamplingFields(BaseModel):
                 )
         for param, value in self.nested_fields():
             check_depth(value, limits.max_json_depth, param)
+
+    def _check_vllm_forms(self) -> None:
+        """What vLLM refuses as a whole: stream_options without a stream (it says how a
+        stream ends), and logit_bias keys that are not token ids, every one named at once."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParam(
+                "stream_options: Stream options can only be defined when `stream=True`.",
+                "stream_options",
+            )
+        bad = [key for key in self.logit_bias or {} if not _is_token_id(key)]
+        if bad:
+            raise InvalidParam(
+                f"logit_bias: keys must be token ids (integers >= 0 as strings); "
+                f"{listed([repr(key) for key in bad])} are not",
+                "logit_bias",
+            )
 
     def nested_fields(self) -> list[tuple[str, Any]]:
         """(param, value) of each field holding nested JSON: the schemas."""
