@@ -179,13 +179,15 @@ class InputProcessor:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         variables: dict | None = None,
+        field: str = "messages",
     ) -> list[int]:
         """The token ids of a conversation: the chat template renders text (its special
         tokens written by the template), which is bounded as a prompt is and tokenized
         without the tokenizer's own special tokens, as transformers' tokenize=True does.
         variables: the template's own (chat_template_kwargs); none may name a parameter of
         the template's caller or of the tokenizer (reserved_template_variables). The caller
-        bounds the texts before (check_texts)."""
+        bounds the texts before (check_texts). field: what the request calls its messages
+        (the Responses API's input), for its errors."""
         variables = dict(variables or {})
         reserved = sorted(reserved_template_variables(self.tokenizer) & variables.keys())
         if reserved:
@@ -206,13 +208,13 @@ class InputProcessor:
             )
         except Exception as error:  # the template refused the conversation (jinja raise)
             raise ValueError(
-                f"messages could not be rendered by the chat template: {_template_error(error)}"
+                f"{field} could not be rendered by the chat template: {_template_error(error)}"
             ) from None
-        self.check_text_length(len(text), "messages")
+        self.check_text_length(len(text), field)
         try:
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
         except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
-            raise ValueError(f"messages could not be tokenized: {error}") from error
+            raise ValueError(f"{field} could not be tokenized: {error}") from error
 
     def _check_without_tokenizer(self, params: SamplingParams) -> None:
         """skip_tokenizer_init: what needs text is refused."""

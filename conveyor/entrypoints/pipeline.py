@@ -7,13 +7,15 @@ and a forced call (tool_choice required or named) comes out as the same call eve
 the model chose; each route's adapter renders the events in its API's shape. Which parsers run
 is decided once per server (Parsers, from the flags or the chat template) and once per request
 (`for_request`: a forced tool call or a grammar leaves no room for reasoning the prompt
-opened). `generate` is the one loop from a request's engine outputs to those events.
+opened). `Choices` is the one loop from a request's engine outputs (several prompts, n choices
+each) to its choices, their events and their usage; `generate` is its one-choice form.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from conveyor.engine.streams import RequestStream
@@ -32,6 +34,7 @@ from conveyor.entrypoints.parsers.scan import MarkerScan
 from conveyor.entrypoints.parsers.select import chosen
 from conveyor.entrypoints.parsers.tools import tool_parser
 from conveyor.entrypoints.parsers.tools.stream import ToolStream, call_events
+from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from conveyor.structured.tools import parse_required
 
 DEFAULT_TOOL_PARSER = "hermes"  # conveyor's reading before parsers had names
@@ -231,24 +234,160 @@ class Tally:
         return Usage(num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
 
+@dataclass(slots=True)
+class PromptState:
+    """One prompt of a request, as its outputs fill it in: its tokens, its text (echo), its
+    prompt logprobs and its prefix-cache hit."""
+
+    token_ids: list[int]
+    text: str | None = None
+    logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    def take(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.logprobs = out.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice as its outputs add up; text, token ids and logprobs are kept only for a
+    whole answer (a stream sends each piece once and keeps none)."""
+
+    index: int
+    prompt: PromptState
+    num_tokens: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_steps: int = 0  # pieces seen: a stream sends a choice's echo with its first
+
+    def take(self, output: CompletionOutput, keep: bool) -> None:
+        self.num_tokens += len(output.token_ids)
+        self.num_steps += 1
+        if output.finish_reason is not None:
+            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+        if keep:
+            self.text += output.text
+            self.token_ids += output.token_ids
+            if output.logprobs:
+                self.logprobs += zip(output.token_ids, output.logprobs, strict=True)
+
+
+class Step(NamedTuple):
+    """One piece of one choice's output: the engine's delta (tokens, logprobs, finish) and
+    the events its reader read in it (none for a route that reads no events)."""
+
+    choice: Choice
+    output: CompletionOutput
+    events: list[Event]
+
+
+class Choices:
+    """The choices of one request, whatever its API: n per prompt, in prompt order, each
+    completion sent as `copies` choices (a prompt-only request computed once for all n), each
+    choice read by its own reader (readers: the reader of choice i; None: no events). The one
+    loop from engine outputs to choices, their events and their usage."""
+
+    def __init__(
+        self,
+        prompts: list[PromptState],
+        n: int = 1,
+        copies: int = 1,
+        readers: Callable[[int], ReplyReader] | None = None,
+        keep: bool = False,
+    ) -> None:
+        self.prompts, self.n, self.copies, self.keep = prompts, n, copies, keep
+        width = n * copies
+        self.choices = [Choice(i, prompts[i // width]) for i in range(len(prompts) * width)]
+        self.readers = [readers(i) for i in range(len(self.choices))] if readers else None
+
+    def usage(self) -> Usage:
+        """Every prompt's tokens and prefix-cache hits, every choice's output tokens so far."""
+        return Usage(
+            sum(len(p.token_ids) for p in self.prompts),
+            sum(c.num_tokens for c in self.choices),
+            sum(p.num_cached_tokens for p in self.prompts),
+        )
+
+    def finish(self, choice: Choice) -> Finish:
+        """A finished choice's Finish: a reply that stopped after calls finished by calling."""
+        readers = self.readers
+        called = readers is not None and readers[choice.index].num_calls > 0
+        reason = finish_reason(choice.finish_reason, called)
+        return Finish(reason, choice.stop_reason, self.usage())
+
+    async def steps(self, streams: list[RequestStream]) -> AsyncIterator[Step]:
+        """Each choice's pieces in arrival order, merged across the prompts' streams; each
+        prompt's state takes what its outputs say of the prompt first."""
+        async for prompt_index, out in merged(streams):
+            self.prompts[prompt_index].take(out)
+            for completion in out.outputs:
+                first = (prompt_index * self.n + completion.index) * self.copies
+                for index in range(first, first + self.copies):
+                    yield self._step(self.choices[index], completion)
+
+    async def collect(self, streams: list[RequestStream]) -> list[Choice]:
+        """Every choice whole (keep must be set)."""
+        async for _ in self.steps(streams):
+            pass
+        return self.choices
+
+    def _step(self, choice: Choice, output: CompletionOutput) -> Step:
+        choice.take(output, self.keep)
+        if self.readers is None:
+            return Step(choice, output, [])
+        reader = self.readers[choice.index]
+        return Step(choice, output, reader.feed(output.text, output.finish_reason is not None))
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) in arrival order across the prompts' streams."""
+    if len(streams) == 1:  # the common case: no merging, no task per output
+        async for out in streams[0]:
+            yield 0, out
+        return
+    iterators = [stream.__aiter__() for stream in streams]
+    pending = {asyncio.ensure_future(_anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                out = task.result()
+                if out is None:
+                    continue
+                yield index, out
+                pending[asyncio.ensure_future(_anext(iterators[index]))] = index
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _anext(iterator):
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
 async def generate(
-    stream: RequestStream, reader: ReplyReader, num_prompt_tokens: int, tally: Tally | None = None
+    stream: RequestStream, reader: ReplyReader, prompt: list[int], tally: Tally | None = None
 ) -> AsyncIterator[Event | Finish]:
-    """The events of a one-choice request's reply, then its Finish: the one loop from engine
-    outputs to what the Responses and Messages adapters render. tally: kept up to date, for an
-    adapter that tells the usage of a reply that fails before its Finish."""
+    """The events of a one-choice request's reply, then its Finish, as the Responses and
+    Messages adapters render them. tally: kept up to date, for an adapter that tells the usage
+    of a reply that fails before its Finish."""
     tally = tally if tally is not None else Tally()
-    reason = stop = None
-    async for out in stream:
-        tally.num_cached_tokens = max(tally.num_cached_tokens, out.num_cached_tokens)
-        for completion in out.outputs:
-            tally.num_output_tokens += len(completion.token_ids)
-            if completion.finish_reason is not None:
-                reason, stop = completion.finish_reason, completion.stop_reason
-            for event in reader.feed(completion.text, completion.finish_reason is not None):
-                yield event
-    called = reader.num_calls > 0
-    yield Finish(finish_reason(reason, called), stop, tally.usage(num_prompt_tokens))
+    choices = Choices([PromptState(prompt)], readers=lambda _: reader)
+    async for step in choices.steps([stream]):
+        tally.num_output_tokens = step.choice.num_tokens
+        tally.num_cached_tokens = step.choice.prompt.num_cached_tokens
+        for event in step.events:
+            yield event
+    yield choices.finish(choices.choices[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,6 +82,12 @@ def chat_request(**fields) -> ChatCompletionRequest:
 BLOCK = 'Sure.\n<tool_call>  {"name": "f", "arguments": {"x": 1}}\n</tool_call> Done.'
 
 
+def _fed(reply, text: str, finish: str | None) -> list[tuple]:
+    """One delta of output as the chat stream renders it: read by the reply's reader (the
+    pipeline's step), its events rendered as chunks."""
+    return reply.feed(reply.reader.feed(text, finish is not None), [], finish)
+
+
 @pytest.mark.parametrize(
     "tail",
     ["<tool_call>" + " " * 100_000, "<tool_call>" + " \n" * 50_000 + "x", "<tool_call>" * 10_000],
@@ -100,15 +106,15 @@ def test_an_auto_stream_of_blanks_is_read_once_per_delta():
     reply = _ToolReply(chat_request(tools=[F], tool_choice="auto"))
     with deadline(5):  # each delta re-read all the held text before: quadratic
         for _ in range(200_000):
-            assert reply.feed(" ", [], None) == []
-        chunks = reply.feed("", [], "length")
+            assert _fed(reply, " ", None) == []
+        chunks = _fed(reply, "", "length")
     assert chunks == [({"content": " " * 200_000}, [], "length")]
 
 
 def test_a_deep_auto_stream_ends_as_content():
     reply = _ToolReply(chat_request(tools=[F], tool_choice="auto"))
-    assert [c for _ in range(1_200) for c in reply.feed("[", [], None)] == []
-    assert reply.feed("", [], "length") == [({"content": "[" * 1_200}, [], "length")]
+    assert [c for _ in range(1_200) for c in _fed(reply, "[", None)] == []
+    assert _fed(reply, "", "length") == [({"content": "[" * 1_200}, [], "length")]
 
 
 @pytest.mark.parametrize("depth", [DEPTH + 1, 1_200, 5_000])
@@ -152,8 +158,8 @@ def test_a_forced_reply_cut_short_is_never_content():
         "length",
     )
     stream = _ToolReply(chat_request(tools=[F, WEATHER], tool_choice="required"))
-    chunks = [c for piece in (cut[:20], cut[20:]) for c in stream.feed(piece, [], None)]
-    chunks += stream.feed("", [], "length")
+    chunks = [c for piece in (cut[:20], cut[20:]) for c in _fed(stream, piece, None)]
+    chunks += _fed(stream, "", "length")
     assert not any("content" in delta for delta, _, _ in chunks)
     calls = [delta["tool_calls"][0] for delta, _, _ in chunks if "tool_calls" in delta]
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "f")]

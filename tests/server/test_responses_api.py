@@ -404,6 +404,22 @@ HOSTILE = [
 ]
 
 
+def test_errors_name_this_apis_fields_and_leave_the_clients_own_words_alone(server):
+    """The chat request that runs a response writes its errors with this API's field names;
+    nothing renames words afterwards, so a function the client named "messages" stays so."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 10**6}
+    error = post(server.base_url, "/v1/responses", body, key=API_KEY).json()["error"]
+    assert error["param"] == "max_output_tokens"
+    assert "max_tokens" not in error["message"], error
+    tool = WEATHER | {"name": "messages"}
+    choice = {"type": "function", "name": "max_tokens"}
+    body = {"model": MODEL, "input": "Hi", "tools": [tool], "tool_choice": choice}
+    reply = post(server.base_url, "/v1/responses", body, key=API_KEY)
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert "max_tokens" in message and "max_output_tokens" not in message, message
+
+
 def test_reasoning_effort_reaches_the_chat_template(client):
     response = client.responses.create(
         model=MODEL, input="Hi", max_output_tokens=4, reasoning={"effort": "low"}

@@ -280,3 +280,21 @@ def test_embeddings_equal_transformers_hidden_state_and_ride_with_generation(
         refused = post(server, "/v1/embeddings", bad)
         assert refused.status_code == 400, refused.text
         assert param is None or param in refused.json()["error"]["message"]
+
+
+def test_stream_options_without_stream_and_every_bad_logit_bias_key_are_refused(server):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    refused = post(server, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "stream_options"
+    assert "stream=True" in refused.json()["error"]["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    bias = {"logit_bias": {"5": 1, "x": 2, "-3": 1, "1.5": 1}}
+    refused = post(server, "/v1/chat/completions", chat | bias)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "logit_bias"
+    assert all(repr(key) in error["message"] for key in ("x", "-3", "1.5")), error
+    assert "'5'" not in error["message"]
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    assert post(server, "/v1/completions", streamed).status_code == 200

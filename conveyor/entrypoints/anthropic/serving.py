@@ -75,7 +75,7 @@ class MessagesServing:
     ) -> AsyncIterator[Event | Finish]:
         """The reply's events; an aborted request is an error (503), not a message."""
         reader = self.serving.reply_reader(chat, prompt)
-        async for event in generate(stream, reader, len(prompt)):
+        async for event in generate(stream, reader, prompt):
             if isinstance(event, Finish) and event.reason == "abort":
                 raise GenerationError(503, ABORTED)
             yield event

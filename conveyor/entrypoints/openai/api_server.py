@@ -171,23 +171,25 @@ def build_app(
     if loras.enabled and runtime_updates_allowed(allow_runtime_lora_updating):
         add_lora_routes(app, loras, admitted)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    async def generating(raw: Request, body, prefix: str, prepare, whole, stream):
+        """A chat or completions request: checked, its prompts made, run and answered."""
         check_model(body.model)
         admitted(raw)
-        prompts, params = await bad_request(serving.completion_params(body))
-        submission = serving.submission("cmpl", body, prompts, params)
-        answer = _answer(serving.complete, serving.complete_stream, body, prompts)
-        return await run(raw, serving, submission, answer, refuse)
+        prompts, params = await bad_request(prepare(body))
+        submission = serving.submission(prefix, body, prompts, params)
+        return await run(raw, serving, submission, _answer(whole, stream, body, prompts), refuse)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        s = serving
+        return await generating(
+            raw, body, "cmpl", s.completion_params, s.complete, s.complete_stream
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
-        check_model(body.model)
-        admitted(raw)
-        prompts, params = await bad_request(serving.chat_params(body))
-        submission = serving.submission("chatcmpl", body, prompts, params)
-        answer = _answer(serving.chat, serving.chat_stream, body, prompts)
-        return await run(raw, serving, submission, answer, refuse)
+        s = serving
+        return await generating(raw, body, "chatcmpl", s.chat_params, s.chat, s.chat_stream)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> dict:

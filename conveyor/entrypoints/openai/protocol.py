@@ -25,7 +25,7 @@ import re
 from collections import Counter
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from conveyor import nesting
 from conveyor.limits import RequestLimits
@@ -77,6 +77,10 @@ class InvalidParam(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _is_token_id(key: str) -> bool:
+    return key.strip().isdigit()
 
 
 def check_depth(value: Any, limit: int, param: str) -> None:
@@ -195,25 +199,20 @@ class _SamplingFields(BaseModel):
         """(what the output is constrained to, the field it came from); InvalidParam if the
         fields asking for one are malformed or contradict each other."""
         found = None
-        fmt = self.response_format
+        fmt, name = self.response_format, self.field_name("response_format")
         if fmt is not None and fmt.type == "json_object":
-            found = StructuredOutputs(json_object=True), "response_format"
+            found = StructuredOutputs(json_object=True), name
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise InvalidParam(
-                    "response_format: json_schema is required when type is json_schema",
-                    "response_format",
+                    f"{name}: json_schema is required when type is json_schema", name
                 )
             schema = fmt.json_schema.schema_
             if schema is None:
-                found = StructuredOutputs(json_object=True), "response_format"
+                found = StructuredOutputs(json_object=True), name
             else:
-                found = (
-                    StructuredOutputs(
-                        json=strict_schema(schema) if fmt.json_schema.strict else schema
-                    ),
-                    "response_format",
-                )
+                strict = fmt.json_schema.strict
+                found = StructuredOutputs(json=strict_schema(schema) if strict else schema), name
         if self.structured_outputs is not None:
             if found is not None:
                 raise InvalidParam(
@@ -222,8 +221,14 @@ class _SamplingFields(BaseModel):
             found = self.structured_outputs.constraint(), "structured_outputs"
         return found or (None, None)
 
+    def field_name(self, name: str) -> str:
+        """The name errors give a field: its own, or, for a request that runs another API's
+        request, that API's (ChatCompletionRequest.names)."""
+        return name
+
     def check_limits(self, limits: RequestLimits) -> None:
         """Raises ValueError (-> 400) naming the first field beyond the server's limits."""
+        self._check_vllm_forms()
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         counts = [
             ("n", self.n, limits.max_n),
@@ -246,6 +251,22 @@ class _SamplingFields(BaseModel):
                 )
         for param, value in self.nested_fields():
             check_depth(value, limits.max_json_depth, param)
+
+    def _check_vllm_forms(self) -> None:
+        """What vLLM refuses as a whole: stream_options without a stream (it says how a
+        stream ends), and logit_bias keys that are not token ids, every one named at once."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParam(
+                "stream_options: Stream options can only be defined when `stream=True`.",
+                "stream_options",
+            )
+        bad = [key for key in self.logit_bias or {} if not _is_token_id(key)]
+        if bad:
+            raise InvalidParam(
+                f"logit_bias: keys must be token ids (integers >= 0 as strings); "
+                f"{listed([repr(key) for key in bad])} are not",
+                "logit_bias",
+            )
 
     def nested_fields(self) -> list[tuple[str, Any]]:
         """(param, value) of each field holding nested JSON: the schemas."""
@@ -400,6 +421,10 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # The request's fields by the names of the API it came in by, where that is not chat
+    # (the Responses API's max_output_tokens, text.format, input): errors are written with
+    # them when raised, so the client reads its own fields' names.
+    _names: dict[str, str] = PrivateAttr(default_factory=dict)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
@@ -421,6 +446,14 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    def named(self, names: dict[str, str]) -> ChatCompletionRequest:
+        """This request, its errors naming its fields by `names` (chat's name -> the API's)."""
+        self._names = names
+        return self
+
+    def field_name(self, name: str) -> str:
+        return self._names.get(name, name)
 
     @property
     def tool_mode(self) -> str:

@@ -1,4 +1,5 @@
-"""Requests in, OpenAI responses out: prompts and chat templates, SSE chunks, usage."""
+"""Requests in, OpenAI responses out: prompts and chat templates, and chat's and completions'
+shapes of the shared pipeline's choices (pipeline.Choices: the one loop, usage and events)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.input_processor import reserved_template_variables
@@ -30,50 +31,27 @@ from conveyor.entrypoints.parsers.events import (
     ToolCallStart,
 )
 from conveyor.entrypoints.pipeline import (
+    Choice,
+    Choices,
     Parsers,
+    PromptState,
     ReplyParser,
     ReplyReader,
+    Step,
+    Usage,
     finish_reason,
     special_texts,
 )
 from conveyor.entrypoints.runner import DONE, Submission, frame
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
-from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from conveyor.outputs import CompletionOutput, PositionLogprobs
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarError
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import MAX_DEPTH, ToolCall, tools_prompt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    logprobs: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    stop_reason: int | str | None = None
-    started: bool = False  # a stream sent its first chunk (echo, prompt token ids)
-
-
-@dataclass(slots=True)
-class _PromptState:
-    """One prompt of a request, as its outputs fill it in: its tokens, its text (echo), its
-    prompt logprobs and its prefix-cache hit."""
-
-    token_ids: list[int]
-    text: str | None = None
-    logprobs: list[PositionLogprobs | None] | None = None
-    num_cached_tokens: int = 0
-
-    def take(self, out: RequestOutput) -> None:
-        if out.prompt_logprobs is not None:
-            self.logprobs = out.prompt_logprobs
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
 
 
 class OpenAIServing:
@@ -201,7 +179,8 @@ class OpenAIServing:
         # Everything the request renders into the prompt is counted before the template or
         # the tokenizer sees any of it: too much text for the context is refused at once.
         inputs = self.engine.inputs
-        inputs.check_texts({"messages": dicts, "tools": tools, "chat_template_kwargs": kwargs})
+        texts = {options.messages_field: dicts, "tools": tools, "chat_template_kwargs": kwargs}
+        inputs.check_texts(texts)
         if tools and not native:
             hint = tools_prompt(tools, tool_choice)
             if dicts[0].get("role") == "system":
@@ -215,6 +194,7 @@ class OpenAIServing:
             options.continue_final_message,
             tools if tools and native else None,
             kwargs,
+            options.messages_field,
         )
 
     async def check_constraint(self, constraint: StructuredOutputs | None, param: str) -> None:
@@ -314,23 +294,19 @@ class OpenAIServing:
         return max(limit - (1 if max_tokens is None else max_tokens), 1)
 
     async def complete(self, request: CompletionRequest, prompts, streams) -> dict:
-        states = await self._prompt_states(request, prompts)
-        copies = _copies(request)
-        choices = await self._collect(streams, request.n // copies, states, copies)
-        created = int(time.time())
+        choices = await self._choices(request, prompts, keep=True)
+        whole = await choices.collect(streams)
         return {
             "id": streams[0].request_id,
             "object": "text_completion",
-            "created": created,
+            "created": int(time.time()),
             "model": self.served_name(request.model),
-            "choices": [self._completion_choice(request, c, states) for c in choices],
-            "usage": _usage(prompts, choices, states),
+            "choices": [self._completion_choice(request, choice) for choice in whole],
+            "usage": openai_usage(choices.usage()),
         }
 
-    def _completion_choice(
-        self, request: CompletionRequest, choice: _Choice, states: list[_PromptState]
-    ) -> dict:
-        state = states[choice.index // request.n]
+    def _completion_choice(self, request: CompletionRequest, choice: Choice) -> dict:
+        state = choice.prompt
         echo = state if request.echo else None
         body = {
             "index": choice.index,
@@ -344,60 +320,80 @@ class OpenAIServing:
         return body | self._prompt_extras(request, state, choice.token_ids, with_prompt=True)
 
     def _prompt_extras(
-        self, request, state: _PromptState, token_ids: list[int], with_prompt: bool
+        self, request, state: PromptState, token_ids: list[int], with_prompt: bool
     ) -> dict:
-        """vLLM's prompt_logprobs and return_token_ids fields of a completion choice."""
+        """vLLM's prompt_logprobs, prompt_token_ids and token_ids fields of a completion
+        choice (with_prompt: the prompt's too)."""
+        extras = self._prompt_fields(request, state) if with_prompt else {}
+        return extras | ({"token_ids": token_ids} if request.return_token_ids else {})
+
+    def _prompt_fields(self, request, state: PromptState) -> dict:
+        """vLLM's prompt_logprobs and prompt_token_ids, where the request asks for them (a
+        chat completion's at its top level, a completion's in each choice)."""
         extras = {}
-        if with_prompt and request.prompt_logprobs is not None:
+        if request.prompt_logprobs is not None:
             extras["prompt_logprobs"] = self._vllm_prompt_logprobs(
                 state.logprobs, request.prompt_logprobs
             )
         if request.return_token_ids:
-            if with_prompt:
-                extras["prompt_token_ids"] = state.token_ids
-            extras["token_ids"] = token_ids
+            extras["prompt_token_ids"] = state.token_ids
         return extras
+
+    def _writer(self, request, streams: list[RequestStream], kind: str) -> _ChunkWriter:
+        """The SSE chunk writer of a streamed answer whose chunks are objects of `kind`."""
+        head = {"id": streams[0].request_id, "object": kind, "created": int(time.time())}
+        return _ChunkWriter(head | {"model": self.served_name(request.model)})
 
     async def complete_stream(
         self, request: CompletionRequest, prompts, streams
     ) -> AsyncIterator[str]:
-        created, rid = int(time.time()), streams[0].request_id
-        head = {"id": rid, "object": "text_completion", "created": created}
-        chunk = _ChunkWriter(head | {"model": self.served_name(request.model)})
-        states = await self._prompt_states(request, prompts)
-        choices: dict[int, _Choice] = {}
+        chunk = self._writer(request, streams, "text_completion")
+        choices = await self._choices(request, prompts)
         continuous = _continuous_usage(request)
-        copies = _copies(request)
-        async for index, delta in self._deltas(streams, request.n // copies, states, copies):
-            choice = choices.setdefault(index, _Choice(index))
-            choice.num_tokens += len(delta.token_ids)
-            first, choice.started = not choice.started, True
-            state = states[index // request.n]
-            echo = state if request.echo and first else None
-            logprobs = None
-            if request.logprobs is not None and (delta.logprobs or echo):
-                entries = list(zip(delta.token_ids, delta.logprobs or [], strict=True))
-                logprobs = self._completion_logprobs(entries, echo, request.logprobs)
-            text = (state.text if echo else "") + delta.text
-            if not text and delta.finish_reason is None and not logprobs and not first:
-                continue
-            body = {"index": index, "text": text, "logprobs": logprobs}
-            body |= {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-            body |= self._prompt_extras(request, state, delta.token_ids, with_prompt=first)
-            usage = _usage(prompts, list(choices.values()), states) if continuous else None
-            yield chunk(body, usage)
+        async for step in choices.steps(streams):
+            body = self._completion_piece(request, step.choice, step.output)
+            if body is not None:
+                yield chunk(body, openai_usage(choices.usage()) if continuous else None)
         if request.stream_options and request.stream_options.include_usage:
-            yield chunk.usage(_usage(prompts, list(choices.values()), states))
+            yield chunk.usage(openai_usage(choices.usage()))
         yield DONE
 
-    async def _prompt_states(self, request, prompts: list[list[int]]) -> list[_PromptState]:
-        states = [_PromptState(list(p)) for p in prompts]
+    def _completion_piece(
+        self, request: CompletionRequest, choice: Choice, delta: CompletionOutput
+    ) -> dict | None:
+        """One streamed piece of a completion choice (None: nothing to send); its first
+        carries the echo and the prompt's fields."""
+        first = choice.num_steps == 1
+        state = choice.prompt
+        echo = state if request.echo and first else None
+        logprobs = None
+        if request.logprobs is not None and (delta.logprobs or echo):
+            entries = list(zip(delta.token_ids, delta.logprobs or [], strict=True))
+            logprobs = self._completion_logprobs(entries, echo, request.logprobs)
+        text = (state.text if echo else "") + delta.text
+        if not text and delta.finish_reason is None and not logprobs and not first:
+            return None
+        body = {"index": choice.index, "text": text, "logprobs": logprobs}
+        body |= {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        return body | self._prompt_extras(request, state, delta.token_ids, with_prompt=first)
+
+    async def _choices(
+        self,
+        request,
+        prompts: list[list[int]],
+        keep: bool = False,
+        readers: Callable[[int], ReplyReader] | None = None,
+    ) -> Choices:
+        """The request's choices on the shared pipeline; a completion's prompts carry their
+        text for echo."""
+        states = [PromptState(list(p)) for p in prompts]
         if isinstance(request, CompletionRequest) and request.echo:
             truncate = request.truncate_prompt_tokens
             texts = await self.off_loop(self.prompt_texts, request.prompt, prompts, truncate)
             for state, text in zip(states, texts, strict=True):
                 state.text = text
-        return states
+        copies = _copies(request) if isinstance(request, CompletionRequest) else 1
+        return Choices(states, request.n // copies, copies, readers, keep)
 
     # ---- /v1/chat/completions ------------------------------------------------------------
 
@@ -416,16 +412,29 @@ class OpenAIServing:
             request.tool_choice,
             ChatTemplateOptions.of(request),
         )
-        keep = request.truncate_prompt_tokens
+        prompt = truncated(prompt, request.truncate_prompt_tokens, self.room_for_prompt(max_tokens))
+        limited = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        self._check_room(len(prompt), max_tokens, request.field_name(limited))
         if self.hidden_specials(request) is not None:  # the parsers must see their markers
             params = params.clone(skip_special_tokens=False)
-        return [truncated(prompt, keep, self.room_for_prompt(max_tokens))], params
+        return [prompt], params
+
+    def _check_room(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+        """A prompt and max_tokens beyond the context, refused naming the request's own field
+        (the engine refuses it as well, in its own words)."""
+        limit = self.engine.max_model_len
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise InvalidParam(
+                f"{param}: prompt ({num_prompt} tokens) plus {param} ({max_tokens}) is "
+                f"{num_prompt + max_tokens} tokens, beyond the model's context length {limit}",
+                param,
+            )
 
     async def chat(self, request: ChatCompletionRequest, prompts, streams) -> dict:
-        states = await self._prompt_states(request, prompts)
-        choices = await self._collect(streams, request.n, states)
+        choices = await self._choices(request, prompts, keep=True)
+        whole = await choices.collect(streams)
         replies = [
-            self.tool_reply(request, prompts[0]).message(c.text, c.finish_reason) for c in choices
+            self.tool_reply(request, prompts[0]).message(c.text, c.finish_reason) for c in whole
         ]
         echoed = _chat_echo(request)
         body = {
@@ -444,124 +453,55 @@ class OpenAIServing:
                     "stop_reason": c.stop_reason,
                 }
                 | ({"token_ids": c.token_ids} if request.return_token_ids else {})
-                for c, (message, finish_reason) in zip(choices, replies, strict=True)
+                for c, (message, finish_reason) in zip(whole, replies, strict=True)
             ],
-            "usage": _usage(prompts, choices, states),
+            "usage": openai_usage(choices.usage()),
         }
-        return body | self._chat_prompt_extras(request, states[0])
-
-    def _chat_prompt_extras(self, request: ChatCompletionRequest, state: _PromptState) -> dict:
-        """vLLM's response-level prompt_logprobs and prompt_token_ids of a chat completion."""
-        extras = {}
-        if request.prompt_logprobs is not None:
-            extras["prompt_logprobs"] = self._vllm_prompt_logprobs(
-                state.logprobs, request.prompt_logprobs
-            )
-        if request.return_token_ids:
-            extras["prompt_token_ids"] = state.token_ids
-        return extras
+        return body | self._prompt_fields(request, choices.prompts[0])
 
     async def chat_stream(
         self, request: ChatCompletionRequest, prompts, streams
     ) -> AsyncIterator[str]:
-        created, rid = int(time.time()), streams[0].request_id
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created}
-        chunk = _ChunkWriter(head | {"model": self.served_name(request.model)})
-        states = await self._prompt_states(request, prompts)
-        continuous = _continuous_usage(request)
-        choices: dict[int, _Choice] = {}
+        chunk = self._writer(request, streams, "chat.completion.chunk")
         echoed = _chat_echo(request)
         for index in range(request.n):
-            choices[index] = _Choice(index)
             delta = {"role": "assistant", "content": echoed or ""}
             yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
-        replies = {index: self.tool_reply(request, prompts[0]) for index in range(request.n)}
-        first = True
-        async for index, delta in self._deltas(streams, request.n, states):
-            choice = choices[index]
-            choice.num_tokens += len(delta.token_ids)
-            choice.token_ids += delta.token_ids  # sent with the next chunk (return_token_ids)
-            entries = []
-            if request.logprobs and delta.logprobs:
-                entries = list(zip(delta.token_ids, delta.logprobs, strict=True))
-            pieces = replies[index].feed(delta.text, entries, delta.finish_reason)
-            for i, (content, held, finish) in enumerate(pieces):
-                logprobs = None
-                if held:
-                    logprobs = self._chat_logprobs(held, request.top_logprobs or 0)
-                body = {"index": index, "delta": content, "logprobs": logprobs}
-                body["finish_reason"] = finish
-                if request.return_token_ids and i == len(pieces) - 1:
-                    body["token_ids"], choice.token_ids = choice.token_ids, []
-                usage = _usage(prompts, list(choices.values()), states) if continuous else None
-                extras = self._chat_prompt_extras(request, states[0]) if first else {}
-                first = False
-                yield chunk(body, usage, extras)
+        replies = [self.tool_reply(request, prompts[0]) for _ in range(request.n)]
+        choices = await self._choices(request, prompts, readers=lambda i: replies[i].reader)
+        continuous = _continuous_usage(request)
+        extras = None  # the prompt's fields go with the first chunk after the role's
+        async for step in choices.steps(streams):
+            for body in self._chat_pieces(request, replies[step.choice.index], choices, step):
+                usage = openai_usage(choices.usage()) if continuous else None
+                if extras is None:
+                    extras = self._prompt_fields(request, choices.prompts[0])
+                    yield chunk(body, usage, extras)
+                else:
+                    yield chunk(body, usage)
         if request.stream_options and request.stream_options.include_usage:
-            yield chunk.usage(_usage(prompts, list(choices.values()), states))
+            yield chunk.usage(openai_usage(choices.usage()))
         yield DONE
 
-    # ---- shared --------------------------------------------------------------------------
-
-    async def _deltas(
-        self,
-        streams: list[RequestStream],
-        n: int,
-        states: list[_PromptState] | None = None,
-        copies: int = 1,
-    ) -> AsyncIterator[tuple[int, CompletionOutput]]:
-        """(choice index, delta) in arrival order, merged across the prompts' streams; each
-        prompt's state takes what its outputs say of the prompt first. copies: each of the n
-        completions of a prompt is sent as that many choices (see _copies)."""
-        if len(streams) == 1:  # the common case: no merging, no task per output
-            async for out in streams[0]:
-                if states is not None:
-                    states[0].take(out)
-                for completion in out.outputs:
-                    for copy in range(copies):
-                        yield completion.index * copies + copy, completion
-            return
-        iterators = [stream.__aiter__() for stream in streams]
-        pending = {asyncio.ensure_future(_anext(it)): i for i, it in enumerate(iterators)}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    prompt_index = pending.pop(task)
-                    out = task.result()
-                    if out is None:
-                        continue
-                    if states is not None:
-                        states[prompt_index].take(out)
-                    for completion in out.outputs:
-                        index = (prompt_index * n + completion.index) * copies
-                        for copy in range(copies):
-                            yield index + copy, completion
-                    next_task = asyncio.ensure_future(_anext(iterators[prompt_index]))
-                    pending[next_task] = prompt_index
-        finally:
-            for task in pending:
-                task.cancel()
-
-    async def _collect(
-        self,
-        streams: list[RequestStream],
-        n: int,
-        states: list[_PromptState] | None = None,
-        copies: int = 1,
-    ) -> list[_Choice]:
-        choices = [_Choice(i) for i in range(len(streams) * n * copies)]
-        async for index, delta in self._deltas(streams, n, states, copies):
-            choice = choices[index]
-            choice.text += delta.text
-            choice.num_tokens += len(delta.token_ids)
-            choice.token_ids += delta.token_ids
-            choice.stop_reason = delta.stop_reason
-            if delta.logprobs:
-                choice.logprobs.extend(zip(delta.token_ids, delta.logprobs, strict=True))
-            if delta.finish_reason is not None:
-                choice.finish_reason = delta.finish_reason
-        return choices
+    def _chat_pieces(
+        self, request: ChatCompletionRequest, reply: _ToolReply, choices: Choices, step: Step
+    ) -> list[dict]:
+        """The chunks' choice bodies for one step; token ids (return_token_ids) go with the
+        next body sent, so none is lost with text a parser holds back."""
+        delta = step.output
+        reply.token_ids += delta.token_ids
+        entries = []
+        if request.logprobs and delta.logprobs:
+            entries = list(zip(delta.token_ids, delta.logprobs, strict=True))
+        finish = choices.finish(step.choice).reason if delta.finish_reason is not None else None
+        bodies = []
+        for content, held, ended in reply.feed(step.events, entries, finish):
+            logprobs = self._chat_logprobs(held, request.top_logprobs or 0) if held else None
+            body = {"index": step.choice.index, "delta": content, "logprobs": logprobs}
+            bodies.append(body | {"finish_reason": ended})
+        if request.return_token_ids and bodies:
+            bodies[-1]["token_ids"], reply.token_ids = reply.token_ids, []
+        return bodies
 
     def _token_text(self, token_id: int, logprob) -> str:
         return (
@@ -573,7 +513,7 @@ class OpenAIServing:
     def _completion_logprobs(
         self,
         entries: list[tuple[int, PositionLogprobs]],
-        echo: _PromptState | None = None,
+        echo: PromptState | None = None,
         num_top: int = 0,
     ) -> dict:
         """OpenAI's legacy logprobs; echo: the prompt's tokens first (the first without a
@@ -592,7 +532,7 @@ class OpenAIServing:
             "text_offset": _offsets(tokens),
         }
 
-    def _echoed_logprobs(self, state: _PromptState, num_top: int) -> tuple[list, list, list]:
+    def _echoed_logprobs(self, state: PromptState, num_top: int) -> tuple[list, list, list]:
         positions = state.logprobs or [None] * len(state.token_ids)
         tokens, values, top = [], [], []
         for token_id, position in zip(state.token_ids, positions, strict=True):
@@ -661,6 +601,7 @@ class ChatTemplateOptions:
     chat_template: str | None = None
     kwargs: dict | None = None
     reasoning_effort: str | None = None
+    messages_field: str = "messages"  # what errors call the messages (chat_request.names)
 
     @classmethod
     def of(cls, request: ChatCompletionRequest) -> ChatTemplateOptions:
@@ -669,6 +610,7 @@ class ChatTemplateOptions:
             request.chat_template,
             request.chat_template_kwargs,
             request.reasoning_effort,
+            request.field_name("messages"),
         )
 
     def template_kwargs(self) -> dict:
@@ -704,13 +646,6 @@ def truncated(prompt: list[int], keep: int | None, fit: int) -> list[int]:
         )
     keep = fit if keep == -1 else keep
     return prompt[-keep:] if len(prompt) > keep else prompt
-
-
-async def _anext(iterator):
-    try:
-        return await iterator.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 def message_dict(message: ChatMessage, native_tools: bool = True) -> dict:
@@ -771,6 +706,7 @@ class _ToolReply:
         self.reader = ReplyReader(mode, parser, name, max_depth, hidden)
         self.include_reasoning = request.include_reasoning
         self.held: list = []
+        self.token_ids: list[int] = []  # streamed, not sent yet (return_token_ids)
 
     def parsed(self, text: str) -> Parsed:
         """The whole reply's reasoning, content and calls; content None for a forced call."""
@@ -791,13 +727,12 @@ class _ToolReply:
         calls = [ToolCall(name, arguments).to_openai() for name, arguments in parsed.calls]
         return message | {"tool_calls": calls}, finish_reason(finish, True)
 
-    def feed(self, text: str, logprobs: list, finish: str | None) -> list[tuple]:
-        """(delta, logprob entries, finish_reason) chunks for one delta of output."""
-        events = self.reader.feed(text, finish is not None)
+    def feed(self, events: list[Event], logprobs: list, finish: str | None) -> list[tuple]:
+        """(delta, logprob entries, finish_reason) chunks for one step's events, read by this
+        reply's reader (finish: the choice's finish reason, once it has finished)."""
         deltas = chat_deltas(events, self.include_reasoning)
         self.held += logprobs
         if finish is not None:
-            finish = finish_reason(finish, self.reader.num_calls > 0)
             if not deltas or "tool_calls" in deltas[-1]:
                 deltas.append({})  # a call's chunk is the call alone
         elif not deltas:
@@ -834,19 +769,14 @@ def _declared(request: ChatCompletionRequest) -> dict[str, dict]:
     return {tool.function.name: tool.function.parameters or {} for tool in request.tools or []}
 
 
-def _usage(prompts: list[list[int]], choices, states: list[_PromptState] | None = None) -> dict:
+def openai_usage(usage: Usage) -> dict:
     """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompts' prefix-cache hits."""
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(c.num_tokens for c in choices)
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+    return {
+        "prompt_tokens": usage.num_prompt_tokens,
+        "completion_tokens": usage.num_output_tokens,
+        "total_tokens": usage.num_prompt_tokens + usage.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.num_cached_tokens},
     }
-    if states is not None:
-        cached = sum(state.num_cached_tokens for state in states)
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
 
 
 def _copies(request: CompletionRequest) -> int:

@@ -414,12 +414,22 @@ class ResponsesRequest(BaseModel):
             else None,
         }
         try:
-            return ChatCompletionRequest.model_validate(
+            chat = ChatCompletionRequest.model_validate(
                 {key: value for key, value in fields.items() if value is not None}
             )
         except ValidationError as error:  # not expected: every part was validated above
             first = error.errors()[0]
             raise ValueError(f"request could not be translated: {first['msg']}") from None
+        return chat.named(CHAT_NAMES)
+
+
+# The chat fields a response's chat request is made of, by this API's names: what the chat
+# path's errors call them.
+CHAT_NAMES = {
+    "response_format": "text.format",
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+}
 
 
 def _chat_tool_choice(choice: str | FunctionChoice | None) -> str | dict | None:

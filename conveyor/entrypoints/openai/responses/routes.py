@@ -7,13 +7,12 @@
     GET    /v1/responses/{id}/input_items       its own input items, paged (limit, order, after)
 
 Behind the API key, the body limit and admission like every route (api_server._Guard);
-errors in OpenAI's shape, naming this API's fields (text.format, max_output_tokens, input)
-where the chat request that runs a response names its own.
+errors in OpenAI's shape, naming this API's fields (text.format, max_output_tokens, input):
+the chat request that runs a response writes its errors with them (protocol.CHAT_NAMES).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -26,21 +25,6 @@ from conveyor.entrypoints.openai.responses.serving import ResponseNotFound, Resp
 from conveyor.entrypoints.openai.responses.store import ResponseStore, StoreLimits
 from conveyor.entrypoints.openai.serving import OpenAIServing
 from conveyor.entrypoints.runner import run
-
-# chat's field -> this API's, in error messages and params
-_RENAMES = [
-    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
-    (re.compile(r"\bresponse_format\b"), "text.format"),
-    (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
-    (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
-    (re.compile(r"\bmessages\b"), "input"),
-]
-
-
-def _renamed(text: str | None) -> str | None:
-    for pattern, replacement in _RENAMES:
-        text = pattern.sub(replacement, text) if text else text
-    return text
 
 
 def add_response_routes(
@@ -56,9 +40,6 @@ def add_response_routes(
             return await awaitable
         except ResponseNotFound as error:
             raise APIError(404, str(error), "NotFoundError", error.param) from None
-        except APIError as error:
-            error.message, error.param = _renamed(error.message), _renamed(error.param)
-            raise
 
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, raw: Request):

@@ -247,7 +247,7 @@ class ResponsesServing:
             yield {"type": "response.in_progress", "response": turn.response()}
             reader = self.serving.reply_reader(turn.chat, turn.prompt)
             finish = None
-            async for event in generate(streams[0], reader, len(turn.prompt), turn.tally):
+            async for event in generate(streams[0], reader, turn.prompt, turn.tally):
                 if isinstance(event, Finish):
                     finish = event.reason
                     continue
