@@ -185,6 +185,30 @@ def make_scripted_checkpoint(
     return path
 
 
+# Marker tokens that reasoning / tool-call formats make special (Mistral's [THINK], harmony's
+# channels); 8 more tokens keep a scripted model's heads even (392 = 4 heads x 98).
+MARKER_SPECIALS = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|channel|>")
+MARKER_SPECIALS += ("<|message|>", "<|end|>")
+
+
+def thinking_script() -> dict[int, int]:
+    """For make_scripted_checkpoint(path, thinking_script(), MARKER_SPECIALS): after a newline
+    the model writes [THINK] o k [/THINK] P a r i s <|im_end|>, each token once (so each has one
+    next), the markers as special tokens."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKER_SPECIALS)})
+    think, end_think = tokenizer.convert_tokens_to_ids(list(MARKER_SPECIALS[:2]))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    (newline,) = ids("\n")
+    order = [newline, think, *ids("o"), *ids("k"), end_think]
+    order += [*(i for c in "Paris" for i in ids(c)), tokenizer.eos_token_id]
+    assert len(set(order)) == len(order)
+    return dict(zip(order[:-1], order[1:], strict=True))
+
+
 def byte_token_ids(tokenizer, text: str) -> list[int]:
     """The byte-level token of each UTF-8 byte of `text` (multi-byte characters split)."""
     table = _gpt2_byte_chars()

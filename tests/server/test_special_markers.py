@@ -11,32 +11,16 @@ import anthropic
 import openai
 import pytest
 from server_util import ServerProcess
-from tiny import build_tokenizer, make_scripted_checkpoint
+from tiny import MARKER_SPECIALS, make_scripted_checkpoint, thinking_script
 
 MODEL = "tiny"
-# 8 more tokens keep the scripted model's heads even (392 = 4 x 98)
-SPECIALS = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|channel|>")
-SPECIALS += ("<|message|>", "<|end|>")
 HI = [{"role": "user", "content": "Where?"}]
-
-
-def _script() -> dict[int, int]:
-    """nl -> [THINK] o k [/THINK] P a r i s <|im_end|>: each token once, so each has one next."""
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS)})
-    think, end_think = tokenizer.convert_tokens_to_ids(list(SPECIALS[:2]))
-    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    (newline,) = ids("\n")
-    order = [newline, think, *ids("o"), *ids("k"), end_think]
-    order += [*(i for c in "Paris" for i in ids(c)), tokenizer.eos_token_id]
-    assert len(set(order)) == len(order)
-    return dict(zip(order[:-1], order[1:], strict=True))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("markers")
-    path = make_scripted_checkpoint(folder / "ckpt", _script(), SPECIALS)
+    path = make_scripted_checkpoint(folder / "ckpt", thinking_script(), MARKER_SPECIALS)
     args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
     proc = ServerProcess([*args, "--reasoning-parser", "mistral"], folder / "server.log")
     yield proc

@@ -7,31 +7,18 @@ from __future__ import annotations
 
 import pytest
 from conftest import DEVICE_KWARGS
-from tiny import build_tokenizer, make_scripted_checkpoint
+from tiny import MARKER_SPECIALS, make_scripted_checkpoint, thinking_script
 
 from conveyor import LLM
 from conveyor.sampling_params import SamplingParams
 
-SPECIALS = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|channel|>")
-SPECIALS += ("<|message|>", "<|end|>")  # 392 = 4 heads x 98
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
-
-
-def _script() -> dict[int, int]:
-    """nl -> [THINK] o k [/THINK] P a r i s <|im_end|>: each token once."""
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS)})
-    think, end_think = tokenizer.convert_tokens_to_ids(list(SPECIALS[:2]))
-    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    (newline,) = ids("\n")
-    order = [newline, think, *ids("o"), *ids("k"), end_think]
-    order += [*(i for c in "Paris" for i in ids(c)), tokenizer.eos_token_id]
-    return dict(zip(order[:-1], order[1:], strict=True))
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = make_scripted_checkpoint(tmp_path_factory.mktemp("llm"), _script(), SPECIALS)
+    folder = tmp_path_factory.mktemp("llm")
+    path = make_scripted_checkpoint(folder, thinking_script(), MARKER_SPECIALS)
     with LLM(str(path), dtype="float64", **DEVICE_KWARGS) as llm:
         yield llm
 
