@@ -129,6 +129,16 @@ __all__ = [
 ]
 
 
+@pytest.fixture(scope="module")
+def quiet_transformers():
+    """transformers' warnings off for a module (GGUF conversion prints one per tensor)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    yield
+    hf_logging.set_verbosity_warning()
+
+
 @contextlib.contextmanager
 def torch_threads(n: int):
     """torch's CPU thread count set to n inside the block, restored after it."""

@@ -12,7 +12,6 @@ import torch
 from gguf_util import write_bare_gguf, write_gguf
 from tiny import build_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from conveyor.model.gguf_loader import SUPPORTED_ARCHITECTURES, gguf_architecture, iter_gguf_weights
 
@@ -28,11 +27,7 @@ class Converted(NamedTuple):
     gguf_path: Path
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quiet_transformers():
-    hf_logging.set_verbosity_error()
-    yield
-    hf_logging.set_verbosity_warning()
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 @pytest.fixture(scope="module")

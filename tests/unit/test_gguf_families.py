@@ -16,7 +16,6 @@ from conftest import DEVICE_KWARGS, random_prompts
 from gguf_util import snap_to_float_gguf, write_bare_gguf, write_gguf
 from safetensors.torch import load_file
 from tiny import make_tiny_checkpoint
-from transformers.utils import logging as hf_logging
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
@@ -52,11 +51,7 @@ class Converted(NamedTuple):
     q8_0: Path
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quiet_transformers():
-    hf_logging.set_verbosity_error()
-    yield
-    hf_logging.set_verbosity_warning()
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 @pytest.fixture(scope="module", params=list(GGUF_FAMILIES))
