@@ -4,7 +4,7 @@
 
 #include "ops.h"
 
-void bind_decoder_layer(pybind11::module& m);  // decoder_layer.cpp: the DecoderLayer class
+void bind_decoder_layer(pybind11::module& m);  // layer/decoder_layer.cpp: the DecoderLayer class
 
 namespace {
 

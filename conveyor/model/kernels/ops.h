@@ -1,5 +1,5 @@
 // The compiled CPU ops, one declaration each, with the file that defines it: bindings.cpp
-// exposes them to Python, and decoder_layer.cpp calls them from C++.
+// exposes them to Python, and layer/decoder_layer.cpp calls them from C++.
 #pragma once
 
 #include <torch/extension.h>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-// paged_attention.cpp
+// attention/paged_attention.cpp
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale,
@@ -24,10 +24,10 @@ bool advise_huge_pages(const at::Tensor& t);
 // choice, set once at load; off: they take this kernel, their projections still the tiles).
 void set_prompt_attention(bool on);
 
-// small_gemm.cpp
+// gemm/small_gemm.cpp
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight);
 
-// quant_gemm.cpp: GGUF-style block weights (x86 with AVX2, FMA and F16C; elsewhere they raise)
+// gemm/quant_gemm.cpp: GGUF-style block weights (x86 with AVX2, FMA and F16C; elsewhere they raise)
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CONVEYOR_QUANT_KERNELS 1
 #else
@@ -48,7 +48,7 @@ at::Tensor q4_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
 at::Tensor q8_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& cols);
 }  // namespace conveyor_quant
 
-// panel_gemm.cpp: one reduction order per output value, for every row count
+// gemm/panel_gemm.cpp: one reduction order per output value, for every row count
 namespace conveyor_panel {
 std::string get_isa();
 std::string set_isa(const std::string& name);
@@ -72,7 +72,7 @@ void quantize_token_avx2(const float* x, int64_t nb, int8_t* q, float* d, float*
 #endif
 }  // namespace conveyor_panel
 
-// lora_gemm.cpp: y += a step's LoRA deltas (lora/slots.py's layout), one order per value
+// lora/lora_gemm.cpp: y += a step's LoRA deltas (lora/slots.py's layout), one order per value
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
               const std::vector<at::Tensor>& rows, const std::vector<int64_t>& slots,
               const std::vector<int64_t>& columns, int64_t num_slots);
@@ -94,7 +94,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
 #define CONVEYOR_BF16_DOT 0
 #endif
 
-// amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
+// gemm/amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
 namespace conveyor_amx {
 bool usable();     // the CPU, the build and the OS allow the tiles
 bool available();  // usable, and the kernel plan lets them run (set_allowed)
@@ -107,9 +107,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
 void configure();  // this thread's tiles: eight of 16 rows x 64 bytes
 #endif
 
-// amx_attention.cpp: attention of a step's prompt rows in bfloat16 (float32 sums and softmax),
-// on AMX tiles or else AVX512-BF16 dot products; prompt_tokens[s]: sequence s's leading rows
-// that take it. Writes those rows of out (T, H, D); the metadata as paged_attention's, already
+// attention/amx_attention.cpp: attention of a step's prompt rows in bfloat16 (float32 sums and
+// softmax), on AMX tiles or else AVX512-BF16 dot products; prompt_tokens[s]: sequence s's leading
+// rows that take it. Writes those rows of out (T, H, D); the metadata as paged_attention's, already
 // checked. prompt_attention_isa: which of the two runs here ("amx", "avx512_bf16"), "" for none.
 std::string prompt_attention_isa();
 bool bf16_dot_usable();  // AVX512-BF16 in the CPU and the build
@@ -121,5 +121,5 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
                       const std::vector<int64_t>& prompt_tokens, at::Tensor& out);
 }  // namespace conveyor_amx
 
-// decoder_layer.cpp
+// layer/decoder_layer.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

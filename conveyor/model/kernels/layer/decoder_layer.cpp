@@ -10,25 +10,23 @@
 // on this machine; run here they are plain loops and a few ATen calls whose working set is
 // small.
 //
-// Per layer, for x (T, hidden), the residual stream, updated in place (model/families.py says
-// which family has which [part]):
-//   h = [rms_norm](x) ; qkv = h Wqkv^T (+ bias) ; q, k, v = views of qkv
-//   [q, k = rms_norm of all heads, or per head] ; [rotary(q, k) in place, by the layer's table]
-//   write k, v into the cache ; a = paged_attention(q) [window, soft-cap]
-//   x += [rms_norm](a Wo^T) [* residual_scale]
-//   h = [rms_norm](x) ; gate, up = halves of h Wgu^T
-//   x += [rms_norm]((act(gate) * up) Wdown^T) [* residual_scale], act silu or tanh-gelu
-// The arithmetic is the model's (model/llama.py, model/layers.py): the matmuls take the form
-// the modules would at the step's rows (MatmulForm: the small-row kernel of small_gemm.cpp or
-// MKL, as layers.matmul_forms measured; for a quantized model's block weights the block kernel
-// below 16 rows and float tiles from there, as QuantLinear does). At 16 to 64 rows MKL does the
-// matmuls, but the Python between them still cost ~10 ms of a 32-row float32 step (other:
-// 15-20 -> 4 ms in `python -m benchmarks step`). Attention, the KV write and rotary
-// the compiled ops (paged_attention.cpp); silu and the products ATen's own for float64 and
-// loops of their own for float32 (see residual_add). RMSNorm of a float64 model is
-// transformers' (normalized in float32 through the same ATen ops), so the float64 equivalence
-// tests hold token for token; for float32 it is the loop below (sums of squares in float32,
-// as torch.rms_norm does, in another order).
+// Per layer, for x (T, hidden), the residual stream, updated in place (model/families.py says which
+// family has which [part]):   h = [rms_norm](x) ; qkv = h Wqkv^T (+ bias) ; q, k, v = views of qkv
+// [q, k = rms_norm of all heads, or per head] ; [rotary(q, k) in place, by the layer's table]
+// write k, v into the cache ; a = paged_attention(q) [window, soft-cap]   x += [rms_norm](a Wo^T)
+// [* residual_scale]   h = [rms_norm](x) ; gate, up = halves of h Wgu^T   x +=
+// [rms_norm]((act(gate) * up) Wdown^T) [* residual_scale], act silu or tanh-gelu The arithmetic is
+// the model's (model/llama.py, model/layers.py): the matmuls take the form the modules would at the
+// step's rows (MatmulForm: the small-row kernel of gemm/small_gemm.cpp or MKL, as
+// layers.matmul_forms measured; for a quantized model's block weights the block kernel below 16
+// rows and float tiles from there, as QuantLinear does). At 16 to 64 rows MKL does the matmuls, but
+// the Python between them still cost ~10 ms of a 32-row float32 step (other: 15-20 -> 4 ms in
+// `python -m benchmarks step`). Attention, the KV write and rotary the compiled ops
+// (attention/paged_attention.cpp); silu and the products ATen's own for float64 and loops of their
+// own for float32 (see residual_add). RMSNorm of a float64 model is transformers' (normalized in
+// float32 through the same ATen ops), so the float64 equivalence tests hold token for token; for
+// float32 it is the loop below (sums of squares in float32, as torch.rms_norm does, in another
+// order).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -39,7 +37,7 @@
 #include <vector>
 
 #include "ops.h"
-#include "vec.h"
+#include "isa/vec.h"
 
 namespace {
 
@@ -64,8 +62,8 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
   }
 }
 
-// Seconds per category (projections, attention, other: norms, rotary, activation, residual
-// adds) added to `totals` when it is given (python -m benchmarks step's breakdown); a no-op otherwise.
+// Seconds per category (projections, attention, other: norms, rotary, activation, residual adds)
+// added to `totals` when it is given (python -m benchmarks step's breakdown); a no-op otherwise.
 enum Category { kProjections = 0, kAttention = 1, kOther = 2 };
 
 class Stopwatch {
@@ -149,11 +147,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 enum MatmulForm : int64_t { kKernel = 0, kLinear = 1, kTransposed = 2 };
 
 // One projection's weight: a dense float matrix (O, K), or GGUF-style blocks (q4: qs, d, m;
-// q8: qs, d) run through the block kernels (quant_gemm.cpp, float32 models); a float bias or
+// q8: qs, d) run through the block kernels (gemm/quant_gemm.cpp, float32 models); a float bias or
 // none. y = x W^T (+ bias), as the model's Linear / QuantLinear compute it.
 // With panels (dense, from pack_dense) or block panels (wq, dw, mw from pack_blocks) the
-// projection runs the batch-invariant panel kernels (panel_gemm.cpp) at every row count, and
-// `weight` / `qs, d, m` only give the shapes. With prompt tiles too (amx_gemm.cpp's pack_bf16
+// projection runs the batch-invariant panel kernels (gemm/panel_gemm.cpp) at every row count, and
+// `weight` / `qs, d, m` only give the shapes. With prompt tiles too (gemm/amx_gemm.cpp's pack_bf16
 // of the same weight), the step's prompt rows (Step::prompt_rows) run bf16_linear instead: a
 // row's route is fixed by its token (model/prompt_route.py), never by the step around it.
 class Projection {
@@ -252,7 +250,7 @@ class Projection {
 // A step's LoRA deltas (lora/slots.py): per layer and projection, every resident slot's A^T
 // side by side (in, slots * S * R) and B dense (slots * S * R, out: slice s of slot k in rows
 // k * S * R + s * R .., its own columns, times its scaling); and the step's rows of each slot
-// in use. lora_gemm.cpp adds them after each projection.
+// in use. lora/lora_gemm.cpp adds them after each projection.
 struct LoRA {
   std::vector<int64_t> slots;                      // the slots in use
   std::vector<at::Tensor> rows;                    // their rows (int64 indices)
@@ -271,7 +269,7 @@ struct Step {
 };
 
 // y += each slot's rows' (h A_k^T) B_k: the LoRA delta of projection `which` (0 qkv, 1 o,
-// 2 gate_up, 3 down) of `layer`, when the step has adapter rows (lora_gemm.cpp); columns: the
+// 2 gate_up, 3 down) of `layer`, when the step has adapter rows (lora/lora_gemm.cpp); columns: the
 // projection's slices' boundaries. The compiled layers run float32 and float64 only, the
 // kernel's dtypes (model/llama.py: _compiled_form).
 inline void add_lora(at::Tensor& y, const at::Tensor& h, const Step& step, size_t layer,

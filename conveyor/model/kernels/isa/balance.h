@@ -1,4 +1,5 @@
-// balanced_for: the parallel loop of the memory-bound kernels (small_gemm.cpp, quant_gemm.cpp).
+// balanced_for: the parallel loop of the memory-bound kernels (gemm/small_gemm.cpp,
+// gemm/quant_gemm.cpp).
 //
 // Why: a decode step's matmul streams its weights from memory, and at::parallel_for's static
 // split gives each thread one half. The two cores do not stream at the same pace (their share

@@ -20,7 +20,7 @@
 // The integer dot uses AVX2's maddubs (unsigned x signed bytes -> int16 pair sums): 4-bit
 // weights are unsigned already; int8 weights take the sign trick (|w| times x with w's sign).
 //
-// Loop order: threads split the output rows (balanced_for, balance.h); inside a thread, tokens
+// Loop order: threads split the output rows (balanced_for, isa/balance.h); inside a thread, tokens
 // are taken in tiles of TOKEN_TILE (their int8 rows stay in L1/L2), and for each weight row
 // the unpacked block is reused for up to 4 tokens (4 accumulators).
 
@@ -33,7 +33,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "balance.h"
+#include "isa/balance.h"
 
 #include <cmath>
 #include <cstdint>
@@ -66,7 +66,7 @@ struct QuantizedActs {
   at::Tensor s;   // float (T, K/32): d * sum of the block's int8 values
 };
 
-// panel_gemm.cpp's int8 rounding (the same values: round half to even of x * (127 / max|x|)).
+// gemm/panel_gemm.cpp's int8 rounding (the same values: round half to even of x * (127 / max|x|)).
 void quantize_row(const float* x, int64_t num_blocks, int8_t* q, float* d, float* s) {
   conveyor_panel::quantize_token_avx2(x, num_blocks, q, d, s, nullptr);
 }

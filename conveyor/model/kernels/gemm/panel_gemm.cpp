@@ -72,7 +72,7 @@
 #define CONVEYOR_PANEL_AVX512 0
 #endif
 
-#include "balance.h"
+#include "isa/balance.h"
 #include "ops.h"
 
 namespace conveyor_panel {
@@ -452,7 +452,7 @@ struct Acts {
   Uninit<int32_t> isum;
 };
 
-// One token's blocks, as quantize_row in quant_gemm.cpp (the same values: round half to even
+// One token's blocks, as quantize_row in gemm/quant_gemm.cpp (the same values: round half to even
 // of x * (127 / max|x|)), written portably; the rounding is elementwise, so any order gives
 // the same bits.
 void quantize_token(const float* x, int64_t nb, int8_t* q, float* d, float* s, int32_t* isum) {

@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "ops.h"
-#include "vec.h"
+#include "isa/vec.h"
 
 namespace {
 
