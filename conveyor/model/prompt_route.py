@@ -7,7 +7,8 @@ reading the weights, where the 4-bit blocks are 3x fewer bytes than bfloat16. So
 a model served quantized keeps both: its blocks, and a bfloat16 copy of each decoder
 projection packed into tiles at load (2 bytes a parameter more). A prompt row's attention
 takes the tiles too (kernels/attention/amx_attention.cpp: Q K^T and P V in bfloat16, float32
-sums and softmax); CONVEYOR_PROMPT_ATTENTION=0 keeps it on the float32 kernel, to measure the two apart.
+sums and softmax); CONVEYOR_PROMPT_ATTENTION=0 keeps it on the float32 kernel, to measure the
+two apart.
 
 Determinism. The two routes round differently, so which one a row takes must never depend on
 the step around it. It is fixed by the row's token: a token of the request's prompt (position
