@@ -5,7 +5,7 @@ matmuls), attention/ (paged attention, K/V writes and rotary embedding; the prom
 bfloat16 attention), layer/ (the compiled decoder layer, rms_norm), lora/ (LoRA deltas), isa/
 (the vectors per instruction set, the balanced thread split); ops.h declares every op and
 bindings.cpp binds them. Includes name paths from this folder ("isa/vec.h"), which is the
-build's include path.
+build's include path. The C++ is in namespace conveyor, one sub-namespace per op.
 
 `load()` JIT-compiles them with torch's own extension tooling into
 ~/.cache/conveyor/kernels/conveyor_kernels-<hash>/, the hash covering the sources, torch and

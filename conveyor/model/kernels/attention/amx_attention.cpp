@@ -52,7 +52,7 @@
 #include "isa/vec.h"
 #endif
 
-namespace conveyor_amx {
+namespace conveyor::attention::amx {
 
 #if CONVEYOR_AMX || CONVEYOR_BF16_DOT
 namespace {
@@ -275,11 +275,11 @@ inline void weighted_values(const uint16_t* pt, const uint16_t* vt, int64_t ct, 
 }
 
 struct TileEngine {
-  static void begin() { configure(); }
+  static void begin() { gemm::amx::configure(); }
   static void end() { _tile_release(); }
   static void scores(const uint16_t* qt, const uint16_t* kt, int64_t kc_count, float* s,
                      int64_t rows_p) {
-    conveyor_amx::scores(qt, kt, kc_count, s, rows_p);
+    conveyor::attention::amx::scores(qt, kt, kc_count, s, rows_p);
   }
   static void values(const uint16_t* pt, const uint16_t* vt, int64_t ct, float* acc,
                      int64_t padded) {
@@ -370,7 +370,7 @@ struct DotEngine {
 // Online softmax of row r over the group [k0, k0 + 64): P row into the P tiles, m, l and the
 // accumulator row updated. Keys past the row's position weigh exactly 0.
 inline void softmax_row(int64_t r, int64_t k0, Scratch& w, const Dims& dm) {
-  using conveyor_vec::Vec;
+  using conveyor::vec::Vec;
   const int64_t visible = w.pos[r] + 1 - k0;
   uint16_t* prow = w.p.p + (r / kM) * 2 * kTileValues + (r % kM) * 32;
   if (visible <= 0) {  // a group past the row (or a padding row): no weight
@@ -395,7 +395,7 @@ inline void softmax_row(int64_t r, int64_t k0, Scratch& w, const Dims& dm) {
   __m512 total = _mm512_setzero_ps();
   for (int n = 0; n < kSubs; ++n) {
     const __m512 diff = _mm512_sub_ps(x[n], m_vec);
-    const Vec<float> e = conveyor_vec::vexp<float>(reinterpret_cast<const Vec<float>&>(diff));
+    const Vec<float> e = conveyor::vec::vexp<float>(reinterpret_cast<const Vec<float>&>(diff));
     const __m512 p = _mm512_maskz_mov_ps(mask[n], reinterpret_cast<const __m512&>(e));
     const __m256bh rounded = _mm512_cvtneps_pbh(p);
     std::memcpy(prow + (n / 2) * kTileValues + (n % 2) * 16, &rounded, 32);
@@ -495,7 +495,7 @@ template <typename C>
 void run_engine(std::vector<Item>& items, const Args& a, const C* kc, const C* vc, const Dims& dm,
                 int64_t max_rows) {
 #if CONVEYOR_AMX
-  if (available()) return run<TileEngine>(items, a, kc, vc, dm, max_rows);
+  if (gemm::amx::available()) return run<TileEngine>(items, a, kc, vc, dm, max_rows);
 #endif
   run<DotEngine>(items, a, kc, vc, dm, max_rows);
 }
@@ -531,7 +531,7 @@ bool bf16_dot_usable() {
 void set_bf16_dot(bool on) { bf16_dot_allowed().store(on); }
 
 std::string prompt_attention_isa() {
-  if (available()) return "amx";
+  if (gemm::amx::available()) return "amx";
   if (bf16_dot_usable() && bf16_dot_allowed().load()) return "avx512_bf16";
   return "";
 }
@@ -568,7 +568,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
     }
   }
   if (items.empty()) return;
-  engine_runs()[available() ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  engine_runs()[gemm::amx::available() ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   const Args args{q.data_ptr<float>(),
                   {q.stride(0), q.stride(1), q.stride(2)},
                   qs,
@@ -610,4 +610,4 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
 #endif
 }
 
-}  // namespace conveyor_amx
+}  // namespace conveyor::attention::amx

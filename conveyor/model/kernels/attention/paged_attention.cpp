@@ -68,9 +68,11 @@
 #include "ops.h"
 #include "isa/vec.h"
 
+namespace conveyor::attention {
+
 namespace {
 
-using namespace conveyor_vec;
+using namespace conveyor::vec;
 
 constexpr float kFp8Max = 448.0f;  // the largest finite fp8 e4m3 value
 
@@ -866,7 +868,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                                           ? prompt_counts(query_start, prompt_rows)
                                           : std::vector<int64_t>{};
   if (!prompt.empty())
-    conveyor_amx::prompt_attention(q, kv_cache, block_size, query_start, seq_lens, block_tables,
+    amx::prompt_attention(q, kv_cache, block_size, query_start, seq_lens, block_tables,
                                    scale, prompt, out);
   const Inputs in{query_start.data_ptr<int64_t>(),
                   seq_lens.data_ptr<int64_t>(),
@@ -1005,3 +1007,5 @@ bool advise_huge_pages(const at::Tensor& t) {
   return false;
 #endif
 }
+
+}  // namespace conveyor::attention

@@ -43,7 +43,7 @@
 #include <unistd.h>
 #endif
 
-namespace conveyor_amx {
+namespace conveyor::gemm::amx {
 
 #if CONVEYOR_AMX
 struct TileConfig {
@@ -314,4 +314,4 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
   return y;
 }
 
-}  // namespace conveyor_amx
+}  // namespace conveyor::gemm::amx

@@ -30,9 +30,11 @@
 #include "ops.h"
 #include "isa/vec.h"
 
+namespace conveyor::gemm {
+
 namespace {
 
-using namespace conveyor_vec;
+using namespace conveyor::vec;
 constexpr bool kManyRegisters = kRegisters >= 32;
 
 // The lanes' sum as a tree (halves added): log2(kLanes) dependent adds, not kLanes.
@@ -103,7 +105,7 @@ void range(const T* x, const T* w, T* y, int64_t n, int64_t k_dim, int64_t out_d
 template <typename T, int R, int TT>
 void balanced(const T* x, const T* w, T* y, int64_t n, int64_t k_dim, int64_t out_dim) {
   constexpr int64_t piece = R * ((8 + R - 1) / R);
-  conveyor_balance::balanced_for(out_dim, piece, [&](int64_t begin, int64_t end) {
+  conveyor::balance::balanced_for(out_dim, piece, [&](int64_t begin, int64_t end) {
     range<T, R, TT>(x, w, y, n, k_dim, out_dim, begin, end);
   });
 }
@@ -145,3 +147,5 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight) {
   });
   return y;
 }
+
+}  // namespace conveyor::gemm

@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <memory>
 
-namespace conveyor_balance {
+namespace conveyor::balance {
 
 // What is left of one share, [front, back), in one atomic word (front in the low half): the
 // owner's claims from the front and a thief's from the back can never overlap.
@@ -100,4 +100,4 @@ void balanced_for(int64_t count, int64_t piece, const F& fn) {
   });
 }
 
-}  // namespace conveyor_balance
+}  // namespace conveyor::balance

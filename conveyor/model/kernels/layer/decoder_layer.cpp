@@ -39,9 +39,11 @@
 #include "ops.h"
 #include "isa/vec.h"
 
+namespace conveyor::layer {
+
 namespace {
 
-using namespace conveyor_vec;
+using namespace conveyor::vec;
 
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n,
                    float eps) {
@@ -196,7 +198,7 @@ class Projection {
     if (!prompt_tiles_.defined() || prompt_rows.empty()) return (*this)(x, form);
     const int64_t rows = x.size(0), n = out_features();
     if (prompt_rows.size() == 2 && prompt_rows[0] == 0 && prompt_rows[1] == rows)
-      return with_bias(conveyor_amx::bf16_linear(x, prompt_tiles_, n));
+      return with_bias(gemm::amx::bf16_linear(x, prompt_tiles_, n));
     at::Tensor y = at::empty({rows, n}, x.options());
     int64_t row = 0;
     for (size_t i = 0; i <= prompt_rows.size(); i += 2) {
@@ -205,7 +207,7 @@ class Projection {
       if (i == prompt_rows.size()) break;
       const int64_t end = prompt_rows[i + 1];
       y.narrow(0, begin, end - begin)
-          .copy_(with_bias(conveyor_amx::bf16_linear(x.narrow(0, begin, end - begin),
+          .copy_(with_bias(gemm::amx::bf16_linear(x.narrow(0, begin, end - begin),
                                                      prompt_tiles_, n)));
       row = end;
     }
@@ -215,9 +217,9 @@ class Projection {
   at::Tensor operator()(const at::Tensor& x, MatmulForm form) const {
     at::Tensor y;
     if (panels_.defined()) {
-      y = conveyor_panel::dense_linear(x, panels_, out_features());
+      y = gemm::panel::dense_linear(x, panels_, out_features());
     } else if (wq_.defined()) {
-      y = conveyor_panel::block_linear(x, wq_, dw_, mw_, out_features(), false);
+      y = gemm::panel::block_linear(x, wq_, dw_, mw_, out_features(), false);
     } else if (weight_.defined() && form == kLinear) {
       return at::linear(x, weight_, bias_.defined() ? std::optional<at::Tensor>(bias_)
                                                     : std::nullopt);
@@ -229,13 +231,13 @@ class Projection {
       // residual add, the activation) ran ~10 ms slower per 32-row step on the strided rows.
       return x.scalar_type() == at::kFloat ? y.contiguous() : y;
     } else if (weight_.defined()) {
-      y = small_gemm(x, weight_);
+      y = gemm::small_gemm(x, weight_);
     } else if (form == kKernel) {
-      y = m_.defined() ? conveyor_quant::q4_linear(x, qs_, d_, m_)
-                       : conveyor_quant::q8_linear(x, qs_, d_);
+      y = m_.defined() ? gemm::quant::q4_linear(x, qs_, d_, m_)
+                       : gemm::quant::q8_linear(x, qs_, d_);
     } else {
-      y = m_.defined() ? conveyor_quant::q4_linear_dequant(x, qs_, d_, m_)
-                       : conveyor_quant::q8_linear_dequant(x, qs_, d_);
+      y = m_.defined() ? gemm::quant::q4_linear_dequant(x, qs_, d_, m_)
+                       : gemm::quant::q8_linear_dequant(x, qs_, d_);
     }
     if (bias_.defined()) y.add_(bias_);
     return y;
@@ -275,8 +277,9 @@ struct Step {
 inline void add_lora(at::Tensor& y, const at::Tensor& h, const Step& step, size_t layer,
                      int which, std::initializer_list<int64_t> columns) {
   if (step.lora.ab == nullptr) return;
-  lora_add(y, h, (*step.lora.ab)[layer * 8 + which * 2], (*step.lora.ab)[layer * 8 + which * 2 + 1],
-           step.lora.rows, step.lora.slots, std::vector<int64_t>(columns), step.lora.num_slots);
+  lora::lora_add(y, h, (*step.lora.ab)[layer * 8 + which * 2],
+                 (*step.lora.ab)[layer * 8 + which * 2 + 1], step.lora.rows, step.lora.slots,
+                 std::vector<int64_t>(columns), step.lora.num_slots);
 }
 
 // The model's layer description (model/families.py) as the compiled layer takes it.
@@ -359,13 +362,12 @@ class DecoderLayer {
       k = rms_norm(k, k_norm_, eps_);
     }
     if (attention_.rope >= 0)
-      rotary_embedding(q, k, step.cos[attention_.rope], step.sin[attention_.rope]);
+      attention::rotary_embedding(q, k, step.cos[attention_.rope], step.sin[attention_.rope]);
     clock.lap(kOther);
-    write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
-    at::Tensor attn = paged_attention(q, kv_cache, step.block_size, step.query_start,
-                                      step.seq_lens, step.block_tables, attention_.scale,
-                                      step.split_keys, step.prompt_rows, attention_.window,
-                                      attention_.softcap);
+    attention::write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
+    at::Tensor attn = attention::paged_attention(
+        q, kv_cache, step.block_size, step.query_start, step.seq_lens, step.block_tables,
+        attention_.scale, step.split_keys, step.prompt_rows, attention_.window, attention_.softcap);
     clock.lap(kAttention);
     const at::Tensor attn_rows = attn.view({num_tokens, q_size});
     at::Tensor o = o_(attn_rows, step.form, step.prompt_rows);
@@ -503,3 +505,5 @@ void bind_decoder_layer(pybind11::module& m) {
         py::arg("lora_slots") = std::vector<int64_t>{}, py::arg("lora_num_slots") = 0,
         py::arg("prompt_rows") = std::vector<int64_t>{});
 }
+
+}  // namespace conveyor::layer
