@@ -20,7 +20,7 @@ A chunk is scored as a prompt, so `auto` runs the prompt route where the CPU has
 model with every token counted as generated: the route of decode rows (the blocks and float32
 attention), which is all `auto` runs elsewhere.
 Every model is loaded as `conveyor serve` loads it by default, so the float32 and quantized
-scores are those of the batch-invariant kernels (model/kernels/panel_gemm.cpp): every row count
+scores are those of the batch-invariant kernels (model/kernels/gemm/panel_gemm.cpp): every row count
 of a block projection runs one kernel with activations rounded to int8 per block of 32, and the
 lm_head (the tied Q8_0 embedding of the default model) one with float activations; a prefill
 chunk and a decode step compute each row alike. `--no-batch-invariant`'s routes are not scored

@@ -488,7 +488,7 @@ def profile_execute(runner, sched: SchedulerOutput) -> dict[str, float]:
         runner.model.compiled_seconds = None
         for handle in handles:
             handle.remove()
-    # The compiled layers (model/kernels/decoder_layer.cpp) run inside the model's own scope
+    # The compiled layers (model/kernels/layer/decoder_layer.cpp) run inside the model's own scope
     # ("other") and time their parts themselves.
     for category, seconds in zip(COMPILED_CATEGORIES, compiled.tolist(), strict=True):
         timer.totals["other"] -= seconds

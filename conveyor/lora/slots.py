@@ -20,10 +20,11 @@ slot's S * R columns of a, then the expand of each slice over that slice's own c
 This is PEFT's `base(x) + lora_B(lora_A(x)) * scaling` (the scaling folded into B), in the
 model's dtype, on top of whatever the projection's own kernel computed (so a quantized base
 stays quantized). On the CPU in float32/float64 one compiled kernel does it for the whole step
-(kernels/lora_gemm.cpp: one parallel pass over tiles of one slot's rows, one order per value
+(kernels/lora/lora_gemm.cpp: one parallel pass over tiles of one slot's rows, one order per value
 whatever the batch), called by the compiled decoder layers after each projection
-(decoder_layer.cpp: add_lora) and by the modules' forward hooks when the modules run; elsewhere
-its torch twin (ProjectionSlots.reference). A step without adapter rows does nothing here.
+(layer/decoder_layer.cpp: add_lora) and by the modules' forward hooks when the modules run;
+elsewhere its torch twin (ProjectionSlots.reference). A step without adapter rows does nothing
+here.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ProjectionSlots:
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, slot_rows) -> None:
         """out (T, sum of out_s) += each slot's rows' (x A_k^T) B_k, in place: the compiled
-        kernel on the CPU in float32/float64 (kernels/lora_gemm.cpp, as the compiled decoder
+        kernel on the CPU in float32/float64 (kernels/lora/lora_gemm.cpp, as the compiled decoder
         layers do), else the reference."""
         ops = kernels.load() if x.device.type == "cpu" and out.dtype in _KERNEL_DTYPES else None
         if ops is None or not x.is_contiguous() or not out.is_contiguous():
@@ -122,7 +123,7 @@ class LoRASlots:
         self.num_loads = 0  # adapters copied into a slot so far (tests, metrics)
         # The running step's rows of each slot in use (slot, int64 indices; empty: no adapter
         # rows), and the weights the compiled decoder layers take with them
-        # (kernels/decoder_layer.cpp: LoRA).
+        # (kernels/layer/decoder_layer.cpp: LoRA).
         self.slot_rows: list[tuple[int, torch.Tensor]] = []
         self._weights = [t for own in self.layers for name in PROJECTIONS
                          for t in (own[name].a, own[name].b)]  # fmt: skip

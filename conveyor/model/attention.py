@@ -6,7 +6,7 @@ Every layer first writes the step's new K/V into the cache through `slot_mapping
 The cache of one layer is a tensor (2, num_blocks, num_kv_heads, block_size * head_dim): one
 (block, kv head) tile is contiguous; keys are stored transposed in it, (head_dim, block_size),
 values as (block_size, head_dim). That is the layout the compiled CPU kernel reads in place
-(see kernels/paged_attention.cpp); `key_blocks` / `value_blocks` give its shaped views.
+(see kernels/attention/paged_attention.cpp); `key_blocks` / `value_blocks` give its shaped views.
 
 Two implementations of the same op:
   - the compiled kernel (CPU, float32/float64; a float16/bfloat16/fp8 cache for float32 models):

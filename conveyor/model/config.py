@@ -51,7 +51,7 @@ class ModelConfig:
     rope_scaling: float = 1.0
     quantization: str = "none"  # none | gguf | int8 (see QUANTIZATION_MODES)
     tokenizer: Path | None = None  # a tokenizer of its own; None: the checkpoint's
-    # One reduction order per output value whatever the batch (model/kernels/panel_gemm.cpp):
+    # One reduction order per output value whatever the batch (model/kernels/gemm/panel_gemm.cpp):
     # a request's tokens and logprobs do not depend on its neighbours or on cache hits.
     batch_invariant: bool = True
     # What the family's layers add to Llama's (model/families.py).

@@ -7,7 +7,7 @@ and per layer the attention's kind (full or a sliding window, soft-capped scores
 and rotary table (the global one, Gemma 3's local one, or none: SmolLM3's NoPE layers); around
 the layers, the embedding, residual and logit multipliers. `Parts` holds that, resolved once
 from the checkpoint's config (as transformers reads it); model/llama.py builds both the modules
-and the compiled layers (kernels/decoder_layer.cpp) from it, so a family is written once.
+and the compiled layers (kernels/layer/decoder_layer.cpp) from it, so a family is written once.
 
 A setting a family does not support (a rope variant, partial rotary dims, a norm kind) is
 refused at load with the field's name: never loaded and computed wrong.

@@ -91,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     this a stream of the weights from memory, and three ways of computing it differ a lot
     there, by machine and token count: MKL's x @ W.T, MKL's (W @ x.T).T (a transposed view,
     which every consumer here accepts), and the compiled small-row kernel
-    (kernels/small_gemm.cpp). On a 2-core Zen 3,
+    (kernels/gemm/small_gemm.cpp). On a 2-core Zen 3,
     (W @ x.T).T made 4-request steps 211 -> 94 ms against x @ W.T; on a 2-core Sapphire Rapids
     Xeon x @ W.T is 2.3x faster than it at 2 tokens, and the kernel 1.6x faster than both at 8
     (SmolLM2-135M's projections, streamed from memory). So each process measures them once per
@@ -118,7 +118,7 @@ def _bucket(num_tokens: int) -> int:
 MATMUL_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # above 64 tokens x @ W.T is used: MKL's own ground
 # The kernel is kept when it is at most this much slower than MKL in isolation: with it the
 # model runs its layers as one compiled call, which saved ~28% of a one-row float32 step here
-# (model/kernels/decoder_layer.cpp), far more than a near tie between matmuls could cost.
+# (model/kernels/layer/decoder_layer.cpp), far more than a near tie between matmuls could cost.
 KERNEL_MARGIN = 1.15
 
 
@@ -247,7 +247,7 @@ def _best_times(weights: torch.Tensor, forms: dict, budget: float = 0.05) -> dic
 
 
 def panel_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor | None:
-    """x @ W^T (+ bias) through the batch-invariant panel kernels (kernels/panel_gemm.cpp:
+    """x @ W^T (+ bias) through the batch-invariant panel kernels (kernels/gemm/panel_gemm.cpp:
     every output value one chain of FMAs over k, whatever the row count), when the module
     was packed (pack_panels) and x is a CPU matrix of the weight's dtype; else None."""
     panels = module.panels

@@ -1,7 +1,7 @@
 """Every supported family in one module: a layer is built from the model's layer description
 (model/families.py: which norms, their kind, the activation, each layer's attention kind and
 rotary table, the multipliers), both as modules and as the compiled layer of
-kernels/decoder_layer.cpp. Parameter names follow transformers, so checkpoints load by name;
+kernels/layer/decoder_layer.cpp. Parameter names follow transformers, so checkpoints load by name;
 q/k/v and gate/up are merged into one matmul each (Phi-3 stores them merged).
 
 All non-attention work runs once over the step's flattened tokens (T, hidden); attention
@@ -100,7 +100,7 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(gate.mul_(up)))
 
 
-# The compiled layer's activations (kernels/decoder_layer.cpp: Activation).
+# The compiled layer's activations (kernels/layer/decoder_layer.cpp: Activation).
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
@@ -137,7 +137,7 @@ class LlamaDecoderLayer(nn.Module):
         return h if self.residual_scale == 1.0 else h * self.residual_scale
 
     def compiled(self, ops: ModuleType):
-        """This layer as the compiled ops' DecoderLayer (kernels/decoder_layer.cpp: the same
+        """This layer as the compiled ops' DecoderLayer (kernels/layer/decoder_layer.cpp: the same
         arithmetic in one call), or None when a projection has no compiled form there."""
         attn, mlp = self.self_attn, self.mlp
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -281,9 +281,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _compiled_form(self, x: torch.Tensor, meta: AttentionMetadata) -> int | None:
         """How the layers' projections run when the step's layers run as one compiled call
-        (kernels/decoder_layer.cpp: MatmulForm), for steps of up to 64 rows, or None: run the
+        (kernels/layer/decoder_layer.cpp: MatmulForm), for steps of up to 64 rows, or None: run the
         modules. At a few rows the Python between the matmuls costs more than the ops it runs
-        (decoder_layer.cpp says why); at 32 rows it was still ~10 ms of a 120 ms float32 step.
+        (layer/decoder_layer.cpp says why); at 32 rows it was still ~10 ms of a 120 ms float32 step.
         Each projection is computed as the module would at this row count."""
         if meta.ops is None or self.tp.size > 1 or x.device.type != "cpu" or x.dim() != 2:
             return None
@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         param.data.copy_(tensor)
 
 
-# decoder_layers' forms (kernels/decoder_layer.cpp: MatmulForm); LINEAR also means float tiles
+# decoder_layers' forms (kernels/layer/decoder_layer.cpp: MatmulForm); LINEAR also means float tiles
 # for block weights.
 KERNEL, LINEAR, TRANSPOSED = 0, 1, 2
 _FORMS = {"kernel": KERNEL, "linear": LINEAR, "transposed": TRANSPOSED}

@@ -100,7 +100,7 @@ class KernelPlan:
     gemm_isa: str  # the panel GEMMs': avx512 | avx2 | scalar
     bf16_attention: str  # the prompt attention's engine where allowed: amx | avx512_bf16 | ""
     compiled: bool  # the C++ kernels are loaded and the model runs on the CPU
-    compiled_layers: bool  # a step's layers as one compiled call (kernels/decoder_layer.cpp)
+    compiled_layers: bool  # a step's layers as one compiled call (kernels/layer/decoder_layer.cpp)
     batch_invariant: bool  # projections on the panels: one reduction order at every row count
     quantized: bool  # block weights (GGUF / int8 formats) rather than dense ones
     attention: str  # compiled | reference

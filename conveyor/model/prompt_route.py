@@ -1,13 +1,14 @@
 """The prompt route: a quantized model's prompt tokens through bfloat16 dot products.
 
 A prompt chunk is hundreds of rows, so its projections are bound by arithmetic, where the
-tile unit of a CPU with AMX-BF16 outruns the int8 VNNI block kernel (kernels/amx_gemm.cpp;
+tile unit of a CPU with AMX-BF16 outruns the int8 VNNI block kernel (kernels/gemm/amx_gemm.cpp;
 GGUF's per-block scales keep the int8 tiles from paying, see there). A decode row is bound by
 reading the weights, where the 4-bit blocks are 3x fewer bytes than bfloat16. So on such a CPU
 a model served quantized keeps both: its blocks, and a bfloat16 copy of each decoder
 projection packed into tiles at load (2 bytes a parameter more). A prompt row's attention
-takes the tiles too (kernels/amx_attention.cpp: Q K^T and P V in bfloat16, float32 sums and
-softmax); CONVEYOR_PROMPT_ATTENTION=0 keeps it on the float32 kernel, to measure the two apart.
+takes the tiles too (kernels/attention/amx_attention.cpp: Q K^T and P V in bfloat16, float32
+sums and softmax); CONVEYOR_PROMPT_ATTENTION=0 keeps it on the float32 kernel, to measure the
+two apart.
 
 Determinism. The two routes round differently, so which one a row takes must never depend on
 the step around it. It is fixed by the row's token: a token of the request's prompt (position
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 def applies(model: nn.Module, ops: ModuleType | None) -> bool:
     """Whether the model's prompt tokens can take the tiles here: every decoder projection a
     block-quantized float32 module on the CPU, packed for the batch-invariant kernels, whose
-    layers run compiled (kernels/decoder_layer.cpp holds the route)."""
+    layers run compiled (kernels/layer/decoder_layer.cpp holds the route)."""
     if not kernel_plan.current(model.config).prompt_tiles or not _quantized_compiled(model, ops):
         return False
     if not ops.amx_available():
@@ -82,7 +83,7 @@ def _quantized_compiled(model: nn.Module, ops: ModuleType | None) -> bool:
 
     if ops is None or not kernel_plan.current(model.config).compiled_layers:
         return False  # the route runs inside the compiled layers only
-    if model.config.head_dim % 16:  # the attention tiles' columns (amx_attention.cpp)
+    if model.config.head_dim % 16:  # the attention tiles' columns (attention/amx_attention.cpp)
         return False
     projections = list(_projections(model))
     return bool(projections) and all(

@@ -67,7 +67,7 @@ def test_steps_have_the_asked_shape_and_positive_times(run):
 
 @pytest.mark.serial  # a ratio of wall-clock times: run alone, after the parallel phase
 def test_breakdown_parts_add_up_to_about_the_step(run):
-    """Also where the decode steps run the compiled layers (kernels/decoder_layer.cpp),
+    """Also where the decode steps run the compiled layers (kernels/layer/decoder_layer.cpp),
     which time their own projections and attention."""
     table, report, _, _ = run
     assert set(report["matmul_forms"]) == {"1", "2", "4", "8", "16", "32", "64"}

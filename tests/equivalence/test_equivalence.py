@@ -69,7 +69,7 @@ def test_requests_waiting_for_seats_join_mid_flight_and_match(case):
 
 
 def test_small_row_kernel_matches_transformers(case, monkeypatch):
-    """Every projection through the compiled small-row kernel (kernels/small_gemm.cpp), which
+    """Every projection through the compiled small-row kernel (kernels/gemm/small_gemm.cpp), which
     the engine otherwise uses only where it measures fastest: prompts of 1 to 3 rows per
     step's request, then decode steps of 1 to 3 rows."""
     monkeypatch.setenv("CONVEYOR_MATMUL", "kernel")

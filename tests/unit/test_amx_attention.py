@@ -1,4 +1,4 @@
-"""The prompt route's attention in bfloat16 (kernels/amx_attention.cpp, reached through
+"""The prompt route's attention in bfloat16 (kernels/attention/amx_attention.cpp, reached through
 paged_attention's prompt_rows), on AMX tiles or AVX512-BF16 dot products, whichever this CPU
 has: close to its twin, a float64 softmax of the same bfloat16-rounded operands, on random
 steps (GQA/MQA/MHA, head dims 48/64/128, block sizes at and off 16, every cache dtype, garbage

@@ -1,4 +1,4 @@
-"""The prompt route's AMX bfloat16 kernel (kernels/amx_gemm.cpp: pack_bf16, bf16_linear) and
+"""The prompt route's AMX bfloat16 kernel (kernels/gemm/amx_gemm.cpp: pack_bf16, bf16_linear) and
 its row ranges (model/prompt_route.py): close to its twin, a float64 product of the same
 bfloat16-rounded operands, on shapes at tile edges and odd K; a row's output bitwise the same
 whatever its row count, its place in a tile and the thread count; bad input raises. The kernel

@@ -159,8 +159,9 @@ def test_only_envs_reads_conveyor_variables():
 
 
 def test_prompt_attention_off_keeps_prompt_rows_on_the_float_kernel(q4_gguf, monkeypatch):
-    """CONVEYOR_PROMPT_ATTENTION=0 reaches paged_attention.cpp through the plan (its setter),
-    not the environment: the tiles still run the prompt's projections, no bfloat16 attention."""
+    """CONVEYOR_PROMPT_ATTENTION=0 reaches attention/paged_attention.cpp through the plan (its
+    setter), not the environment: the tiles still run the prompt's projections, no bfloat16
+    attention."""
     if not _cpu().amx:
         pytest.skip("this CPU has no AMX-BF16")
     monkeypatch.setenv("CONVEYOR_PROMPT_ATTENTION", "0")

@@ -266,7 +266,7 @@ def test_small_gemm_matches_torch(ops, dtype, out_dim, k_dim):
 
 @pytest.mark.parametrize("threads", [3, 5])
 def test_small_gemm_rows_taken_over_between_threads_are_each_computed_once(ops, threads):
-    """balance.h: a thread done with its share takes the back half of another's. With more
+    """isa/balance.h: a thread done with its share takes the back half of another's. With more
     threads than this machine's cores, threads are descheduled mid-share all the time, so
     shares change hands in most calls; every output row must still be computed, exactly once,
     from the same weight row (a row taken twice or never shows in the result: it is written
@@ -575,8 +575,8 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
 def test_compiled_decoder_layers_match_the_modules(
     ops, monkeypatch, form, dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm
 ):
-    """decoder_layers (kernels/decoder_layer.cpp) against the model's own modules run op by op,
-    on decode rows and a short chunk: residual stream and KV cache. Both compute the matmuls in
+    """decoder_layers (kernels/layer/decoder_layer.cpp) against the model's own modules run op by
+    op, on decode rows and a short chunk: residual stream and KV cache. Both compute the matmuls in
     the same form (the small-row kernel, MKL's x W^T or (W x^T)^T), so float64 must agree bit
     for bit (the norms are transformers' ATen ops in both); float32 norms are a loop of their
     own in the compiled layer."""

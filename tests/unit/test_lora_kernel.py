@@ -1,4 +1,4 @@
-"""The LoRA delta kernel (kernels/lora_gemm.cpp, lora/slots.py: ProjectionSlots.apply):
+"""The LoRA delta kernel (kernels/lora/lora_gemm.cpp, lora/slots.py: ProjectionSlots.apply):
 close to its torch twin (ProjectionSlots.reference) on random shapes, slices, ranks and row
 groups; a row's delta bitwise the same whatever else shares the step and on one or two
 threads; rows of the base model untouched; bad input raises instead of crashing."""

@@ -1,4 +1,4 @@
-"""The batch-invariant panel kernels (kernels/panel_gemm.cpp) and paged attention without key
+"""The batch-invariant panel kernels (kernels/gemm/panel_gemm.cpp) and paged attention without key
 splits: close to a float64 reference, and bitwise the same for a row whatever else shares its
 call (alone, in any slice, in another order), on every instruction set this CPU runs and on
 one or two threads. Bad input raises instead of crashing."""
@@ -435,7 +435,7 @@ def _attention(ops, q, cache, block_size, steps_of_rows, tables):
         (torch.float64, torch.float64),
         # A narrow cache: prompt tiles widen it into float32 scratch once, decode rows read it
         # in place; on a Zen 3 the two differed in the last bits until their multiply-adds had
-        # one fixed form (vec.h: madd).
+        # one fixed form (isa/vec.h: madd).
         (torch.float32, torch.float16),
         (torch.float32, torch.bfloat16),
         (torch.float32, torch.float8_e4m3fn),

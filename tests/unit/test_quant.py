@@ -53,7 +53,7 @@ def test_block_kernel_equals_reference_below_the_dequant_threshold(fmt, shape):
 
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 def test_block_kernel_rows_taken_over_between_threads_are_each_computed_once(fmt):
-    """The block kernel splits its rows through balance.h as small_gemm does: with more threads
+    """The block kernel splits its rows through isa/balance.h as small_gemm does: with more threads
     than cores, shares change hands mid-call, and every row must still come out once and the
     same as on one thread."""
     weight = random_blocks(fmt, 2051, 64, seed=3)  # 128 pieces of 16 rows and a short one
@@ -242,7 +242,7 @@ def test_plain_greedy_steps_take_the_lm_heads_argmax_and_generate_the_same(
     quantized_gguf, monkeypatch
 ):
     """Steps whose rows are all plain greedy ask the lm_head for argmax tokens
-    (QuantLinear.argmax, kernels/panel_gemm.cpp: block_argmax) instead of every logit. Their
+    (QuantLinear.argmax, kernels/gemm/panel_gemm.cpp: block_argmax) instead of every logit. Their
     tokens equal those of the same requests with logprobs, which need the logits; with n-gram
     speculation too, where each request's rows verify its drafts."""
     taken = []
@@ -279,7 +279,7 @@ def test_plain_greedy_steps_take_the_lm_heads_argmax_and_generate_the_same(
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_compiled_layers_generate_what_the_modules_generate(qtype, quantized_gguf, monkeypatch):
     """Decode steps of a quantized model run its layers as one compiled call (block kernel
-    projections, kernels/decoder_layer.cpp); CONVEYOR_COMPILED_LAYERS=0 runs the modules. The
+    projections, kernels/layer/decoder_layer.cpp); CONVEYOR_COMPILED_LAYERS=0 runs the modules. The
     prompt route (model/prompt_route.py: AMX tiles, or the attention alone in bfloat16) runs in
     the compiled layers only, so it is off for both here."""
     path = str(quantized_gguf(qtype))

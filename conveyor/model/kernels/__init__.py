@@ -1,5 +1,12 @@
 """Compiled CPU ops, built once per machine from the C++ sources shipped in this folder.
 
+The sources are organised by op, one folder each: gemm/ (the panel, block, small-row and AMX
+matmuls), attention/ (paged attention, K/V writes and rotary embedding; the prompt rows'
+bfloat16 attention), layer/ (the compiled decoder layer, rms_norm), lora/ (LoRA deltas), isa/
+(the vectors per instruction set, the balanced thread split); ops.h declares every op and
+bindings.cpp binds them. Includes name paths from this folder ("isa/vec.h"), which is the
+build's include path. The C++ is in namespace conveyor, one sub-namespace per op.
+
 `load()` JIT-compiles them with torch's own extension tooling into
 ~/.cache/conveyor/kernels/conveyor_kernels-<hash>/, the hash covering the sources, torch and
 Python versions, the compiler flags and the CPU's feature flags (the code is built with
@@ -36,16 +43,18 @@ logger = logging.getLogger(__name__)
 
 SOURCES = (
     "bindings.cpp",
-    "paged_attention.cpp",
-    "small_gemm.cpp",
-    "quant_gemm.cpp",
-    "decoder_layer.cpp",
-    "panel_gemm.cpp",
-    "lora_gemm.cpp",
-    "amx_gemm.cpp",
-    "amx_attention.cpp",
+    "attention/paged_attention.cpp",
+    "gemm/small_gemm.cpp",
+    "gemm/quant_gemm.cpp",
+    "layer/decoder_layer.cpp",
+    "gemm/panel_gemm.cpp",
+    "lora/lora_gemm.cpp",
+    "gemm/amx_gemm.cpp",
+    "attention/amx_attention.cpp",
 )
-HEADERS = ("balance.h", "ops.h", "vec.h")  # included by the sources; in the build key too
+# Included by the sources (paths from this folder, the build's include path); in the build key
+# too.
+HEADERS = ("isa/balance.h", "ops.h", "isa/vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"
 BUILD_LOCK = "conveyor-build.lock"  # ours, flocked; torch's own lock file is `lock`
@@ -87,6 +96,7 @@ def _build() -> ModuleType:
             sources=[str(sources / name) for name in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(sources)],
             build_directory=str(folder),
             verbose=False,
         )
@@ -94,13 +104,14 @@ def _build() -> ModuleType:
 
 def _copy_sources(folder: Path) -> Path:
     """The sources and headers, copied next to the build they belong to (the build key is their
-    hash). torch's build compares the source paths too: compiled from the package itself, two
-    checkouts of the same sources in one venv rebuilt the same kernels in turn."""
+    hash), each in its subfolder. torch's build compares the source paths too: compiled from the
+    package itself, two checkouts of the same sources in one venv rebuilt the same kernels in
+    turn."""
     here = Path(__file__).parent
     folder.mkdir(parents=True, exist_ok=True)
     for name in SOURCES + HEADERS:
         text = (here / name).read_bytes()
-        target = folder / name
+        target = folder / name  # write_atomic makes its subfolder
         if not target.exists() or target.read_bytes() != text:
             write_atomic(target, text)  # a concurrent build never reads half a file
     return folder

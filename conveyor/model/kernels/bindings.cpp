@@ -1,28 +1,29 @@
 // The Python module of the compiled CPU ops: one extension built from the sources listed in
 // kernels/__init__.py (SOURCES); ops.h declares each op and names the file that defines it.
+// The Python names are the ops' own, without their C++ namespaces.
 #include <torch/extension.h>
 
 #include "ops.h"
 
-void bind_decoder_layer(pybind11::module& m);  // decoder_layer.cpp: the DecoderLayer class
-
 namespace {
 
+using namespace conveyor;  // the ops' namespaces (ops.h)
+
 std::map<std::string, bool> cpu_features() {
-  const std::string best = conveyor_panel::best_isa_name();
+  const std::string best = gemm::panel::best_isa_name();
   return {{"avx2", best != "scalar"},
           {"avx512", best == "avx512"},
-          {"avx512_bf16", conveyor_amx::bf16_dot_usable()},
-          {"amx", conveyor_amx::usable()}};
+          {"avx512_bf16", attention::amx::bf16_dot_usable()},
+          {"amx", gemm::amx::usable()}};
 }
 
 // "panel/<isa>", "amx/bf16_linear", "attention/<engine>": the counts tests read to see that
 // what ran is what the kernel plan chose.
 std::map<std::string, int64_t> kernel_runs() {
   std::map<std::string, int64_t> out;
-  for (const auto& [isa, n] : conveyor_panel::isa_runs()) out["panel/" + isa] = n;
-  out["amx/bf16_linear"] = conveyor_amx::bf16_linear_runs();
-  for (const auto& [engine, n] : conveyor_amx::prompt_attention_runs())
+  for (const auto& [isa, n] : gemm::panel::isa_runs()) out["panel/" + isa] = n;
+  out["amx/bf16_linear"] = gemm::amx::bf16_linear_runs();
+  for (const auto& [engine, n] : attention::amx::prompt_attention_runs())
     out["attention/" + engine] = n;
   return out;
 }
@@ -31,20 +32,22 @@ std::map<std::string, int64_t> kernel_runs() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("advise_huge_pages", &advise_huge_pages, "madvise(MADV_HUGEPAGE) over a tensor");
-  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place (CPU)");
-  m.def("paged_attention", &paged_attention, "paged attention over a whole step (CPU)",
+  m.def("advise_huge_pages", &attention::advise_huge_pages,
+        "madvise(MADV_HUGEPAGE) over a tensor");
+  m.def("rotary_embedding", &attention::rotary_embedding,
+        "rotary embedding of q and k, in place (CPU)");
+  m.def("paged_attention", &attention::paged_attention, "paged attention over a whole step (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_size"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"),
         py::arg("split_keys") = true, py::arg("prompt_rows") = std::vector<int64_t>{},
         py::arg("window") = 0, py::arg("softcap") = 0.0);
-  m.def("write_kv", &write_kv, "write K/V into cache slots (CPU)");
-  m.def("small_gemm", &small_gemm, "x @ weight.T for a few rows of x (CPU)");
-  m.def("lora_add", &lora_add, "y += a step's LoRA deltas, in place (CPU)", py::arg("y"),
+  m.def("write_kv", &attention::write_kv, "write K/V into cache slots (CPU)");
+  m.def("small_gemm", &gemm::small_gemm, "x @ weight.T for a few rows of x (CPU)");
+  m.def("lora_add", &lora::lora_add, "y += a step's LoRA deltas, in place (CPU)", py::arg("y"),
         py::arg("x"), py::arg("a"), py::arg("b"), py::arg("rows"), py::arg("slots"),
         py::arg("columns"), py::arg("num_slots"));
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
-  namespace q = conveyor_quant;
+  m.def("rms_norm", &layer::rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
+  namespace q = gemm::quant;
   m.def("q4_linear", &q::q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");
   m.def("q8_linear", &q::q8_linear, "x @ W^T for int8 blocks (q * d)");
   m.def("q4_linear_dequant", &q::q4_linear_dequant, "q4_linear through row tiles and MKL");
@@ -54,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_prepare", &q::int8_prepare, "outlier split and per-row scaling for fbgemm");
   m.def("q4_columns", &q::q4_columns, "float columns of 4-bit blocks");
   m.def("q8_columns", &q::q8_columns, "float columns of int8 blocks");
-  namespace pg = conveyor_panel;
+  namespace pg = gemm::panel;
   m.def("isa", &pg::get_isa, "the instruction set the panel kernels run: avx512, avx2, scalar");
   m.def("set_isa", &pg::set_isa, "choose the panel kernels' instruction set (auto: the best)");
   m.def("pack_dense", &pg::pack_dense, "float weight (N, K) -> panels (P, K, L)");
@@ -72,10 +75,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n_out"));
   m.def("peak_rate", &pg::peak_rate, "ops/s of the kernels' instructions in registers, all "
         "threads: f32_fma, f64_fma, int8_dot, bf16_dot, amx_bf16", py::arg("kind"), py::arg("iters"));
-  namespace amx = conveyor_amx;
+  namespace amx = gemm::amx;
   m.def("amx_available", &amx::available,
         "whether bf16_linear runs here (AMX-BF16, and the kernel plan allows it)");
-  m.def("prompt_attention_isa", &amx::prompt_attention_isa,
+  m.def("prompt_attention_isa", &attention::amx::prompt_attention_isa,
         "what a prompt row's bfloat16 attention runs here: amx, avx512_bf16, or '' (none)");
   m.def("pack_bf16", &amx::pack_bf16, "float weight (N, K) -> AMX bfloat16 tiles (P, KS, 16, 32)");
   m.def("bf16_linear", &amx::bf16_linear, "x @ W^T on AMX bfloat16 tiles, one order per value",
@@ -84,9 +87,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_features", &cpu_features, "what this CPU and build run: avx2, avx512, "
         "avx512_bf16, amx (whatever the plan allows)");
   m.def("set_amx", &amx::set_allowed, "whether the AMX tiles may run (the plan's choice)");
-  m.def("set_bf16_dot", &amx::set_bf16_dot, "whether AVX512-BF16 attention may run");
-  m.def("set_prompt_attention", &set_prompt_attention,
+  m.def("set_bf16_dot", &attention::amx::set_bf16_dot, "whether AVX512-BF16 attention may run");
+  m.def("set_prompt_attention", &attention::set_prompt_attention,
         "whether prompt rows take the bfloat16 attention (the plan's choice)");
   m.def("kernel_runs", &kernel_runs, "calls per kernel and instruction set since start");
-  bind_decoder_layer(m);
+  layer::bind_decoder_layer(m);
 }

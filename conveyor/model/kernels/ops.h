@@ -1,5 +1,8 @@
 // The compiled CPU ops, one declaration each, with the file that defines it: bindings.cpp
-// exposes them to Python, and decoder_layer.cpp calls them from C++.
+// exposes them to Python, and layer/decoder_layer.cpp calls them from C++. Everything is in
+// namespace conveyor, one sub-namespace per op (the folder of its sources): gemm (with panel,
+// quant and amx for those kernels), attention (attention::amx: the prompt rows' bfloat16
+// attention), layer, lora; isa/ holds the shared vector code (vec) and thread split (balance).
 #pragma once
 
 #include <torch/extension.h>
@@ -9,7 +12,10 @@
 #include <string>
 #include <vector>
 
-// paged_attention.cpp
+namespace conveyor {
+
+// attention/paged_attention.cpp
+namespace attention {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale,
@@ -23,17 +29,20 @@ bool advise_huge_pages(const at::Tensor& t);
 // Whether prompt rows named by prompt_rows take the bfloat16 attention (the kernel plan's
 // choice, set once at load; off: they take this kernel, their projections still the tiles).
 void set_prompt_attention(bool on);
+}  // namespace attention
 
-// small_gemm.cpp
+// gemm/small_gemm.cpp
+namespace gemm {
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight);
+}  // namespace gemm
 
-// quant_gemm.cpp: GGUF-style block weights (x86 with AVX2, FMA and F16C; elsewhere they raise)
+// gemm/quant_gemm.cpp: GGUF-style block weights (x86 with AVX2, FMA and F16C; elsewhere they raise)
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CONVEYOR_QUANT_KERNELS 1
 #else
 #define CONVEYOR_QUANT_KERNELS 0
 #endif
-namespace conveyor_quant {
+namespace gemm::quant {
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                      const at::Tensor& m);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d);
@@ -46,10 +55,10 @@ std::vector<at::Tensor> int8_prepare(const at::Tensor& x, double ratio);
 at::Tensor q4_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                       const at::Tensor& cols);
 at::Tensor q8_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& cols);
-}  // namespace conveyor_quant
+}  // namespace gemm::quant
 
-// panel_gemm.cpp: one reduction order per output value, for every row count
-namespace conveyor_panel {
+// gemm/panel_gemm.cpp: one reduction order per output value, for every row count
+namespace gemm::panel {
 std::string get_isa();
 std::string set_isa(const std::string& name);
 std::string best_isa_name();  // what the CPU and the build run, whatever set_isa chose
@@ -70,15 +79,18 @@ double peak_rate(const std::string& kind, int64_t iters);
 void quantize_token_avx2(const float* x, int64_t nb, int8_t* q, float* d, float* s,
                          int32_t* isum);
 #endif
-}  // namespace conveyor_panel
+}  // namespace gemm::panel
 
-// lora_gemm.cpp: y += a step's LoRA deltas (lora/slots.py's layout), one order per value
+// lora/lora_gemm.cpp: y += a step's LoRA deltas (conveyor/lora/slots.py's layout), one order
+// per value
+namespace lora {
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
               const std::vector<at::Tensor>& rows, const std::vector<int64_t>& slots,
               const std::vector<int64_t>& columns, int64_t num_slots);
+}  // namespace lora
 
 // AMX-BF16 tiles: built where the compiler targets them (-march=native on such a CPU); used
-// where conveyor_amx::available() says the CPU and the process may.
+// where gemm::amx::available() says the CPU and the process may.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512F__) && defined(__linux__)
 #define CONVEYOR_AMX 1
@@ -94,8 +106,8 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
 #define CONVEYOR_BF16_DOT 0
 #endif
 
-// amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
-namespace conveyor_amx {
+// gemm/amx_gemm.cpp: x W^T in bfloat16 on AMX tiles (float32 sums), the prompt rows' route
+namespace gemm::amx {
 bool usable();     // the CPU, the build and the OS allow the tiles
 bool available();  // usable, and the kernel plan lets them run (set_allowed)
 void set_allowed(bool on);
@@ -106,11 +118,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
 #if CONVEYOR_AMX
 void configure();  // this thread's tiles: eight of 16 rows x 64 bytes
 #endif
+}  // namespace gemm::amx
 
-// amx_attention.cpp: attention of a step's prompt rows in bfloat16 (float32 sums and softmax),
-// on AMX tiles or else AVX512-BF16 dot products; prompt_tokens[s]: sequence s's leading rows
-// that take it. Writes those rows of out (T, H, D); the metadata as paged_attention's, already
-// checked. prompt_attention_isa: which of the two runs here ("amx", "avx512_bf16"), "" for none.
+// attention/amx_attention.cpp: attention of a step's prompt rows in bfloat16 (float32 sums and
+// softmax), on AMX tiles or else AVX512-BF16 dot products; prompt_tokens[s]: sequence s's
+// leading rows that take it. Writes those rows of out (T, H, D); the metadata as
+// paged_attention's, already checked. prompt_attention_isa: which of the two runs here ("amx",
+// "avx512_bf16"), "" for none.
+namespace attention::amx {
 std::string prompt_attention_isa();
 bool bf16_dot_usable();  // AVX512-BF16 in the CPU and the build
 void set_bf16_dot(bool on);  // the kernel plan's choice: may AVX512-BF16 run
@@ -119,7 +134,12 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
                       const at::Tensor& query_start, const at::Tensor& seq_lens,
                       const at::Tensor& block_tables, double scale,
                       const std::vector<int64_t>& prompt_tokens, at::Tensor& out);
-}  // namespace conveyor_amx
+}  // namespace attention::amx
 
-// decoder_layer.cpp
+// layer/decoder_layer.cpp
+namespace layer {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void bind_decoder_layer(pybind11::module& m);  // the DecoderLayer class and decoder_layers
+}  // namespace layer
+
+}  // namespace conveyor

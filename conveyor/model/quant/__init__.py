@@ -10,7 +10,7 @@ Activations are quantized per token and block to int8 inside the kernel (as llam
 Q8_0/Q8_1 dot products do), so a block's dot product is an integer dot product.
 
 By default (batch-invariant, CPU) every row count runs one kernel instead of the routes below:
-kernels/panel_gemm.cpp, int8 activations per block of 32 as here (VNNI on AVX-512, maddubs on
+kernels/gemm/panel_gemm.cpp, int8 activations per block of 32 as here (VNNI on AVX-512, maddubs on
 AVX2), float activations for the lm_head, each output value one chain in a fixed order; the
 blocks are packed into column panels at load (QuantLinear.pack_panels). On a CPU with
 AMX-BF16 the prompt tokens take bfloat16 tiles of the same weights instead (model/prompt_route.py),
@@ -44,7 +44,7 @@ kernels here use AVX2+FMA+F16C only, for Zen 3 and older CPUs):
 every T on this CPU. fbgemm's dynamic int8 linear (`quantized.linear_dynamic`) is the fastest
 from 8 tokens up here (VNNI), but it rounds activations per tensor and would need its own
 per-channel int8 copy of every weight; it is not used (yet). So: a small AVX2 extension
-(kernels/quant_gemm.cpp) reads the GGUF-style blocks directly, with activations rounded to int8
+(kernels/gemm/quant_gemm.cpp) reads the GGUF-style blocks directly, with activations rounded to int8
 per block of 32 (q4_block/q8_block: at T = 1 it streams weights at memory speed, 0.63 bytes
 per parameter for q4 instead of 4); from DEQUANT_FROM_TOKENS tokens on, the step is
 compute-bound and MKL wins: rows are dequantized in L2-sized tiles and multiplied there

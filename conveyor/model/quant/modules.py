@@ -25,7 +25,7 @@ from conveyor.model.quant.ops import (
 def error_weights(weight: BlockWeight) -> torch.Tensor:
     """Per output row n, max over its blocks b of |d_nb| * sum_k |q_nk| + 32 |m_nb| (q4: q in
     0..15): int8 activations with a per-block scale xd_b put a value of x @ W^T off by at most
-    sum_b (xd_b / 2) times this (kernels/panel_gemm.cpp: block_argmax)."""
+    sum_b (xd_b / 2) times this (kernels/gemm/panel_gemm.cpp: block_argmax)."""
     num_rows, num_blocks = weight.d.shape
     if weight.format == "q4":
         qs = weight.qs.reshape(num_rows, num_blocks, 16).to(torch.int32)
@@ -83,7 +83,7 @@ class QuantLinear(nn.Module):
         return self.dequant_from <= 1
 
     def pack_panels(self, ops) -> None:
-        """Packs the blocks for the panel kernels (kernels/panel_gemm.cpp): from then on every
+        """Packs the blocks for the panel kernels (kernels/gemm/panel_gemm.cpp): from then on every
         row count runs one kernel with one reduction order per output value."""
         m = self.m if self.format == "q4" else None
         self.panels = ops.pack_blocks(self.qs, self.d, m, float_acts=self.float_acts)
@@ -94,7 +94,7 @@ class QuantLinear(nn.Module):
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of forward(x), the first of equal maxima as torch.argmax picks,
         without computing every value in float: the int8 panels' approximate values, then the
-        float kernel on the columns their error bound leaves in the running (panel_gemm.cpp:
+        float kernel on the columns their error bound leaves in the running (gemm/panel_gemm.cpp:
         block_argmax). None where it does not apply (call forward): no packed panels, not a
         CPU float32 matrix, or a row with values that are not finite."""
         on_cpu = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2

@@ -1,4 +1,4 @@
-"""The block kernels' Python wrappers (kernels/quant_gemm.cpp, the MKL tiles, the reference)
+"""The block kernels' Python wrappers (kernels/gemm/quant_gemm.cpp, the MKL tiles, the reference)
 and the int8 route through fbgemm: what `--no-batch-invariant` runs, row count by row count."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def kernels_available() -> bool:
 
 
 def kernels() -> Any:
-    """The compiled ops (model/kernels: quant_gemm.cpp is one of their sources), built once
+    """The compiled ops (model/kernels: gemm/quant_gemm.cpp is one of their sources), built once
     per machine. Raises when they cannot be built here."""
     from conveyor.model import kernels as compiled
 

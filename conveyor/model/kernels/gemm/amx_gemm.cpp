@@ -43,7 +43,7 @@
 #include <unistd.h>
 #endif
 
-namespace conveyor_amx {
+namespace conveyor::gemm::amx {
 
 #if CONVEYOR_AMX
 struct TileConfig {
@@ -53,8 +53,8 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Eight tiles of 16 rows x 64 bytes. Here: 0..3 sums (row tile i, panel j at 2i + j), 4, 5 the
-// rows of row tiles 0 and 1, 6, 7 the weights of panels 0 and 1 (amx_attention.cpp: its own).
+// Eight tiles of 16 rows x 64 bytes. Here: 0..3 sums (row tile i, panel j at 2i + j), 4, 5 the rows
+// of row tiles 0 and 1, 6, 7 the weights of panels 0 and 1 (attention/amx_attention.cpp: its own).
 void configure() {
   alignas(64) TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -314,4 +314,4 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
   return y;
 }
 
-}  // namespace conveyor_amx
+}  // namespace conveyor::gemm::amx

@@ -1,4 +1,5 @@
-// balanced_for: the parallel loop of the memory-bound kernels (small_gemm.cpp, quant_gemm.cpp).
+// balanced_for: the parallel loop of the memory-bound kernels (gemm/small_gemm.cpp,
+// gemm/quant_gemm.cpp).
 //
 // Why: a decode step's matmul streams its weights from memory, and at::parallel_for's static
 // split gives each thread one half. The two cores do not stream at the same pace (their share
@@ -20,7 +21,7 @@
 #include <cstdint>
 #include <memory>
 
-namespace conveyor_balance {
+namespace conveyor::balance {
 
 // What is left of one share, [front, back), in one atomic word (front in the low half): the
 // owner's claims from the front and a thief's from the back can never overlap.
@@ -99,4 +100,4 @@ void balanced_for(int64_t count, int64_t piece, const F& fn) {
   });
 }
 
-}  // namespace conveyor_balance
+}  // namespace conveyor::balance

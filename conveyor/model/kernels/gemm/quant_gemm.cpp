@@ -20,7 +20,7 @@
 // The integer dot uses AVX2's maddubs (unsigned x signed bytes -> int16 pair sums): 4-bit
 // weights are unsigned already; int8 weights take the sign trick (|w| times x with w's sign).
 //
-// Loop order: threads split the output rows (balanced_for, balance.h); inside a thread, tokens
+// Loop order: threads split the output rows (balanced_for, isa/balance.h); inside a thread, tokens
 // are taken in tiles of TOKEN_TILE (their int8 rows stay in L1/L2), and for each weight row
 // the unpacked block is reused for up to 4 tokens (4 accumulators).
 
@@ -33,14 +33,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "balance.h"
+#include "isa/balance.h"
 
 #include <cmath>
 #include <cstdint>
 #include <vector>
 #include <cstring>
 
-namespace conveyor_quant {
+namespace conveyor::gemm::quant {
 
 constexpr int64_t QK = 32;          // elements per block
 constexpr int64_t TOKEN_TILE = 64;  // tokens whose int8 rows are reused across weight rows
@@ -66,9 +66,9 @@ struct QuantizedActs {
   at::Tensor s;   // float (T, K/32): d * sum of the block's int8 values
 };
 
-// panel_gemm.cpp's int8 rounding (the same values: round half to even of x * (127 / max|x|)).
+// gemm/panel_gemm.cpp's int8 rounding (the same values: round half to even of x * (127 / max|x|)).
 void quantize_row(const float* x, int64_t num_blocks, int8_t* q, float* d, float* s) {
-  conveyor_panel::quantize_token_avx2(x, num_blocks, q, d, s, nullptr);
+  conveyor::gemm::panel::quantize_token_avx2(x, num_blocks, q, d, s, nullptr);
 }
 
 QuantizedActs quantize_acts(const at::Tensor& x) {
@@ -182,7 +182,7 @@ at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const float* xs = a.s.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = W_Q8 ? K : K / 2;
-  conveyor_balance::balanced_for(N, 16, [&](int64_t n0, int64_t n1) {
+  conveyor::balance::balanced_for(N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t t0 = 0; t0 < T; t0 += TOKEN_TILE) {
       const int64_t t1 = std::min(T, t0 + TOKEN_TILE);
       for (int64_t n = n0; n < n1; ++n) {
@@ -472,11 +472,11 @@ at::Tensor q8_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
   return columns_impl<true>(qs.contiguous(), d.contiguous(), d.contiguous(), cols.contiguous());
 }
 
-}  // namespace conveyor_quant
+}  // namespace conveyor::gemm::quant
 
 #else  // not an AVX2 + FMA + F16C build: every op refuses (quant.py checks the CPU first)
 
-namespace conveyor_quant {
+namespace conveyor::gemm::quant {
 #define CONVEYOR_NO_KERNEL(...) \
   { TORCH_CHECK(false, "conveyor: the quantized kernels need an x86 CPU with AVX2, FMA, F16C"); }
 at::Tensor q4_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)
@@ -495,6 +495,6 @@ at::Tensor q4_columns(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
 at::Tensor q8_columns(const at::Tensor&, const at::Tensor&, const at::Tensor&)
     CONVEYOR_NO_KERNEL()
 #undef CONVEYOR_NO_KERNEL
-}  // namespace conveyor_quant
+}  // namespace conveyor::gemm::quant
 
 #endif  // CONVEYOR_QUANT_KERNELS

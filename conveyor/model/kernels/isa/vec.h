@@ -9,7 +9,7 @@
 #include <immintrin.h>
 #endif
 
-namespace conveyor_vec {
+namespace conveyor::vec {
 
 // 64-byte vectors (16 floats, 8 doubles) with AVX-512, 32-byte ones (AVX2) elsewhere. On the
 // Zen 5 (full-width AVX-512) 64-byte vectors made paged attention 1.5x faster for decode rows
@@ -131,4 +131,4 @@ inline Vec<T> vexp(Vec<T> x) {
   }
 }
 
-}  // namespace conveyor_vec
+}  // namespace conveyor::vec

@@ -1,25 +1,24 @@
 // Attention of a step's prompt rows in bfloat16, float32 sums and softmax: the prompt route's
-// attention (model/prompt_route.py says which rows take it; paged_attention.cpp computes every
-// other row and calls this for these). A 512-token prompt chunk spent 130-150 ms of its ~360-450
-// in attention with float32 vectors; here S = Q K^T and acc += P V are bfloat16 dot products,
-// and what is left is the softmax. Two engines run the same operands in the same layout:
-//   AMX tiles (TileEngine) where the CPU has AMX-BF16: a tile dot product per 16 x 16 x 32;
-//   AVX512-BF16's vdpbf16ps (DotEngine) where it has only that (a Zen 4 or 5): 16 float lanes
-//     each summing a pair of products per instruction, twice float32's FMAs. A tile's row of
-//     pairs is exactly one such operand (16 keys, or 16 columns, x a pair of k), so the packed
-//     K, V and P tiles are shared; Q's pair of d is broadcast to the 16 lanes.
+// attention (model/prompt_route.py says which rows take it; attention/paged_attention.cpp computes
+// every other row and calls this for these). A 512-token prompt chunk spent 130-150 ms of its
+// ~360-450 in attention with float32 vectors; here S = Q K^T and acc += P V are bfloat16 dot
+// products, and what is left is the softmax. Two engines run the same operands in the same layout:
+// AMX tiles (TileEngine) where the CPU has AMX-BF16: a tile dot product per 16 x 16 x 32;
+// AVX512-BF16's vdpbf16ps (DotEngine) where it has only that (a Zen 4 or 5): 16 float lanes
+// each summing a pair of products per instruction, twice float32's FMAs. A tile's row of     pairs
+// is exactly one such operand (16 keys, or 16 columns, x a pair of k), so the packed     K, V and P
+// tiles are shared; Q's pair of d is broadcast to the 16 lanes.
 //
-// Per item (sequence, kv head, up to 64 rows: tokens x the GQA group, as paged_attention.cpp):
-//   Q (scaled) rounded to bfloat16 tiles once; then for each group of 64 keys at absolute
-//   positions 64g .. 64g + 63, up to the item's last causal key:
-//     1. the group's K and V widened from the cache (any cache dtype) and rounded to bfloat16
-//        tiles in AMX's pair layout; keys past the item's last one zeros;
-//     2. S = Q K^T: four 16-key score tiles per row tile, the head dim summed in the tile unit;
-//     3. per row: the running max over its visible keys, P = e^(S - max) rounded to bfloat16,
-//        the sum l of the rounded weights (so the weights applied and the normaliser agree),
-//        the accumulator rescaled when the max grows;
-//     4. acc += P V in the tile unit, the accumulator loaded from and stored back to float32.
-//   out = acc / l.
+// Per item (sequence, kv head, up to 64 rows: tokens x the GQA group, as
+// attention/paged_attention.cpp):   Q (scaled) rounded to bfloat16 tiles once; then for each group
+// of 64 keys at absolute   positions 64g .. 64g + 63, up to the item's last causal key:     1. the
+// group's K and V widened from the cache (any cache dtype) and rounded to bfloat16        tiles in
+// AMX's pair layout; keys past the item's last one zeros;     2. S = Q K^T: four 16-key score tiles
+// per row tile, the head dim summed in the tile unit;     3. per row: the running max over its
+// visible keys, P = e^(S - max) rounded to bfloat16,        the sum l of the rounded weights (so
+// the weights applied and the normaliser agree),        the accumulator rescaled when the max
+// grows;     4. acc += P V in the tile unit, the accumulator loaded from and stored back to
+// float32.   out = acc / l.
 //
 // One reduction order per row. Every value a row gets depends on its own query, its position
 // and the cache only: the key groups sit at fixed positions, a tile dot product sums each row
@@ -50,10 +49,10 @@
 #if CONVEYOR_AMX || CONVEYOR_BF16_DOT
 #include <immintrin.h>
 
-#include "vec.h"
+#include "isa/vec.h"
 #endif
 
-namespace conveyor_amx {
+namespace conveyor::attention::amx {
 
 #if CONVEYOR_AMX || CONVEYOR_BF16_DOT
 namespace {
@@ -276,11 +275,11 @@ inline void weighted_values(const uint16_t* pt, const uint16_t* vt, int64_t ct, 
 }
 
 struct TileEngine {
-  static void begin() { configure(); }
+  static void begin() { gemm::amx::configure(); }
   static void end() { _tile_release(); }
   static void scores(const uint16_t* qt, const uint16_t* kt, int64_t kc_count, float* s,
                      int64_t rows_p) {
-    conveyor_amx::scores(qt, kt, kc_count, s, rows_p);
+    conveyor::attention::amx::scores(qt, kt, kc_count, s, rows_p);
   }
   static void values(const uint16_t* pt, const uint16_t* vt, int64_t ct, float* acc,
                      int64_t padded) {
@@ -371,7 +370,7 @@ struct DotEngine {
 // Online softmax of row r over the group [k0, k0 + 64): P row into the P tiles, m, l and the
 // accumulator row updated. Keys past the row's position weigh exactly 0.
 inline void softmax_row(int64_t r, int64_t k0, Scratch& w, const Dims& dm) {
-  using conveyor_vec::Vec;
+  using conveyor::vec::Vec;
   const int64_t visible = w.pos[r] + 1 - k0;
   uint16_t* prow = w.p.p + (r / kM) * 2 * kTileValues + (r % kM) * 32;
   if (visible <= 0) {  // a group past the row (or a padding row): no weight
@@ -396,7 +395,7 @@ inline void softmax_row(int64_t r, int64_t k0, Scratch& w, const Dims& dm) {
   __m512 total = _mm512_setzero_ps();
   for (int n = 0; n < kSubs; ++n) {
     const __m512 diff = _mm512_sub_ps(x[n], m_vec);
-    const Vec<float> e = conveyor_vec::vexp<float>(reinterpret_cast<const Vec<float>&>(diff));
+    const Vec<float> e = conveyor::vec::vexp<float>(reinterpret_cast<const Vec<float>&>(diff));
     const __m512 p = _mm512_maskz_mov_ps(mask[n], reinterpret_cast<const __m512&>(e));
     const __m256bh rounded = _mm512_cvtneps_pbh(p);
     std::memcpy(prow + (n / 2) * kTileValues + (n % 2) * 16, &rounded, 32);
@@ -496,7 +495,7 @@ template <typename C>
 void run_engine(std::vector<Item>& items, const Args& a, const C* kc, const C* vc, const Dims& dm,
                 int64_t max_rows) {
 #if CONVEYOR_AMX
-  if (available()) return run<TileEngine>(items, a, kc, vc, dm, max_rows);
+  if (gemm::amx::available()) return run<TileEngine>(items, a, kc, vc, dm, max_rows);
 #endif
   run<DotEngine>(items, a, kc, vc, dm, max_rows);
 }
@@ -532,7 +531,7 @@ bool bf16_dot_usable() {
 void set_bf16_dot(bool on) { bf16_dot_allowed().store(on); }
 
 std::string prompt_attention_isa() {
-  if (available()) return "amx";
+  if (gemm::amx::available()) return "amx";
   if (bf16_dot_usable() && bf16_dot_allowed().load()) return "avx512_bf16";
   return "";
 }
@@ -569,7 +568,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
     }
   }
   if (items.empty()) return;
-  engine_runs()[available() ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  engine_runs()[gemm::amx::available() ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   const Args args{q.data_ptr<float>(),
                   {q.stride(0), q.stride(1), q.stride(2)},
                   qs,
@@ -611,4 +610,4 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
 #endif
 }
 
-}  // namespace conveyor_amx
+}  // namespace conveyor::attention::amx

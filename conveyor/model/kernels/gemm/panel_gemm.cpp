@@ -72,10 +72,10 @@
 #define CONVEYOR_PANEL_AVX512 0
 #endif
 
-#include "balance.h"
+#include "isa/balance.h"
 #include "ops.h"
 
-namespace conveyor_panel {
+namespace conveyor::gemm::panel {
 
 constexpr int64_t kPanelBytes = 64;
 constexpr int64_t QK = 32;
@@ -243,7 +243,7 @@ constexpr int64_t kTokenBlock = 128;
 template <typename Fn>
 void for_tiles(int64_t num_panels, int64_t np, int64_t tokens, int64_t tt, const Fn& fn) {
   const int64_t groups = (num_panels + np - 1) / np;
-  conveyor_balance::balanced_for(groups, 1, [&](int64_t g0, int64_t g1) {
+  conveyor::balance::balanced_for(groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t tb = 0; tb < tokens; tb += kTokenBlock) {
       const int64_t te = std::min(tokens, tb + kTokenBlock);
       for (int64_t g = g0; g < g1; ++g) {
@@ -452,7 +452,7 @@ struct Acts {
   Uninit<int32_t> isum;
 };
 
-// One token's blocks, as quantize_row in quant_gemm.cpp (the same values: round half to even
+// One token's blocks, as quantize_row in gemm/quant_gemm.cpp (the same values: round half to even
 // of x * (127 / max|x|)), written portably; the rounding is elementwise, so any order gives
 // the same bits.
 void quantize_token(const float* x, int64_t nb, int8_t* q, float* d, float* s, int32_t* isum) {
@@ -1278,7 +1278,7 @@ double peak_rate(const std::string& kind, int64_t iters) {
   TORCH_CHECK(iters > 0, "peak_rate: iters must be > 0");
   const int isa = current_isa().load();
   volatile float wf = 0.999f;
-  if (kind == "amx_bf16") return conveyor_amx::peak(iters);  // 0 where there is none
+  if (kind == "amx_bf16") return conveyor::gemm::amx::peak(iters);  // 0 where there is none
   if (kind == "f32_fma") return fma_peak_at<float>(isa, iters, wf);
   if (kind == "f64_fma") return fma_peak_at<double>(isa, iters, 0.999);
 #if CONVEYOR_PANEL_AVX512
@@ -1349,4 +1349,4 @@ double peak_rate(const std::string& kind, int64_t iters) {
   });
 }
 
-}  // namespace conveyor_panel
+}  // namespace conveyor::gemm::panel

@@ -10,7 +10,7 @@
 // Shapes: x (N, K) contiguous, W (O, K) contiguous (torch's Linear layout), y (N, O).
 // Work split: the output rows O are cut into one contiguous share per thread, so each thread
 // streams its own part of W once, front to back (the hardware prefetcher sees one sequential
-// stream); a thread done early takes over the back of another's (balance.h).
+// stream); a thread done early takes over the back of another's (isa/balance.h).
 // Register tile: R weight rows x TT token rows of vector accumulators. Per step of kLanes input
 // columns: TT vectors of x (from L1: x is a few KiB), R vectors of W (from memory, once), R*TT
 // FMAs. When N > TT the R weight rows are revisited for the next TT tokens from L1 (R rows of
@@ -19,20 +19,22 @@
 // Tiles: with 32 vector registers (AVX-512), R x TT = 8 x 1 for one row (8 independent FMA
 // chains hide the FMA latency), 6 x 2, 4 x 3, 4 x 4 (+ 4 x and 4 W registers); with 16 (AVX2),
 // 8 x 1, 4 x 2, 3 x 3. Vectors are 32 bytes (GCC vector extensions, -march=native), as in
-// paged_attention.cpp.
+// attention/paged_attention.cpp.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#include "balance.h"
+#include "isa/balance.h"
 #include "ops.h"
-#include "vec.h"
+#include "isa/vec.h"
+
+namespace conveyor::gemm {
 
 namespace {
 
-using namespace conveyor_vec;
+using namespace conveyor::vec;
 constexpr bool kManyRegisters = kRegisters >= 32;
 
 // The lanes' sum as a tree (halves added): log2(kLanes) dependent adds, not kLanes.
@@ -97,13 +99,13 @@ void range(const T* x, const T* w, T* y, int64_t n, int64_t k_dim, int64_t out_d
   for (; o < end; ++o) rows<T, 1, TT>(x, w, y, n, k_dim, out_dim, o);
 }
 
-// range() over all output rows through balanced_for (balance.h), in pieces of whole tiles of at
+// range() over all output rows through balanced_for (isa/balance.h), in pieces of whole tiles of at
 // least 8 rows: each thread streams its own contiguous share of W, and one that finishes first
 // takes over the back of another's.
 template <typename T, int R, int TT>
 void balanced(const T* x, const T* w, T* y, int64_t n, int64_t k_dim, int64_t out_dim) {
   constexpr int64_t piece = R * ((8 + R - 1) / R);
-  conveyor_balance::balanced_for(out_dim, piece, [&](int64_t begin, int64_t end) {
+  conveyor::balance::balanced_for(out_dim, piece, [&](int64_t begin, int64_t end) {
     range<T, R, TT>(x, w, y, n, k_dim, out_dim, begin, end);
   });
 }
@@ -145,3 +147,5 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight) {
   });
   return y;
 }
+
+}  // namespace conveyor::gemm

@@ -37,7 +37,7 @@
 //     3. acc += P V (M x D) block by block: accumulators in registers, 8 vectors of a row at
 //        a time, three rows sharing each V load where 32 vector registers exist (AVX-512).
 //   Finally out = acc / l. Memory traffic per item: each K/V tile of the sequence read once.
-//   Vectors are vec.h's (GCC vector extensions, -O3 -march=native): 64 bytes with AVX-512
+//   Vectors are isa/vec.h's (GCC vector extensions, -O3 -march=native): 64 bytes with AVX-512
 //   (on a Zen 5: decode rows 1.5x and a 512-token chunk 2.3x faster than 32-byte ones; an
 //   Intel Xeon measured them no faster, earlier), 32 bytes with AVX2 + FMA. Head dims 64/128
 //   with block sizes 16/32 are compiled with constant trip counts; other shapes run scalar
@@ -66,11 +66,13 @@
 #include <vector>
 
 #include "ops.h"
-#include "vec.h"
+#include "isa/vec.h"
+
+namespace conveyor::attention {
 
 namespace {
 
-using namespace conveyor_vec;
+using namespace conveyor::vec;
 
 constexpr float kFp8Max = 448.0f;  // the largest finite fp8 e4m3 value
 
@@ -193,7 +195,7 @@ CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt,
       }
       for (int r = 0; r < R; ++r) {
         const Vec<T> qe = broadcast(q[r * D + d]), qo = broadcast(q[r * D + d + 1]);
-        // Fused in every instantiation (vec.h: fmadd); the two partial sums keep enough
+        // Fused in every instantiation (isa/vec.h: fmadd); the two partial sums keep enough
         // chains in flight for it (split, as in pv_rows, cost decode rows ~8% here).
         for (int i = 0; i < NV; ++i) {
           even[r][i] = fmadd<T>(qe, ke[i], even[r][i]);
@@ -261,7 +263,7 @@ CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __rest
       const C* vrow = v + j * D + c0 * L;
       for (int i = 0; i < NC; ++i) {
         const Vec<T> vi = load_cache<T>(vrow + i * L);
-        // One fixed form in every instantiation (vec.h: madd).
+        // One fixed form in every instantiation (isa/vec.h: madd).
         for (int r = 0; r < RP; ++r) a[r][i] = madd<T>(pb[r], vi, a[r][i]);
       }
     }
@@ -373,8 +375,8 @@ struct Inputs {
   int64_t q_strides[3];
   double scale;
   bool split_keys;  // may split a step's few decode rows by key blocks (split_keys below)
-  // Per sequence, its leading rows that are prompt tokens on the tile route (amx_attention.cpp
-  // computes them; this kernel the rest); nullptr: none.
+  // Per sequence, its leading rows that are prompt tokens on the tile route
+  // (attention/amx_attention.cpp computes them; this kernel the rest); nullptr: none.
   const int64_t* prompt_tokens = nullptr;
   // Sliding-window attention: a row at position p sees keys (p - window, p], as transformers'
   // sliding_window_overlay; 0: every earlier key.
@@ -841,7 +843,7 @@ void set_prompt_attention(bool on) { prompt_attention_on().store(on); }
 
 // Attention of all rows of a step: q (T, H, D) -> out (T, H, D). The step's K/V must already
 // be in the cache (write_kv). prompt_rows ([begin, end) pairs): rows that are prompt tokens of
-// a model on the prompt route, computed on AMX tiles (amx_attention.cpp).
+// a model on the prompt route, computed on AMX tiles (attention/amx_attention.cpp).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t block_size,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale, bool split_keys,
@@ -866,7 +868,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                                           ? prompt_counts(query_start, prompt_rows)
                                           : std::vector<int64_t>{};
   if (!prompt.empty())
-    conveyor_amx::prompt_attention(q, kv_cache, block_size, query_start, seq_lens, block_tables,
+    amx::prompt_attention(q, kv_cache, block_size, query_start, seq_lens, block_tables,
                                    scale, prompt, out);
   const Inputs in{query_start.data_ptr<int64_t>(),
                   seq_lens.data_ptr<int64_t>(),
@@ -1005,3 +1007,5 @@ bool advise_huge_pages(const at::Tensor& t) {
   return false;
 #endif
 }
+
+}  // namespace conveyor::attention

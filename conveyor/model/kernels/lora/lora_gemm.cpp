@@ -35,11 +35,13 @@
 #include <vector>
 
 #include "ops.h"
-#include "vec.h"
+#include "isa/vec.h"
+
+namespace conveyor::lora {
 
 namespace {
 
-using namespace conveyor_vec;
+using namespace conveyor::vec;
 
 constexpr int kRows = 4;                              // rows of a tile
 constexpr int kShrinkVecs = kRegisters >= 32 ? 2 : 1;  // vectors of a's columns per shrink step
@@ -251,3 +253,5 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
   else
     lora_add_typed<double>(y, x, a, b, rows, slots, columns, width);
 }
+
+}  // namespace conveyor::lora

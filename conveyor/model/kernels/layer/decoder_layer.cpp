@@ -10,25 +10,23 @@
 // on this machine; run here they are plain loops and a few ATen calls whose working set is
 // small.
 //
-// Per layer, for x (T, hidden), the residual stream, updated in place (model/families.py says
-// which family has which [part]):
-//   h = [rms_norm](x) ; qkv = h Wqkv^T (+ bias) ; q, k, v = views of qkv
-//   [q, k = rms_norm of all heads, or per head] ; [rotary(q, k) in place, by the layer's table]
-//   write k, v into the cache ; a = paged_attention(q) [window, soft-cap]
-//   x += [rms_norm](a Wo^T) [* residual_scale]
-//   h = [rms_norm](x) ; gate, up = halves of h Wgu^T
-//   x += [rms_norm]((act(gate) * up) Wdown^T) [* residual_scale], act silu or tanh-gelu
-// The arithmetic is the model's (model/llama.py, model/layers.py): the matmuls take the form
-// the modules would at the step's rows (MatmulForm: the small-row kernel of small_gemm.cpp or
-// MKL, as layers.matmul_forms measured; for a quantized model's block weights the block kernel
-// below 16 rows and float tiles from there, as QuantLinear does). At 16 to 64 rows MKL does the
-// matmuls, but the Python between them still cost ~10 ms of a 32-row float32 step (other:
-// 15-20 -> 4 ms in `python -m benchmarks step`). Attention, the KV write and rotary
-// the compiled ops (paged_attention.cpp); silu and the products ATen's own for float64 and
-// loops of their own for float32 (see residual_add). RMSNorm of a float64 model is
-// transformers' (normalized in float32 through the same ATen ops), so the float64 equivalence
-// tests hold token for token; for float32 it is the loop below (sums of squares in float32,
-// as torch.rms_norm does, in another order).
+// Per layer, for x (T, hidden), the residual stream, updated in place (model/families.py says which
+// family has which [part]):   h = [rms_norm](x) ; qkv = h Wqkv^T (+ bias) ; q, k, v = views of qkv
+// [q, k = rms_norm of all heads, or per head] ; [rotary(q, k) in place, by the layer's table]
+// write k, v into the cache ; a = paged_attention(q) [window, soft-cap]   x += [rms_norm](a Wo^T)
+// [* residual_scale]   h = [rms_norm](x) ; gate, up = halves of h Wgu^T   x +=
+// [rms_norm]((act(gate) * up) Wdown^T) [* residual_scale], act silu or tanh-gelu The arithmetic is
+// the model's (model/llama.py, model/layers.py): the matmuls take the form the modules would at the
+// step's rows (MatmulForm: the small-row kernel of gemm/small_gemm.cpp or MKL, as
+// layers.matmul_forms measured; for a quantized model's block weights the block kernel below 16
+// rows and float tiles from there, as QuantLinear does). At 16 to 64 rows MKL does the matmuls, but
+// the Python between them still cost ~10 ms of a 32-row float32 step (other: 15-20 -> 4 ms in
+// `python -m benchmarks step`). Attention, the KV write and rotary the compiled ops
+// (attention/paged_attention.cpp); silu and the products ATen's own for float64 and loops of their
+// own for float32 (see residual_add). RMSNorm of a float64 model is transformers' (normalized in
+// float32 through the same ATen ops), so the float64 equivalence tests hold token for token; for
+// float32 it is the loop below (sums of squares in float32, as torch.rms_norm does, in another
+// order).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -39,11 +37,13 @@
 #include <vector>
 
 #include "ops.h"
-#include "vec.h"
+#include "isa/vec.h"
+
+namespace conveyor::layer {
 
 namespace {
 
-using namespace conveyor_vec;
+using namespace conveyor::vec;
 
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n,
                    float eps) {
@@ -64,8 +64,8 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
   }
 }
 
-// Seconds per category (projections, attention, other: norms, rotary, activation, residual
-// adds) added to `totals` when it is given (python -m benchmarks step's breakdown); a no-op otherwise.
+// Seconds per category (projections, attention, other: norms, rotary, activation, residual adds)
+// added to `totals` when it is given (python -m benchmarks step's breakdown); a no-op otherwise.
 enum Category { kProjections = 0, kAttention = 1, kOther = 2 };
 
 class Stopwatch {
@@ -149,11 +149,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 enum MatmulForm : int64_t { kKernel = 0, kLinear = 1, kTransposed = 2 };
 
 // One projection's weight: a dense float matrix (O, K), or GGUF-style blocks (q4: qs, d, m;
-// q8: qs, d) run through the block kernels (quant_gemm.cpp, float32 models); a float bias or
+// q8: qs, d) run through the block kernels (gemm/quant_gemm.cpp, float32 models); a float bias or
 // none. y = x W^T (+ bias), as the model's Linear / QuantLinear compute it.
 // With panels (dense, from pack_dense) or block panels (wq, dw, mw from pack_blocks) the
-// projection runs the batch-invariant panel kernels (panel_gemm.cpp) at every row count, and
-// `weight` / `qs, d, m` only give the shapes. With prompt tiles too (amx_gemm.cpp's pack_bf16
+// projection runs the batch-invariant panel kernels (gemm/panel_gemm.cpp) at every row count, and
+// `weight` / `qs, d, m` only give the shapes. With prompt tiles too (gemm/amx_gemm.cpp's pack_bf16
 // of the same weight), the step's prompt rows (Step::prompt_rows) run bf16_linear instead: a
 // row's route is fixed by its token (model/prompt_route.py), never by the step around it.
 class Projection {
@@ -198,7 +198,7 @@ class Projection {
     if (!prompt_tiles_.defined() || prompt_rows.empty()) return (*this)(x, form);
     const int64_t rows = x.size(0), n = out_features();
     if (prompt_rows.size() == 2 && prompt_rows[0] == 0 && prompt_rows[1] == rows)
-      return with_bias(conveyor_amx::bf16_linear(x, prompt_tiles_, n));
+      return with_bias(gemm::amx::bf16_linear(x, prompt_tiles_, n));
     at::Tensor y = at::empty({rows, n}, x.options());
     int64_t row = 0;
     for (size_t i = 0; i <= prompt_rows.size(); i += 2) {
@@ -207,7 +207,7 @@ class Projection {
       if (i == prompt_rows.size()) break;
       const int64_t end = prompt_rows[i + 1];
       y.narrow(0, begin, end - begin)
-          .copy_(with_bias(conveyor_amx::bf16_linear(x.narrow(0, begin, end - begin),
+          .copy_(with_bias(gemm::amx::bf16_linear(x.narrow(0, begin, end - begin),
                                                      prompt_tiles_, n)));
       row = end;
     }
@@ -217,9 +217,9 @@ class Projection {
   at::Tensor operator()(const at::Tensor& x, MatmulForm form) const {
     at::Tensor y;
     if (panels_.defined()) {
-      y = conveyor_panel::dense_linear(x, panels_, out_features());
+      y = gemm::panel::dense_linear(x, panels_, out_features());
     } else if (wq_.defined()) {
-      y = conveyor_panel::block_linear(x, wq_, dw_, mw_, out_features(), false);
+      y = gemm::panel::block_linear(x, wq_, dw_, mw_, out_features(), false);
     } else if (weight_.defined() && form == kLinear) {
       return at::linear(x, weight_, bias_.defined() ? std::optional<at::Tensor>(bias_)
                                                     : std::nullopt);
@@ -231,13 +231,13 @@ class Projection {
       // residual add, the activation) ran ~10 ms slower per 32-row step on the strided rows.
       return x.scalar_type() == at::kFloat ? y.contiguous() : y;
     } else if (weight_.defined()) {
-      y = small_gemm(x, weight_);
+      y = gemm::small_gemm(x, weight_);
     } else if (form == kKernel) {
-      y = m_.defined() ? conveyor_quant::q4_linear(x, qs_, d_, m_)
-                       : conveyor_quant::q8_linear(x, qs_, d_);
+      y = m_.defined() ? gemm::quant::q4_linear(x, qs_, d_, m_)
+                       : gemm::quant::q8_linear(x, qs_, d_);
     } else {
-      y = m_.defined() ? conveyor_quant::q4_linear_dequant(x, qs_, d_, m_)
-                       : conveyor_quant::q8_linear_dequant(x, qs_, d_);
+      y = m_.defined() ? gemm::quant::q4_linear_dequant(x, qs_, d_, m_)
+                       : gemm::quant::q8_linear_dequant(x, qs_, d_);
     }
     if (bias_.defined()) y.add_(bias_);
     return y;
@@ -252,7 +252,7 @@ class Projection {
 // A step's LoRA deltas (lora/slots.py): per layer and projection, every resident slot's A^T
 // side by side (in, slots * S * R) and B dense (slots * S * R, out: slice s of slot k in rows
 // k * S * R + s * R .., its own columns, times its scaling); and the step's rows of each slot
-// in use. lora_gemm.cpp adds them after each projection.
+// in use. lora/lora_gemm.cpp adds them after each projection.
 struct LoRA {
   std::vector<int64_t> slots;                      // the slots in use
   std::vector<at::Tensor> rows;                    // their rows (int64 indices)
@@ -271,14 +271,15 @@ struct Step {
 };
 
 // y += each slot's rows' (h A_k^T) B_k: the LoRA delta of projection `which` (0 qkv, 1 o,
-// 2 gate_up, 3 down) of `layer`, when the step has adapter rows (lora_gemm.cpp); columns: the
+// 2 gate_up, 3 down) of `layer`, when the step has adapter rows (lora/lora_gemm.cpp); columns: the
 // projection's slices' boundaries. The compiled layers run float32 and float64 only, the
 // kernel's dtypes (model/llama.py: _compiled_form).
 inline void add_lora(at::Tensor& y, const at::Tensor& h, const Step& step, size_t layer,
                      int which, std::initializer_list<int64_t> columns) {
   if (step.lora.ab == nullptr) return;
-  lora_add(y, h, (*step.lora.ab)[layer * 8 + which * 2], (*step.lora.ab)[layer * 8 + which * 2 + 1],
-           step.lora.rows, step.lora.slots, std::vector<int64_t>(columns), step.lora.num_slots);
+  lora::lora_add(y, h, (*step.lora.ab)[layer * 8 + which * 2],
+                 (*step.lora.ab)[layer * 8 + which * 2 + 1], step.lora.rows, step.lora.slots,
+                 std::vector<int64_t>(columns), step.lora.num_slots);
 }
 
 // The model's layer description (model/families.py) as the compiled layer takes it.
@@ -361,13 +362,12 @@ class DecoderLayer {
       k = rms_norm(k, k_norm_, eps_);
     }
     if (attention_.rope >= 0)
-      rotary_embedding(q, k, step.cos[attention_.rope], step.sin[attention_.rope]);
+      attention::rotary_embedding(q, k, step.cos[attention_.rope], step.sin[attention_.rope]);
     clock.lap(kOther);
-    write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
-    at::Tensor attn = paged_attention(q, kv_cache, step.block_size, step.query_start,
-                                      step.seq_lens, step.block_tables, attention_.scale,
-                                      step.split_keys, step.prompt_rows, attention_.window,
-                                      attention_.softcap);
+    attention::write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
+    at::Tensor attn = attention::paged_attention(
+        q, kv_cache, step.block_size, step.query_start, step.seq_lens, step.block_tables,
+        attention_.scale, step.split_keys, step.prompt_rows, attention_.window, attention_.softcap);
     clock.lap(kAttention);
     const at::Tensor attn_rows = attn.view({num_tokens, q_size});
     at::Tensor o = o_(attn_rows, step.form, step.prompt_rows);
@@ -505,3 +505,5 @@ void bind_decoder_layer(pybind11::module& m) {
         py::arg("lora_slots") = std::vector<int64_t>{}, py::arg("lora_num_slots") = 0,
         py::arg("prompt_rows") = std::vector<int64_t>{});
 }
+
+}  // namespace conveyor::layer
