@@ -104,3 +104,13 @@ def test_a_malformed_call_stays_content(client):
     assert choice.message.content == broken
     streamed = gathered(ask(client, broken, stream=True, tools=TOOLS))
     assert streamed["content"] == broken and streamed["calls"] == []
+
+
+def test_a_calls_arguments_stream_in_pieces_after_a_chunk_with_its_id_and_name(client):
+    chunks = list(ask(client, THINK_THEN_CALL, stream=True, tools=TOOLS))
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    first, *pieces = calls
+    assert first.id and first.function.name == "get_weather" and first.index == 0
+    assert len(pieces) > 1 and all(p.index == 0 and not p.id for p in pieces)
+    arguments = (first.function.arguments or "") + "".join(p.function.arguments for p in pieces)
+    assert json.loads(arguments) == {"city": "Paris"}

@@ -12,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserNames
-from conveyor.entrypoints.parsers.events import Parsed, joined
+from conveyor.entrypoints.parsers.events import (
+    Parsed,
+    ToolArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    joined,
+)
 from conveyor.entrypoints.pipeline import Hidden, Parsers, ReplyParser
 
 TOOLS = {
@@ -204,6 +210,11 @@ FRAGMENTS = [
     "(",
     ")",
     "add(a=1)",
+    '<tool_call>{"name": "add", "arguments": ',
+    '{"name": "get_weather", "arguments": ',
+    '{"a": 1}',
+    "add[ARGS]",
+    "get_weather[ARGS]",
     "<function=add>",
     "<parameter=a>",
     "</parameter>",
@@ -235,6 +246,36 @@ def test_any_text_streams_as_it_parses_whole_and_never_raises(tool, reasoning, p
     assert streamed(parser(reasoning, tool), text, cuts) == parser(reasoning, tool).parse(text)
 
 
+STREAMED_CALLS = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]%s"),
+]
+
+
+def argument_deltas(reply: ReplyParser, text: str) -> list[tuple[type, str]]:
+    """The events of text fed one character at a time, as (kind, text) pairs."""
+    events = [event for char in text for event in reply.feed(char)] + reply.finish()
+    return [(type(event), getattr(event, "text", "")) for event in events]
+
+
+@pytest.mark.parametrize(("tool", "template"), STREAMED_CALLS)
+def test_a_calls_arguments_stream_as_they_come_once_its_name_is_read(tool, template):
+    events = argument_deltas(parser(None, tool), template % NESTED)
+    kinds = [kind for kind, _ in events]
+    assert kinds[0] is ToolCallStart and kinds[-1] is ToolCallEnd
+    pieces = [text for kind, text in events if kind is ToolArgsDelta]
+    assert len(pieces) > len(NESTED) // 2  # sent while written, not once at the end
+    assert "".join(pieces) == NESTED
+
+
+@pytest.mark.parametrize(("tool", "template"), STREAMED_CALLS)
+def test_a_committed_call_whose_arguments_break_ends_as_that_call_with_their_text(tool, template):
+    cut = template.split("%s")[0] + NESTED[:20]  # the reply ends inside the arguments
+    assert parser(None, tool).parse(cut).calls == [("get_weather", NESTED[:20])]
+    malformed = template % '{"city": Paris}'  # not JSON: the call was sent, it stays one
+    assert parser(None, tool).parse(malformed).calls == [("get_weather", '{"city": Paris}')]
+
+
 def test_a_prompt_that_opens_the_reasoning_makes_the_reply_start_in_it():
     reply = Parsers(ParserNames("qwen3")).for_request(None, 16, "<|im_start|>assistant\n<think>\n")
     assert reply.parse("hm</think>Paris.")[:2] == ("hm", "Paris.")
@@ -250,6 +291,11 @@ def test_deep_or_huge_replies_are_content_in_linear_time():
     for _ in range(20_000):
         events += reply.feed("<thi")
     assert joined(events + reply.finish()).content.startswith("<thi")
+    reply = parser(None, "hermes")
+    events = reply.feed('<tool_call>{"name": "add", "arguments": {"a": "')
+    for _ in range(100_000):
+        events += reply.feed("} ")
+    assert len(joined(events + reply.finish()).calls[0][1]) == 7 + 200_000 - len(" } ")
 
 
 def test_the_template_names_the_parsers_only_when_unambiguous():

@@ -16,9 +16,14 @@ from conveyor.entrypoints.pipeline import Parsers
 RAW = "<think>Let me see.</think>\n\nParis."
 
 
-def deltas(raw: str = RAW) -> list:
+ARGS = '{"city": "Paris", "days": [1, 2]}'
+CALL = f'<think>Hm.</think><tool_call>{{"name": "get_weather", "arguments": {ARGS}}}</tool_call>'
+
+
+def deltas(raw: str = RAW, tools: dict | None = None) -> list:
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
-    reply = _ToolReply(request, 16, Parsers(ParserNames("qwen3")).for_request(None, 16))
+    parsers = Parsers(ParserNames("qwen3", "hermes" if tools else None))
+    reply = _ToolReply(request, 16, parsers.for_request(tools, 16))
     out = []
     for i, piece in enumerate(raw[j : j + 3] for j in range(0, len(raw), 3)):
         out += reply.reader.feed(piece, finished=i == (len(raw) - 1) // 3)
@@ -49,3 +54,21 @@ def test_anthropic_stream_opens_a_thinking_block_then_a_text_block():
         d["delta"]["thinking"] for d in data if d.get("delta", {}).get("type") == "thinking_delta"
     ]
     assert "".join(thinking) == "Let me see."
+
+
+def test_responses_and_anthropic_streams_send_a_calls_arguments_in_pieces():
+    tools = {"get_weather": {"type": "object"}}
+    builder = OutputBuilder(plain=True)
+    events = [event for delta in deltas(CALL, tools) for event in builder.feed(delta)]
+    events += builder.finish("completed")
+    pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == ARGS
+    blocks = _Blocks()
+    frames = [frame for delta in deltas(CALL, tools) for frame in blocks.feed(delta)]
+    data = [json.loads(frame.split("data: ", 1)[1]) for frame in frames + blocks.close()]
+    pieces = [
+        d["delta"]["partial_json"]
+        for d in data
+        if d.get("delta", {}).get("type") == "input_json_delta"
+    ]
+    assert len(pieces) > 1 and "".join(pieces) == ARGS

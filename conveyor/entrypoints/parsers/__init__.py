@@ -5,6 +5,11 @@ A model family writes its reasoning and its tool calls in its own syntax (`<thin
 names are vLLM's, so that a model card's `vllm serve ... --reasoning-parser qwen3
 --tool-call-parser hermes` line works as written. This module imports nothing heavy (no torch,
 no parser modules): the command line reads the names before anything loads.
+
+Streamed calls follow vLLM's policy (tools/stream.py): a call is committed once its name is
+read, then its arguments stream as deltas that join to exactly its final `arguments`; a
+committed call whose arguments then fail to parse still ends as that call, with the raw text
+written, because a streamed call cannot be taken back (and a whole answer reads the same).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import json
 import re
 
 from conveyor import nesting
-from conveyor.entrypoints.parsers.tools.stream import Region, ToolContext, ToolFormat
+from conveyor.entrypoints.parsers.tools.stream import CallSyntax, Region, ToolContext, ToolFormat
 from conveyor.structured.tools import (
     ToolCall,
     call_of,
@@ -135,10 +135,23 @@ def read_deepseek_v3(region: str, context: ToolContext) -> Region | None:
     return Region(calls, "") if calls else None
 
 
+# Streamed calls' headers: each ends in a lookahead at the arguments' `{` (stream.py).
+_HERMES_CALL = CallSyntax(
+    re.compile(r'[ \t\r\n]*\{[ \t\r\n]*"name"[ \t\r\n]*:[ \t\r\n]*"([^"\\]{1,128})"'
+               r'[ \t\r\n]*,[ \t\r\n]*"arguments"[ \t\r\n]*:[ \t\r\n]*(?=\{)'),
+    ("</tool_call>",),
+    brace=True,
+)  # fmt: skip
+_MISTRAL_CALL = CallSyntax(
+    re.compile(r"[ \t\r\n]*([A-Za-z0-9_.\-]{1,128})\[ARGS\][ \t\r\n]*(?=\{)"),
+    ("[TOOL_CALLS]",),
+    brace=False,
+)
+
 FORMATS = {
-    "hermes": ToolFormat(("<tool_call>",), "{[", read_hermes),
+    "hermes": ToolFormat(("<tool_call>",), "{[", read_hermes, _HERMES_CALL),
     "llama3_json": ToolFormat(("<|python_tag|>",), "{", read_llama3_json),
-    "mistral": ToolFormat(("[TOOL_CALLS]",), "", read_mistral),
+    "mistral": ToolFormat(("[TOOL_CALLS]",), "", read_mistral, _MISTRAL_CALL),
     "granite": ToolFormat(("<|tool_call|>", "<tool_call>"), "", read_granite),
     "deepseek_v3": ToolFormat((_DS_BEGIN, _DS_CALL), "", read_deepseek_v3),
 }

@@ -2,18 +2,34 @@
 
 A reply is content up to the first place where the format's calls may begin (one of its
 opening markers, or, for formats whose reply is the call itself, a first non-blank character
-that opens one: `{` or `[`); from there on it is the calls' region, read once it is complete
-(at the reply's end) by the format's own `read`. A region that does not read as calls of
-declared tools is content, as written: a malformed call never becomes an error.
+that opens one: `{` or `[`). What follows is read in one of two ways:
 
-Content before the region streams as it comes (MarkerScan holds back only what may begin a
-marker); the region is held, so each call is sent whole: its start, its arguments in one
-delta, its end. The whole reply is parsed by feeding it in one piece, so the stream's pieces
-re-joined are the whole reply's, whatever the cuts.
+- **streamed calls** (formats with a CallSyntax: hermes' `<tool_call>` blocks, Mistral's
+  `[TOOL_CALLS]F[ARGS]{...}`). vLLM's policy: a call is committed once its header (the
+  opening marker up to its name and the start of its arguments) has been read and names a
+  declared tool: its ToolCallStart goes out, then its arguments' text as it comes, as
+  ToolArgsDelta pieces whose concatenation is exactly the call's final `arguments` (the raw
+  text up to its closing marker, less the syntax that closes it: blanks and the enclosing
+  object's `}`). A committed call whose arguments then fail to parse (the reply is cut, or
+  the model botches the JSON) still ends as that call with the raw text written: a streamed
+  call cannot be taken back, since the client has already shown it, and a whole answer reads
+  the same way so that the two never differ. A block whose header does not read as a call
+  is held to its closing marker and read whole by the format's `read` (a call, or content).
+- **whole regions** (everything else: a reply that is a JSON object or list, pythonic lists,
+  XML parameters, harmony, DeepSeek's markers): the region is held and read once complete
+  (at the reply's end) by the format's own `read`; each call is sent whole then. A region
+  that does not read as calls of declared tools is content, as written.
+
+Content before a call streams as it comes (MarkerScan holds back only what may begin a
+marker). Every decision depends on the text alone, never on where it was cut: the whole reply
+is parsed by feeding it in one piece, so the stream's pieces re-joined are the whole reply's.
+A header is looked for in its first HEADER_LIMIT characters only and the closing syntax held
+back is bounded, so each character is looked at a bounded number of times: linear time.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -27,20 +43,37 @@ from conveyor.entrypoints.parsers.events import (
 from conveyor.entrypoints.parsers.scan import MarkerScan
 from conveyor.structured.tools import ToolCall
 
+HEADER_LIMIT = 256  # a call's header (marker to arguments) longer than this is read whole
+_BLANKS = " \t\r\n"
+_MAX_TRAILING_BLANKS = 16  # closing syntax held back: at most this many blanks each side
+
 
 class Region(NamedTuple):
     calls: list[ToolCall]
     content: str  # text of the region that is no call (between or after calls)
 
 
+class CallSyntax(NamedTuple):
+    """How one call streams. header: matched right after an opening marker, through the
+    arguments' start (its group 1 the name; it must end in a lookahead, so that a match
+    found in part of the text is the match in all of it); closes: markers that end a call
+    (one that is also an opening marker opens the next call); brace: the arguments are
+    followed by the enclosing object's `}` before the closing marker."""
+
+    header: re.Pattern[str]
+    closes: tuple[str, ...]
+    brace: bool
+
+
 class ToolFormat(NamedTuple):
     """markers: where a region opens anywhere in the reply; heads: first non-blank characters
     that open one at the reply's start; read: the region's calls, or None when it holds none
-    (it is content then)."""
+    (it is content then); calls: how a call after a marker streams (None: read whole)."""
 
     markers: tuple[str, ...]
     heads: str
     read: Callable[[str, ToolContext], Region | None]
+    calls: CallSyntax | None = None
 
 
 class ToolContext(NamedTuple):
@@ -48,13 +81,14 @@ class ToolContext(NamedTuple):
     max_depth: int
 
 
-_HEAD, _SCAN, _REGION = "head", "scan", "region"
+_HEAD, _SCAN, _REGION, _HEADER, _ARGS = "head", "scan", "region", "header", "args"
 
 
 class ToolStream:
     """Events of one reply's tool calls, fed its content piece by piece."""
 
-    __slots__ = ("format", "context", "state", "_scan", "_region", "_blanks")
+    __slots__ = ("format", "context", "state", "_scan", "_region", "_blanks", "_closes")
+    __slots__ += ("_opener", "_header", "_start", "_held", "_num_calls")
 
     def __init__(self, format: ToolFormat, context: ToolContext) -> None:
         self.format = format
@@ -63,30 +97,122 @@ class ToolStream:
         self._scan = MarkerScan(format.markers) if format.markers else None
         self._region: list[str] = []
         self._blanks: list[str] = []  # head: the reply's leading blanks
+        self._closes: MarkerScan | None = None  # header, args: the call's closing markers
+        self._opener = ""  # header: the marker that opened the call
+        self._header: list[str] = []  # header: the text read after it
+        self._start = ""  # header: its first HEADER_LIMIT characters, where a header is read
+        self._held = ""  # args: a tail that may be closing syntax, not arguments
+        self._num_calls = 0
 
     def feed(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        rest: str | None = text
+        while rest:
+            rest = self._step(rest, out)
+        return out
+
+    def _step(self, text: str, out: list[Event]) -> str | None:
+        """Reads text in the current state; the text left for the next state, if any."""
         if self.state == _HEAD:
-            stripped = text.lstrip()
-            if not stripped:
-                self._blanks.append(text)
-                return []
-            if stripped[0] in self.format.heads:
-                self.state = _REGION
-                self._region = [*self._blanks, text]
-                return []
-            self.state = _SCAN
-            text = "".join(self._blanks) + text
+            return self._head(text)
         if self.state == _REGION:
             self._region.append(text)
-            return []
+            return None
+        if self.state == _HEADER:
+            return self._header_step(text, out)
+        if self.state == _ARGS:
+            return self._args_step(text, out)
         if self._scan is None:
-            return [ContentDelta(text)] if text else []
+            out.append(ContentDelta(text))
+            return None
         found = self._scan.feed(text)
-        out: list[Event] = [ContentDelta(found.before)] if found.before else []
-        if found.marker is not None:
+        if found.before:
+            out.append(ContentDelta(found.before))
+        if found.marker is None:
+            return None
+        if self.format.calls is None:
+            self.state, self._region = _REGION, [found.marker]
+        else:
+            self._open(found.marker)
+        return found.after
+
+    def _head(self, text: str) -> str | None:
+        stripped = text.lstrip()
+        if not stripped:
+            self._blanks.append(text)
+            return None
+        if stripped[0] in self.format.heads:
             self.state = _REGION
-            self._region = [found.marker, found.after]
-        return out
+            self._region = [*self._blanks, text]
+            return None
+        self.state = _SCAN
+        return "".join(self._blanks) + text
+
+    def _open(self, opener: str) -> None:
+        self.state, self._opener, self._header, self._start = _HEADER, opener, [], ""
+        self._closes = MarkerScan(self.format.calls.closes)
+
+    def _header_step(self, text: str, out: list[Event]) -> str | None:
+        """Until the header reads as a call of a declared tool (commit: its start goes out,
+        and what follows is its arguments), or the block closes unread (it is read whole)."""
+        found = self._closes.feed(text)
+        self._header.append(found.before)
+        if len(self._start) < HEADER_LIMIT:
+            self._start = (self._start + found.before)[:HEADER_LIMIT]
+        name, end = self._call_head()
+        if name is not None:
+            held = "" if found.marker is not None else self._closes.flush()
+            marker = found.marker or ""
+            rest = "".join(self._header)[end:] + held + marker + found.after
+            out.append(ToolCallStart(self._num_calls, name))
+            self._num_calls += 1
+            self.state, self._held = _ARGS, ""
+            self._closes = MarkerScan(self.format.calls.closes)
+            return rest
+        if found.marker is None:
+            return None
+        closing = "" if found.marker in self.format.markers else found.marker
+        out.extend(self._read_block(self._opener + "".join(self._header) + closing))
+        return self._after_close(found.marker, found.after)
+
+    def _call_head(self) -> tuple[str | None, int]:
+        """(name, where the arguments start) once the header reads as a declared call."""
+        match = self.format.calls.header.match(self._start)
+        if match is None or match.group(1) not in self.context.tools:
+            return None, 0
+        return match.group(1), match.end()
+
+    def _args_step(self, text: str, out: list[Event]) -> str | None:
+        found = self._closes.feed(text)
+        self._stream_args(found.before, out)
+        if found.marker is None:
+            return None
+        out.append(ToolCallEnd(self._num_calls - 1))
+        return self._after_close(found.marker, found.after)
+
+    def _stream_args(self, text: str, out: list[Event]) -> None:
+        """Sends the arguments' text but the tail that may yet be closing syntax."""
+        text = self._held + text
+        keep = closing_tail(text, self.format.calls.brace)
+        self._held = text[len(text) - keep :] if keep else ""
+        if len(text) > keep:
+            out.append(ToolArgsDelta(self._num_calls - 1, text[: len(text) - keep]))
+
+    def _after_close(self, marker: str, after: str) -> str:
+        """A call's closing marker read: it opens the next call, or content follows."""
+        if marker in self.format.markers:
+            self._open(marker)
+        else:
+            self.state = _SCAN
+        return after
+
+    def _read_block(self, block: str) -> list[Event]:
+        read = _read(self.format, block, self.context)
+        if read is None:
+            return [ContentDelta(block)] if block else []
+        events = call_events(read.calls, read.content, self._num_calls)
+        self._num_calls += len(read.calls)
+        return events
 
     def finish(self) -> list[Event]:
         if self.state == _HEAD:
@@ -95,11 +221,34 @@ class ToolStream:
         if self.state == _SCAN:
             held = self._scan.flush() if self._scan is not None else ""
             return [ContentDelta(held)] if held else []
-        region = "".join(self._region)
-        read = _read(self.format, region, self.context)
-        if read is None:
-            return [ContentDelta(region)] if region else []
-        return call_events(read.calls, read.content)
+        if self.state == _HEADER:
+            return self._read_block(self._opener + "".join(self._header) + self._closes.flush())
+        if self.state == _ARGS:
+            out: list[Event] = []
+            self._stream_args(self._closes.flush(), out)
+            return [*out, ToolCallEnd(self._num_calls - 1)]
+        return self._read_block("".join(self._region))
+
+
+def closing_tail(text: str, brace: bool) -> int:
+    """Length of text's longest tail that is closing syntax: blanks, or (brace) blanks, `}`
+    and blanks; each run bounded, so the tail held back is too. Every part of such a tail is
+    one as well, so what is sent is never part of the final tail, whatever the cuts."""
+    after = _blank_run(text, len(text))
+    if not brace or after > _MAX_TRAILING_BLANKS or len(text) == after:
+        return min(after, _MAX_TRAILING_BLANKS)
+    if text[len(text) - after - 1] != "}":
+        return after
+    before = _blank_run(text, len(text) - after - 1)
+    return after + 1 + min(before, _MAX_TRAILING_BLANKS)
+
+
+def _blank_run(text: str, end: int) -> int:
+    """Blanks just before end, counted to one past the bound at most."""
+    count = 0
+    while count <= _MAX_TRAILING_BLANKS and end - count > 0 and text[end - count - 1] in _BLANKS:
+        count += 1
+    return count
 
 
 def _read(format: ToolFormat, region: str, context: ToolContext) -> Region | None:
@@ -114,9 +263,10 @@ def _read(format: ToolFormat, region: str, context: ToolContext) -> Region | Non
     return read
 
 
-def call_events(calls: list[ToolCall], content: str) -> list[Event]:
+def call_events(calls: list[ToolCall], content: str, first: int = 0) -> list[Event]:
+    """Whole calls' events, numbered from first; content first when it is not blank."""
     out: list[Event] = [ContentDelta(content)] if content.strip() else []
-    for index, call in enumerate(calls):
+    for index, call in enumerate(calls, start=first):
         out += [
             ToolCallStart(index, call.name),
             ToolArgsDelta(index, call.arguments),
