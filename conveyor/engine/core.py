@@ -601,7 +601,11 @@ class EngineCore:
         self.kv_cache.check_integrity()
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers, if any (idempotent)."""
+        """Stops the tensor-parallel workers, if any, and gives back the thread count the
+        governor took (idempotent)."""
+        threads = getattr(self, "threads", None)  # close() also runs when __init__ fails
+        if threads is not None:
+            threads.restore()
         if self.tp_workers is not None:
             self.tp_workers.close()
             self.tp_workers = None

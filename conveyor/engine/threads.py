@@ -127,6 +127,12 @@ class ThreadGovernor:
             self._probing, self._next_probe = False, None
             self._probe_interval = PROBE_FIRST
 
+    def restore(self) -> None:
+        """Back to the full count: an engine that ends in a process that goes on (the offline
+        LLM, a test) leaves torch's thread count as it found it."""
+        self._switch(self.full)
+        self._probing, self._next_probe = False, None
+
     def _to_one_thread(self) -> None:
         if self._probing:
             self._probe_interval = min(self._probe_interval * 2, PROBE_MAX)

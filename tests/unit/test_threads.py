@@ -100,3 +100,16 @@ def test_an_engine_on_cpu_with_two_threads_has_a_governor():
         pytest.skip("one thread, or no per-thread scheduling statistics")
     assert ThreadGovernor.for_engine(torch.device("cpu"), tensor_parallel=False) is not None
     assert ThreadGovernor.for_engine(torch.device("cpu"), tensor_parallel=True) is None
+
+
+def test_an_engine_that_ends_gives_back_the_threads_it_took():
+    """A contended engine runs on one thread; when it closes (an offline LLM, a test), the
+    process gets its full count back."""
+    machine = Machine()
+    governor = machine.governor()
+    run(machine, governor, 1.5, share=0.5)
+    assert governor.current == 1 and machine.calls == [1]
+    governor.restore()
+    assert governor.current == 2 and machine.calls == [1, 2]
+    governor.restore()  # idempotent
+    assert machine.calls == [1, 2]
