@@ -80,6 +80,15 @@ def _serve(args: argparse.Namespace, settings: EngineArgs, started=None) -> int:
     return run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
 
 
+def _kernel_plan(engine) -> dict[str, str]:
+    """The engine's kernel plan, where it is known before the first request (an engine built
+    on its own thread may not be built yet)."""
+    try:
+        return dict(engine.kernel_plan or {})
+    except Exception:  # noqa: BLE001 - a line of start-up output, never a reason to fail
+        return {}
+
+
 def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     """The app over a ready engine, or an exit status for flags that do not go together."""
 
@@ -144,6 +153,9 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     name = app.state.metrics.model_name
     base = f"http://{args.host}:{args.port}"
     print(f"conveyor: serving {name!r} on {base}/v1", flush=True)
+    plan = _kernel_plan(engine)
+    if plan:  # model/plan.py: which kernel and instruction set each op takes, chosen at load
+        print("conveyor: kernel plan: " + ", ".join(f"{k}={v}" for k, v in plan.items()))
     if args.dashboard:
         print(f"conveyor: dashboard on {base}/dashboard", flush=True)
     return app

@@ -105,6 +105,9 @@ def test_version_shows_the_kernel_plan_the_core_process_chose(server):
         assert isinstance(plan[op], str) and plan[op], op
     # the tiny llama is float32, batch-invariant on the CPU: the panels, at the plan's width
     assert plan["decode_projections"].startswith("panel_dense[")
+    # and the start prints it in one line, whatever the log level
+    line = "conveyor: kernel plan: " + ", ".join(f"{k}={v}" for k, v in plan.items())
+    assert line in server.log_path.read_text().splitlines()
 
 
 def test_routes_other_than_the_probes_need_the_key(server):
