@@ -132,14 +132,6 @@ class OutputProcessor:
         """Forgets every request; returns (request id, its sequence ids) for each."""
         return [(request_id, self.abort(request_id)) for request_id in list(self._parents)]
 
-    def fail(self, request_id: str, message: str) -> tuple[RequestOutput | None, list[str]]:
-        """Ends a request with finish_reason "error": its last output and its sequence ids."""
-        parent = self._parents.pop(request_id, None)
-        if parent is None:
-            return None, []
-        self._forget(parent)
-        return _error_output(parent, message), [s.request_id for s in parent.sequences]
-
     # ---- one step ------------------------------------------------------------------------
 
     def process(self, core_outputs: list[CoreOutput]) -> Processed:

@@ -193,14 +193,6 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     return prompts
 
 
-def _is_token_ids(prompts) -> bool:
-    return (
-        isinstance(prompts, (list, tuple))
-        and bool(prompts)
-        and all(isinstance(t, int) for t in prompts)
-    )
-
-
 def _prompt_of(prompt) -> Prompt:
     """A prompt as the engine takes it: vLLM's prompt dicts ({"prompt": text} or
     {"prompt_token_ids": ids}) are read as their text or ids; a string or ids as they are."""

@@ -36,21 +36,6 @@ OUTPUT_NORMS = (  # OLMo 2: on the sublayers' outputs only
     ("mlp_out", "post_feedforward_layernorm"),
 )
 
-# What each family needs beyond Llama's layer (the README's table says the same).
-MECHANISMS = {
-    "llama": "RoPE (default, linear, llama3, yarn scaling)",
-    "mistral": "sliding window on every layer where the config sets one",
-    "qwen2": "q/k/v bias; sliding window on the layers the config names",
-    "qwen3": "per-head q/k RMSNorm",
-    "gemma2": "(1 + w) norms around both sublayers, GeGLU, embedding scale, alternating "
-    "sliding/global layers, soft-capped attention and final logits, query_pre_attn_scalar",
-    "gemma3": "as Gemma 2 without soft-caps, per-head (1 + w) q/k norms, a second RoPE base "
-    "for the local (sliding) layers",
-    "phi3": "fused qkv_proj and gate_up_proj in the checkpoint; sliding window",
-    "olmo2": "norms on the sublayers' outputs only, full-width q/k RMSNorm",
-    "granite": "embedding, attention, residual and logit multipliers",
-    "smollm3": "layers without RoPE (no_rope_layers)",
-}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -72,9 +57,6 @@ class Parts:
     embed_scale: float = 1.0  # the embedding rows' multiplier
     residual_scale: float = 1.0  # each sublayer's output is multiplied by it before the add
     logits_divisor: float = 1.0  # logits are divided by it (Granite's logits_scaling)
-
-    def norm_name(self, role: str) -> str | None:
-        return dict(self.norms).get(role)
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0

@@ -36,7 +36,6 @@ from conveyor.structured.backend import strict_schema
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 MAX_DEPTH = RequestLimits().max_json_depth  # the server passes its own --max-json-depth
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-HEAD_LENGTH = len(_OPEN)  # may_be_tool_call reads no more of a reply, after its blanks
 _BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace; one class, so it cannot backtrack
 _DECODER = json.JSONDecoder()
 
@@ -118,16 +117,6 @@ def parse_auto(
     if value is not None and all(call is not None for call in calls):
         return None, calls
     return text, []
-
-
-def may_be_tool_call(text: str) -> bool:
-    """Whether a reply that starts with `text` could still turn out to be a tool call (a
-    stream holds such text back until it knows). Only the first HEAD_LENGTH characters after
-    leading blanks decide it."""
-    head = text.lstrip()
-    if not head or head[0] in "{[":
-        return True
-    return head.startswith("<tool_call>") or "<tool_call>".startswith(head)
 
 
 def tools_prompt(tools: list[dict], tool_choice: Any) -> str:

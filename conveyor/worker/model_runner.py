@@ -240,10 +240,6 @@ class ModelRunner:
         if len(step.logits_rows):
             self.model.compute_logits(hidden[logits_rows])
 
-    def _prepare(self, scheduled: list[ScheduledRequest], drafts: list[list[int]] | None = None):
-        """The step's input tensors and attention metadata (see step_inputs and tensors)."""
-        return self.tensors(self.step_inputs(scheduled, drafts))
-
     def tensors(self, step: StepInputs):
         """input ids, positions, attention metadata, logits rows: everything the layers share
         is built here once (slots, lengths, block tables, causal positions), not per layer."""
