@@ -106,8 +106,6 @@ def check_tensor_parallel(cfg, size: int) -> None:
     parts = getattr(cfg, "parts", None)
     if parts is not None and parts.qk_norm == "full":  # OLMo 2: one norm over every head
         problems.append("its q/k norms over all heads at once")
-    if parts is not None and parts.family == "phi3":
-        problems.append("its fused qkv_proj / gate_up_proj checkpoint tensors (not sliced yet)")
     if problems:
         raise ValueError(
             f"tensor_parallel_size={size} does not divide {' or '.join(problems)}; "

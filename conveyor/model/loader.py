@@ -77,7 +77,35 @@ def iter_weights(
             cut = shard.slice_of(name, cfg)
             yield name, tensor if cut is None else _cut(tensor, cut).clone()
     else:
-        yield from iter_safetensors(cfg.path, cfg.dtype, lambda name: shard.slice_of(name, cfg))
+        cut_of = lambda name: shard.slice_of(name, cfg)  # noqa: E731
+        weights = iter_safetensors(cfg.path, cfg.dtype, cut_of)
+        if shard.size > 1 and cfg.parts.family == "phi3":
+            weights = _unfused(weights, cfg, cut_of)
+        yield from weights
+
+
+# Phi-3's checkpoint tensors that hold several projections, and the names of their parts.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _unfused(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, torch.Tensor]]:
+    """Phi-3 stores q/k/v and gate/up as one tensor each (read whole: no name of theirs is
+    cut): under their parts' names, each cut to this rank's share as a Llama's would be."""
+    q, kv, inner = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [inner, inner]}
+    for name, tensor in weights:
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if module not in _FUSED:
+            yield name, tensor
+            continue
+        for part, piece in zip(_FUSED[module], tensor.split(sizes[module]), strict=True):
+            part_name = name.replace(f".{module}.", f".{part}.")
+            cut = cut_of(part_name)
+            yield part_name, piece.contiguous() if cut is None else _cut(piece, cut).clone()
 
 
 def iter_safetensors(
