@@ -25,6 +25,19 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 _SEED_MODULUS = 2**64
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningBounds:
+    """Where a reply's reasoning is, as its reasoning parser reads it: the reply is reasoning
+    when it starts (after blanks) with an opening marker, or from its first character when the
+    prompt opened the block (opened); the reasoning ends after the first closing marker. The
+    server sets it for a request whose reasoning is parsed, so that stop strings are matched in
+    the answer only (vLLM matches them inside the reasoning too: vllm-project/vllm#59515)."""
+
+    opening: tuple[str, ...]
+    closing: tuple[str, ...]
+    opened: bool = False
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -60,6 +73,8 @@ class SamplingParams:
     # Embeddings: "last" or "mean" pooling of the prompt's final hidden states (normalized);
     # such a request generates nothing (max_tokens=0) and skips the prefix cache.
     pooling: str | None = None
+    # Set by the server, not by a client: stop strings are matched after the reasoning only.
+    reasoning: ReasoningBounds | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -8,6 +8,11 @@ a UTF-8 sequence unfinished appends nothing until a later token completes it. On
 
 The held-back tail is the longest suffix (at most len(longest stop) - 1 chars) that is still a
 proper prefix of some stop string, so a streamed delta never shows text a stop string removes.
+
+A request whose reasoning the server parses (params.reasoning) has its stop strings matched in
+the answer only, the text after the reasoning's closing marker (_ReasoningGate): a stop string
+the model writes while it thinks does not end the reply. Stop tokens and EOS are the core's, and
+end it wherever they come.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import ReasoningBounds, SamplingParams
 
 # Prompt tokens decoded as context before the first generated token (vLLM primes with 4 to 24),
 # so e.g. a SentencePiece leading space is kept, as decode(prompt + output) would.
@@ -60,6 +65,8 @@ class IncrementalDetokenizer:
         self._recent = ""
         self._num_chars = 0
         self._num_sent = 0
+        self._num_checked = 0  # stop matches ending at or before this char were looked for
+        self._gate = _ReasoningGate(params.reasoning) if params.reasoning else None
         self._stopped = False
 
     @property
@@ -81,14 +88,9 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             self._num_tokens += 1
             piece = self._decoder.step(token_id)
-            if not piece:
-                continue
-            self._append(piece)
-            # Like vLLM, stop strings count only once min_tokens tokens exist.
-            if self._stops and self._num_tokens >= self._min_tokens:
-                stop = self._match_stop(len(piece))
-                if stop is not None:
-                    return stop
+            stop = self._take(piece) if piece else None
+            if stop is not None:
+                return stop
         return None
 
     def finish(self) -> str | None:
@@ -99,12 +101,7 @@ class IncrementalDetokenizer:
         if self._stopped:
             return None
         piece = self._decoder.flush()
-        if not piece:
-            return None
-        self._append(piece)
-        if self._stops and self._num_tokens >= self._min_tokens:
-            return self._match_stop(len(piece))
-        return None
+        return self._take(piece) if piece else None
 
     def get_delta(self, finished: bool) -> str:
         """Text not returned before; while unfinished, minus a tail a stop string could claim."""
@@ -126,10 +123,31 @@ class IncrementalDetokenizer:
             return self._backend.decode([token_id], skip_special_tokens=False)
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _match_stop(self, num_new_chars: int) -> str | None:
-        # Only matches that end in the new piece are new; older ones were checked before (or
-        # ignored under min_tokens), so each search starts where such a match could begin.
-        num_old = min(self._max_hold, self._num_chars - num_new_chars)
+    def _take(self, piece: str) -> str | None:
+        """Appends a piece of text; returns the stop string that now ends the reply, if any."""
+        self._append(piece)
+        if self._gate is not None:
+            self._gate.feed(piece)
+        answer = self._answer_start()
+        if answer is None:
+            return None  # the answer has not begun: what comes so far is never matched
+        # Like vLLM, stop strings count only once min_tokens tokens exist.
+        stop = None
+        if self._stops and self._num_tokens >= self._min_tokens:
+            stop = self._match_stop(max(self._num_checked, answer), answer)
+        self._num_checked = self._num_chars
+        return stop
+
+    def _answer_start(self) -> int | None:
+        """Where stop strings may match from; None while that is not known yet."""
+        return 0 if self._gate is None else self._gate.answer_start
+
+    def _match_stop(self, start: int, answer: int) -> str | None:
+        # Only matches that end after start are new; older ones were checked before (or
+        # ignored under min_tokens), so each search starts where such a match could begin,
+        # and never before the answer's start.
+        num_new_chars = self._num_chars - start
+        num_old = min(self._max_hold, start - answer)
         window = self._tail(num_old + num_new_chars)
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
@@ -152,9 +170,10 @@ class IncrementalDetokenizer:
 
     def _num_held_back(self) -> int:
         """Length of the longest output suffix that is a proper prefix of some stop string."""
-        if not self._max_hold:
-            return 0
-        tail = self._tail(self._max_hold)
+        floor = 0 if self._gate is None else self._gate.hold_floor(self._num_chars)
+        if floor is None:
+            return self._num_chars if self._stops else 0
+        tail = self._tail(min(self._max_hold, self._num_chars - floor))
         for start, char in enumerate(tail):
             if char in self._stop_first_chars:
                 suffix = tail[start:]
@@ -176,6 +195,70 @@ class IncrementalDetokenizer:
             return self._recent[len(self._recent) - num_chars :]
         text = self.output_text
         return text[max(0, len(text) - num_chars) :]
+
+
+class _ReasoningGate:
+    """Finds where a reply's answer starts, reading its text as the server's reasoning parser
+    does (ReasoningBounds): fed each piece once, it keeps a marker's length of text at most.
+
+    States: head (the reply's start, until it is known whether it opens reasoning), reasoning
+    (until a closing marker), answer (answer_start is then set)."""
+
+    __slots__ = ("_bounds", "_state", "_head", "_carry", "_num_seen", "answer_start")
+
+    def __init__(self, bounds: ReasoningBounds) -> None:
+        self._bounds = bounds
+        self._state = _REASONING if bounds.opened else _HEAD
+        self._head = ""  # the head from its first non-blank, shorter than an opening marker
+        self._carry = ""  # the reasoning's last chars, which may begin a closing marker
+        self._num_seen = 0
+        self.answer_start: int | None = None
+
+    def feed(self, piece: str) -> None:
+        offset = self._num_seen  # the piece's first char, in the whole reply
+        self._num_seen += len(piece)
+        if self._state == _HEAD:
+            piece, offset = self._feed_head(piece, offset)
+        if self._state == _REASONING:
+            self._feed_reasoning(piece, offset)
+
+    def hold_floor(self, num_chars: int) -> int | None:
+        """Where a held-back tail may begin: no stop string claims reasoning text. None: hold
+        back all, the head (blanks, then less than a marker) is not matched until it is read."""
+        if self._state == _HEAD:
+            return None
+        return num_chars if self._state == _REASONING else self.answer_start
+
+    def _feed_head(self, piece: str, offset: int) -> tuple[str, int]:
+        """Reads the head; returns the text after an opening marker (and its offset)."""
+        if not self._head:
+            stripped = piece.lstrip()
+            offset += len(piece) - len(stripped)
+            piece = stripped
+        head_offset = offset - len(self._head)
+        self._head += piece
+        if not self._head:
+            return "", offset
+        for marker in self._bounds.opening:
+            if self._head.startswith(marker):
+                self._state = _REASONING
+                return self._head[len(marker) :], head_offset + len(marker)
+        if not any(marker.startswith(self._head) for marker in self._bounds.opening):
+            self._state, self.answer_start = _ANSWER, 0
+        return "", offset
+
+    def _feed_reasoning(self, text: str, offset: int) -> None:
+        window, start = self._carry + text, offset - len(self._carry)
+        found = [(window.find(m), -len(m)) for m in self._bounds.closing if m in window]
+        if found:
+            index, minus_length = min(found)
+            self._state, self.answer_start = _ANSWER, start + index - minus_length
+            return
+        keep = max(len(m) for m in self._bounds.closing) - 1
+        self._carry = window[-keep:] if keep > 0 else ""
+
+
+_HEAD, _REASONING, _ANSWER = "head", "reasoning", "answer"
 
 
 class _NoText:

@@ -29,12 +29,17 @@ from conveyor.entrypoints.parsers.events import (
     ToolCallStart,
     joined,
 )
-from conveyor.entrypoints.parsers.reasoning import ReasoningParser, reasoning_parser
+from conveyor.entrypoints.parsers.reasoning import (
+    MarkedReasoning,
+    ReasoningParser,
+    reasoning_parser,
+)
 from conveyor.entrypoints.parsers.scan import MarkerScan
 from conveyor.entrypoints.parsers.select import chosen
 from conveyor.entrypoints.parsers.tools import tool_parser
 from conveyor.entrypoints.parsers.tools.stream import ToolStream, call_events
 from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from conveyor.sampling_params import ReasoningBounds
 from conveyor.structured.tools import parse_required
 
 DEFAULT_TOOL_PARSER = "hermes"  # conveyor's reading before parsers had names
@@ -186,6 +191,13 @@ class ReplyReader:
         self._held: list[str] = []  # required: the reply, joined once at its end
         self._started = False
         self.num_calls = 0
+
+    def reasoning_bounds(self) -> ReasoningBounds | None:
+        """Where the reply's reasoning is, when this reader parses one in marked form (the
+        engine then matches stop strings after it only); None for harmony, whose channels a
+        stop string is still matched in."""
+        reasoning = self.parser.reasoning if self.parser is not None else None
+        return reasoning.bounds() if isinstance(reasoning, MarkedReasoning) else None
 
     def feed(self, text: str, finished: bool = False) -> list[Event]:
         """The events of one more piece of the reply (finished: it is the last)."""

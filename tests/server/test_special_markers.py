@@ -77,3 +77,36 @@ def test_reasoning_item_on_the_responses_api(client):
         if event.type in deltas:
             deltas[event.type] += event.delta
     assert list(deltas.values()) == ["ok", "Paris"]
+
+
+def test_stop_string_in_the_reasoning_does_not_end_the_reply(client):
+    # "k" is written inside [THINK] o k [/THINK]: it must not end the reply (vLLM #59515).
+    message = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, stop="k")
+    choice = message.choices[0]
+    assert (choice.message.model_dump()["reasoning"], choice.message.content) == ("ok", "Paris")
+    assert choice.finish_reason == "stop"
+
+
+def test_stop_string_still_ends_the_answer_streamed_and_whole(client):
+    message = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, stop="ri")
+    assert message.choices[0].message.content == "Pa"
+    assert message.choices[0].message.model_dump()["reasoning"] == "ok"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=20, stop=["k", "ri"], stream=True
+    )
+    reasoning, content = "", ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta.model_dump()
+        reasoning += delta.get("reasoning") or ""
+        content += delta.get("content") or ""
+    assert (reasoning, content) == ("ok", "Pa")
+
+
+def test_stop_sequence_in_the_thinking_on_the_messages_api(server):
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    message = client.messages.create(
+        model=MODEL, max_tokens=20, messages=HI, stop_sequences=["k", "is"]
+    )
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "ok" and message.content[1].text == "Par"
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "is"

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conveyor.engine.detokenizer import IncrementalDetokenizer
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import ReasoningBounds, SamplingParams
 from tests.tiny import CORPUS, SPECIAL_TOKENS, build_tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -313,3 +313,43 @@ def test_smollm2_deltas_concatenate_to_full_decode_with_leading_space(smollm2_to
             deltas, _ = stream(detokenize(tok, prompt_ids), output_ids)
             assert "".join(deltas) == expected == tok.decode(output_ids, skip_special_tokens=True)
             assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
+
+
+THINK = ReasoningBounds(("<think>",), ("</think>",))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_stop_string_inside_the_reasoning_does_not_end_the_reply(tokenizer, chunk):
+    text = "<think>say the fox</think> The fox jumps"
+    detok = detokenize(tokenizer, [], stop="fox", reasoning=THINK)
+    deltas, matched = stream(detok, tokenizer.encode(text), [chunk] * len(text))
+    assert matched == "fox"
+    assert detok.output_text == "".join(deltas) == "<think>say the fox</think> The "
+
+
+def test_reply_the_prompt_opened_in_reasoning_is_matched_after_its_closing_marker(tokenizer):
+    text = "the fox</think>a fox"
+    opened = ReasoningBounds(("<think>",), ("</think>",), opened=True)
+    detok = detokenize(tokenizer, [], stop="fox", reasoning=opened)
+    assert stream(detok, tokenizer.encode(text))[1] == "fox"
+    assert detok.output_text == "the fox</think>a "
+    never_closed = detokenize(tokenizer, [], stop="fox", reasoning=opened)
+    assert stream(never_closed, tokenizer.encode("the fox and the fox"))[1] is None
+
+
+def test_reply_that_opens_no_reasoning_is_matched_from_its_first_character(tokenizer):
+    # "<t" might open <think> until the next character says otherwise: it is matched then.
+    detok = detokenize(tokenizer, [], stop="<t", reasoning=THINK)
+    assert stream(detok, tokenizer.encode("<tab> fox"))[1] == "<t"
+    assert detok.output_text == ""
+    detok = detokenize(tokenizer, [], stop="fox", reasoning=THINK)
+    assert stream(detok, tokenizer.encode("  the fox</think> fox"))[1] == "fox"
+    assert detok.output_text == "  the "
+
+
+def test_reasoning_is_streamed_without_holding_back_a_stop_strings_prefix(tokenizer):
+    detok = detokenize(tokenizer, [], stop="fox", reasoning=THINK)
+    detok.update(tokenizer.encode("<think>the fo"))
+    assert detok.get_delta(finished=False) == "<think>the fo"
+    detok.update(tokenizer.encode("</think>a fo"))
+    assert detok.get_delta(finished=False) == "</think>a "

@@ -417,6 +417,9 @@ class OpenAIServing:
         self._check_room(len(prompt), max_tokens, request.field_name(limited))
         if self.hidden_specials(request) is not None:  # the parsers must see their markers
             params = params.clone(skip_special_tokens=False)
+        bounds = self.reply_reader(request, prompt).reasoning_bounds()
+        if bounds is not None:  # stop strings end the answer, not the reasoning
+            params = params.clone(reasoning=bounds)
         return [prompt], params
 
     def _check_room(self, num_prompt: int, max_tokens: int | None, param: str) -> None:

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from conveyor.entrypoints.parsers.events import ContentDelta, Event, ReasoningDelta
 from conveyor.entrypoints.parsers.scan import MarkerScan
+from conveyor.sampling_params import ReasoningBounds
 
 
 class Markers(NamedTuple):
@@ -46,6 +47,10 @@ class MarkedReasoning:
         self._head = ""  # the head from its first non-blank, shorter than a marker
         self._scan = MarkerScan(markers.closing)
         self._skip_blanks = False
+
+    def bounds(self) -> ReasoningBounds:
+        """Where this parser reads the reasoning, for the engine's stop-string matcher."""
+        return ReasoningBounds(self.markers.opening, self.markers.closing, self.implicit)
 
     def feed(self, text: str) -> list[Event]:
         if self.state == _HEAD:
