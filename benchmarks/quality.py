@@ -215,7 +215,7 @@ def _logprobs(runner, chunk: list[int], prompt: bool = True) -> torch.Tensor:
     blocks = list(range(-(-len(chunk) // runner.block_size)))
     num_prompt = len(chunk) if prompt else 0
     request = ScheduledRequest("quality", chunk, 0, blocks, None, num_prompt_tokens=num_prompt)
-    input_ids, positions, meta, _ = runner._prepare([request])
+    input_ids, positions, meta, _ = runner.tensors(runner.step_inputs([request]))
     hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
     scored = hidden[len(chunk) // 2 : len(chunk) - 1]
     return torch.log_softmax(runner.model.compute_logits(scored).double(), dim=-1)
