@@ -17,6 +17,16 @@ MODEL = "tiny"
 HI = [{"role": "user", "content": "Where?"}]
 
 
+def joined(stream) -> tuple[str, str]:
+    """A chat stream's reasoning and content deltas, each joined."""
+    reasoning, content = "", ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta.model_dump()
+        reasoning += delta.get("reasoning") or ""
+        content += delta.get("content") or ""
+    return reasoning, content
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("markers")
@@ -37,11 +47,7 @@ def test_special_token_markers_reach_the_reasoning_parser(client):
     assert message.choices[0].message.content == "Paris"
     assert message.choices[0].message.model_dump()["reasoning"] == "ok"
     stream = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, stream=True)
-    reasoning, content = "", ""
-    for chunk in stream:
-        delta = chunk.choices[0].delta.model_dump()
-        reasoning += delta.get("reasoning") or ""
-        content += delta.get("content") or ""
+    reasoning, content = joined(stream)
     assert (reasoning, content) == ("ok", "Paris")
 
 
@@ -94,11 +100,7 @@ def test_stop_string_still_ends_the_answer_streamed_and_whole(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=20, stop=["k", "ri"], stream=True
     )
-    reasoning, content = "", ""
-    for chunk in stream:
-        delta = chunk.choices[0].delta.model_dump()
-        reasoning += delta.get("reasoning") or ""
-        content += delta.get("content") or ""
+    reasoning, content = joined(stream)
     assert (reasoning, content) == ("ok", "Pa")
 
 
