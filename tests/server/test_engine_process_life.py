@@ -13,7 +13,7 @@ import pytest
 from conftest import random_prompts
 from server_util import alive, children, core_pid, start_tiny
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, SamplingParams, heap
 
 # Imported by every Python process that has its folder on PYTHONPATH (site's sitecustomize):
 # on SIGUSR1 the process writes its collector's state, after one timed full collection.
@@ -24,7 +24,8 @@ def _report(*_):
     start = time.perf_counter()
     gc.collect()
     state = {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
-             "tracked": len(gc.get_objects()), "seconds": time.perf_counter() - start}
+             "tracked": len(gc.get_objects()), "seconds": time.perf_counter() - start,
+             "threshold": gc.get_threshold()}
     path = os.path.join(os.environ["CONVEYOR_TEST_GC_DIR"], f"{os.getpid()}.json")
     with open(path + ".tmp", "w") as file:
         json.dump(state, file)
@@ -38,7 +39,8 @@ def test_both_processes_start_with_their_heap_frozen(tiny_checkpoint, tmp_path, 
     """conveyor/heap.py: once the server answers, the front end and the core collect again
     automatically, and what they built while starting (torch, transformers, the engine: well
     over 50k objects) is frozen, so a full collection walks only what came after: a few
-    thousand objects (before: ~360k, a 244-349 ms stall of each process on the 2-core Xeon)."""
+    thousand objects (before: ~360k, a 244-349 ms stall of each process on the 2-core Xeon);
+    and a full collection comes once per FULL_EVERY middle ones, not every ten."""
     probe = tmp_path / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(GC_PROBE)
@@ -60,6 +62,7 @@ def test_both_processes_start_with_their_heap_frozen(tiny_checkpoint, tmp_path, 
             assert state["enabled"], f"the {name} left the collector off"
             assert state["frozen"] > 50_000, f"the {name} froze no start-up heap: {state}"
             assert state["tracked"] < 10_000, f"the {name} still tracks its start-up: {state}"
+            assert state["threshold"][2] == heap.FULL_EVERY, f"the {name}'s thresholds: {state}"
     finally:
         server.stop()
 
