@@ -1,11 +1,13 @@
 """conveyor: a continuous-batching LLM inference engine in plain PyTorch."""
 
 from conveyor.engine_args import EngineArgs
+from conveyor.entrypoints.beam_search import BeamSearchParams
 from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.params import StructuredOutputs
 
 __all__ = [
+    "BeamSearchParams",
     "EngineArgs",
     "LLM",
     "LLMEngine",

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine_args import EngineArgs
+from conveyor.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from conveyor.entrypoints.parsers import ParserNames
 from conveyor.entrypoints.pipeline import Parsers, ReplyReader, special_texts
 from conveyor.lora.request import LoRARequest
@@ -85,6 +86,29 @@ class LLM:
             self.engine.abort_request(ids)  # one bad prompt fails the call, nothing left behind
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (entrypoints/beam_search.py): each output's sequences, best
+        first, hold the prompt's and the beam's tokens, the beam's text and its cumulative
+        log-probability."""
+        prompts = _as_prompt_list(prompts)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("beam_search needs a tokenizer; this LLM has none")
+        ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if any(not p for p in ids):
+            raise ValueError("a prompt must hold at least one token")
+
+        def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            return self.generate(batch, step, use_tqdm, lora_request=lora_request)
+
+        return beam_search(generate, tokenizer, ids, params)
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", use_tqdm: bool = True

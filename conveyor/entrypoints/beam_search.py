@@ -1,0 +1,160 @@
+"""Beam search over the engine, as vLLM's `LLM.beam_search` runs it.
+
+Every step, each live beam of every prompt is one request for one token with the top
+2 x beam_width log-probabilities; a beam's candidates are its own tokens among those, and a
+prompt keeps the beam_width best candidates of all its beams (the best of all of a step's
+(beam, token) pairs are always among each beam's own best 2 x beam_width, so this is the
+search transformers' `generate(num_beams=...)` runs). A candidate that ends in the EOS token
+(unless ignore_eos) is complete and leaves the search. After max_tokens steps the complete
+and the live beams are ranked together and the best beam_width returned.
+
+A beam's request shares all but its last token with the request its beam came from, so with
+prefix caching on (the default) a step computes one new token per beam. The score is vLLM's:
+the cumulative log-probability over the length (prompt included, a final EOS not) to the power
+length_penalty; at equal lengths it is the log-probability alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from conveyor.outputs import PositionLogprobs, RequestOutput
+from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a step asks for 2 x beam_width log-probabilities
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's fields. temperature is accepted as vLLM accepts it: the search ranks the model's
+    own log-probabilities, which a temperature does not change."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (
+                _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
+                f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}",
+            ),
+            (
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            ),
+            (
+                _is_number(self.temperature) and self.temperature >= 0,
+                f"temperature must be a finite number >= 0, got {self.temperature!r}",
+            ),
+            (
+                _is_number(self.length_penalty),
+                f"length_penalty must be a finite number, got {self.length_penalty!r}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    tokens: list[int]  # the prompt's, then the beam's
+    logprobs: list[PositionLogprobs] = field(default_factory=list)  # one per beam token
+    cum_logprob: float = 0.0
+    text: str | None = None  # the beam's tokens decoded, once it is returned
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    stop_reason: int | None = None  # the EOS id that ended it
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
+
+def score(beam: BeamSearchSequence, eos_token_id: int | None, length_penalty: float) -> float:
+    length = len(beam.tokens) - (beam.tokens[-1] == eos_token_id)
+    return beam.cum_logprob / (length**length_penalty)
+
+
+@dataclass(slots=True)
+class _Search:
+    prompt_len: int
+    beams: list[BeamSearchSequence]
+    done: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def beam_search(
+    generate: Callable[[list[list[int]], SamplingParams], list[RequestOutput]],
+    tokenizer,
+    prompts: Sequence[list[int]],
+    params: BeamSearchParams,
+) -> list[BeamSearchOutput]:
+    """generate(prompts, params): the engine's outputs in input order (LLM.generate)."""
+    eos = None if params.ignore_eos else tokenizer.eos_token_id
+    step = SamplingParams(
+        max_tokens=1, logprobs=2 * params.beam_width, temperature=0.0, ignore_eos=True
+    )
+    searches = [_Search(len(p), [BeamSearchSequence(list(p))]) for p in prompts]
+    for _ in range(params.max_tokens):
+        live = [(s, beam) for s in searches for beam in s.beams]
+        if not live:
+            break
+        outputs = generate([beam.tokens for _, beam in live], step)
+        candidates: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in searches}
+        for (search, beam), output in zip(live, outputs, strict=True):
+            for grown in _grown(beam, output):
+                if eos is not None and grown.tokens[-1] == eos:
+                    grown.finish_reason, grown.stop_reason = "stop", eos
+                    search.done.append(grown)
+                else:
+                    candidates[id(search)].append(grown)
+        for search in searches:
+            ranked = sorted(candidates[id(search)], key=_key(eos, params), reverse=True)
+            search.beams = ranked[: params.beam_width]
+    return [_finished(s, tokenizer, eos, params) for s in searches]
+
+
+def _grown(beam: BeamSearchSequence, output: RequestOutput) -> list[BeamSearchSequence]:
+    if output.error is not None:
+        raise ValueError(f"beam search step failed: {output.error}")
+    position = output.outputs[0].logprobs[0]
+    return [
+        BeamSearchSequence(
+            beam.tokens + [token],
+            beam.logprobs + [position],
+            beam.cum_logprob + logprob.logprob,
+        )
+        for token, logprob in position.items()
+        if math.isfinite(logprob.logprob)  # a banned token is no candidate
+    ]
+
+
+def _key(eos: int | None, params: BeamSearchParams):
+    return lambda beam: score(beam, eos, params.length_penalty)
+
+
+def _finished(search: _Search, tokenizer, eos, params: BeamSearchParams) -> BeamSearchOutput:
+    for beam in search.beams:
+        beam.finish_reason = "length"
+    best = sorted(search.done + search.beams, key=_key(eos, params), reverse=True)
+    best = best[: params.beam_width]
+    for beam in best:
+        generated = beam.tokens[search.prompt_len :]
+        if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+            generated = generated[:-1]
+        beam.text = tokenizer.decode(generated, skip_special_tokens=True)
+    return BeamSearchOutput(best)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
