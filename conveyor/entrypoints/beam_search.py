@@ -89,6 +89,47 @@ class _Search:
     done: list[BeamSearchSequence] = field(default_factory=list)
 
 
+class BeamSearch:
+    """The search as a state machine, for any driver (LLM.beam_search steps it with
+    LLM.generate; a server would with its async engine): `requests()` gives the step's prompts
+    (none: the search is over), `advance(outputs)` takes the engine's outputs for them in the
+    same order, `results()` the best sequences of each prompt."""
+
+    def __init__(self, tokenizer, prompts: Sequence[list[int]], params: BeamSearchParams):
+        self.tokenizer, self.params = tokenizer, params
+        self.eos = None if params.ignore_eos else tokenizer.eos_token_id
+        self.step_params = SamplingParams(
+            max_tokens=1, logprobs=2 * params.beam_width, temperature=0.0, ignore_eos=True
+        )
+        self._searches = [_Search(len(p), [BeamSearchSequence(list(p))]) for p in prompts]
+        self._steps = 0
+        self._live: list[tuple[_Search, BeamSearchSequence]] = []
+
+    def requests(self) -> list[list[int]]:
+        if self._steps >= self.params.max_tokens:
+            return []
+        self._live = [(s, beam) for s in self._searches for beam in s.beams]
+        return [beam.tokens for _, beam in self._live]
+
+    def advance(self, outputs: Sequence[RequestOutput]) -> None:
+        candidates: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in self._searches}
+        for (search, beam), output in zip(self._live, outputs, strict=True):
+            for grown in _grown(beam, output):
+                if self.eos is not None and grown.tokens[-1] == self.eos:
+                    grown.finish_reason, grown.stop_reason = "stop", self.eos
+                    search.done.append(grown)
+                else:
+                    candidates[id(search)].append(grown)
+        key = _key(self.eos, self.params)
+        for search in self._searches:
+            ranked = sorted(candidates[id(search)], key=key, reverse=True)
+            search.beams = ranked[: self.params.beam_width]
+        self._steps += 1
+
+    def results(self) -> list[BeamSearchOutput]:
+        return [_finished(s, self.tokenizer, self.eos, self.params) for s in self._searches]
+
+
 def beam_search(
     generate: Callable[[list[list[int]], SamplingParams], list[RequestOutput]],
     tokenizer,
@@ -96,28 +137,10 @@ def beam_search(
     params: BeamSearchParams,
 ) -> list[BeamSearchOutput]:
     """generate(prompts, params): the engine's outputs in input order (LLM.generate)."""
-    eos = None if params.ignore_eos else tokenizer.eos_token_id
-    step = SamplingParams(
-        max_tokens=1, logprobs=2 * params.beam_width, temperature=0.0, ignore_eos=True
-    )
-    searches = [_Search(len(p), [BeamSearchSequence(list(p))]) for p in prompts]
-    for _ in range(params.max_tokens):
-        live = [(s, beam) for s in searches for beam in s.beams]
-        if not live:
-            break
-        outputs = generate([beam.tokens for _, beam in live], step)
-        candidates: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in searches}
-        for (search, beam), output in zip(live, outputs, strict=True):
-            for grown in _grown(beam, output):
-                if eos is not None and grown.tokens[-1] == eos:
-                    grown.finish_reason, grown.stop_reason = "stop", eos
-                    search.done.append(grown)
-                else:
-                    candidates[id(search)].append(grown)
-        for search in searches:
-            ranked = sorted(candidates[id(search)], key=_key(eos, params), reverse=True)
-            search.beams = ranked[: params.beam_width]
-    return [_finished(s, tokenizer, eos, params) for s in searches]
+    search = BeamSearch(tokenizer, prompts, params)
+    while batch := search.requests():
+        search.advance(generate(batch, search.step_params))
+    return search.results()
 
 
 def _grown(beam: BeamSearchSequence, output: RequestOutput) -> list[BeamSearchSequence]:
