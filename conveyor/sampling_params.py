@@ -31,11 +31,19 @@ class ReasoningBounds:
     when it starts (after blanks) with an opening marker, or from its first character when the
     prompt opened the block (opened); the reasoning ends after the first closing marker. The
     server sets it for a request whose reasoning is parsed, so that stop strings are matched in
-    the answer only (vLLM matches them inside the reasoning too: vllm-project/vllm#59515)."""
+    the answer only (vLLM matches them inside the reasoning too: vllm-project/vllm#59515).
+
+    The engine core reads no text: it finds the markers by the token ids the tokenizer encodes
+    them as (opening_ids, closing_ids), to end the reasoning by forcing closing_ids[0] once it
+    has `budget` tokens (a thinking budget), and to start a grammar after it
+    (sample/reasoning.py)."""
 
     opening: tuple[str, ...]
     closing: tuple[str, ...]
     opened: bool = False
+    opening_ids: tuple[tuple[int, ...], ...] = ()
+    closing_ids: tuple[tuple[int, ...], ...] = ()
+    budget: int | None = None  # reasoning tokens before the closing marker is forced
 
 
 @dataclass(slots=True)

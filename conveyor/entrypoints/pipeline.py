@@ -413,6 +413,11 @@ class Parsers:
     def of(cls, names: ParserNames, chat_template: str | None) -> Parsers:
         return cls(chosen(names, chat_template))
 
+    @property
+    def marks_reasoning(self) -> bool:
+        """Whether replies' reasoning is read between markers (not harmony's channels)."""
+        return self.names.reasoning not in (None, "openai_gptoss")
+
     def markers(self, reasoning: bool, tools: bool) -> frozenset[str]:
         """The marker texts a request's parsers read (reasoning: its reasoning is parsed;
         tools: its calls are)."""
@@ -446,7 +451,8 @@ class Parsers:
         """A fresh ReplyParser for one reply. tools: the declared functions' parameters, when
         tool_choice is auto (None: no calls are read). prompt_text_tail: the prompt's end, to
         see whether the template opened the reasoning. constrained: a grammar shapes the reply
-        from its first token, so it holds no reasoning the prompt opened."""
+        from its first token, so it holds no reasoning the prompt opened (a grammar that
+        starts after marked reasoning does not)."""
         reasoning = None
         if self.names.reasoning is not None:
             opened = not constrained and _opens_reasoning(prompt_text_tail)

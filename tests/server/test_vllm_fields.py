@@ -298,3 +298,28 @@ def test_stream_options_without_stream_and_every_bad_logit_bias_key_are_refused(
     assert "'5'" not in error["message"]
     streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
     assert post(server, "/v1/completions", streamed).status_code == 200
+
+
+def test_thinking_token_budget_without_a_reasoning_parser_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            extra_body={"thinking_token_budget": 8},
+        )
+    assert "thinking_token_budget" in str(caught.value)
+    assert "--reasoning-parser" in str(caught.value)
+
+
+def test_anthropic_thinking_is_a_hint_without_a_reasoning_parser(server):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    for thinking in ({"type": "disabled"}, {"type": "adaptive", "display": "omitted"}):
+        answer = post(server, "/v1/messages", body | {"thinking": thinking})
+        assert answer.status_code == 200, answer.text
+        assert [block["type"] for block in answer.json()["content"]] == ["text"]
+    # a budget needs max_tokens beyond this model's context: counted, not run
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    del body["max_tokens"]
+    answer = post(server, "/v1/messages/count_tokens", body | {"thinking": enabled})
+    assert answer.status_code == 200 and answer.json()["input_tokens"] > 0, answer.text

@@ -443,6 +443,11 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: ReasoningEffort | None = None
     # vLLM's: false leaves the reasoning (read by --reasoning-parser) out of the answer.
     include_reasoning: bool = True
+    # vLLM's: the reasoning ends once it has this many tokens (its closing marker is forced).
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    # Set by an API whose budget is a hint (Anthropic's thinking): without reasoning to bound
+    # it is ignored, where chat's own field is refused.
+    _budget_is_hint: bool = PrivateAttr(default=False)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -454,6 +459,15 @@ class ChatCompletionRequest(_SamplingFields):
 
     def field_name(self, name: str) -> str:
         return self._names.get(name, name)
+
+    def budget_hint(self) -> ChatCompletionRequest:
+        """This request, its thinking_token_budget a hint: ignored if nothing reasons."""
+        self._budget_is_hint = True
+        return self
+
+    @property
+    def budget_is_hint(self) -> bool:
+        return self._budget_is_hint
 
     @property
     def tool_mode(self) -> str:

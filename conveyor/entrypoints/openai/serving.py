@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.input_processor import reserved_template_variables
@@ -46,7 +46,7 @@ from conveyor.entrypoints.runner import DONE, Submission, frame
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
 from conveyor.outputs import CompletionOutput, PositionLogprobs
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import ReasoningBounds, SamplingParams
 from conveyor.structured.backend import GrammarError
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import MAX_DEPTH, ToolCall, tools_prompt
@@ -84,8 +84,11 @@ class OpenAIServing:
 
     def tool_reply(self, request: ChatCompletionRequest, prompt: list[int]) -> _ToolReply:
         """How one choice's reply is read: the server's parsers, for this request."""
-        constrained = request.tool_mode in ("required", "named") or bool(
-            request.response_format is not None or request.structured_outputs is not None
+        # A grammar starts after reasoning in marked form (the engine core finds where it ends:
+        # sample/reasoning.py); a forced call, or harmony's channels, it shapes from the start.
+        structured = request.response_format is not None or request.structured_outputs is not None
+        constrained = request.tool_mode in ("required", "named") or (
+            structured and not self.parsers.marks_reasoning
         )
         tools = _declared(request) if request.tool_mode == "auto" else None
         tail = self.tokenizer.decode(prompt[-8:]) if self.tokenizer is not None else ""
@@ -418,9 +421,38 @@ class OpenAIServing:
         if self.hidden_specials(request) is not None:  # the parsers must see their markers
             params = params.clone(skip_special_tokens=False)
         bounds = self.reply_reader(request, prompt).reasoning_bounds()
-        if bounds is not None:  # stop strings end the answer, not the reasoning
-            params = params.clone(reasoning=bounds)
-        return [prompt], params
+        return [prompt], self._with_reasoning(request, params, bounds)
+
+    def _with_reasoning(
+        self, request: ChatCompletionRequest, params: SamplingParams, bounds: ReasoningBounds | None
+    ) -> SamplingParams:
+        """params with the reply's reasoning bounds, when it has reasoning this server reads:
+        stop strings then end the answer, not the reasoning, and the engine core finds its
+        markers by their token ids to bound it (thinking_token_budget) and to start a grammar
+        after it."""
+        budget = request.thinking_token_budget
+        if bounds is None:
+            if budget is not None and not request.budget_is_hint:
+                name = request.field_name("thinking_token_budget")
+                raise InvalidParam(
+                    f"{name}: this request's reply has no reasoning that this server reads "
+                    "(start it with --reasoning-parser; a forced tool call has none)",
+                    name,
+                )
+            return params
+        bounds = replace(
+            bounds,
+            opening_ids=self._marker_ids(bounds.opening),
+            closing_ids=self._marker_ids(bounds.closing),
+            budget=budget,
+        )
+        return params.clone(reasoning=bounds)
+
+    def _marker_ids(self, markers: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each marker as this tokenizer encodes it (a family's markers: one special token)."""
+        return tuple(
+            tuple(self.tokenizer.encode(marker, add_special_tokens=False)) for marker in markers
+        )
 
     def _check_room(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         """A prompt and max_tokens beyond the context, refused naming the request's own field
