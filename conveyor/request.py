@@ -163,15 +163,26 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
             if not self.params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        answer = [token_id] if self.reasoning is None else self.reasoning.advance(token_id)
+        answer = [token_id]
+        if self.reasoning is not None:  # the reasoning is not the grammar's
+            answer = self.reasoning.advance(token_id, self.grammar)
         if self.grammar is not None:  # a grammar complete at max_tokens is a stop
-            for answer_token_id in answer:  # the reasoning is not the grammar's
+            for answer_token_id in answer:
                 status = self._advance_grammar(answer_token_id)
                 if status is not None:
                     return status
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def attach_grammar(self, grammar: Grammar) -> None:
+        """Gives the request its matcher. A grammar that may itself write the reasoning's
+        opening marker (a choice or regex spelling a whole reply) shapes the whole reply,
+        reasoning included, and no budget is forced into it; any other starts after the
+        reasoning."""
+        self.grammar = grammar
+        if self.reasoning is not None and self.reasoning.spelled_by(grammar):
+            self.reasoning = None
 
     def _advance_grammar(self, token_id: int) -> RequestStatus | None:
         """A token that did not end the request advances its grammar; the request stops as

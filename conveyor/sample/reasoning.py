@@ -21,17 +21,26 @@ States:
     reasoning  counted (the opening marker not), until its tokens end with a closing marker;
                a prompt that opened the block (ReasoningBounds.opened) starts here
     answer     what follows the closing marker; a grammar applies from here on
+
+A grammar that may itself write an opening marker first (a `choice` or regex that spells a
+whole reply, reasoning and all) is not delayed: it shapes the whole reply (Request.attach_grammar).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from conveyor.sampling_params import ReasoningBounds, SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.structured.grammar import Grammar
 
 HEAD, REASONING, ANSWER = "head", "reasoning", "answer"
 
 
 class ReasoningPhase:
     __slots__ = ("bounds", "state", "num_reasoning_tokens", "_head", "_recent", "_keep")
+    __slots__ += ("_num_taken", "_committed")
 
     def __init__(self, bounds: ReasoningBounds) -> None:
         self.bounds = bounds
@@ -40,6 +49,8 @@ class ReasoningPhase:
         self._head: list[int] = []  # the head's tokens: a proper prefix of an opening marker
         self._recent: list[int] = []  # the reasoning's last tokens, as long as a closing marker
         self._keep = max(len(ids) for ids in bounds.closing_ids)
+        self._num_taken = 0  # of the head's tokens, those the grammar took tentatively
+        self._committed = False  # the grammar refused a head token: the marker must follow
 
     @staticmethod
     def of(params: SamplingParams) -> ReasoningPhase | None:
@@ -59,11 +70,20 @@ class ReasoningPhase:
     @property
     def grammar_applies(self) -> bool:
         """Whether a grammar masks the next token (in the head, beside the opening marker)."""
-        return self.state != REASONING
+        return self.state == ANSWER or (self.state == HEAD and not self._committed)
+
+    def spelled_by(self, grammar: Grammar) -> bool:
+        """Whether a fresh grammar may write an opening marker itself (the reply's head)."""
+        if self.state != HEAD:
+            return False
+        openings = self.bounds.opening_ids
+        return any(grammar.valid_prefix(list(ids), frozenset()) == len(ids) for ids in openings)
 
     def forced_token_id(self) -> int | None:
         """The token the next step must write: the closing marker's next one, once the
         budget is spent (a closing marker the model began itself is finished, not restarted)."""
+        if self.state == HEAD and self._committed:
+            return self.opening_token_id()  # the head is the marker's, not the grammar's
         budget = self.bounds.budget
         if self.state != REASONING or budget is None or self.num_reasoning_tokens < budget:
             return None
@@ -80,14 +100,14 @@ class ReasoningPhase:
                 return ids[num]
         return None
 
-    def advance(self, token_id: int) -> list[int]:
-        """Takes the request's next output token; returns the tokens that are the answer's as
-        of now, in order (a grammar consumes them): none while in the head or the reasoning,
-        the head's tokens and this one when the head opens no reasoning."""
+    def advance(self, token_id: int, grammar: Grammar | None = None) -> list[int]:
+        """Takes the request's next output token; returns the tokens that the request's
+        grammar is still to consume, in order: none while in the head or the reasoning, the
+        head's tokens it did not take and this one when the head opens no reasoning."""
         if self.state == ANSWER:
             return [token_id]
         if self.state == HEAD:
-            return self._advance_head(token_id)
+            return self._advance_head(token_id, grammar)
         forced = self.forced_token_id() is not None
         self._recent = (self._recent + [token_id])[-self._keep :]
         if not forced:
@@ -96,17 +116,29 @@ class ReasoningPhase:
             self.state = ANSWER
         return []
 
-    def _advance_head(self, token_id: int) -> list[int]:
+    def _advance_head(self, token_id: int, grammar: Grammar | None) -> list[int]:
+        """The grammar takes each head token it allows as it comes, so that its mask reads
+        what the answer would be so far (a marker and the answer may begin alike: `<`), and
+        gives them back if the head opens the reasoning. Once it refuses one (`<th` where the
+        answer is `<tool_call>`), the head can only be the marker: its rest is forced."""
         head = self._head + [token_id]
+        if grammar is not None and not self._committed:
+            if grammar.valid_prefix([token_id], frozenset()) == 1 and grammar.accept(token_id):
+                self._num_taken += 1
+            else:
+                self._committed = True
         openings = self.bounds.opening_ids
         if any(list(ids) == head for ids in openings):
-            self.state, self._head = REASONING, []
+            if grammar is not None:
+                grammar.take_back(self._num_taken)
+            self.state, self._head, self._num_taken, self._committed = REASONING, [], 0, False
             return []
         if any(len(ids) > len(head) and list(ids[: len(head)]) == head for ids in openings):
             self._head = head
             return []
+        taken, self._num_taken = self._num_taken, 0
         self.state, self._head = ANSWER, []
-        return head
+        return head[taken:]
 
 
 def _ends_with(tokens: list[int], ids: tuple[int, ...]) -> bool:

@@ -5,6 +5,8 @@ answers `Paris`, through the real clients, whole and streamed."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pytest
@@ -24,7 +26,8 @@ def server(tmp_path_factory):
         folder / "ckpt", script, MARKER_SPECIALS, max_position_embeddings=2048
     )
     args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
-    proc = ServerProcess([*args, "--reasoning-parser", "mistral"], folder / "server.log")
+    parsers = ["--reasoning-parser", "mistral", "--tool-call-parser", "mistral"]
+    proc = ServerProcess([*args, *parsers], folder / "server.log")
     yield proc
     proc.stop()
 
@@ -35,7 +38,8 @@ def client(server):
 
 
 def chat(client, **fields):
-    return client.chat.completions.create(model=MODEL, messages=HI, max_tokens=40, **fields)
+    fields = {"max_tokens": 40} | fields
+    return client.chat.completions.create(model=MODEL, messages=HI, **fields)
 
 
 def test_without_a_budget_the_model_thinks_until_max_tokens(client):
@@ -85,3 +89,58 @@ def test_messages_api_budget_out_of_range_is_a_400_naming_it(server, thinking, m
     with pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.create(model=MODEL, max_tokens=max_tokens, messages=HI, thinking=thinking)
     assert "budget_tokens" in str(caught.value)
+
+
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_forced_call_comes_after_the_reasoning_in_mistrals_syntax(client, choice):
+    fields = {"tools": [CITY_TOOL], "tool_choice": choice, "parallel_tool_calls": False}
+    fields["max_tokens"] = 80
+    body = {"thinking_token_budget": 2, "return_token_ids": True}
+    reply = chat(client, extra_body=body, **fields).choices[0]
+    assert reply.message.model_dump()["reasoning"] == "ok"
+    (call,) = reply.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert reply.message.content is None and reply.finish_reason == "tool_calls"
+    tool_calls = MARKER_SPECIALS.index("[TOOL_CALLS]") + 384  # the marker as its own token
+    assert tool_calls in reply.model_extra["token_ids"]
+    stream = chat(client, extra_body=body, stream=True, **fields)
+    names = [
+        call.function.name
+        for chunk in stream
+        for call in chunk.choices[0].delta.tool_calls or []
+        if call.function.name
+    ]
+    assert names == ["get_weather"]
+
+
+def test_messages_api_tool_choice_any_after_the_thinking(server):
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    tool = {"name": "get_weather", "input_schema": CITY_TOOL["function"]["parameters"]}
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=1100,
+        messages=HI,
+        tools=[tool],
+        tool_choice={"type": "any"},
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    assert [block.type for block in message.content] == ["thinking", "tool_use"]
+    assert message.content[1].input == {"city": "Paris"} and message.stop_reason == "tool_use"

@@ -105,3 +105,38 @@ def test_a_grammar_lets_the_opening_marker_through_in_the_head():
     allowed = [torch.isfinite(processed[i]).nonzero().flatten().tolist() for i in range(2)]
     assert allowed == [[1, 9], [9]]
     assert processed[0, 1] == logits[0, 1]
+
+
+class ListGrammar:
+    """A grammar of one token sequence, with Grammar's methods the phase calls."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.num_consumed = tokens, 0
+
+    def valid_prefix(self, token_ids: list[int], stops: frozenset[int]) -> int:
+        rest = self.tokens[self.num_consumed :]
+        return next(
+            (i for i, t in enumerate(token_ids) if i >= len(rest) or rest[i] != t), len(token_ids)
+        )
+
+    def accept(self, token_id: int) -> bool:
+        self.num_consumed += 1
+        return True
+
+    def take_back(self, num_tokens: int) -> None:
+        self.num_consumed -= num_tokens
+
+
+def test_a_head_token_the_answer_also_begins_with_is_the_grammars_until_the_marker_decides():
+    # the answer 1 6 begins as the opening marker 1 2 does (`<tool_call>` and `<think>`)
+    grammar, state = ListGrammar([1, 6]), phase()
+    assert state.advance(1, grammar) == [] and grammar.num_consumed == 1  # taken tentatively
+    assert state.advance(6, grammar) == [] and state.answering  # nothing left to consume
+    grammar, state = ListGrammar([1, 6]), phase()
+    assert [state.advance(t, grammar) for t in OPEN] == [[], []]
+    assert grammar.num_consumed == 0 and not state.answering  # given back: it was the marker
+    grammar, state = ListGrammar([6]), phase()
+    assert state.advance(1, grammar) == [] and grammar.num_consumed == 0
+    # refused by the grammar, the head can only be the marker: its rest is forced
+    assert state.forced_token_id() == 2 and not state.grammar_applies
+    assert state.advance(2, grammar) == [] and state.state == "reasoning"

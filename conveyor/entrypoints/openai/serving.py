@@ -30,6 +30,7 @@ from conveyor.entrypoints.parsers.events import (
     ToolArgsDelta,
     ToolCallStart,
 )
+from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar, lark_marker
 from conveyor.entrypoints.pipeline import (
     Choice,
     Choices,
@@ -84,19 +85,53 @@ class OpenAIServing:
 
     def tool_reply(self, request: ChatCompletionRequest, prompt: list[int]) -> _ToolReply:
         """How one choice's reply is read: the server's parsers, for this request."""
+        mode = self.reading_mode(request)
         # A grammar starts after reasoning in marked form (the engine core finds where it ends:
-        # sample/reasoning.py); a forced call, or harmony's channels, it shapes from the start.
+        # sample/reasoning.py); a generic forced call, or harmony's channels, it shapes from
+        # the start.
         structured = request.response_format is not None or request.structured_outputs is not None
-        constrained = request.tool_mode in ("required", "named") or (
-            structured and not self.parsers.marks_reasoning
+        constrained = mode in ("required", "named") or (
+            (structured or mode == "forced") and not self.parsers.marks_reasoning
         )
-        tools = _declared(request) if request.tool_mode == "auto" else None
+        tools = _declared(request) if mode in ("auto", "forced") else None
+        if mode == "forced" and request.tool_mode == "named":
+            name = request.tool_choice.function.name
+            tools = {name: tools[name]}
         tail = self.tokenizer.decode(prompt[-8:]) if self.tokenizer is not None else ""
         parser = self.parsers.for_request(
             tools, self.limits.max_json_depth, tail, constrained, request.chat_template_kwargs
         )
         hidden = self.hidden_specials(request) or ()
-        return _ToolReply(request, self.limits.max_json_depth, parser, hidden)
+        return _ToolReply(request, self.limits.max_json_depth, parser, hidden, mode)
+
+    def reading_mode(self, request: ChatCompletionRequest) -> str:
+        """The request's tool mode, or "forced": a forced call (required, named) that the
+        server's tool-call parser reads, its grammar written in that family's syntax."""
+        mode = request.tool_mode
+        if mode in ("required", "named") and self.parsers.names.tool_call in FORCED_FAMILIES:
+            return "forced"
+        return mode
+
+    def forced_constraint(self, request: ChatCompletionRequest) -> StructuredOutputs | None:
+        """The grammar of a forced call in the family's syntax (None: no such grammar)."""
+        if self.reading_mode(request) != "forced":
+            return None
+        tools = request.tool_dicts()
+        if request.tool_mode == "named":
+            name = request.tool_choice.function.name
+            tools = [tool for tool in tools if tool["function"]["name"] == name]
+        parallel = request.tool_mode == "required" and request.parallel_tool_calls is not False
+        try:
+            grammar = forced_grammar(
+                self.parsers.names.tool_call, tools, parallel, self._lark_marker
+            )
+        except ValueError as error:  # two tools' $defs at odds
+            raise InvalidParam(str(error), "tools") from None
+        return StructuredOutputs(grammar=grammar)
+
+    def _lark_marker(self, text: str) -> str:
+        special = text in self._specials
+        return lark_marker(text, self.tokenizer.convert_tokens_to_ids(text) if special else None)
 
     def hidden_specials(self, request: ChatCompletionRequest) -> tuple[str, ...] | None:
         """None: the reply is decoded as the request asks. Otherwise the request's parsers
@@ -106,8 +141,9 @@ class OpenAIServing:
         token ids)."""
         if not request.skip_special_tokens:
             return None
-        reasoning = request.tool_mode in ("auto", "none")
-        return self.parsers.hidden(self._specials, reasoning, request.tool_mode == "auto")
+        mode = self.reading_mode(request)
+        reasoning = mode in ("auto", "none", "forced")
+        return self.parsers.hidden(self._specials, reasoning, mode in ("auto", "forced"))
 
     def reply_reader(self, request: ChatCompletionRequest, prompt: list[int]) -> ReplyReader:
         """How one reply is read into events, the same for every API."""
@@ -404,6 +440,7 @@ class OpenAIServing:
         request.check_limits(self.limits)
         max_tokens = request.max_completion_tokens or request.max_tokens
         constraint, param = request.constraint()
+        constraint = self.forced_constraint(request) or constraint
         params = request.sampling_params(max_tokens, constraint)
         await self.check_constraint(constraint, param)
         mode = request.tool_mode
@@ -732,8 +769,9 @@ class _ToolReply:
         max_depth: int = MAX_DEPTH,
         parser: ReplyParser | None = None,
         hidden: tuple[str, ...] = (),
+        mode: str | None = None,
     ) -> None:
-        mode = request.tool_mode
+        mode = mode or request.tool_mode
         name = request.tool_choice.function.name if mode == "named" else None
         if parser is None and mode in ("auto", "none"):
             tools = _declared(request) if mode == "auto" else None
