@@ -323,3 +323,42 @@ def test_anthropic_thinking_is_a_hint_without_a_reasoning_parser(server):
     del body["max_tokens"]
     answer = post(server, "/v1/messages/count_tokens", body | {"thinking": enabled})
     assert answer.status_code == 200 and answer.json()["input_tokens"] > 0, answer.text
+
+
+def test_truncation_side_right_keeps_the_first_tokens(client, server):
+    body = {"truncate_prompt_tokens": 5, "truncation_side": "right", "return_token_ids": True}
+    cut = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body=body
+    )
+    assert cut.choices[0].model_extra["prompt_token_ids"] == PROMPT[:5]
+    messages = [{"role": "user", "content": "Hello there, how are you today?"}]
+    whole, right = (
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body=extra
+        ).model_extra["prompt_token_ids"]
+        for extra in ({"return_token_ids": True}, body)
+    )
+    assert right == whole[:5]
+    bad = post(server, "/v1/completions", {"prompt": "hi", "truncation_side": "middle"})
+    assert bad.status_code == 400 and "truncation_side" in bad.text
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client):
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, extra_body=extra
+    ).choices[0]
+    ids = out.model_extra["token_ids"]
+    assert out.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(key.startswith("token_id:") for top in out.logprobs.top_logprobs for key in top)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
+    ).choices[0]
+    ids = chat.model_extra["token_ids"]
+    assert [entry.token for entry in chat.logprobs.content] == [f"token_id:{t}" for t in ids]
+    assert chat.logprobs.content[0].bytes == list(f"token_id:{ids[0]}".encode())

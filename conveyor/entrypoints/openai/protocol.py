@@ -174,7 +174,9 @@ class _SamplingFields(BaseModel):
     # prompt cut to its last N tokens, and what may or may not be sampled.
     prompt_logprobs: int | None = Field(default=None, ge=0)
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] = "left"  # which end truncation cuts
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     # Harmless hints: accepted, ignored (and bounded).

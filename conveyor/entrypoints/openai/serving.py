@@ -157,10 +157,12 @@ class OpenAIServing:
         add_special_tokens: bool = True,
         truncate: int | None = None,
         fit: int | None = None,
+        side: str = "left",
     ) -> list[list[int]]:
         """Token ids of each prompt; truncate (vLLM's truncate_prompt_tokens): keep only the
         last `truncate` tokens of each (-1: the last `fit`, what the context holds beside the
-        output; by default all but one of its positions)."""
+        output; by default all but one of its positions), or the first (side "right", vLLM's
+        truncation_side)."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -173,7 +175,7 @@ class OpenAIServing:
                 for p in prompt
             ]
         fit = fit if fit is not None else self.engine.max_model_len - 1
-        return [truncated(p, truncate, fit) for p in prompts]
+        return [truncated(p, truncate, fit, side) for p in prompts]
 
     def prompt_texts(self, prompt, prompts: list[list[int]], truncate: int | None) -> list[str]:
         """What echo sends back for each prompt: its own text, or its tokens decoded when it
@@ -323,6 +325,7 @@ class OpenAIServing:
             request.add_special_tokens,
             request.truncate_prompt_tokens,
             self.room_for_prompt(max_tokens),
+            request.truncation_side,
         )
         return prompts, params
 
@@ -350,7 +353,9 @@ class OpenAIServing:
         body = {
             "index": choice.index,
             "text": (state.text if echo else "") + choice.text,
-            "logprobs": self._completion_logprobs(choice.logprobs, echo, request.logprobs)
+            "logprobs": self._completion_logprobs(
+                choice.logprobs, echo, request.logprobs, request.return_tokens_as_token_ids
+            )
             if request.logprobs is not None
             else None,
             "finish_reason": choice.finish_reason,
@@ -408,7 +413,9 @@ class OpenAIServing:
         logprobs = None
         if request.logprobs is not None and (delta.logprobs or echo):
             entries = list(zip(delta.token_ids, delta.logprobs or [], strict=True))
-            logprobs = self._completion_logprobs(entries, echo, request.logprobs)
+            logprobs = self._completion_logprobs(
+                entries, echo, request.logprobs, request.return_tokens_as_token_ids
+            )
         text = (state.text if echo else "") + delta.text
         if not text and delta.finish_reason is None and not logprobs and not first:
             return None
@@ -452,7 +459,8 @@ class OpenAIServing:
             request.tool_choice,
             ChatTemplateOptions.of(request),
         )
-        prompt = truncated(prompt, request.truncate_prompt_tokens, self.room_for_prompt(max_tokens))
+        fit = self.room_for_prompt(max_tokens)
+        prompt = truncated(prompt, request.truncate_prompt_tokens, fit, request.truncation_side)
         limited = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         self._check_room(len(prompt), max_tokens, request.field_name(limited))
         if self.hidden_specials(request) is not None:  # the parsers must see their markers
@@ -518,7 +526,9 @@ class OpenAIServing:
                 {
                     "index": c.index,
                     "message": _echoed(message, echoed),
-                    "logprobs": self._chat_logprobs(c.logprobs, request.top_logprobs or 0)
+                    "logprobs": self._chat_logprobs(
+                        c.logprobs, request.top_logprobs or 0, request.return_tokens_as_token_ids
+                    )
                     if request.logprobs
                     else None,
                     "finish_reason": finish_reason,
@@ -568,14 +578,21 @@ class OpenAIServing:
         finish = choices.finish(step.choice).reason if delta.finish_reason is not None else None
         bodies = []
         for content, held, ended in reply.feed(step.events, entries, finish):
-            logprobs = self._chat_logprobs(held, request.top_logprobs or 0) if held else None
+            as_ids = request.return_tokens_as_token_ids
+            logprobs = (
+                self._chat_logprobs(held, request.top_logprobs or 0, as_ids) if held else None
+            )
             body = {"index": step.choice.index, "delta": content, "logprobs": logprobs}
             bodies.append(body | {"finish_reason": ended})
         if request.return_token_ids and bodies:
             bodies[-1]["token_ids"], reply.token_ids = reply.token_ids, []
         return bodies
 
-    def _token_text(self, token_id: int, logprob) -> str:
+    def _token_text(self, token_id: int, logprob, as_id: bool = False) -> str:
+        """A token as logprobs name it: its text, or (vLLM's return_tokens_as_token_ids)
+        "token_id:N", which names a token whose text is not valid UTF-8 on its own."""
+        if as_id:
+            return f"token_id:{token_id}"
         return (
             logprob.decoded_token
             if logprob.decoded_token is not None
@@ -587,16 +604,17 @@ class OpenAIServing:
         entries: list[tuple[int, PositionLogprobs]],
         echo: PromptState | None = None,
         num_top: int = 0,
+        as_ids: bool = False,
     ) -> dict:
         """OpenAI's legacy logprobs; echo: the prompt's tokens first (the first without a
         logprob, as in OpenAI's and vLLM's echo), each with its top num_top."""
         tokens, token_logprobs, top = [], [], []
         if echo is not None:
-            tokens, token_logprobs, top = self._echoed_logprobs(echo, num_top)
+            tokens, token_logprobs, top = self._echoed_logprobs(echo, num_top, as_ids)
         for token_id, position in entries:
-            tokens.append(self._token_text(token_id, position[token_id]))
+            tokens.append(self._token_text(token_id, position[token_id], as_ids))
             token_logprobs.append(position[token_id].logprob)
-            top.append({self._token_text(t, lp): lp.logprob for t, lp in position.items()})
+            top.append({self._token_text(t, lp, as_ids): lp.logprob for t, lp in position.items()})
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -604,20 +622,24 @@ class OpenAIServing:
             "text_offset": _offsets(tokens),
         }
 
-    def _echoed_logprobs(self, state: PromptState, num_top: int) -> tuple[list, list, list]:
+    def _echoed_logprobs(
+        self, state: PromptState, num_top: int, as_ids: bool = False
+    ) -> tuple[list, list, list]:
         positions = state.logprobs or [None] * len(state.token_ids)
         tokens, values, top = [], [], []
         for token_id, position in zip(state.token_ids, positions, strict=True):
             if position is None:  # the first token: nothing before it to predict it
-                tokens.append(self.tokenizer.decode([token_id]))
+                tokens.append(
+                    f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
+                )
                 values.append(None)
                 top.append(None)
                 continue
-            tokens.append(self._token_text(token_id, position[token_id]))
+            tokens.append(self._token_text(token_id, position[token_id], as_ids))
             values.append(position[token_id].logprob)
             ranked = sorted(position.items(), key=lambda item: item[1].rank)
             kept = [(t, lp) for t, lp in ranked if lp.rank <= num_top or t == token_id]
-            top.append({self._token_text(t, lp): lp.logprob for t, lp in kept})
+            top.append({self._token_text(t, lp, as_ids): lp.logprob for t, lp in kept})
         return tokens, values, top
 
     def _vllm_prompt_logprobs(self, positions, num_top: int) -> list[dict | None] | None:
@@ -642,10 +664,12 @@ class OpenAIServing:
             )
         return out
 
-    def _chat_logprobs(self, entries: list[tuple[int, PositionLogprobs]], num_top: int) -> dict:
+    def _chat_logprobs(
+        self, entries: list[tuple[int, PositionLogprobs]], num_top: int, as_ids: bool = False
+    ) -> dict:
         content = []
         for token_id, position in entries:
-            text = self._token_text(token_id, position[token_id])
+            text = self._token_text(token_id, position[token_id], as_ids)
             ranked = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
             content.append(
                 {
@@ -654,9 +678,9 @@ class OpenAIServing:
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": self._token_text(t, lp),
+                            "token": self._token_text(t, lp, as_ids),
                             "logprob": lp.logprob,
-                            "bytes": list(self._token_text(t, lp).encode()),
+                            "bytes": list(self._token_text(t, lp, as_ids).encode()),
                         }
                         for t, lp in ranked
                     ],
@@ -706,9 +730,10 @@ class ChatTemplateOptions:
         return kwargs
 
 
-def truncated(prompt: list[int], keep: int | None, fit: int) -> list[int]:
+def truncated(prompt: list[int], keep: int | None, fit: int, side: str = "left") -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens; -1: the last `fit`,
-    as many as the context holds beside the output (all of it for a prompt-only request)."""
+    as many as the context holds beside the output (all of it for a prompt-only request).
+    side "right" (vLLM's truncation_side) keeps the first ones instead."""
     if keep is None:
         return prompt
     if keep == 0:
@@ -717,7 +742,9 @@ def truncated(prompt: list[int], keep: int | None, fit: int) -> list[int]:
             "truncate_prompt_tokens",
         )
     keep = fit if keep == -1 else keep
-    return prompt[-keep:] if len(prompt) > keep else prompt
+    if len(prompt) <= keep:
+        return prompt
+    return prompt[:keep] if side == "right" else prompt[-keep:]
 
 
 def message_dict(message: ChatMessage, native_tools: bool = True) -> dict:
