@@ -362,3 +362,21 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client):
     ids = chat.model_extra["token_ids"]
     assert [entry.token for entry in chat.logprobs.content] == [f"token_id:{t}" for t in ids]
     assert chat.logprobs.content[0].bytes == list(f"token_id:{ids[0]}".encode())
+
+
+def test_sagemaker_invocations_route_by_the_bodys_shape(server):
+    chat = post(
+        server, "/invocations", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    completion = post(server, "/invocations", {"prompt": PROMPT, "max_tokens": 2})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    embedding = post(server, "/invocations", {"input": "Hi"})
+    assert embedding.status_code == 200 and embedding.json()["object"] == "list"
+    streamed = post(server, "/invocations", {"prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    for body, field in (({"prompt": "Hi", "max_tokens": -1}, "max_tokens"), ({"n": 1}, "body")):
+        refused = post(server, "/invocations", body)
+        assert refused.status_code == 400 and refused.json()["error"]["message"].startswith(field)
+    garbled = httpx.post(f"{server.base_url}/invocations", content=b"[" * 100_000, timeout=30)
+    assert garbled.status_code == 400

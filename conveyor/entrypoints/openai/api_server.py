@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -11,8 +12,10 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.client import EngineClient
@@ -223,6 +226,35 @@ def build_app(
                 400, f"tokens must be integers in [0, {vocab})", "BadRequestError", "tokens"
             )
         return {"prompt": await serving.off_loop(serving.tokenizer.decode, body.tokens)}
+
+    invoked = {
+        "messages": (ChatCompletionRequest, chat),
+        "prompt": (CompletionRequest, completions),
+    }
+    invoked["input"] = (EmbeddingRequest, embeddings)
+
+    @app.post("/invocations")
+    async def invocations(raw: Request):
+        """SageMaker's one route, as vLLM serves it: a body with messages is a chat
+        completion, one with prompt a completion, one with input an embedding."""
+        try:
+            body = json.loads(await raw.body())
+        except (ValueError, RecursionError):
+            raise APIError(400, "body: not valid JSON", "BadRequestError") from None
+        kind = next((key for key in invoked if isinstance(body, dict) and key in body), None)
+        if kind is None:
+            raise APIError(
+                400,
+                "body: /invocations takes a chat (messages), completions (prompt) or "
+                "embeddings (input) request",
+                "BadRequestError",
+            )
+        model, route = invoked[kind]
+        try:
+            request = model.model_validate(body)
+        except ValidationError as error:
+            raise RequestValidationError(error.errors()) from None
+        return await route(request, raw)
 
     add_messages_routes(app, serving, check_model, admitted)  # Anthropic's Messages API
     add_response_routes(app, serving, check_model, response_store)  # OpenAI's Responses API
