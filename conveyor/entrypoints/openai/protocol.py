@@ -21,11 +21,20 @@ Constrained output comes from one of: `response_format` (json_object, json_schem
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import Counter
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from conveyor import nesting
 from conveyor.limits import RequestLimits
@@ -609,3 +618,31 @@ def _shown(value: Any) -> str:
     except (TypeError, ValueError, RecursionError):
         text = f"a {type(value).__name__}"
     return text if len(text) <= 100 else text[:97] + "..."
+
+
+logger = logging.getLogger(__name__)
+MAX_UNKNOWN_LOGGED = 20  # fields named in one warning, each cut to 100 characters
+
+
+def lenient(model: type[BaseModel]) -> type[BaseModel]:
+    """`model` accepting top-level fields it does not know, as vLLM does (the server's
+    --ignore-unknown-fields): they are logged and dropped before validation; nested objects
+    stay strict, and fields it knows are checked as ever."""
+    fields = model.model_fields.items()
+    known = {name for name, _ in fields} | {f.alias for _, f in fields if f.alias is not None}
+
+    class Lenient(model):  # type: ignore[valid-type, misc]
+        @model_validator(mode="before")
+        @classmethod
+        def _drop_unknown(cls, data: Any) -> Any:
+            if not isinstance(data, dict):
+                return data
+            unknown = [key for key in data if key not in known]
+            if not unknown:
+                return data
+            shown = ", ".join(_shown(key) for key in unknown[:MAX_UNKNOWN_LOGGED])
+            logger.warning("%s: ignored unknown field(s) %s", model.__name__, shown)
+            return {key: value for key, value in data.items() if key in known}
+
+    Lenient.__name__ = Lenient.__qualname__ = model.__name__
+    return Lenient
