@@ -380,3 +380,18 @@ def test_sagemaker_invocations_route_by_the_bodys_shape(server):
         assert refused.status_code == 400 and refused.json()["error"]["message"].startswith(field)
     garbled = httpx.post(f"{server.base_url}/invocations", content=b"[" * 100_000, timeout=30)
     assert garbled.status_code == 400
+
+
+def test_a_custom_role_reaches_the_template(client, server):
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "observation", "content": "sunny"},
+    ]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"return_token_ids": True}
+    )
+    prompt = post(server, "/detokenize", {"tokens": chat.model_extra["prompt_token_ids"]})
+    assert "<|im_start|>observation\nsunny" in prompt.json()["prompt"]
+    for role in ("bad role", "", "x" * 65, 7):
+        bad = post(server, "/v1/chat/completions", {"messages": [{"role": role, "content": "a"}]})
+        assert bad.status_code == 400 and "messages.0.role" in bad.text, bad.text

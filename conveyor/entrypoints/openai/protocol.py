@@ -373,10 +373,25 @@ class TextPart(BaseModel):
     text: str
 
 
+# OpenAI's roles; any other that matches _CUSTOM_ROLE reaches the chat template, which decides
+# (vLLM's custom roles: ipython, observation, ...; a template that refuses one is a 400).
+ROLES = ("system", "user", "assistant", "tool", "developer")
+_CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,63}")
+
+
+def _role(value: Any) -> Any:
+    if isinstance(value, str) and (value in ROLES or _CUSTOM_ROLE.fullmatch(value)):
+        return value
+    raise ValueError(
+        f"must be one of {', '.join(ROLES)}, or a custom role the chat template reads "
+        f"(1-64 letters, digits, _ or -, starting with a letter), got {_shown(value)}"
+    )
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Annotated[str, AfterValidator(_role)]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
