@@ -126,7 +126,7 @@ class Request:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         if self.params.pooling is not None:
             self.pooled_rows = []
-        self.reasoning = ReasoningPhase.of(self.params)
+        self.reasoning = ReasoningPhase.of(self.params, self.prompt_token_ids)
 
     @property
     def prompt_only(self) -> bool:

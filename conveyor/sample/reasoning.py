@@ -42,9 +42,9 @@ class ReasoningPhase:
     __slots__ = ("bounds", "state", "num_reasoning_tokens", "_head", "_recent", "_keep")
     __slots__ += ("_num_taken", "_committed")
 
-    def __init__(self, bounds: ReasoningBounds) -> None:
+    def __init__(self, bounds: ReasoningBounds, prompt_token_ids: list[int] = ()) -> None:
         self.bounds = bounds
-        self.state = REASONING if bounds.opened else HEAD
+        self.state = REASONING if bounds.opened_by(list(prompt_token_ids)) else HEAD
         self.num_reasoning_tokens = 0  # the reasoning's own, closing marker tokens included
         self._head: list[int] = []  # the head's tokens: a proper prefix of an opening marker
         self._recent: list[int] = []  # the reasoning's last tokens, as long as a closing marker
@@ -53,7 +53,7 @@ class ReasoningPhase:
         self._committed = False  # the grammar refused a head token: the marker must follow
 
     @staticmethod
-    def of(params: SamplingParams) -> ReasoningPhase | None:
+    def of(params: SamplingParams, prompt_token_ids: list[int] = ()) -> ReasoningPhase | None:
         """The phase a request needs: its reasoning is parsed in marked form, and a budget or
         a grammar depends on where it ends; None otherwise (the core then ignores it)."""
         bounds = params.reasoning
@@ -61,7 +61,7 @@ class ReasoningPhase:
             return None
         if bounds.budget is None and params.structured_outputs is None:
             return None
-        return ReasoningPhase(bounds)
+        return ReasoningPhase(bounds, prompt_token_ids)
 
     @property
     def answering(self) -> bool:

@@ -144,3 +144,14 @@ def test_messages_api_tool_choice_any_after_the_thinking(server):
     )
     assert [block.type for block in message.content] == ["thinking", "tool_use"]
     assert message.content[1].input == {"city": "Paris"} and message.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize(
+    "prompt, text",
+    [("Where?\n", "[THINK]oko[/THINK]Paris"), ("Where?\n[THINK]", "oko[/THINK]Paris")],
+)
+def test_completions_budget_reads_whether_the_prompt_opened_the_reasoning(client, prompt, text):
+    body = {"thinking_token_budget": 3, "skip_special_tokens": False}
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, extra_body=body)
+    assert out.choices[0].text.removesuffix("<|im_end|>") == text
+    assert out.choices[0].finish_reason == "stop"

@@ -310,6 +310,10 @@ def test_thinking_token_budget_without_a_reasoning_parser_is_a_400_naming_it(cli
         )
     assert "thinking_token_budget" in str(caught.value)
     assert "--reasoning-parser" in str(caught.value)
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=4, extra_body={"thinking_token_budget": 8}
+        )
 
 
 def test_anthropic_thinking_is_a_hint_without_a_reasoning_parser(server):

@@ -140,3 +140,13 @@ def test_a_head_token_the_answer_also_begins_with_is_the_grammars_until_the_mark
     # refused by the grammar, the head can only be the marker: its rest is forced
     assert state.forced_token_id() == 2 and not state.grammar_applies
     assert state.advance(2, grammar) == [] and state.state == "reasoning"
+
+
+def test_a_completions_prompt_opened_the_reasoning_when_its_last_marker_opens_it():
+    bounds = ReasoningBounds(("<t>",), ("</t>",), None, (OPEN,), (CLOSE,), 0)
+    assert bounds.opened_by([9, *OPEN, 7])
+    assert not bounds.opened_by([9, *OPEN, 7, *CLOSE, 6])
+    assert bounds.opened_by([*OPEN, *CLOSE, *OPEN])
+    assert not bounds.opened_by([9, 1, 9, 2]) and not bounds.opened_by([])
+    assert ReasoningPhase(bounds, [9, *OPEN]).state == "reasoning"
+    assert ReasoningPhase(bounds, [9]).state == "head"

@@ -188,6 +188,8 @@ class _SamplingFields(BaseModel):
     truncation_side: Literal["left", "right"] = "left"  # which end truncation cuts
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: the reasoning ends once it has this many tokens (its closing marker is forced).
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     # Harmless hints: accepted, ignored (and bounded).
     user: HintText | None = None
     metadata: Metadata | None = None
@@ -236,6 +238,11 @@ class _SamplingFields(BaseModel):
         """The name errors give a field: its own, or, for a request that runs another API's
         request, that API's (ChatCompletionRequest.names)."""
         return name
+
+    @property
+    def budget_is_hint(self) -> bool:
+        """Whether thinking_token_budget is ignored where nothing reasons (else refused)."""
+        return False
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Raises ValueError (-> 400) naming the first field beyond the server's limits."""
@@ -469,8 +476,6 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: ReasoningEffort | None = None
     # vLLM's: false leaves the reasoning (read by --reasoning-parser) out of the answer.
     include_reasoning: bool = True
-    # vLLM's: the reasoning ends once it has this many tokens (its closing marker is forced).
-    thinking_token_budget: int | None = Field(default=None, ge=0)
     # Set by an API whose budget is a hint (Anthropic's thinking): without reasoning to bound
     # it is ignored, where chat's own field is refused.
     _budget_is_hint: bool = PrivateAttr(default=False)

@@ -30,6 +30,7 @@ from conveyor.entrypoints.parsers.events import (
     ToolArgsDelta,
     ToolCallStart,
 )
+from conveyor.entrypoints.parsers.reasoning import MarkedReasoning
 from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar, lark_marker
 from conveyor.entrypoints.pipeline import (
     Choice,
@@ -319,6 +320,8 @@ class OpenAIServing:
         await self.check_constraint(constraint, param)
         if max_tokens == 0 and request.n > 1:  # one prompt-only computation serves all n
             params = params.clone(n=1)
+        if request.thinking_token_budget is not None:
+            params = self._with_reasoning(request, params, self._prompt_reasoning())
         prompts = await self.off_loop(
             self.completion_prompts,
             request.prompt,
@@ -469,7 +472,10 @@ class OpenAIServing:
         return [prompt], self._with_reasoning(request, params, bounds)
 
     def _with_reasoning(
-        self, request: ChatCompletionRequest, params: SamplingParams, bounds: ReasoningBounds | None
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        params: SamplingParams,
+        bounds: ReasoningBounds | None,
     ) -> SamplingParams:
         """params with the reply's reasoning bounds, when it has reasoning this server reads:
         stop strings then end the answer, not the reasoning, and the engine core finds its
@@ -492,6 +498,14 @@ class OpenAIServing:
             budget=budget,
         )
         return params.clone(reasoning=bounds)
+
+    def _prompt_reasoning(self) -> ReasoningBounds | None:
+        """A completion's reasoning bounds: the server's marked reasoning, open where the
+        prompt's own tokens opened it (the client wrote the prompt: no template says)."""
+        reasoning = self.parsers.for_request(None, self.limits.max_json_depth).reasoning
+        if not isinstance(reasoning, MarkedReasoning):
+            return None
+        return replace(reasoning.bounds(), opened=None)
 
     def _marker_ids(self, markers: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each marker as this tokenizer encodes it (a family's markers: one special token)."""
