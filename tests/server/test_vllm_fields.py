@@ -399,3 +399,11 @@ def test_a_custom_role_reaches_the_template(client, server):
     for role in ("bad role", "", "x" * 65, 7):
         bad = post(server, "/v1/chat/completions", {"messages": [{"role": role, "content": "a"}]})
         assert bad.status_code == 400 and "messages.0.role" in bad.text, bad.text
+
+
+def test_prompt_logprobs_minus_one_is_a_400_as_vllm_answers_it(client):
+    # vLLM's test_prompt_logprobs_completion: -1 (the whole vocabulary) is past max_logprobs
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(
+            model=MODEL, prompt=["A robot", "My name is"], extra_body={"prompt_logprobs": -1}
+        )
