@@ -166,3 +166,32 @@ def test_a_forced_call_is_written_in_the_parsers_own_syntax(client, choice):
     streamed = gathered(client.chat.completions.create(model=MODEL, stream=True, **fields))
     assert [name for name, _ in streamed["calls"]] == [call.function.name]
     assert streamed["content"] == "" and streamed["finish"] == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def deepseek(tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek")
+    server = start_tiny(tiny_checkpoint, folder, "--tool-call-parser", "deepseek_v3")
+    yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    server.stop()
+
+
+def test_deepseek_v31_arguments_stream_in_pieces_that_join_to_the_whole(deepseek):
+    arguments = '{"city": "Paris", "days": [1, 2]}'
+    raw = (
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        f"{arguments}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    )
+    whole = ask(deepseek, raw, tools=TOOLS).choices[0]
+    assert whole.message.content == "Sure." and whole.finish_reason == "tool_calls"
+    assert whole.message.tool_calls[0].function.arguments == arguments
+    chunks = list(ask(deepseek, raw, stream=True, tools=TOOLS))
+    pieces = [
+        call.function.arguments
+        for chunk in chunks
+        for call in chunk.choices[0].delta.tool_calls or []
+        if call.function.arguments
+    ]
+    assert len(pieces) > 3 and "".join(pieces) == arguments
+    streamed = gathered(chunks)
+    assert streamed["content"] == "Sure." and streamed["finish"] == "tool_calls"
