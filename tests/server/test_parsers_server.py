@@ -195,3 +195,20 @@ def test_deepseek_v31_arguments_stream_in_pieces_that_join_to_the_whole(deepseek
     assert len(pieces) > 3 and "".join(pieces) == arguments
     streamed = gathered(chunks)
     assert streamed["content"] == "Sure." and streamed["finish"] == "tool_calls"
+
+
+def test_a_forced_call_is_written_in_deepseeks_syntax(deepseek):
+    reply = deepseek.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=200,
+        tools=CITY_TOOLS[:1],
+        tool_choice=NAMED,
+        extra_body={"return_token_ids": True},
+    ).choices[0]
+    raw = detokenized(deepseek, reply.model_extra["token_ids"])
+    assert raw.startswith("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{")
+    assert raw.endswith("<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "get_weather" and reply.finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")

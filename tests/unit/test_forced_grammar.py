@@ -30,6 +30,10 @@ def text_of(family: str, calls: list[dict]) -> str:
         return "\n".join(f"<tool_call>\n{obj(a)}\n</tool_call>" for a in calls)
     if family == "llama3_json":
         return "; ".join(obj(a, "parameters") for a in calls)
+    if family == "deepseek_v3":
+        one = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+        body = "".join(one.format(json.dumps(a)) for a in calls)
+        return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
     listed = "[" + ", ".join(obj(a) for a in calls) + "]"
     return {"mistral": "[TOOL_CALLS]", "granite": "<|tool_call|>"}[family] + listed
 
