@@ -142,6 +142,7 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         metrics_auth=not args.metrics_no_auth,
         dashboard=args.dashboard,
         trust_request_chat_template=args.trust_request_chat_template,
+        ignore_unknown_fields=args.ignore_unknown_fields,
         embedding_pooling=args.embedding_pooling,
         response_store=store_limits(args),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
@@ -313,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="last",
         help="/v1/embeddings: the last token's final hidden state, or the mean over the "
         "input's tokens (normalized either way)",
+    )
+    server.add_argument(
+        "--ignore-unknown-fields",
+        action="store_true",
+        help="accept chat, completions and embeddings requests with top-level fields this "
+        "server does not know, logging and ignoring them (vLLM's behaviour); by default such "
+        "a request is refused with a 400 that names them",
     )
     server.add_argument(
         "--trust-request-chat-template",

@@ -233,6 +233,7 @@ class _ReplicaSeries(_Totals):
         "kv_usage",
         "per_position",
         "iteration_tokens",
+        "iteration_new_tokens",
         "last_seq",
     )
 
@@ -242,6 +243,7 @@ class _ReplicaSeries(_Totals):
         self.waiting = metrics.waiting.labels(*labels)
         self.kv_usage = metrics.kv_usage.labels(*labels)
         self.iteration_tokens = metrics.iteration_tokens.labels(*labels)
+        self.iteration_new_tokens = metrics.iteration_new_tokens.labels(*labels)
         self.last_seq: int | None = None  # the last step record observed
         super().__init__(
             {
@@ -311,6 +313,15 @@ class EngineMetrics:
         self.iteration_tokens = Histogram(
             "conveyor:iteration_tokens_total",
             "Tokens computed per engine step (prompt chunks, decoded and draft tokens).",
+            per_replica,
+            registry=reg,
+            buckets=ITERATION_TOKENS_BUCKETS,
+        )
+        # vLLM's iteration_tokens_total: a step's new prompts, whole (cached tokens too), and
+        # the tokens it generated; what the step computed is iteration_tokens above.
+        self.iteration_new_tokens = Histogram(
+            "conveyor:iteration_new_tokens",
+            "Prompt tokens of the requests a step started and tokens it generated.",
             per_replica,
             registry=reg,
             buckets=ITERATION_TOKENS_BUCKETS,
@@ -402,6 +413,10 @@ class EngineMetrics:
         series.running.set(stats.scheduler.num_running)
         series.waiting.set(stats.scheduler.num_waiting)
         series.kv_usage.set(stats.scheduler.kv_cache_usage)
+        new_tokens = stats.num_prompt_tokens_total + stats.num_generation_tokens_total
+        new_tokens -= series.seen["prompt"] + series.seen["gen"]
+        if new_tokens > 0:
+            series.iteration_new_tokens.observe(new_tokens)
         series.add("prompt", stats.num_prompt_tokens_total)
         series.add("gen", stats.num_generation_tokens_total)
         series.add("preempt", stats.scheduler.num_preemptions_total)

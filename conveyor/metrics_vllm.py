@@ -103,7 +103,7 @@ _EXPORTS: dict[str, tuple[_Export, ...]] = {
             "Histogram of maximum number of requested generation tokens.",
         ),
     ),
-    "iteration_tokens_total": (
+    "iteration_new_tokens": (
         _Export("iteration_tokens_total", "Histogram of number of tokens per engine_step."),
     ),
     "request_params_n": (_Export("request_params_n", "Histogram of the n request parameter."),),

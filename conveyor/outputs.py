@@ -60,6 +60,11 @@ class SamplingRow(NamedTuple):
     output_token_ids: list[int]  # tokens generated so far (before this step)
     penalty_counts: PenaltyCounts | None = None  # set when params has penalties
     grammar: Grammar | None = None  # set when params has structured_outputs
+    # The token this row must be (a thinking budget spent: the reasoning's closing marker).
+    forced_token_id: int | None = None
+    # A token the grammar's mask lets through: the next of the reasoning's opening marker,
+    # while the reply may still open its reasoning (sample/reasoning.py).
+    opening_token_id: int | None = None
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from conveyor.outputs import REQUEST_FAILURES, PenaltyCounts
+from conveyor.sample.reasoning import ReasoningPhase
 from conveyor.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -98,6 +99,8 @@ class Request:
     spec_counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
     # Structured output: the request's own matcher, set by the engine once it has compiled.
     grammar: Grammar | None = None
+    # Where its reasoning ends, when a thinking budget or a grammar depends on it.
+    reasoning: ReasoningPhase | None = field(default=None, init=False)
     error: str | None = None  # why it ended with FINISHED_ERROR
     # The error is the request's own input's doing (its constraint could not be followed):
     # the client's to fix, a 400, not the server's failure.
@@ -123,6 +126,7 @@ class Request:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         if self.params.pooling is not None:
             self.pooled_rows = []
+        self.reasoning = ReasoningPhase.of(self.params, self.prompt_token_ids)
 
     @property
     def prompt_only(self) -> bool:
@@ -159,13 +163,26 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
             if not self.params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        answer = [token_id]
+        if self.reasoning is not None:  # the reasoning is not the grammar's
+            answer = self.reasoning.advance(token_id, self.grammar)
         if self.grammar is not None:  # a grammar complete at max_tokens is a stop
-            status = self._advance_grammar(token_id)
-            if status is not None:
-                return status
+            for answer_token_id in answer:
+                status = self._advance_grammar(answer_token_id)
+                if status is not None:
+                    return status
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def attach_grammar(self, grammar: Grammar) -> None:
+        """Gives the request its matcher. A grammar that may itself write the reasoning's
+        opening marker (a choice or regex spelling a whole reply) shapes the whole reply,
+        reasoning included, and no budget is forced into it; any other starts after the
+        reasoning."""
+        self.grammar = grammar
+        if self.reasoning is not None and self.reasoning.spelled_by(grammar):
+            self.reasoning = None
 
     def _advance_grammar(self, token_id: int) -> RequestStatus | None:
         """A token that did not end the request advances its grammar; the request stops as

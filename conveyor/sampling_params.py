@@ -31,11 +31,39 @@ class ReasoningBounds:
     when it starts (after blanks) with an opening marker, or from its first character when the
     prompt opened the block (opened); the reasoning ends after the first closing marker. The
     server sets it for a request whose reasoning is parsed, so that stop strings are matched in
-    the answer only (vLLM matches them inside the reasoning too: vllm-project/vllm#59515)."""
+    the answer only (vLLM matches them inside the reasoning too: vllm-project/vllm#59515).
+
+    The engine core reads no text: it finds the markers by the token ids the tokenizer encodes
+    them as (opening_ids, closing_ids), to end the reasoning by forcing closing_ids[0] once it
+    has `budget` tokens (a thinking budget), and to start a grammar after it
+    (sample/reasoning.py)."""
 
     opening: tuple[str, ...]
     closing: tuple[str, ...]
-    opened: bool = False
+    opened: bool | None = False  # None: whether the prompt's tokens end in an open block
+    opening_ids: tuple[tuple[int, ...], ...] = ()
+    closing_ids: tuple[tuple[int, ...], ...] = ()
+    budget: int | None = None  # reasoning tokens before the closing marker is forced
+
+    def opened_by(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the reply starts inside the reasoning: `opened`, or where it is None (a
+        completion's prompt, written by the client), whether the prompt's last marker token
+        sequence opens a block rather than closes one."""
+        if self.opened is not None:
+            return self.opened
+        return _last_at(prompt_token_ids, self.opening_ids) > _last_at(
+            prompt_token_ids, self.closing_ids
+        )
+
+
+def _last_at(token_ids: list[int], sequences: tuple[tuple[int, ...], ...]) -> int:
+    """Where the last of `sequences` to occur in token_ids ends (-1: none occurs); linear in
+    the tokens for markers of a few tokens."""
+    for end in range(len(token_ids), 0, -1):
+        for ids in sequences:
+            if ids and end >= len(ids) and tuple(token_ids[end - len(ids) : end]) == ids:
+                return end
+    return -1
 
 
 @dataclass(slots=True)

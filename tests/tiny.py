@@ -149,14 +149,15 @@ def make_tiny_checkpoint(
 
 
 def make_scripted_checkpoint(
-    path: Path, successor: dict[int, int], specials: tuple[str, ...] = ()
+    path: Path, successor: dict[int, int], specials: tuple[str, ...] = (), **overrides
 ) -> Path:
     """A model whose greedy next token after token x is successor[x], whatever the context.
 
     One-hot embeddings (hidden size = vocab size), a layer whose attention and MLP output
     zero, and an LM head that maps x to successor[x]: the logit of successor[x] is
     sqrt(vocab) and every other logit is 0. Lets engine tests script exact token sequences.
-    specials: more special tokens (ids from 384 on), as a family's markers are.
+    specials: more special tokens (ids from 384 on), as a family's markers are; overrides:
+    more config settings (max_position_embeddings, say).
     """
     tokenizer = build_tokenizer()
     if specials:
@@ -172,6 +173,7 @@ def make_scripted_checkpoint(
         head_dim=vocab // 4,
         intermediate_size=32,
         rope_scaling=None,
+        **overrides,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
     with torch.no_grad():
@@ -207,6 +209,16 @@ def thinking_script() -> dict[int, int]:
     order += [*(i for c in "Paris" for i in ids(c)), tokenizer.eos_token_id]
     assert len(set(order)) == len(order)
     return dict(zip(order[:-1], order[1:], strict=True))
+
+
+def endless_thinking_script() -> dict[int, int]:
+    """As thinking_script, but the model thinks o k o k ... and never writes [/THINK] itself;
+    given [/THINK] (a thinking budget forces it), it answers P a r i s <|im_end|>."""
+    script = thinking_script()
+    tokenizer = build_tokenizer()
+    (o,) = tokenizer.encode("o", add_special_tokens=False)
+    (k,) = tokenizer.encode("k", add_special_tokens=False)
+    return script | {k: o}
 
 
 def byte_token_ids(tokenizer, text: str) -> list[int]:

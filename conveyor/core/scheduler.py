@@ -248,6 +248,8 @@ class Scheduler:
             remaining = request.num_tokens - request.num_computed_tokens
             if remaining != 1 or scheduled.get(request.request_id) != 1:
                 continue  # prefilling, or not scheduled this step
+            if request.reasoning is not None and not request.reasoning.answering:
+                continue  # each token may end the reasoning, or have to (a thinking budget)
             if self._draft_by_model:
                 wanted = self.speculative.num_speculative_tokens
             else:
@@ -519,12 +521,20 @@ def _rank(request: Request) -> tuple[int, float]:
 
 
 def _sampling_row(request: Request) -> SamplingRow:
+    grammar, forced, opening = request.grammar, None, None
+    phase = request.reasoning
+    if phase is not None:
+        forced = phase.forced_token_id()
+        opening = phase.opening_token_id() if grammar is not None else None
+        grammar = grammar if phase.grammar_applies else None  # the reasoning is free text
     return SamplingRow(
         params=request.params,
         generator=request.generator,
         output_token_ids=request.output_token_ids,
         penalty_counts=request.penalty_counts,
-        grammar=request.grammar,
+        grammar=grammar,
+        forced_token_id=forced,
+        opening_token_id=opening,
     )
 
 

@@ -365,7 +365,7 @@ class EngineCore:
                 if error is None:
                     stops = request.params.stop_token_ids
                     vocab = self.grammars.lltokenizer.vocab_size
-                    request.grammar = Grammar(future.result().deep_copy(), stops, vocab)
+                    request.attach_grammar(Grammar(future.result().deep_copy(), stops, vocab))
                     self.scheduler.add_request(request)
                 else:
                     self._failed.append(CoreOutput.failed(request_id, str(error)))

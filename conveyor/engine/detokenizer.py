@@ -66,7 +66,10 @@ class IncrementalDetokenizer:
         self._num_chars = 0
         self._num_sent = 0
         self._num_checked = 0  # stop matches ending at or before this char were looked for
-        self._gate = _ReasoningGate(params.reasoning) if params.reasoning else None
+        reasoning = params.reasoning
+        self._gate = (
+            _ReasoningGate(reasoning, reasoning.opened_by(prompt_token_ids)) if reasoning else None
+        )
         self._stopped = False
 
     @property
@@ -206,9 +209,9 @@ class _ReasoningGate:
 
     __slots__ = ("_bounds", "_state", "_head", "_carry", "_num_seen", "answer_start")
 
-    def __init__(self, bounds: ReasoningBounds) -> None:
+    def __init__(self, bounds: ReasoningBounds, opened: bool) -> None:
         self._bounds = bounds
-        self._state = _REASONING if bounds.opened else _HEAD
+        self._state = _REASONING if opened else _HEAD
         self._head = ""  # the head from its first non-blank, shorter than an opening marker
         self._carry = ""  # the reasoning's last chars, which may begin a closing marker
         self._num_seen = 0

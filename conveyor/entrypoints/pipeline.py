@@ -169,7 +169,10 @@ class Hidden:
 class ReplyReader:
     """One reply in its request's tool mode, as events. auto and none: the server's parsers
     read it; named: the text is the function's arguments, streamed as they come; required:
-    the text is a JSON list of calls, sent once complete. A forced reply cut by max_tokens is
+    the text is a JSON list of calls, sent once complete; forced: a required or named call
+    that a grammar made the model write in its family's syntax (parsers/tools/forced.py),
+    read by the server's parsers, its reasoning too, and never content. A forced reply cut by
+    max_tokens is
     never content: required keeps the calls completed before the cut, named the arguments
     written so far, as OpenAI does. hidden: special tokens decoded so that the parsers see
     their markers, which the client must not see (they are removed before any reading)."""
@@ -186,7 +189,7 @@ class ReplyReader:
         hidden: tuple[str, ...] = (),
     ) -> None:
         self.mode, self.name, self.max_depth = mode, name, max_depth
-        self.parser = parser if mode in ("auto", "none") else None
+        self.parser = parser if mode in ("auto", "none", "forced") else None
         self.hidden = Hidden(hidden)
         self._held: list[str] = []  # required: the reply, joined once at its end
         self._started = False
@@ -209,6 +212,8 @@ class ReplyReader:
             events = [] if not finished else call_events(self._required(), "")
         else:
             events = self.parser.feed(text) + (self.parser.finish() if finished else [])
+            if self.mode == "forced":
+                events = [event for event in events if not isinstance(event, ContentDelta)]
         self.num_calls += sum(isinstance(event, ToolCallStart) for event in events)
         return events
 
@@ -220,7 +225,8 @@ class ReplyReader:
             return Parsed(None, None, [(self.name, text)])
         if self.mode == "required":
             return Parsed(None, None, list(parse_required(text, self.max_depth)))
-        return tidy(self.parser.parse(text))
+        parsed = tidy(self.parser.parse(text))
+        return parsed._replace(content=None) if self.mode == "forced" else parsed
 
     def _named(self, text: str, finished: bool) -> list[Event]:
         events: list[Event] = []
@@ -413,6 +419,11 @@ class Parsers:
     def of(cls, names: ParserNames, chat_template: str | None) -> Parsers:
         return cls(chosen(names, chat_template))
 
+    @property
+    def marks_reasoning(self) -> bool:
+        """Whether replies' reasoning is read between markers (not harmony's channels)."""
+        return self.names.reasoning not in (None, "openai_gptoss")
+
     def markers(self, reasoning: bool, tools: bool) -> frozenset[str]:
         """The marker texts a request's parsers read (reasoning: its reasoning is parsed;
         tools: its calls are)."""
@@ -446,7 +457,8 @@ class Parsers:
         """A fresh ReplyParser for one reply. tools: the declared functions' parameters, when
         tool_choice is auto (None: no calls are read). prompt_text_tail: the prompt's end, to
         see whether the template opened the reasoning. constrained: a grammar shapes the reply
-        from its first token, so it holds no reasoning the prompt opened."""
+        from its first token, so it holds no reasoning the prompt opened (a grammar that
+        starts after marked reasoning does not)."""
         reasoning = None
         if self.names.reasoning is not None:
             opened = not constrained and _opens_reasoning(prompt_text_tail)

@@ -7,8 +7,10 @@ Pipeline, as in vLLM, on the rows of one engine step:
         ├─ grammar: tokens it forbids -> -inf             ─┐
         ├─ logit_bias (added)                              │
         ├─ penalties (repetition, presence, frequency)    │ process_logits
-        ├─ min_tokens: stop ids and EOS -> -inf           ─┘
+        ├─ min_tokens: stop ids and EOS -> -inf            │
         │    (unless the grammar allows nothing else: it wins)
+        ├─ a forced token (a thinking budget spent): the   ─┘
+        │    only one left (sample/reasoning.py)
         │
         ├─ greedy rows: argmax
         └─ other rows: / temperature -> top_k -> top_p -> min_p -> exponential race
@@ -64,6 +66,7 @@ def plain_greedy(row: SamplingRow) -> bool:
     return (
         params.greedy
         and row.grammar is None
+        and row.forced_token_id is None
         and params.logprobs is None
         and not params.logit_bias
         and not params.has_penalties
@@ -106,11 +109,13 @@ class Sampler:
         banned = self._min_tokens_bans(rows, logits.shape[1])
         allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids]
         words = _bad_word_bans(rows)
-        if mask is None and not (biased or penalized or banned[0] or allowed or words[0]):
+        forced = [i for i, row in enumerate(rows) if row.forced_token_id is not None]
+        if mask is None and not (biased or penalized or banned[0] or allowed or words[0] or forced):
             return logits
-        logits = logits.clone()  # the raw logits stay intact for logprobs
+        raw, logits = logits, logits.clone()  # the raw logits stay intact for logprobs
         if mask is not None:
             apply_bitmask(logits, mask.rows, mask.bitmask)
+            _let_openings_through(logits, raw, rows)
         for i in allowed:
             ids = torch.tensor(rows[i].params.allowed_token_ids, device=logits.device)
             kept = logits[i, ids]
@@ -131,6 +136,10 @@ class Sampler:
                 for row, saved, is_dead in zip(both, kept, dead, strict=True):
                     if is_dead:
                         logits[row] = saved
+        for i in forced:
+            if rows[i].forced_token_id < logits.shape[1]:
+                logits[i] = NEG_INF
+                logits[i, rows[i].forced_token_id] = 0.0
         return logits
 
     def _min_tokens_bans(
@@ -192,6 +201,15 @@ class Sampler:
                 generator.manual_seed(self.seed)
             self._generators[device] = generator
         return generator
+
+
+def _let_openings_through(logits: torch.Tensor, raw: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """A reply that may still open its reasoning may write the opening marker's next token
+    beside what its grammar allows: the grammar starts after the reasoning."""
+    for i, row in enumerate(rows):
+        token_id = row.opening_token_id
+        if token_id is not None and token_id < logits.shape[1]:
+            logits[i, token_id] = raw[i, token_id]
 
 
 def failed_rows(raw: torch.Tensor, processed: torch.Tensor) -> dict[int, str]:

@@ -58,6 +58,12 @@ class Grammar:
         self.num_consumed += ok
         return bool(ok)
 
+    def take_back(self, num_tokens: int) -> None:
+        """Undoes the last num_tokens accepted (a reply's head that opened its reasoning)."""
+        if num_tokens and not self.matcher.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback failed: {self.matcher.get_error()}")
+        self.num_consumed -= num_tokens
+
     def valid_prefix(self, token_ids: list[int], stops: frozenset[int]) -> int:
         """How many of `token_ids` (drafts) the grammar accepts in turn, without changing its
         state: up to the first one it forbids, or the first stop token (which, accepted,

@@ -59,8 +59,21 @@ def parameters_of(tool: dict) -> dict:
 
 def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     """The schema of tool_choice "required": a list of calls, each {"name", "arguments"} of
-    one declared tool. Each tool's $defs are hoisted to the top level (a $ref points from
-    the root); two tools defining one name differently is an error."""
+    one declared tool (call_schema)."""
+    call = call_schema(tools)
+    defs = call.pop("$defs", None)
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def call_schema(tools: list[dict], arguments_key: str = "arguments") -> dict:
+    """The schema of one call of a declared tool: {"name": F, arguments_key: {...}} (Llama 3
+    names its arguments "parameters"). Each tool's $defs are hoisted to the top level (a $ref
+    points from the root); two tools defining one name differently is an error."""
     defs: dict[str, Any] = {}
     branches = []
     for tool in tools:
@@ -78,15 +91,13 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [function["name"]]},
-                    "arguments": parameters,
+                    arguments_key: parameters,
                 },
-                "required": ["name", "arguments"],
+                "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
-    if not parallel:
-        schema["maxItems"] = 1
+    schema: dict[str, Any] = {"anyOf": branches}
     if defs:
         schema["$defs"] = defs
     return schema

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from server_util import start_tiny
@@ -114,3 +115,100 @@ def test_a_calls_arguments_stream_in_pieces_after_a_chunk_with_its_id_and_name(c
     assert len(pieces) > 1 and all(p.index == 0 and not p.id for p in pieces)
     arguments = (first.function.arguments or "") + "".join(p.function.arguments for p in pieces)
     assert json.loads(arguments) == {"city": "Paris"}
+
+
+CITY_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def detokenized(client, token_ids: list[int]) -> str:
+    url = str(client.base_url).removesuffix("/").removesuffix("/v1") + "/detokenize"
+    return httpx.post(url, json={"model": MODEL, "tokens": token_ids}, timeout=30).json()["prompt"]
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_call_is_written_in_the_parsers_own_syntax(client, choice):
+    fields = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "max_tokens": 120,
+        "tools": CITY_TOOLS,
+        "tool_choice": choice,
+        "parallel_tool_calls": False,
+        # a reply that opens its reasoning closes it at once: the grammar starts after it
+        "extra_body": {"thinking_token_budget": 0, "return_token_ids": True},
+    }
+    reply = client.chat.completions.create(model=MODEL, **fields).choices[0]
+    raw = detokenized(client, reply.model_extra["token_ids"])
+    answer = raw[raw.index("</think>") + len("</think>") :] if "</think>" in raw else raw
+    assert answer.startswith('<tool_call>\n{"name": "') and answer.endswith("\n</tool_call>")
+    (call,) = reply.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and reply.finish_reason == "tool_calls"
+    if choice == NAMED:
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert reply.message.content is None
+    streamed = gathered(client.chat.completions.create(model=MODEL, stream=True, **fields))
+    assert [name for name, _ in streamed["calls"]] == [call.function.name]
+    assert streamed["content"] == "" and streamed["finish"] == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def deepseek(tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek")
+    server = start_tiny(tiny_checkpoint, folder, "--tool-call-parser", "deepseek_v3")
+    yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    server.stop()
+
+
+def test_deepseek_v31_arguments_stream_in_pieces_that_join_to_the_whole(deepseek):
+    arguments = '{"city": "Paris", "days": [1, 2]}'
+    raw = (
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        f"{arguments}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    )
+    whole = ask(deepseek, raw, tools=TOOLS).choices[0]
+    assert whole.message.content == "Sure." and whole.finish_reason == "tool_calls"
+    assert whole.message.tool_calls[0].function.arguments == arguments
+    chunks = list(ask(deepseek, raw, stream=True, tools=TOOLS))
+    pieces = [
+        call.function.arguments
+        for chunk in chunks
+        for call in chunk.choices[0].delta.tool_calls or []
+        if call.function.arguments
+    ]
+    assert len(pieces) > 3 and "".join(pieces) == arguments
+    streamed = gathered(chunks)
+    assert streamed["content"] == "Sure." and streamed["finish"] == "tool_calls"
+
+
+def test_a_forced_call_is_written_in_deepseeks_syntax(deepseek):
+    reply = deepseek.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=200,
+        tools=CITY_TOOLS[:1],
+        tool_choice=NAMED,
+        extra_body={"return_token_ids": True},
+    ).choices[0]
+    raw = detokenized(deepseek, reply.model_extra["token_ids"])
+    assert raw.startswith("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{")
+    assert raw.endswith("<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "get_weather" and reply.finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")

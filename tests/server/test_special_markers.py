@@ -112,3 +112,53 @@ def test_stop_sequence_in_the_thinking_on_the_messages_api(server):
     assert [block.type for block in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == "ok" and message.content[1].text == "Par"
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == "is"
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_applies_after_the_reasoning(client, stream):
+    fields = {"messages": HI, "max_tokens": 40, "response_format": CITY_FORMAT}
+    if stream:
+        reasoning, content = joined(
+            client.chat.completions.create(model=MODEL, **fields, stream=True)
+        )
+    else:
+        message = client.chat.completions.create(model=MODEL, **fields).choices[0].message
+        reasoning, content = message.model_dump()["reasoning"], message.content
+    assert (reasoning, content) == ("ok", '{"city": "Paris"}')
+
+
+def test_a_json_schema_without_the_reasoning_still_has_content(client):
+    # vLLM #48863: include_reasoning false with a JSON schema returned empty content
+    message = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=HI,
+            max_tokens=40,
+            response_format=CITY_FORMAT,
+            extra_body={"include_reasoning": False},
+        )
+        .choices[0]
+        .message
+    )
+    assert message.content == '{"city": "Paris"}'
+    assert "reasoning" not in message.model_dump()
+
+
+def test_output_format_after_the_thinking_on_the_messages_api(server):
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    output_config = {"format": {"type": "json_schema", "schema": CITY}}
+    message = client.messages.create(
+        model=MODEL, max_tokens=40, messages=HI, extra_body={"output_config": output_config}
+    )
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "ok"
+    assert message.content[1].text == '{"city": "Paris"}'

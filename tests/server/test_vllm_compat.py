@@ -250,8 +250,10 @@ def test_vllm_series_carry_the_same_observations_as_conveyors(server, client):
     assert grew("vllm:request_prompt_tokens_sum") == prompt_tokens
     assert grew("vllm:request_generation_tokens_sum") == generated
     assert grew("vllm:request_prompt_tokens_count") == 3
-    # Each step computes the prompt's uncached tokens, then one per token fed back.
-    assert grew("vllm:iteration_tokens_total_sum") == uncached + generated - 3
+    # conveyor's: each step computes the prompt's uncached tokens, then one per token fed
+    # back; vLLM's: each prompt whole once, and every token generated.
+    assert grew("conveyor:iteration_tokens_total_sum") == uncached + generated - 3
+    assert grew("vllm:iteration_tokens_total_sum") == prompt_tokens + generated
     assert grew("vllm:prompt_tokens_total") == grew("conveyor:prompt_tokens_total") == prompt_tokens
     assert grew("vllm:generation_tokens_total") == generated
     assert grew("vllm:e2e_request_latency_seconds_count") == 3
@@ -270,6 +272,7 @@ def test_vllm_series_carry_the_same_observations_as_conveyors(server, client):
                 name.replace("vllm:", "conveyor:")
                 .replace("time_per_output_token", "inter_token_latency")
                 .replace("gpu_cache_usage", "kv_cache_usage")
+                .replace("iteration_tokens_total", "iteration_new_tokens")
             )
             if "_bucket" not in name:
                 assert value == final[twin], name

@@ -298,3 +298,112 @@ def test_stream_options_without_stream_and_every_bad_logit_bias_key_are_refused(
     assert "'5'" not in error["message"]
     streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
     assert post(server, "/v1/completions", streamed).status_code == 200
+
+
+def test_thinking_token_budget_without_a_reasoning_parser_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            extra_body={"thinking_token_budget": 8},
+        )
+    assert "thinking_token_budget" in str(caught.value)
+    assert "--reasoning-parser" in str(caught.value)
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=4, extra_body={"thinking_token_budget": 8}
+        )
+
+
+def test_anthropic_thinking_is_a_hint_without_a_reasoning_parser(server):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    for thinking in ({"type": "disabled"}, {"type": "adaptive", "display": "omitted"}):
+        answer = post(server, "/v1/messages", body | {"thinking": thinking})
+        assert answer.status_code == 200, answer.text
+        assert [block["type"] for block in answer.json()["content"]] == ["text"]
+    # a budget needs max_tokens beyond this model's context: counted, not run
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    del body["max_tokens"]
+    answer = post(server, "/v1/messages/count_tokens", body | {"thinking": enabled})
+    assert answer.status_code == 200 and answer.json()["input_tokens"] > 0, answer.text
+
+
+def test_truncation_side_right_keeps_the_first_tokens(client, server):
+    body = {"truncate_prompt_tokens": 5, "truncation_side": "right", "return_token_ids": True}
+    cut = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body=body
+    )
+    assert cut.choices[0].model_extra["prompt_token_ids"] == PROMPT[:5]
+    messages = [{"role": "user", "content": "Hello there, how are you today?"}]
+    whole, right = (
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body=extra
+        ).model_extra["prompt_token_ids"]
+        for extra in ({"return_token_ids": True}, body)
+    )
+    assert right == whole[:5]
+    bad = post(server, "/v1/completions", {"prompt": "hi", "truncation_side": "middle"})
+    assert bad.status_code == 400 and "truncation_side" in bad.text
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client):
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, extra_body=extra
+    ).choices[0]
+    ids = out.model_extra["token_ids"]
+    assert out.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(key.startswith("token_id:") for top in out.logprobs.top_logprobs for key in top)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
+    ).choices[0]
+    ids = chat.model_extra["token_ids"]
+    assert [entry.token for entry in chat.logprobs.content] == [f"token_id:{t}" for t in ids]
+    assert chat.logprobs.content[0].bytes == list(f"token_id:{ids[0]}".encode())
+
+
+def test_sagemaker_invocations_route_by_the_bodys_shape(server):
+    chat = post(
+        server, "/invocations", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    completion = post(server, "/invocations", {"prompt": PROMPT, "max_tokens": 2})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    embedding = post(server, "/invocations", {"input": "Hi"})
+    assert embedding.status_code == 200 and embedding.json()["object"] == "list"
+    streamed = post(server, "/invocations", {"prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    for body, field in (({"prompt": "Hi", "max_tokens": -1}, "max_tokens"), ({"n": 1}, "body")):
+        refused = post(server, "/invocations", body)
+        assert refused.status_code == 400 and refused.json()["error"]["message"].startswith(field)
+    garbled = httpx.post(f"{server.base_url}/invocations", content=b"[" * 100_000, timeout=30)
+    assert garbled.status_code == 400
+
+
+def test_a_custom_role_reaches_the_template(client, server):
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "observation", "content": "sunny"},
+    ]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"return_token_ids": True}
+    )
+    prompt = post(server, "/detokenize", {"tokens": chat.model_extra["prompt_token_ids"]})
+    assert "<|im_start|>observation\nsunny" in prompt.json()["prompt"]
+    for role in ("bad role", "", "x" * 65, 7):
+        bad = post(server, "/v1/chat/completions", {"messages": [{"role": role, "content": "a"}]})
+        assert bad.status_code == 400 and "messages.0.role" in bad.text, bad.text
+
+
+def test_prompt_logprobs_minus_one_is_a_400_as_vllm_answers_it(client):
+    # vLLM's test_prompt_logprobs_completion: -1 (the whole vocabulary) is past max_logprobs
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(
+            model=MODEL, prompt=["A robot", "My name is"], extra_body={"prompt_logprobs": -1}
+        )

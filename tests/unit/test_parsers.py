@@ -143,6 +143,14 @@ CASES = [
     ),
     (
         None,
+        "deepseek_v3",
+        f'Hi{DS}add{DS_SEP}{{"a": 1}}{DS_END}<｜tool▁call▁begin｜>add{DS_SEP} {{"a": 2}}\n'
+        f"{DS_END}<｜tool▁calls▁end｜>",
+        (None, "Hi", [("add", '{"a": 1}'), ("add", '{"a": 2}')]),
+    ),
+    (None, "deepseek_v3", "x<｜tool▁calls▁end｜>", (None, "x<｜tool▁calls▁end｜>", [])),
+    (
+        None,
         "granite",
         f'<|tool_call|>[{{"name": "get_weather", "arguments": {W}}}]',
         (None, None, [("get_weather", W)]),
@@ -249,6 +257,7 @@ def test_any_text_streams_as_it_parses_whole_and_never_raises(tool, reasoning, p
 STREAMED_CALLS = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]%s"),
+    ("deepseek_v3", f"{DS}get_weather{DS_SEP}%s{DS_END}<｜tool▁calls▁end｜>"),
 ]
 
 

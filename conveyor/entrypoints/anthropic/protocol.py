@@ -9,6 +9,9 @@ chat request: the prompt, the sampling and the tool modes are the OpenAI chat ro
                                 parallel_tool_calls false); tool / none: a named function / "none"
     stop_sequences              stop
     output_config.format        response_format json_schema, strict (structured outputs)
+    thinking                    enabled / disabled: chat_template_kwargs.enable_thinking;
+                                budget_tokens: thinking_token_budget (a hint: ignored when no
+                                reasoning is parsed); display omitted: include_reasoning false
 
 Unknown fields are refused (400 naming them), as on the OpenAI routes. Accepted and ignored,
 as harmless hints: `metadata`, `service_tier`, `cache_control` (top level, on blocks, system
@@ -222,6 +225,32 @@ class OutputConfig(BaseModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # a hint: ignored
 
 
+class ThinkingEnabled(BaseModel):
+    model_config = STRICT
+
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024)  # Anthropic's floor; below max_tokens as well
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingDisabled(BaseModel):
+    model_config = STRICT
+
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(BaseModel):
+    model_config = STRICT
+
+    type: Literal["adaptive"]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+Thinking = Annotated[
+    ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")
+]
+
+
 class CountTokensRequest(BaseModel):
     """The body of /v1/messages/count_tokens: what renders the prompt."""
 
@@ -233,6 +262,7 @@ class CountTokensRequest(BaseModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None
+    thinking: Thinking | None = None
     cache_control: CacheControl | None = None  # a hint: ignored
 
     def check_limits(self, limits: RequestLimits) -> None:
@@ -303,7 +333,7 @@ class CountTokensRequest(BaseModel):
         if output is not None:  # Anthropic's structured outputs are strict
             schema = JsonSchemaFormat(name="output", schema_=output.schema_, strict=True)
             sampling["response_format"] = ResponseFormat(type="json_schema", json_schema=schema)
-        return ChatCompletionRequest(
+        chat = ChatCompletionRequest(
             model=self.model,
             messages=messages,
             add_generation_prompt=not self._prefill,
@@ -312,7 +342,26 @@ class CountTokensRequest(BaseModel):
             tool_choice=choice,
             parallel_tool_calls=parallel,
             **sampling,
+            **self._thinking_fields(),
         )
+        return chat.named({"thinking_token_budget": "thinking.budget_tokens"}).budget_hint()
+
+    def _thinking_fields(self) -> dict[str, Any]:
+        """thinking as chat's fields: enabled or disabled reaches the template as
+        enable_thinking (Qwen3's switch), the budget bounds the reasoning the server reads (a
+        hint, as Anthropic's: ignored without a reasoning parser), display "omitted" leaves
+        the thinking out."""
+        thinking = self.thinking
+        if thinking is None:
+            return {}
+        fields: dict[str, Any] = {}
+        if thinking.type != "adaptive":
+            fields["chat_template_kwargs"] = {"enable_thinking": thinking.type == "enabled"}
+        if isinstance(thinking, ThinkingEnabled):
+            fields["thinking_token_budget"] = thinking.budget_tokens
+        if getattr(thinking, "display", None) == "omitted":
+            fields["include_reasoning"] = False
+        return fields
 
     def _chat_tool_choice(self) -> tuple[Any, bool | None]:
         """(OpenAI tool_choice, parallel_tool_calls)."""
@@ -349,6 +398,13 @@ class MessagesRequest(CountTokensRequest):
             )
         if any(not stop for stop in stops):
             raise InvalidParam("stop_sequences: each must be a non-empty string", "stop_sequences")
+        thinking = self.thinking
+        if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= self.max_tokens:
+            raise InvalidParam(
+                f"thinking.budget_tokens: must be less than max_tokens ({self.max_tokens}), "
+                f"got {thinking.budget_tokens}",
+                "thinking.budget_tokens",
+            )
         if max((len(stop) for stop in stops), default=0) > limits.max_stop_length:
             raise InvalidParam(
                 f"stop_sequences: each may have at most {limits.max_stop_length} characters",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -11,8 +12,10 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.client import EngineClient
@@ -42,6 +45,7 @@ from conveyor.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    lenient,
 )
 from conveyor.entrypoints.openai.responses.routes import add_response_routes
 from conveyor.entrypoints.openai.responses.store import StoreLimits
@@ -77,6 +81,7 @@ def build_app(
     allow_runtime_lora_updating: bool = False,
     lora_allowed_dir: str | None = None,
     parsers: ParserNames | None = None,
+    ignore_unknown_fields: bool = False,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -84,7 +89,9 @@ def build_app(
     page at /dashboard (see entrypoints/openai/dashboard). allow_runtime_lora_updating:
     serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also turned on by vLLM's
     VLLM_ALLOW_RUNTIME_LORA_UPDATING); lora_allowed_dir: the folder they may load from.
-    parsers: the reasoning and tool-call parsers named on the command line."""
+    parsers: the reasoning and tool-call parsers named on the command line.
+    ignore_unknown_fields: chat, completions and embeddings bodies' unknown top-level fields
+    are logged and ignored, as vLLM does, instead of refused with a 400 naming them."""
     limits = limits or RequestLimits()
     async_engine: EngineClient = (
         engine
@@ -183,24 +190,34 @@ def build_app(
         submission = serving.submission(prefix, body, prompts, params)
         return await run(raw, serving, submission, _answer(whole, stream, body, prompts), refuse)
 
-    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         s = serving
         return await generating(
             raw, body, "cmpl", s.completion_params, s.complete, s.complete_stream
         )
 
-    @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         s = serving
         return await generating(raw, body, "chatcmpl", s.chat_params, s.chat, s.chat_stream)
 
-    @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> dict:
         check_model(body.model)
         admitted(raw)
         hidden_size = async_engine.model_config.hidden_size
         return await bad_request(embed(serving, body, embedding_pooling, hidden_size, raw))
+
+    # Each body's model, lenient about unknown fields (vLLM's way) where the operator asks;
+    # the key that makes a SageMaker /invocations body one of them.
+    invoked = {
+        "messages": (ChatCompletionRequest, chat, "/v1/chat/completions"),
+        "prompt": (CompletionRequest, completions, "/v1/completions"),
+        "input": (EmbeddingRequest, embeddings, "/v1/embeddings"),
+    }
+    for key, (model, endpoint, path) in invoked.items():
+        model = lenient(model) if ignore_unknown_fields else model
+        endpoint.__annotations__ = endpoint.__annotations__ | {"body": model}
+        app.post(path)(endpoint)
+        invoked[key] = (model, endpoint, path)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, raw: Request) -> dict:
@@ -227,6 +244,29 @@ def build_app(
                 400, f"tokens must be integers in [0, {vocab})", "BadRequestError", "tokens"
             )
         return {"prompt": await serving.off_loop(serving.tokenizer.decode, body.tokens)}
+
+    @app.post("/invocations")
+    async def invocations(raw: Request):
+        """SageMaker's one route, as vLLM serves it: a body with messages is a chat
+        completion, one with prompt a completion, one with input an embedding."""
+        try:
+            body = json.loads(await raw.body())
+        except (ValueError, RecursionError):
+            raise APIError(400, "body: not valid JSON", "BadRequestError") from None
+        kind = next((key for key in invoked if isinstance(body, dict) and key in body), None)
+        if kind is None:
+            raise APIError(
+                400,
+                "body: /invocations takes a chat (messages), completions (prompt) or "
+                "embeddings (input) request",
+                "BadRequestError",
+            )
+        model, route, _ = invoked[kind]
+        try:
+            request = model.model_validate(body)
+        except ValidationError as error:
+            raise RequestValidationError(error.errors()) from None
+        return await route(request, raw)
 
     add_messages_routes(app, serving, check_model, admitted)  # Anthropic's Messages API
     add_response_routes(app, serving, check_model, response_store)  # OpenAI's Responses API

@@ -39,6 +39,7 @@ class EmbeddingRequest(BaseModel):
     user: HintText | None = None  # a harmless hint: accepted, ignored (and bounded)
     # vLLM's
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] = "left"
     add_special_tokens: bool = True
     priority: int = 0
 
@@ -76,6 +77,7 @@ async def embed(
         request.add_special_tokens,
         request.truncate_prompt_tokens,
         serving.engine.max_model_len,  # a prompt-only request may fill the context
+        request.truncation_side,
     )
     params = SamplingParams(max_tokens=0, pooling=pooling)
     priority = serving.limits.clamp_priority(request.priority)

@@ -21,11 +21,20 @@ Constrained output comes from one of: `response_format` (json_object, json_schem
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import Counter
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from conveyor import nesting
 from conveyor.limits import RequestLimits
@@ -174,9 +183,13 @@ class _SamplingFields(BaseModel):
     # prompt cut to its last N tokens, and what may or may not be sampled.
     prompt_logprobs: int | None = Field(default=None, ge=0)
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] = "left"  # which end truncation cuts
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: the reasoning ends once it has this many tokens (its closing marker is forced).
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     # Harmless hints: accepted, ignored (and bounded).
     user: HintText | None = None
     metadata: Metadata | None = None
@@ -225,6 +238,11 @@ class _SamplingFields(BaseModel):
         """The name errors give a field: its own, or, for a request that runs another API's
         request, that API's (ChatCompletionRequest.names)."""
         return name
+
+    @property
+    def budget_is_hint(self) -> bool:
+        """Whether thinking_token_budget is ignored where nothing reasons (else refused)."""
+        return False
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Raises ValueError (-> 400) naming the first field beyond the server's limits."""
@@ -362,10 +380,25 @@ class TextPart(BaseModel):
     text: str
 
 
+# OpenAI's roles; any other that matches _CUSTOM_ROLE reaches the chat template, which decides
+# (vLLM's custom roles: ipython, observation, ...; a template that refuses one is a 400).
+ROLES = ("system", "user", "assistant", "tool", "developer")
+_CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,63}")
+
+
+def _role(value: Any) -> Any:
+    if isinstance(value, str) and (value in ROLES or _CUSTOM_ROLE.fullmatch(value)):
+        return value
+    raise ValueError(
+        f"must be one of {', '.join(ROLES)}, or a custom role the chat template reads "
+        f"(1-64 letters, digits, _ or -, starting with a letter), got {_shown(value)}"
+    )
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Annotated[str, AfterValidator(_role)]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -443,6 +476,9 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: ReasoningEffort | None = None
     # vLLM's: false leaves the reasoning (read by --reasoning-parser) out of the answer.
     include_reasoning: bool = True
+    # Set by an API whose budget is a hint (Anthropic's thinking): without reasoning to bound
+    # it is ignored, where chat's own field is refused.
+    _budget_is_hint: bool = PrivateAttr(default=False)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -454,6 +490,15 @@ class ChatCompletionRequest(_SamplingFields):
 
     def field_name(self, name: str) -> str:
         return self._names.get(name, name)
+
+    def budget_hint(self) -> ChatCompletionRequest:
+        """This request, its thinking_token_budget a hint: ignored if nothing reasons."""
+        self._budget_is_hint = True
+        return self
+
+    @property
+    def budget_is_hint(self) -> bool:
+        return self._budget_is_hint
 
     @property
     def tool_mode(self) -> str:
@@ -593,3 +638,31 @@ def _shown(value: Any) -> str:
     except (TypeError, ValueError, RecursionError):
         text = f"a {type(value).__name__}"
     return text if len(text) <= 100 else text[:97] + "..."
+
+
+logger = logging.getLogger(__name__)
+MAX_UNKNOWN_LOGGED = 20  # fields named in one warning, each cut to 100 characters
+
+
+def lenient(model: type[BaseModel]) -> type[BaseModel]:
+    """`model` accepting top-level fields it does not know, as vLLM does (the server's
+    --ignore-unknown-fields): they are logged and dropped before validation; nested objects
+    stay strict, and fields it knows are checked as ever."""
+    fields = model.model_fields.items()
+    known = {name for name, _ in fields} | {f.alias for _, f in fields if f.alias is not None}
+
+    class Lenient(model):  # type: ignore[valid-type, misc]
+        @model_validator(mode="before")
+        @classmethod
+        def _drop_unknown(cls, data: Any) -> Any:
+            if not isinstance(data, dict):
+                return data
+            unknown = [key for key in data if key not in known]
+            if not unknown:
+                return data
+            shown = ", ".join(_shown(key) for key in unknown[:MAX_UNKNOWN_LOGGED])
+            logger.warning("%s: ignored unknown field(s) %s", model.__name__, shown)
+            return {key: value for key, value in data.items() if key in known}
+
+    Lenient.__name__ = Lenient.__qualname__ = model.__name__
+    return Lenient

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.input_processor import reserved_template_variables
@@ -31,6 +31,8 @@ from conveyor.entrypoints.parsers.events import (
     ToolArgsDelta,
     ToolCallStart,
 )
+from conveyor.entrypoints.parsers.reasoning import MarkedReasoning
+from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar, lark_marker
 from conveyor.entrypoints.pipeline import (
     Choice,
     Choices,
@@ -47,7 +49,7 @@ from conveyor.entrypoints.runner import DONE, Submission, frame
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
 from conveyor.outputs import CompletionOutput, PositionLogprobs
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import ReasoningBounds, SamplingParams
 from conveyor.structured.backend import GrammarError
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import MAX_DEPTH, ToolCall, tools_prompt
@@ -92,16 +94,53 @@ class OpenAIServing:
 
     def tool_reply(self, request: ChatCompletionRequest, prompt: list[int]) -> _ToolReply:
         """How one choice's reply is read: the server's parsers, for this request."""
-        constrained = request.tool_mode in ("required", "named") or bool(
-            request.response_format is not None or request.structured_outputs is not None
+        mode = self.reading_mode(request)
+        # A grammar starts after reasoning in marked form (the engine core finds where it ends:
+        # sample/reasoning.py); a generic forced call, or harmony's channels, it shapes from
+        # the start.
+        structured = request.response_format is not None or request.structured_outputs is not None
+        constrained = mode in ("required", "named") or (
+            (structured or mode == "forced") and not self.parsers.marks_reasoning
         )
-        tools = _declared(request) if request.tool_mode == "auto" else None
+        tools = _declared(request) if mode in ("auto", "forced") else None
+        if mode == "forced" and request.tool_mode == "named":
+            name = request.tool_choice.function.name
+            tools = {name: tools[name]}
         tail = self.tokenizer.decode(prompt[-8:]) if self.tokenizer is not None else ""
         parser = self.parsers.for_request(
             tools, self.limits.max_json_depth, tail, constrained, request.chat_template_kwargs
         )
         hidden = self.hidden_specials(request) or ()
-        return _ToolReply(request, self.limits.max_json_depth, parser, hidden)
+        return _ToolReply(request, self.limits.max_json_depth, parser, hidden, mode)
+
+    def reading_mode(self, request: ChatCompletionRequest) -> str:
+        """The request's tool mode, or "forced": a forced call (required, named) that the
+        server's tool-call parser reads, its grammar written in that family's syntax."""
+        mode = request.tool_mode
+        if mode in ("required", "named") and self.parsers.names.tool_call in FORCED_FAMILIES:
+            return "forced"
+        return mode
+
+    def forced_constraint(self, request: ChatCompletionRequest) -> StructuredOutputs | None:
+        """The grammar of a forced call in the family's syntax (None: no such grammar)."""
+        if self.reading_mode(request) != "forced":
+            return None
+        tools = request.tool_dicts()
+        if request.tool_mode == "named":
+            name = request.tool_choice.function.name
+            tools = [tool for tool in tools if tool["function"]["name"] == name]
+        parallel = request.tool_mode == "required" and request.parallel_tool_calls is not False
+        try:
+            grammar = forced_grammar(
+                self.parsers.names.tool_call, tools, parallel, self._lark_marker
+            )
+        except ValueError as error:  # two tools' $defs at odds
+            raise InvalidParam(str(error), "tools") from None
+        return StructuredOutputs(grammar=grammar)
+
+    def _lark_marker(self, text: str) -> str:
+        special = text in self._specials
+        return lark_marker(text, self.tokenizer.convert_tokens_to_ids(text) if special else None)
 
     def hidden_specials(self, request: ChatCompletionRequest) -> tuple[str, ...] | None:
         """None: the reply is decoded as the request asks. Otherwise the request's parsers
@@ -111,8 +150,9 @@ class OpenAIServing:
         token ids)."""
         if not request.skip_special_tokens:
             return None
-        reasoning = request.tool_mode in ("auto", "none")
-        return self.parsers.hidden(self._specials, reasoning, request.tool_mode == "auto")
+        mode = self.reading_mode(request)
+        reasoning = mode in ("auto", "none", "forced")
+        return self.parsers.hidden(self._specials, reasoning, mode in ("auto", "forced"))
 
     def reply_reader(self, request: ChatCompletionRequest, prompt: list[int]) -> ReplyReader:
         """How one reply is read into events, the same for every API."""
@@ -126,10 +166,12 @@ class OpenAIServing:
         add_special_tokens: bool = True,
         truncate: int | None = None,
         fit: int | None = None,
+        side: str = "left",
     ) -> list[list[int]]:
         """Token ids of each prompt; truncate (vLLM's truncate_prompt_tokens): keep only the
         last `truncate` tokens of each (-1: the last `fit`, what the context holds beside the
-        output; by default all but one of its positions)."""
+        output; by default all but one of its positions), or the first (side "right", vLLM's
+        truncation_side)."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -142,7 +184,7 @@ class OpenAIServing:
                 for p in prompt
             ]
         fit = fit if fit is not None else self.engine.max_model_len - 1
-        return [truncated(p, truncate, fit) for p in prompts]
+        return [truncated(p, truncate, fit, side) for p in prompts]
 
     def prompt_texts(self, prompt, prompts: list[list[int]], truncate: int | None) -> list[str]:
         """What echo sends back for each prompt: its own text, or its tokens decoded when it
@@ -286,12 +328,15 @@ class OpenAIServing:
         await self.check_constraint(constraint, param)
         if max_tokens == 0 and request.n > 1:  # one prompt-only computation serves all n
             params = params.clone(n=1)
+        if request.thinking_token_budget is not None:
+            params = self._with_reasoning(request, params, self._prompt_reasoning())
         prompts = await self.off_loop(
             self.completion_prompts,
             request.prompt,
             request.add_special_tokens,
             request.truncate_prompt_tokens,
             self.room_for_prompt(max_tokens),
+            request.truncation_side,
         )
         return prompts, params
 
@@ -319,7 +364,9 @@ class OpenAIServing:
         body = {
             "index": choice.index,
             "text": (state.text if echo else "") + choice.text,
-            "logprobs": self._completion_logprobs(choice.logprobs, echo, request.logprobs)
+            "logprobs": self._completion_logprobs(
+                choice.logprobs, echo, request.logprobs, request.return_tokens_as_token_ids
+            )
             if request.logprobs is not None
             else None,
             "finish_reason": choice.finish_reason,
@@ -377,7 +424,9 @@ class OpenAIServing:
         logprobs = None
         if request.logprobs is not None and (delta.logprobs or echo):
             entries = list(zip(delta.token_ids, delta.logprobs or [], strict=True))
-            logprobs = self._completion_logprobs(entries, echo, request.logprobs)
+            logprobs = self._completion_logprobs(
+                entries, echo, request.logprobs, request.return_tokens_as_token_ids
+            )
         text = (state.text if echo else "") + delta.text
         if not text and delta.finish_reason is None and not logprobs and not first:
             return None
@@ -409,6 +458,7 @@ class OpenAIServing:
         request.check_limits(self.limits)
         max_tokens = request.max_completion_tokens or request.max_tokens
         constraint, param = request.constraint()
+        constraint = self.forced_constraint(request) or constraint
         params = request.sampling_params(max_tokens, constraint)
         await self.check_constraint(constraint, param)
         mode = request.tool_mode
@@ -420,15 +470,56 @@ class OpenAIServing:
             request.tool_choice,
             ChatTemplateOptions.of(request),
         )
-        prompt = truncated(prompt, request.truncate_prompt_tokens, self.room_for_prompt(max_tokens))
+        fit = self.room_for_prompt(max_tokens)
+        prompt = truncated(prompt, request.truncate_prompt_tokens, fit, request.truncation_side)
         limited = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         self._check_room(len(prompt), max_tokens, request.field_name(limited))
         if self.hidden_specials(request) is not None:  # the parsers must see their markers
             params = params.clone(skip_special_tokens=False)
         bounds = self.reply_reader(request, prompt).reasoning_bounds()
-        if bounds is not None:  # stop strings end the answer, not the reasoning
-            params = params.clone(reasoning=bounds)
-        return [prompt], params
+        return [prompt], self._with_reasoning(request, params, bounds)
+
+    def _with_reasoning(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        params: SamplingParams,
+        bounds: ReasoningBounds | None,
+    ) -> SamplingParams:
+        """params with the reply's reasoning bounds, when it has reasoning this server reads:
+        stop strings then end the answer, not the reasoning, and the engine core finds its
+        markers by their token ids to bound it (thinking_token_budget) and to start a grammar
+        after it."""
+        budget = request.thinking_token_budget
+        if bounds is None:
+            if budget is not None and not request.budget_is_hint:
+                name = request.field_name("thinking_token_budget")
+                raise InvalidParam(
+                    f"{name}: this request's reply has no reasoning that this server reads "
+                    "(start it with --reasoning-parser; a forced tool call has none)",
+                    name,
+                )
+            return params
+        bounds = replace(
+            bounds,
+            opening_ids=self._marker_ids(bounds.opening),
+            closing_ids=self._marker_ids(bounds.closing),
+            budget=budget,
+        )
+        return params.clone(reasoning=bounds)
+
+    def _prompt_reasoning(self) -> ReasoningBounds | None:
+        """A completion's reasoning bounds: the server's marked reasoning, open where the
+        prompt's own tokens opened it (the client wrote the prompt: no template says)."""
+        reasoning = self.parsers.for_request(None, self.limits.max_json_depth).reasoning
+        if not isinstance(reasoning, MarkedReasoning):
+            return None
+        return replace(reasoning.bounds(), opened=None)
+
+    def _marker_ids(self, markers: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each marker as this tokenizer encodes it (a family's markers: one special token)."""
+        return tuple(
+            tuple(self.tokenizer.encode(marker, add_special_tokens=False)) for marker in markers
+        )
 
     def _check_room(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         """A prompt and max_tokens beyond the context, refused naming the request's own field
@@ -457,7 +548,9 @@ class OpenAIServing:
                 {
                     "index": c.index,
                     "message": _echoed(message, echoed),
-                    "logprobs": self._chat_logprobs(c.logprobs, request.top_logprobs or 0)
+                    "logprobs": self._chat_logprobs(
+                        c.logprobs, request.top_logprobs or 0, request.return_tokens_as_token_ids
+                    )
                     if request.logprobs
                     else None,
                     "finish_reason": finish_reason,
@@ -507,14 +600,21 @@ class OpenAIServing:
         finish = choices.finish(step.choice).reason if delta.finish_reason is not None else None
         bodies = []
         for content, held, ended in reply.feed(step.events, entries, finish):
-            logprobs = self._chat_logprobs(held, request.top_logprobs or 0) if held else None
+            as_ids = request.return_tokens_as_token_ids
+            logprobs = (
+                self._chat_logprobs(held, request.top_logprobs or 0, as_ids) if held else None
+            )
             body = {"index": step.choice.index, "delta": content, "logprobs": logprobs}
             bodies.append(body | {"finish_reason": ended})
         if request.return_token_ids and bodies:
             bodies[-1]["token_ids"], reply.token_ids = reply.token_ids, []
         return bodies
 
-    def _token_text(self, token_id: int, logprob) -> str:
+    def _token_text(self, token_id: int, logprob, as_id: bool = False) -> str:
+        """A token as logprobs name it: its text, or (vLLM's return_tokens_as_token_ids)
+        "token_id:N", which names a token whose text is not valid UTF-8 on its own."""
+        if as_id:
+            return f"token_id:{token_id}"
         return (
             logprob.decoded_token
             if logprob.decoded_token is not None
@@ -526,16 +626,17 @@ class OpenAIServing:
         entries: list[tuple[int, PositionLogprobs]],
         echo: PromptState | None = None,
         num_top: int = 0,
+        as_ids: bool = False,
     ) -> dict:
         """OpenAI's legacy logprobs; echo: the prompt's tokens first (the first without a
         logprob, as in OpenAI's and vLLM's echo), each with its top num_top."""
         tokens, token_logprobs, top = [], [], []
         if echo is not None:
-            tokens, token_logprobs, top = self._echoed_logprobs(echo, num_top)
+            tokens, token_logprobs, top = self._echoed_logprobs(echo, num_top, as_ids)
         for token_id, position in entries:
-            tokens.append(self._token_text(token_id, position[token_id]))
+            tokens.append(self._token_text(token_id, position[token_id], as_ids))
             token_logprobs.append(position[token_id].logprob)
-            top.append({self._token_text(t, lp): lp.logprob for t, lp in position.items()})
+            top.append({self._token_text(t, lp, as_ids): lp.logprob for t, lp in position.items()})
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -543,20 +644,24 @@ class OpenAIServing:
             "text_offset": _offsets(tokens),
         }
 
-    def _echoed_logprobs(self, state: PromptState, num_top: int) -> tuple[list, list, list]:
+    def _echoed_logprobs(
+        self, state: PromptState, num_top: int, as_ids: bool = False
+    ) -> tuple[list, list, list]:
         positions = state.logprobs or [None] * len(state.token_ids)
         tokens, values, top = [], [], []
         for token_id, position in zip(state.token_ids, positions, strict=True):
             if position is None:  # the first token: nothing before it to predict it
-                tokens.append(self.tokenizer.decode([token_id]))
+                tokens.append(
+                    f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
+                )
                 values.append(None)
                 top.append(None)
                 continue
-            tokens.append(self._token_text(token_id, position[token_id]))
+            tokens.append(self._token_text(token_id, position[token_id], as_ids))
             values.append(position[token_id].logprob)
             ranked = sorted(position.items(), key=lambda item: item[1].rank)
             kept = [(t, lp) for t, lp in ranked if lp.rank <= num_top or t == token_id]
-            top.append({self._token_text(t, lp): lp.logprob for t, lp in kept})
+            top.append({self._token_text(t, lp, as_ids): lp.logprob for t, lp in kept})
         return tokens, values, top
 
     def _vllm_prompt_logprobs(self, positions, num_top: int) -> list[dict | None] | None:
@@ -581,10 +686,12 @@ class OpenAIServing:
             )
         return out
 
-    def _chat_logprobs(self, entries: list[tuple[int, PositionLogprobs]], num_top: int) -> dict:
+    def _chat_logprobs(
+        self, entries: list[tuple[int, PositionLogprobs]], num_top: int, as_ids: bool = False
+    ) -> dict:
         content = []
         for token_id, position in entries:
-            text = self._token_text(token_id, position[token_id])
+            text = self._token_text(token_id, position[token_id], as_ids)
             ranked = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
             content.append(
                 {
@@ -593,9 +700,9 @@ class OpenAIServing:
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": self._token_text(t, lp),
+                            "token": self._token_text(t, lp, as_ids),
                             "logprob": lp.logprob,
-                            "bytes": list(self._token_text(t, lp).encode()),
+                            "bytes": list(self._token_text(t, lp, as_ids).encode()),
                         }
                         for t, lp in ranked
                     ],
@@ -645,9 +752,10 @@ class ChatTemplateOptions:
         return kwargs
 
 
-def truncated(prompt: list[int], keep: int | None, fit: int) -> list[int]:
+def truncated(prompt: list[int], keep: int | None, fit: int, side: str = "left") -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens; -1: the last `fit`,
-    as many as the context holds beside the output (all of it for a prompt-only request)."""
+    as many as the context holds beside the output (all of it for a prompt-only request).
+    side "right" (vLLM's truncation_side) keeps the first ones instead."""
     if keep is None:
         return prompt
     if keep == 0:
@@ -656,7 +764,9 @@ def truncated(prompt: list[int], keep: int | None, fit: int) -> list[int]:
             "truncate_prompt_tokens",
         )
     keep = fit if keep == -1 else keep
-    return prompt[-keep:] if len(prompt) > keep else prompt
+    if len(prompt) <= keep:
+        return prompt
+    return prompt[:keep] if side == "right" else prompt[-keep:]
 
 
 def message_dict(message: ChatMessage, native_tools: bool = True) -> dict:
@@ -708,8 +818,9 @@ class _ToolReply:
         max_depth: int = MAX_DEPTH,
         parser: ReplyParser | None = None,
         hidden: tuple[str, ...] = (),
+        mode: str | None = None,
     ) -> None:
-        mode = request.tool_mode
+        mode = mode or request.tool_mode
         name = request.tool_choice.function.name if mode == "named" else None
         if parser is None and mode in ("auto", "none"):
             tools = _declared(request) if mode == "auto" else None

@@ -148,10 +148,22 @@ _MISTRAL_CALL = CallSyntax(
     brace=False,
 )
 
+# V3.1's `F<｜tool▁sep｜>{...}` streams; V3's `function<｜tool▁sep｜>F` and its json fence do not
+# read as a header (no `{` after the separator): such a call is held to its end, read whole.
+_DEEPSEEK_CALL = CallSyntax(
+    re.compile(rf"[ \t\r\n]*(?:{_DS_CALL})?[ \t\r\n]*([A-Za-z0-9_.\-]{{1,128}})"
+               rf"[ \t\r\n]*{_DS_SEP}[ \t\r\n]*(?=\{{)"),
+    (_DS_END,),
+    brace=False,
+)  # fmt: skip
+_DS_CALLS_END = "<｜tool▁calls▁end｜>"
+
 FORMATS = {
     "hermes": ToolFormat(("<tool_call>",), "{[", read_hermes, _HERMES_CALL),
     "llama3_json": ToolFormat(("<|python_tag|>",), "{", read_llama3_json),
     "mistral": ToolFormat(("[TOOL_CALLS]",), "", read_mistral, _MISTRAL_CALL),
     "granite": ToolFormat(("<|tool_call|>", "<tool_call>"), "", read_granite),
-    "deepseek_v3": ToolFormat((_DS_BEGIN, _DS_CALL), "", read_deepseek_v3),
+    "deepseek_v3": ToolFormat(
+        (_DS_BEGIN, _DS_CALL), "", read_deepseek_v3, _DEEPSEEK_CALL, (_DS_CALLS_END,)
+    ),
 }

@@ -5,7 +5,8 @@ opening markers, or, for formats whose reply is the call itself, a first non-bla
 that opens one: `{` or `[`). What follows is read in one of two ways:
 
 - **streamed calls** (formats with a CallSyntax: hermes' `<tool_call>` blocks, Mistral's
-  `[TOOL_CALLS]F[ARGS]{...}`). vLLM's policy: a call is committed once its header (the
+  `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`).
+  vLLM's policy: a call is committed once its header (the
   opening marker up to its name and the start of its arguments) has been read and names a
   declared tool: its ToolCallStart goes out, then its arguments' text as it comes, as
   ToolArgsDelta pieces whose concatenation is exactly the call's final `arguments` (the raw
@@ -68,12 +69,14 @@ class CallSyntax(NamedTuple):
 class ToolFormat(NamedTuple):
     """markers: where a region opens anywhere in the reply; heads: first non-blank characters
     that open one at the reply's start; read: the region's calls, or None when it holds none
-    (it is content then); calls: how a call after a marker streams (None: read whole)."""
+    (it is content then); calls: how a call after a marker streams (None: read whole);
+    trailers: markers that close a run of streamed calls (DeepSeek's), dropped after one."""
 
     markers: tuple[str, ...]
     heads: str
     read: Callable[[str, ToolContext], Region | None]
     calls: CallSyntax | None = None
+    trailers: tuple[str, ...] = ()
 
 
 class ToolContext(NamedTuple):
@@ -94,7 +97,7 @@ class ToolStream:
         self.format = format
         self.context = context
         self.state = _HEAD if format.heads else _SCAN
-        self._scan = MarkerScan(format.markers) if format.markers else None
+        self._scan = MarkerScan(format.markers + format.trailers) if format.markers else None
         self._region: list[str] = []
         self._blanks: list[str] = []  # head: the reply's leading blanks
         self._closes: MarkerScan | None = None  # header, args: the call's closing markers
@@ -130,6 +133,10 @@ class ToolStream:
             out.append(ContentDelta(found.before))
         if found.marker is None:
             return None
+        if found.marker in self.format.trailers:
+            if not self._num_calls:  # no run of calls to close: text like any other
+                out.append(ContentDelta(found.marker))
+            return found.after
         if self.format.calls is None:
             self.state, self._region = _REGION, [found.marker]
         else:

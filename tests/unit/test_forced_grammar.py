@@ -1,0 +1,76 @@
+"""Forced calls' grammars in each family's syntax (parsers/tools/forced.py): the family's own
+text of one or two calls fits the grammar (llguidance, on a tokenizer whose markers are
+special tokens), and the family's parser reads it back as those calls; another family's text
+does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf
+import pytest
+from tiny import MARKER_SPECIALS, build_tokenizer
+
+from conveyor.entrypoints.parsers.events import joined
+from conveyor.entrypoints.parsers.tools import tool_parser
+from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar, lark_marker
+
+SPECIALS = (*MARKER_SPECIALS, "<|tool_call|>")
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
+CALLS = [{"city": "Paris"}, {"city": "Rome"}]
+
+
+def text_of(family: str, calls: list[dict]) -> str:
+    def obj(arguments, key="arguments"):
+        return json.dumps({"name": "get_weather", key: arguments})
+
+    if family == "hermes":
+        return "\n".join(f"<tool_call>\n{obj(a)}\n</tool_call>" for a in calls)
+    if family == "llama3_json":
+        return "; ".join(obj(a, "parameters") for a in calls)
+    if family == "deepseek_v3":
+        one = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+        body = "".join(one.format(json.dumps(a)) for a in calls)
+        return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+    listed = "[" + ", ".join(obj(a) for a in calls) + "]"
+    return {"mistral": "[TOOL_CALLS]", "granite": "<|tool_call|>"}[family] + listed
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS)})
+    return tokenizer
+
+
+def fits(tokenizer, grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(
+        llguidance.hf.from_tokenizer(tokenizer), llguidance.grammar_from("grammar", grammar)
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return (
+        matcher.validate_tokens(ids) == len(ids)
+        and matcher.consume_tokens(ids)
+        and (matcher.is_accepting())
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FORCED_FAMILIES))
+def test_the_familys_own_calls_fit_its_grammar_and_read_back(tokenizer, family):
+    def marker(text):
+        special = text in SPECIALS
+        return lark_marker(text, tokenizer.convert_tokens_to_ids(text) if special else None)
+
+    several = forced_grammar(family, TOOLS, True, marker)
+    one = forced_grammar(family, TOOLS, False, marker)
+    for calls in (CALLS[:1], CALLS):
+        text = text_of(family, calls)
+        assert fits(tokenizer, several, text)
+        assert fits(tokenizer, one, text) == (len(calls) == 1)
+        parser = tool_parser(family, {"get_weather": PARAMETERS}, 16)
+        parsed = joined(parser.feed(text) + parser.finish())
+        assert [(n, json.loads(a)) for n, a in parsed.calls] == [("get_weather", c) for c in calls]
+    others = sorted(FORCED_FAMILIES - {family})
+    assert not any(fits(tokenizer, several, text_of(other, CALLS)) for other in others)
