@@ -234,99 +234,6 @@ inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh) {
   }
 }
 
-// A bfloat16 key tile read two key rows (d, d + 1) per 64-byte load, with AVX-512 and block
-// size 16: a 32-bit lane holds two keys' bfloat16 values, so one shift left widens the even
-// keys and one mask the odd keys, both exactly; the generic load widens 16 keys with a
-// zero-extension (a shuffle, on the port the FMAs share) and a shift. The lanes then hold
-// [row d | row d + 1] of the even (odd) keys, and the query vector [q[d] x 8 | q[d + 1] x 8]
-// (qpair_rows) multiplies them: each lane is one of qk_rows' two partial sums, the same
-// fused multiply-adds over d in the same order, so scores are bitwise the same; the two
-// halves are added at the end as qk_rows adds its two sums, and the keys put back in order.
-#if defined(__AVX512F__)
-constexpr bool kPairedKeys = true;
-
-// NB tiles (blocks) at once: 2 NB R chains of fused multiply-adds in flight, 12 for a decode
-// row's GQA group of 3 over two blocks (one block's 6 chains left the FMA units half idle,
-// waiting on each chain's latency). Each chain is the same as with one tile.
-template <int R, int D, int NB>
-CONVEYOR_OUT_OF_LINE void qk_rows_paired(const float* __restrict qpair,
-                                         const c10::BFloat16* const* kt, float* const* s) {
-  __m512 even_keys[NB][R], odd_keys[NB][R];
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) even_keys[b][r] = odd_keys[b][r] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-#pragma GCC unroll 4
-  for (int d = 0; d < D; d += 2) {
-    __m512 ke[NB], ko[NB];
-    for (int b = 0; b < NB; ++b) {
-      const __m512i x = _mm512_loadu_si512(kt[b] + d * 16);
-      ke[b] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      ko[b] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 q = _mm512_loadu_ps(qpair + (r * (D / 2) + d / 2) * 16);
-      for (int b = 0; b < NB; ++b) {
-        even_keys[b][r] = _mm512_fmadd_ps(q, ke[b], even_keys[b][r]);
-        odd_keys[b][r] = _mm512_fmadd_ps(q, ko[b], odd_keys[b][r]);
-      }
-    }
-  }
-  // Lane j < 8 of even_keys: key 2j's sum over even d; lane 8 + j: over odd d.
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) {
-      const __m512 even_d = _mm512_permutex2var_ps(even_keys[b][r], lo, odd_keys[b][r]);
-      const __m512 odd_d = _mm512_permutex2var_ps(even_keys[b][r], hi, odd_keys[b][r]);
-      _mm512_storeu_ps(s[b] + r * 16, _mm512_add_ps(even_d, odd_d));
-    }
-}
-
-// qpair (rows, D / 2, 16): row r's [q[d] x 8 | q[d + 1] x 8] for each even d.
-inline void qpair_rows(const float* q, float* qpair, int rows, int dim) {
-  for (int r = 0; r < rows; ++r)
-    for (int d = 0; d < dim; d += 2)
-      _mm512_storeu_ps(qpair + (r * (dim / 2) + d / 2) * 16,
-                       _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(q[r * dim + d]),
-                                            _mm512_set1_ps(q[r * dim + d + 1])));
-}
-
-template <int D, int NB, int R>
-inline void qk_paired_tail(const float* qpair, const c10::BFloat16* const* kt, float* const* s,
-                           int rows) {
-  if constexpr (R > 0) {
-    if (rows == R) return qk_rows_paired<R, D, NB>(qpair, kt, s);
-    return qk_paired_tail<D, NB, R - 1>(qpair, kt, s, rows);
-  }
-}
-
-// S = Q K^T for all rows from NB bfloat16 tiles of 16 keys each (block i's scores to s[i], rows
-// x 16), 8 / NB rows at a time.
-template <int D, int NB>
-inline void qk_block_paired(const float* qpair, const c10::BFloat16* const* kt, float* const* s,
-                            int rows) {
-  constexpr int G = NB == 1 ? 8 : 4;
-  int r = 0;
-  for (; r + G <= rows; r += G) {
-    float* sr[NB];
-    for (int b = 0; b < NB; ++b) sr[b] = s[b] + r * 16;
-    qk_rows_paired<G, D, NB>(qpair + r * D * 8, kt, sr);
-  }
-  if (r < rows) {
-    float* sr[NB];
-    for (int b = 0; b < NB; ++b) sr[b] = s[b] + r * 16;
-    qk_paired_tail<D, NB, G - 1>(qpair + r * D * 8, kt, sr, rows - r);
-  }
-}
-#else
-constexpr bool kPairedKeys = false;
-#endif
-
-// Whether an item reading a (T, C) cache in place takes qk_block_paired.
-template <typename T, typename C, int BS, int D>
-constexpr bool kPaired = kPairedKeys && std::is_same_v<T, float> &&
-                         std::is_same_v<C, c10::BFloat16> && BS == 16 && D != 0;
-
 // S = Q K^T for all rows.
 template <typename T, typename C, int BS, int D>
 inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh) {
@@ -427,7 +334,6 @@ template <typename T>
 struct Scratch {
   std::vector<T> q, s, acc, m, l;
   std::vector<T> k, v;  // the group's K/V tiles widened from a 16-bit cache (many-row items)
-  std::vector<T> qpair;  // the rows' query pairs for qk_block_paired (qpair_rows): 8 x q
   // Per block of the group and row: the keys of the block it may see are [low, limit).
   std::vector<int> limit, low;
   explicit Scratch(int64_t rows, Shape sh)
@@ -639,12 +545,6 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
       std::max(item.block_begin, first_key / bs / kGroupBlocks * kGroupBlocks);
   const bool widened = !std::is_same_v<T, C> && rows >= kWidenRows;
   const bool stream = rows < kWidenRows;  // few rows: prefetch the tiles ahead (see above)
-  if constexpr (kPaired<T, C, BS, D>) {
-    if (!widened) {
-      if (w.qpair.size() < static_cast<size_t>(rows * dim * 8)) w.qpair.resize(rows * dim * 8);
-      qpair_rows(w.q.data(), w.qpair.data(), rows, dim);
-    }
-  }
   for (int64_t b0 = block_begin; b0 < block_end; b0 += kGroupBlocks) {
     const int nb = static_cast<int>(std::min<int64_t>(kGroupBlocks, block_end - b0));
     int n[kGroupBlocks];  // keys in each block (the last block of a sequence may be partial)
@@ -681,23 +581,10 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
         qk_block<T, T, BS, D>(w.q.data(), w.k.data() + i * tile, si, rows, sh);
       } else {
         if (k_next[i]) prefetch_tile(k_next[i], tile_lines);
-        if constexpr (kPaired<T, C, BS, D>) {
-          // Blocks two at a time: the even one waits for its odd neighbour.
-          if (i % 2 == 1) {
-            const C* kt[2] = {kc + offsets[i - 1], kc + offset};
-            T* s2[2] = {si - rows * bs, si};
-            qk_block_paired<D, 2>(w.qpair.data(), kt, s2, rows);
-          } else if (i + 1 == nb) {
-            const C* kt[1] = {kc + offset};
-            T* s1[1] = {si};
-            qk_block_paired<D, 1>(w.qpair.data(), kt, s1, rows);
-          }
-        } else {
-          qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh);
-        }
+        qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh);
       }
+      if (in.softcap > 0) soft_cap(si, rows * bs, static_cast<T>(in.softcap));
     }
-    if (in.softcap > 0) soft_cap(w.s.data(), nb * rows * bs, static_cast<T>(in.softcap));
     softmax_group<T, BS>(w.s.data(), limit, low, nb, w, rows, sh);
     for (int i = 0; i < nb; ++i) {
       const T* si = w.s.data() + i * rows * bs;
