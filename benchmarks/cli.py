@@ -1,6 +1,6 @@
 """`python -m benchmarks compare | step | quality | split | spec | structured | scaling |
 peers | dashboard | storm | contention | fuzz |
-families | kernels | quant-kernels`: the lab's commands.
+families | kernels | attention | quant-kernels`: the lab's commands.
 
 The flags they share with `conveyor bench serve | throughput` and `conveyor serve` come from
 conveyor.bench.args and conveyor.entrypoints.args. Each command's module is imported when the
@@ -44,6 +44,8 @@ COMMANDS = [
      "parameter, and a sliding window's peak KV blocks against full attention"),
     ("kernels", "kernels", "ModelRunner.execute per attention path (PyTorch reference vs "
      "compiled kernels) on synthetic decode and prefill steps"),
+    ("attention", "attention", "the decode attention op alone: us per layer by rows, context "
+     "and KV dtype, against another build of the kernels, alternated, bits compared"),
     ("quant-kernels", "quant_kernels", "ms per call of each quantized-matmul candidate for "
      "SmolLM2-135M's shapes"),
 ]  # fmt: skip
