@@ -73,7 +73,7 @@ class PlanSettings(NamedTuple):
     prompt_attention: bool = True
     attention: str = "auto"
     quant_int8: bool = False
-    decode_tiles_from: int = 16
+    decode_tiles_from: int = 32
 
     @classmethod
     def from_env(cls, isa: str | None = None) -> PlanSettings:

@@ -88,9 +88,9 @@ def test_generated_rows_take_int8_tiles_from_the_switch_point(monkeypatch):
     narrower isa, a dense model or a CPU without AMX-INT8 name no tiles."""
     cpu = AMX_CPU._replace(amx_int8=True)
     plan = kernel_plan.build(PlanSettings(), _config(), cpu)
-    assert plan.decode_tiles_from == 16
+    assert plan.decode_tiles_from == 32
     ops = plan.ops()
-    assert ops["decode_projections"] == "panel_blocks[avx512], amx_int8_tiles[amx] from 16 rows"
+    assert ops["decode_projections"] == "panel_blocks[avx512], amx_int8_tiles[amx] from 32 rows"
     assert ops["lm_head"] == "panel_blocks[avx512]"
     later = kernel_plan.build(PlanSettings(decode_tiles_from=64), _config(), cpu)
     assert later.decode_tiles_from == 64

@@ -6,8 +6,9 @@
 // scale per block of 32 k, so an int8 tile dot product runs 32 k before its sums have to leave
 // the tile unit and be folded by vector instructions; in bfloat16 a tile sums a whole row of K
 // in place, and leaves it once. Generated rows do take int8 tiles (the second kernel below):
-// they must keep the block kernel's bits, which only the int8 sums give, and there the fold
-// is shared with the VNNI kernel they replace (1.1-1.35x its speed; docs/benchmarks.md).
+// they must keep the block kernel's bits, which only the int8 sums give, and the fold that
+// bounds both is the VNNI kernel's too (from 32 rows 1.0-1.1x its speed on two threads,
+// 1.15-1.26x on one; docs/benchmarks.md).
 //
 // Layout
 //   packed (P, KS, 16, 32) bfloat16: panel p holds output columns 16p .. 16p + 15, tile ks holds
@@ -347,7 +348,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
 namespace {
 
 std::atomic<int64_t>& int8_from_rows() {
-  static std::atomic<int64_t> rows{16};
+  static std::atomic<int64_t> rows{32};  // the kernel plan's default (model/plan.py)
   return rows;
 }
 
