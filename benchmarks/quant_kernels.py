@@ -3,8 +3,9 @@ SmolLM2-135M's projection shapes, the measurement behind the kernel choice descr
 of conveyor/model/quant/ (its table was printed with the defaults: one thread, 30 weights).
 
 Candidates: float32 matmul, fbgemm's dynamic int8 linear, torch's int8 / int4 packed matmuls,
-and conveyor's block kernels (q4_block, q8_block, q4_tiles). Each cycles through --copies
-random weights, as a step's layers do, so that they stream from memory.
+and conveyor's block kernels (q4_block, q8_block, q4_tiles; the batch-invariant panels' int8
+route on VNNI vectors, q4_panels / q8_panels, and on AMX-INT8 tiles, q4_amx8 / q8_amx8). Each
+cycles through --copies random weights, as a step's layers do, so that they stream from memory.
 """
 
 from __future__ import annotations
@@ -37,11 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30,
         help="random weights per shape each candidate cycles through (default 30; 2 for logits)",
     )
+    parser.add_argument(
+        "--layer-routes",
+        action="store_true",
+        help="only a decoder layer's four Q4_1 projections through the panels' int8 route, on "
+        "VNNI vectors against AMX-INT8 tiles (the same bits), alternated, best of --rounds",
+    )
+    parser.add_argument("--rounds", type=int, default=15, help="--layer-routes rounds")
 
 
 def main(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)  # quantize_per_channel deprecation
     torch.set_num_threads(args.num_threads)
+    if args.layer_routes:
+        return _layer_routes(args.rounds)
     print("shape      T  " + "".join(f"{name:>10}" for name in _candidates(torch.ones(16, 32), 1)))
     for label, (n, k) in SHAPES.items():
         weights = [torch.randn(n, k) * 0.02 for _ in range(args.copies if n < 10000 else 2)]
@@ -98,4 +108,54 @@ def _candidates(w: torch.Tensor, num_tokens: int) -> dict[str, Any]:
         "q4_block": lambda x: lambda: kernels().q4_linear(x, q4.qs, q4.d, q4.m),
         "q8_block": lambda x: lambda: kernels().q8_linear(x, q8.qs, q8.d),
         "q4_tiles": lambda x: lambda: kernels().q4_linear_dequant(x, q4.qs, q4.d, q4.m),
+        "q4_panels": lambda x: _panels(x, q4, n, tiles=False),
+        "q4_amx8": lambda x: _panels(x, q4, n, tiles=True),
+        "q8_panels": lambda x: _panels(x, q8, n, tiles=False),
+        "q8_amx8": lambda x: _panels(x, q8, n, tiles=True),
     }
+
+
+def _layer_routes(rounds: int) -> int:
+    """ms per layer (qkv, o, gate_up, down) of block_linear's int8 route per row count: VNNI
+    panels (set_amx_int8_from(0)) and AMX-INT8 tiles (1), alternated round by round, the best
+    round of each shape (a shared machine's quiet moments)."""
+    ops = kernels()
+    if not ops.cpu_features()["amx_int8"]:
+        print("no AMX-INT8 on this CPU: nothing to compare")
+        return 0
+    shapes = {k: v for k, v in SHAPES.items() if k != "logits"}
+    panels = {}
+    for label, (n, k) in shapes.items():
+        w = quantize_q4(torch.randn(n, k) * 0.05)
+        panels[label] = ops.pack_blocks(w.qs, w.d, w.m, False)
+    print("rows   vnni ms   amx8 ms   speed-up")
+    for num_tokens in (8, 16, 32, 64, 128):
+        xs = {label: torch.randn(num_tokens, k) for label, (_, k) in shapes.items()}
+        best = {0: dict.fromkeys(shapes, float("inf")), 1: dict.fromkeys(shapes, float("inf"))}
+        for _ in range(rounds):
+            for tiles in (0, 1):
+                ops.set_amx_int8_from(tiles)
+                for label, (n, _) in shapes.items():
+                    start = time.perf_counter()
+                    for _ in range(5):
+                        ops.block_linear(xs[label], *panels[label], n, False)
+                    ms = (time.perf_counter() - start) / 5 * 1e3
+                    best[tiles][label] = min(best[tiles][label], ms)
+        vnni, amx8 = sum(best[0].values()), sum(best[1].values())
+        print(f"{num_tokens:>4}  {vnni:>8.3f}  {amx8:>8.3f}   {vnni / amx8:.2f}x")
+    return 0
+
+
+def _panels(x: torch.Tensor, weight, n: int, tiles: bool) -> Any:
+    """The batch-invariant panel kernel's int8 route (what generated rows run), on its VNNI
+    vectors or (tiles) on AMX-INT8 tiles with the same bits; None without AMX-INT8."""
+    ops = kernels()
+    if tiles and not ops.cpu_features()["amx_int8"]:
+        return None
+    panels = ops.pack_blocks(weight.qs, weight.d, weight.m, False)
+
+    def call() -> torch.Tensor:
+        ops.set_amx_int8_from(1 if tiles else 0)
+        return ops.block_linear(x, *panels, n, False)
+
+    return call

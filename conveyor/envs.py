@@ -16,6 +16,8 @@ CONVEYOR_PROMPT_ATTENTION     1|0                         prompt rows' attention
 CONVEYOR_COMPILED_LAYERS      1|0                         a step's layers as one compiled call
 CONVEYOR_ATTENTION            auto|reference              reference: the PyTorch attention
 CONVEYOR_QUANT_INT8           0|1                         int8 copies of block weights (VNNI)
+CONVEYOR_DECODE_TILES_FROM    32|N|0                      generated rows' int8 blocks on AMX-INT8
+                                                          tiles from N rows a call (0: never)
 CONVEYOR_QUANT_OUTLIER_RATIO  4                           the int8 route's outlier threshold
 CONVEYOR_TP_SHM               1|0                         tensor-parallel sums in shared memory
 CONVEYOR_CUDA_GRAPHS          ''|1|0|eager                decode steps' CUDA graphs
@@ -81,6 +83,15 @@ def attention() -> str:
 def quant_int8() -> bool:
     """CONVEYOR_QUANT_INT8=1 builds int8 copies of block weights at load (model/quant/)."""
     return _get("CONVEYOR_QUANT_INT8", "0") == "1"
+
+
+def decode_tiles_from() -> int:
+    """CONVEYOR_DECODE_TILES_FROM: the row count from which generated rows' block projections
+    take AMX-INT8 tiles (the same bits as the panel kernel); 0 never."""
+    value = _get("CONVEYOR_DECODE_TILES_FROM", "32") or "32"
+    if not value.isdigit():
+        raise ValueError(f"CONVEYOR_DECODE_TILES_FROM={value!r}: expected a row count >= 0")
+    return int(value)
 
 
 def quant_outlier_ratio() -> float:

@@ -50,6 +50,7 @@ class CpuFeatures(NamedTuple):
     avx512: bool = False  # AVX-512 F, BW and VNNI: the panel kernels' widest path
     avx512_bf16: bool = False  # bfloat16 dot products: the prompt attention without tiles
     amx: bool = False  # AMX-BF16 tiles, permitted to this process
+    amx_int8: bool = False  # AMX-INT8 tiles too: generated rows' int8 blocks
 
     @classmethod
     def detect(cls, ops: ModuleType | None) -> CpuFeatures:
@@ -72,6 +73,7 @@ class PlanSettings(NamedTuple):
     prompt_attention: bool = True
     attention: str = "auto"
     quant_int8: bool = False
+    decode_tiles_from: int = 32
 
     @classmethod
     def from_env(cls, isa: str | None = None) -> PlanSettings:
@@ -84,6 +86,7 @@ class PlanSettings(NamedTuple):
             envs.prompt_attention(),
             envs.attention(),
             envs.quant_int8(),
+            envs.decode_tiles_from(),
         )
 
 
@@ -108,6 +111,9 @@ class KernelPlan:
     prompt_tiles: bool  # prompt rows' projections may take AMX bfloat16 tiles
     prompt_attention: bool  # prompt rows' attention may take bfloat16
     int8_route: bool = False  # blocks without batch invariance: fbgemm int8 from 16 rows on
+    # Generated rows' block projections on AMX-INT8 tiles from this many rows in a call (0:
+    # never): the panel kernel's bits (kernels/gemm/amx_gemm.cpp), so the count is free to move.
+    decode_tiles_from: int = 0
     # The layers whose attention the bfloat16 tiles cannot run (sliding window, soft-capped
     # scores: model/families.py); their prompt rows take the generated rows' kernel. "" none.
     special_attention: str = ""
@@ -115,7 +121,7 @@ class KernelPlan:
 
     def ops(self) -> dict[str, str]:
         """op -> kernel[isa], by row class: what the summary shows and the tests check."""
-        decode = self._projection(prompt=False)
+        decode = self._projection(prompt=False, int8_tiles=True)
         prompt = "amx_bf16_tiles[amx]" if self.prompt_tiles else self._projection(prompt=True)
         generated = "paged_attention[float]" if self.attention == "compiled" else "torch_sdpa"
         prompt_attn = f"amx_attention[{self.bf16_attention}]" if self.prompt_attention else ""
@@ -127,11 +133,11 @@ class KernelPlan:
             "prompt_projections": prompt,
             "generated_attention": generated,
             "prompt_attention": prompt_attn or generated,
-            "lm_head": decode,
+            "lm_head": self._projection(prompt=False),  # float activations: no int8 tiles
             "norms": norms,
         }
 
-    def _projection(self, prompt: bool) -> str:
+    def _projection(self, prompt: bool, int8_tiles: bool = False) -> str:
         """Without batch invariance the kernel follows the row count (model/quant: the block
         kernel below DEQUANT_FROM_TOKENS rows, then MKL on dequantized tiles; layers: the
         measured forms up to 64 rows, then ATen); a prompt chunk is named by its many rows."""
@@ -139,7 +145,10 @@ class KernelPlan:
             return "torch"
         if self.batch_invariant:
             weights = "blocks" if self.quantized else "dense"
-            return f"panel_{weights}[{self.gemm_isa}]"
+            panel = f"panel_{weights}[{self.gemm_isa}]"
+            if self.decode_tiles_from and int8_tiles:
+                panel += f", amx_int8_tiles[amx] from {self.decode_tiles_from} rows"
+            return panel
         if self.quantized and prompt:
             return "fbgemm_int8[vnni]" if self.int8_route else "dequant_tiles[mkl]"
         if self.quantized:
@@ -174,6 +183,7 @@ class KernelPlan:
         if ops is not None:
             ops.set_isa(self.gemm_isa)
             ops.set_amx(self.isa == "amx")
+            ops.set_amx_int8_from(self.decode_tiles_from)
             ops.set_bf16_dot(self.bf16_attention != "")
             # the switch, not this model's route: prompt rows reach the kernel only on a route
             ops.set_prompt_attention(self.settings.prompt_attention)
@@ -201,6 +211,7 @@ def build(
     # prompt_route.py's conditions that the config answers (the model's modules settle the rest)
     route = layers and invariant and quantized and cfg.dtype == torch.float32
     route = route and cfg.head_dim % 16 == 0
+    decode_tiles = invariant and quantized and isa == "amx" and features.amx_int8
     return KernelPlan(
         isa=isa,
         gemm_isa=_cap(_cap(isa, "avx512"), panel_best),
@@ -214,6 +225,7 @@ def build(
         prompt_tiles=route and settings.prompt_tiles and isa == "amx",
         prompt_attention=route and settings.prompt_attention and bf16 != "",
         int8_route=quantized and not invariant and settings.quant_int8,
+        decode_tiles_from=settings.decode_tiles_from if decode_tiles else 0,
         special_attention=_special_attention(cfg),
         settings=settings,
     )
@@ -248,6 +260,7 @@ def restore(previous: KernelPlan | None) -> None:
     if ops is not None:
         ops.set_isa("auto")
         ops.set_amx(True)
+        ops.set_amx_int8_from(PlanSettings().decode_tiles_from)
         ops.set_bf16_dot(True)
         ops.set_prompt_attention(True)
 

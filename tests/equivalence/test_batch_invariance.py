@@ -4,7 +4,8 @@ prefill chunks of another size mixed with decode rows, from the prefix cache, af
 preempted and recomputed, or verified in n-gram speculative drafts, or as a later prompt that
 repeats its answer. On a float32 tiny random checkpoint, the same served `quantization="int8"`,
 and a Q4_1 GGUF of it served quantized (on a CPU with AMX-BF16 their prompt tokens take the
-bfloat16 tiles: model/prompt_route.py).
+bfloat16 tiles: model/prompt_route.py), with generated rows on AMX-INT8 tiles from 1 row and
+from 64 (decode_tiles_from).
 
 Also: seeded sampling (temperature, top-p) is batch-invariant; the sampler's top-p total mass
 is the same bits alone and batched; and a negative control shows that with
@@ -68,6 +69,17 @@ PROMPTS = make_prompts()
 
 
 # ---- models --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True, params=[1, 64], ids=lambda n: f"int8_tiles_from_{n}")
+def decode_tiles_from(request):
+    """Every test twice: generated rows on AMX-INT8 tiles from 1 row (every call) and from 64
+    (none here), the kernel plan's switch point (CONVEYOR_DECODE_TILES_FROM; where the CPU has
+    no AMX-INT8 both runs take the VNNI panels). The tiles give the panels' bits, so no
+    request's answer may depend on it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CONVEYOR_DECODE_TILES_FROM", str(request.param))
+        yield request.param
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,32 @@ def test_the_settings_come_from_the_environment(monkeypatch):
         PlanSettings.from_env()
 
 
+def test_generated_rows_take_int8_tiles_from_the_switch_point(monkeypatch):
+    """On a CPU with AMX-INT8, a batch-invariant quantized model's generated rows take the int8
+    tiles from decode_tiles_from rows on (the lm_head's float activations never); 0, a
+    narrower isa, a dense model or a CPU without AMX-INT8 name no tiles."""
+    cpu = AMX_CPU._replace(amx_int8=True)
+    plan = kernel_plan.build(PlanSettings(), _config(), cpu)
+    assert plan.decode_tiles_from == 32
+    ops = plan.ops()
+    assert ops["decode_projections"] == "panel_blocks[avx512], amx_int8_tiles[amx] from 32 rows"
+    assert ops["lm_head"] == "panel_blocks[avx512]"
+    later = kernel_plan.build(PlanSettings(decode_tiles_from=64), _config(), cpu)
+    assert later.decode_tiles_from == 64
+    for settings, cfg, features in [
+        (PlanSettings(decode_tiles_from=0), _config(), cpu),
+        (PlanSettings(isa="avx512"), _config(), cpu),
+        (PlanSettings(), _config("none"), cpu),
+        (PlanSettings(), _config(), AMX_CPU),
+    ]:
+        assert kernel_plan.build(settings, cfg, features).decode_tiles_from == 0
+    monkeypatch.setenv("CONVEYOR_DECODE_TILES_FROM", "64")
+    assert PlanSettings.from_env().decode_tiles_from == 64
+    monkeypatch.setenv("CONVEYOR_DECODE_TILES_FROM", "-1")
+    with pytest.raises(ValueError, match="CONVEYOR_DECODE_TILES_FROM"):
+        PlanSettings.from_env()
+
+
 def test_the_summary_is_one_line_of_strings():
     plan = kernel_plan.build(PlanSettings(), _config(), AMX_CPU)
     summary = plan.summary()
@@ -135,6 +161,23 @@ def test_the_plan_is_what_runs(profile, q4_gguf, monkeypatch):
     assert (ran["attention/avx512_bf16"] > 0) == bf16_dot
     if profile == "avx2":
         assert plan.ops()["prompt_attention"] == plan.ops()["generated_attention"]
+
+
+@pytest.mark.parametrize("tiles_from", [1, 0])
+def test_generated_rows_run_the_int8_tiles_the_plan_names(tiles_from, q4_gguf, monkeypatch):
+    """CONVEYOR_DECODE_TILES_FROM reaches block_linear through the plan: from 1 every generated
+    row's projection ran the tiles, with 0 none did."""
+    if not _cpu().amx_int8:
+        pytest.skip("this CPU has no AMX-INT8")
+    monkeypatch.setenv("CONVEYOR_DECODE_TILES_FROM", str(tiles_from))
+    ops = kernels.load()
+    llm = LLM(str(q4_gguf), dtype="float32", num_blocks=32, max_num_seqs=2)
+    assert ("amx_int8_tiles" in llm.engine.kernel_plan["decode_projections"]) == bool(tiles_from)
+    assert ops.amx_int8_from() == tiles_from
+    before = ops.kernel_runs()
+    llm.generate([list(range(5, 45))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
+    assert (ran["amx/int8_blocks"] > 0) == bool(tiles_from)
 
 
 # ---- the environment is read in one place ---------------------------------------------------

@@ -14,7 +14,8 @@ std::map<std::string, bool> cpu_features() {
   return {{"avx2", best != "scalar"},
           {"avx512", best == "avx512"},
           {"avx512_bf16", attention::amx::bf16_dot_usable()},
-          {"amx", gemm::amx::usable()}};
+          {"amx", gemm::amx::usable()},
+          {"amx_int8", gemm::amx::int8_usable()}};
 }
 
 // "panel/<isa>", "amx/bf16_linear", "attention/<engine>": the counts tests read to see that
@@ -23,6 +24,7 @@ std::map<std::string, int64_t> kernel_runs() {
   std::map<std::string, int64_t> out;
   for (const auto& [isa, n] : gemm::panel::isa_runs()) out["panel/" + isa] = n;
   out["amx/bf16_linear"] = gemm::amx::bf16_linear_runs();
+  out["amx/int8_blocks"] = gemm::amx::int8_linear_runs();
   for (const auto& [engine, n] : attention::amx::prompt_attention_runs())
     out["attention/" + engine] = n;
   return out;
@@ -87,6 +89,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_features", &cpu_features, "what this CPU and build run: avx2, avx512, "
         "avx512_bf16, amx (whatever the plan allows)");
   m.def("set_amx", &amx::set_allowed, "whether the AMX tiles may run (the plan's choice)");
+  m.def("set_amx_int8_from", &amx::set_int8_from,
+        "from how many rows block_linear's int8 route runs on AMX-INT8 tiles (0: never)");
+  m.def("amx_int8_from", &amx::int8_from, "set_amx_int8_from's value");
   m.def("set_bf16_dot", &attention::amx::set_bf16_dot, "whether AVX512-BF16 attention may run");
   m.def("set_prompt_attention", &attention::set_prompt_attention,
         "whether prompt rows take the bfloat16 attention (the plan's choice)");

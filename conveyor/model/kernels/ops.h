@@ -97,6 +97,11 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
 #else
 #define CONVEYOR_AMX 0
 #endif
+#if CONVEYOR_AMX && defined(__AMX_INT8__)
+#define CONVEYOR_AMX_INT8 1
+#else
+#define CONVEYOR_AMX_INT8 0
+#endif
 
 // AVX512-BF16's dot products (vdpbf16ps), the prompt rows' attention where there are no tiles
 // (a Zen 4 or 5, a Cooper Lake Xeon): built where the compiler targets them.
@@ -118,6 +123,25 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
 #if CONVEYOR_AMX
 void configure();  // this thread's tiles: eight of 16 rows x 64 bytes
 #endif
+// Generated rows on AMX-INT8 tiles: panel_gemm.cpp's int8 block route with the same bits,
+// taken from the kernel plan's row count on (set_int8_from; 0: never).
+struct Int8Blocks {
+  const int8_t* xq;    // (tokens rounded up to 16, k) int8 activations, the extra rows zero
+  const float* xd;     // (tokens rounded up to 16, nb) scales, xs (q4), xi (q8) likewise
+  const float* xs;
+  const int32_t* xi;
+  const uint8_t* wq;   // pack_blocks' panels (P, nb, C * 64)
+  const int16_t* dw;   // (P, nb, 16) float16 bits
+  const int16_t* mw;   // the same for q4; null for q8
+  int64_t tokens, k, nb, panels, n_out;
+  float* y;            // (tokens, n_out)
+};
+bool int8_usable();  // the CPU, the build and the OS allow AMX-INT8
+void set_int8_from(int64_t rows);
+int64_t int8_from();
+bool int8_takes(int64_t rows);  // whether a call of this many rows runs int8_block_linear
+int64_t int8_linear_runs();
+void int8_block_linear(const Int8Blocks& a);
 }  // namespace gemm::amx
 
 // attention/amx_attention.cpp: attention of a step's prompt rows in bfloat16 (float32 sums and

@@ -2,10 +2,13 @@
 // AMX-BF16 (model/prompt_route.py says which rows take it, and why a row's route never depends
 // on the step around it).
 //
-// Why not the block kernels' int8 tiles: GGUF weights carry a scale per block of 32 k, so an
-// int8 tile instruction could only run 32 k before its sums had to leave the tile unit
-// (measured 0.34-0.94x of the VNNI kernel; docs/benchmarks.md). In bfloat16 a tile sums a whole
-// row of K in place, and leaves it once.
+// Why bfloat16 for prompt rows and not the block kernels' int8 tiles: GGUF weights carry a
+// scale per block of 32 k, so an int8 tile dot product runs 32 k before its sums have to leave
+// the tile unit and be folded by vector instructions; in bfloat16 a tile sums a whole row of K
+// in place, and leaves it once. Generated rows do take int8 tiles (the second kernel below):
+// they must keep the block kernel's bits, which only the int8 sums give, and the fold that
+// bounds both is the VNNI kernel's too (from 32 rows 1.0-1.1x its speed on two threads,
+// 1.15-1.26x on one; docs/benchmarks.md).
 //
 // Layout
 //   packed (P, KS, 16, 32) bfloat16: panel p holds output columns 16p .. 16p + 15, tile ks holds
@@ -32,7 +35,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
+
+#include "isa/balance.h"
 
 #include "ops.h"
 
@@ -312,6 +318,218 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
   TORCH_CHECK(false, "bf16_linear: this build has no AMX-BF16 (-march=native on such a CPU)");
 #endif
   return y;
+}
+
+// ------------------------------------------------------------------------ int8 block tiles
+// Generated rows of block-quantized weights on AMX-INT8 tiles: the same bits as the panel
+// kernels' int8 route (gemm/panel_gemm.cpp, BlockVec::IntTile), which this replaces from the
+// kernel plan's row count on (set_int8_from). Why that is exact: per token t, column n and
+// block b the panel kernel computes the integer isum = sum_j q[n][j] xq[t][j] and folds it as
+//   acc = fma(dw[n][b] * xd[t][b], float(isum), acc);  q4: acc = fma(xs[t][b], mw[n][b], acc)
+// for b = 0, 1, .. in order. A tile dot product over the 32 k of one block gives the same
+// integer (integer sums are exact in any order), and the fold below is the same instructions in
+// the same order, so every value has the same bits whichever route ran it.
+//
+// Layout: the panels feed the tiles as packed (no copy of the weights). A panel's block is
+// 16 columns x 32 k as chunks of 16 columns x 4 k, which is AMX's B operand already (row g,
+// bytes 4c .. 4c + 3 = column c's k = 4g .. 4g + 3):
+//   q8: 8 chunks of q + 128 (unsigned): tdpbsud (signed activations x unsigned weights) sums
+//       isum + 128 * sum_j xq[t][j], and the fold takes 128 x the block's integer sum off;
+//   q4: 4 chunks with k = 4g .. in the low nibbles and k = 16 + 4g .. in the high ones: split
+//       once per panel into a thread's scratch (nb x 512 bytes) that all token tiles then read.
+// Activations: the int8 rows as quantized for the panels, zero rows up to a multiple of 16; a
+// tile of 16 rows x 32 bytes is loaded from them in place (stride K).
+// Memory: no weight bytes beyond the panels; per call the activations' padding rows (< 16 x K
+// bytes) and, q4, a thread's nb x 512-byte scratch.
+// Loop order: threads split the panels (balanced_for, pieces of 2); per panel, token tiles of
+// 16 rows; per tile, the blocks pipelined over four sum tiles (int8_tile), each stored to a
+// 1 KiB scratch and folded into 16 vector accumulators (one per row, lanes = columns).
+
+namespace {
+
+std::atomic<int64_t>& int8_from_rows() {
+  static std::atomic<int64_t> rows{32};  // the kernel plan's default (model/plan.py)
+  return rows;
+}
+
+std::atomic<int64_t>& int8_runs() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
+#if CONVEYOR_AMX_INT8
+bool probe_int8() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 25) & 1u;  // AMX-INT8
+}
+
+// Tiles 0..3: int32 sums 16 x 16; 4, 5: activations 16 rows x 32 bytes; 6, 7: weights 8 rows
+// (k / 4) x 64 bytes (16 columns x 4 k).
+void configure_int8() {
+  alignas(64) TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 32;
+  for (int t = 6; t < 8; ++t) cfg.rows[t] = 8, cfg.colsb[t] = 64;
+  __asm__ volatile("" : : "r"(&cfg) : "memory");  // see configure()
+  _tile_loadconfig(&cfg);
+}
+
+// acc[r] (16 columns of row r) folds block b's integer sums (scratch: 16 rows x 16 int32).
+template <bool Q4>
+inline void fold(__m512 (&acc)[16], const int32_t* sums, const Int8Blocks& a, int64_t row0,
+                 const int16_t* dwp, const int16_t* mwp, int64_t b) {
+  const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dwp + b * 16)));
+  __m512 mw;
+  if constexpr (Q4) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mwp + b * 16)));
+  // Unrolled, so that acc stays in registers: as a loop GCC kept it on the stack, and its
+  // loads and stores (32 a block with the tile store's) bounded the kernel.
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const int64_t tb = (row0 + r) * a.nb + b;
+    __m512i isum = _mm512_load_si512(sums + r * 16);
+    if constexpr (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.xi[tb]));
+    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.xd[tb]));
+    acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[r]);
+    if constexpr (Q4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xs[tb]), mw, acc[r]);
+  }
+}
+
+// One block's sums into tile C from activation tile A and weight tile W (immediates).
+#define CONVEYOR_INT8_BLOCK(C, A, W, xa, wb, stride) \
+  do {                                               \
+    _tile_zero(C);                                   \
+    _tile_loadd(A, xa, stride);                      \
+    _tile_loadd(W, wb, 64);                          \
+    _tile_dpbsud(C, A, W);                           \
+  } while (0)
+
+// 16 rows from row0 against one panel (wp: nb blocks of 512 bytes as B tiles) into y. Software
+// pipelined in three stages over the four sum tiles and their four scratch buffers: blocks
+// b + 2, b + 3 go to the tile unit, blocks b, b + 1 are stored, and blocks b - 2, b - 1 (stored
+// one stage earlier) are folded. In program order store then fold, each block waited for its
+// dot product and then for its store to reach the cache before the vectors could read it,
+// and the tile unit idled meanwhile. The fold still takes the blocks one by one in order.
+template <bool Q4>
+void int8_tile(const Int8Blocks& a, const uint8_t* wp, const int16_t* dwp, const int16_t* mwp,
+               int64_t row0, int64_t col0, int32_t (*sums)[256]) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xa = a.xq + row0 * a.k;
+  const int64_t nb = a.nb;
+#define ISSUE(C, A, W, b) CONVEYOR_INT8_BLOCK(C, A, W, xa + (b) * 32, wp + (b) * 512, a.k)
+#define FOLD(C, b) fold<Q4>(acc, sums[C], a, row0, dwp, mwp, b)
+  ISSUE(0, 4, 6, 0);
+  if (nb > 1) ISSUE(1, 5, 7, 1);
+  int64_t b = 0;
+  for (; b < nb; b += 4) {
+    if (b + 2 < nb) ISSUE(2, 4, 6, b + 2);
+    if (b + 3 < nb) ISSUE(3, 5, 7, b + 3);
+    _tile_stored(0, sums[0], 64);
+    if (b + 1 < nb) _tile_stored(1, sums[1], 64);
+    if (b >= 4) {
+      FOLD(2, b - 2);
+      FOLD(3, b - 1);
+    }
+    if (b + 4 < nb) ISSUE(0, 4, 6, b + 4);
+    if (b + 5 < nb) ISSUE(1, 5, 7, b + 5);
+    if (b + 2 < nb) _tile_stored(2, sums[2], 64);
+    if (b + 3 < nb) _tile_stored(3, sums[3], 64);
+    FOLD(0, b);
+    if (b + 1 < nb) FOLD(1, b + 1);
+  }
+  if (b - 2 < nb) FOLD(2, b - 2);
+  if (b - 1 < nb) FOLD(3, b - 1);
+#undef ISSUE
+#undef FOLD
+  const int64_t rows = std::min<int64_t>(16, a.tokens - row0);
+  const int64_t cols = std::min<int64_t>(16, a.n_out - col0);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    if (r >= rows) break;
+    float* dst = a.y + (row0 + r) * a.n_out + col0;
+    if (cols == 16) {
+      _mm512_storeu_ps(dst, acc[r]);
+    } else {
+      _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << cols) - 1), acc[r]);
+    }
+  }
+}
+#undef CONVEYOR_INT8_BLOCK
+
+// A q4 panel's blocks as B tiles: per block, the low nibbles of its 4 chunks (k = 0 .. 15),
+// then the high ones (k = 16 .. 31).
+void split_nibbles(const uint8_t* src, int64_t nb, uint8_t* dst) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b, src += 256, dst += 512) {
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = _mm512_loadu_si512(src + g * 64);
+      _mm512_store_si512(dst + g * 64, _mm512_and_si512(v, low));
+      _mm512_store_si512(dst + (4 + g) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+  }
+}
+
+template <bool Q4>
+void int8_run(const Int8Blocks& a) {
+  conveyor::balance::balanced_for(a.panels, 2, [&](int64_t p0, int64_t p1) {
+    configure_int8();
+    alignas(64) int32_t sums[4][256];
+    std::unique_ptr<uint8_t[]> split_store;
+    uint8_t* split = nullptr;
+    if constexpr (Q4) {
+      split_store.reset(new uint8_t[a.nb * 512 + 64]);
+      split = reinterpret_cast<uint8_t*>(
+          (reinterpret_cast<uintptr_t>(split_store.get()) + 63) & ~uintptr_t{63});
+    }
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* wp = a.wq + p * a.nb * (Q4 ? 256 : 512);
+      if constexpr (Q4) {
+        split_nibbles(wp, a.nb, split);
+        wp = split;
+      }
+      const int16_t* dwp = a.dw + p * a.nb * 16;
+      const int16_t* mwp = Q4 ? a.mw + p * a.nb * 16 : nullptr;
+      for (int64_t row0 = 0; row0 < a.tokens; row0 += 16)
+        int8_tile<Q4>(a, wp, dwp, mwp, row0, p * 16, sums);
+    }
+    _tile_release();
+  });
+}
+#endif
+
+}  // namespace
+
+bool int8_usable() {
+#if CONVEYOR_AMX_INT8
+  static const bool usable = conveyor::gemm::amx::usable() && probe_int8();
+  return usable;
+#else
+  return false;
+#endif
+}
+
+void set_int8_from(int64_t rows) { int8_from_rows().store(rows); }
+
+int64_t int8_from() { return int8_from_rows().load(); }
+
+bool int8_takes(int64_t rows) {
+  const int64_t from = int8_from_rows().load();
+  return from > 0 && rows >= from && int8_usable() && allowed().load();
+}
+
+int64_t int8_linear_runs() { return int8_runs().load(); }
+
+void int8_block_linear(const Int8Blocks& a) {
+#if CONVEYOR_AMX_INT8
+  TORCH_CHECK(int8_usable(), "int8_block_linear: no AMX-INT8 here");
+  int8_runs().fetch_add(1, std::memory_order_relaxed);
+  if (a.mw != nullptr) return int8_run<true>(a);
+  return int8_run<false>(a);
+#else
+  TORCH_CHECK(false, "int8_block_linear: this build has no AMX-INT8");
+#endif
 }
 
 }  // namespace conveyor::gemm::amx

@@ -545,13 +545,21 @@ void quantize_token_avx512(const float* x, int64_t nb, int8_t* q, float* d, floa
 }
 #endif
 
-Acts quantize(const float* x, int64_t tokens, int64_t k) {
+// rows: tokens, or more (the AMX tiles' multiple of 16): the rows past tokens are zeros.
+Acts quantize(const float* x, int64_t tokens, int64_t k, int64_t rows = 0) {
   const int64_t nb = k / QK;
+  rows = std::max(rows, tokens);
   Acts a;
-  a.q.resize(tokens * k);
-  a.d.resize(tokens * nb);
-  a.s.resize(tokens * nb);
-  a.isum.resize(tokens * nb);
+  a.q.resize(rows * k);
+  a.d.resize(rows * nb);
+  a.s.resize(rows * nb);
+  a.isum.resize(rows * nb);
+  if (rows > tokens) {
+    std::memset(a.q.data() + tokens * k, 0, (rows - tokens) * k);
+    std::fill(a.d.data() + tokens * nb, a.d.data() + rows * nb, 0.0f);
+    std::fill(a.s.data() + tokens * nb, a.s.data() + rows * nb, 0.0f);
+    std::fill(a.isum.data() + tokens * nb, a.isum.data() + rows * nb, 0);
+  }
   at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
 #if CONVEYOR_PANEL_AVX512
@@ -1064,6 +1072,28 @@ void set_acts(BlockArgs& a, const Acts& acts) {
   a.xi = acts.isum.data();
 }
 
+// The int8 route on AMX tiles (gemm/amx_gemm.cpp): the same activations, rows padded to a
+// tile's 16, and the same panels; the same bits as block_dispatch.
+void amx_int8(const at::Tensor& x, int64_t tokens, int64_t panels, const BlockArgs& a) {
+  const int64_t rows = (tokens + 15) / 16 * 16;
+  const Acts acts = quantize(x.data_ptr<float>(), tokens, a.k, rows);
+  conveyor::gemm::amx::Int8Blocks t{};
+  t.xq = acts.q.data();
+  t.xd = acts.d.data();
+  t.xs = acts.s.data();
+  t.xi = acts.isum.data();
+  t.wq = a.wq;
+  t.dw = a.dw;
+  t.mw = a.mw;
+  t.tokens = tokens;
+  t.k = a.k;
+  t.nb = a.nb;
+  t.panels = panels;
+  t.n_out = a.n_out;
+  t.y = a.y;
+  conveyor::gemm::amx::int8_block_linear(t);
+}
+
 // y (T, n_out) = x (T, K) @ W^T for panel-packed blocks (pack_blocks with the same
 // float_acts): int8 activations (float_acts false) or float ones.
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& dw,
@@ -1087,6 +1117,9 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
     if (q4) return block_dispatch<true, true>(a, tokens, panels), y;
     return block_dispatch<false, true>(a, tokens, panels), y;
   }
+  // The amx rung above avx512: where the plan allows both and the call has enough rows.
+  if (current_isa().load() == kAvx512 && conveyor::gemm::amx::int8_takes(tokens))
+    return amx_int8(x, tokens, panels, a), y;
   const Acts quantized = quantize(x.data_ptr<float>(), tokens, k);
   set_acts(a, quantized);
   if (q4) return block_dispatch<true, false>(a, tokens, panels), y;
