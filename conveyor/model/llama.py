@@ -35,6 +35,7 @@ from conveyor.model.layers import (
     RotaryEmbedding,
     matmul_form,
 )
+from conveyor.model.moe import MoEMLP
 from conveyor.model.quant import QuantLinear
 
 
@@ -115,7 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         for name in self.roles.values():
             self.add_module(name, _norm(parts, cfg.hidden_size, cfg.rms_norm_eps))
         self.self_attn = LlamaAttention(cfg, tp, index)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = MoEMLP(cfg, tp) if parts.is_moe(index) else LlamaMLP(cfg, tp)
         self.residual_scale = parts.residual_scale
 
     def norm(self, role: str) -> RMSNorm | None:
@@ -138,8 +139,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def compiled(self, ops: ModuleType):
         """This layer as the compiled ops' DecoderLayer (kernels/layer/decoder_layer.cpp: the same
-        arithmetic in one call), or None when a projection has no compiled form there."""
+        arithmetic in one call), or None when a projection has no compiled form there, or the
+        MLP is a mixture of experts (the model then runs its modules)."""
         attn, mlp = self.self_attn, self.mlp
+        if isinstance(mlp, MoEMLP):
+            return None
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         projections = [_projection(module, ops) for module in modules]
         if None in projections:

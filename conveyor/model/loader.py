@@ -78,7 +78,8 @@ def iter_weights(
             yield name, tensor if cut is None else _cut(tensor, cut).clone()
     else:
         cut_of = lambda name: shard.slice_of(name, cfg)  # noqa: E731
-        weights = iter_safetensors(cfg.path, cfg.dtype, cut_of)
+        rename = _MIXTRAL_NAMES if cfg.parts.family == "mixtral" else None
+        weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename)
         if shard.size > 1 and cfg.parts.family == "phi3":
             weights = _unfused(weights, cfg, cut_of)
         yield from weights
@@ -108,17 +109,30 @@ def _unfused(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, torch.Ten
             yield part_name, piece.contiguous() if cut is None else _cut(piece, cut).clone()
 
 
+# Mixtral's checkpoint names of its MoE modules -> the Qwen-MoE names the model uses.
+_MIXTRAL_NAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
+
+
 def iter_safetensors(
-    folder: Path, dtype: torch.dtype, slice_of=None
+    folder: Path, dtype: torch.dtype, slice_of=None, rename=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """rename: (old, new) substrings replaced in each name, in order, before it is cut."""
     for file in _safetensors_files(folder):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = stored
+                for old, new in rename or ():
+                    name = name.replace(old, new)
                 cut = None if slice_of is None else slice_of(name)
                 if cut is None:
-                    yield name, f.get_tensor(name).to(dtype)
+                    yield name, f.get_tensor(stored).to(dtype)
                 else:
-                    yield name, _cut(f.get_slice(name), cut).to(dtype)
+                    yield name, _cut(f.get_slice(stored), cut).to(dtype)
 
 
 def _cut(tensor, cut: tuple[int, int, int, int]) -> torch.Tensor:
