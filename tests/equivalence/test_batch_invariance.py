@@ -395,3 +395,76 @@ def test_control_without_batch_invariance_the_comparisons_see_differences(models
         found += differences(llm.generate(PROMPTS, greedy(), use_tqdm=False), want)
     assert found, "batched and cached runs equal the requests alone even without invariance"
     print(f"{name}: {len(found)} of {2 * len(PROMPTS)} runs differ, e.g. {found[0]}")
+
+
+# ---- a mixture of experts ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE (tests/tiny.py FAMILIES): a dense layer, then a mixture of 8 experts,
+    3 per token, renormalised."""
+    from tiny import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe"))
+
+
+class RouteLog:
+    """Records each step's expert choices of the MoE layers (MoEMLP.route's expert_ids)."""
+
+    def __init__(self, llm) -> None:
+        from conveyor.model.moe import MoEMLP
+
+        self.steps: list[torch.Tensor] = []
+        model = llm.engine.core.runner.model
+        for module in model.modules():
+            if isinstance(module, MoEMLP):
+                route = module.route
+                module.route = lambda x, route=route: self._kept(route(x))
+
+    def _kept(self, routes):
+        self.steps.append(routes.expert_ids.clone())
+        return routes
+
+    def overlapping_and_disjoint(self) -> tuple[bool, bool]:
+        """Whether some step had two rows sharing an expert, and two rows sharing none."""
+        overlap = disjoint = False
+        for ids in self.steps:
+            sets = [set(row.tolist()) for row in ids]
+            for i, a in enumerate(sets):
+                for b in sets[i + 1 :]:
+                    overlap |= bool(a & b) and a != b
+                    disjoint |= not (a & b)
+        return overlap, disjoint
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_mixture_of_experts_is_batch_invariant(qwen3_moe, quantization):
+    """Qwen3-MoE in float32 and served quantized: each request alone against batched in
+    chunks of 32 (steps whose rows route to overlapping and to disjoint experts), from the
+    warm prefix cache, preempted in a small cache, and verified in n-gram drafts, all
+    compared with ==."""
+    prompts = PROMPTS[:6] + PROMPTS[12:15] + PROMPTS[-1:]
+    kwargs = dict(dtype="float32", quantization=quantization)
+    want = []
+    for prompt in prompts:
+        with LLM(qwen3_moe, **kwargs, enable_prefix_caching=False) as llm:
+            assert llm.engine.model_config.parts.moe_layers == (False, True)
+            want.append(signature(llm.generate([prompt], greedy(), use_tqdm=False)[0]))
+
+    def check(outputs, what: str) -> None:
+        found = [first_difference(signature(o), w) for o, w in zip(outputs, want, strict=True)]
+        assert found == [None] * len(want), f"{quantization}, {what}: {found}"
+
+    with LLM(qwen3_moe, **kwargs, max_num_batched_tokens=32) as llm:
+        routes = RouteLog(llm)
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "batched, budget 32")
+        assert routes.overlapping_and_disjoint() == (True, True)
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "again, from the prefix cache")
+        assert llm.engine.get_stats().scheduler.prefix_cache_hits > 0
+    with LLM(qwen3_moe, **kwargs, num_blocks=7, max_num_batched_tokens=48) as llm:
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "preempted")
+        assert llm.engine.get_stats().scheduler.num_preemptions_total > 0
+    with LLM(qwen3_moe, **kwargs, speculative_config=NGRAM, max_num_batched_tokens=48) as llm:
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "n-gram speculation")
+        assert llm.engine.get_stats().spec.num_draft_tokens > 0
