@@ -114,7 +114,10 @@ def check_tensor_parallel(cfg, size: int) -> None:
     if cfg.intermediate_size % size:
         problems.append(f"its MLP's intermediate size {cfg.intermediate_size}")
     parts = getattr(cfg, "parts", None)
-    for what, inner in (("experts'", "moe_intermediate_size"), ("shared expert's", "shared_expert_size")):
+    for what, inner in (
+        ("experts'", "moe_intermediate_size"),
+        ("shared expert's", "shared_expert_size"),
+    ):
         if parts is not None and getattr(parts, inner) % size:
             problems.append(f"its {what} intermediate size {getattr(parts, inner)}")
     if parts is not None and parts.qk_norm == "full":  # OLMo 2: one norm over every head

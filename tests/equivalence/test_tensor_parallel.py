@@ -36,6 +36,10 @@ CASES = {
     # Phi-3: q/k/v and gate/up fused in the checkpoint (each rank cuts its share of each part),
     # a sliding window on every layer (blocks freed as they leave it).
     "phi3-fused": ("phi3", {}),
+    # Qwen2-MoE: each of 6 experts and the shared expert split like a dense MLP (columns of
+    # gate/up, rows of down), the router and the shared expert's gate replicated, one dense
+    # layer next to the mixture.
+    "qwen2-moe": ("qwen2_moe", {}),
 }
 
 
@@ -43,7 +47,9 @@ CASES = {
 def case(request, tmp_path_factory):
     arch, overrides = CASES[request.param]
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    ref = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    )
     prompts = random_prompts(len(GREEDY), ref.config.vocab_size, seed=3)
     reference = [
         (tokens[: p.max_tokens], logprobs[: p.max_tokens])
@@ -72,6 +78,10 @@ def test_two_ranks_match_transformers(case, monkeypatch):
             assert (
                 attn.qkv_proj.bias is not None and llm.engine.core.model_config.tie_word_embeddings
             )
+        if name == "qwen2-moe":
+            mlp = llm.engine.core.runner.model.model.layers[0].mlp
+            assert [e.down_proj.weight.shape[1] for e in mlp.experts] == [16] * 6  # 32 / 2
+            assert mlp.shared_expert.down_proj.weight.shape[1] == 24  # 48 / 2
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_matches_reference(outputs, reference)
         if name == "gqa":  # the last use of this engine: a rank dies mid-collective wait
