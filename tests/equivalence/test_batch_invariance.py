@@ -409,6 +409,21 @@ def qwen3_moe(tmp_path_factory) -> str:
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe"))
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_q4_1(tmp_path_factory) -> str:
+    """The same family as a Q4_1 GGUF (every layer a mixture, as llama.cpp's qwen3moe has)."""
+    from tiny import make_tiny_checkpoint
+
+    hf_dir = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen3_moe-all"), "qwen3_moe", decoder_sparse_step=1
+    )
+    out = tmp_path_factory.mktemp("gguf-moe") / "tiny-qwen3moe-Q4_1.gguf"
+    with pytest.MonkeyPatch.context() as patch:  # the writer lists F32 and Q8_0 only
+        patch.setitem(gguf_util.QTYPES, "Q4_1", gguf.GGMLQuantizationType.Q4_1)
+        patch.setitem(gguf_util.FILE_TYPES, "Q4_1", gguf.LlamaFileType.MOSTLY_Q4_1)
+        return str(gguf_util.write_gguf(hf_dir, out, "Q4_1"))
+
+
 class RouteLog:
     """Records each step's expert choices of the MoE layers (MoEMLP.route's expert_ids)."""
 
@@ -438,18 +453,24 @@ class RouteLog:
         return overlap, disjoint
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_a_mixture_of_experts_is_batch_invariant(qwen3_moe, quantization):
-    """Qwen3-MoE in float32 and served quantized: each request alone against batched in
-    chunks of 32 (steps whose rows route to overlapping and to disjoint experts), from the
-    warm prefix cache, preempted in a small cache, and verified in n-gram drafts, all
-    compared with ==."""
+@pytest.mark.parametrize("quantization", ["none", "int8", "q4_1-gguf"])
+def test_a_mixture_of_experts_is_batch_invariant(request, quantization):
+    """Qwen3-MoE in float32 and served quantized (int8, and a Q4_1 GGUF's experts): each
+    request alone against batched in chunks of 32 (steps whose rows route to overlapping and
+    to disjoint experts), from the warm prefix cache, preempted in a small cache, and verified
+    in n-gram drafts, all compared with ==."""
     prompts = PROMPTS[:6] + PROMPTS[12:15] + PROMPTS[-1:]
     kwargs = dict(dtype="float32", quantization=quantization)
+    qwen3_moe, layers = request.getfixturevalue("qwen3_moe"), (False, True)
+    if quantization == "q4_1-gguf":
+        qwen3_moe, layers = request.getfixturevalue("qwen3_moe_q4_1"), (True, True)
+        kwargs = dict(dtype="float32")
     want = []
     for prompt in prompts:
         with LLM(qwen3_moe, **kwargs, enable_prefix_caching=False) as llm:
-            assert llm.engine.model_config.parts.moe_layers == (False, True)
+            config = llm.engine.model_config
+            assert config.parts.moe_layers == layers
+            assert config.quantization == {"none": "none", "int8": "int8"}.get(quantization, "gguf")
             want.append(signature(llm.generate([prompt], greedy(), use_tqdm=False)[0]))
 
     def check(outputs, what: str) -> None:
