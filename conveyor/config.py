@@ -28,11 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
-}
-# Architectures conveyor knows but does not compute yet, and why (refused at load by name).
-REFUSED_ARCHITECTURES = {
-    "GptOssForCausalLM": "GPT-OSS's attention sinks (a learned per-head logit in the softmax) "
-    "are not computed by the attention kernels yet",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # RoPE variants whose inverse frequencies are fixed at load time (no sequence-length dependence).
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}

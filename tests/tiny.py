@@ -85,8 +85,16 @@ FAMILIES = {
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
         decoder_sparse_step=2, use_sliding_window=False,
     ),
+    "gpt_oss": dict(  # sinks, biases, a sliding layer then a full one, yarn RoPE; a SwiGLU
+        # limit low enough that the clamps bite
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.5,
+        rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=64,
+                             rope_theta=10000.0),
+    ),
 }  # fmt: skip
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:

@@ -120,6 +120,8 @@ def check_tensor_parallel(cfg, size: int) -> None:
     ):
         if parts is not None and getattr(parts, inner) % size:
             problems.append(f"its {what} intermediate size {getattr(parts, inner)}")
+    if parts is not None and (parts.o_bias or parts.expert_bias or parts.attn_sinks):
+        problems.append("its biased row-parallel projections and attention sinks (GPT-OSS)")
     if parts is not None and parts.qk_norm == "full":  # OLMo 2: one norm over every head
         problems.append("its q/k norms over all heads at once")
     if problems:

@@ -22,7 +22,6 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from conveyor.config import REFUSED_ARCHITECTURES
 from conveyor.config import SUPPORTED_ARCHITECTURES as ARCHITECTURES
 
 # The four norms by role: attn_in (before attention), attn_out (on its output, before the
@@ -71,6 +70,14 @@ class Parts:
     float32_route_weights: bool = False
     moe_intermediate_size: int = 0  # each expert's
     shared_expert_size: int = 0  # Qwen2-MoE's always-on expert, behind a sigmoid gate; 0 none
+    # GPT-OSS: experts (and router) with biases, the clamped SwiGLU (act "swiglu_clamp":
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)),
+    # attention sinks (a learned per-head logit in every softmax), a biased o_proj.
+    expert_bias: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    attn_sinks: bool = False
+    o_bias: bool = False
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -107,9 +114,6 @@ def architecture(hf) -> str:
     model_type = getattr(hf, "model_type", "")
     if not names and model_type in ARCHITECTURES.values():
         return model_type  # configs written from GGUF metadata carry model_type only
-    for name in names:
-        if name in REFUSED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {name!r}: {REFUSED_ARCHITECTURES[name]}")
     raise ValueError(
         f"unsupported architecture {names or model_type!r}; supported: "
         f"{', '.join(ARCHITECTURES)} (README: supported families)"
@@ -210,7 +214,30 @@ def _qwen_moe(hf, num_layers: int) -> dict:
     )
 
 
-_MOE = {"mixtral": _mixtral_moe, "qwen2_moe": _qwen_moe, "qwen3_moe": _qwen_moe}
+def _gpt_oss_moe(hf, num_layers: int) -> dict:
+    """Every layer a mixture: top-k of the router's (biased) logits, then softmax over those
+    k in the model dtype; biased experts with the clamped SwiGLU."""
+    return dict(
+        moe_layers=(True,) * num_layers,
+        router="topk_softmax",
+        num_experts=int(hf.num_local_experts),
+        top_k=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.intermediate_size),
+        expert_bias=True,
+        act="swiglu_clamp",
+        swiglu_alpha=float(hf.swiglu_alpha),
+        swiglu_limit=float(hf.swiglu_limit),
+        attn_sinks=True,
+        o_bias=bool(getattr(hf, "attention_bias", False)),
+    )
+
+
+_MOE = {
+    "mixtral": _mixtral_moe,
+    "qwen2_moe": _qwen_moe,
+    "qwen3_moe": _qwen_moe,
+    "gpt_oss": _gpt_oss_moe,
+}
 
 _BUILDERS = {
     "qwen3": lambda hf, head_dim, local_rope: dict(qk_norm="head"),

@@ -78,11 +78,39 @@ def iter_weights(
             yield name, tensor if cut is None else _cut(tensor, cut).clone()
     else:
         cut_of = lambda name: shard.slice_of(name, cfg)  # noqa: E731
-        rename = _MIXTRAL_NAMES if cfg.parts.family == "mixtral" else None
-        weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename)
-        if shard.size > 1 and cfg.parts.family == "phi3":
+        family = cfg.parts.family
+        if family == "gpt_oss":  # its experts' 3-D tensors are split first, then cut
+            weights = _gpt_oss_experts(iter_safetensors(cfg.path, cfg.dtype), cut_of)
+        else:
+            rename = _MIXTRAL_NAMES if family == "mixtral" else None
+            weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename)
+        if shard.size > 1 and family == "phi3":
             weights = _unfused(weights, cfg, cut_of)
         yield from weights
+
+
+def _gpt_oss_experts(weights, cut_of) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPT-OSS's checkpoint keeps each layer's experts in 3-D tensors, x @ W form, gate and up
+    interleaved by column (gate_up_proj (E, hidden, 2I), down_proj (E, I, hidden), biases
+    (E, ...)): each expert's tensors under the names of a dense MLP's (its gate rows, then up
+    rows), and the router under the MoE's name (mlp.gate)."""
+    parts = {
+        "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+        "down_proj": (("down_proj", None),),
+    }
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".mlp.experts"):
+            yield name.replace(".mlp.router.", ".mlp.gate."), tensor
+            continue
+        base, param = leaf.removesuffix("_bias"), "bias" if leaf.endswith("_bias") else "weight"
+        for expert, matrix in enumerate(tensor):
+            for part, offset in parts[base]:
+                piece = matrix if offset is None else matrix[..., offset::2]
+                piece = piece.T if param == "weight" else piece
+                part_name = f"{prefix}.{expert}.{part}.{param}"
+                cut = cut_of(part_name)
+                yield part_name, piece.contiguous() if cut is None else _cut(piece, cut).clone()
 
 
 # Phi-3's checkpoint tensors that hold several projections, and the names of their parts.

@@ -1,11 +1,16 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), as transformers computes it.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS), as transformers
+computes it.
 
-A router (a bias-free projection to num_experts logits) picks each token's top_k experts:
-softmax over all experts in float32, torch.topk (ties as torch resolves them), optionally the
-k weights divided by their sum (Parts.router / norm_topk_prob). Each expert is a gated MLP of
-its own, stored as the dense MLP's modules (gate_up_proj, down_proj), so that the loader, the
-quantized modules (model/quant) and the batch-invariant panel kernels (layers.pack_panels)
-treat an expert exactly as a dense MLP.
+A router (a projection to num_experts logits) picks each token's top_k experts (Parts.router):
+"softmax_topk", softmax over all experts in float32, torch.topk (ties as torch resolves them),
+optionally the k weights divided by their sum (norm_topk_prob); "topk_softmax" (GPT-OSS, whose
+router has a bias), torch.topk of the logits, then softmax over those k in the model dtype.
+
+Each expert is a gated MLP of its own, stored as the dense MLP's modules (gate_up_proj,
+down_proj), so that the loader, the quantized modules (model/quant) and the batch-invariant
+panel kernels (layers.pack_panels) treat an expert exactly as a dense MLP. GPT-OSS's experts
+carry biases and its clamped SwiGLU; its checkpoint's 3-D, gate/up-interleaved tensors are
+split per expert at load (model/loader.py).
 
 Grouped, in one fixed order: the step's rows are grouped by expert, each active expert runs
 once over all of its rows (so a step reads only its active experts' weights), and a row's
@@ -30,18 +35,24 @@ from conveyor.model.layers import Linear, MergedLinear
 
 
 class Expert(nn.Module):
-    """act(x @ gate.T) * (x @ up.T) @ down.T, without the tensor-parallel reduction."""
+    """act(x @ gate.T) * (x @ up.T) @ down.T (biases: GPT-OSS's), without the tensor-parallel
+    reduction; act "swiglu_clamp" is GPT-OSS's (see Parts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, parts, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=False
-        )
-        self.down_proj = Linear(intermediate_size, hidden_size)
-        self.act = act
+        sizes = [intermediate_size, intermediate_size]
+        self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
+        down = MergedLinear(intermediate_size, [hidden_size], bias=True) if bias else None
+        self.down_proj = down or Linear(intermediate_size, hidden_size)
+        self.act = parts.act
+        self.alpha, self.limit = parts.swiglu_alpha, parts.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of a fresh tensor: in place
+        if self.act == "swiglu_clamp":  # transformers' GptOssExperts._apply_gate
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         if self.act == "gelu_tanh":
             gate = nn.functional.gelu(gate, approximate="tanh")
         else:
@@ -67,26 +78,35 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg, tp: TPGroup) -> None:
         super().__init__()
         parts = cfg.parts
-        if parts.router != "softmax_topk":
+        if parts.router not in ("softmax_topk", "topk_softmax"):
             raise ValueError(f"unsupported MoE router {parts.router!r}")
         self.tp = tp
+        self.router = parts.router
         self.top_k = parts.top_k
         self.norm_topk_prob = parts.norm_topk_prob
         self.float32_route_weights = parts.float32_route_weights
         size = tp.shard.part(parts.moe_intermediate_size)[1]
-        self.gate = Linear(cfg.hidden_size, parts.num_experts)
+        bias = parts.expert_bias
+        self.gate = (
+            MergedLinear(cfg.hidden_size, [parts.num_experts], bias=True)
+            if bias
+            else Linear(cfg.hidden_size, parts.num_experts)
+        )
         self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, size, parts.act) for _ in range(parts.num_experts)
+            Expert(cfg.hidden_size, size, parts, bias) for _ in range(parts.num_experts)
         )
         self.shared_expert = None
         if parts.shared_expert_size:
             shared = tp.shard.part(parts.shared_expert_size)[1]
-            self.shared_expert = Expert(cfg.hidden_size, shared, parts.act)
+            self.shared_expert = Expert(cfg.hidden_size, shared, parts)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 
     def route(self, x: torch.Tensor) -> Routes:
         """Each row's top_k experts and their weights, as transformers' TopKRouter."""
         logits = self.gate(x)  # (T, E)
+        if self.router == "topk_softmax":
+            top, expert_ids = torch.topk(logits, self.top_k, dim=-1)  # (T, k)
+            return Routes(torch.softmax(top, dim=1, dtype=top.dtype), expert_ids)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.norm_topk_prob:

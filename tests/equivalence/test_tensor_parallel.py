@@ -160,7 +160,11 @@ def test_a_shared_memory_wait_ends_when_a_peer_is_gone_or_late():
         shm.remove(path)
 
 
-def test_a_family_that_does_not_split_yet_is_refused_with_the_reason(tmp_path):
-    path = make_tiny_checkpoint(tmp_path, "olmo2")
-    with pytest.raises(ValueError, match="q/k norms over all heads"):
+@pytest.mark.parametrize(
+    ("family", "reason"),
+    [("olmo2", "q/k norms over all heads"), ("gpt_oss", "biased row-parallel projections")],
+)
+def test_a_family_that_does_not_split_yet_is_refused_with_the_reason(tmp_path, family, reason):
+    path = make_tiny_checkpoint(tmp_path, family)
+    with pytest.raises(ValueError, match=reason):
         LLM(str(path), dtype="float64", tensor_parallel_size=2)

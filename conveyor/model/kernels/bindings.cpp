@@ -40,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv_cache"), py::arg("block_size"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"),
         py::arg("split_keys") = true, py::arg("prompt_rows") = std::vector<int64_t>{},
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("write_kv", &attention::write_kv, "write K/V into cache slots (CPU)");
   m.def("small_gemm", &gemm::small_gemm, "x @ weight.T for a few rows of x (CPU)");
   m.def("lora_add", &lora::lora_add, "y += a step's LoRA deltas, in place (CPU)", py::arg("y"),
