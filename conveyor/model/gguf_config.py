@@ -35,6 +35,7 @@ FAMILIES = {
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral with its llama converter).
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -109,6 +110,10 @@ def _experts(arch: str, config: dict[str, Any], tensor_shapes: dict) -> None:
         config["num_local_experts"] = config.pop("num_experts")
         config.pop("moe_intermediate_size", None)
         config["sliding_window"] = None
+        return
+    if config["model_type"] == "gpt_oss":  # its experts' width is intermediate_size
+        config["num_local_experts"] = config.pop("num_experts")
+        config["intermediate_size"] = config.pop("moe_intermediate_size")
         return
     config.update(mlp_only_layers=[], decoder_sparse_step=1, use_sliding_window=False)
     config["norm_topk_prob"] = arch != "qwen2moe"
@@ -212,6 +217,17 @@ def _phi3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config["original_max_position_embeddings"] = original or config["max_position_embeddings"]
 
 
+def _gpt_oss(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """llama.cpp's gpt-oss: sliding and full layers alternate from a sliding one (its swa
+    pattern 2), q/k/v/o biases, the SwiGLU clamp at 7 with alpha 1.702, YaRN untruncated."""
+    config["layer_types"] = _layer_types(metadata, "gpt-oss", lambda i: i % 2 == 0)
+    config["sliding_window"] = metadata.get("gpt-oss.attention.sliding_window") or None
+    config["attention_bias"] = True
+    config.update(swiglu_alpha=1.702, swiglu_limit=7.0)
+    if config["rope_parameters"]["rope_type"] == "yarn":
+        config["rope_parameters"].update(truncate=False, beta_fast=32.0, beta_slow=1.0)
+
+
 def _llama_like(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     return lambda metadata, config: _rotary_fraction(metadata, arch, config)
 
@@ -235,4 +251,5 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "qwen2moe": _llama_like("qwen2moe"),
     "qwen3moe": _llama_like("qwen3moe"),
     "mixtral": _llama_like("llama"),
+    "gpt-oss": _gpt_oss,
 }

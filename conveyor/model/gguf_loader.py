@@ -76,6 +76,7 @@ _LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_sinks": "self_attn.sinks",  # GPT-OSS: a parameter of its own (no .weight)
 }
 # The experts' 3-D tensors (experts, rows, columns): expert e's HF tensor is its rows.
 _EXPERT_NAMES = {
@@ -156,7 +157,7 @@ class _Target(NamedTuple):
     """One HF tensor made of a GGUF tensor: all of it, or (fused tensors) a range of its rows."""
 
     hf_name: str
-    rows: slice | None
+    rows: slice | int | None  # an int: one row (an expert's bias), as a 1-D tensor
 
 
 def iter_gguf_weights(
@@ -358,16 +359,10 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
         return [_Target(_GLOBAL_NAMES[info.name], None)]
     match = _LAYER_TENSOR.fullmatch(info.name)
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(layout.architecture, {})}
-    if match is not None and match[2] in _EXPERT_NAMES and len(info.shape) == 3:
-        experts, rows = info.shape[:2]
-        module = f"model.layers.{match[1]}.mlp.experts"
-        return [
-            _Target(
-                f"{module}.{e}.{_EXPERT_NAMES[match[2]]}.{match[3]}",
-                slice(e * rows, (e + 1) * rows),
-            )
-            for e in range(experts)
-        ]
+    if match is not None and match[2] in _EXPERT_NAMES:
+        return _expert_targets(info, match[1], _EXPERT_NAMES[match[2]], match[3])
+    if match is not None and match[2] == "attn_sinks":
+        return [_Target(f"model.layers.{match[1]}.self_attn.sinks", None)]
     if match is None or (match[2] not in names and match[2] not in _FUSED):
         # Failing beats dropping a weight silently and running a model with random parameters.
         raise ValueError(f"GGUF tensor {info.name!r} in {str(path)!r} has no Hugging Face name")
@@ -384,6 +379,21 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
     if start != info.shape[0]:
         raise ValueError(f"GGUF tensor {info.name!r} has {info.shape[0]} rows, expected {start}")
     return targets
+
+
+def _expert_targets(info: _TensorInfo, layer: str, projection: str, param: str) -> list:
+    """Each expert's tensor of an experts' tensor: its rows of a 3-D weight (experts, rows,
+    columns; read as the matrix of every expert's rows), its row of a 2-D bias (GPT-OSS's)."""
+    module = f"model.layers.{layer}.mlp.experts"
+    experts = info.shape[0]
+    rows = info.shape[1] if len(info.shape) == 3 else None
+    return [
+        _Target(
+            f"{module}.{e}.{projection}.{param}",
+            e if rows is None else slice(e * rows, (e + 1) * rows),
+        )
+        for e in range(experts)
+    ]
 
 
 def _fused_parts(kind: str, info: _TensorInfo, layout: _Layout) -> list[tuple[str, int]] | None:

@@ -21,6 +21,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, iter_gguf_weights
+from conveyor.model.loader import _gpt_oss_experts
 
 # The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
 # not store set to the value llama.cpp fixes in its code: Gemma's query scale is head_dim's,
@@ -38,9 +39,13 @@ GGUF_FAMILIES = {
     "mixtral": {},
     "qwen2_moe": dict(mlp_only_layers=[]),
     "qwen3_moe": dict(decoder_sparse_step=1),
+    "gpt_oss": dict(swiglu_limit=7.0),
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
-LLAMA_CPP_NAMES["qwen3_moe"] = "qwen3moe"  # HF gemma3_text is llama.cpp's gemma3, ...
+LLAMA_CPP_NAMES |= {
+    "qwen3_moe": "qwen3moe",
+    "gpt_oss": "gpt-oss",
+}  # HF gemma3_text is llama.cpp's gemma3, ...
 # Mixtral's checkpoint names of its MoE modules, and the names every loader gives them.
 MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."))
 MIXTRAL_NAMES += ((".w3.", ".up_proj."), (".w2.", ".down_proj."))
@@ -95,6 +100,8 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
     checkpoint = load_file(converted.hf_dir / "model.safetensors")
     if converted.family == "mixtral":
         checkpoint = {renamed(name): tensor for name, tensor in checkpoint.items()}
+    if converted.family == "gpt_oss":  # its 3-D experts as each expert's, as loaded
+        checkpoint = dict(_gpt_oss_experts(checkpoint.items(), lambda name: None))
     path = getattr(converted, qtype)
     ours = dict(iter_gguf_weights(path, torch.float64))
     assert len(ours) == len(list(iter_gguf_weights(path, torch.float64)))
