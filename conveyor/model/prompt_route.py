@@ -83,8 +83,6 @@ def _quantized_compiled(model: nn.Module, ops: ModuleType | None) -> bool:
 
     if ops is None or not kernel_plan.current(model.config).compiled_layers:
         return False  # the route runs inside the compiled layers only
-    if any(model.config.parts.moe_layers):
-        return False  # which a mixture of experts does not run (model/moe.py)
     if model.config.head_dim % 16:  # the attention tiles' columns (attention/amx_attention.cpp)
         return False
     projections = list(_projections(model))
