@@ -453,39 +453,57 @@ class RouteLog:
         return overlap, disjoint
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "q4_1-gguf"])
-def test_a_mixture_of_experts_is_batch_invariant(request, quantization):
-    """Qwen3-MoE in float32 and served quantized (int8, and a Q4_1 GGUF's experts): each
-    request alone against batched in chunks of 32 (steps whose rows route to overlapping and
-    to disjoint experts), from the warm prefix cache, preempted in a small cache, and verified
-    in n-gram drafts, all compared with ==."""
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> str:
+    """A tiny GPT-OSS (tests/tiny.py FAMILIES): attention sinks, a sliding and a full layer,
+    biased experts with the clamped SwiGLU, its router (top-k, then softmax)."""
+    from tiny import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss"))
+
+
+# model fixture, quantization, its MoE layers
+MOE_MODELS = {
+    "qwen3_moe": ("qwen3_moe", "none", (False, True)),
+    "qwen3_moe-int8": ("qwen3_moe", "int8", (False, True)),
+    "qwen3_moe-q4_1-gguf": ("qwen3_moe_q4_1", "gguf", (True, True)),
+    "gpt_oss": ("gpt_oss", "none", (True, True)),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_MODELS))
+def test_a_mixture_of_experts_is_batch_invariant(request, name):
+    """Qwen3-MoE in float32 and served quantized (int8, and a Q4_1 GGUF's experts), and GPT-OSS
+    (attention sinks, biased experts) in float32: each request alone against batched in chunks
+    of 32 (steps whose rows route to overlapping and to disjoint experts), from the warm
+    prefix cache, preempted in a small cache, and verified in n-gram drafts, all compared
+    with ==."""
+    fixture, quantization, layers = MOE_MODELS[name]
     prompts = PROMPTS[:6] + PROMPTS[12:15] + PROMPTS[-1:]
-    kwargs = dict(dtype="float32", quantization=quantization)
-    qwen3_moe, layers = request.getfixturevalue("qwen3_moe"), (False, True)
-    if quantization == "q4_1-gguf":
-        qwen3_moe, layers = request.getfixturevalue("qwen3_moe_q4_1"), (True, True)
-        kwargs = dict(dtype="float32")
+    path = request.getfixturevalue(fixture)
+    kwargs = dict(dtype="float32")
+    if quantization == "int8":
+        kwargs["quantization"] = "int8"
     want = []
     for prompt in prompts:
-        with LLM(qwen3_moe, **kwargs, enable_prefix_caching=False) as llm:
+        with LLM(path, **kwargs, enable_prefix_caching=False) as llm:
             config = llm.engine.model_config
-            assert config.parts.moe_layers == layers
-            assert config.quantization == {"none": "none", "int8": "int8"}.get(quantization, "gguf")
+            assert (config.parts.moe_layers, config.quantization) == (layers, quantization)
             want.append(signature(llm.generate([prompt], greedy(), use_tqdm=False)[0]))
 
     def check(outputs, what: str) -> None:
         found = [first_difference(signature(o), w) for o, w in zip(outputs, want, strict=True)]
-        assert found == [None] * len(want), f"{quantization}, {what}: {found}"
+        assert found == [None] * len(want), f"{name}, {what}: {found}"
 
-    with LLM(qwen3_moe, **kwargs, max_num_batched_tokens=32) as llm:
+    with LLM(path, **kwargs, max_num_batched_tokens=32) as llm:
         routes = RouteLog(llm)
         check(llm.generate(prompts, greedy(), use_tqdm=False), "batched, budget 32")
         assert routes.overlapping_and_disjoint() == (True, True)
         check(llm.generate(prompts, greedy(), use_tqdm=False), "again, from the prefix cache")
         assert llm.engine.get_stats().scheduler.prefix_cache_hits > 0
-    with LLM(qwen3_moe, **kwargs, num_blocks=7, max_num_batched_tokens=48) as llm:
+    with LLM(path, **kwargs, num_blocks=7, max_num_batched_tokens=48) as llm:
         check(llm.generate(prompts, greedy(), use_tqdm=False), "preempted")
         assert llm.engine.get_stats().scheduler.num_preemptions_total > 0
-    with LLM(qwen3_moe, **kwargs, speculative_config=NGRAM, max_num_batched_tokens=48) as llm:
+    with LLM(path, **kwargs, speculative_config=NGRAM, max_num_batched_tokens=48) as llm:
         check(llm.generate(prompts, greedy(), use_tqdm=False), "n-gram speculation")
         assert llm.engine.get_stats().spec.num_draft_tokens > 0
