@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from conveyor.distributed.parallel import TPGroup
+from conveyor.model import kernels
 from conveyor.model.layers import Linear, MergedLinear
 
 
@@ -48,7 +49,15 @@ class Expert(nn.Module):
         self.alpha, self.limit = parts.swiglu_alpha, parts.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of a fresh tensor: in place
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu" and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            ops = kernels.load()
+            # The compiled layers' loop, row by row: ATen's silu computes a tensor's (or a
+            # thread's) last elements with its scalar exp, whose bits can differ from the
+            # vector one, so a row's values could depend on the rows computed with it.
+            if ops is not None:
+                return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # views of a fresh tensor: in place
         if self.act == "swiglu_clamp":  # transformers' GptOssExperts._apply_gate
             gate = gate.clamp(min=None, max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)

@@ -47,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("a"), py::arg("b"), py::arg("rows"), py::arg("slots"),
         py::arg("columns"), py::arg("num_slots"));
   m.def("rms_norm", &layer::rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
+  m.def("silu_and_mul", &layer::silu_and_mul, "silu(gate) * up of gate_up (T, 2 I), row by row");
   namespace q = gemm::quant;
   m.def("q4_linear", &q::q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");
   m.def("q8_linear", &q::q8_linear, "x @ W^T for int8 blocks (q * d)");

@@ -140,6 +140,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
 // layer/decoder_layer.cpp
 namespace layer {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void bind_decoder_layer(pybind11::module& m);  // the DecoderLayer class and decoder_layers
 }  // namespace layer
 
