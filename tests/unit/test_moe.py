@@ -31,7 +31,7 @@ def moe(parts: Parts, dtype=torch.float64, seed: int = 0) -> MoEMLP:
         for param in module.parameters():
             param.copy_(torch.randn(param.shape, generator=gen, dtype=dtype) * 0.3)
         module.gate.weight[2] = module.gate.weight[4]  # a tie between experts 2 and 4
-    return module
+    return module.requires_grad_(False)  # as served: the activations run in place
 
 
 def softmax_topk(top_k: int, norm: bool, float32_weights: bool = False) -> Parts:
@@ -98,8 +98,10 @@ def test_groups_are_in_ascending_expert_id_with_each_experts_rows_in_order():
         assert torch.equal(ids[g.rows, g.slots], torch.full_like(g.rows, g.expert_id))
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="the compiled CPU kernels are unavailable")
 def test_a_rows_output_is_the_sum_of_its_experts_in_ascending_id():
     module = moe(softmax_topk(3, True))
+    pack_panels(module)  # each expert's rows computed alike at any row count
     x = torch.randn(5, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     routes = module.route(x)
     want = torch.zeros_like(x)
