@@ -61,7 +61,9 @@ class Parts:
     logits_divisor: float = 1.0  # logits are divided by it (Granite's logits_scaling)
     # Mixture of experts (model/moe.py); moe_layers empty: every layer's MLP is dense.
     moe_layers: tuple[bool, ...] = ()  # per layer: True a mixture of experts
-    router: str = ""  # "softmax_topk": softmax over all experts in float32, then top_k
+    # "softmax_topk": softmax over all experts in float32, then top_k; "topk_softmax"
+    # (GPT-OSS): top_k of the logits, then softmax over those k
+    router: str = ""
     num_experts: int = 0
     top_k: int = 0
     norm_topk_prob: bool = False  # the top_k weights divided by their sum
