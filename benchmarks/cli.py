@@ -1,6 +1,6 @@
 """`python -m benchmarks compare | step | quality | split | spec | structured | scaling |
 peers | dashboard | storm | contention | fuzz |
-families | kernels | attention | quant-kernels`: the lab's commands.
+families | moe | kernels | attention | quant-kernels`: the lab's commands.
 
 The flags they share with `conveyor bench serve | throughput` and `conveyor serve` come from
 conveyor.bench.args and conveyor.entrypoints.args. Each command's module is imported when the
@@ -42,6 +42,8 @@ COMMANDS = [
      "dropped connections, unterminated streams, engine deaths"),
     ("families", "families", "each family's step time against Llama of the same shape, per "
      "parameter, and a sliding window's peak KV blocks against full attention"),
+    ("moe", "moe", "a mixture-of-experts decode step against a dense model of the same active "
+     "parameters at 1, 8 and 64 rows, and the expert bytes a one-row step reads"),
     ("kernels", "kernels", "ModelRunner.execute per attention path (PyTorch reference vs "
      "compiled kernels) on synthetic decode and prefill steps"),
     ("attention", "attention", "the decode attention op alone: us per layer by rows, context "

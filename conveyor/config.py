@@ -25,6 +25,10 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # RoPE variants whose inverse frequencies are fixed at load time (no sequence-length dependence).
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}

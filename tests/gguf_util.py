@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -37,7 +38,15 @@ GGUF_ARCHS = {
     "olmo2": "olmo2",
     "granite": "granite",
     "smollm3": "smollm3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp's llama converter, with experts
+    "gpt_oss": "gpt-oss",
 }
+# The experts' tensors one per expert in a checkpoint, and their 3-D stack in a GGUF file
+# (llama.cpp's converters merge them); the routers llama.cpp keeps in F32.
+EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
 PERMUTED_QK = ("llama", "granite", "smollm3")
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # Gemma's converters store a norm weight w as 1 + w
@@ -154,6 +163,20 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     if rope_type == "yarn":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     _FAMILY_HPARAMS.get(arch, lambda writer, config: None)(writer, config)
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        _expert_hparams(writer, config)
+
+
+def _expert_hparams(writer: gguf.GGUFWriter, config) -> None:
+    writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if config.model_type == "gpt_oss":  # its experts' width, and its windows
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "moe_intermediate_size", None):  # Qwen's; Mixtral's is ffn length
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 def _gemma2_hparams(writer: gguf.GGUFWriter, config) -> None:
@@ -214,6 +237,16 @@ def check_expressible(config, arch: str) -> None:
         expected["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in layers]
     if arch == "phi3":
         expected["rope_scaling"] = None
+    if arch == "gpt-oss":  # llama.cpp fixes these
+        expected["swiglu_limit"] = 7.0
+        expected["swiglu_alpha"] = 1.702
+        expected["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in layers
+        ]
+    if arch in ("qwen2moe", "qwen3moe"):  # every layer a mixture; qwen3moe renormalises
+        expected["mlp_only_layers"] = []
+        expected["decoder_sparse_step"] = 1
+        expected["norm_topk_prob"] = arch == "qwen3moe"
     for name, value in expected.items():
         if _setting(config, name) != value:
             raise ValueError(
@@ -281,7 +314,11 @@ def _add_tensors(
     qtype: gguf.GGMLQuantizationType,
 ) -> None:
     name_map = gguf.get_tensor_name_map(_model_arch(arch), config.num_hidden_layers)
-    for hf_name, tensor in state.items():
+    if arch == "gpt-oss":
+        state, stated = _gpt_oss_experts(state)
+        for name, tensor in stated.items():
+            _add_tensor(writer, name, tensor.to(torch.float32).numpy(), qtype)
+    for hf_name, tensor in _merged_experts(state).items():
         data = tensor
         if arch in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
             data = data + 1  # in the checkpoint's dtype, then cast, as llama.cpp does
@@ -292,11 +329,56 @@ def _add_tensors(
             data = permute(data, config.num_attention_heads, config.num_key_value_heads)
         # Phi-3's qkv_proj and gate_up_proj map as they are: attn_qkv, and ffn_up
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if hf_name.endswith(".sinks"):  # llama.cpp's GPT-OSS converter names them so
+            name = f"{name}.weight"
         if name is None:
             raise ValueError(f"llama.cpp has no {arch} tensor name for {hf_name}")
-        _add_tensor(writer, name, data.numpy(), qtype)
+        _add_tensor(writer, name, data.numpy(), F32 if name.endswith(F32_TENSORS) else qtype)
     if arch == "llama" and _rope(config).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+
+
+F32 = gguf.GGMLQuantizationType.F32
+
+
+def _gpt_oss_experts(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """GPT-OSS's 3-D experts (x @ W form, gate and up interleaved by column) as llama.cpp's
+    converter writes them: ffn_{gate,up,down}_exps (experts, rows, columns) and their biases;
+    returns the other tensors and these by GGUF name."""
+    rest, stated = {}, {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\w+)", name)
+        if match is None:
+            rest[name] = tensor
+            continue
+        blk, leaf = f"blk.{match[1]}", match[2]
+        if leaf == "gate_up_proj":
+            stated[f"{blk}.ffn_gate_exps.weight"] = tensor[..., ::2].transpose(1, 2).contiguous()
+            stated[f"{blk}.ffn_up_exps.weight"] = tensor[..., 1::2].transpose(1, 2).contiguous()
+        elif leaf == "gate_up_proj_bias":
+            stated[f"{blk}.ffn_gate_exps.bias"] = tensor[:, ::2].contiguous()
+            stated[f"{blk}.ffn_up_exps.bias"] = tensor[:, 1::2].contiguous()
+        elif leaf == "down_proj":
+            stated[f"{blk}.ffn_down_exps.weight"] = tensor.transpose(1, 2).contiguous()
+        else:
+            stated[f"{blk}.ffn_down_exps.bias"] = tensor
+    return rest, stated
+
+
+def _merged_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's per-expert tensors stacked into one (experts, rows, columns) tensor per
+    layer and projection, named without the expert's index, as llama.cpp's converters do."""
+    merged: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        match = EXPERT.fullmatch(name)
+        if match is None:
+            merged[name] = tensor
+        else:
+            experts.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = tensor
+    for name, by_index in experts.items():
+        merged[name] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return merged
 
 
 def _add_tensor(

@@ -69,7 +69,32 @@ FAMILIES = {
         architectures=["SmolLM3ForCausalLM"], model_type="smollm3", no_rope_layers=[1, 0],
         use_sliding_window=False,
     ),
+    # Mixtures of experts (model/moe.py): few small experts, so that a step's rows route to
+    # overlapping and disjoint ones; a dense layer next to a mixture where the family has them.
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=None,
+    ),
+    "qwen2_moe": dict(  # layer 1 dense (mlp_only_layers); top-2 unnormalised; shared expert
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, mlp_only_layers=[1], use_sliding_window=False,
+    ),
+    "qwen3_moe": dict(  # layer 0 dense (decoder_sparse_step 2); top-3 renormalised
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16,
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=2, use_sliding_window=False,
+    ),
+    "gpt_oss": dict(  # sinks, biases, a sliding layer then a full one, yarn RoPE; a SwiGLU
+        # limit low enough that the clamps bite
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.5,
+        rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=64,
+                             rope_theta=10000.0),
+    ),
 }  # fmt: skip
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:

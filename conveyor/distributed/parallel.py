@@ -78,15 +78,25 @@ class TPShard:
             first, count = self.heads(cfg.num_heads)
             return 1, first * d, (first + count) * d, count * d
         if module in ("gate_proj", "up_proj"):
-            first, count = self.part(cfg.intermediate_size)
+            first, count = self.part(_intermediate_size(name, cfg))
             return 0, first, first + count, count
         if module == "down_proj" and param == "weight":
-            first, count = self.part(cfg.intermediate_size)
+            first, count = self.part(_intermediate_size(name, cfg))
             return 1, first, first + count, count
         if module in ("embed_tokens", "lm_head"):
             first, stop, rows = self.vocab(cfg.vocab_size)
             return 0, first, stop, rows
         return None
+
+
+def _intermediate_size(name: str, cfg) -> int:
+    """The intermediate size of the MLP a gate/up/down tensor belongs to: a dense layer's, an
+    expert's (each expert split like a dense MLP), or Qwen2-MoE's shared expert's."""
+    if ".shared_expert." in name:
+        return cfg.parts.shared_expert_size
+    if ".experts." in name:
+        return cfg.parts.moe_intermediate_size
+    return cfg.intermediate_size
 
 
 def check_tensor_parallel(cfg, size: int) -> None:
@@ -104,6 +114,14 @@ def check_tensor_parallel(cfg, size: int) -> None:
     if cfg.intermediate_size % size:
         problems.append(f"its MLP's intermediate size {cfg.intermediate_size}")
     parts = getattr(cfg, "parts", None)
+    for what, inner in (
+        ("experts'", "moe_intermediate_size"),
+        ("shared expert's", "shared_expert_size"),
+    ):
+        if parts is not None and getattr(parts, inner) % size:
+            problems.append(f"its {what} intermediate size {getattr(parts, inner)}")
+    if parts is not None and (parts.o_bias or parts.expert_bias or parts.attn_sinks):
+        problems.append("its biased row-parallel projections and attention sinks (GPT-OSS)")
     if parts is not None and parts.qk_norm == "full":  # OLMo 2: one norm over every head
         problems.append("its q/k norms over all heads at once")
     if problems:

@@ -47,6 +47,12 @@ class EngineConfig:
         if not args.skip_tokenizer_init:
             check_tokenizer(model_config)
         check_tensor_parallel(model_config, tp_size)
+        lora_config = args.lora_config()
+        if lora_config is not None and any(model_config.parts.moe_layers):
+            raise ValueError(
+                "enable_lora: LoRA adapters on a mixture-of-experts model are not supported "
+                "(its experts' projections have no adapter slots)"
+            )
         return cls(
             model_config,
             args.cache_config(),
@@ -59,7 +65,7 @@ class EngineConfig:
             args.grammar_compile_timeout,
             args.skip_tokenizer_init,
             args.record_trace,
-            args.lora_config(),
+            lora_config,
             args.enforce_eager,
             args.adaptive_threads,
             args.kernel_isa,

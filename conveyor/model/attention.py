@@ -148,9 +148,10 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     kind: AttentionKind,
+    sinks: torch.Tensor | None = None,  # (H,): GPT-OSS's per-head logits that join the softmax
 ) -> torch.Tensor:  # (T, H, D)
     if meta.ops is None:
-        return reference_paged_attention(q, k, v, kv_cache, meta, kind)
+        return reference_paged_attention(q, k, v, kv_cache, meta, kind, sinks)
     meta.ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size)
     return meta.ops.paged_attention(
         q,
@@ -163,20 +164,21 @@ def paged_attention(
         meta.split_keys,
         window=kind.window,
         softcap=kind.softcap,
+        sinks=None if sinks is None else sinks.detach(),
     )
 
 
 def reference_paged_attention(
-    q, k, v, kv_cache, meta: AttentionMetadata, kind: AttentionKind
+    q, k, v, kv_cache, meta: AttentionMetadata, kind: AttentionKind, sinks=None
 ) -> torch.Tensor:
     plan = meta.reference
     write_kv(kv_cache, k, v, meta.slot_mapping, meta.block_size)
     out = torch.empty_like(q)
     if plan.num_decodes:
-        out[plan.decode_rows] = _decode_attention(q[plan.decode_rows], kv_cache, plan, kind)
+        out[plan.decode_rows] = _decode_attention(q[plan.decode_rows], kv_cache, plan, kind, sinks)
     for chunk in plan.prefills:
         rows = slice(chunk.start, chunk.end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, kind)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, kind, sinks)
     return out
 
 
@@ -214,7 +216,7 @@ def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, head_dim: int, dtype: 
     return keys.flatten(-3, -2).to(dtype), values.flatten(-3, -2).to(dtype)
 
 
-def _decode_attention(q, kv_cache, plan: ReferencePlan, kind: AttentionKind):
+def _decode_attention(q, kv_cache, plan: ReferencePlan, kind: AttentionKind, sinks=None):
     tables = plan.decode_block_tables  # (B, N)
     keys, values = _gather(kv_cache, tables, q.shape[-1], q.dtype)  # (B, Hkv, L, D)
     positions = torch.arange(keys.shape[2], device=q.device)[None, :]
@@ -222,28 +224,34 @@ def _decode_attention(q, kv_cache, plan: ReferencePlan, kind: AttentionKind):
     mask = positions < seq_lens  # (B, L)
     if kind.window:
         mask &= positions >= seq_lens - kind.window
-    out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], False, kind)
+    out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], False, kind, sinks)
     return out.squeeze(2)  # (B, H, D)
 
 
-def _attend(q, keys, values, mask, causal: bool, kind: AttentionKind) -> torch.Tensor:
+def _attend(q, keys, values, mask, causal: bool, kind: AttentionKind, sinks=None) -> torch.Tensor:
     """softmax(q k^T scale [soft-capped]) v over (..., H, Tq, D) queries and (..., Hkv, L, D)
-    keys; mask: True where a key is seen (broadcast), or causal."""
-    if not kind.softcap:
+    keys; mask: True where a key is seen (broadcast), or causal; sinks (H,): a logit per head
+    that joins the softmax without a value."""
+    if not kind.softcap and sinks is None:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=causal, scale=kind.scale, enable_gqa=True
         )
     group = q.shape[-3] // keys.shape[-3]
     keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
     scores = torch.matmul(q, keys.transpose(-1, -2)) * kind.scale
-    scores = torch.tanh(scores / kind.softcap) * kind.softcap
+    if kind.softcap:
+        scores = torch.tanh(scores / kind.softcap) * kind.softcap
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
+    sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights, values)
 
 
-def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk, kind: AttentionKind):
+def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk, kind: AttentionKind, sinks=None):
     num_q = q.shape[0]
     if chunk.context_len == 0 and not kind.window:
         # The whole sequence is in this chunk: attend to the fresh K/V, no gather needed.
@@ -261,5 +269,5 @@ def _prefill_attention(q, k, v, kv_cache, chunk: PrefillChunk, kind: AttentionKi
         if kind.window:
             mask &= positions > rows - kind.window
         causal = False
-    out = _attend(q.transpose(0, 1), keys, values, mask, causal, kind)  # (H, Tq, D)
+    out = _attend(q.transpose(0, 1), keys, values, mask, causal, kind, sinks)  # (H, Tq, D)
     return out.transpose(0, 1)

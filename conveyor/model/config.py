@@ -137,7 +137,9 @@ def _read_facts(folder: Path) -> dict:
         "head_dim": int(head_dim),
         "rms_norm_eps": float(hf.rms_norm_eps),
         "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
-        "qkv_bias": arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        "qkv_bias": arch == "qwen2"
+        or bool(getattr(hf, "qkv_bias", False))  # Qwen2-MoE's
+        or bool(getattr(hf, "attention_bias", False)),
         "qk_norm": parts.qk_norm == "head",
         "max_position_embeddings": int(getattr(hf, "max_position_embeddings", None) or 2048),
         # the name of the dtype the checkpoint was saved in ("float32", ...), or None

@@ -4,8 +4,10 @@ A decoder layer here is always: [norm] -> attention -> [norm] -> residual add, t
 [norm] -> MLP -> [norm] -> residual add. A family says which of the four norms it has and
 what their checkpoint names are, how a norm scales (w, or Gemma's 1 + w), the MLP's activation,
 and per layer the attention's kind (full or a sliding window, soft-capped scores, its scale)
-and rotary table (the global one, Gemma 3's local one, or none: SmolLM3's NoPE layers); around
-the layers, the embedding, residual and logit multipliers. `Parts` holds that, resolved once
+and rotary table (the global one, Gemma 3's local one, or none: SmolLM3's NoPE layers), and
+per layer the MLP's kind: dense, or a mixture of experts (a router that picks top_k of
+num_experts per token, how it weighs them, a shared expert behind a sigmoid gate); around the
+layers, the embedding, residual and logit multipliers. `Parts` holds that, resolved once
 from the checkpoint's config (as transformers reads it); model/llama.py builds both the modules
 and the compiled layers (kernels/layer/decoder_layer.cpp) from it, so a family is written once.
 
@@ -57,12 +59,36 @@ class Parts:
     embed_scale: float = 1.0  # the embedding rows' multiplier
     residual_scale: float = 1.0  # each sublayer's output is multiplied by it before the add
     logits_divisor: float = 1.0  # logits are divided by it (Granite's logits_scaling)
+    # Mixture of experts (model/moe.py); moe_layers empty: every layer's MLP is dense.
+    moe_layers: tuple[bool, ...] = ()  # per layer: True a mixture of experts
+    # "softmax_topk": softmax over all experts in float32, then top_k; "topk_softmax"
+    # (GPT-OSS): top_k of the logits, then softmax over those k
+    router: str = ""
+    num_experts: int = 0
+    top_k: int = 0
+    norm_topk_prob: bool = False  # the top_k weights divided by their sum
+    # Mixtral keeps the weights float32 (each expert's output is multiplied in the promoted
+    # dtype); the Qwen MoEs cast them to the model dtype first.
+    float32_route_weights: bool = False
+    moe_intermediate_size: int = 0  # each expert's
+    shared_expert_size: int = 0  # Qwen2-MoE's always-on expert, behind a sigmoid gate; 0 none
+    # GPT-OSS: experts (and router) with biases, the clamped SwiGLU (act "swiglu_clamp":
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)),
+    # attention sinks (a learned per-head logit in every softmax), a biased o_proj.
+    expert_bias: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    attn_sinks: bool = False
+    o_bias: bool = False
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
 
     def rope(self, layer: int) -> int:
         return self.ropes[layer] if self.ropes else 0
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def scale(self, head_dim: int) -> float:
         return self.attn_scale or head_dim**-0.5
@@ -102,6 +128,8 @@ def parts_of(hf, family: str, num_layers: int, head_dim: int, local_rope: Callab
     _refuse_unsupported(hf, family)
     builder = _BUILDERS.get(family)
     extra = builder(hf, head_dim, local_rope) if builder else {}
+    if family in _MOE:
+        extra.update(_MOE[family](hf, num_layers))
     return Parts(family=family, windows=_windows(hf, family, num_layers), **extra)
 
 
@@ -112,7 +140,7 @@ def _windows(hf, family: str, num_layers: int) -> tuple[int, ...]:
     if not window or getattr(hf, "use_sliding_window", True) is False:
         return ()
     types = getattr(hf, "layer_types", None)
-    if family in ("mistral", "phi3") or types is None:
+    if family in ("mistral", "phi3", "mixtral") or types is None:
         return (int(window),) * num_layers
     return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
@@ -154,8 +182,68 @@ def _smollm3(hf, head_dim: int, local_rope: Callable) -> dict:
     return dict(ropes=tuple(0 if use else -1 for use in hf.no_rope_layers))
 
 
+def _mixtral_moe(hf, num_layers: int) -> dict:
+    """Every layer a mixture: softmax, top-k, renormalised, weights kept float32."""
+    return dict(
+        moe_layers=(True,) * num_layers,
+        router="softmax_topk",
+        num_experts=int(hf.num_local_experts),
+        top_k=int(hf.num_experts_per_tok),
+        norm_topk_prob=True,
+        float32_route_weights=True,
+        moe_intermediate_size=int(hf.intermediate_size),
+    )
+
+
+def _qwen_moe(hf, num_layers: int) -> dict:
+    """Qwen2/3-MoE: a mixture on the layers transformers makes one (not in mlp_only_layers,
+    every decoder_sparse_step-th), dense (intermediate_size) elsewhere; renormalised only with
+    norm_topk_prob; Qwen2-MoE adds a shared expert behind a sigmoid gate."""
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    num_experts = int(hf.num_experts)
+    layers = tuple(
+        i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+    )
+    return dict(
+        moe_layers=layers if any(layers) else (),
+        router="softmax_topk",
+        num_experts=num_experts,
+        top_k=int(hf.num_experts_per_tok),
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+        shared_expert_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+    )
+
+
+def _gpt_oss_moe(hf, num_layers: int) -> dict:
+    """Every layer a mixture: top-k of the router's (biased) logits, then softmax over those
+    k in the model dtype; biased experts with the clamped SwiGLU."""
+    return dict(
+        moe_layers=(True,) * num_layers,
+        router="topk_softmax",
+        num_experts=int(hf.num_local_experts),
+        top_k=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.intermediate_size),
+        expert_bias=True,
+        act="swiglu_clamp",
+        swiglu_alpha=float(hf.swiglu_alpha),
+        swiglu_limit=float(hf.swiglu_limit),
+        attn_sinks=True,
+        o_bias=bool(getattr(hf, "attention_bias", False)),
+    )
+
+
+_MOE = {
+    "mixtral": _mixtral_moe,
+    "qwen2_moe": _qwen_moe,
+    "qwen3_moe": _qwen_moe,
+    "gpt_oss": _gpt_oss_moe,
+}
+
 _BUILDERS = {
     "qwen3": lambda hf, head_dim, local_rope: dict(qk_norm="head"),
+    "qwen3_moe": lambda hf, head_dim, local_rope: dict(qk_norm="head"),
     "gemma2": _gemma,
     "gemma3": _gemma3,
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),

@@ -11,6 +11,11 @@ hidden / heads for the 27B models: 46 or 62 layers), SmolLM3's RoPE-less layers 
 fourth). A file that states one of these (`attention.sliding_window_pattern`,
 `rope.freq_base_swa`) is taken at its word.
 
+The mixtures of experts: `qwen2moe`, `qwen3moe`, and `llama` with `expert_count` (Mixtral).
+llama.cpp makes every layer a mixture in these, renormalises the top-k weights of `qwen3moe`
+and of Mixtral but not of `qwen2moe` (its build_moe_ffn's norm_w), and gates `qwen2moe`'s
+shared expert by a sigmoid; the configs say the same to transformers.
+
 A setting the file states and conveyor does not compute (Phi-3's longrope factors, llama3
 `rope_freqs`, a rope scaling type) is refused by name, never dropped.
 """
@@ -28,7 +33,12 @@ FAMILIES = {
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "granite": ("granite", "GraniteForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
+# A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral with its llama converter).
+MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
 # `{arch}.` + key -> HF config field, for the keys llama.cpp writes in the same sense for all.
 _KEYS = {
@@ -48,6 +58,11 @@ _KEYS = {
     "embedding_scale": "embedding_multiplier",
     "residual_scale": "residual_multiplier",
     "logit_scale": "logits_scaling",
+    # mixtures of experts
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
 _ROPE_SCALINGS = ("none", "linear", "yarn")
@@ -60,10 +75,10 @@ def hf_config_dict(
     """The config.json fields of a GGUF file of one of FAMILIES, from its key-values and the
     (torch order) shapes of its tensors by GGUF name."""
     arch = metadata["general.architecture"]
-    if arch not in FAMILIES:
+    if arch not in FAMILIES and not is_mixtral(metadata):
         raise ValueError(f"GGUF architecture {arch!r} has no config mapping here")
     _refuse_extra_tensors(arch, set(tensor_shapes))
-    model_type, class_name = FAMILIES[arch]
+    model_type, class_name = MIXTRAL if is_mixtral(metadata) else FAMILIES[arch]
     config = {"model_type": model_type, "architectures": [class_name]}
     prefix = f"{arch}."
     for key, field in _KEYS.items():
@@ -75,8 +90,38 @@ def hf_config_dict(
     for field, name in _TOKEN_IDS.items():
         config[field] = metadata.get(f"tokenizer.ggml.{name}_token_id")
     config["rope_parameters"] = _rope(metadata, arch)
-    _FAMILY_FIELDS[arch](metadata, config)
+    _FAMILY_FIELDS["mixtral" if is_mixtral(metadata) else arch](metadata, config)
+    if config.get("num_experts"):
+        _experts(arch, config, tensor_shapes)
     return config
+
+
+def is_mixtral(metadata: dict[str, Any]) -> bool:
+    """A `llama` file with experts: Mixtral."""
+    return metadata.get("general.architecture") == "llama" and bool(
+        metadata.get("llama.expert_count")
+    )
+
+
+def _experts(arch: str, config: dict[str, Any], tensor_shapes: dict) -> None:
+    """The MoE fields llama.cpp fixes in code: every layer a mixture, top-k weights
+    renormalised except qwen2moe's; a qwen2moe file states its q/k/v biases by their tensors."""
+    if config["model_type"] == "mixtral":
+        config["num_local_experts"] = config.pop("num_experts")
+        config.pop("moe_intermediate_size", None)
+        config["sliding_window"] = None
+        return
+    if config["model_type"] == "gpt_oss":  # its experts' width is intermediate_size
+        config["num_local_experts"] = config.pop("num_experts")
+        config["intermediate_size"] = config.pop("moe_intermediate_size")
+        return
+    config.update(mlp_only_layers=[], decoder_sparse_step=1, use_sliding_window=False)
+    config["norm_topk_prob"] = arch != "qwen2moe"
+    config.setdefault("intermediate_size", config["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    else:
+        config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
 
 
 def _refuse_extra_tensors(arch: str, tensor_names: set[str]) -> None:
@@ -172,6 +217,17 @@ def _phi3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config["original_max_position_embeddings"] = original or config["max_position_embeddings"]
 
 
+def _gpt_oss(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """llama.cpp's gpt-oss: sliding and full layers alternate from a sliding one (its swa
+    pattern 2), q/k/v/o biases, the SwiGLU clamp at 7 with alpha 1.702, YaRN untruncated."""
+    config["layer_types"] = _layer_types(metadata, "gpt-oss", lambda i: i % 2 == 0)
+    config["sliding_window"] = metadata.get("gpt-oss.attention.sliding_window") or None
+    config["attention_bias"] = True
+    config.update(swiglu_alpha=1.702, swiglu_limit=7.0)
+    if config["rope_parameters"]["rope_type"] == "yarn":
+        config["rope_parameters"].update(truncate=False, beta_fast=32.0, beta_slow=1.0)
+
+
 def _llama_like(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     return lambda metadata, config: _rotary_fraction(metadata, arch, config)
 
@@ -192,4 +248,8 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "olmo2": _llama_like("olmo2"),
     "granite": _llama_like("granite"),
     "smollm3": _smollm3,
+    "qwen2moe": _llama_like("qwen2moe"),
+    "qwen3moe": _llama_like("qwen3moe"),
+    "mixtral": _llama_like("llama"),
+    "gpt-oss": _gpt_oss,
 }

@@ -39,7 +39,7 @@ import gguf
 import numpy as np
 import torch
 
-from conveyor.model.gguf_config import FAMILIES, hf_config_dict
+from conveyor.model.gguf_config import FAMILIES, hf_config_dict, is_mixtral
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *FAMILIES)
 # Architectures whose llama.cpp converter derives from its llama one, which permutes Q/K rows.
@@ -70,6 +70,19 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "post_attention_norm": "post_attention_layernorm",  # Gemma, OLMo 2: on attention's output
     "post_ffw_norm": "post_feedforward_layernorm",
+    # mixtures of experts (model/moe.py): the router, Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_sinks": "self_attn.sinks",  # GPT-OSS: a parameter of its own (no .weight)
+}
+# The experts' 3-D tensors (experts, rows, columns): expert e's HF tensor is its rows.
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 # Where an architecture means another module by the same GGUF name: Gemma's ffn_norm is the norm
 # before the MLP (Llama's ffn_norm is the same norm, which Llama names post_attention_layernorm).
@@ -144,7 +157,7 @@ class _Target(NamedTuple):
     """One HF tensor made of a GGUF tensor: all of it, or (fused tensors) a range of its rows."""
 
     hf_name: str
-    rows: slice | None
+    rows: slice | int | None  # an int: one row (an expert's bias), as a 1-D tensor
 
 
 def iter_gguf_weights(
@@ -159,6 +172,7 @@ def iter_gguf_weights(
         if _SKIPPED.fullmatch(info.name):
             continue
         targets = _targets(info, layout, path)
+        info = _as_matrix(info)
         raw = float_weight = None
         for target in targets:
             if keep_raw is not None and keep_raw(target.hf_name):
@@ -199,6 +213,15 @@ def _float_weight(
     return weight
 
 
+def _as_matrix(info: _TensorInfo) -> _TensorInfo:
+    """An experts' 3-D tensor as the matrix of its experts' rows, one after another (each
+    expert's rows are whole blocks: a view of the file, never a copy)."""
+    if len(info.shape) != 3:
+        return info
+    experts, rows, columns = info.shape
+    return info._replace(shape=(experts * rows, columns))
+
+
 def _permuted_heads(info: _TensorInfo, layout: _Layout) -> int | None:
     """The head count whose rows llama.cpp permuted in this tensor; None: not permuted.
 
@@ -229,7 +252,7 @@ def _raw_rows(raw: RawTensor, rows: slice | None) -> RawTensor:
     """A range of a RawTensor's rows: blocks run along a row, so a row range is whole blocks."""
     if rows is None:
         return raw
-    assert raw.row_order is None, "fused tensors are not permuted"
+    assert raw.row_order is None, "fused and expert tensors are not permuted"
     data = raw.data[rows]
     return RawTensor(raw.qtype, (data.shape[0], *raw.shape[1:]), data, None)
 
@@ -336,6 +359,10 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
         return [_Target(_GLOBAL_NAMES[info.name], None)]
     match = _LAYER_TENSOR.fullmatch(info.name)
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(layout.architecture, {})}
+    if match is not None and match[2] in _EXPERT_NAMES:
+        return _expert_targets(info, match[1], _EXPERT_NAMES[match[2]], match[3])
+    if match is not None and match[2] == "attn_sinks":
+        return [_Target(f"model.layers.{match[1]}.self_attn.sinks", None)]
     if match is None or (match[2] not in names and match[2] not in _FUSED):
         # Failing beats dropping a weight silently and running a model with random parameters.
         raise ValueError(f"GGUF tensor {info.name!r} in {str(path)!r} has no Hugging Face name")
@@ -352,6 +379,21 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
     if start != info.shape[0]:
         raise ValueError(f"GGUF tensor {info.name!r} has {info.shape[0]} rows, expected {start}")
     return targets
+
+
+def _expert_targets(info: _TensorInfo, layer: str, projection: str, param: str) -> list:
+    """Each expert's tensor of an experts' tensor: its rows of a 3-D weight (experts, rows,
+    columns; read as the matrix of every expert's rows), its row of a 2-D bias (GPT-OSS's)."""
+    module = f"model.layers.{layer}.mlp.experts"
+    experts = info.shape[0]
+    rows = info.shape[1] if len(info.shape) == 3 else None
+    return [
+        _Target(
+            f"{module}.{e}.{projection}.{param}",
+            e if rows is None else slice(e * rows, (e + 1) * rows),
+        )
+        for e in range(experts)
+    ]
 
 
 def _fused_parts(kind: str, info: _TensorInfo, layout: _Layout) -> list[tuple[str, int]] | None:
@@ -440,7 +482,7 @@ def _hf_config_and_tokenizer(path: Path, architecture: str) -> tuple[Any, Any]:
     config, which transformers cannot for some of them)."""
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-    if architecture in FAMILIES:
+    if architecture in FAMILIES or is_mixtral(gguf_metadata(path)):
         with _map(path) as buffer:
             header = _read_header(buffer, path)
         fields = hf_config_dict(header.metadata, {t.name: t.shape for t in header.tensors})

@@ -35,6 +35,7 @@ from conveyor.model.layers import (
     RotaryEmbedding,
     matmul_form,
 )
+from conveyor.model.moe import MoEMLP
 from conveyor.model.quant import QuantLinear
 
 
@@ -53,7 +54,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.o_proj = (
+            MergedLinear(q_size, [cfg.hidden_size], bias=True)
+            if parts.o_bias
+            else Linear(q_size, cfg.hidden_size)
+        )
+        # GPT-OSS: a logit per head that joins each row's softmax (attention.py)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if parts.attn_sinks else None
         # "", "head" or "full" (the whole q and k projections)
         self.qk_norm = parts.qk_norm or ("head" if cfg.qk_norm else "")
         if self.qk_norm:
@@ -78,7 +85,7 @@ class LlamaAttention(nn.Module):
         if self.rope >= 0:
             rope = ropes[self.rope]
             q, k = rotaries[self.rope](q, k, rope.cos, rope.sin, meta.ops)
-        out = paged_attention(q, k, v, kv_cache, meta, self.kind)  # (T, H, D)
+        out = paged_attention(q, k, v, kv_cache, meta, self.kind, self.sinks)  # (T, H, D)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
@@ -115,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
         for name in self.roles.values():
             self.add_module(name, _norm(parts, cfg.hidden_size, cfg.rms_norm_eps))
         self.self_attn = LlamaAttention(cfg, tp, index)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = MoEMLP(cfg, tp) if parts.is_moe(index) else LlamaMLP(cfg, tp)
         self.residual_scale = parts.residual_scale
 
     def norm(self, role: str) -> RMSNorm | None:
@@ -138,8 +145,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def compiled(self, ops: ModuleType):
         """This layer as the compiled ops' DecoderLayer (kernels/layer/decoder_layer.cpp: the same
-        arithmetic in one call), or None when a projection has no compiled form there."""
+        arithmetic in one call), or None when a projection has no compiled form there, or the
+        MLP is a mixture of experts or the attention has sinks (the model then runs its
+        modules)."""
         attn, mlp = self.self_attn, self.mlp
+        if isinstance(mlp, MoEMLP) or attn.sinks is not None:
+            return None
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         projections = [_projection(module, ops) for module in modules]
         if None in projections:

@@ -78,10 +78,39 @@ def iter_weights(
             yield name, tensor if cut is None else _cut(tensor, cut).clone()
     else:
         cut_of = lambda name: shard.slice_of(name, cfg)  # noqa: E731
-        weights = iter_safetensors(cfg.path, cfg.dtype, cut_of)
-        if shard.size > 1 and cfg.parts.family == "phi3":
+        family = cfg.parts.family
+        if family == "gpt_oss":  # its experts' 3-D tensors are split first, then cut
+            weights = _gpt_oss_experts(iter_safetensors(cfg.path, cfg.dtype), cut_of)
+        else:
+            rename = _MIXTRAL_NAMES if family == "mixtral" else None
+            weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename)
+        if shard.size > 1 and family == "phi3":
             weights = _unfused(weights, cfg, cut_of)
         yield from weights
+
+
+def _gpt_oss_experts(weights, cut_of) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPT-OSS's checkpoint keeps each layer's experts in 3-D tensors, x @ W form, gate and up
+    interleaved by column (gate_up_proj (E, hidden, 2I), down_proj (E, I, hidden), biases
+    (E, ...)): each expert's tensors under the names of a dense MLP's (its gate rows, then up
+    rows), and the router under the MoE's name (mlp.gate)."""
+    parts = {
+        "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+        "down_proj": (("down_proj", None),),
+    }
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".mlp.experts"):
+            yield name.replace(".mlp.router.", ".mlp.gate."), tensor
+            continue
+        base, param = leaf.removesuffix("_bias"), "bias" if leaf.endswith("_bias") else "weight"
+        for expert, matrix in enumerate(tensor):
+            for part, offset in parts[base]:
+                piece = matrix if offset is None else matrix[..., offset::2]
+                piece = piece.T if param == "weight" else piece
+                part_name = f"{prefix}.{expert}.{part}.{param}"
+                cut = cut_of(part_name)
+                yield part_name, piece.contiguous() if cut is None else _cut(piece, cut).clone()
 
 
 # Phi-3's checkpoint tensors that hold several projections, and the names of their parts.
@@ -108,17 +137,30 @@ def _unfused(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, torch.Ten
             yield part_name, piece.contiguous() if cut is None else _cut(piece, cut).clone()
 
 
+# Mixtral's checkpoint names of its MoE modules -> the Qwen-MoE names the model uses.
+_MIXTRAL_NAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
+
+
 def iter_safetensors(
-    folder: Path, dtype: torch.dtype, slice_of=None
+    folder: Path, dtype: torch.dtype, slice_of=None, rename=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """rename: (old, new) substrings replaced in each name, in order, before it is cut."""
     for file in _safetensors_files(folder):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = stored
+                for old, new in rename or ():
+                    name = name.replace(old, new)
                 cut = None if slice_of is None else slice_of(name)
                 if cut is None:
-                    yield name, f.get_tensor(name).to(dtype)
+                    yield name, f.get_tensor(stored).to(dtype)
                 else:
-                    yield name, _cut(f.get_slice(name), cut).to(dtype)
+                    yield name, _cut(f.get_slice(stored), cut).to(dtype)
 
 
 def _cut(tensor, cut: tuple[int, int, int, int]) -> torch.Tensor:

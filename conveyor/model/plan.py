@@ -205,7 +205,7 @@ def build(
     bf16 = "amx" if isa == "amx" else ""
     if isa == "avx512" and features.avx512_bf16:
         bf16 = "avx512_bf16"
-    layers = compiled and settings.compiled_layers
+    layers = compiled and settings.compiled_layers and not _modules_only(cfg)
     invariant = compiled and cfg.batch_invariant
     quantized = cfg.quantization != "none"
     # prompt_route.py's conditions that the config answers (the model's modules settle the rest)
@@ -229,6 +229,13 @@ def build(
         special_attention=_special_attention(cfg),
         settings=settings,
     )
+
+
+def _modules_only(cfg: ModelFacts) -> bool:
+    """Layers the compiled decoder layer does not hold run as modules (around the compiled
+    projections, attention and norms): mixtures of experts (model/moe.py), attention sinks."""
+    parts = getattr(cfg, "parts", None)
+    return parts is not None and (any(parts.moe_layers) or parts.attn_sinks)
 
 
 def _special_attention(cfg: ModelFacts) -> str:

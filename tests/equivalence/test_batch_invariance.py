@@ -407,3 +407,115 @@ def test_control_without_batch_invariance_the_comparisons_see_differences(models
         found += differences(llm.generate(PROMPTS, greedy(), use_tqdm=False), want)
     assert found, "batched and cached runs equal the requests alone even without invariance"
     print(f"{name}: {len(found)} of {2 * len(PROMPTS)} runs differ, e.g. {found[0]}")
+
+
+# ---- a mixture of experts ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE (tests/tiny.py FAMILIES): a dense layer, then a mixture of 8 experts,
+    3 per token, renormalised."""
+    from tiny import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_q4_1(tmp_path_factory) -> str:
+    """The same family as a Q4_1 GGUF (every layer a mixture, as llama.cpp's qwen3moe has)."""
+    from tiny import make_tiny_checkpoint
+
+    hf_dir = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen3_moe-all"), "qwen3_moe", decoder_sparse_step=1
+    )
+    out = tmp_path_factory.mktemp("gguf-moe") / "tiny-qwen3moe-Q4_1.gguf"
+    with pytest.MonkeyPatch.context() as patch:  # the writer lists F32 and Q8_0 only
+        patch.setitem(gguf_util.QTYPES, "Q4_1", gguf.GGMLQuantizationType.Q4_1)
+        patch.setitem(gguf_util.FILE_TYPES, "Q4_1", gguf.LlamaFileType.MOSTLY_Q4_1)
+        return str(gguf_util.write_gguf(hf_dir, out, "Q4_1"))
+
+
+class RouteLog:
+    """Records each step's expert choices of the MoE layers (MoEMLP.route's expert_ids)."""
+
+    def __init__(self, llm) -> None:
+        from conveyor.model.moe import MoEMLP
+
+        self.steps: list[torch.Tensor] = []
+        model = llm.engine.core.runner.model
+        for module in model.modules():
+            if isinstance(module, MoEMLP):
+                route = module.route
+                module.route = lambda x, route=route: self._kept(route(x))
+
+    def _kept(self, routes):
+        self.steps.append(routes.expert_ids.clone())
+        return routes
+
+    def overlapping_and_disjoint(self) -> tuple[bool, bool]:
+        """Whether some step had two rows sharing an expert, and two rows sharing none."""
+        overlap = disjoint = False
+        for ids in self.steps:
+            sets = [set(row.tolist()) for row in ids]
+            for i, a in enumerate(sets):
+                for b in sets[i + 1 :]:
+                    overlap |= bool(a & b) and a != b
+                    disjoint |= not (a & b)
+        return overlap, disjoint
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> str:
+    """A tiny GPT-OSS (tests/tiny.py FAMILIES): attention sinks, a sliding and a full layer,
+    biased experts with the clamped SwiGLU, its router (top-k, then softmax)."""
+    from tiny import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss"))
+
+
+# model fixture, quantization, its MoE layers
+MOE_MODELS = {
+    "qwen3_moe": ("qwen3_moe", "none", (False, True)),
+    "qwen3_moe-int8": ("qwen3_moe", "int8", (False, True)),
+    "qwen3_moe-q4_1-gguf": ("qwen3_moe_q4_1", "gguf", (True, True)),
+    "gpt_oss": ("gpt_oss", "none", (True, True)),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_MODELS))
+def test_a_mixture_of_experts_is_batch_invariant(request, name):
+    """Qwen3-MoE in float32 and served quantized (int8, and a Q4_1 GGUF's experts), and GPT-OSS
+    (attention sinks, biased experts) in float32: each request alone against batched in chunks
+    of 32 (steps whose rows route to overlapping and to disjoint experts), from the warm
+    prefix cache, preempted in a small cache, and verified in n-gram drafts, all compared
+    with ==."""
+    fixture, quantization, layers = MOE_MODELS[name]
+    prompts = PROMPTS[:6] + PROMPTS[12:15] + PROMPTS[-1:]
+    path = request.getfixturevalue(fixture)
+    kwargs = dict(dtype="float32")
+    if quantization == "int8":
+        kwargs["quantization"] = "int8"
+    want = []
+    for prompt in prompts:
+        with LLM(path, **kwargs, enable_prefix_caching=False) as llm:
+            config = llm.engine.model_config
+            assert (config.parts.moe_layers, config.quantization) == (layers, quantization)
+            want.append(signature(llm.generate([prompt], greedy(), use_tqdm=False)[0]))
+
+    def check(outputs, what: str) -> None:
+        found = [first_difference(signature(o), w) for o, w in zip(outputs, want, strict=True)]
+        assert found == [None] * len(want), f"{name}, {what}: {found}"
+
+    with LLM(path, **kwargs, max_num_batched_tokens=32) as llm:
+        routes = RouteLog(llm)
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "batched, budget 32")
+        assert routes.overlapping_and_disjoint() == (True, True)
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "again, from the prefix cache")
+        assert llm.engine.get_stats().scheduler.prefix_cache_hits > 0
+    with LLM(path, **kwargs, num_blocks=7, max_num_batched_tokens=48) as llm:
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "preempted")
+        assert llm.engine.get_stats().scheduler.num_preemptions_total > 0
+    with LLM(path, **kwargs, speculative_config=NGRAM, max_num_batched_tokens=48) as llm:
+        check(llm.generate(prompts, greedy(), use_tqdm=False), "n-gram speculation")
+        assert llm.engine.get_stats().spec.num_draft_tokens > 0

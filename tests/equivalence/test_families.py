@@ -26,7 +26,11 @@ TOLERANCE = {"gemma2": 2e-5}
 def family(request, tmp_path_factory):
     name = request.param
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
-    reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    # transformers' eager experts loop is the reference for the mixtures of experts (its
+    # default, grouped_mm, takes no float64)
+    reference_model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    )
     vocab_size = reference_model.config.vocab_size
     prompts = random_prompts(NUM_PROMPTS, vocab_size, seed=3, max_len=40)
     shared = max(prompts, key=len)[:13]  # prompts that share a prefix: prefix-cache hits

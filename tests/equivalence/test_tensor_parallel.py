@@ -36,6 +36,10 @@ CASES = {
     # Phi-3: q/k/v and gate/up fused in the checkpoint (each rank cuts its share of each part),
     # a sliding window on every layer (blocks freed as they leave it).
     "phi3-fused": ("phi3", {}),
+    # Qwen2-MoE: each of 6 experts and the shared expert split like a dense MLP (columns of
+    # gate/up, rows of down), the router and the shared expert's gate replicated, one dense
+    # layer next to the mixture.
+    "qwen2-moe": ("qwen2_moe", {}),
 }
 
 
@@ -43,7 +47,9 @@ CASES = {
 def case(request, tmp_path_factory):
     arch, overrides = CASES[request.param]
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    ref = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    )
     prompts = random_prompts(len(GREEDY), ref.config.vocab_size, seed=3)
     reference = [
         (tokens[: p.max_tokens], logprobs[: p.max_tokens])
@@ -72,6 +78,10 @@ def test_two_ranks_match_transformers(case, monkeypatch):
             assert (
                 attn.qkv_proj.bias is not None and llm.engine.core.model_config.tie_word_embeddings
             )
+        if name == "qwen2-moe":
+            mlp = llm.engine.core.runner.model.model.layers[0].mlp
+            assert [e.down_proj.weight.shape[1] for e in mlp.experts] == [16] * 6  # 32 / 2
+            assert mlp.shared_expert.down_proj.weight.shape[1] == 24  # 48 / 2
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_matches_reference(outputs, reference)
         if name == "gqa":  # the last use of this engine: a rank dies mid-collective wait
@@ -150,7 +160,11 @@ def test_a_shared_memory_wait_ends_when_a_peer_is_gone_or_late():
         shm.remove(path)
 
 
-def test_a_family_that_does_not_split_yet_is_refused_with_the_reason(tmp_path):
-    path = make_tiny_checkpoint(tmp_path, "olmo2")
-    with pytest.raises(ValueError, match="q/k norms over all heads"):
+@pytest.mark.parametrize(
+    ("family", "reason"),
+    [("olmo2", "q/k norms over all heads"), ("gpt_oss", "biased row-parallel projections")],
+)
+def test_a_family_that_does_not_split_yet_is_refused_with_the_reason(tmp_path, family, reason):
+    path = make_tiny_checkpoint(tmp_path, family)
+    with pytest.raises(ValueError, match=reason):
         LLM(str(path), dtype="float64", tensor_parallel_size=2)

@@ -28,6 +28,12 @@ def test_an_unknown_architecture_is_refused_with_the_supported_families(tmp_path
     assert all(name in str(error.value) for name in SUPPORTED_ARCHITECTURES)
 
 
+def test_the_mixtures_of_experts_are_supported():
+    names = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    for name in (*names, "GptOssForCausalLM"):
+        assert name in SUPPORTED_ARCHITECTURES
+
+
 @pytest.mark.parametrize(
     ("family", "fields", "named"),
     [
@@ -45,3 +51,11 @@ def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, fami
     path = edited(make_tiny_checkpoint(tmp_path, family), **fields)
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_hf(str(path))
+
+
+def test_lora_on_a_mixture_of_experts_is_refused(tmp_path):
+    from conveyor import LLM
+
+    path = make_tiny_checkpoint(tmp_path, "qwen3_moe")
+    with pytest.raises(ValueError, match="LoRA adapters on a mixture-of-experts"):
+        LLM(str(path), dtype="float64", enable_lora=True)

@@ -21,6 +21,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, iter_gguf_weights
+from conveyor.model.loader import _gpt_oss_experts
 
 # The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
 # not store set to the value llama.cpp fixes in its code: Gemma's query scale is head_dim's,
@@ -34,8 +35,20 @@ GGUF_FAMILIES = {
     "olmo2": {},
     "granite": {},
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
+    # Mixtures of experts: llama.cpp makes every layer one (3-D ffn_*_exps tensors)
+    "mixtral": {},
+    "qwen2_moe": dict(mlp_only_layers=[]),
+    "qwen3_moe": dict(decoder_sparse_step=1),
+    "gpt_oss": dict(swiglu_limit=7.0),
 }
-LLAMA_CPP_NAMES = {"gemma3": "gemma3"}  # HF gemma3_text is llama.cpp's gemma3
+LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
+LLAMA_CPP_NAMES |= {
+    "qwen3_moe": "qwen3moe",
+    "gpt_oss": "gpt-oss",
+}  # HF gemma3_text is llama.cpp's gemma3, ...
+# Mixtral's checkpoint names of its MoE modules, and the names every loader gives them.
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."))
+MIXTRAL_NAMES += ((".w3.", ".up_proj."), (".w2.", ".down_proj."))
 # Phi-3's checkpoint tensors that a GGUF loader splits into the HF tensors they fuse.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 MAX_TOKENS = 8
@@ -85,6 +98,10 @@ def test_file_states_llama_cpp_architecture(converted: Converted):
 @pytest.mark.parametrize("qtype", ["f32", "f16"])
 def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype: str):
     checkpoint = load_file(converted.hf_dir / "model.safetensors")
+    if converted.family == "mixtral":
+        checkpoint = {renamed(name): tensor for name, tensor in checkpoint.items()}
+    if converted.family == "gpt_oss":  # its 3-D experts as each expert's, as loaded
+        checkpoint = dict(_gpt_oss_experts(checkpoint.items(), lambda name: None))
     path = getattr(converted, qtype)
     ours = dict(iter_gguf_weights(path, torch.float64))
     assert len(ours) == len(list(iter_gguf_weights(path, torch.float64)))
@@ -94,6 +111,12 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float64
         assert torch.equal(tensor, checkpoint[name]), name
+
+
+def renamed(name: str) -> str:
+    for old, new in MIXTRAL_NAMES:
+        name = name.replace(old, new)
+    return name
 
 
 def test_config_from_metadata_equals_checkpoint_config(converted: Converted):
@@ -142,6 +165,12 @@ def test_q8_0_gguf_is_served_quantized_and_generates(converted: Converted):
     config = ModelConfig.from_hf(str(converted.q8_0))
     assert (config.quantization, config.dtype) == ("gguf", torch.float32)
     llm = LLM(str(converted.q8_0), **DEVICE_KWARGS)
+    model = llm.engine.core.runner.model
+    if config.parts.moe_layers:  # every expert's projections served in their Q8_0 blocks
+        experts = [e for layer in model.model.layers for e in layer.mlp.experts]
+        projections = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+        assert {type(p).__name__ for p in projections} == {"QuantLinear"}
+        assert {p.format for p in projections} == {"q8"}
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(random_prompts(3, 384, seed=6, max_len=40), params, use_tqdm=False)
     assert [len(out.outputs[0].token_ids) for out in outputs] == [MAX_TOKENS] * 3

@@ -63,6 +63,20 @@ def test_a_model_that_is_not_served_quantized_keeps_prompt_rows_on_its_kernels()
     assert plan.ops()["decode_projections"] == "panel_dense[avx512]"
 
 
+def test_a_mixture_of_experts_runs_its_layers_as_modules_without_the_prompt_tiles():
+    from conveyor.model.families import Parts
+
+    for parts in (Parts(moe_layers=(False, True)), Parts(attn_sinks=True)):
+        config = SimpleNamespace(**vars(_config()), parts=parts)
+        plan = kernel_plan.build(PlanSettings(), config, AMX_CPU)
+        assert (plan.compiled_layers, plan.prompt_tiles, plan.prompt_attention) == (
+            False, False, False,
+        )  # fmt: skip
+        assert plan.ops()["decode_projections"] == "panel_blocks[avx512]"
+    dense = SimpleNamespace(**vars(_config()), parts=Parts())
+    assert kernel_plan.build(PlanSettings(), dense, AMX_CPU).compiled_layers
+
+
 def test_switches_and_missing_kernels_name_the_fallbacks():
     off = PlanSettings(compiled_layers=False, attention="reference")
     plan = kernel_plan.build(off, _config(), AMX_CPU)

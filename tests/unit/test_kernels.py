@@ -18,7 +18,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 def run_both(
     ops, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, cache_dtype=None,
-    kind=None,
+    kind=None, sinks=None,
 ):  # fmt: skip
     """seqs: (context_len, query_len) per sequence. Runs one attention layer of the step through
     the kernel and through the reference, on identical random caches and inputs (the cache in
@@ -53,7 +53,8 @@ def run_both(
             query_lens, context_lens, tables, slots, block_size, torch.device("cpu"), path_ops
         )
         layer_cache = cache.clone()
-        out = paged_attention(q, k, v, layer_cache, meta, kind or AttentionKind(head_dim**-0.5))
+        kind = kind or AttentionKind(head_dim**-0.5)
+        out = paged_attention(q, k, v, layer_cache, meta, kind, sinks)
         results.append((out, layer_cache))
     return results
 
@@ -187,6 +188,20 @@ def test_sliding_window_and_soft_capped_attention_match_reference(ops, dtype, wi
     kind = AttentionKind(64**-0.5, window, softcap)
     results = run_both(ops, seqs, 8, 2, 64, 16, dtype, kind=kind)
     assert_close(results, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("window", [0, 20])
+def test_attention_sinks_match_reference(ops, dtype, window):
+    """GPT-OSS's sinks (a logit per query head in every row's softmax), on decode rows whose
+    keys are split into parts (merge_parts) and on prompt chunks, with and without a window."""
+    seqs = [(0, 37), (40, 1), (200, 1), (32, 16), (300, 20), (0, 1)]
+    sinks = torch.linspace(-2.0, 3.0, 8, dtype=dtype)
+    kind = AttentionKind(64**-0.5, window)
+    results = run_both(ops, seqs, 8, 2, 64, 16, dtype, kind=kind, sinks=sinks)
+    assert_close(results, dtype)
+    plain = run_both(ops, seqs, 8, 2, 64, 16, dtype, kind=kind)
+    assert not torch.allclose(plain[0][0], results[0][0])  # the sinks count
 
 
 @pytest.mark.parametrize("window", [3, 40, 100])

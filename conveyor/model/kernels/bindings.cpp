@@ -42,13 +42,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv_cache"), py::arg("block_size"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"),
         py::arg("split_keys") = true, py::arg("prompt_rows") = std::vector<int64_t>{},
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("write_kv", &attention::write_kv, "write K/V into cache slots (CPU)");
   m.def("small_gemm", &gemm::small_gemm, "x @ weight.T for a few rows of x (CPU)");
   m.def("lora_add", &lora::lora_add, "y += a step's LoRA deltas, in place (CPU)", py::arg("y"),
         py::arg("x"), py::arg("a"), py::arg("b"), py::arg("rows"), py::arg("slots"),
         py::arg("columns"), py::arg("num_slots"));
   m.def("rms_norm", &layer::rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
+  m.def("silu_and_mul", &layer::silu_and_mul, "silu(gate) * up of gate_up (T, 2 I), row by row");
   namespace q = gemm::quant;
   m.def("q4_linear", &q::q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");
   m.def("q8_linear", &q::q8_linear, "x @ W^T for int8 blocks (q * d)");

@@ -21,7 +21,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                            const at::Tensor& block_tables, double scale,
                            bool split_keys = true,
                            const std::vector<int64_t>& prompt_rows = {}, int64_t window = 0,
-                           double softcap = 0);
+                           double softcap = 0,
+                           const std::optional<at::Tensor>& sinks = std::nullopt);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
               const at::Tensor& slot_mapping, int64_t block_size);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
@@ -163,6 +164,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
 // layer/decoder_layer.cpp
 namespace layer {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void bind_decoder_layer(pybind11::module& m);  // the DecoderLayer class and decoder_layers
 }  // namespace layer
 

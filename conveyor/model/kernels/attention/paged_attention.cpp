@@ -383,7 +383,17 @@ struct Inputs {
   int64_t window = 0;
   // Soft-capped scores (Gemma 2): s -> tanh(s / softcap) * softcap before the softmax; 0: none.
   double softcap = 0;
+  // Attention sinks (GPT-OSS): per query head a logit that joins each row's softmax and has no
+  // value: a row's weights sum to l / (l + exp(sink - m)); nullptr: none.
+  const double* sinks = nullptr;
 };
+
+// The softmax's denominator of a row of query head `head` whose scores have max m and sum of
+// exp(s - m) l: l, plus the head's sink.
+template <typename T>
+inline T denominator(const Inputs& in, int64_t head, T m, T l) {
+  return in.sinks ? l + std::exp(static_cast<T>(in.sinks[head]) - m) : l;
+}
 
 
 // Online softmax over a group of nb blocks for every row. Block i's scores are the sub-buffer
@@ -610,7 +620,7 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
   for (int64_t t = 0; t < item.num_tokens; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const int r = static_cast<int>(t * group + g);
-      const T inv = T(1) / w.l[r];
+      const T inv = T(1) / denominator(in, item.kv_head * group + g, w.m[r], w.l[r]);
       const T* arow = w.acc.data() + r * dim;
       T* dst = out + ((row0 + t) * in.num_heads + item.kv_head * group + g) * dim;
       for (int d = 0; d < dim; ++d) dst[d] = arow[d] * inv;
@@ -702,7 +712,7 @@ void merge_parts(const std::vector<WorkItem>& items, const Inputs& in, Partials<
         l += row[1] * weight;
         for (int64_t d = 0; d < dim; ++d) dst[d] += row[2 + d] * weight;
       }
-      const T inv = T(1) / l;
+      const T inv = T(1) / denominator(in, first.kv_head * group + g, m, l);
       for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
     }
     i = end;
@@ -848,8 +858,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale, bool split_keys,
                            const std::vector<int64_t>& prompt_rows, int64_t window,
-                           double softcap) {
+                           double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "paged_attention: window and softcap are >= 0");
+  TORCH_CHECK(!sinks || (sinks->dim() == 1 && sinks->size(0) == q.size(1)),
+              "paged_attention: sinks (H,), one per query head");
+  std::vector<double> sink_values;
+  if (sinks) {
+    const at::Tensor values = sinks->to(at::kDouble).contiguous();
+    sink_values.assign(values.data_ptr<double>(), values.data_ptr<double>() + values.numel());
+  }
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
               "paged_attention: q (T, H, D), kv_cache (2, blocks, kv heads, block_size * D)");
   TORCH_CHECK(kv_cache.is_contiguous(), "paged_attention: kv_cache must be contiguous");
@@ -863,7 +880,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
   // still take the tiles): the attention tiles' own cost and quality, measured apart. The tiles
   // attend to every earlier key with plain scores: a windowed or soft-capped layer's prompt rows
   // stay here too.
-  const bool plain = window == 0 && softcap == 0;
+  const bool plain = window == 0 && softcap == 0 && !sinks;
   const std::vector<int64_t> prompt = prompt_attention_on().load() && plain
                                           ? prompt_counts(query_start, prompt_rows)
                                           : std::vector<int64_t>{};
@@ -881,7 +898,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int6
                   split_keys,
                   prompt.empty() ? nullptr : prompt.data(),
                   window,
-                  softcap};
+                  softcap,
+                  sinks ? sink_values.data() : nullptr};
   const Shape sh{block_size, head_dim};
   const int64_t half = kv_cache.stride(0);
   dispatch_types(q.scalar_type(), kv_cache.scalar_type(), "paged_attention", [&](auto t, auto c) {

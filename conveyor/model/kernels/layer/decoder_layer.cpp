@@ -405,6 +405,11 @@ class DecoderLayer {
 
 }  // namespace
 
+// silu(gate) * up of gate_up (T, 2 I) as the compiled layers compute it (float32: each row in
+// its own loop, one order per value whatever the rows or threads), for the modules that run
+// outside them (model/moe.py's experts).
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return silu_mul(gate_up); }
+
 // RMSNorm over the last dim, as the model's RMSNorm module computes it (see the header).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.size(-1) == weight.size(0) &&

@@ -1,0 +1,162 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS), as transformers
+computes it.
+
+A router (a projection to num_experts logits) picks each token's top_k experts (Parts.router):
+"softmax_topk", softmax over all experts in float32, torch.topk (ties as torch resolves them),
+optionally the k weights divided by their sum (norm_topk_prob); "topk_softmax" (GPT-OSS, whose
+router has a bias), torch.topk of the logits, then softmax over those k in the model dtype.
+
+Each expert is a gated MLP of its own, stored as the dense MLP's modules (gate_up_proj,
+down_proj), so that the loader, the quantized modules (model/quant) and the batch-invariant
+panel kernels (layers.pack_panels) treat an expert exactly as a dense MLP. GPT-OSS's experts
+carry biases and its clamped SwiGLU; its checkpoint's 3-D, gate/up-interleaved tensors are
+split per expert at load (model/loader.py).
+
+Grouped, in one fixed order: the step's rows are grouped by expert, each active expert runs
+once over all of its rows (so a step reads only its active experts' weights), and a row's
+output is the sum of its experts' weighted outputs in ascending expert id, starting from zero:
+the order transformers' eager experts loop adds them in, and one that depends only on the row's
+own routing, never on the batch. Each expert's product runs on the projection kernels a dense
+layer uses, so a row's bits are the same alone or batched.
+
+With tensor parallelism each expert is split like a dense MLP (columns of gate/up, rows of
+down), the router is replicated, and one all-reduce adds the ranks' partial sums.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from conveyor.distributed.parallel import TPGroup
+from conveyor.model import kernels
+from conveyor.model.layers import Linear, MergedLinear
+
+
+class Expert(nn.Module):
+    """act(x @ gate.T) * (x @ up.T) @ down.T (biases: GPT-OSS's), without the tensor-parallel
+    reduction; act "swiglu_clamp" is GPT-OSS's (see Parts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, parts, bias: bool = False):
+        super().__init__()
+        sizes = [intermediate_size, intermediate_size]
+        self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
+        down = MergedLinear(intermediate_size, [hidden_size], bias=True) if bias else None
+        self.down_proj = down or Linear(intermediate_size, hidden_size)
+        self.act = parts.act
+        self.alpha, self.limit = parts.swiglu_alpha, parts.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu" and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            ops = kernels.load()
+            # The compiled layers' loop, row by row: ATen's silu computes a tensor's (or a
+            # thread's) last elements with its scalar exp, whose bits can differ from the
+            # vector one, so a row's values could depend on the rows computed with it.
+            if ops is not None:
+                return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # views of a fresh tensor: in place
+        if self.act == "swiglu_clamp":  # transformers' GptOssExperts._apply_gate
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+        if self.act == "gelu_tanh":
+            gate = nn.functional.gelu(gate, approximate="tanh")
+        else:
+            gate = nn.functional.silu(gate, inplace=True)
+        return self.down_proj(gate.mul_(up))
+
+
+class Routes(NamedTuple):
+    weights: torch.Tensor  # (T, top_k): each row's weight of each chosen expert
+    expert_ids: torch.Tensor  # (T, top_k) int64
+
+
+class ExpertGroup(NamedTuple):
+    expert_id: int
+    rows: torch.Tensor  # (n,) ascending: the step's rows routed to the expert
+    slots: torch.Tensor  # (n,): where in each row's top_k the expert is
+
+
+class MoEMLP(nn.Module):
+    """Router + experts (+ Qwen2-MoE's gated shared expert); parameter names follow
+    transformers' checkpoints (mlp.gate, mlp.experts.N.*, mlp.shared_expert*)."""
+
+    def __init__(self, cfg, tp: TPGroup) -> None:
+        super().__init__()
+        parts = cfg.parts
+        if parts.router not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"unsupported MoE router {parts.router!r}")
+        self.tp = tp
+        self.router = parts.router
+        self.top_k = parts.top_k
+        self.norm_topk_prob = parts.norm_topk_prob
+        self.float32_route_weights = parts.float32_route_weights
+        size = tp.shard.part(parts.moe_intermediate_size)[1]
+        bias = parts.expert_bias
+        self.gate = (
+            MergedLinear(cfg.hidden_size, [parts.num_experts], bias=True)
+            if bias
+            else Linear(cfg.hidden_size, parts.num_experts)
+        )
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, size, parts, bias) for _ in range(parts.num_experts)
+        )
+        self.shared_expert = None
+        if parts.shared_expert_size:
+            shared = tp.shard.part(parts.shared_expert_size)[1]
+            self.shared_expert = Expert(cfg.hidden_size, shared, parts)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+
+    def route(self, x: torch.Tensor) -> Routes:
+        """Each row's top_k experts and their weights, as transformers' TopKRouter."""
+        logits = self.gate(x)  # (T, E)
+        if self.router == "topk_softmax":
+            top, expert_ids = torch.topk(logits, self.top_k, dim=-1)  # (T, k)
+            return Routes(torch.softmax(top, dim=1, dtype=top.dtype), expert_ids)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        if self.norm_topk_prob:
+            top = top / _row_sums(top)
+        weights = top if self.float32_route_weights else top.to(logits.dtype)
+        return Routes(weights, expert_ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routes = self.route(x)
+        out = torch.zeros_like(x)  # (T, hidden)
+        for group in expert_groups(routes.expert_ids, len(self.experts)):
+            h = self.experts[group.expert_id](x[group.rows])  # (n, hidden)
+            weight = routes.weights[group.rows, group.slots].unsqueeze(1)  # (n, 1)
+            # each row at most once per expert: one add per row, in ascending expert id
+            out.index_add_(0, group.rows, (h * weight).to(x.dtype))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.tp.all_reduce(out)
+
+
+def _row_sums(top: torch.Tensor) -> torch.Tensor:
+    """(T, 1): each row's k weights added left to right (one order whatever T; a reduction
+    over a short last dim may be vectorised across rows in another order)."""
+    total = top[:, :1].clone()
+    for j in range(1, top.shape[1]):
+        total += top[:, j : j + 1]
+    return total
+
+
+def expert_groups(expert_ids: torch.Tensor, num_experts: int) -> list[ExpertGroup]:
+    """The step's (row, slot) pairs grouped by expert, in ascending expert id; the active
+    experts only."""
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by expert, then by row
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    groups, start = [], 0
+    for expert_id, count in enumerate(counts):
+        if count:
+            picked = order[start : start + count]
+            groups.append(ExpertGroup(expert_id, picked // top_k, picked % top_k))
+            start += count
+    return groups
