@@ -212,3 +212,45 @@ def test_a_forced_call_is_written_in_deepseeks_syntax(deepseek):
     (call,) = reply.message.tool_calls
     assert call.function.name == "get_weather" and reply.finish_reason == "tool_calls"
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
+# family -> what its forced reply starts with and ends with, as the model writes it
+FORCED_SYNTAX = {
+    "pythonic": ("[get_weather(city=", ")]"),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\n", "</tool_call>"),
+    "openai": (
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{",
+        "}<|call|>",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FORCED_SYNTAX))
+def family_server(request, tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    server = start_tiny(tiny_checkpoint, folder, "--tool-call-parser", request.param)
+    yield request.param, openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
+    server.stop()
+
+
+def test_a_forced_call_is_written_in_each_familys_syntax(family_server):
+    family, client = family_server
+    fields = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "max_tokens": 100,
+        "temperature": 0,
+        "tools": CITY_TOOLS,
+        "tool_choice": NAMED,
+        "extra_body": {"return_token_ids": True, "skip_special_tokens": False},
+    }
+    reply = client.chat.completions.create(model=MODEL, **fields).choices[0]
+    raw = detokenized(client, reply.model_extra["token_ids"])
+    head, tail = FORCED_SYNTAX[family]
+    assert raw.startswith(head) and raw.endswith(tail), raw
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "get_weather" and reply.finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert reply.message.content is None
+    streamed = gathered(client.chat.completions.create(model=MODEL, stream=True, **fields))
+    assert streamed["calls"] == [["get_weather", call.function.arguments]]
+    assert streamed["content"] == "" and streamed["finish"] == "tool_calls"
