@@ -155,14 +155,17 @@ def test_what_beam_search_does_not_apply_is_a_400_naming_it(server, route, field
     assert named in response.json()["error"]["message"]
 
 
-def test_a_client_that_leaves_ends_the_search(server):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_ends_the_search(server, stream):
     """A search of 500 steps of 10 beams; the client gives up after half a second: the step's
     requests are aborted and no later step is submitted."""
     aborts = f"conveyor:request_success_total{{finished_reason=abort,model_name={MODEL}}}"
     before = server.metrics().get(aborts, 0)
     body = beam_body(model=MODEL, prompt=PROMPTS[2], n=10, max_tokens=500, ignore_eos=True)
+    url = f"{server.base_url}/v1/completions"
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.5)
+        with httpx.stream("POST", url, json=body | {"stream": stream}, timeout=0.5) as response:
+            response.read()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         metrics = server.metrics()
