@@ -254,3 +254,35 @@ def test_a_forced_call_is_written_in_each_familys_syntax(family_server):
     streamed = gathered(client.chat.completions.create(model=MODEL, stream=True, **fields))
     assert streamed["calls"] == [["get_weather", call.function.arguments]]
     assert streamed["content"] == "" and streamed["finish"] == "tool_calls"
+
+
+# family -> a reply of one call with {"city": "Paris in the spring"}, and whether the family
+# streams its arguments in pieces (pythonic and harmony are read whole)
+RAW_CALLS = {
+    "pythonic": ('[get_weather(city="Paris in the spring")]', False),
+    "qwen3_coder": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis in the spring\n"
+        "</parameter>\n</function>\n</tool_call>",
+        True,
+    ),
+}
+
+
+def test_a_calls_streamed_arguments_join_to_the_whole_in_each_family(family_server):
+    family, client = family_server
+    if family not in RAW_CALLS:
+        pytest.skip("harmony's markers are special tokens: no choice grammar spells them")
+    raw, in_pieces = RAW_CALLS[family]
+    whole = ask(client, raw, tools=TOOLS).choices[0]
+    (call,) = whole.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris in the spring"}
+    chunks = list(ask(client, raw, stream=True, tools=TOOLS))
+    pieces = [
+        piece.function.arguments
+        for chunk in chunks
+        for piece in chunk.choices[0].delta.tool_calls or []
+        if piece.function.arguments
+    ]
+    assert "".join(pieces) == call.function.arguments
+    assert (len(pieces) > 3) == in_pieces
+    assert gathered(chunks)["finish"] == "tool_calls"

@@ -19,6 +19,9 @@ from conveyor.entrypoints.parsers.events import (
     ToolCallStart,
     joined,
 )
+from conveyor.entrypoints.parsers.tools import tool_parser
+from conveyor.entrypoints.parsers.tools.other_formats import read_qwen3_coder
+from conveyor.entrypoints.parsers.tools.stream import ToolContext
 from conveyor.entrypoints.pipeline import Hidden, Parsers, ReplyParser
 
 TOOLS = {
@@ -333,3 +336,47 @@ def test_hidden_special_tokens_are_removed_over_any_cuts(pieces, data):
     out += hidden.flush()
     expected = re.sub(r"<\|end\|>|<\|im_end\|>", "", text)  # one pass, left to right
     assert out == expected == hidden.whole(text)
+
+
+XML_PARAMETERS = {
+    "type": "object",
+    "properties": {"note": {"type": "string"}, "days": {"type": "integer"}, "where": {}},
+}
+XML_CALL = (
+    "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=note>\n"
+    'a "quoted" <b> line\n\nand \\ more\n</parameter>\n<parameter=days>\n3\n</parameter>\n'
+    '<parameter=where>\n{"lat": [1, {"b": null}]}\n</parameter>\n</function>\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("tool", ["qwen3_coder", "qwen3_xml"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_xml_parameters_stream_as_json_that_joins_to_the_whole_reading(tool, data):
+    """Qwen3-Coder's <parameter> blocks stream as the JSON the whole reading makes (vLLM
+    #30439): a string as it comes, other values once their block closes, over any cuts."""
+    context = ToolContext({"get_weather": XML_PARAMETERS}, 16)
+    (whole,) = read_qwen3_coder(XML_CALL, context).calls
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(XML_CALL)), max_size=40))))
+    stream, events, start = tool_parser(tool, {"get_weather": XML_PARAMETERS}, 16), [], 0
+    for cut in [*cuts, len(XML_CALL)]:
+        events += stream.feed(XML_CALL[start:cut])
+        start = cut
+    events += stream.finish()
+    pieces = [event.text for event in events if isinstance(event, ToolArgsDelta)]
+    assert "".join(pieces) == whole.arguments
+    assert joined(events).calls == [("get_weather", whole.arguments)]
+    assert joined(events).content == "Checking.\n"
+
+
+def test_xml_arguments_stream_while_written_and_a_cut_call_is_still_an_object():
+    def reply():
+        return tool_parser("qwen3_coder", {"get_weather": XML_PARAMETERS}, 16)
+
+    per_char = reply()
+    events = [event for char in XML_CALL for event in per_char.feed(char)] + per_char.finish()
+    assert len([event for event in events if isinstance(event, ToolArgsDelta)]) > 20
+    cut = XML_CALL[: XML_CALL.index("line")]  # the reply ends inside the first string
+    cut_reply = reply()
+    parsed = joined(cut_reply.feed(cut) + cut_reply.finish())
+    assert parsed.calls == [("get_weather", '{"note": "a \\"quoted\\" <b> "}')]

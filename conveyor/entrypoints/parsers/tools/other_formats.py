@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 
 from conveyor import nesting
-from conveyor.entrypoints.parsers.tools.stream import Region, ToolContext, ToolFormat
+from conveyor.entrypoints.parsers.scan import MarkerScan
+from conveyor.entrypoints.parsers.tools.stream import CallSyntax, Region, ToolContext, ToolFormat
 from conveyor.structured.tools import ToolCall
 
 
@@ -99,6 +101,106 @@ def _typed(raw: str, schema: dict | None, max_depth: int) -> object:
         return raw
 
 
+class XmlArguments:
+    """Qwen3-Coder's <parameter=P>value</parameter> blocks, streamed as the JSON object that
+    _xml_call makes of them: a string's characters as they come (a newline that may be the
+    one before </parameter> held), any other value once its block closes; the text outside
+    the blocks, and after </function>, is dropped as _xml_call drops it. A call cut short
+    closes what is open, so its arguments are always a JSON object."""
+
+    __slots__ = ("properties", "max_depth", "state", "_scan", "_key", "_value", "_num")
+    __slots__ += ("_string", "_first", "_newline", "_schema")
+
+    def __init__(self, parameters: dict, max_depth: int) -> None:
+        self.properties = parameters.get("properties") or {}
+        self.max_depth = max_depth
+        self.state = "between"
+        self._scan = MarkerScan((_PARAMETER, "</function>"))
+        self._key: list[str] = []
+        self._value: list[str] = []
+        self._num = 0
+        self._string = self._first = self._newline = False
+        self._schema: dict | None = None
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        while text:
+            text = self._step(text, out)
+        return "".join(out)
+
+    def close(self) -> str:
+        out: list[str] = []
+        if self.state == "value":
+            self._end_value(out)
+        return "".join(out) + ("}" if self._num else "{}")
+
+    def _step(self, text: str, out: list[str]) -> str:
+        if self.state == "between":
+            found = self._scan.feed(text)
+            if found.marker == _PARAMETER:
+                self.state, self._key = "key", []
+            elif found.marker is not None:
+                self.state = "done"
+            return found.after
+        if self.state == "key":
+            end = text.find(">")
+            self._key.append(text if end == -1 else text[:end])
+            if end == -1:
+                return ""
+            self._open_value(out)
+            return text[end + 1 :]
+        if self.state == "value":
+            found = self._scan.feed(text)
+            self._take(found.before, out)
+            if found.marker is None:
+                return ""
+            self._end_value(out)
+            return found.after
+        return ""  # done: after </function>
+
+    def _open_value(self, out: list[str]) -> None:
+        key = "".join(self._key).strip()
+        self._schema = self.properties.get(key)
+        kind = (self._schema or {}).get("type", "string")
+        self._string = kind == "string" or (isinstance(kind, list) and "string" in kind)
+        out.append(("{" if not self._num else ", ") + json.dumps(key, ensure_ascii=False) + ": ")
+        out.append('"' if self._string else "")
+        self._num += 1
+        self.state, self._value = "value", []
+        self._first, self._newline = True, False
+        self._scan = MarkerScan(("</parameter>",))
+
+    def _take(self, piece: str, out: list[str]) -> None:
+        if not self._string:
+            self._value.append(piece)
+            return
+        if self._first and piece:
+            self._first = False
+            piece = piece.removeprefix("\n")
+        piece = ("\n" if self._newline else "") + piece
+        self._newline = piece.endswith("\n")
+        piece = piece.removesuffix("\n")
+        if piece:
+            out.append(json.dumps(piece, ensure_ascii=False)[1:-1])
+
+    def _end_value(self, out: list[str]) -> None:
+        if self._string:
+            out.append('"')
+        else:
+            raw = "".join(self._value).removeprefix("\n").removesuffix("\n")
+            typed = _typed(raw, self._schema, self.max_depth)
+            out.append(json.dumps(typed, ensure_ascii=False))
+        self.state = "between"
+        self._scan = MarkerScan((_PARAMETER, "</function>"))
+
+
+_XML_CALL = CallSyntax(
+    re.compile(r"[ \t\r\n]*<function=[ \t]*([A-Za-z0-9_.\-]{1,128})[ \t]*>"),
+    ("</tool_call>",),
+    brace=False,
+    writer=XmlArguments,
+)
+
 _CALL, _MESSAGE, _TO = "<|call|>", "<|message|>", "to=functions."
 
 
@@ -131,7 +233,7 @@ def _between(text: str) -> str:
 FORMATS = {
     "pythonic": ToolFormat((), "[", read_pythonic),
     "llama4_pythonic": ToolFormat(("<|python_start|>",), "[", read_pythonic),
-    "qwen3_coder": ToolFormat(("<tool_call>",), "", read_qwen3_coder),
-    "qwen3_xml": ToolFormat(("<tool_call>",), "", read_qwen3_coder),
+    "qwen3_coder": ToolFormat(("<tool_call>",), "", read_qwen3_coder, _XML_CALL),
+    "qwen3_xml": ToolFormat(("<tool_call>",), "", read_qwen3_coder, _XML_CALL),
     "openai": ToolFormat(("<|channel|>", "<|start|>"), "", read_openai),
 }

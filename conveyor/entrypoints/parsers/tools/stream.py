@@ -5,7 +5,8 @@ opening markers, or, for formats whose reply is the call itself, a first non-bla
 that opens one: `{` or `[`). What follows is read in one of two ways:
 
 - **streamed calls** (formats with a CallSyntax: hermes' `<tool_call>` blocks, Mistral's
-  `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`).
+  `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`,
+  Qwen3-Coder's `<tool_call><function=F>` with its XML turned into JSON by an ArgsWriter).
   vLLM's policy: a call is committed once its header (the
   opening marker up to its name and the start of its arguments) has been read and names a
   declared tool: its ToolCallStart goes out, then its arguments' text as it comes, as
@@ -17,7 +18,7 @@ that opens one: `{` or `[`). What follows is read in one of two ways:
   the same way so that the two never differ. A block whose header does not read as a call
   is held to its closing marker and read whole by the format's `read` (a call, or content).
 - **whole regions** (everything else: a reply that is a JSON object or list, pythonic lists,
-  XML parameters, harmony, DeepSeek's markers): the region is held and read once complete
+  harmony, DeepSeek's markers): the region is held and read once complete
   (at the reply's end) by the format's own `read`; each call is sent whole then. A region
   that does not read as calls of declared tools is content, as written.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from conveyor.entrypoints.parsers.events import (
     ContentDelta,
@@ -59,11 +60,24 @@ class CallSyntax(NamedTuple):
     arguments' start (its group 1 the name; it must end in a lookahead, so that a match
     found in part of the text is the match in all of it); closes: markers that end a call
     (one that is also an opening marker opens the next call); brace: the arguments are
-    followed by the enclosing object's `}` before the closing marker."""
+    followed by the enclosing object's `}` before the closing marker; writer: for arguments
+    not written as JSON (Qwen3-Coder's XML), what turns their text into the JSON the whole
+    reading makes, given the tool's parameters and the depth bound (None: the text is the
+    JSON)."""
 
     header: re.Pattern[str]
     closes: tuple[str, ...]
     brace: bool
+    writer: Callable[[dict, int], ArgsWriter] | None = None
+
+
+class ArgsWriter(Protocol):
+    """A call's arguments as JSON, written as their text comes: the pieces feed returns and
+    then close's join to the arguments, whatever the cuts."""
+
+    def feed(self, text: str) -> str: ...
+
+    def close(self) -> str: ...
 
 
 class ToolFormat(NamedTuple):
@@ -91,7 +105,7 @@ class ToolStream:
     """Events of one reply's tool calls, fed its content piece by piece."""
 
     __slots__ = ("format", "context", "state", "_scan", "_region", "_blanks", "_closes")
-    __slots__ += ("_opener", "_header", "_start", "_held", "_num_calls")
+    __slots__ += ("_opener", "_header", "_start", "_held", "_num_calls", "_writer")
 
     def __init__(self, format: ToolFormat, context: ToolContext) -> None:
         self.format = format
@@ -106,6 +120,7 @@ class ToolStream:
         self._start = ""  # header: its first HEADER_LIMIT characters, where a header is read
         self._held = ""  # args: a tail that may be closing syntax, not arguments
         self._num_calls = 0
+        self._writer: ArgsWriter | None = None  # args: the call's, when not written as JSON
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -175,6 +190,9 @@ class ToolStream:
             self._num_calls += 1
             self.state, self._held = _ARGS, ""
             self._closes = MarkerScan(self.format.calls.closes)
+            writer = self.format.calls.writer
+            parameters = self.context.tools.get(name) or {}
+            self._writer = writer(parameters, self.context.max_depth) if writer else None
             return rest
         if found.marker is None:
             return None
@@ -194,16 +212,27 @@ class ToolStream:
         self._stream_args(found.before, out)
         if found.marker is None:
             return None
-        out.append(ToolCallEnd(self._num_calls - 1))
+        self._close_args(out)
         return self._after_close(found.marker, found.after)
 
     def _stream_args(self, text: str, out: list[Event]) -> None:
         """Sends the arguments' text but the tail that may yet be closing syntax."""
+        if self._writer is not None:
+            written = self._writer.feed(text)
+            if written:
+                out.append(ToolArgsDelta(self._num_calls - 1, written))
+            return
         text = self._held + text
         keep = closing_tail(text, self.format.calls.brace)
         self._held = text[len(text) - keep :] if keep else ""
         if len(text) > keep:
             out.append(ToolArgsDelta(self._num_calls - 1, text[: len(text) - keep]))
+
+    def _close_args(self, out: list[Event]) -> None:
+        if self._writer is not None:
+            out.append(ToolArgsDelta(self._num_calls - 1, self._writer.close()))
+            self._writer = None
+        out.append(ToolCallEnd(self._num_calls - 1))
 
     def _after_close(self, marker: str, after: str) -> str:
         """A call's closing marker read: it opens the next call, or content follows."""
@@ -233,7 +262,8 @@ class ToolStream:
         if self.state == _ARGS:
             out: list[Event] = []
             self._stream_args(self._closes.flush(), out)
-            return [*out, ToolCallEnd(self._num_calls - 1)]
+            self._close_args(out)
+            return out
         return self._read_block("".join(self._region))
 
 
