@@ -261,6 +261,7 @@ STREAMED_CALLS = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]%s"),
     ("deepseek_v3", f"{DS}get_weather{DS_SEP}%s{DS_END}<｜tool▁calls▁end｜>"),
+    ("deepseek_v3", f"{DS}function{DS_SEP}get_weather\n```json\n%s\n```{DS_END}"),
 ]
 
 

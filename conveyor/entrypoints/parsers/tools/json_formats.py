@@ -148,13 +148,16 @@ _MISTRAL_CALL = CallSyntax(
     brace=False,
 )
 
-# V3.1's `F<｜tool▁sep｜>{...}` streams; V3's `function<｜tool▁sep｜>F` and its json fence do not
-# read as a header (no `{` after the separator): such a call is held to its end, read whole.
+# V3.1's `F<｜tool▁sep｜>{...}` and V3's `function<｜tool▁sep｜>F\n```json\n{...}\n```` both stream
+# (the header's group 1 or 2 is the name); the fence's closing backticks are held back as
+# closing syntax.
 _DEEPSEEK_CALL = CallSyntax(
-    re.compile(rf"[ \t\r\n]*(?:{_DS_CALL})?[ \t\r\n]*([A-Za-z0-9_.\-]{{1,128}})"
-               rf"[ \t\r\n]*{_DS_SEP}[ \t\r\n]*(?=\{{)"),
+    re.compile(rf"[ \t\r\n]*(?:{_DS_CALL})?[ \t\r\n]*(?:function[ \t]*{_DS_SEP}[ \t]*"
+               rf"([A-Za-z0-9_.\-]{{1,128}})[ \t]*\n[ \t\r\n]*```json[ \t\r\n]*"
+               rf"|([A-Za-z0-9_.\-]{{1,128}})[ \t\r\n]*{_DS_SEP}[ \t\r\n]*)(?=\{{)"),
     (_DS_END,),
     brace=False,
+    blanks=" \t\r\n`",
 )  # fmt: skip
 _DS_CALLS_END = "<｜tool▁calls▁end｜>"
 

@@ -63,12 +63,14 @@ class CallSyntax(NamedTuple):
     followed by the enclosing object's `}` before the closing marker; writer: for arguments
     not written as JSON (Qwen3-Coder's XML), what turns their text into the JSON the whole
     reading makes, given the tool's parameters and the depth bound (None: the text is the
-    JSON)."""
+    JSON); blanks: what else than `}` closing syntax may be made of (DeepSeek V3's json fence
+    adds the backtick)."""
 
     header: re.Pattern[str]
     closes: tuple[str, ...]
     brace: bool
     writer: Callable[[dict, int], ArgsWriter] | None = None
+    blanks: str = _BLANKS
 
 
 class ArgsWriter(Protocol):
@@ -203,9 +205,10 @@ class ToolStream:
     def _call_head(self) -> tuple[str | None, int]:
         """(name, where the arguments start) once the header reads as a declared call."""
         match = self.format.calls.header.match(self._start)
-        if match is None or match.group(1) not in self.context.tools:
+        name = next((g for g in match.groups() if g is not None), None) if match else None
+        if name is None or name not in self.context.tools:
             return None, 0
-        return match.group(1), match.end()
+        return name, match.end()
 
     def _args_step(self, text: str, out: list[Event]) -> str | None:
         found = self._closes.feed(text)
@@ -223,7 +226,7 @@ class ToolStream:
                 out.append(ToolArgsDelta(self._num_calls - 1, written))
             return
         text = self._held + text
-        keep = closing_tail(text, self.format.calls.brace)
+        keep = closing_tail(text, self.format.calls.brace, self.format.calls.blanks)
         self._held = text[len(text) - keep :] if keep else ""
         if len(text) > keep:
             out.append(ToolArgsDelta(self._num_calls - 1, text[: len(text) - keep]))
@@ -267,23 +270,23 @@ class ToolStream:
         return self._read_block("".join(self._region))
 
 
-def closing_tail(text: str, brace: bool) -> int:
+def closing_tail(text: str, brace: bool, blanks: str = _BLANKS) -> int:
     """Length of text's longest tail that is closing syntax: blanks, or (brace) blanks, `}`
     and blanks; each run bounded, so the tail held back is too. Every part of such a tail is
     one as well, so what is sent is never part of the final tail, whatever the cuts."""
-    after = _blank_run(text, len(text))
+    after = _blank_run(text, len(text), blanks)
     if not brace or after > _MAX_TRAILING_BLANKS or len(text) == after:
         return min(after, _MAX_TRAILING_BLANKS)
     if text[len(text) - after - 1] != "}":
         return after
-    before = _blank_run(text, len(text) - after - 1)
+    before = _blank_run(text, len(text) - after - 1, blanks)
     return after + 1 + min(before, _MAX_TRAILING_BLANKS)
 
 
-def _blank_run(text: str, end: int) -> int:
+def _blank_run(text: str, end: int, blanks: str = _BLANKS) -> int:
     """Blanks just before end, counted to one past the bound at most."""
     count = 0
-    while count <= _MAX_TRAILING_BLANKS and end - count > 0 and text[end - count - 1] in _BLANKS:
+    while count <= _MAX_TRAILING_BLANKS and end - count > 0 and text[end - count - 1] in blanks:
         count += 1
     return count
 
