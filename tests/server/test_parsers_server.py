@@ -216,6 +216,7 @@ def test_a_forced_call_is_written_in_deepseeks_syntax(deepseek):
 
 # family -> what its forced reply starts with and ends with, as the model writes it
 FORCED_SYNTAX = {
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": ', "}}"),
     "pythonic": ("[get_weather(city=", ")]"),
     "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\n", "</tool_call>"),
     "openai": (
@@ -257,8 +258,9 @@ def test_a_forced_call_is_written_in_each_familys_syntax(family_server):
 
 
 # family -> a reply of one call with {"city": "Paris in the spring"}, and whether the family
-# streams its arguments in pieces (pythonic and harmony are read whole)
+# streams its arguments in pieces (pythonic is read whole)
 RAW_CALLS = {
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris in the spring"}}', True),
     "pythonic": ('[get_weather(city="Paris in the spring")]', False),
     "qwen3_coder": (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis in the spring\n"

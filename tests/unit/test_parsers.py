@@ -262,6 +262,9 @@ STREAMED_CALLS = [
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]%s"),
     ("deepseek_v3", f"{DS}get_weather{DS_SEP}%s{DS_END}<｜tool▁calls▁end｜>"),
     ("deepseek_v3", f"{DS}function{DS_SEP}get_weather\n```json\n%s\n```{DS_END}"),
+    ("llama3_json", '{"name": "get_weather", "parameters": %s}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": %s}'),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": %s}]'),
 ]
 
 
@@ -381,3 +384,26 @@ def test_xml_arguments_stream_while_written_and_a_cut_call_is_still_an_object():
     cut_reply = reply()
     parsed = joined(cut_reply.feed(cut) + cut_reply.finish())
     assert parsed.calls == [("get_weather", '{"note": "a \\"quoted\\" <b> "}')]
+
+
+TRICKY = '{"q": "a; b}, {\\"name\\": \\"x\\"}", "n": [1, {"m": "]"}]}'
+JOINED_RUNS = [
+    ("llama3_json", '{"name": "get_weather", "parameters": %s} ; '
+     '{"name": "add", "parameters": {}}'),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": %s},\n{"name": "add", '
+     '"arguments": {}}] and then'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("tool", "template"), JOINED_RUNS)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_joined_calls_stream_each_call_to_where_its_json_ends_over_any_cuts(tool, template, data):
+    """Llama 3's `; ` and Granite's `, ` runs of calls: a `;`, `},` or `]` inside a string is
+    no end; each call's pieces join to its arguments as written, whatever the cuts."""
+    text = template % TRICKY
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=30))
+    parsed = streamed(parser(None, tool), text, cuts)
+    assert parsed.calls == [("get_weather", TRICKY), ("add", "{}")]
+    assert parsed.content == (" and then" if tool == "granite" else None)
+    assert parsed == parser(None, tool).parse(text)

@@ -161,11 +161,22 @@ _DEEPSEEK_CALL = CallSyntax(
 )  # fmt: skip
 _DS_CALLS_END = "<｜tool▁calls▁end｜>"
 
+# Llama 3's `{"name": F, "parameters": {...}}; ...` and Granite's `[{"name": F, "arguments":
+# {...}}, ...]`: calls joined without markers, each streamed once its name is read.
+_JOINED_HEAD = (
+    r'[ \t\r\n]*\{[ \t\r\n]*"name"[ \t\r\n]*:[ \t\r\n]*"([^"\\]{1,128})"'
+    r'[ \t\r\n]*,[ \t\r\n]*"(?:parameters|arguments)"[ \t\r\n]*:[ \t\r\n]*(?=\{)'
+)
+_LLAMA3_CALL = CallSyntax(re.compile(_JOINED_HEAD), (), brace=True, joined=";", at_head=True)
+_GRANITE_CALL = CallSyntax(
+    re.compile(r"[ \t\r\n]*\[?" + _JOINED_HEAD), (), brace=True, joined=",]"
+)  # fmt: skip
+
 FORMATS = {
     "hermes": ToolFormat(("<tool_call>",), "{[", read_hermes, _HERMES_CALL),
-    "llama3_json": ToolFormat(("<|python_tag|>",), "{", read_llama3_json),
+    "llama3_json": ToolFormat(("<|python_tag|>",), "{", read_llama3_json, _LLAMA3_CALL),
     "mistral": ToolFormat(("[TOOL_CALLS]",), "", read_mistral, _MISTRAL_CALL),
-    "granite": ToolFormat(("<|tool_call|>", "<tool_call>"), "", read_granite),
+    "granite": ToolFormat(("<|tool_call|>", "<tool_call>"), "", read_granite, _GRANITE_CALL),
     "deepseek_v3": ToolFormat(
         (_DS_BEGIN, _DS_CALL), "", read_deepseek_v3, _DEEPSEEK_CALL, (_DS_CALLS_END,)
     ),

@@ -6,7 +6,9 @@ that opens one: `{` or `[`). What follows is read in one of two ways:
 
 - **streamed calls** (formats with a CallSyntax: hermes' `<tool_call>` blocks, Mistral's
   `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`,
-  Qwen3-Coder's `<tool_call><function=F>` with its XML turned into JSON by an ArgsWriter).
+  Qwen3-Coder's `<tool_call><function=F>` with its XML turned into JSON by an ArgsWriter;
+  Llama 3's and Granite's calls joined without markers, whose arguments end where their JSON
+  value does).
   vLLM's policy: a call is committed once its header (the
   opening marker up to its name and the start of its arguments) has been read and names a
   declared tool: its ToolCallStart goes out, then its arguments' text as it comes, as
@@ -17,7 +19,7 @@ that opens one: `{` or `[`). What follows is read in one of two ways:
   call cannot be taken back, since the client has already shown it, and a whole answer reads
   the same way so that the two never differ. A block whose header does not read as a call
   is held to its closing marker and read whole by the format's `read` (a call, or content).
-- **whole regions** (everything else: a reply that is a JSON object or list, pythonic lists,
+- **whole regions** (everything else: hermes' reply that is a JSON object or list, pythonic lists,
   harmony, DeepSeek's markers): the region is held and read once complete
   (at the reply's end) by the format's own `read`; each call is sent whole then. A region
   that does not read as calls of declared tools is content, as written.
@@ -64,13 +66,19 @@ class CallSyntax(NamedTuple):
     not written as JSON (Qwen3-Coder's XML), what turns their text into the JSON the whole
     reading makes, given the tool's parameters and the depth bound (None: the text is the
     JSON); blanks: what else than `}` closing syntax may be made of (DeepSeek V3's json fence
-    adds the backtick)."""
+    adds the backtick). joined: calls written one after another without markers (Llama 3's
+    `{...}; {...}`, Granite's `[{...}, {...}]`): the arguments end where their JSON object
+    closes (JsonEnd), then the enclosing object's `}` and one of these characters: the first
+    opens the next call, any other ends the run; at_head: a reply that starts with one of the
+    format's heads is such a run of calls."""
 
     header: re.Pattern[str]
     closes: tuple[str, ...]
     brace: bool
     writer: Callable[[dict, int], ArgsWriter] | None = None
     blanks: str = _BLANKS
+    joined: str = ""
+    at_head: bool = False
 
 
 class ArgsWriter(Protocol):
@@ -101,13 +109,45 @@ class ToolContext(NamedTuple):
 
 
 _HEAD, _SCAN, _REGION, _HEADER, _ARGS = "head", "scan", "region", "header", "args"
+_BETWEEN = "between"  # joined calls: after a call's arguments, before the next call
+
+
+class JsonEnd:
+    """Where a JSON value fed piece by piece ends: strings and escapes followed, brackets
+    counted (no recursion: any depth, linear time)."""
+
+    __slots__ = ("depth", "in_string", "escape")
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escape = 0, False, False
+
+    def feed(self, text: str) -> int:
+        """The index just past the value's end in text, or -1 while it goes on."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif char == "\\":
+                    self.escape = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    return i + 1
+        return -1
 
 
 class ToolStream:
     """Events of one reply's tool calls, fed its content piece by piece."""
 
     __slots__ = ("format", "context", "state", "_scan", "_region", "_blanks", "_closes")
-    __slots__ += ("_opener", "_header", "_start", "_held", "_num_calls", "_writer")
+    __slots__ += ("_opener", "_header", "_start", "_held", "_num_calls", "_writer", "_end")
+    __slots__ += ("_braced",)
 
     def __init__(self, format: ToolFormat, context: ToolContext) -> None:
         self.format = format
@@ -123,6 +163,8 @@ class ToolStream:
         self._held = ""  # args: a tail that may be closing syntax, not arguments
         self._num_calls = 0
         self._writer: ArgsWriter | None = None  # args: the call's, when not written as JSON
+        self._end: JsonEnd | None = None  # args: where a joined call's arguments end
+        self._braced = False  # between: the call's enclosing } was read
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -142,6 +184,8 @@ class ToolStream:
             return self._header_step(text, out)
         if self.state == _ARGS:
             return self._args_step(text, out)
+        if self.state == _BETWEEN:
+            return self._between(text, out)
         if self._scan is None:
             out.append(ContentDelta(text))
             return None
@@ -165,6 +209,10 @@ class ToolStream:
         if not stripped:
             self._blanks.append(text)
             return None
+        calls = self.format.calls
+        if stripped[0] in self.format.heads and calls is not None and calls.at_head:
+            self._open("")
+            return "".join(self._blanks) + text
         if stripped[0] in self.format.heads:
             self.state = _REGION
             self._region = [*self._blanks, text]
@@ -195,6 +243,7 @@ class ToolStream:
             writer = self.format.calls.writer
             parameters = self.context.tools.get(name) or {}
             self._writer = writer(parameters, self.context.max_depth) if writer else None
+            self._end = JsonEnd() if self.format.calls.joined else None
             return rest
         if found.marker is None:
             return None
@@ -211,6 +260,8 @@ class ToolStream:
         return name, match.end()
 
     def _args_step(self, text: str, out: list[Event]) -> str | None:
+        if self._end is not None:
+            return self._joined_args(text, out)
         found = self._closes.feed(text)
         self._stream_args(found.before, out)
         if found.marker is None:
@@ -230,6 +281,35 @@ class ToolStream:
         self._held = text[len(text) - keep :] if keep else ""
         if len(text) > keep:
             out.append(ToolArgsDelta(self._num_calls - 1, text[: len(text) - keep]))
+
+    def _joined_args(self, text: str, out: list[Event]) -> str | None:
+        """A joined call's arguments: as written, to where their JSON value ends."""
+        end = self._end.feed(text)
+        written = text if end == -1 else text[:end]
+        if written:
+            out.append(ToolArgsDelta(self._num_calls - 1, written))
+        if end == -1:
+            return None
+        out.append(ToolCallEnd(self._num_calls - 1))
+        self.state, self._end, self._braced = _BETWEEN, None, False
+        return text[end:]
+
+    def _between(self, text: str, out: list[Event]) -> str | None:
+        """After joined calls' arguments: blanks and the call's `}`, then the next call (the
+        first of `joined`), the run's end (another of them), or content."""
+        joined = self.format.calls.joined
+        for i, char in enumerate(text):
+            if char in _BLANKS:
+                continue
+            if char == "}" and not self._braced:
+                self._braced = True
+                continue
+            if self._braced and char == joined[0]:
+                self._open("")
+                return text[i + 1 :]
+            self.state = _SCAN
+            return text[i + 1 :] if self._braced and char in joined else text[i:]
+        return None
 
     def _close_args(self, out: list[Event]) -> None:
         if self._writer is not None:
@@ -262,6 +342,10 @@ class ToolStream:
             return [ContentDelta(held)] if held else []
         if self.state == _HEADER:
             return self._read_block(self._opener + "".join(self._header) + self._closes.flush())
+        if self.state == _BETWEEN:
+            return []
+        if self.state == _ARGS and self._end is not None:
+            return [ToolCallEnd(self._num_calls - 1)]
         if self.state == _ARGS:
             out: list[Event] = []
             self._stream_args(self._closes.flush(), out)
