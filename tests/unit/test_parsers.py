@@ -265,6 +265,15 @@ STREAMED_CALLS = [
     ("llama3_json", '{"name": "get_weather", "parameters": %s}'),
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": %s}'),
     ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": %s}]'),
+    (
+        "openai",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>%s<|call|>",
+    ),
+    (
+        "openai",
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        "%s<|call|>",
+    ),
 ]
 
 
@@ -407,3 +416,15 @@ def test_joined_calls_stream_each_call_to_where_its_json_ends_over_any_cuts(tool
     assert parsed.calls == [("get_weather", TRICKY), ("add", "{}")]
     assert parsed.content == (" and then" if tool == "granite" else None)
     assert parsed == parser(None, tool).parse(text)
+
+
+def test_harmony_call_arguments_stream_after_the_analysis_channel():
+    text = (
+        "<|channel|>analysis<|message|>I should call it.<|end|><|start|>assistant<|channel|>"
+        f"commentary to=functions.get_weather <|constrain|>json<|message|>{NESTED}<|call|>"
+    )
+    events = argument_deltas(parser("openai_gptoss", "openai"), text)
+    pieces = [piece for kind, piece in events if kind is ToolArgsDelta]
+    assert len(pieces) > len(NESTED) // 2 and "".join(pieces) == NESTED
+    parsed = parser("openai_gptoss", "openai").parse(text)
+    assert parsed.reasoning == "I should call it." and parsed.calls == [("get_weather", NESTED)]

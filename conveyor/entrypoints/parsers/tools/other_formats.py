@@ -223,6 +223,17 @@ def read_openai(region: str, context: ToolContext) -> Region | None:
     return Region(calls, "".join(content)) if calls else None
 
 
+# A harmony message to a function streams once its header, up to <|message|>, names it: the
+# recipient in the channel's header or in the role's (`<|start|>assistant to=functions.F`).
+_HARMONY_CALL = CallSyntax(
+    re.compile(r"[^<]{0,64}?(?:<\|channel\|>)?[^<]{0,256}?to=functions\.([A-Za-z0-9_\-]{1,128})"
+               r"[^<]{0,128}?(?:<\|channel\|>[^<]{0,128}?)?(?:<\|constrain\|>[^<]{0,64}?)?"
+               r"<\|message\|>[ \t\r\n]*(?=\{)"),
+    ("<|call|>",),
+    brace=False,
+)  # fmt: skip
+
+
 def _between(text: str) -> str:
     """Text between harmony calls, less the headers' own markers."""
     for marker in ("<|start|>assistant", "<|channel|>commentary", "<|channel|>", "<|start|>"):
@@ -235,5 +246,5 @@ FORMATS = {
     "llama4_pythonic": ToolFormat(("<|python_start|>",), "[", read_pythonic),
     "qwen3_coder": ToolFormat(("<tool_call>",), "", read_qwen3_coder, _XML_CALL),
     "qwen3_xml": ToolFormat(("<tool_call>",), "", read_qwen3_coder, _XML_CALL),
-    "openai": ToolFormat(("<|channel|>", "<|start|>"), "", read_openai),
+    "openai": ToolFormat(("<|channel|>", "<|start|>"), "", read_openai, _HARMONY_CALL),
 }

@@ -8,7 +8,7 @@ that opens one: `{` or `[`). What follows is read in one of two ways:
   `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`,
   Qwen3-Coder's `<tool_call><function=F>` with its XML turned into JSON by an ArgsWriter;
   Llama 3's and Granite's calls joined without markers, whose arguments end where their JSON
-  value does).
+  value does; harmony's messages to a function).
   vLLM's policy: a call is committed once its header (the
   opening marker up to its name and the start of its arguments) has been read and names a
   declared tool: its ToolCallStart goes out, then its arguments' text as it comes, as
@@ -19,8 +19,8 @@ that opens one: `{` or `[`). What follows is read in one of two ways:
   call cannot be taken back, since the client has already shown it, and a whole answer reads
   the same way so that the two never differ. A block whose header does not read as a call
   is held to its closing marker and read whole by the format's `read` (a call, or content).
-- **whole regions** (everything else: hermes' reply that is a JSON object or list, pythonic lists,
-  harmony, DeepSeek's markers): the region is held and read once complete
+- **whole regions** (everything else: hermes' reply that is a JSON object or list, pythonic
+  lists): the region is held and read once complete
   (at the reply's end) by the format's own `read`; each call is sent whole then. A region
   that does not read as calls of declared tools is content, as written.
 
