@@ -428,3 +428,31 @@ def test_harmony_call_arguments_stream_after_the_analysis_channel():
     assert len(pieces) > len(NESTED) // 2 and "".join(pieces) == NESTED
     parsed = parser("openai_gptoss", "openai").parse(text)
     assert parsed.reasoning == "I should call it." and parsed.calls == [("get_weather", NESTED)]
+
+
+PYTHONIC = "[get_weather(city=\"Pa, ris)\", days=[1, (2, 3)], note='it\\'s ]'), add(a=1, b=2.5)]"
+PYTHONIC_ARGUMENTS = {"city": "Pa, ris)", "days": [1, [2, 3]], "note": "it's ]"}
+
+
+@pytest.mark.parametrize(
+    ("tool", "text", "content"),
+    [
+        ("pythonic", PYTHONIC, None),
+        ("llama4_pythonic", f"<|python_start|>{PYTHONIC}<|python_end|> Done.", " Done."),
+    ],
+)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_pythonic_calls_stream_each_keyword_once_its_value_ends_over_any_cuts(
+    tool, text, content, data
+):
+    """A `,` `)` or `]` inside a string or brackets ends no value; each value is sent as JSON
+    once it ends, so a call's pieces join to the whole reading's arguments."""
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=30))
+    parsed = streamed(parser(None, tool), text, cuts)
+    want = [("get_weather", json.dumps(PYTHONIC_ARGUMENTS)), ("add", '{"a": 1, "b": 2.5}')]
+    assert parsed.calls == want and parsed.content == content
+    assert parsed == parser(None, tool).parse(text)
+    events = argument_deltas(parser(None, tool), text)
+    # fed a character at a time: each key once its `=` is read, each value once it ends
+    assert len([kind for kind, _ in events if kind is ToolArgsDelta]) == 6 + 4

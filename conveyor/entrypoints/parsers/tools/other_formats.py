@@ -49,6 +49,102 @@ def _python_call(node: ast.expr, context: ToolContext) -> ToolCall | None:
     return ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False))
 
 
+class PythonArguments:
+    """A pythonic call's keyword arguments (the text after `F(`), streamed as the JSON object
+    _python_call makes of them: each value once it ends (a `,` or `)` outside strings and
+    brackets), as JSON when it reads as a Python literal of JSON's kinds within the depth
+    bound (else as its text, a string); the object closes at the call's `)`, and `end` is
+    then where in the last text fed the call ended (-1 before)."""
+
+    __slots__ = ("max_depth", "end", "_key", "_value", "_num", "_in_key", "_quote", "_escape")
+    __slots__ += ("_depth", "_deepest")
+
+    def __init__(self, parameters: dict, max_depth: int) -> None:
+        self.max_depth, self.end = max_depth, -1
+        self._key: list[str] = []
+        self._value: list[str] = []
+        self._num, self._in_key = 0, True
+        self._quote, self._escape = "", False
+        self._depth = self._deepest = 0
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        for i, char in enumerate(text):
+            if self._in_key:
+                if char == "=":
+                    self._open_value(out)
+                elif char == ")":
+                    return self._ended(out, i)
+                elif char == ",":
+                    self._key = []  # a positional argument: no keyword, nothing written
+                else:
+                    self._key.append(char)
+            elif self._value_char(char):
+                self._end_value(out)
+                if char == ")":
+                    return self._ended(out, i)
+        return "".join(out)
+
+    def close(self) -> str:
+        out: list[str] = []
+        if not self._in_key:
+            self._end_value(out)
+        return "".join(out) + ("}" if self._num else "{}")
+
+    def _value_char(self, char: str) -> bool:
+        """Takes one character of a value; True at the `,` or `)` that ends it."""
+        if self._quote:
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == self._quote:
+                self._quote = ""
+        elif char in "\"'":
+            self._quote = char
+        elif char in "([{":
+            self._depth += 1
+            self._deepest = max(self._deepest, self._depth)
+        elif char in ")]}" and self._depth > 0:
+            self._depth -= 1
+        elif char in ",)" and self._depth == 0:
+            return True
+        self._value.append(char)
+        return False
+
+    def _open_value(self, out: list[str]) -> None:
+        key = json.dumps("".join(self._key).strip(), ensure_ascii=False)
+        out.append(("{" if not self._num else ", ") + key + ": ")
+        self._num += 1
+        self._in_key, self._value, self._deepest = False, [], 0
+
+    def _end_value(self, out: list[str]) -> None:
+        raw = "".join(self._value).strip()
+        value: object = raw
+        if self._deepest < self.max_depth:
+            try:
+                value = ast.literal_eval(raw)
+                json.dumps(value)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                value = raw
+        out.append(json.dumps(value, ensure_ascii=False))
+        self._in_key, self._key = True, []
+
+    def _ended(self, out: list[str], index: int) -> str:
+        self.end = index + 1
+        return "".join(out) + ("}" if self._num else "{}")
+
+
+_PYTHON_CALL = CallSyntax(
+    re.compile(r"[ \t\r\n]*(?:<\|python_start\|>)?[ \t\r\n]*\[?[ \t\r\n]*"
+               r"([A-Za-z_][A-Za-z0-9_]{0,127})\("),
+    (),
+    brace=False,
+    writer=PythonArguments,
+    joined=",]",
+    at_head=True,
+)  # fmt: skip
+
 _FUNCTION, _PARAMETER = "<function=", "<parameter="
 
 
@@ -242,8 +338,10 @@ def _between(text: str) -> str:
 
 
 FORMATS = {
-    "pythonic": ToolFormat((), "[", read_pythonic),
-    "llama4_pythonic": ToolFormat(("<|python_start|>",), "[", read_pythonic),
+    "pythonic": ToolFormat((), "[", read_pythonic, _PYTHON_CALL),
+    "llama4_pythonic": ToolFormat(
+        ("<|python_start|>",), "[", read_pythonic, _PYTHON_CALL, ("<|python_end|>",)
+    ),
     "qwen3_coder": ToolFormat(("<tool_call>",), "", read_qwen3_coder, _XML_CALL),
     "qwen3_xml": ToolFormat(("<tool_call>",), "", read_qwen3_coder, _XML_CALL),
     "openai": ToolFormat(("<|channel|>", "<|start|>"), "", read_openai, _HARMONY_CALL),

@@ -8,7 +8,8 @@ that opens one: `{` or `[`). What follows is read in one of two ways:
   `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`,
   Qwen3-Coder's `<tool_call><function=F>` with its XML turned into JSON by an ArgsWriter;
   Llama 3's and Granite's calls joined without markers, whose arguments end where their JSON
-  value does; harmony's messages to a function).
+  value does, and pythonic lists of calls, whose keyword values a writer turns into JSON;
+  harmony's messages to a function).
   vLLM's policy: a call is committed once its header (the
   opening marker up to its name and the start of its arguments) has been read and names a
   declared tool: its ToolCallStart goes out, then its arguments' text as it comes, as
@@ -19,8 +20,8 @@ that opens one: `{` or `[`). What follows is read in one of two ways:
   call cannot be taken back, since the client has already shown it, and a whole answer reads
   the same way so that the two never differ. A block whose header does not read as a call
   is held to its closing marker and read whole by the format's `read` (a call, or content).
-- **whole regions** (everything else: hermes' reply that is a JSON object or list, pythonic
-  lists): the region is held and read once complete
+- **whole regions** (everything else: hermes' reply that is a JSON object or list): the
+  region is held and read once complete
   (at the reply's end) by the format's own `read`; each call is sent whole then. A region
   that does not read as calls of declared tools is content, as written.
 
@@ -69,8 +70,9 @@ class CallSyntax(NamedTuple):
     adds the backtick). joined: calls written one after another without markers (Llama 3's
     `{...}; {...}`, Granite's `[{...}, {...}]`): the arguments end where their JSON object
     closes (JsonEnd), then the enclosing object's `}` and one of these characters: the first
-    opens the next call, any other ends the run; at_head: a reply that starts with one of the
-    format's heads is such a run of calls."""
+    opens the next call, any other ends the run (brace False: no `}`; a writer says where the
+    arguments end, as its `end`); at_head: a reply that starts with one of the format's heads
+    is such a run of calls."""
 
     header: re.Pattern[str]
     closes: tuple[str, ...]
@@ -243,7 +245,8 @@ class ToolStream:
             writer = self.format.calls.writer
             parameters = self.context.tools.get(name) or {}
             self._writer = writer(parameters, self.context.max_depth) if writer else None
-            self._end = JsonEnd() if self.format.calls.joined else None
+            joined = self.format.calls.joined
+            self._end = JsonEnd() if joined and self._writer is None else None
             return rest
         if found.marker is None:
             return None
@@ -260,7 +263,7 @@ class ToolStream:
         return name, match.end()
 
     def _args_step(self, text: str, out: list[Event]) -> str | None:
-        if self._end is not None:
+        if self.format.calls.joined:
             return self._joined_args(text, out)
         found = self._closes.feed(text)
         self._stream_args(found.before, out)
@@ -283,15 +286,21 @@ class ToolStream:
             out.append(ToolArgsDelta(self._num_calls - 1, text[: len(text) - keep]))
 
     def _joined_args(self, text: str, out: list[Event]) -> str | None:
-        """A joined call's arguments: as written, to where their JSON value ends."""
-        end = self._end.feed(text)
-        written = text if end == -1 else text[:end]
+        """A joined call's arguments: as written, to where their JSON value ends (or as its
+        writer writes them, to where it says they end: its `end`)."""
+        if self._writer is not None:
+            written = self._writer.feed(text)
+            end = self._writer.end
+        else:
+            end = self._end.feed(text)
+            written = text if end == -1 else text[:end]
         if written:
             out.append(ToolArgsDelta(self._num_calls - 1, written))
         if end == -1:
             return None
         out.append(ToolCallEnd(self._num_calls - 1))
-        self.state, self._end, self._braced = _BETWEEN, None, False
+        self.state, self._end, self._writer = _BETWEEN, None, None
+        self._braced = not self.format.calls.brace
         return text[end:]
 
     def _between(self, text: str, out: list[Event]) -> str | None:
@@ -346,6 +355,9 @@ class ToolStream:
             return []
         if self.state == _ARGS and self._end is not None:
             return [ToolCallEnd(self._num_calls - 1)]
+        if self.state == _ARGS and self._writer is not None and self.format.calls.joined:
+            out = [ToolArgsDelta(self._num_calls - 1, self._writer.close())]
+            return [*out, ToolCallEnd(self._num_calls - 1)]
         if self.state == _ARGS:
             out: list[Event] = []
             self._stream_args(self._closes.flush(), out)
