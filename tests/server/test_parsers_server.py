@@ -137,6 +137,16 @@ CITY_TOOLS = [
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+def argument_pieces(chunks) -> list[str]:
+    """The argument deltas of a streamed chat's tool calls, in order."""
+    return [
+        call.function.arguments
+        for chunk in chunks
+        for call in chunk.choices[0].delta.tool_calls or []
+        if call.function.arguments
+    ]
+
+
 def detokenized(client, token_ids: list[int]) -> str:
     url = str(client.base_url).removesuffix("/").removesuffix("/v1") + "/detokenize"
     return httpx.post(url, json={"model": MODEL, "tokens": token_ids}, timeout=30).json()["prompt"]
@@ -186,12 +196,7 @@ def test_deepseek_v31_arguments_stream_in_pieces_that_join_to_the_whole(deepseek
     assert whole.message.content == "Sure." and whole.finish_reason == "tool_calls"
     assert whole.message.tool_calls[0].function.arguments == arguments
     chunks = list(ask(deepseek, raw, stream=True, tools=TOOLS))
-    pieces = [
-        call.function.arguments
-        for chunk in chunks
-        for call in chunk.choices[0].delta.tool_calls or []
-        if call.function.arguments
-    ]
+    pieces = argument_pieces(chunks)
     assert len(pieces) > 3 and "".join(pieces) == arguments
     streamed = gathered(chunks)
     assert streamed["content"] == "Sure." and streamed["finish"] == "tool_calls"
@@ -279,12 +284,7 @@ def test_a_calls_streamed_arguments_join_to_the_whole_in_each_family(family_serv
     (call,) = whole.message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Paris in the spring"}
     chunks = list(ask(client, raw, stream=True, tools=TOOLS))
-    pieces = [
-        piece.function.arguments
-        for chunk in chunks
-        for piece in chunk.choices[0].delta.tool_calls or []
-        if piece.function.arguments
-    ]
+    pieces = argument_pieces(chunks)
     assert "".join(pieces) == call.function.arguments
     assert len(pieces) >= fewest
     assert gathered(chunks)["finish"] == "tool_calls"
