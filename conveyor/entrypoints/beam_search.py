@@ -17,13 +17,15 @@ length_penalty; at equal lengths it is the log-probability alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from conveyor.outputs import PositionLogprobs, RequestOutput
+from conveyor.engine.streams import RequestFailedError
+from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a step asks for 2 x beam_width log-probabilities
+MAX_LENGTH_PENALTY = 10  # a length's power stays a float (no overflow) at any context length
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    num_logprobs: int | None = None  # a server's answer: each beam token's top entries shown
 
     def __post_init__(self) -> None:
         checks = [
@@ -53,8 +56,9 @@ class BeamSearchParams:
                 f"temperature must be a finite number >= 0, got {self.temperature!r}",
             ),
             (
-                _is_number(self.length_penalty),
-                f"length_penalty must be a finite number, got {self.length_penalty!r}",
+                _is_number(self.length_penalty) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY,
+                f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
+                f"{MAX_LENGTH_PENALTY}], got {self.length_penalty!r}",
             ),
         ]
         for ok, message in checks:
@@ -181,3 +185,71 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+class BeamStream:
+    """One prompt's beam search as its request's stream of outputs, for a server: iterated, it
+    runs the search on the async engine (step(prompts, params): their request streams, each
+    submitted as an ordinary request) and yields one final output whose completions are the
+    beams, best first, as vLLM's server answers beam search. live: the step's requests in
+    flight, which a client that goes away has aborted (their KV freed now). num_logprobs: each
+    beam token's top entries kept in its logprobs (None: no logprobs)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        search: BeamSearch,
+        prompt: list[int],
+        step: Callable[[list[list[int]], SamplingParams], Awaitable[list]],
+        num_logprobs: int | None = None,
+    ) -> None:
+        self.request_id, self.prompt = request_id, prompt
+        self._search, self._step, self._num_logprobs = search, step, num_logprobs
+        self.live: list = []
+        self.finished = False
+        self.num_outputs = 0
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        search = self._search
+        while batch := search.requests():
+            self.live = await self._step(batch, search.step_params)
+            search.advance([await _token_output(stream) for stream in self.live])
+        self.live, self.finished, self.num_outputs = [], True, 1
+        yield self._output(search.results()[0])
+
+    def _output(self, result: BeamSearchOutput) -> RequestOutput:
+        num_prompt = len(self.prompt)
+        completions = [
+            CompletionOutput(
+                index,
+                beam.text or "",
+                beam.tokens[num_prompt:],
+                beam.cum_logprob,
+                self._logprobs(beam),
+                beam.finish_reason,
+                beam.stop_reason,
+            )
+            for index, beam in enumerate(result.sequences)
+        ]
+        return RequestOutput(self.request_id, None, self.prompt, completions, finished=True)
+
+    def _logprobs(self, beam: BeamSearchSequence) -> list[PositionLogprobs] | None:
+        top = self._num_logprobs
+        if top is None:
+            return None
+        tokens = beam.tokens[len(self.prompt) :]
+        return [
+            {t: lp for t, lp in position.items() if lp.rank <= top or t == token}
+            for token, position in zip(tokens, beam.logprobs, strict=True)
+        ]
+
+
+async def _token_output(stream) -> RequestOutput:
+    """A step request's output that holds its one token's logprobs."""
+    found = None
+    async for out in stream:
+        if out.outputs and out.outputs[0].logprobs:
+            found = out
+    if found is None:
+        raise RequestFailedError(f"beam search step {stream.request_id} ended without a token")
+    return found

@@ -77,7 +77,13 @@ def test_a_beam_that_writes_eos_is_complete_and_ranked_with_the_others(checkpoin
 
 @pytest.mark.parametrize(
     "field, value",
-    [("beam_width", 0), ("beam_width", 11), ("max_tokens", 0), ("length_penalty", float("nan"))],
+    [
+        ("beam_width", 0),
+        ("beam_width", 11),
+        ("max_tokens", 0),
+        ("length_penalty", float("nan")),
+        ("length_penalty", 1e308),
+    ],
 )
 def test_bad_beam_search_params_are_refused_by_name(field, value):
     fields = {"beam_width": 2, "max_tokens": 4} | {field: value}

@@ -137,6 +137,16 @@ CITY_TOOLS = [
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+def argument_pieces(chunks) -> list[str]:
+    """The argument deltas of a streamed chat's tool calls, in order."""
+    return [
+        call.function.arguments
+        for chunk in chunks
+        for call in chunk.choices[0].delta.tool_calls or []
+        if call.function.arguments
+    ]
+
+
 def detokenized(client, token_ids: list[int]) -> str:
     url = str(client.base_url).removesuffix("/").removesuffix("/v1") + "/detokenize"
     return httpx.post(url, json={"model": MODEL, "tokens": token_ids}, timeout=30).json()["prompt"]
@@ -186,12 +196,7 @@ def test_deepseek_v31_arguments_stream_in_pieces_that_join_to_the_whole(deepseek
     assert whole.message.content == "Sure." and whole.finish_reason == "tool_calls"
     assert whole.message.tool_calls[0].function.arguments == arguments
     chunks = list(ask(deepseek, raw, stream=True, tools=TOOLS))
-    pieces = [
-        call.function.arguments
-        for chunk in chunks
-        for call in chunk.choices[0].delta.tool_calls or []
-        if call.function.arguments
-    ]
+    pieces = argument_pieces(chunks)
     assert len(pieces) > 3 and "".join(pieces) == arguments
     streamed = gathered(chunks)
     assert streamed["content"] == "Sure." and streamed["finish"] == "tool_calls"
@@ -212,3 +217,74 @@ def test_a_forced_call_is_written_in_deepseeks_syntax(deepseek):
     (call,) = reply.message.tool_calls
     assert call.function.name == "get_weather" and reply.finish_reason == "tool_calls"
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
+# family -> what its forced reply starts with and ends with, as the model writes it
+FORCED_SYNTAX = {
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": ', "}}"),
+    "pythonic": ("[get_weather(city=", ")]"),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\n", "</tool_call>"),
+    "openai": (
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{",
+        "}<|call|>",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FORCED_SYNTAX))
+def family_server(request, tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    server = start_tiny(tiny_checkpoint, folder, "--tool-call-parser", request.param)
+    yield request.param, openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
+    server.stop()
+
+
+def test_a_forced_call_is_written_in_each_familys_syntax(family_server):
+    family, client = family_server
+    fields = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "max_tokens": 100,
+        "temperature": 0,
+        "tools": CITY_TOOLS,
+        "tool_choice": NAMED,
+        "extra_body": {"return_token_ids": True, "skip_special_tokens": False},
+    }
+    reply = client.chat.completions.create(model=MODEL, **fields).choices[0]
+    raw = detokenized(client, reply.model_extra["token_ids"])
+    head, tail = FORCED_SYNTAX[family]
+    assert raw.startswith(head) and raw.endswith(tail), raw
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "get_weather" and reply.finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert reply.message.content is None
+    streamed = gathered(client.chat.completions.create(model=MODEL, stream=True, **fields))
+    assert streamed["calls"] == [["get_weather", call.function.arguments]]
+    assert streamed["content"] == "" and streamed["finish"] == "tool_calls"
+
+
+# family -> a reply of one call with {"city": "Paris in the spring"}, and the fewest pieces its
+# arguments stream in (pythonic: the key, then the value once it ends)
+RAW_CALLS = {
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris in the spring"}}', 4),
+    "pythonic": ('[get_weather(city="Paris in the spring")]', 2),
+    "qwen3_coder": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis in the spring\n"
+        "</parameter>\n</function>\n</tool_call>",
+        4,
+    ),
+}
+
+
+def test_a_calls_streamed_arguments_join_to_the_whole_in_each_family(family_server):
+    family, client = family_server
+    if family not in RAW_CALLS:
+        pytest.skip("harmony's markers are special tokens: no choice grammar spells them")
+    raw, fewest = RAW_CALLS[family]
+    whole = ask(client, raw, tools=TOOLS).choices[0]
+    (call,) = whole.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris in the spring"}
+    chunks = list(ask(client, raw, stream=True, tools=TOOLS))
+    pieces = argument_pieces(chunks)
+    assert "".join(pieces) == call.function.arguments
+    assert len(pieces) >= fewest
+    assert gathered(chunks)["finish"] == "tool_calls"

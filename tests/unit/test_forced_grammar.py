@@ -30,12 +30,41 @@ def text_of(family: str, calls: list[dict]) -> str:
         return "\n".join(f"<tool_call>\n{obj(a)}\n</tool_call>" for a in calls)
     if family == "llama3_json":
         return "; ".join(obj(a, "parameters") for a in calls)
+    if family in ("pythonic", "llama4_pythonic"):
+        return "[" + ", ".join(_python_call(a) for a in calls) + "]"
+    if family in ("qwen3_coder", "qwen3_xml"):
+        return "\n".join(_xml_call(a) for a in calls)
+    if family == "openai":
+        one = (
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{}<|call|>"
+        )
+        return "<|start|>assistant".join(one.format(json.dumps(a)) for a in calls)
     if family == "deepseek_v3":
         one = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
         body = "".join(one.format(json.dumps(a)) for a in calls)
         return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
     listed = "[" + ", ".join(obj(a) for a in calls) + "]"
     return {"mistral": "[TOOL_CALLS]", "granite": "<|tool_call|>"}[family] + listed
+
+
+def _python_call(arguments: dict, name: str = "get_weather") -> str:
+    keywords = ", ".join(f"{k}={v!r}".replace("'", '"') for k, v in arguments.items())
+    return f"{name}({keywords})"
+
+
+def _xml_call(arguments: dict, name: str = "get_weather") -> str:
+    def value(v):
+        return v if isinstance(v, str) else json.dumps(v)
+
+    parameters = "".join(
+        f"<parameter={k}>\n{value(v)}\n</parameter>\n" for k, v in arguments.items()
+    )
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+# Families that write the same text (one parser under two names).
+TWINS = {"pythonic": "llama4_pythonic", "qwen3_coder": "qwen3_xml"}
+TWINS |= {b: a for a, b in TWINS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -72,5 +101,50 @@ def test_the_familys_own_calls_fit_its_grammar_and_read_back(tokenizer, family):
         parser = tool_parser(family, {"get_weather": PARAMETERS}, 16)
         parsed = joined(parser.feed(text) + parser.finish())
         assert [(n, json.loads(a)) for n, a in parsed.calls] == [("get_weather", c) for c in calls]
-    others = sorted(FORCED_FAMILIES - {family})
+    others = sorted(FORCED_FAMILIES - {family, TWINS.get(family)})
     assert not any(fits(tokenizer, several, text_of(other, CALLS)) for other in others)
+
+
+TYPED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "metric": {"type": "boolean"},
+        "unit": {"enum": ["C", "F"]},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+    },
+    "required": ["city", "days"],
+}
+
+
+@pytest.mark.parametrize("family", ["pythonic", "qwen3_coder"])
+def test_typed_arguments_are_written_in_schema_order_required_ones_always(tokenizer, family):
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": TYPED}}]
+    grammar = forced_grammar(family, tools, False, lambda text: json.dumps(text))
+    call = _python_call if family == "pythonic" else _xml_call
+
+    def text(arguments: dict) -> str:
+        one = call(arguments, "forecast")
+        return f"[{one}]" if family == "pythonic" else one
+
+    full = {"city": "Oslo", "days": 3, "metric": True, "unit": "C", "where": {"lat": 59.9}}
+    for arguments in (full, {"city": "Oslo", "days": 3}, {"city": "Oslo", "days": 3, "unit": "F"}):
+        assert fits(tokenizer, grammar, text(arguments)), arguments
+        parser = tool_parser(family, {"forecast": TYPED}, 16)
+        parsed = joined(parser.feed(text(arguments)) + parser.finish())
+        assert [(n, json.loads(a)) for n, a in parsed.calls] == [("forecast", arguments)]
+    refused = [
+        {"city": "Oslo"},  # a required argument missing
+        {"days": 3, "city": "Oslo"},  # out of the schema's order
+        {"city": "Oslo", "days": "three"},  # a string for an integer
+        {"city": "Oslo", "days": 3, "unit": "K"},  # not in the enum
+    ]
+    for arguments in refused:
+        assert not fits(tokenizer, grammar, text(arguments)), arguments
+
+
+def test_a_name_the_syntax_cannot_write_is_refused():
+    tool = {"type": "function", "function": {"name": "get-weather", "parameters": PARAMETERS}}
+    with pytest.raises(ValueError, match="tools"):
+        forced_grammar("pythonic", [tool], True, json.dumps)

@@ -19,6 +19,9 @@ from conveyor.entrypoints.parsers.events import (
     ToolCallStart,
     joined,
 )
+from conveyor.entrypoints.parsers.tools import tool_parser
+from conveyor.entrypoints.parsers.tools.other_formats import read_qwen3_coder
+from conveyor.entrypoints.parsers.tools.stream import ToolContext
 from conveyor.entrypoints.pipeline import Hidden, Parsers, ReplyParser
 
 TOOLS = {
@@ -258,6 +261,19 @@ STREAMED_CALLS = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]%s"),
     ("deepseek_v3", f"{DS}get_weather{DS_SEP}%s{DS_END}<｜tool▁calls▁end｜>"),
+    ("deepseek_v3", f"{DS}function{DS_SEP}get_weather\n```json\n%s\n```{DS_END}"),
+    ("llama3_json", '{"name": "get_weather", "parameters": %s}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": %s}'),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": %s}]'),
+    (
+        "openai",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>%s<|call|>",
+    ),
+    (
+        "openai",
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        "%s<|call|>",
+    ),
 ]
 
 
@@ -333,3 +349,110 @@ def test_hidden_special_tokens_are_removed_over_any_cuts(pieces, data):
     out += hidden.flush()
     expected = re.sub(r"<\|end\|>|<\|im_end\|>", "", text)  # one pass, left to right
     assert out == expected == hidden.whole(text)
+
+
+XML_PARAMETERS = {
+    "type": "object",
+    "properties": {"note": {"type": "string"}, "days": {"type": "integer"}, "where": {}},
+}
+XML_CALL = (
+    "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=note>\n"
+    'a "quoted" <b> line\n\nand \\ more\n</parameter>\n<parameter=days>\n3\n</parameter>\n'
+    '<parameter=where>\n{"lat": [1, {"b": null}]}\n</parameter>\n</function>\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("tool", ["qwen3_coder", "qwen3_xml"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_xml_parameters_stream_as_json_that_joins_to_the_whole_reading(tool, data):
+    """Qwen3-Coder's <parameter> blocks stream as the JSON the whole reading makes (vLLM
+    #30439): a string as it comes, other values once their block closes, over any cuts."""
+    context = ToolContext({"get_weather": XML_PARAMETERS}, 16)
+    (whole,) = read_qwen3_coder(XML_CALL, context).calls
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(XML_CALL)), max_size=40))))
+    stream, events, start = tool_parser(tool, {"get_weather": XML_PARAMETERS}, 16), [], 0
+    for cut in [*cuts, len(XML_CALL)]:
+        events += stream.feed(XML_CALL[start:cut])
+        start = cut
+    events += stream.finish()
+    pieces = [event.text for event in events if isinstance(event, ToolArgsDelta)]
+    assert "".join(pieces) == whole.arguments
+    assert joined(events).calls == [("get_weather", whole.arguments)]
+    assert joined(events).content == "Checking.\n"
+
+
+def test_xml_arguments_stream_while_written_and_a_cut_call_is_still_an_object():
+    def reply():
+        return tool_parser("qwen3_coder", {"get_weather": XML_PARAMETERS}, 16)
+
+    per_char = reply()
+    events = [event for char in XML_CALL for event in per_char.feed(char)] + per_char.finish()
+    assert len([event for event in events if isinstance(event, ToolArgsDelta)]) > 20
+    cut = XML_CALL[: XML_CALL.index("line")]  # the reply ends inside the first string
+    cut_reply = reply()
+    parsed = joined(cut_reply.feed(cut) + cut_reply.finish())
+    assert parsed.calls == [("get_weather", '{"note": "a \\"quoted\\" <b> "}')]
+
+
+TRICKY = '{"q": "a; b}, {\\"name\\": \\"x\\"}", "n": [1, {"m": "]"}]}'
+JOINED_RUNS = [
+    ("llama3_json", '{"name": "get_weather", "parameters": %s} ; '
+     '{"name": "add", "parameters": {}}'),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": %s},\n{"name": "add", '
+     '"arguments": {}}] and then'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("tool", "template"), JOINED_RUNS)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_joined_calls_stream_each_call_to_where_its_json_ends_over_any_cuts(tool, template, data):
+    """Llama 3's `; ` and Granite's `, ` runs of calls: a `;`, `},` or `]` inside a string is
+    no end; each call's pieces join to its arguments as written, whatever the cuts."""
+    text = template % TRICKY
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=30))
+    parsed = streamed(parser(None, tool), text, cuts)
+    assert parsed.calls == [("get_weather", TRICKY), ("add", "{}")]
+    assert parsed.content == (" and then" if tool == "granite" else None)
+    assert parsed == parser(None, tool).parse(text)
+
+
+def test_harmony_call_arguments_stream_after_the_analysis_channel():
+    text = (
+        "<|channel|>analysis<|message|>I should call it.<|end|><|start|>assistant<|channel|>"
+        f"commentary to=functions.get_weather <|constrain|>json<|message|>{NESTED}<|call|>"
+    )
+    events = argument_deltas(parser("openai_gptoss", "openai"), text)
+    pieces = [piece for kind, piece in events if kind is ToolArgsDelta]
+    assert len(pieces) > len(NESTED) // 2 and "".join(pieces) == NESTED
+    parsed = parser("openai_gptoss", "openai").parse(text)
+    assert parsed.reasoning == "I should call it." and parsed.calls == [("get_weather", NESTED)]
+
+
+PYTHONIC = "[get_weather(city=\"Pa, ris)\", days=[1, (2, 3)], note='it\\'s ]'), add(a=1, b=2.5)]"
+PYTHONIC_ARGUMENTS = {"city": "Pa, ris)", "days": [1, [2, 3]], "note": "it's ]"}
+
+
+@pytest.mark.parametrize(
+    ("tool", "text", "content"),
+    [
+        ("pythonic", PYTHONIC, None),
+        ("llama4_pythonic", f"<|python_start|>{PYTHONIC}<|python_end|> Done.", " Done."),
+    ],
+)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_pythonic_calls_stream_each_keyword_once_its_value_ends_over_any_cuts(
+    tool, text, content, data
+):
+    """A `,` `)` or `]` inside a string or brackets ends no value; each value is sent as JSON
+    once it ends, so a call's pieces join to the whole reading's arguments."""
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=30))
+    parsed = streamed(parser(None, tool), text, cuts)
+    want = [("get_weather", json.dumps(PYTHONIC_ARGUMENTS)), ("add", '{"a": 1, "b": 2.5}')]
+    assert parsed.calls == want and parsed.content == content
+    assert parsed == parser(None, tool).parse(text)
+    events = argument_deltas(parser(None, tool), text)
+    # fed a character at a time: each key once its `=` is read, each value once it ends
+    assert len([kind for kind, _ in events if kind is ToolArgsDelta]) == 6 + 4

@@ -37,6 +37,7 @@ from pydantic import (
 )
 
 from conveyor import nesting
+from conveyor.entrypoints.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
 from conveyor.sampling_params import SamplingParams
@@ -190,6 +191,9 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     # vLLM's: the reasoning ends once it has this many tokens (its closing marker is forced).
     thinking_token_budget: int | None = Field(default=None, ge=0)
+    # vLLM's beam search: n beams, scored by log-probability over length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Harmless hints: accepted, ignored (and bounded).
     user: HintText | None = None
     metadata: Metadata | None = None
@@ -296,6 +300,40 @@ class _SamplingFields(BaseModel):
             fields.append(("structured_outputs.json", self.structured_outputs.json_))
         return [(param, value) for param, value in fields if value is not None]
 
+    def beam_params(
+        self, max_tokens: int, constrained_by: str | None, num_logprobs: int | None
+    ) -> BeamSearchParams:
+        """use_beam_search's settings (n beams); InvalidParam naming a field the search does
+        not apply (it ranks the model's own log-probabilities, token by token), or the field
+        whose grammar would constrain the reply (constrained_by)."""
+        if constrained_by is not None:
+            name = self.field_name(constrained_by)
+            raise InvalidParam(f"{name}: not supported with use_beam_search", name)
+        for name in _NOT_WITH_BEAMS:
+            if getattr(self, name) not in (None, False, 0, []):
+                name = self.field_name(name)
+                raise InvalidParam(f"{name}: not supported with use_beam_search", name)
+        if not 1 <= self.n <= MAX_BEAM_WIDTH:
+            raise InvalidParam(
+                f"n: use_beam_search's beam width (n) must be in [1, {MAX_BEAM_WIDTH}], "
+                f"got {self.n}",
+                "n",
+            )
+        try:
+            return BeamSearchParams(
+                self.n,
+                max_tokens,
+                self.ignore_eos,
+                self.temperature or 0.0,
+                self.length_penalty,
+                self.include_stop_str_in_output,
+                num_logprobs,
+            )
+        except ValueError as error:
+            name = str(error).split()[0]  # BeamSearchParams' messages start with the field
+            name = self.field_name("n" if name == "beam_width" else name)
+            raise InvalidParam(f"{name}: {error}", name) from None
+
     def sampling_params(
         self, max_tokens: int | None, constraint: StructuredOutputs | None = None
     ) -> SamplingParams:
@@ -333,6 +371,23 @@ class _SamplingFields(BaseModel):
             bad_words=self.bad_words,
             **values,
         )
+
+
+# What beam search does not apply: it ranks the model's own log-probabilities to max_tokens
+# or EOS (vLLM ignores these; they are refused here rather than silently dropped).
+_NOT_WITH_BEAMS = (
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "prompt_logprobs",
+    "thinking_token_budget",
+)
 
 
 class CompletionRequest(_SamplingFields):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.input_processor import reserved_template_variables
 from conveyor.engine.streams import RequestStream
+from conveyor.entrypoints.beam_search import BeamSearch, BeamSearchParams, BeamStream
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -273,7 +274,11 @@ class OpenAIServing:
     ) -> list[RequestStream]:
         """All prompts are accepted, or none: a refused one aborts those before it. model:
         the request's `model`, which may name a LoRA adapter (resolved now, so that an unload
-        waits for the submission; 404 if no adapter has that name any more)."""
+        waits for the submission; 404 if no adapter has that name any more). Beam search
+        (params: BeamSearchParams): a BeamStream per prompt, whose steps are submitted here as
+        ordinary requests when it is read."""
+        if isinstance(params, BeamSearchParams):
+            return self._beam_streams(prefix, prompts, params, priority, model)
         streams = []
         base = f"{prefix}-{uuid.uuid4().hex}"
         using = self.loras.using(model) if self.loras is not None else nullcontext()
@@ -291,6 +296,29 @@ class OpenAIServing:
             raise
         return streams
 
+    def _beam_streams(
+        self,
+        prefix: str,
+        prompts: list[list[int]],
+        params: BeamSearchParams,
+        priority: int,
+        model: str | None,
+    ) -> list[BeamStream]:
+        async def step(batch: list[list[int]], step_params: SamplingParams) -> list:
+            return await self.submit(f"{prefix}-beam", batch, step_params, priority, model)
+
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        return [
+            BeamStream(
+                base if len(prompts) == 1 else f"{base}-{i}",
+                BeamSearch(self.tokenizer, [prompt], params),
+                prompt,
+                step,
+                params.num_logprobs,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+
     def submission(self, prefix: str, body, prompts: list[list[int]], params) -> Submission:
         """A validated request of any API as the engine runs it (body: its priority, model
         and stream fields, where it has them)."""
@@ -305,10 +333,11 @@ class OpenAIServing:
             return model
         return self.model_name
 
-    def abort_unfinished(self, streams: list[RequestStream]) -> None:
+    def abort_unfinished(self, streams: list[RequestStream | BeamStream]) -> None:
         for stream in streams:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
+            for live in stream.live if isinstance(stream, BeamStream) else [stream]:
+                if not live.finished:
+                    self.engine.abort(live.request_id)
 
     # ---- /v1/completions -----------------------------------------------------------------
 
@@ -328,7 +357,7 @@ class OpenAIServing:
         await self.check_constraint(constraint, param)
         if max_tokens == 0 and request.n > 1:  # one prompt-only computation serves all n
             params = params.clone(n=1)
-        if request.thinking_token_budget is not None:
+        if request.thinking_token_budget is not None and not request.use_beam_search:
             params = self._with_reasoning(request, params, self._prompt_reasoning())
         prompts = await self.off_loop(
             self.completion_prompts,
@@ -338,6 +367,10 @@ class OpenAIServing:
             self.room_for_prompt(max_tokens),
             request.truncation_side,
         )
+        if request.use_beam_search:  # its steps are requests for one token each: check now
+            for prompt in prompts:
+                self._check_room(len(prompt), max_tokens, "max_tokens")
+            return prompts, request.beam_params(max_tokens, param, request.logprobs)
         return prompts, params
 
     def room_for_prompt(self, max_tokens: int | None) -> int:
@@ -476,6 +509,11 @@ class OpenAIServing:
         self._check_room(len(prompt), max_tokens, request.field_name(limited))
         if self.hidden_specials(request) is not None:  # the parsers must see their markers
             params = params.clone(skip_special_tokens=False)
+        if request.use_beam_search:
+            room = max_tokens if max_tokens is not None else self.engine.max_model_len - len(prompt)
+            forced = "tool_choice" if request.tool_mode in ("required", "named") else None
+            top = (request.top_logprobs or 0) if request.logprobs else None
+            return [prompt], request.beam_params(room, forced or param, top)
         bounds = self.reply_reader(request, prompt).reasoning_bounds()
         return [prompt], self._with_reasoning(request, params, bounds)
 

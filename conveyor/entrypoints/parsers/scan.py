@@ -26,7 +26,7 @@ class MarkerScan:
     def __init__(self, markers: tuple[str, ...]) -> None:
         self.markers = markers
         self._held = ""
-        self._longest = max(len(m) for m in markers)
+        self._longest = max((len(m) for m in markers), default=0)
 
     def feed(self, text: str) -> Found:
         """The settled text before the first marker, the marker, and the rest (unscanned: the

@@ -8,12 +8,19 @@ reads calls, so the model writes what it was trained to write and the parser rea
     granite      <|tool_call|>[{"name": F, "arguments": {...}}, ...]
     deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
                  ...<｜tool▁calls▁end｜> (V3.1's form: the name, then the arguments)
+    pythonic,    [F(a="x", b=1), G()] -- keyword arguments in the schema's order, required
+    llama4_...   ones always, as Python literals (strings without escapes but \" \\ \n \t;
+                 True / False / None)
+    qwen3_coder, <tool_call>\n<function=F>\n<parameter=P>\nvalue\n</parameter>\n...
+    qwen3_xml    </function>\n</tool_call>, "\n" between; a string value as text without
+                 "<", any other as its schema's JSON
+    openai       <|channel|>commentary to=functions.F <|constrain|>json<|message|>{...}<|call|>
+                 (harmony), each further call after <|start|>assistant
 
 One call with parallel_tool_calls false or a named function, else one or more. The JSON is
 written as conveyor's other grammars write it (json.dumps' separators, no other blanks). A
 marker that is one of the tokenizer's special tokens is matched as that token (`<[id]>`), as
-the model writes it. The other parsers' formats (pythonic, XML, harmony) have no
-grammar here yet: their forced calls are the model-agnostic JSON list of structured/tools.py.
+the model writes it.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ _SYNTAX: dict[str, tuple[str, str, bool]] = {
     "mistral": ("[TOOL_CALLS]", "arguments", True),
     "granite": ("<|tool_call|>", "arguments", True),
 }
-FORCED_FAMILIES = frozenset(_SYNTAX) | {"deepseek_v3"}
+_OTHERS = ("deepseek_v3", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml", "openai")
+FORCED_FAMILIES = frozenset(_SYNTAX) | frozenset(_OTHERS)
 _DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>")
 _DEEPSEEK += ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
 
@@ -44,8 +52,8 @@ def forced_grammar(
     """The Lark grammar of a forced reply of `tools` (a named function: that one tool) in the
     family's syntax. marker(text): a marker as a Lark terminal (a special token's id, or its
     text quoted)."""
-    if family == "deepseek_v3":
-        return _deepseek_grammar(tools, parallel, marker)
+    if family in _OTHERS:
+        return _OTHER_GRAMMARS[family](tools, parallel, marker)
     opening, arguments_key, listed = _SYNTAX[family]
     call = call_schema(tools, arguments_key)
     if listed:
@@ -73,6 +81,151 @@ def _deepseek_grammar(tools: list[dict], parallel: bool, marker: Callable[[str],
     return (
         f"start: {begin} call{more} {calls_end}\ncall: {call} one {end}\none: {' | '.join(named)}\n"
     )
+
+
+def _pythonic_grammar(tools: list[dict], parallel: bool, marker: Callable[[str], str]) -> str:
+    """A Python list of calls; each tool's keyword arguments in its schema's order."""
+    rules = [_PYTHON_LITERALS]
+    calls = []
+    for i, tool in enumerate(tools):
+        name = _checked(tool["function"]["name"], str.isidentifier, "a Python identifier")
+        keywords = [
+            (key, f"{json.dumps(key + '=')} {_python_value(schema)}")
+            for key, schema in _properties(tool)
+            if _checked(key, str.isidentifier, "a Python identifier")
+        ]
+        rules += _in_order(f"t{i}", keywords, _required(tool), '", "')
+        calls.append(f'{json.dumps(name + "(")} t{i}_a0 ")"')
+    more = ' (", " call)*' if parallel else ""
+    head = f'start: "[" call{more} "]"\ncall: {" | ".join(calls)}\n'
+    return head + "\n".join(rules) + "\n"
+
+
+def _qwen3_xml_grammar(tools: list[dict], parallel: bool, marker: Callable[[str], str]) -> str:
+    """<tool_call> blocks of one <function=F>, its <parameter=P> blocks in schema order."""
+    open_call, close_call = marker("<tool_call>"), marker("</tool_call>")
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        required = _required(tool)
+        parts = []
+        for j, (key, schema) in enumerate(_properties(tool)):
+            key = _checked(key, _xml_name, "without <, > or blanks")
+            rules.append(f"p{i}_{j}: {_xml_parameter(key, schema)}")
+            parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+        name = _checked(tool["function"]["name"], _xml_name, "without <, > or blanks")
+        head = json.dumps(f"<function={name}>\n")
+        calls.append(" ".join([head, *parts, '"</function>\\n"']))
+    more = ' ("\\n" call)*' if parallel else ""
+    body = f'start: call{more}\ncall: {open_call} "\\n" one {close_call}\n'
+    return body + f"one: {' | '.join(calls)}\n" + "\n".join(rules) + "\n"
+
+
+def _xml_parameter(key: str, schema: dict) -> str:
+    """One <parameter=P> block: a string (the parser's reading of an untyped one too) as
+    text without "<", an enum of strings as one of them, anything else as its schema's
+    JSON."""
+    kind = schema.get("type", "string")
+    enum = schema.get("enum")
+    if kind == "string" and enum is None:  # one lexeme: the text's own newlines too
+        return f"/<parameter={_regex_text(key)}>\\n[^<]*\\n<\\/parameter>\\n/"
+    head = json.dumps(f"<parameter={key}>\n")
+    if kind == "string" and all(isinstance(v, str) for v in enum):
+        value = "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
+    else:
+        value = _json(schema)
+    return f'{head} {value} "\\n</parameter>\\n"'
+
+
+def _harmony_grammar(tools: list[dict], parallel: bool, marker: Callable[[str], str]) -> str:
+    """GPT-OSS's harmony: a commentary message to the function, its arguments as JSON."""
+    markers = ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|start|>")
+    channel, constrain, message, call_end, start = (marker(text) for text in markers)
+    named = []
+    for tool in tools:
+        name = _checked(tool["function"]["name"], _xml_name, "without <, > or blanks")
+        recipient = json.dumps(f"commentary to=functions.{name} ")
+        named.append(f'{recipient} {constrain} "json" {message} {_json(_arguments(tool))}')
+    more = f' ({start} "assistant" call)*' if parallel else ""
+    return f"start: call{more}\ncall: {channel} one {call_end}\none: {' | '.join(named)}\n"
+
+
+_OTHER_GRAMMARS = {
+    "deepseek_v3": _deepseek_grammar,
+    "pythonic": _pythonic_grammar,
+    "llama4_pythonic": _pythonic_grammar,
+    "qwen3_coder": _qwen3_xml_grammar,
+    "qwen3_xml": _qwen3_xml_grammar,
+    "openai": _harmony_grammar,
+}
+
+# Python literals as the pythonic parser reads them (ast.literal_eval): strings whose escapes
+# mean the same in JSON, numbers, True / False / None, lists and dicts of them.
+_PYTHON_LITERALS = "\n".join(
+    [
+        r'PY_STR: /"([^"\\\n]|\\["\\nt])*"/',
+        r"PY_INT: /-?(0|[1-9][0-9]*)/",
+        r"PY_NUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+        'py_bool: "True" | "False"',
+        'py_value: PY_STR | PY_NUM | py_bool | "None" | "[" (py_value (", " py_value)*)? "]"',
+        '    | "{" (PY_STR ": " py_value (", " PY_STR ": " py_value)*)? "}"',
+    ]
+)
+
+
+def _python_value(schema: dict) -> str:
+    """A keyword argument's value as a Lark expression, by its schema's type."""
+    if "enum" in schema:
+        return "(" + " | ".join(json.dumps(_python_literal(v)) for v in schema["enum"]) + ")"
+    kind = schema.get("type")
+    simple = {"string": "PY_STR", "integer": "PY_INT", "number": "PY_NUM"}
+    simple |= {"boolean": "py_bool", "null": '"None"'}
+    return simple.get(kind, "py_value") if isinstance(kind, str) else "py_value"
+
+
+def _python_literal(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _in_order(prefix: str, items: list[tuple[str, str]], required: set[str], sep: str) -> list:
+    """Rules for items in their order, each optional unless required, sep between those
+    written: {prefix}_a{i} (none written yet) and {prefix}_r{i} (some written) from item i."""
+    rules = [f'{prefix}_a{len(items)}: ""', f'{prefix}_r{len(items)}: ""']
+    for i, (key, item) in enumerate(items):
+        first = f"{item} {prefix}_r{i + 1}"
+        later = f"{sep} {item} {prefix}_r{i + 1}"
+        if key not in required:
+            first += f" | {prefix}_a{i + 1}"
+            later += f" | {prefix}_r{i + 1}"
+        rules += [f"{prefix}_a{i}: {first}", f"{prefix}_r{i}: {later}"]
+    return rules
+
+
+def _checked(name: str, fits: Callable[[str], bool], what: str) -> str:
+    """A tool's or parameter's name, when the family's syntax can write it (else ValueError:
+    a 400 naming tools)."""
+    if not fits(name):
+        raise ValueError(f"tools: {name!r} cannot be written in this model's call syntax ({what})")
+    return name
+
+
+def _regex_text(text: str) -> str:
+    """text matched literally in a Lark /regex/ (text has no blanks, < or >)."""
+    return "".join(c if c.isalnum() or c == "_" else "\\" + c for c in text)
+
+
+def _xml_name(name: str) -> bool:
+    return bool(name) and not any(c in name for c in "<>") and not any(c.isspace() for c in name)
+
+
+def _properties(tool: dict) -> list[tuple[str, dict]]:
+    properties = parameters_of(tool).get("properties") or {}
+    return [(key, schema if isinstance(schema, dict) else {}) for key, schema in properties.items()]
+
+
+def _required(tool: dict) -> set[str]:
+    return set(parameters_of(tool).get("required") or [])
 
 
 def _arguments(tool: dict) -> dict:

@@ -148,21 +148,35 @@ _MISTRAL_CALL = CallSyntax(
     brace=False,
 )
 
-# V3.1's `F<｜tool▁sep｜>{...}` streams; V3's `function<｜tool▁sep｜>F` and its json fence do not
-# read as a header (no `{` after the separator): such a call is held to its end, read whole.
+# V3.1's `F<｜tool▁sep｜>{...}` and V3's `function<｜tool▁sep｜>F\n```json\n{...}\n```` both stream
+# (the header's group 1 or 2 is the name); the fence's closing backticks are held back as
+# closing syntax.
 _DEEPSEEK_CALL = CallSyntax(
-    re.compile(rf"[ \t\r\n]*(?:{_DS_CALL})?[ \t\r\n]*([A-Za-z0-9_.\-]{{1,128}})"
-               rf"[ \t\r\n]*{_DS_SEP}[ \t\r\n]*(?=\{{)"),
+    re.compile(rf"[ \t\r\n]*(?:{_DS_CALL})?[ \t\r\n]*(?:function[ \t]*{_DS_SEP}[ \t]*"
+               rf"([A-Za-z0-9_.\-]{{1,128}})[ \t]*\n[ \t\r\n]*```json[ \t\r\n]*"
+               rf"|([A-Za-z0-9_.\-]{{1,128}})[ \t\r\n]*{_DS_SEP}[ \t\r\n]*)(?=\{{)"),
     (_DS_END,),
     brace=False,
+    blanks=" \t\r\n`",
 )  # fmt: skip
 _DS_CALLS_END = "<｜tool▁calls▁end｜>"
 
+# Llama 3's `{"name": F, "parameters": {...}}; ...` and Granite's `[{"name": F, "arguments":
+# {...}}, ...]`: calls joined without markers, each streamed once its name is read.
+_JOINED_HEAD = (
+    r'[ \t\r\n]*\{[ \t\r\n]*"name"[ \t\r\n]*:[ \t\r\n]*"([^"\\]{1,128})"'
+    r'[ \t\r\n]*,[ \t\r\n]*"(?:parameters|arguments)"[ \t\r\n]*:[ \t\r\n]*(?=\{)'
+)
+_LLAMA3_CALL = CallSyntax(re.compile(_JOINED_HEAD), (), brace=True, joined=";", at_head=True)
+_GRANITE_CALL = CallSyntax(
+    re.compile(r"[ \t\r\n]*\[?" + _JOINED_HEAD), (), brace=True, joined=",]"
+)  # fmt: skip
+
 FORMATS = {
     "hermes": ToolFormat(("<tool_call>",), "{[", read_hermes, _HERMES_CALL),
-    "llama3_json": ToolFormat(("<|python_tag|>",), "{", read_llama3_json),
+    "llama3_json": ToolFormat(("<|python_tag|>",), "{", read_llama3_json, _LLAMA3_CALL),
     "mistral": ToolFormat(("[TOOL_CALLS]",), "", read_mistral, _MISTRAL_CALL),
-    "granite": ToolFormat(("<|tool_call|>", "<tool_call>"), "", read_granite),
+    "granite": ToolFormat(("<|tool_call|>", "<tool_call>"), "", read_granite, _GRANITE_CALL),
     "deepseek_v3": ToolFormat(
         (_DS_BEGIN, _DS_CALL), "", read_deepseek_v3, _DEEPSEEK_CALL, (_DS_CALLS_END,)
     ),

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 
 from conveyor import nesting
-from conveyor.entrypoints.parsers.tools.stream import Region, ToolContext, ToolFormat
+from conveyor.entrypoints.parsers.scan import MarkerScan
+from conveyor.entrypoints.parsers.tools.stream import CallSyntax, Region, ToolContext, ToolFormat
 from conveyor.structured.tools import ToolCall
 
 
@@ -46,6 +48,102 @@ def _python_call(node: ast.expr, context: ToolContext) -> ToolCall | None:
         return None
     return ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False))
 
+
+class PythonArguments:
+    """A pythonic call's keyword arguments (the text after `F(`), streamed as the JSON object
+    _python_call makes of them: each value once it ends (a `,` or `)` outside strings and
+    brackets), as JSON when it reads as a Python literal of JSON's kinds within the depth
+    bound (else as its text, a string); the object closes at the call's `)`, and `end` is
+    then where in the last text fed the call ended (-1 before)."""
+
+    __slots__ = ("max_depth", "end", "_key", "_value", "_num", "_in_key", "_quote", "_escape")
+    __slots__ += ("_depth", "_deepest")
+
+    def __init__(self, parameters: dict, max_depth: int) -> None:
+        self.max_depth, self.end = max_depth, -1
+        self._key: list[str] = []
+        self._value: list[str] = []
+        self._num, self._in_key = 0, True
+        self._quote, self._escape = "", False
+        self._depth = self._deepest = 0
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        for i, char in enumerate(text):
+            if self._in_key:
+                if char == "=":
+                    self._open_value(out)
+                elif char == ")":
+                    return self._ended(out, i)
+                elif char == ",":
+                    self._key = []  # a positional argument: no keyword, nothing written
+                else:
+                    self._key.append(char)
+            elif self._value_char(char):
+                self._end_value(out)
+                if char == ")":
+                    return self._ended(out, i)
+        return "".join(out)
+
+    def close(self) -> str:
+        out: list[str] = []
+        if not self._in_key:
+            self._end_value(out)
+        return "".join(out) + ("}" if self._num else "{}")
+
+    def _value_char(self, char: str) -> bool:
+        """Takes one character of a value; True at the `,` or `)` that ends it."""
+        if self._quote:
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == self._quote:
+                self._quote = ""
+        elif char in "\"'":
+            self._quote = char
+        elif char in "([{":
+            self._depth += 1
+            self._deepest = max(self._deepest, self._depth)
+        elif char in ")]}" and self._depth > 0:
+            self._depth -= 1
+        elif char in ",)" and self._depth == 0:
+            return True
+        self._value.append(char)
+        return False
+
+    def _open_value(self, out: list[str]) -> None:
+        key = json.dumps("".join(self._key).strip(), ensure_ascii=False)
+        out.append(("{" if not self._num else ", ") + key + ": ")
+        self._num += 1
+        self._in_key, self._value, self._deepest = False, [], 0
+
+    def _end_value(self, out: list[str]) -> None:
+        raw = "".join(self._value).strip()
+        value: object = raw
+        if self._deepest < self.max_depth:
+            try:
+                value = ast.literal_eval(raw)
+                json.dumps(value)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                value = raw
+        out.append(json.dumps(value, ensure_ascii=False))
+        self._in_key, self._key = True, []
+
+    def _ended(self, out: list[str], index: int) -> str:
+        self.end = index + 1
+        return "".join(out) + ("}" if self._num else "{}")
+
+
+_PYTHON_CALL = CallSyntax(
+    re.compile(r"[ \t\r\n]*(?:<\|python_start\|>)?[ \t\r\n]*\[?[ \t\r\n]*"
+               r"([A-Za-z_][A-Za-z0-9_]{0,127})\("),
+    (),
+    brace=False,
+    writer=PythonArguments,
+    joined=",]",
+    at_head=True,
+)  # fmt: skip
 
 _FUNCTION, _PARAMETER = "<function=", "<parameter="
 
@@ -99,6 +197,106 @@ def _typed(raw: str, schema: dict | None, max_depth: int) -> object:
         return raw
 
 
+class XmlArguments:
+    """Qwen3-Coder's <parameter=P>value</parameter> blocks, streamed as the JSON object that
+    _xml_call makes of them: a string's characters as they come (a newline that may be the
+    one before </parameter> held), any other value once its block closes; the text outside
+    the blocks, and after </function>, is dropped as _xml_call drops it. A call cut short
+    closes what is open, so its arguments are always a JSON object."""
+
+    __slots__ = ("properties", "max_depth", "state", "_scan", "_key", "_value", "_num")
+    __slots__ += ("_string", "_first", "_newline", "_schema")
+
+    def __init__(self, parameters: dict, max_depth: int) -> None:
+        self.properties = parameters.get("properties") or {}
+        self.max_depth = max_depth
+        self.state = "between"
+        self._scan = MarkerScan((_PARAMETER, "</function>"))
+        self._key: list[str] = []
+        self._value: list[str] = []
+        self._num = 0
+        self._string = self._first = self._newline = False
+        self._schema: dict | None = None
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        while text:
+            text = self._step(text, out)
+        return "".join(out)
+
+    def close(self) -> str:
+        out: list[str] = []
+        if self.state == "value":
+            self._end_value(out)
+        return "".join(out) + ("}" if self._num else "{}")
+
+    def _step(self, text: str, out: list[str]) -> str:
+        if self.state == "between":
+            found = self._scan.feed(text)
+            if found.marker == _PARAMETER:
+                self.state, self._key = "key", []
+            elif found.marker is not None:
+                self.state = "done"
+            return found.after
+        if self.state == "key":
+            end = text.find(">")
+            self._key.append(text if end == -1 else text[:end])
+            if end == -1:
+                return ""
+            self._open_value(out)
+            return text[end + 1 :]
+        if self.state == "value":
+            found = self._scan.feed(text)
+            self._take(found.before, out)
+            if found.marker is None:
+                return ""
+            self._end_value(out)
+            return found.after
+        return ""  # done: after </function>
+
+    def _open_value(self, out: list[str]) -> None:
+        key = "".join(self._key).strip()
+        self._schema = self.properties.get(key)
+        kind = (self._schema or {}).get("type", "string")
+        self._string = kind == "string" or (isinstance(kind, list) and "string" in kind)
+        out.append(("{" if not self._num else ", ") + json.dumps(key, ensure_ascii=False) + ": ")
+        out.append('"' if self._string else "")
+        self._num += 1
+        self.state, self._value = "value", []
+        self._first, self._newline = True, False
+        self._scan = MarkerScan(("</parameter>",))
+
+    def _take(self, piece: str, out: list[str]) -> None:
+        if not self._string:
+            self._value.append(piece)
+            return
+        if self._first and piece:
+            self._first = False
+            piece = piece.removeprefix("\n")
+        piece = ("\n" if self._newline else "") + piece
+        self._newline = piece.endswith("\n")
+        piece = piece.removesuffix("\n")
+        if piece:
+            out.append(json.dumps(piece, ensure_ascii=False)[1:-1])
+
+    def _end_value(self, out: list[str]) -> None:
+        if self._string:
+            out.append('"')
+        else:
+            raw = "".join(self._value).removeprefix("\n").removesuffix("\n")
+            typed = _typed(raw, self._schema, self.max_depth)
+            out.append(json.dumps(typed, ensure_ascii=False))
+        self.state = "between"
+        self._scan = MarkerScan((_PARAMETER, "</function>"))
+
+
+_XML_CALL = CallSyntax(
+    re.compile(r"[ \t\r\n]*<function=[ \t]*([A-Za-z0-9_.\-]{1,128})[ \t]*>"),
+    ("</tool_call>",),
+    brace=False,
+    writer=XmlArguments,
+)
+
 _CALL, _MESSAGE, _TO = "<|call|>", "<|message|>", "to=functions."
 
 
@@ -121,6 +319,17 @@ def read_openai(region: str, context: ToolContext) -> Region | None:
     return Region(calls, "".join(content)) if calls else None
 
 
+# A harmony message to a function streams once its header, up to <|message|>, names it: the
+# recipient in the channel's header or in the role's (`<|start|>assistant to=functions.F`).
+_HARMONY_CALL = CallSyntax(
+    re.compile(r"[^<]{0,64}?(?:<\|channel\|>)?[^<]{0,256}?to=functions\.([A-Za-z0-9_\-]{1,128})"
+               r"[^<]{0,128}?(?:<\|channel\|>[^<]{0,128}?)?(?:<\|constrain\|>[^<]{0,64}?)?"
+               r"<\|message\|>[ \t\r\n]*(?=\{)"),
+    ("<|call|>",),
+    brace=False,
+)  # fmt: skip
+
+
 def _between(text: str) -> str:
     """Text between harmony calls, less the headers' own markers."""
     for marker in ("<|start|>assistant", "<|channel|>commentary", "<|channel|>", "<|start|>"):
@@ -129,9 +338,11 @@ def _between(text: str) -> str:
 
 
 FORMATS = {
-    "pythonic": ToolFormat((), "[", read_pythonic),
-    "llama4_pythonic": ToolFormat(("<|python_start|>",), "[", read_pythonic),
-    "qwen3_coder": ToolFormat(("<tool_call>",), "", read_qwen3_coder),
-    "qwen3_xml": ToolFormat(("<tool_call>",), "", read_qwen3_coder),
-    "openai": ToolFormat(("<|channel|>", "<|start|>"), "", read_openai),
+    "pythonic": ToolFormat((), "[", read_pythonic, _PYTHON_CALL),
+    "llama4_pythonic": ToolFormat(
+        ("<|python_start|>",), "[", read_pythonic, _PYTHON_CALL, ("<|python_end|>",)
+    ),
+    "qwen3_coder": ToolFormat(("<tool_call>",), "", read_qwen3_coder, _XML_CALL),
+    "qwen3_xml": ToolFormat(("<tool_call>",), "", read_qwen3_coder, _XML_CALL),
+    "openai": ToolFormat(("<|channel|>", "<|start|>"), "", read_openai, _HARMONY_CALL),
 }

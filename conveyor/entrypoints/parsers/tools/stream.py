@@ -5,7 +5,11 @@ opening markers, or, for formats whose reply is the call itself, a first non-bla
 that opens one: `{` or `[`). What follows is read in one of two ways:
 
 - **streamed calls** (formats with a CallSyntax: hermes' `<tool_call>` blocks, Mistral's
-  `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`).
+  `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`,
+  Qwen3-Coder's `<tool_call><function=F>` with its XML turned into JSON by an ArgsWriter;
+  Llama 3's and Granite's calls joined without markers, whose arguments end where their JSON
+  value does, and pythonic lists of calls, whose keyword values a writer turns into JSON;
+  harmony's messages to a function).
   vLLM's policy: a call is committed once its header (the
   opening marker up to its name and the start of its arguments) has been read and names a
   declared tool: its ToolCallStart goes out, then its arguments' text as it comes, as
@@ -16,8 +20,8 @@ that opens one: `{` or `[`). What follows is read in one of two ways:
   call cannot be taken back, since the client has already shown it, and a whole answer reads
   the same way so that the two never differ. A block whose header does not read as a call
   is held to its closing marker and read whole by the format's `read` (a call, or content).
-- **whole regions** (everything else: a reply that is a JSON object or list, pythonic lists,
-  XML parameters, harmony, DeepSeek's markers): the region is held and read once complete
+- **whole regions** (everything else: hermes' reply that is a JSON object or list): the
+  region is held and read once complete
   (at the reply's end) by the format's own `read`; each call is sent whole then. A region
   that does not read as calls of declared tools is content, as written.
 
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from conveyor.entrypoints.parsers.events import (
     ContentDelta,
@@ -59,11 +63,33 @@ class CallSyntax(NamedTuple):
     arguments' start (its group 1 the name; it must end in a lookahead, so that a match
     found in part of the text is the match in all of it); closes: markers that end a call
     (one that is also an opening marker opens the next call); brace: the arguments are
-    followed by the enclosing object's `}` before the closing marker."""
+    followed by the enclosing object's `}` before the closing marker; writer: for arguments
+    not written as JSON (Qwen3-Coder's XML), what turns their text into the JSON the whole
+    reading makes, given the tool's parameters and the depth bound (None: the text is the
+    JSON); blanks: what else than `}` closing syntax may be made of (DeepSeek V3's json fence
+    adds the backtick). joined: calls written one after another without markers (Llama 3's
+    `{...}; {...}`, Granite's `[{...}, {...}]`): the arguments end where their JSON object
+    closes (JsonEnd), then the enclosing object's `}` and one of these characters: the first
+    opens the next call, any other ends the run (brace False: no `}`; a writer says where the
+    arguments end, as its `end`); at_head: a reply that starts with one of the format's heads
+    is such a run of calls."""
 
     header: re.Pattern[str]
     closes: tuple[str, ...]
     brace: bool
+    writer: Callable[[dict, int], ArgsWriter] | None = None
+    blanks: str = _BLANKS
+    joined: str = ""
+    at_head: bool = False
+
+
+class ArgsWriter(Protocol):
+    """A call's arguments as JSON, written as their text comes: the pieces feed returns and
+    then close's join to the arguments, whatever the cuts."""
+
+    def feed(self, text: str) -> str: ...
+
+    def close(self) -> str: ...
 
 
 class ToolFormat(NamedTuple):
@@ -85,13 +111,45 @@ class ToolContext(NamedTuple):
 
 
 _HEAD, _SCAN, _REGION, _HEADER, _ARGS = "head", "scan", "region", "header", "args"
+_BETWEEN = "between"  # joined calls: after a call's arguments, before the next call
+
+
+class JsonEnd:
+    """Where a JSON value fed piece by piece ends: strings and escapes followed, brackets
+    counted (no recursion: any depth, linear time)."""
+
+    __slots__ = ("depth", "in_string", "escape")
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escape = 0, False, False
+
+    def feed(self, text: str) -> int:
+        """The index just past the value's end in text, or -1 while it goes on."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif char == "\\":
+                    self.escape = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    return i + 1
+        return -1
 
 
 class ToolStream:
     """Events of one reply's tool calls, fed its content piece by piece."""
 
     __slots__ = ("format", "context", "state", "_scan", "_region", "_blanks", "_closes")
-    __slots__ += ("_opener", "_header", "_start", "_held", "_num_calls")
+    __slots__ += ("_opener", "_header", "_start", "_held", "_num_calls", "_writer", "_end")
+    __slots__ += ("_braced",)
 
     def __init__(self, format: ToolFormat, context: ToolContext) -> None:
         self.format = format
@@ -106,6 +164,9 @@ class ToolStream:
         self._start = ""  # header: its first HEADER_LIMIT characters, where a header is read
         self._held = ""  # args: a tail that may be closing syntax, not arguments
         self._num_calls = 0
+        self._writer: ArgsWriter | None = None  # args: the call's, when not written as JSON
+        self._end: JsonEnd | None = None  # args: where a joined call's arguments end
+        self._braced = False  # between: the call's enclosing } was read
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -125,6 +186,8 @@ class ToolStream:
             return self._header_step(text, out)
         if self.state == _ARGS:
             return self._args_step(text, out)
+        if self.state == _BETWEEN:
+            return self._between(text, out)
         if self._scan is None:
             out.append(ContentDelta(text))
             return None
@@ -148,6 +211,10 @@ class ToolStream:
         if not stripped:
             self._blanks.append(text)
             return None
+        calls = self.format.calls
+        if stripped[0] in self.format.heads and calls is not None and calls.at_head:
+            self._open("")
+            return "".join(self._blanks) + text
         if stripped[0] in self.format.heads:
             self.state = _REGION
             self._region = [*self._blanks, text]
@@ -175,6 +242,11 @@ class ToolStream:
             self._num_calls += 1
             self.state, self._held = _ARGS, ""
             self._closes = MarkerScan(self.format.calls.closes)
+            writer = self.format.calls.writer
+            parameters = self.context.tools.get(name) or {}
+            self._writer = writer(parameters, self.context.max_depth) if writer else None
+            joined = self.format.calls.joined
+            self._end = JsonEnd() if joined and self._writer is None else None
             return rest
         if found.marker is None:
             return None
@@ -185,25 +257,74 @@ class ToolStream:
     def _call_head(self) -> tuple[str | None, int]:
         """(name, where the arguments start) once the header reads as a declared call."""
         match = self.format.calls.header.match(self._start)
-        if match is None or match.group(1) not in self.context.tools:
+        name = next((g for g in match.groups() if g is not None), None) if match else None
+        if name is None or name not in self.context.tools:
             return None, 0
-        return match.group(1), match.end()
+        return name, match.end()
 
     def _args_step(self, text: str, out: list[Event]) -> str | None:
+        if self.format.calls.joined:
+            return self._joined_args(text, out)
         found = self._closes.feed(text)
         self._stream_args(found.before, out)
         if found.marker is None:
             return None
-        out.append(ToolCallEnd(self._num_calls - 1))
+        self._close_args(out)
         return self._after_close(found.marker, found.after)
 
     def _stream_args(self, text: str, out: list[Event]) -> None:
         """Sends the arguments' text but the tail that may yet be closing syntax."""
+        if self._writer is not None:
+            written = self._writer.feed(text)
+            if written:
+                out.append(ToolArgsDelta(self._num_calls - 1, written))
+            return
         text = self._held + text
-        keep = closing_tail(text, self.format.calls.brace)
+        keep = closing_tail(text, self.format.calls.brace, self.format.calls.blanks)
         self._held = text[len(text) - keep :] if keep else ""
         if len(text) > keep:
             out.append(ToolArgsDelta(self._num_calls - 1, text[: len(text) - keep]))
+
+    def _joined_args(self, text: str, out: list[Event]) -> str | None:
+        """A joined call's arguments: as written, to where their JSON value ends (or as its
+        writer writes them, to where it says they end: its `end`)."""
+        if self._writer is not None:
+            written = self._writer.feed(text)
+            end = self._writer.end
+        else:
+            end = self._end.feed(text)
+            written = text if end == -1 else text[:end]
+        if written:
+            out.append(ToolArgsDelta(self._num_calls - 1, written))
+        if end == -1:
+            return None
+        out.append(ToolCallEnd(self._num_calls - 1))
+        self.state, self._end, self._writer = _BETWEEN, None, None
+        self._braced = not self.format.calls.brace
+        return text[end:]
+
+    def _between(self, text: str, out: list[Event]) -> str | None:
+        """After joined calls' arguments: blanks and the call's `}`, then the next call (the
+        first of `joined`), the run's end (another of them), or content."""
+        joined = self.format.calls.joined
+        for i, char in enumerate(text):
+            if char in _BLANKS:
+                continue
+            if char == "}" and not self._braced:
+                self._braced = True
+                continue
+            if self._braced and char == joined[0]:
+                self._open("")
+                return text[i + 1 :]
+            self.state = _SCAN
+            return text[i + 1 :] if self._braced and char in joined else text[i:]
+        return None
+
+    def _close_args(self, out: list[Event]) -> None:
+        if self._writer is not None:
+            out.append(ToolArgsDelta(self._num_calls - 1, self._writer.close()))
+            self._writer = None
+        out.append(ToolCallEnd(self._num_calls - 1))
 
     def _after_close(self, marker: str, after: str) -> str:
         """A call's closing marker read: it opens the next call, or content follows."""
@@ -230,30 +351,38 @@ class ToolStream:
             return [ContentDelta(held)] if held else []
         if self.state == _HEADER:
             return self._read_block(self._opener + "".join(self._header) + self._closes.flush())
+        if self.state == _BETWEEN:
+            return []
+        if self.state == _ARGS and self._end is not None:
+            return [ToolCallEnd(self._num_calls - 1)]
+        if self.state == _ARGS and self._writer is not None and self.format.calls.joined:
+            out = [ToolArgsDelta(self._num_calls - 1, self._writer.close())]
+            return [*out, ToolCallEnd(self._num_calls - 1)]
         if self.state == _ARGS:
             out: list[Event] = []
             self._stream_args(self._closes.flush(), out)
-            return [*out, ToolCallEnd(self._num_calls - 1)]
+            self._close_args(out)
+            return out
         return self._read_block("".join(self._region))
 
 
-def closing_tail(text: str, brace: bool) -> int:
+def closing_tail(text: str, brace: bool, blanks: str = _BLANKS) -> int:
     """Length of text's longest tail that is closing syntax: blanks, or (brace) blanks, `}`
     and blanks; each run bounded, so the tail held back is too. Every part of such a tail is
     one as well, so what is sent is never part of the final tail, whatever the cuts."""
-    after = _blank_run(text, len(text))
+    after = _blank_run(text, len(text), blanks)
     if not brace or after > _MAX_TRAILING_BLANKS or len(text) == after:
         return min(after, _MAX_TRAILING_BLANKS)
     if text[len(text) - after - 1] != "}":
         return after
-    before = _blank_run(text, len(text) - after - 1)
+    before = _blank_run(text, len(text) - after - 1, blanks)
     return after + 1 + min(before, _MAX_TRAILING_BLANKS)
 
 
-def _blank_run(text: str, end: int) -> int:
+def _blank_run(text: str, end: int, blanks: str = _BLANKS) -> int:
     """Blanks just before end, counted to one past the bound at most."""
     count = 0
-    while count <= _MAX_TRAILING_BLANKS and end - count > 0 and text[end - count - 1] in _BLANKS:
+    while count <= _MAX_TRAILING_BLANKS and end - count > 0 and text[end - count - 1] in blanks:
         count += 1
     return count
 
