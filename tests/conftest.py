@@ -73,6 +73,23 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+def run_lab(argv: list[str]) -> str:
+    """`python -m benchmarks ARGV` in this process: its stdout; torch's thread count (which a
+    lab command may set) put back."""
+    import contextlib
+    import io
+
+    from benchmarks.cli import main
+
+    threads, stdout = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return stdout.getvalue()
+
+
 def random_prompts(num: int, vocab_size: int, seed: int = 0, max_len: int = 70) -> list[list[int]]:
     """Prompts of mixed lengths (1 .. max_len) without special tokens (ids 0-2)."""
     rng = random.Random(seed)

@@ -3,13 +3,9 @@ build (here the same .so loaded a second time), reports the outputs bit for bit.
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
-import torch
+from conftest import run_lab
 
-from benchmarks.cli import main
 from conveyor.model import kernels
 
 
@@ -20,13 +16,7 @@ def test_attention_lab_times_each_case_and_compares_the_builds_bits():
     argv = ["attention", "--rows", "1,3", "--contexts", "40", "--kv-dtypes", "float32,bfloat16"]
     argv += ["--repeats", "1", "--cache-mib", "1", "--num-threads", "1"]
     argv += ["--baseline", ops.__file__]
-    threads, stdout = torch.get_num_threads(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(stdout):
-            assert main(argv) == 0
-    finally:
-        torch.set_num_threads(threads)
-    rows = [line.split() for line in stdout.getvalue().splitlines()[2:]]
+    rows = [line.split() for line in run_lab(argv).splitlines()[2:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ("1", "40", "float32"), ("3", "40", "float32"),
         ("1", "40", "bfloat16"), ("3", "40", "bfloat16"),

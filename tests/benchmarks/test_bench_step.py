@@ -3,12 +3,10 @@ ModelRunner, with a grid small enough to take a few seconds."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
-import torch
+from conftest import run_lab
 from torch import nn
 
 from benchmarks import step
@@ -30,14 +28,9 @@ def run(tiny_checkpoint, tmp_path_factory):
     argv += ["--output", str(out / "step.json"), "--plot", str(out / "step.png")]
     # One thread: two OpenMP threads on a shared 2-core machine stall each other's barriers.
     argv += ["--num-threads", "1", "--disable-tqdm"]
-    threads, stdout = torch.get_num_threads(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(stdout):
-            assert main(argv) == 0
-    finally:
-        torch.set_num_threads(threads)
+    stdout = run_lab(argv)
     config = json.loads((path / "config.json").read_text())
-    return stdout.getvalue(), json.loads((out / "step.json").read_text()), out / "step.png", config
+    return stdout, json.loads((out / "step.json").read_text()), out / "step.png", config
 
 
 def test_every_case_that_fits_is_measured_and_the_rest_skipped_with_a_reason(run):
