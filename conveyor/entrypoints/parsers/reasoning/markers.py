@@ -94,12 +94,17 @@ class MarkedReasoning:
         self.state = _CONTENT
         return self._content(head)
 
-    def _feed_reasoning(self, text: str) -> list[Event]:
+    def _unblanked(self, text: str) -> str:
+        """text without the blanks that follow a marker (skipped until the first other char)."""
         if self._skip_blanks:
             text = text.lstrip()
-            if not text:
-                return []
-            self._skip_blanks = False
+            self._skip_blanks = not text
+        return text
+
+    def _feed_reasoning(self, text: str) -> list[Event]:
+        text = self._unblanked(text)
+        if not text:
+            return []
         found = self._scan.feed(text)
         out: list[Event] = [ReasoningDelta(found.before)] if found.before else []
         if found.marker is not None:
@@ -109,9 +114,5 @@ class MarkedReasoning:
         return out
 
     def _content(self, text: str) -> list[Event]:
-        if self._skip_blanks:
-            text = text.lstrip()
-            if not text:
-                return []
-            self._skip_blanks = False
+        text = self._unblanked(text)
         return [ContentDelta(text)] if text else []
