@@ -254,12 +254,16 @@ def run_engine_core(
     outputs.setsockopt(zmq.LINGER, 5000)  # the last message (Failed, Dead) gets out
     outputs.connect(output_address)
     link = _Link(inputs, outputs, key)
+    status = 1
     try:
         link.send(Hello(inputs.getsockopt_string(zmq.LAST_ENDPOINT)))
-        return _serve(args, link, parent_pid, model_config)
+        status = _serve(args, link, parent_pid, model_config)
+        return status
     finally:
         inputs.close(linger=0)
-        outputs.close()
+        # Stopped (or orphaned), the front end reads no more: a step sent after it stopped
+        # reading is dropped, not waited on for the linger. A failure's last message gets out.
+        outputs.close(linger=0 if status == 0 else None)
         context.term()
 
 

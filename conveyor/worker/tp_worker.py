@@ -42,11 +42,15 @@ def run_worker(settings: RankSettings) -> int:
     steps = context.socket(zmq.PULL)
     steps.setsockopt(zmq.LINGER, 0)
     steps.bind(settings.steps)
+    status = 1
     try:
-        return _serve(settings, steps, back)
+        status = _serve(settings, steps, back)
+        return status
     finally:
         steps.close(linger=0)
-        back.close()
+        # Stopped (or orphaned), rank 0 reads no more: a reply it will not read is dropped, not
+        # waited on for the linger. A failure's message gets out.
+        back.close(linger=0 if status == 0 else None)
         context.term()
 
 

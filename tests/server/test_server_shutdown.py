@@ -284,6 +284,31 @@ def test_engine_admits_no_request_after_abort_all(tiny_checkpoint, engine_proces
     assert finishes[-1] == "abort" and len(finishes) < 400
 
 
+def test_the_core_exits_at_once_when_its_last_outputs_go_unread(tiny_checkpoint):
+    # At shutdown the front end stops reading the core's outputs before it stops the core; what
+    # the core sent in between must not hold its exit for the output socket's linger time.
+    args = EngineArgs(model=str(tiny_checkpoint("llama")), dtype="float32", num_threads=1)
+    engine = AsyncMPEngine(args)
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def run() -> float:
+        await engine.start()
+        stream = await engine.add_request("open", [5, 6, 7], params)
+        async for _ in stream:
+            break
+        engine._detach()  # as shutdown() does: no more reading
+        await asyncio.sleep(0.5)  # the core steps on, its outputs queued for nobody
+        start = time.monotonic()
+        engine._process.stop()
+        return time.monotonic() - start
+
+    try:
+        took = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert took < 2.0, f"the core took {took:.1f} s to exit"
+
+
 def test_each_api_s_stream_open_at_sigterm_ends_with_its_own_final_event(tmp_path):
     # Chat Completions: finish_reason "abort", then [DONE]; Anthropic Messages: an error event
     # (overloaded_error); Responses: response.failed. None is cut off mid-way.
