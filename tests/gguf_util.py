@@ -62,8 +62,11 @@ FILE_TYPES = {
 }
 
 
-def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
-    """Converts the checkpoint in `hf_dir` to a GGUF at `out_path`, 2-D weights as `qtype`."""
+def write_gguf(
+    hf_dir: Path, out_path: Path, qtype: str = "F32", experts: str | None = None
+) -> Path:
+    """Converts the checkpoint in `hf_dir` to a GGUF at `out_path`, 2-D weights as `qtype`;
+    the experts' 3-D weights as `experts` when given (llama.cpp's GPT-OSS files: "MXFP4")."""
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {sorted(QTYPES)}, got {qtype!r}")
     config = AutoConfig.from_pretrained(hf_dir)
@@ -76,7 +79,9 @@ def write_gguf(hf_dir: Path, out_path: Path, qtype: str = "F32") -> Path:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hparams(writer, config, raw_config, arch)
     _add_tokenizer(writer, hf_dir, config.vocab_size)
-    _add_tensors(writer, _state_dict(hf_dir, config), config, arch, QTYPES[qtype])
+    expert_qtype = QTYPES[qtype] if experts is None else gguf.GGMLQuantizationType[experts]
+    state = _state_dict(hf_dir, config)
+    _add_tensors(writer, state, config, arch, QTYPES[qtype], expert_qtype)
     _finish(writer)
     return out_path
 
@@ -312,12 +317,14 @@ def _add_tensors(
     config,
     arch: str,
     qtype: gguf.GGMLQuantizationType,
+    expert_qtype: gguf.GGMLQuantizationType,
 ) -> None:
     name_map = gguf.get_tensor_name_map(_model_arch(arch), config.num_hidden_layers)
     if arch == "gpt-oss":
         state, stated = _gpt_oss_experts(state)
         for name, tensor in stated.items():
-            _add_tensor(writer, name, tensor.to(torch.float32).numpy(), qtype)
+            kind = expert_qtype if name.endswith("_exps.weight") else qtype
+            _add_tensor(writer, name, tensor.to(torch.float32).numpy(), kind)
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor
         if arch in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
@@ -333,7 +340,8 @@ def _add_tensors(
             name = f"{name}.weight"
         if name is None:
             raise ValueError(f"llama.cpp has no {arch} tensor name for {hf_name}")
-        _add_tensor(writer, name, data.numpy(), F32 if name.endswith(F32_TENSORS) else qtype)
+        kind = expert_qtype if data.dim() == 3 else qtype
+        _add_tensor(writer, name, data.numpy(), F32 if name.endswith(F32_TENSORS) else kind)
     if arch == "llama" and _rope(config).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
 

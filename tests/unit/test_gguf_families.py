@@ -10,17 +10,20 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from conftest import DEVICE_KWARGS, random_prompts
 from gguf_util import snap_to_float_gguf, write_bare_gguf, write_gguf
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny import make_tiny_checkpoint
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
-from conveyor.model.gguf_loader import gguf_architecture, iter_gguf_weights
+from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
+from conveyor.model.quant import from_gguf_blocks
 from conveyor.model.loader import _gpt_oss_experts
 
 # The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
@@ -65,6 +68,7 @@ class Converted(NamedTuple):
 
 
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
 
 @pytest.fixture(scope="module", params=list(GGUF_FAMILIES))
@@ -174,6 +178,69 @@ def test_q8_0_gguf_is_served_quantized_and_generates(converted: Converted):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(random_prompts(3, 384, seed=6, max_len=40), params, use_tqdm=False)
     assert [len(out.outputs[0].token_ids) for out in outputs] == [MAX_TOKENS] * 3
+
+
+# llama.cpp's GPT-OSS files keep the experts in MXFP4 (e2m1 codes, a power of two per 32) and
+# the rest in F16 or Q8_0. Doubled, e2m1's values are integers up to 12 and the scale a float16,
+# so each block is an int8 block as it is: the experts are served with the file's own values.
+
+
+def snap_experts_to_mxfp4(hf_dir: Path) -> None:
+    """Rewrites GPT-OSS's expert weights (experts, in, out) as the values their MXFP4 blocks
+    (along `in`, the GGUF rows) hold, so the checkpoint and the file hold the same model."""
+    shard = hf_dir / "model.safetensors"
+    state = load_file(shard)
+    for name, tensor in state.items():
+        if name.endswith(("gate_up_proj", "down_proj")) and tensor.dim() == 3:
+            rows = tensor.transpose(1, 2).to(torch.float32).numpy()
+            values = gguf.quants.dequantize(gguf.quants.quantize(rows, MXFP4), MXFP4)
+            state[name] = torch.from_numpy(values).transpose(1, 2).to(tensor.dtype).contiguous()
+    save_file(state, shard, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory) -> tuple[Path, Path]:
+    hf_dir = tmp_path_factory.mktemp("hf-gpt-oss-mxfp4")
+    make_tiny_checkpoint(hf_dir, "gpt_oss", seed=3, **GGUF_FAMILIES["gpt_oss"])
+    snap_to_float_gguf(hf_dir)
+    snap_experts_to_mxfp4(hf_dir)
+    path = tmp_path_factory.mktemp("gguf-mxfp4") / "tiny-gpt-oss-mxfp4.gguf"
+    return hf_dir, write_gguf(hf_dir, path, "F16", experts="MXFP4")
+
+
+def test_mxfp4_blocks_are_int8_blocks_of_the_same_values():
+    rng = np.random.default_rng(0)
+    for scale in (0.02, 0.5, 40.0):  # scales from 2^-9 to 2^3
+        values = (rng.standard_normal((5, 96)) * scale).astype(np.float32)
+        values[1, 32:64] = 0  # an all-zero block: its scale byte is never read
+        data = gguf.quants.quantize(values, MXFP4)
+        weight = from_gguf_blocks("MXFP4", data, (5, 96))
+        assert weight.format == "q8"
+        want = torch.from_numpy(gguf.quants.dequantize(data, MXFP4))
+        assert torch.equal(weight.dequantize(), want), scale
+
+
+def test_mxfp4_experts_are_served_in_their_blocks_and_equal_the_checkpoint(mxfp4_gpt_oss):
+    hf_dir, path = mxfp4_gpt_oss
+    types = set(gguf_tensor_types(path).values())
+    assert {"MXFP4", "F16"} <= types
+    prompts = random_prompts(4, 384, seed=8, max_len=40)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # Float64: the file's values are the checkpoint's, token for token.
+    runs = []
+    for source in (hf_dir, path):
+        llm = LLM(str(source), dtype="float64", **DEVICE_KWARGS)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    # Served quantized: the experts in int8 blocks holding exactly the file's values.
+    llm = LLM(str(path), **DEVICE_KWARGS)
+    experts = [layer.mlp.experts for layer in llm.engine.core.runner.model.model.layers]
+    projections = [p for group in experts for e in group for p in (e.gate_up_proj, e.down_proj)]
+    assert {(type(p).__name__, p.format) for p in projections} == {("QuantLinear", "q8")}
+    codes = torch.cat([p.weight_blocks.qs.flatten() for p in projections]).unique()
+    assert set(codes.tolist()) <= {0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12}
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * 4
 
 
 def test_unsupported_architecture_is_refused_listing_every_family(tmp_path):

@@ -4,8 +4,10 @@ replace the float projections (same call interface as layers.Linear / MergedLine
 Formats (a weight (N, K) in blocks of 32 input elements, one fp16 scale per block):
     q4  4-bit unsigned q, value = q * d + m           (GGUF Q4_1 as is; Q4_0 with m = -8 d;
                                                       Q4_K with d = d_K * sc, m = -dmin_K * mn)
-    q8  int8 q,          value = q * d                 (GGUF Q8_0 as is; any other GGUF type
-                                                      and `--quantization int8` requantize to it)
+    q8  int8 q,          value = q * d                 (GGUF Q8_0 as is; MXFP4 as is: q its
+                                                      doubled e2m1 value, d its halved power of
+                                                      two; any other GGUF type and
+                                                      `--quantization int8` requantize to it)
 Activations are quantized per token and block to int8 inside the kernel (as llama.cpp's
 Q8_0/Q8_1 dot products do), so a block's dot product is an integer dot product.
 

@@ -1,5 +1,5 @@
-"""GGUF's quantized tensors as conveyor's blocks: Q8_0, Q4_0, Q4_1 and Q4_K as they are, any
-other type requantized (the package docstring says how each maps)."""
+"""GGUF's quantized tensors as conveyor's blocks: Q8_0, Q4_0, Q4_1, Q4_K and MXFP4 as they are,
+any other type requantized (the package docstring says how each maps)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from conveyor.model.quant.formats import QK, BlockWeight, _half_bits, quantize_q
 
 # --------------------------------------------------------------------------- GGUF blocks
 
-# GGUF types whose blocks map onto ours without loss (Q4_K: up to fp16 rounding of d * sc).
-_GGUF_DIRECT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+# GGUF types whose blocks map onto ours without loss (Q4_K: up to fp16 rounding of d * sc;
+# MXFP4: where its scales are float16 values, which trained weights' are).
+_GGUF_DIRECT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "MXFP4")
 # Stored as floats: a GGUF of these is a float checkpoint.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
@@ -36,6 +37,8 @@ def from_gguf_blocks(qtype_name: str, data: np.ndarray, shape: tuple[int, int]) 
         return BlockWeight("q4", qs, d, m)
     if qtype_name == "Q4_K":
         return _from_q4_k(data, num_rows, k)
+    if qtype_name == "MXFP4" and (exact := _from_mxfp4(data, num_rows, k)) is not None:
+        return exact
     import gguf
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
@@ -44,6 +47,31 @@ def from_gguf_blocks(qtype_name: str, data: np.ndarray, shape: tuple[int, int]) 
     except NotImplementedError as error:
         raise ValueError(f"GGUF type {qtype_name} cannot be dequantized by gguf") from error
     return quantize_q8(torch.from_numpy(np.ascontiguousarray(values)).reshape(num_rows, k))
+
+
+# MXFP4's e2m1 values doubled, by code (gguf.quants.MXFP4.kvalues, llama.cpp's kvalues_mxfp4).
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+
+
+def _from_mxfp4(data: np.ndarray, num_rows: int, k: int) -> BlockWeight | None:
+    """MXFP4 blocks (GPT-OSS's experts in llama.cpp's files: a power-of-two scale byte, then 32
+    e2m1 codes, element i in byte i's low nibble and element 16 + i in its high one) as q8
+    blocks with the same values: q = the doubled e2m1 value (an integer up to 12), d = the
+    halved scale, exact whenever that power of two is a float16 (2^-24 .. 2^15). None when a
+    block's is not (the caller then requantizes)."""
+    import gguf
+
+    blocks = data.reshape(num_rows, k // QK, 17)
+    scale = torch.from_numpy(gguf.quants.MXFP4.e8m0_to_fp32_half(blocks[..., :1].copy())[..., 0])
+    packed = torch.from_numpy(blocks[..., 1:].copy())
+    codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1).long()  # (N, nb, 32)
+    q = _MXFP4_VALUES[codes]
+    d = scale.to(torch.float16)
+    used = (q != 0).any(-1)  # an all-zero block's scale is never read
+    if not torch.equal(d[used].float(), scale[used]):
+        return None
+    d = torch.where(used, d, torch.zeros((), dtype=torch.float16))
+    return BlockWeight("q8", q.reshape(num_rows, k), d.view(torch.int16), None)
 
 
 def _np_half(raw: np.ndarray) -> torch.Tensor:
