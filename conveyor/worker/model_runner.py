@@ -19,6 +19,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from conveyor import allocator
 from conveyor.distributed.parallel import TPGroup
 from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.slots import LoRASlots
@@ -74,6 +75,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         if device.type == "cpu":
+            allocator.keep_pages()  # a step's activations reuse their memory (allocator.py)
             matmul_forms(cfg.dtype)  # the matmul form per token count, measured once
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, cfg, device)
         ops = kernels.load() if device.type == "cpu" else None
