@@ -121,6 +121,7 @@ int64_t bf16_linear_runs();
 double peak(int64_t iters);
 at::Tensor pack_bf16(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
+void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, at::Tensor& y);
 #if CONVEYOR_AMX
 void configure();  // this thread's tiles: eight of 16 rows x 64 bytes
 #endif

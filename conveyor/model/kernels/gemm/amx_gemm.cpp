@@ -244,8 +244,19 @@ at::Tensor pack_bf16(const at::Tensor& weight) {
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out) {
+  at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+  bf16_linear_into(x, packed, n_out, y);
+  return y;
+}
+
+// The same into y (M, n_out), contiguous float32: a step's prompt rows straight into their rows
+// of the projection's output, not copied there (decoder_layer.cpp's Projection).
+void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "bf16_linear: x (M, K) float32 on the CPU");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 &&
+                  y.size(0) == x.size(0) && y.size(1) == n_out,
+              "bf16_linear: y (M, n_out) contiguous float32");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
                   packed.size(2) == kM && packed.size(3) == 2 * kN && packed.is_contiguous(),
               "bf16_linear: packed is pack_bf16's (P, KS, 16, 32) bfloat16");
@@ -255,8 +266,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
               " columns, the weight ", ks_count * kK, " (padded)");
   TORCH_CHECK(n_out > (panels - 1) * kN && n_out <= panels * kN,
               "bf16_linear: n_out does not fit the packed panels");
-  at::Tensor y = at::empty({m, n_out}, x.options());
-  if (m == 0) return y;
+  if (m == 0) return;
 #if CONVEYOR_AMX
   TORCH_CHECK(available(), "bf16_linear: this CPU (or the kernel plan) has no AMX-BF16");
   linear_runs().fetch_add(1, std::memory_order_relaxed);
@@ -317,7 +327,6 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
 #else
   TORCH_CHECK(false, "bf16_linear: this build has no AMX-BF16 (-march=native on such a CPU)");
 #endif
-  return y;
 }
 
 // ------------------------------------------------------------------------ int8 block tiles

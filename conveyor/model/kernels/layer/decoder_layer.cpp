@@ -206,9 +206,9 @@ class Projection {
       if (begin > row) y.narrow(0, row, begin - row).copy_((*this)(x.narrow(0, row, begin - row), form));
       if (i == prompt_rows.size()) break;
       const int64_t end = prompt_rows[i + 1];
-      y.narrow(0, begin, end - begin)
-          .copy_(with_bias(gemm::amx::bf16_linear(x.narrow(0, begin, end - begin),
-                                                     prompt_tiles_, n)));
+      at::Tensor part = y.narrow(0, begin, end - begin);  // whole rows: contiguous
+      gemm::amx::bf16_linear_into(x.narrow(0, begin, end - begin), prompt_tiles_, n, part);
+      with_bias(part);
       row = end;
     }
     return y;
