@@ -148,3 +148,19 @@ def test_a_name_the_syntax_cannot_write_is_refused():
     tool = {"type": "function", "function": {"name": "get-weather", "parameters": PARAMETERS}}
     with pytest.raises(ValueError, match="tools"):
         forced_grammar("pythonic", [tool], True, json.dumps)
+
+
+@pytest.mark.parametrize("value", ["a < b", "<b>bold</b>\n<i>", "x</param", "if a<b:\n  c()"])
+def test_a_qwen3_coder_string_argument_may_hold_markup(tokenizer, value):
+    grammar = forced_grammar("qwen3_coder", TOOLS, False, lambda text: json.dumps(text))
+    text = _xml_call({"city": value})
+    assert fits(tokenizer, grammar, text)
+    parser = tool_parser("qwen3_coder", {"get_weather": PARAMETERS}, 16)
+    parsed = joined(parser.feed(text) + parser.finish())
+    assert [(n, json.loads(a)) for n, a in parsed.calls] == [("get_weather", {"city": value})]
+
+
+@pytest.mark.parametrize("tag", ["</parameter>", "</function>", "</tool_call>"])
+def test_a_qwen3_coder_string_argument_cannot_hold_a_closing_tag(tokenizer, tag):
+    grammar = forced_grammar("qwen3_coder", TOOLS, False, lambda text: json.dumps(text))
+    assert not fits(tokenizer, grammar, _xml_call({"city": f"Paris{tag}Rome"}))

@@ -13,7 +13,8 @@ reads calls, so the model writes what it was trained to write and the parser rea
                  True / False / None)
     qwen3_coder, <tool_call>\n<function=F>\n<parameter=P>\nvalue\n</parameter>\n...
     qwen3_xml    </function>\n</tool_call>, "\n" between; a string value as text without
-                 "<", any other as its schema's JSON
+                 the closing tags the parser reads (</parameter>, </function>,
+                 </tool_call>), any other as its schema's JSON
     openai       <|channel|>commentary to=functions.F <|constrain|>json<|message|>{...}<|call|>
                  (harmony), each further call after <|start|>assistant
 
@@ -110,25 +111,37 @@ def _qwen3_xml_grammar(tools: list[dict], parallel: bool, marker: Callable[[str]
         parts = []
         for j, (key, schema) in enumerate(_properties(tool)):
             key = _checked(key, _xml_name, "without <, > or blanks")
-            rules.append(f"p{i}_{j}: {_xml_parameter(key, schema)}")
-            parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+            part = f"P{i}_{j}" if _xml_text(schema) else f"p{i}_{j}"  # upper case: a terminal
+            rules.append(f"{part}: {_xml_parameter(key, schema)}")
+            parts.append(part if key in required else f"{part}?")
         name = _checked(tool["function"]["name"], _xml_name, "without <, > or blanks")
         head = json.dumps(f"<function={name}>\n")
         calls.append(" ".join([head, *parts, '"</function>\\n"']))
     more = ' ("\\n" call)*' if parallel else ""
     body = f'start: call{more}\ncall: {open_call} "\\n" one {close_call}\n'
-    return body + f"one: {' | '.join(calls)}\n" + "\n".join(rules) + "\n"
+    return body + f"one: {' | '.join(calls)}\n" + "\n".join([*rules, _XML_TEXT]) + "\n"
+
+
+# A string parameter's text: anything (newlines and < too) but the tags that would end its
+# block, its function or its call early as the parser reads them.
+_XML_TEXT = r"XML_TEXT: /(.|\n)*/ & ~/(.|\n)*<\/(parameter|function|tool_call)>(.|\n)*/"
+
+
+def _xml_text(schema: dict) -> bool:
+    """Whether a parameter is written as text: a string (or untyped) without an enum."""
+    return schema.get("type", "string") == "string" and schema.get("enum") is None
 
 
 def _xml_parameter(key: str, schema: dict) -> str:
     """One <parameter=P> block: a string (the parser's reading of an untyped one too) as
-    text without "<", an enum of strings as one of them, anything else as its schema's
-    JSON."""
+    text that holds none of the closing tags the parser reads a block, a function and a call
+    to (so `<` itself may be in it), an enum of strings as one of them, anything else as
+    its schema's JSON."""
     kind = schema.get("type", "string")
     enum = schema.get("enum")
-    if kind == "string" and enum is None:  # one lexeme: the text's own newlines too
-        return f"/<parameter={_regex_text(key)}>\\n[^<]*\\n<\\/parameter>\\n/"
     head = json.dumps(f"<parameter={key}>\n")
+    if _xml_text(schema):  # a terminal (one lexeme), so the text ends at the block's end
+        return f'{head} XML_TEXT "\\n</parameter>\\n"'
     if kind == "string" and all(isinstance(v, str) for v in enum):
         value = "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
     else:
@@ -208,11 +221,6 @@ def _checked(name: str, fits: Callable[[str], bool], what: str) -> str:
     if not fits(name):
         raise ValueError(f"tools: {name!r} cannot be written in this model's call syntax ({what})")
     return name
-
-
-def _regex_text(text: str) -> str:
-    """text matched literally in a Lark /regex/ (text has no blanks, < or >)."""
-    return "".join(c if c.isalnum() or c == "_" else "\\" + c for c in text)
 
 
 def _xml_name(name: str) -> bool:
