@@ -36,7 +36,10 @@ class ReasoningBounds:
     The engine core reads no text: it finds the markers by the token ids the tokenizer encodes
     them as (opening_ids, closing_ids), to end the reasoning by forcing closing_ids[0] once it
     has `budget` tokens (a thinking budget), and to start a grammar after it
-    (sample/reasoning.py)."""
+    (sample/reasoning.py). A format whose answer opens with a header of its own (harmony's
+    `<|channel|>final<|message|>` after `<|end|><|start|>assistant`) names it as forced_tail:
+    a budget forces it after the closing marker, unless a grammar is to write the answer's
+    start itself (a response_format in the final channel, a forced call in commentary)."""
 
     opening: tuple[str, ...]
     closing: tuple[str, ...]
@@ -44,6 +47,8 @@ class ReasoningBounds:
     opening_ids: tuple[tuple[int, ...], ...] = ()
     closing_ids: tuple[tuple[int, ...], ...] = ()
     budget: int | None = None  # reasoning tokens before the closing marker is forced
+    forced_tail: str = ""
+    forced_tail_ids: tuple[int, ...] = ()
 
     def opened_by(self, prompt_token_ids: list[int]) -> bool:
         """Whether the reply starts inside the reasoning: `opened`, or where it is None (a

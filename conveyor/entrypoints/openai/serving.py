@@ -32,8 +32,12 @@ from conveyor.entrypoints.parsers.events import (
     ToolArgsDelta,
     ToolCallStart,
 )
-from conveyor.entrypoints.parsers.reasoning import MarkedReasoning
-from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar, lark_marker
+from conveyor.entrypoints.parsers.tools.forced import (
+    FORCED_FAMILIES,
+    forced_grammar,
+    harmony_final,
+    lark_marker,
+)
 from conveyor.entrypoints.pipeline import (
     Choice,
     Choices,
@@ -45,6 +49,7 @@ from conveyor.entrypoints.pipeline import (
     Usage,
     finish_reason,
     special_texts,
+    tokenized,
 )
 from conveyor.entrypoints.runner import DONE, Submission, frame
 from conveyor.limits import RequestLimits
@@ -96,9 +101,9 @@ class OpenAIServing:
     def tool_reply(self, request: ChatCompletionRequest, prompt: list[int]) -> _ToolReply:
         """How one choice's reply is read: the server's parsers, for this request."""
         mode = self.reading_mode(request)
-        # A grammar starts after reasoning in marked form (the engine core finds where it ends:
-        # sample/reasoning.py); a generic forced call, or harmony's channels, it shapes from
-        # the start.
+        # A grammar starts after the reasoning that a reasoning parser reads (the engine core
+        # finds where it ends: sample/reasoning.py); a generic forced call shapes the reply
+        # from the start.
         structured = request.response_format is not None or request.structured_outputs is not None
         constrained = mode in ("required", "named") or (
             (structured or mode == "forced") and not self.parsers.marks_reasoning
@@ -138,6 +143,17 @@ class OpenAIServing:
         except ValueError as error:  # two tools' $defs at odds
             raise InvalidParam(str(error), "tools") from None
         return StructuredOutputs(grammar=grammar)
+
+    async def _answer(
+        self, constraint: StructuredOutputs | None, param: str | None
+    ) -> StructuredOutputs | None:
+        """The request's own constraint as the reply's answer is written: in harmony's final
+        channel when the replies are harmony's (checked first as the request gave it, so that
+        an error names what the client wrote); a Lark grammar is the whole answer's."""
+        if constraint is None or not self.parsers.harmony or constraint.kind == "grammar":
+            return constraint
+        await self.check_constraint(constraint, param)
+        return StructuredOutputs(grammar=harmony_final(constraint, self._lark_marker))
 
     def _lark_marker(self, text: str) -> str:
         special = text in self._specials
@@ -491,7 +507,7 @@ class OpenAIServing:
         request.check_limits(self.limits)
         max_tokens = request.max_completion_tokens or request.max_tokens
         constraint, param = request.constraint()
-        constraint = self.forced_constraint(request) or constraint
+        constraint = self.forced_constraint(request) or await self._answer(constraint, param)
         params = request.sampling_params(max_tokens, constraint)
         await self.check_constraint(constraint, param)
         mode = request.tool_mode
@@ -537,27 +553,15 @@ class OpenAIServing:
                     name,
                 )
             return params
-        bounds = replace(
-            bounds,
-            opening_ids=self._marker_ids(bounds.opening),
-            closing_ids=self._marker_ids(bounds.closing),
-            budget=budget,
-        )
-        return params.clone(reasoning=bounds)
+        return params.clone(reasoning=tokenized(bounds, self.tokenizer, budget))
 
     def _prompt_reasoning(self) -> ReasoningBounds | None:
-        """A completion's reasoning bounds: the server's marked reasoning, open where the
-        prompt's own tokens opened it (the client wrote the prompt: no template says)."""
+        """A completion's reasoning bounds: the server's reasoning, open where the prompt's
+        own tokens opened it (the client wrote the prompt: no template says)."""
         reasoning = self.parsers.for_request(None, self.limits.max_json_depth).reasoning
-        if not isinstance(reasoning, MarkedReasoning):
+        if reasoning is None:
             return None
         return replace(reasoning.bounds(), opened=None)
-
-    def _marker_ids(self, markers: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each marker as this tokenizer encodes it (a family's markers: one special token)."""
-        return tuple(
-            tuple(self.tokenizer.encode(marker, add_special_tokens=False)) for marker in markers
-        )
 
     def _check_room(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         """A prompt and max_tokens beyond the context, refused naming the request's own field

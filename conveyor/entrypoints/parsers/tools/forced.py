@@ -18,6 +18,11 @@ reads calls, so the model writes what it was trained to write and the parser rea
     openai       <|channel|>commentary to=functions.F <|constrain|>json<|message|>{...}<|call|>
                  (harmony), each further call after <|start|>assistant
 
+With GPT-OSS's reasoning parser (harmony), an answer's own grammar (a response_format, a
+JSON schema, regex or choice of structured_outputs) is written in the final channel:
+<|channel|>final<|message|> then the grammar (harmony_final); a Lark grammar is the whole
+answer's, header included, as the model writes it.
+
 One call with parallel_tool_calls false or a named function, else one or more. The JSON is
 written as conveyor's other grammars write it (json.dumps' separators, no other blanks). A
 marker that is one of the tokenizer's special tokens is matched as that token (`<[id]>`), as
@@ -31,7 +36,8 @@ import json
 from collections.abc import Callable
 
 from conveyor.structured.backend import strict_schema
-from conveyor.structured.sandbox import JSON_OVERRIDES
+from conveyor.structured.params import StructuredOutputs
+from conveyor.structured.sandbox import JSON_OVERRIDES, regex_literal
 from conveyor.structured.tools import call_schema, parameters_of
 
 # family -> (opening marker, key of the arguments, calls written as one JSON list)
@@ -160,6 +166,29 @@ def _harmony_grammar(tools: list[dict], parallel: bool, marker: Callable[[str], 
         named.append(f'{recipient} {constrain} "json" {message} {_json(_arguments(tool))}')
     more = f' ({start} "assistant" call)*' if parallel else ""
     return f"start: call{more}\ncall: {channel} one {call_end}\none: {' | '.join(named)}\n"
+
+
+def harmony_final(constraint: StructuredOutputs, marker: Callable[[str], str]) -> str:
+    """The Lark grammar of an answer in harmony's final channel whose text fits constraint
+    (a json, json_object, regex or choice one)."""
+    kind, text = constraint.key
+    if kind in ("json", "json_object"):
+        schema = json.loads(text) if kind == "json" else {"type": "object"}
+        body = _json(schema if isinstance(schema, dict) else {})
+    elif kind == "regex":
+        body = _lark_regex(f"(?:{text})")
+    else:
+        body = _lark_regex("(" + "|".join(regex_literal(c) for c in json.loads(text)) + ")")
+    return f'start: {marker("<|channel|>")} "final" {marker("<|message|>")} {body}\n'
+
+
+def _lark_regex(regex: str) -> str:
+    """A regex as a Lark /regex/ terminal: its unescaped slashes escaped."""
+    out, escaped = [], False
+    for char in regex:
+        out.append("\\/" if char == "/" and not escaped else char)
+        escaped = char == "\\" and not escaped
+    return "/" + "".join(out) + "/"
 
 
 _OTHER_GRAMMARS = {
