@@ -40,6 +40,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     num_logprobs: int | None = None  # a server's answer: each beam token's top entries shown
+    # False: the beams' text keeps the special tokens (a server's parsers read their markers)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -175,7 +177,7 @@ def _finished(search: _Search, tokenizer, eos, params: BeamSearchParams) -> Beam
         generated = beam.tokens[search.prompt_len :]
         if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
             generated = generated[:-1]
-        beam.text = tokenizer.decode(generated, skip_special_tokens=True)
+        beam.text = tokenizer.decode(generated, skip_special_tokens=params.skip_special_tokens)
     return BeamSearchOutput(best)
 
 

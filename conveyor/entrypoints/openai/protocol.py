@@ -301,11 +301,16 @@ class _SamplingFields(BaseModel):
         return [(param, value) for param, value in fields if value is not None]
 
     def beam_params(
-        self, max_tokens: int, constrained_by: str | None, num_logprobs: int | None
+        self,
+        max_tokens: int,
+        constrained_by: str | None,
+        num_logprobs: int | None,
+        skip_special_tokens: bool = True,
     ) -> BeamSearchParams:
         """use_beam_search's settings (n beams); InvalidParam naming a field the search does
         not apply (it ranks the model's own log-probabilities, token by token), or the field
-        whose grammar would constrain the reply (constrained_by)."""
+        whose grammar would constrain the reply (constrained_by). skip_special_tokens: as the
+        request's own sampling would decode its reply (False: its parsers read markers)."""
         if constrained_by is not None:
             name = self.field_name(constrained_by)
             raise InvalidParam(f"{name}: not supported with use_beam_search", name)
@@ -328,6 +333,7 @@ class _SamplingFields(BaseModel):
                 self.length_penalty,
                 self.include_stop_str_in_output,
                 num_logprobs,
+                skip_special_tokens,
             )
         except ValueError as error:
             name = str(error).split()[0]  # BeamSearchParams' messages start with the field

@@ -386,7 +386,10 @@ class OpenAIServing:
         if request.use_beam_search:  # its steps are requests for one token each: check now
             for prompt in prompts:
                 self._check_room(len(prompt), max_tokens, "max_tokens")
-            return prompts, request.beam_params(max_tokens, param, request.logprobs)
+            beams = request.beam_params(
+                max_tokens, param, request.logprobs, request.skip_special_tokens
+            )
+            return prompts, beams
         return prompts, params
 
     def room_for_prompt(self, max_tokens: int | None) -> int:
@@ -529,7 +532,8 @@ class OpenAIServing:
             room = max_tokens if max_tokens is not None else self.engine.max_model_len - len(prompt)
             forced = "tool_choice" if request.tool_mode in ("required", "named") else None
             top = (request.top_logprobs or 0) if request.logprobs else None
-            return [prompt], request.beam_params(room, forced or param, top)
+            skip = params.skip_special_tokens  # off where the parsers read special markers
+            return [prompt], request.beam_params(room, forced or param, top, skip)
         bounds = self.reply_reader(request, prompt).reasoning_bounds()
         return [prompt], self._with_reasoning(request, params, bounds)
 
