@@ -14,7 +14,6 @@ from conveyor.structured.params import StructuredOutputs
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
-MAX_LOGPROBS = 20
 POOLING_TYPES = ("last", "mean")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
 # vLLM's upper bound; the lower one keeps logit / penalty finite in float32 (1e-300 is 0 there,
@@ -165,8 +164,8 @@ class SamplingParams:
         )
         _check(
             self.prompt_logprobs is None
-            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+            or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}",
         )
         _check(
             self.allowed_token_ids is None
@@ -196,9 +195,8 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
         _check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            f"logprobs must be an integer >= 0, got {self.logprobs!r}",
         )
         _check(
             self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED),

@@ -104,6 +104,12 @@ class LLM:
         ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if any(not p for p in ids):
             raise ValueError("a prompt must hold at least one token")
+        vocab = self.engine.model_config.vocab_size
+        if 2 * params.beam_width > vocab:  # each step's logprobs, from the vocabulary
+            raise ValueError(
+                f"beam_width: each step asks for 2 x beam_width logprobs, at most the "
+                f"vocabulary's {vocab} tokens; got {params.beam_width}"
+            )
 
         def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
             return self.generate(batch, step, use_tqdm, lora_request=lora_request)

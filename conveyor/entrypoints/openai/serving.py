@@ -386,9 +386,8 @@ class OpenAIServing:
         if request.use_beam_search:  # its steps are requests for one token each: check now
             for prompt in prompts:
                 self._check_room(len(prompt), max_tokens, "max_tokens")
-            beams = request.beam_params(
-                max_tokens, param, request.logprobs, request.skip_special_tokens
-            )
+            skip = request.skip_special_tokens
+            beams = request.beam_params(self.limits, max_tokens, param, request.logprobs, skip)
             return prompts, beams
         return prompts, params
 
@@ -533,7 +532,7 @@ class OpenAIServing:
             forced = "tool_choice" if request.tool_mode in ("required", "named") else None
             top = (request.top_logprobs or 0) if request.logprobs else None
             skip = params.skip_special_tokens  # off where the parsers read special markers
-            return [prompt], request.beam_params(room, forced or param, top, skip)
+            return [prompt], request.beam_params(self.limits, room, forced or param, top, skip)
         bounds = self.reply_reader(request, prompt).reasoning_bounds()
         return [prompt], self._with_reasoning(request, params, bounds)
 
