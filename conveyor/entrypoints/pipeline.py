@@ -33,9 +33,11 @@ from conveyor.entrypoints.parsers.reasoning import ReasoningParser, reasoning_pa
 from conveyor.entrypoints.parsers.scan import MarkerScan
 from conveyor.entrypoints.parsers.select import chosen
 from conveyor.entrypoints.parsers.tools import tool_parser
+from conveyor.entrypoints.parsers.tools.forced import harmony_final, lark_marker
 from conveyor.entrypoints.parsers.tools.stream import ToolStream, call_events
 from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from conveyor.sampling_params import ReasoningBounds
+from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import parse_required
 
 DEFAULT_TOOL_PARSER = "hermes"  # conveyor's reading before parsers had names
@@ -427,6 +429,15 @@ class Parsers:
         the final channel (parsers/tools/forced.harmony_final)."""
         return self.names.reasoning == "openai_gptoss"
 
+    def answer_constraint(
+        self, constraint: StructuredOutputs | None, marker: Callable[[str], str]
+    ) -> StructuredOutputs | None:
+        """A reply's own constraint as its answer is written: in harmony's final channel when
+        the replies are harmony's (a Lark grammar is the whole answer's, header included)."""
+        if constraint is None or not self.harmony or constraint.kind == "grammar":
+            return constraint
+        return StructuredOutputs(grammar=harmony_final(constraint, marker))
+
     def markers(self, reasoning: bool, tools: bool) -> frozenset[str]:
         """The marker texts a request's parsers read (reasoning: its reasoning is parsed;
         tools: its calls are)."""
@@ -488,6 +499,16 @@ def tokenized(bounds: ReasoningBounds, tokenizer, budget: int | None = None) -> 
         forced_tail_ids=ids(bounds.forced_tail) if bounds.forced_tail else (),
         budget=budget,
     )
+
+
+def marker_terminal(tokenizer, specials: frozenset[str]) -> Callable[[str], str]:
+    """A marker as a Lark terminal for this tokenizer: a special token's id, else its text."""
+
+    def terminal(text: str) -> str:
+        special = text in specials
+        return lark_marker(text, tokenizer.convert_tokens_to_ids(text) if special else None)
+
+    return terminal
 
 
 def special_texts(tokenizer) -> frozenset[str]:

@@ -32,12 +32,7 @@ from conveyor.entrypoints.parsers.events import (
     ToolArgsDelta,
     ToolCallStart,
 )
-from conveyor.entrypoints.parsers.tools.forced import (
-    FORCED_FAMILIES,
-    forced_grammar,
-    harmony_final,
-    lark_marker,
-)
+from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar
 from conveyor.entrypoints.pipeline import (
     Choice,
     Choices,
@@ -48,6 +43,7 @@ from conveyor.entrypoints.pipeline import (
     Step,
     Usage,
     finish_reason,
+    marker_terminal,
     special_texts,
     tokenized,
 )
@@ -86,6 +82,7 @@ class OpenAIServing:
         template = getattr(self.tokenizer, "chat_template", None)
         self.parsers = Parsers.of(parsers or ParserNames(), template)
         self._specials = special_texts(self.tokenizer)
+        self._lark_marker = marker_terminal(self.tokenizer, self._specials)
         self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
@@ -150,14 +147,10 @@ class OpenAIServing:
         """The request's own constraint as the reply's answer is written: in harmony's final
         channel when the replies are harmony's (checked first as the request gave it, so that
         an error names what the client wrote); a Lark grammar is the whole answer's."""
-        if constraint is None or not self.parsers.harmony or constraint.kind == "grammar":
-            return constraint
-        await self.check_constraint(constraint, param)
-        return StructuredOutputs(grammar=harmony_final(constraint, self._lark_marker))
-
-    def _lark_marker(self, text: str) -> str:
-        special = text in self._specials
-        return lark_marker(text, self.tokenizer.convert_tokens_to_ids(text) if special else None)
+        answer = self.parsers.answer_constraint(constraint, self._lark_marker)
+        if answer is not constraint:
+            await self.check_constraint(constraint, param)
+        return answer
 
     def hidden_specials(self, request: ChatCompletionRequest) -> tuple[str, ...] | None:
         """None: the reply is decoded as the request asks. Otherwise the request's parsers
