@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -397,3 +398,41 @@ def test_text_then_two_calls_with_nested_arguments_in_each_family(family_server)
     assert [(name, json.loads(arguments)) for name, arguments in streamed["calls"]] == TWO_CALLS
     assert streamed["content"].strip() == (text or "")
     assert streamed["finish"] == "tool_calls"
+
+
+def test_a_forced_call_in_each_familys_syntax_on_the_responses_and_messages_apis(family_server):
+    family, client = family_server
+    parameters = CITY_TOOLS[0]["function"]["parameters"]
+    tool = {"type": "function", "name": "get_weather", "parameters": parameters}
+    fields = {
+        "model": MODEL,
+        "input": "Weather in Paris?",
+        "tools": [tool],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 200,
+    }
+    (item,) = client.responses.create(**fields).output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert json.loads(item.arguments)["city"] in ("Paris", "Rome")
+    deltas, done = [], None
+    for event in client.responses.create(stream=True, **fields):
+        if event.type == "response.function_call_arguments.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.function_call_arguments.done":
+            done = event.arguments
+    assert done is not None and "".join(deltas) == done
+    base_url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    messages = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0).messages
+    body = {
+        "model": MODEL,
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"name": "get_weather", "input_schema": parameters}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }
+    (block,) = messages.create(**body).content
+    assert block.type == "tool_use" and block.name == "get_weather"
+    assert block.input["city"] in ("Paris", "Rome")
+    with messages.stream(**body) as stream:
+        (streamed,) = stream.get_final_message().content
+    assert streamed.type == "tool_use" and streamed.input["city"] in ("Paris", "Rome")
