@@ -300,7 +300,7 @@ RAW_CALLS = {
         '<|python_start|>[get_weather(city="Paris in the spring")]<|python_end|>',
         2,
     ),
-    "mistral": (f"[TOOL_CALLS]get_weather[ARGS]{SPRING}", 4),  # the list form: whole
+    "mistral": (f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {SPRING}}}]', 4),
     "pythonic": ('[get_weather(city="Paris in the spring")]', 2),
     "qwen3_coder": (XML_CALL, 4),
     "qwen3_xml": (XML_CALL, 4),
