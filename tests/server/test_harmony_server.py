@@ -215,3 +215,16 @@ def test_a_call_after_the_analysis_streams_its_arguments_in_pieces(client):
         if c.function.arguments
     ]
     assert len(pieces) > 3 and "".join(pieces) == arguments
+
+
+def test_a_completion_whose_prompt_opened_the_analysis_is_bounded_by_a_budget(client):
+    tokenizer = scripted_tokenizer(HARMONY_SPECIALS, HARMONY_WORDS)
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Where?\n<|channel|>analysis<|message|>",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"thinking_token_budget": 3, "return_token_ids": True},
+    )
+    ids = out.choices[0].model_extra["token_ids"]
+    assert tokenizer.decode(ids) == f"oko{END}<|channel|>final<|message|>o"
