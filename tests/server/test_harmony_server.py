@@ -15,6 +15,7 @@ import openai
 import pytest
 from server_util import ServerProcess
 from test_special_markers import CITY, CITY_FORMAT, joined
+from test_thinking_budget import assert_tool_use_after_thinking
 from tiny import (
     HARMONY_SPECIALS,
     HARMONY_WORDS,
@@ -174,18 +175,7 @@ def test_messages_api_budget_and_output_format_after_the_analysis(server):
 
 
 def test_messages_api_tool_choice_any_after_the_analysis(server):
-    client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
-    tool = {"name": "get_weather", "input_schema": CITY}
-    message = client.messages.create(
-        model=MODEL,
-        max_tokens=1300,
-        messages=HI,
-        tools=[tool],
-        tool_choice={"type": "any"},
-        thinking={"type": "enabled", "budget_tokens": 1024},
-    )
-    assert [block.type for block in message.content] == ["thinking", "tool_use"]
-    assert message.content[1].input == {"city": "Paris"} and message.stop_reason == "tool_use"
+    assert_tool_use_after_thinking(server, CITY)
 
 
 def test_a_call_after_the_analysis_streams_its_arguments_in_pieces(client):
