@@ -292,6 +292,9 @@ def _as_served(
     strings after it, a budget, a grammar after it), its answer's grammar in the family's
     form, its special tokens kept where the parsers read markers among them."""
     bounds = reader.reasoning_bounds()
+    integer = isinstance(budget, int) and not isinstance(budget, bool)
+    if budget is not None and not (integer and budget >= 0):
+        raise ValueError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
     if budget is not None and bounds is None:
         raise ValueError(
             "thinking_token_budget: this chat's reply has no reasoning that its parsers read "

@@ -89,3 +89,9 @@ def test_chat_thinking_token_budget_ends_the_reasoning(llm):
     assert (parsed.reasoning, parsed.content) == ("o", "Paris")
     with pytest.raises(ValueError, match="thinking_token_budget"):
         llm.chat(messages, GREEDY, use_tqdm=False, thinking_token_budget=1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="thinking_token_budget must be an integer >= 0"):
+            llm.chat(
+                messages, GREEDY, use_tqdm=False, reasoning_parser="mistral",
+                thinking_token_budget=bad,
+            )  # fmt: skip
