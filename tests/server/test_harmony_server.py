@@ -218,3 +218,34 @@ def test_a_completion_whose_prompt_opened_the_analysis_is_bounded_by_a_budget(cl
     )
     ids = out.choices[0].model_extra["token_ids"]
     assert tokenizer.decode(ids) == f"oko{END}<|channel|>final<|message|>o"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_checkpoint, tmp_path_factory):
+    """The tiny random GPT-OSS (sinks, biased experts, a sliding layer) with harmony's parser;
+    its tokenizer spells the markers in several ordinary tokens each."""
+    folder = tmp_path_factory.mktemp("gpt-oss")
+    args = [str(tiny_checkpoint("gpt_oss")), "--dtype", "float32", "--served-model-name", MODEL]
+    proc = ServerProcess([*args, "--reasoning-parser", "openai_gptoss"], folder / "server.log")
+    yield openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0)
+    proc.stop()
+
+
+def test_gpt_oss_a_budget_forces_the_end_of_the_analysis_in_ordinary_tokens(gpt_oss):
+    out = gpt_oss.completions.create(
+        model=MODEL,
+        prompt="Where?<|channel|>analysis<|message|>",
+        max_tokens=80,
+        temperature=0,
+        extra_body={"thinking_token_budget": 2, "skip_special_tokens": False},
+    )
+    text = out.choices[0].text
+    assert f"{END}<|channel|>final<|message|>" in text, text
+
+
+def test_gpt_oss_a_json_schema_is_its_final_channels_content(gpt_oss):
+    # budget 0: an analysis the model opens ends at once; the schema is the final channel's
+    body = {"thinking_token_budget": 0}
+    choice = chat(gpt_oss, response_format=CITY_FORMAT, max_tokens=60, extra_body=body).choices[0]
+    assert choice.message.content == '{"city": "Paris"}'
+    assert not choice.message.model_dump().get("reasoning")
