@@ -14,7 +14,6 @@ from conveyor.structured.params import StructuredOutputs
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
-MAX_LOGPROBS = 20
 POOLING_TYPES = ("last", "mean")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
 # vLLM's upper bound; the lower one keeps logit / penalty finite in float32 (1e-300 is 0 there,
@@ -36,7 +35,10 @@ class ReasoningBounds:
     The engine core reads no text: it finds the markers by the token ids the tokenizer encodes
     them as (opening_ids, closing_ids), to end the reasoning by forcing closing_ids[0] once it
     has `budget` tokens (a thinking budget), and to start a grammar after it
-    (sample/reasoning.py)."""
+    (sample/reasoning.py). A format whose answer opens with a header of its own (harmony's
+    `<|channel|>final<|message|>` after `<|end|><|start|>assistant`) names it as forced_tail:
+    a budget forces it after the closing marker, unless a grammar is to write the answer's
+    start itself (a response_format in the final channel, a forced call in commentary)."""
 
     opening: tuple[str, ...]
     closing: tuple[str, ...]
@@ -44,6 +46,8 @@ class ReasoningBounds:
     opening_ids: tuple[tuple[int, ...], ...] = ()
     closing_ids: tuple[tuple[int, ...], ...] = ()
     budget: int | None = None  # reasoning tokens before the closing marker is forced
+    forced_tail: str = ""
+    forced_tail_ids: tuple[int, ...] = ()
 
     def opened_by(self, prompt_token_ids: list[int]) -> bool:
         """Whether the reply starts inside the reasoning: `opened`, or where it is None (a
@@ -160,8 +164,8 @@ class SamplingParams:
         )
         _check(
             self.prompt_logprobs is None
-            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+            or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}",
         )
         _check(
             self.allowed_token_ids is None
@@ -191,9 +195,8 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
         _check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            f"logprobs must be an integer >= 0, got {self.logprobs!r}",
         )
         _check(
             self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED),

@@ -174,19 +174,22 @@ def make_tiny_checkpoint(
 
 
 def make_scripted_checkpoint(
-    path: Path, successor: dict[int, int], specials: tuple[str, ...] = (), **overrides
+    path: Path,
+    successor: dict[int, int],
+    specials: tuple[str, ...] = (),
+    words: tuple[str, ...] = (),
+    **overrides,
 ) -> Path:
     """A model whose greedy next token after token x is successor[x], whatever the context.
 
     One-hot embeddings (hidden size = vocab size), a layer whose attention and MLP output
     zero, and an LM head that maps x to successor[x]: the logit of successor[x] is
     sqrt(vocab) and every other logit is 0. Lets engine tests script exact token sequences.
-    specials: more special tokens (ids from 384 on), as a family's markers are; overrides:
-    more config settings (max_position_embeddings, say).
+    specials: more special tokens (ids from 384 on), as a family's markers are; words: more
+    ordinary tokens after those (a word as one token); overrides: more config settings
+    (max_position_embeddings, say).
     """
-    tokenizer = build_tokenizer()
-    if specials:
-        tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    tokenizer = scripted_tokenizer(specials, words)
     vocab = len(tokenizer)
     config = tiny_config(
         "llama",
@@ -210,6 +213,16 @@ def make_scripted_checkpoint(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def scripted_tokenizer(specials: tuple[str, ...] = (), words: tuple[str, ...] = ()):
+    """The tiny tokenizer with more special tokens, then more ordinary ones."""
+    tokenizer = build_tokenizer()
+    if specials:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    if words:
+        tokenizer.add_tokens(list(words))
+    return tokenizer
 
 
 # Marker tokens that reasoning / tool-call formats make special (Mistral's [THINK], harmony's
@@ -278,3 +291,25 @@ def slow_schema(tag: str = "field", num_fields: int = 3000) -> dict:
     }
     props = {f"{tag}_{i}": field for i in range(num_fields)}
     return {"type": "object", "properties": props, "required": list(props)}
+
+
+# GPT-OSS's harmony: its markers special tokens, as in its tokenizer, and its channel and role
+# names one token each, so that a scripted model writes each once (400 = 4 heads x 100).
+HARMONY_SPECIALS = MARKER_SPECIALS + ("<|start|>", "<|return|>", "<|call|>", "<|constrain|>")
+HARMONY_WORDS = ("analysis", "final", "assistant", "commentary")
+
+
+def harmony_thinking_script() -> dict[int, int]:
+    """For make_scripted_checkpoint(path, harmony_thinking_script(), HARMONY_SPECIALS,
+    HARMONY_WORDS): after a newline the model opens harmony's analysis channel and thinks
+    o k o k ... without end (<|channel|>analysis<|message|>okok...); after the header of any
+    other channel (<|message|>) it writes o k o k ... there too."""
+    tokenizer = scripted_tokenizer(HARMONY_SPECIALS, HARMONY_WORDS)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    (newline,) = ids("\n")
+    order = [newline, *ids("<|channel|>analysis<|message|>"), *ids("o"), *ids("k")]
+    assert len(order) == len(set(order)) == 6
+    return dict(zip(order[:-1], order[1:], strict=True)) | {order[-1]: order[-2]}

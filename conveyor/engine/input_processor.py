@@ -258,6 +258,9 @@ class InputProcessor:
         bad_words = [t for ids in params.bad_words_token_ids or () for t in ids]
         if len(params.allowed_token_ids or ()) > vocab:
             errors.append(f"allowed_token_ids: more than the vocabulary's {vocab} tokens")
+        for name in ("logprobs", "prompt_logprobs"):  # a server bounds them by --max-logprobs
+            if (getattr(params, name) or 0) > vocab:
+                errors.append(f"{name}: more than the vocabulary's {vocab} tokens")
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids or ()),
             ("logit_bias", params.logit_bias or ()),

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 
 from conveyor.engine.streams import RequestFailedError
 from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams
+from conveyor.sampling_params import SamplingParams
 
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a step asks for 2 x beam_width log-probabilities
 MAX_LENGTH_PENALTY = 10  # a length's power stays a float (no overflow) at any context length
 
 
@@ -40,12 +39,16 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     num_logprobs: int | None = None  # a server's answer: each beam token's top entries shown
+    # False: the beams' text keeps the special tokens (a server's parsers read their markers)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         checks = [
             (
-                _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
-                f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}",
+                # a step asks for 2 x beam_width logprobs: the engine bounds them by its
+                # vocabulary, a server by its --max-logprobs (as vLLM's max_logprobs)
+                _is_int(self.beam_width) and self.beam_width >= 1,
+                f"beam_width must be an integer >= 1, got {self.beam_width!r}",
             ),
             (
                 _is_int(self.max_tokens) and self.max_tokens >= 1,
@@ -175,7 +178,7 @@ def _finished(search: _Search, tokenizer, eos, params: BeamSearchParams) -> Beam
         generated = beam.tokens[search.prompt_len :]
         if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
             generated = generated[:-1]
-        beam.text = tokenizer.decode(generated, skip_special_tokens=True)
+        beam.text = tokenizer.decode(generated, skip_special_tokens=params.skip_special_tokens)
     return BeamSearchOutput(best)
 
 

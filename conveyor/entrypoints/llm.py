@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -12,7 +13,13 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine_args import EngineArgs
 from conveyor.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from conveyor.entrypoints.parsers import ParserNames
-from conveyor.entrypoints.pipeline import Parsers, ReplyReader, special_texts
+from conveyor.entrypoints.pipeline import (
+    Parsers,
+    ReplyReader,
+    marker_terminal,
+    special_texts,
+    tokenized,
+)
 from conveyor.lora.request import LoRARequest
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -104,6 +111,12 @@ class LLM:
         ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if any(not p for p in ids):
             raise ValueError("a prompt must hold at least one token")
+        vocab = self.engine.model_config.vocab_size
+        if 2 * params.beam_width > vocab:  # each step's logprobs, from the vocabulary
+            raise ValueError(
+                f"beam_width: each step asks for 2 x beam_width logprobs, at most the "
+                f"vocabulary's {vocab} tokens; got {params.beam_width}"
+            )
 
         def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
             return self.generate(batch, step, use_tqdm, lora_request=lora_request)
@@ -129,11 +142,15 @@ class LLM:
         tools: list[dict] | None = None,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
+        thinking_token_budget: int | None = None,
     ) -> list[RequestOutput]:
         """chat_template_kwargs: the template's own variables (e.g. enable_thinking). Each
         completion's text is also read as the server reads a chat reply (its `parsed`:
         reasoning, content, and with tools the calls of declared functions), by the parsers
-        named (vLLM's names) or those the chat template makes unambiguous."""
+        named (vLLM's names) or those the chat template makes unambiguous; and generated as
+        the server generates it: stop strings are matched after the reasoning those parsers
+        read, a structured output starts after it (in harmony's final channel for GPT-OSS),
+        thinking_token_budget bounds it."""
         names = ParserNames(reasoning_parser, tool_call_parser)  # ValueError for a bad name
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
@@ -144,20 +161,31 @@ class LLM:
         ]
         tokenizer = self.engine.tokenizer
         parsers = Parsers.of(names, chat_template or tokenizer.chat_template)
-        hidden = parsers.hidden(special_texts(tokenizer), True, bool(tools))
+        specials = special_texts(tokenizer)
+        hidden = parsers.hidden(specials, True, bool(tools))
         asked = _as_params_list(sampling_params, len(prompts))
         # the parsers must see their markers, as the server's do (unless all are asked for)
         hides = [hidden is not None and p.skip_special_tokens for p in asked]
+        readers = [
+            functools.partial(
+                _read,
+                parsers,
+                tools,
+                tokenizer.decode(prompt[-8:]),
+                chat_template_kwargs,
+                hidden if hide else (),
+            )
+            for prompt, hide in zip(prompts, hides, strict=True)
+        ]
+        marker = marker_terminal(tokenizer, specials)
         params = [
-            p.clone(skip_special_tokens=False) if hide else p
-            for p, hide in zip(asked, hides, strict=True)
+            _as_served(p, reader(), parsers, tokenizer, marker, hide, thinking_token_budget)
+            for p, reader, hide in zip(asked, readers, hides, strict=True)
         ]
         outputs = self.generate(prompts, params, use_tqdm)
-        for prompt, out, hide in zip(prompts, outputs, hides, strict=True):
-            tail = tokenizer.decode(prompt[-8:])
+        for out, reader in zip(outputs, readers, strict=True):
             for completion in out.outputs:
-                reader = _read(parsers, tools, tail, chat_template_kwargs, hidden if hide else ())
-                completion.parsed = reader.parse(completion.text)
+                completion.parsed = reader().parse(completion.text)
         return outputs
 
     def apply_chat_template(
@@ -249,6 +277,35 @@ def _read(
         declared = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
     parser = parsers.for_request(declared, MAX_DEPTH, tail, False, kwargs)
     return ReplyReader("auto" if declared else "none", parser, None, MAX_DEPTH, hidden)
+
+
+def _as_served(
+    params: SamplingParams,
+    reader: ReplyReader,
+    parsers: Parsers,
+    tokenizer,
+    marker: Callable[[str], str],
+    hide: bool,
+    budget: int | None,
+) -> SamplingParams:
+    """An LLM.chat reply's params as the server's would be: its reasoning's bounds (stop
+    strings after it, a budget, a grammar after it), its answer's grammar in the family's
+    form, its special tokens kept where the parsers read markers among them."""
+    bounds = reader.reasoning_bounds()
+    integer = isinstance(budget, int) and not isinstance(budget, bool)
+    if budget is not None and not (integer and budget >= 0):
+        raise ValueError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
+    if budget is not None and bounds is None:
+        raise ValueError(
+            "thinking_token_budget: this chat's reply has no reasoning that its parsers read "
+            "(name a reasoning_parser)"
+        )
+    answer = parsers.answer_constraint(params.structured_outputs, marker)
+    return params.clone(
+        skip_special_tokens=params.skip_special_tokens and not hide,
+        reasoning=tokenized(bounds, tokenizer, budget) if bounds else params.reasoning,
+        structured_outputs=answer,
+    )
 
 
 def _as_lora_list(lora_request, num: int) -> list[LoRARequest | None]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from conveyor.engine.streams import RequestStream
@@ -29,17 +29,15 @@ from conveyor.entrypoints.parsers.events import (
     ToolCallStart,
     joined,
 )
-from conveyor.entrypoints.parsers.reasoning import (
-    MarkedReasoning,
-    ReasoningParser,
-    reasoning_parser,
-)
+from conveyor.entrypoints.parsers.reasoning import ReasoningParser, reasoning_parser
 from conveyor.entrypoints.parsers.scan import MarkerScan
 from conveyor.entrypoints.parsers.select import chosen
 from conveyor.entrypoints.parsers.tools import tool_parser
+from conveyor.entrypoints.parsers.tools.forced import harmony_final, lark_marker
 from conveyor.entrypoints.parsers.tools.stream import ToolStream, call_events
 from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from conveyor.sampling_params import ReasoningBounds
+from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import parse_required
 
 DEFAULT_TOOL_PARSER = "hermes"  # conveyor's reading before parsers had names
@@ -196,11 +194,11 @@ class ReplyReader:
         self.num_calls = 0
 
     def reasoning_bounds(self) -> ReasoningBounds | None:
-        """Where the reply's reasoning is, when this reader parses one in marked form (the
-        engine then matches stop strings after it only); None for harmony, whose channels a
-        stop string is still matched in."""
+        """Where the reply's reasoning is, when this reader parses one (the engine then
+        matches stop strings after it only, bounds it by a budget and starts a grammar after
+        it): between markers, or harmony's analysis channel."""
         reasoning = self.parser.reasoning if self.parser is not None else None
-        return reasoning.bounds() if isinstance(reasoning, MarkedReasoning) else None
+        return reasoning.bounds() if reasoning is not None else None
 
     def feed(self, text: str, finished: bool = False) -> list[Event]:
         """The events of one more piece of the reply (finished: it is the last)."""
@@ -421,8 +419,24 @@ class Parsers:
 
     @property
     def marks_reasoning(self) -> bool:
-        """Whether replies' reasoning is read between markers (not harmony's channels)."""
-        return self.names.reasoning not in (None, "openai_gptoss")
+        """Whether replies' reasoning is read, so that the engine can find where it ends
+        (between markers, or harmony's analysis channel)."""
+        return self.names.reasoning is not None
+
+    @property
+    def harmony(self) -> bool:
+        """Whether replies are harmony's channels: an answer's grammar is then written in
+        the final channel (parsers/tools/forced.harmony_final)."""
+        return self.names.reasoning == "openai_gptoss"
+
+    def answer_constraint(
+        self, constraint: StructuredOutputs | None, marker: Callable[[str], str]
+    ) -> StructuredOutputs | None:
+        """A reply's own constraint as its answer is written: in harmony's final channel when
+        the replies are harmony's (a Lark grammar is the whole answer's, header included)."""
+        if constraint is None or not self.harmony or constraint.kind == "grammar":
+            return constraint
+        return StructuredOutputs(grammar=harmony_final(constraint, marker))
 
     def markers(self, reasoning: bool, tools: bool) -> frozenset[str]:
         """The marker texts a request's parsers read (reasoning: its reasoning is parsed;
@@ -469,6 +483,32 @@ class Parsers:
         if tools is not None:
             calls = tool_parser(self.names.tool_call or DEFAULT_TOOL_PARSER, tools, max_depth)
         return ReplyParser(reasoning, calls)
+
+
+def tokenized(bounds: ReasoningBounds, tokenizer, budget: int | None = None) -> ReasoningBounds:
+    """bounds with the token ids the engine core finds its markers by (a family's markers
+    are special tokens: one id each), and a thinking budget."""
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return replace(
+        bounds,
+        opening_ids=tuple(ids(marker) for marker in bounds.opening),
+        closing_ids=tuple(ids(marker) for marker in bounds.closing),
+        forced_tail_ids=ids(bounds.forced_tail) if bounds.forced_tail else (),
+        budget=budget,
+    )
+
+
+def marker_terminal(tokenizer, specials: frozenset[str]) -> Callable[[str], str]:
+    """A marker as a Lark terminal for this tokenizer: a special token's id, else its text."""
+
+    def terminal(text: str) -> str:
+        special = text in specials
+        return lark_marker(text, tokenizer.convert_tokens_to_ids(text) if special else None)
+
+    return terminal
 
 
 def special_texts(tokenizer) -> frozenset[str]:

@@ -20,7 +20,10 @@ States:
                a token that is no marker's ends the head, which is then the answer's start
     reasoning  counted (the opening marker not), until its tokens end with a closing marker;
                a prompt that opened the block (ReasoningBounds.opened) starts here
-    answer     what follows the closing marker; a grammar applies from here on
+    answer     what follows the closing marker; a grammar applies from here on. When the
+               budget forced the closing marker and no grammar writes the answer's start, the
+               format's forced tail (ReasoningBounds.forced_tail_ids: harmony's final-channel
+               header) is forced first
 
 A grammar that may itself write an opening marker first (a `choice` or regex that spells a
 whole reply, reasoning and all) is not delayed: it shapes the whole reply (Request.attach_grammar).
@@ -40,9 +43,11 @@ HEAD, REASONING, ANSWER = "head", "reasoning", "answer"
 
 class ReasoningPhase:
     __slots__ = ("bounds", "state", "num_reasoning_tokens", "_head", "_recent", "_keep")
-    __slots__ += ("_num_taken", "_committed")
+    __slots__ += ("_num_taken", "_committed", "_tail", "_tail_ids")
 
-    def __init__(self, bounds: ReasoningBounds, prompt_token_ids: list[int] = ()) -> None:
+    def __init__(
+        self, bounds: ReasoningBounds, prompt_token_ids: list[int] = (), grammar: bool = False
+    ) -> None:
         self.bounds = bounds
         self.state = REASONING if bounds.opened_by(list(prompt_token_ids)) else HEAD
         self.num_reasoning_tokens = 0  # the reasoning's own, closing marker tokens included
@@ -51,6 +56,9 @@ class ReasoningPhase:
         self._keep = max(len(ids) for ids in bounds.closing_ids)
         self._num_taken = 0  # of the head's tokens, those the grammar took tentatively
         self._committed = False  # the grammar refused a head token: the marker must follow
+        # the forced tail, when the budget ends the reasoning and no grammar writes its start
+        self._tail_ids = () if grammar else bounds.forced_tail_ids
+        self._tail: list[int] = []  # its tokens still to force, once in the answer
 
     @staticmethod
     def of(params: SamplingParams, prompt_token_ids: list[int] = ()) -> ReasoningPhase | None:
@@ -61,7 +69,7 @@ class ReasoningPhase:
             return None
         if bounds.budget is None and params.structured_outputs is None:
             return None
-        return ReasoningPhase(bounds, prompt_token_ids)
+        return ReasoningPhase(bounds, prompt_token_ids, params.structured_outputs is not None)
 
     @property
     def answering(self) -> bool:
@@ -84,6 +92,8 @@ class ReasoningPhase:
         budget is spent (a closing marker the model began itself is finished, not restarted)."""
         if self.state == HEAD and self._committed:
             return self.opening_token_id()  # the head is the marker's, not the grammar's
+        if self.state == ANSWER:
+            return self._tail[0] if self._tail else None
         budget = self.bounds.budget
         if self.state != REASONING or budget is None or self.num_reasoning_tokens < budget:
             return None
@@ -105,6 +115,8 @@ class ReasoningPhase:
         grammar is still to consume, in order: none while in the head or the reasoning, the
         head's tokens it did not take and this one when the head opens no reasoning."""
         if self.state == ANSWER:
+            if self._tail:
+                self._tail.pop(0)
             return [token_id]
         if self.state == HEAD:
             return self._advance_head(token_id, grammar)
@@ -114,6 +126,7 @@ class ReasoningPhase:
             self.num_reasoning_tokens += 1
         if any(_ends_with(self._recent, ids) for ids in self.bounds.closing_ids):
             self.state = ANSWER
+            self._tail = list(self._tail_ids) if forced else []
         return []
 
     def _advance_head(self, token_id: int, grammar: Grammar | None) -> list[int]:

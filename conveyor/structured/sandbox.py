@@ -81,7 +81,7 @@ def grammar_text(kind: str, text: str) -> str:
         # One regex lexeme of the alternatives, not llguidance's choice grammar (a rule
         # alternative each): that one fills a parser row with every alternative, and from
         # 2,000 of them it gives up at the first token. The lexer takes 10,000 in 30 ms.
-        alternatives = "|".join(_regex_literal(c) for c in json.loads(text))
+        alternatives = "|".join(regex_literal(c) for c in json.loads(text))
         return llguidance.LLMatcher.grammar_from_regex(f"({alternatives})")
     return llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
 
@@ -90,7 +90,7 @@ def grammar_text(kind: str, text: str) -> str:
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
 
-def _regex_literal(text: str) -> str:
+def regex_literal(text: str) -> str:
     """A regex matching exactly `text`."""
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 

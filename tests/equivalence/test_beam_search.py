@@ -3,6 +3,8 @@ best first, with the same cumulative log-probabilities, in float64."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import DEVICE_KWARGS, random_prompts
@@ -79,7 +81,7 @@ def test_a_beam_that_writes_eos_is_complete_and_ranked_with_the_others(checkpoin
     "field, value",
     [
         ("beam_width", 0),
-        ("beam_width", 11),
+        ("beam_width", 1.5),
         ("max_tokens", 0),
         ("length_penalty", float("nan")),
         ("length_penalty", 1e308),
@@ -89,3 +91,10 @@ def test_bad_beam_search_params_are_refused_by_name(field, value):
     fields = {"beam_width": 2, "max_tokens": 4} | {field: value}
     with pytest.raises(ValueError, match=field):
         BeamSearchParams(**fields)
+
+
+def test_a_beam_width_past_half_the_vocabulary_is_refused_by_name(checkpoint):
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    with LLM(str(checkpoint), dtype="float64", **DEVICE_KWARGS) as llm:
+        with pytest.raises(ValueError, match="beam_width"):
+            llm.beam_search([[3, 4]], BeamSearchParams(vocab // 2 + 1, 2))

@@ -178,3 +178,22 @@ def test_a_client_that_leaves_ends_the_search(server, stream):
     time.sleep(0.5)
     metrics = server.metrics()
     assert metrics["conveyor:num_requests_running"] + metrics["conveyor:num_requests_waiting"] == 0
+
+
+def test_the_servers_max_logprobs_bounds_the_beam_width(checkpoint, beams, tmp_path_factory):
+    """A step asks for 2 x n logprobs: --max-logprobs 30 serves 15 beams, and 16 is a 400
+    that names n and the setting (the default 20 serves 10, as the refusals above show)."""
+    args = [str(checkpoint), "--dtype", "float64", "--served-model-name", MODEL]
+    wide = ServerProcess([*args, "--max-logprobs", "30"], tmp_path_factory.mktemp("wide") / "log")
+    try:
+        body = beam_body(model=MODEL, prompt=PROMPTS[3], max_tokens=MAX_TOKENS)
+        url = f"{wide.base_url}/v1/completions"
+        out = httpx.post(url, json=body | {"n": 15}, timeout=120).json()
+        got = [(c["text"], c["token_ids"], c["finish_reason"]) for c in out["choices"]]
+        assert got == beams(PROMPTS[3], width=15)
+        refused = httpx.post(url, json=body | {"n": 16}, timeout=60)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "n"
+        assert "--max-logprobs" in refused.json()["error"]["message"]
+    finally:
+        assert wide.stop() == 0

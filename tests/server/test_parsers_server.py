@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
 from server_util import start_tiny
+from tiny import make_tiny_checkpoint
 
 MODEL = "tiny"
 TOOLS = [
@@ -42,11 +44,10 @@ def ask(client, raw: str, stream: bool = False, **fields):
     return client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Weather in Paris?"}],
-        max_tokens=200,
         temperature=0,
         stream=stream,
         extra_body=extra,
-        **fields,
+        **({"max_tokens": 200} | fields),
     )
 
 
@@ -220,10 +221,20 @@ def test_a_forced_call_is_written_in_deepseeks_syntax(deepseek):
 
 
 # family -> what its forced reply starts with and ends with, as the model writes it
+XML_FORCED = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n", "</tool_call>")
 FORCED_SYNTAX = {
+    "deepseek_v3": (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
+        "}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    ),
+    "granite": ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": ', "}}]"),
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": ', "}}\n</tool_call>"),
     "llama3_json": ('{"name": "get_weather", "parameters": {"city": ', "}}"),
+    "llama4_pythonic": ("[get_weather(city=", ")]"),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": ', "}}]"),
     "pythonic": ("[get_weather(city=", ")]"),
-    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\n", "</tool_call>"),
+    "qwen3_coder": XML_FORCED,
+    "qwen3_xml": XML_FORCED,
     "openai": (
         "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{",
         "}<|call|>",
@@ -231,10 +242,17 @@ FORCED_SYNTAX = {
 }
 
 
+@pytest.fixture(scope="module")
+def roomy_checkpoint(tmp_path_factory):
+    """The tiny llama with room for a prompt that describes tools and a reply of two calls."""
+    path = tmp_path_factory.mktemp("roomy")
+    return make_tiny_checkpoint(path, "llama", max_position_embeddings=2048)
+
+
 @pytest.fixture(scope="module", params=sorted(FORCED_SYNTAX))
-def family_server(request, tiny_checkpoint, tmp_path_factory):
+def family_server(request, roomy_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    server = start_tiny(tiny_checkpoint, folder, "--tool-call-parser", request.param)
+    server = start_tiny(lambda _: roomy_checkpoint, folder, "--tool-call-parser", request.param)
     yield request.param, openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
     server.stop()
 
@@ -243,7 +261,7 @@ def test_a_forced_call_is_written_in_each_familys_syntax(family_server):
     family, client = family_server
     fields = {
         "messages": [{"role": "user", "content": "Weather in Paris?"}],
-        "max_tokens": 100,
+        "max_tokens": 200,
         "temperature": 0,
         "tools": CITY_TOOLS,
         "tool_choice": NAMED,
@@ -264,12 +282,31 @@ def test_a_forced_call_is_written_in_each_familys_syntax(family_server):
 
 # family -> a reply of one call with {"city": "Paris in the spring"}, and the fewest pieces its
 # arguments stream in (pythonic: the key, then the value once it ends)
+SPRING = '{"city": "Paris in the spring"}'
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis in the spring\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
 RAW_CALLS = {
-    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris in the spring"}}', 4),
+    "deepseek_v3": (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        f"{SPRING}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        4,
+    ),
+    "granite": (f'<|tool_call|>[{{"name": "get_weather", "arguments": {SPRING}}}]', 4),
+    "hermes": (f'<tool_call>\n{{"name": "get_weather", "arguments": {SPRING}}}\n</tool_call>', 4),
+    "llama3_json": (f'{{"name": "get_weather", "parameters": {SPRING}}}', 4),
+    "llama4_pythonic": (
+        '<|python_start|>[get_weather(city="Paris in the spring")]<|python_end|>',
+        2,
+    ),
+    "mistral": (f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {SPRING}}}]', 4),
     "pythonic": ('[get_weather(city="Paris in the spring")]', 2),
-    "qwen3_coder": (
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis in the spring\n"
-        "</parameter>\n</function>\n</tool_call>",
+    "qwen3_coder": (XML_CALL, 4),
+    "qwen3_xml": (XML_CALL, 4),
+    "openai": (
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris in the spring"}<|call|>',
         4,
     ),
 }
@@ -277,8 +314,6 @@ RAW_CALLS = {
 
 def test_a_calls_streamed_arguments_join_to_the_whole_in_each_family(family_server):
     family, client = family_server
-    if family not in RAW_CALLS:
-        pytest.skip("harmony's markers are special tokens: no choice grammar spells them")
     raw, fewest = RAW_CALLS[family]
     whole = ask(client, raw, tools=TOOLS).choices[0]
     (call,) = whole.message.tool_calls
@@ -288,3 +323,116 @@ def test_a_calls_streamed_arguments_join_to_the_whole_in_each_family(family_serv
     assert "".join(pieces) == call.function.arguments
     assert len(pieces) >= fewest
     assert gathered(chunks)["finish"] == "tool_calls"
+
+
+# Two declared tools, the second's argument nested, for replies of text then two calls.
+TWO_TOOLS = [
+    TOOLS[0],
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"where": {"type": "object"}}},
+        },
+    },
+]
+WHERE = {"days": [1, 2], "note": None}
+TWO_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"where": WHERE})]
+_W, _T = '{"city": "Paris"}', '{"where": {"days": [1, 2], "note": null}}'
+_PY = '[get_weather(city="Paris"), get_time(where={"days": [1, 2], "note": None})]'
+_XML = (
+    "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=where>\n"
+    '{"days": [1, 2], "note": null}\n</parameter>\n</function>\n</tool_call>'
+)
+_DS = "<｜tool▁call▁begin｜>{}<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+_HARMONY = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}<|call|>"
+# family -> its raw reply of the two calls (text first where the family has text before a
+# call), and that text
+TWO_CALL_REPLIES = {
+    "deepseek_v3": (
+        f"Sure.<｜tool▁calls▁begin｜>{_DS.format('get_weather', _W)}{_DS.format('get_time', _T)}"
+        "<｜tool▁calls▁end｜>",
+        "Sure.",
+    ),
+    "granite": (
+        f'<|tool_call|>[{{"name": "get_weather", "arguments": {_W}}}, '
+        f'{{"name": "get_time", "arguments": {_T}}}]',
+        None,
+    ),
+    "hermes": (
+        f'Sure. <tool_call>\n{{"name": "get_weather", "arguments": {_W}}}\n</tool_call>\n'
+        f'<tool_call>\n{{"name": "get_time", "arguments": {_T}}}\n</tool_call>',
+        "Sure.",
+    ),
+    "llama3_json": (
+        f'<|python_tag|>{{"name": "get_weather", "parameters": {_W}}}; '
+        f'{{"name": "get_time", "parameters": {_T}}}',
+        None,
+    ),
+    "llama4_pythonic": (f"Sure. <|python_start|>{_PY}<|python_end|>", "Sure."),
+    "mistral": (
+        f'Sure.[TOOL_CALLS][{{"name": "get_weather", "arguments": {_W}}}, '
+        f'{{"name": "get_time", "arguments": {_T}}}]',
+        "Sure.",
+    ),
+    "pythonic": (_PY, None),
+    "qwen3_coder": (_XML, "Sure."),
+    "qwen3_xml": (_XML, "Sure."),
+    "openai": (
+        _HARMONY.format("get_weather", _W) + "<|start|>assistant" + _HARMONY.format("get_time", _T),
+        None,
+    ),
+}
+
+
+def test_text_then_two_calls_with_nested_arguments_in_each_family(family_server):
+    family, client = family_server
+    raw, text = TWO_CALL_REPLIES[family]
+    fields = {"tools": TWO_TOOLS, "max_tokens": 300}
+    whole = ask(client, raw, **fields).choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert calls == TWO_CALLS and whole.finish_reason == "tool_calls"
+    assert (whole.message.content or "").strip() == (text or "")
+    streamed = gathered(ask(client, raw, stream=True, **fields))
+    assert [(name, json.loads(arguments)) for name, arguments in streamed["calls"]] == TWO_CALLS
+    assert streamed["content"].strip() == (text or "")
+    assert streamed["finish"] == "tool_calls"
+
+
+def test_a_forced_call_in_each_familys_syntax_on_the_responses_and_messages_apis(family_server):
+    family, client = family_server
+    parameters = CITY_TOOLS[0]["function"]["parameters"]
+    tool = {"type": "function", "name": "get_weather", "parameters": parameters}
+    fields = {
+        "model": MODEL,
+        "input": "Weather in Paris?",
+        "tools": [tool],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 200,
+    }
+    (item,) = client.responses.create(**fields).output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert json.loads(item.arguments)["city"] in ("Paris", "Rome")
+    deltas, done = [], None
+    for event in client.responses.create(stream=True, **fields):
+        if event.type == "response.function_call_arguments.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.function_call_arguments.done":
+            done = event.arguments
+    assert done is not None and "".join(deltas) == done
+    base_url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    messages = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0).messages
+    body = {
+        "model": MODEL,
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"name": "get_weather", "input_schema": parameters}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }
+    (block,) = messages.create(**body).content
+    assert block.type == "tool_use" and block.name == "get_weather"
+    assert block.input["city"] in ("Paris", "Rome")
+    with messages.stream(**body) as stream:
+        (streamed,) = stream.get_final_message().content
+    assert streamed.type == "tool_use" and streamed.input["city"] in ("Paris", "Rome")

@@ -85,6 +85,15 @@ def test_reasoning_item_on_the_responses_api(client):
     assert list(deltas.values()) == ["ok", "Paris"]
 
 
+def test_beam_search_keeps_the_markers_for_the_reasoning_parser(client):
+    body = {"use_beam_search": True}
+    fields = {"model": MODEL, "messages": HI, "max_tokens": 20, "n": 2, "extra_body": body}
+    best = client.chat.completions.create(**fields).choices[0]
+    assert (best.message.model_dump()["reasoning"], best.message.content) == ("ok", "Paris")
+    chunks = client.chat.completions.create(stream=True, **fields)
+    assert joined(c for c in chunks if c.choices and c.choices[0].index == 0) == ("ok", "Paris")
+
+
 def test_stop_string_in_the_reasoning_does_not_end_the_reply(client):
     # "k" is written inside [THINK] o k [/THINK]: it must not end the reply (vLLM #59515).
     message = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, stop="k")

@@ -131,19 +131,25 @@ def test_a_forced_call_comes_after_the_reasoning_in_mistrals_syntax(client, choi
     assert names == ["get_weather"]
 
 
-def test_messages_api_tool_choice_any_after_the_thinking(server):
+def assert_tool_use_after_thinking(server, schema: dict) -> None:
+    """On the Messages API, tool_choice any after a thinking budget of 1024 tokens: a thinking
+    block, then the call of get_weather (schema: its input's, Paris its one city). Room for
+    the call however the sampler spells it (tokens of one character, at worst)."""
     client = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
-    tool = {"name": "get_weather", "input_schema": CITY_TOOL["function"]["parameters"]}
     message = client.messages.create(
         model=MODEL,
-        max_tokens=1100,
+        max_tokens=1300,
         messages=HI,
-        tools=[tool],
+        tools=[{"name": "get_weather", "input_schema": schema}],
         tool_choice={"type": "any"},
         thinking={"type": "enabled", "budget_tokens": 1024},
     )
     assert [block.type for block in message.content] == ["thinking", "tool_use"]
     assert message.content[1].input == {"city": "Paris"} and message.stop_reason == "tool_use"
+
+
+def test_messages_api_tool_choice_any_after_the_thinking(server):
+    assert_tool_use_after_thinking(server, CITY_TOOL["function"]["parameters"])
 
 
 @pytest.mark.parametrize(

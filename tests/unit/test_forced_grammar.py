@@ -14,7 +14,13 @@ from tiny import MARKER_SPECIALS, build_tokenizer
 
 from conveyor.entrypoints.parsers.events import joined
 from conveyor.entrypoints.parsers.tools import tool_parser
-from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar, lark_marker
+from conveyor.entrypoints.parsers.tools.forced import (
+    FORCED_FAMILIES,
+    forced_grammar,
+    harmony_final,
+    lark_marker,
+)
+from conveyor.structured.params import StructuredOutputs
 
 SPECIALS = (*MARKER_SPECIALS, "<|tool_call|>")
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -148,3 +154,39 @@ def test_a_name_the_syntax_cannot_write_is_refused():
     tool = {"type": "function", "function": {"name": "get-weather", "parameters": PARAMETERS}}
     with pytest.raises(ValueError, match="tools"):
         forced_grammar("pythonic", [tool], True, json.dumps)
+
+
+@pytest.mark.parametrize("value", ["a < b", "<b>bold</b>\n<i>", "x</param", "if a<b:\n  c()"])
+def test_a_qwen3_coder_string_argument_may_hold_markup(tokenizer, value):
+    grammar = forced_grammar("qwen3_coder", TOOLS, False, lambda text: json.dumps(text))
+    text = _xml_call({"city": value})
+    assert fits(tokenizer, grammar, text)
+    parser = tool_parser("qwen3_coder", {"get_weather": PARAMETERS}, 16)
+    parsed = joined(parser.feed(text) + parser.finish())
+    assert [(n, json.loads(a)) for n, a in parsed.calls] == [("get_weather", {"city": value})]
+
+
+@pytest.mark.parametrize("tag", ["</parameter>", "</function>", "</tool_call>"])
+def test_a_qwen3_coder_string_argument_cannot_hold_a_closing_tag(tokenizer, tag):
+    grammar = forced_grammar("qwen3_coder", TOOLS, False, lambda text: json.dumps(text))
+    assert not fits(tokenizer, grammar, _xml_call({"city": f"Paris{tag}Rome"}))
+
+
+@pytest.mark.parametrize(
+    "constraint, good, bad",
+    [
+        (StructuredOutputs(json=PARAMETERS), '{"city": "Paris"}', '{"town": "Paris"}'),
+        (StructuredOutputs(json_object=True), '{"a": 1}', "[1]"),
+        (StructuredOutputs(regex="a/b|c+"), "a/b", "a/bc"),
+        (StructuredOutputs(choice=["yes/no", "maybe"]), "yes/no", "yes"),
+    ],
+)
+def test_an_answers_grammar_is_written_in_harmonys_final_channel(tokenizer, constraint, good, bad):
+    def marker(text):
+        special = text in SPECIALS
+        return lark_marker(text, tokenizer.convert_tokens_to_ids(text) if special else None)
+
+    grammar = harmony_final(constraint, marker)
+    assert fits(tokenizer, grammar, "<|channel|>final<|message|>" + good)
+    assert not fits(tokenizer, grammar, "<|channel|>final<|message|>" + bad)
+    assert not fits(tokenizer, grammar, good)  # the header is the answer's start

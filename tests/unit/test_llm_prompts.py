@@ -11,6 +11,7 @@ from tiny import MARKER_SPECIALS, make_scripted_checkpoint, thinking_script
 
 from conveyor import LLM
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.params import StructuredOutputs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -55,3 +56,42 @@ def test_chat_reads_the_reply_as_the_server_does(llm):
     assert plain.outputs[0].parsed.reasoning is None
     with pytest.raises(ValueError, match="reasoning-parser"):
         llm.chat(messages, GREEDY, use_tqdm=False, reasoning_parser="nope")
+
+
+def test_chat_matches_stop_strings_after_the_reasoning_only(llm):
+    # "k" is written inside [THINK] o k [/THINK]: it ends the answer only, as on the server
+    messages = [{"role": "user", "content": "Where?"}]
+    for stop, content in (["k"], "Paris"), (["k", "ri"], "Pa"):
+        params = SamplingParams(temperature=0, max_tokens=12, stop=stop)
+        (out,) = llm.chat(messages, params, use_tqdm=False, reasoning_parser="mistral")
+        parsed = out.outputs[0].parsed
+        assert (parsed.reasoning, parsed.content) == ("ok", content)
+
+
+def test_chat_structured_output_starts_after_the_reasoning(llm):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
+    schema["additionalProperties"] = False
+    params = SamplingParams(
+        temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(json=schema)
+    )
+    messages = [{"role": "user", "content": "Where?"}]
+    (out,) = llm.chat(messages, params, use_tqdm=False, reasoning_parser="mistral")
+    parsed = out.outputs[0].parsed
+    assert (parsed.reasoning, parsed.content) == ("ok", '{"city": "Paris"}')
+
+
+def test_chat_thinking_token_budget_ends_the_reasoning(llm):
+    messages = [{"role": "user", "content": "Where?"}]
+    (out,) = llm.chat(
+        messages, GREEDY, use_tqdm=False, reasoning_parser="mistral", thinking_token_budget=1
+    )
+    parsed = out.outputs[0].parsed
+    assert (parsed.reasoning, parsed.content) == ("o", "Paris")
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        llm.chat(messages, GREEDY, use_tqdm=False, thinking_token_budget=1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="thinking_token_budget must be an integer >= 0"):
+            llm.chat(
+                messages, GREEDY, use_tqdm=False, reasoning_parser="mistral",
+                thinking_token_budget=bad,
+            )  # fmt: skip

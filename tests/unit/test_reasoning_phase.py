@@ -57,6 +57,27 @@ def test_a_reasoning_closed_within_the_budget_is_left_alone():
     assert state.answering and state.forced_token_id() is None
 
 
+TAIL = (10, 11)  # a format's answer header (harmony's <|channel|>final<|message|>)
+
+
+def tailed(budget: int, grammar: bool = False) -> ReasoningPhase:
+    bounds = ReasoningBounds(("<t>",), ("</t>",), False, (OPEN,), (CLOSE,), budget, "h", TAIL)
+    return ReasoningPhase(bounds, grammar=grammar)
+
+
+def test_a_spent_budget_forces_the_formats_answer_header_after_the_closing_marker():
+    reply, answer = run(tailed(budget=1), [*OPEN, 7, 8, 9])
+    assert reply == [*OPEN, 7, *CLOSE, *TAIL, 8, 9]
+    assert answer == [*TAIL, 8, 9]
+
+
+def test_the_answer_header_is_the_grammars_or_the_models_own_when_not_forced():
+    # a grammar writes the answer's start itself (harmony: a final or commentary header)
+    assert run(tailed(budget=1, grammar=True), [*OPEN, 7, 8, 9])[0] == [*OPEN, 7, *CLOSE, 8, 9]
+    # a reasoning the model closed itself goes on as the model writes it
+    assert run(tailed(budget=5), [*OPEN, 7, *CLOSE, 8])[0] == [*OPEN, 7, *CLOSE, 8]
+
+
 def test_a_reply_that_opens_no_reasoning_is_all_answer_its_head_included():
     state = phase(budget=0)
     assert state.opening_token_id() == 1 and state.grammar_applies

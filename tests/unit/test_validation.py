@@ -41,7 +41,8 @@ from conveyor.config import CacheConfig, SchedulerConfig
         (dict(repetition_penalty=2.5), "repetition_penalty must be a finite number in"),
         (dict(presence_penalty=3.0), r"presence_penalty must be a finite number in \[-2, 2\]"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-        (dict(logprobs=100), "logprobs must be in"),
+        (dict(logprobs=-1), "logprobs must be an integer >= 0"),
+        (dict(prompt_logprobs=1.5), "prompt_logprobs must be an integer >= 0"),
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs, message):
@@ -67,6 +68,18 @@ def test_empty_prompt_is_refused(engine):
         engine.add_request("empty-text", "", SamplingParams())
     with pytest.raises(ValueError, match="non-empty list of token ids"):
         engine.add_request("empty-ids", [], SamplingParams())
+
+
+def test_logprobs_beyond_the_vocabulary_are_refused_and_within_it_served(engine):
+    vocab = engine.model_config.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{name}: more than the vocabulary's {vocab}"):
+            engine.add_request(f"wide-{name}", [3, 4], SamplingParams(**{name: vocab + 1}))
+    engine.add_request("wide", [3, 4], SamplingParams(max_tokens=1, logprobs=40))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    (position,) = next(o for o in outputs if o.request_id == "wide").outputs[0].logprobs
+    assert len(position) >= 40
 
 
 def test_out_of_vocabulary_token_id_is_refused(engine):

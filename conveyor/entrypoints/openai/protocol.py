@@ -37,7 +37,7 @@ from pydantic import (
 )
 
 from conveyor import nesting
-from conveyor.entrypoints.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from conveyor.entrypoints.beam_search import BeamSearchParams
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
 from conveyor.sampling_params import SamplingParams
@@ -301,11 +301,19 @@ class _SamplingFields(BaseModel):
         return [(param, value) for param, value in fields if value is not None]
 
     def beam_params(
-        self, max_tokens: int, constrained_by: str | None, num_logprobs: int | None
+        self,
+        limits: RequestLimits,
+        max_tokens: int,
+        constrained_by: str | None,
+        num_logprobs: int | None,
+        skip_special_tokens: bool = True,
     ) -> BeamSearchParams:
-        """use_beam_search's settings (n beams); InvalidParam naming a field the search does
-        not apply (it ranks the model's own log-probabilities, token by token), or the field
-        whose grammar would constrain the reply (constrained_by)."""
+        """use_beam_search's settings (n beams, each step asking for 2 x n logprobs, within
+        the server's max_logprobs as vLLM bounds them); InvalidParam naming a field the search
+        does not apply (it ranks the model's own log-probabilities, token by token), or the
+        field whose grammar would constrain the reply (constrained_by). skip_special_tokens:
+        as the request's own sampling would decode its reply (False: its parsers read
+        markers)."""
         if constrained_by is not None:
             name = self.field_name(constrained_by)
             raise InvalidParam(f"{name}: not supported with use_beam_search", name)
@@ -313,10 +321,12 @@ class _SamplingFields(BaseModel):
             if getattr(self, name) not in (None, False, 0, []):
                 name = self.field_name(name)
                 raise InvalidParam(f"{name}: not supported with use_beam_search", name)
-        if not 1 <= self.n <= MAX_BEAM_WIDTH:
+        widest = max(limits.max_logprobs // 2, 1)
+        if not 1 <= self.n <= widest:
             raise InvalidParam(
-                f"n: use_beam_search's beam width (n) must be in [1, {MAX_BEAM_WIDTH}], "
-                f"got {self.n}",
+                f"n: use_beam_search's beam width (n) must be in [1, {widest}]: each step asks "
+                f"for 2 x n logprobs, at most this server's max_logprobs "
+                f"({limits.max_logprobs}, --max-logprobs); got {self.n}",
                 "n",
             )
         try:
@@ -328,6 +338,7 @@ class _SamplingFields(BaseModel):
                 self.length_penalty,
                 self.include_stop_str_in_output,
                 num_logprobs,
+                skip_special_tokens,
             )
         except ValueError as error:
             name = str(error).split()[0]  # BeamSearchParams' messages start with the field

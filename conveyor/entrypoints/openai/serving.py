@@ -32,8 +32,7 @@ from conveyor.entrypoints.parsers.events import (
     ToolArgsDelta,
     ToolCallStart,
 )
-from conveyor.entrypoints.parsers.reasoning import MarkedReasoning
-from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar, lark_marker
+from conveyor.entrypoints.parsers.tools.forced import FORCED_FAMILIES, forced_grammar
 from conveyor.entrypoints.pipeline import (
     Choice,
     Choices,
@@ -44,7 +43,9 @@ from conveyor.entrypoints.pipeline import (
     Step,
     Usage,
     finish_reason,
+    marker_terminal,
     special_texts,
+    tokenized,
 )
 from conveyor.entrypoints.runner import DONE, Submission, frame
 from conveyor.limits import RequestLimits
@@ -81,6 +82,7 @@ class OpenAIServing:
         template = getattr(self.tokenizer, "chat_template", None)
         self.parsers = Parsers.of(parsers or ParserNames(), template)
         self._specials = special_texts(self.tokenizer)
+        self._lark_marker = marker_terminal(self.tokenizer, self._specials)
         self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
@@ -96,9 +98,9 @@ class OpenAIServing:
     def tool_reply(self, request: ChatCompletionRequest, prompt: list[int]) -> _ToolReply:
         """How one choice's reply is read: the server's parsers, for this request."""
         mode = self.reading_mode(request)
-        # A grammar starts after reasoning in marked form (the engine core finds where it ends:
-        # sample/reasoning.py); a generic forced call, or harmony's channels, it shapes from
-        # the start.
+        # A grammar starts after the reasoning that a reasoning parser reads (the engine core
+        # finds where it ends: sample/reasoning.py); a generic forced call shapes the reply
+        # from the start.
         structured = request.response_format is not None or request.structured_outputs is not None
         constrained = mode in ("required", "named") or (
             (structured or mode == "forced") and not self.parsers.marks_reasoning
@@ -139,9 +141,16 @@ class OpenAIServing:
             raise InvalidParam(str(error), "tools") from None
         return StructuredOutputs(grammar=grammar)
 
-    def _lark_marker(self, text: str) -> str:
-        special = text in self._specials
-        return lark_marker(text, self.tokenizer.convert_tokens_to_ids(text) if special else None)
+    async def _answer(
+        self, constraint: StructuredOutputs | None, param: str | None
+    ) -> StructuredOutputs | None:
+        """The request's own constraint as the reply's answer is written: in harmony's final
+        channel when the replies are harmony's (checked first as the request gave it, so that
+        an error names what the client wrote); a Lark grammar is the whole answer's."""
+        answer = self.parsers.answer_constraint(constraint, self._lark_marker)
+        if answer is not constraint:
+            await self.check_constraint(constraint, param)
+        return answer
 
     def hidden_specials(self, request: ChatCompletionRequest) -> tuple[str, ...] | None:
         """None: the reply is decoded as the request asks. Otherwise the request's parsers
@@ -370,7 +379,9 @@ class OpenAIServing:
         if request.use_beam_search:  # its steps are requests for one token each: check now
             for prompt in prompts:
                 self._check_room(len(prompt), max_tokens, "max_tokens")
-            return prompts, request.beam_params(max_tokens, param, request.logprobs)
+            skip = request.skip_special_tokens
+            beams = request.beam_params(self.limits, max_tokens, param, request.logprobs, skip)
+            return prompts, beams
         return prompts, params
 
     def room_for_prompt(self, max_tokens: int | None) -> int:
@@ -491,7 +502,7 @@ class OpenAIServing:
         request.check_limits(self.limits)
         max_tokens = request.max_completion_tokens or request.max_tokens
         constraint, param = request.constraint()
-        constraint = self.forced_constraint(request) or constraint
+        constraint = self.forced_constraint(request) or await self._answer(constraint, param)
         params = request.sampling_params(max_tokens, constraint)
         await self.check_constraint(constraint, param)
         mode = request.tool_mode
@@ -513,7 +524,8 @@ class OpenAIServing:
             room = max_tokens if max_tokens is not None else self.engine.max_model_len - len(prompt)
             forced = "tool_choice" if request.tool_mode in ("required", "named") else None
             top = (request.top_logprobs or 0) if request.logprobs else None
-            return [prompt], request.beam_params(room, forced or param, top)
+            skip = params.skip_special_tokens  # off where the parsers read special markers
+            return [prompt], request.beam_params(self.limits, room, forced or param, top, skip)
         bounds = self.reply_reader(request, prompt).reasoning_bounds()
         return [prompt], self._with_reasoning(request, params, bounds)
 
@@ -537,27 +549,15 @@ class OpenAIServing:
                     name,
                 )
             return params
-        bounds = replace(
-            bounds,
-            opening_ids=self._marker_ids(bounds.opening),
-            closing_ids=self._marker_ids(bounds.closing),
-            budget=budget,
-        )
-        return params.clone(reasoning=bounds)
+        return params.clone(reasoning=tokenized(bounds, self.tokenizer, budget))
 
     def _prompt_reasoning(self) -> ReasoningBounds | None:
-        """A completion's reasoning bounds: the server's marked reasoning, open where the
-        prompt's own tokens opened it (the client wrote the prompt: no template says)."""
+        """A completion's reasoning bounds: the server's reasoning, open where the prompt's
+        own tokens opened it (the client wrote the prompt: no template says)."""
         reasoning = self.parsers.for_request(None, self.limits.max_json_depth).reasoning
-        if not isinstance(reasoning, MarkedReasoning):
+        if reasoning is None:
             return None
         return replace(reasoning.bounds(), opened=None)
-
-    def _marker_ids(self, markers: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each marker as this tokenizer encodes it (a family's markers: one special token)."""
-        return tuple(
-            tuple(self.tokenizer.encode(marker, add_special_tokens=False)) for marker in markers
-        )
 
     def _check_room(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         """A prompt and max_tokens beyond the context, refused naming the request's own field

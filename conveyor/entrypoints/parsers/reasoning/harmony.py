@@ -7,16 +7,25 @@ addressed to a function (`to=functions.NAME`) is a tool call: it is passed on as
 its header and `<|call|>` end as written, for the `openai` tool parser to read. Text outside any
 message is content. The markers are special tokens: the server keeps them in the text of a
 reply it reads with this parser.
+
+For the engine (bounds): the analysis is the reasoning, opened by
+`<|channel|>analysis<|message|>` and closed by `<|end|><|start|>assistant`, after which the
+answer's own header follows: a grammar writes it (a response_format in the final channel, a
+forced call in commentary), and a thinking budget forces `<|channel|>final<|message|>`.
 """
 
 from __future__ import annotations
 
 from conveyor.entrypoints.parsers.events import ContentDelta, Event, ReasoningDelta
 from conveyor.entrypoints.parsers.scan import MarkerScan
+from conveyor.sampling_params import ReasoningBounds
 
 CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 MAX_HEADER = 1024  # a longer header is no header: it is passed on as content
+ANALYSIS = CHANNEL + "analysis" + MESSAGE
+ANALYSIS_END = "<|end|>" + START + "assistant"
+FINAL = CHANNEL + "final" + MESSAGE
 
 _OUTSIDE, _ROLE, _HEADER, _BODY = "outside", "role", "header", "body"
 
@@ -34,6 +43,10 @@ class HarmonyReasoning:
         self._length = 0  # the header's and the role's characters, bounded by MAX_HEADER
         self._role = ""  # the role's text: a recipient may be named there (`assistant to=...`)
         self._kind = "content"  # the body's kind: reasoning, content, or call (raw content)
+
+    def bounds(self) -> ReasoningBounds:
+        """Where the analysis is, for the engine: stop strings, budgets, grammars after it."""
+        return ReasoningBounds((ANALYSIS,), (ANALYSIS_END,), forced_tail=FINAL)
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []

@@ -13,9 +13,15 @@ reads calls, so the model writes what it was trained to write and the parser rea
                  True / False / None)
     qwen3_coder, <tool_call>\n<function=F>\n<parameter=P>\nvalue\n</parameter>\n...
     qwen3_xml    </function>\n</tool_call>, "\n" between; a string value as text without
-                 "<", any other as its schema's JSON
+                 the closing tags the parser reads (</parameter>, </function>,
+                 </tool_call>), any other as its schema's JSON
     openai       <|channel|>commentary to=functions.F <|constrain|>json<|message|>{...}<|call|>
                  (harmony), each further call after <|start|>assistant
+
+With GPT-OSS's reasoning parser (harmony), an answer's own grammar (a response_format, a
+JSON schema, regex or choice of structured_outputs) is written in the final channel:
+<|channel|>final<|message|> then the grammar (harmony_final); a Lark grammar is the whole
+answer's, header included, as the model writes it.
 
 One call with parallel_tool_calls false or a named function, else one or more. The JSON is
 written as conveyor's other grammars write it (json.dumps' separators, no other blanks). A
@@ -30,7 +36,8 @@ import json
 from collections.abc import Callable
 
 from conveyor.structured.backend import strict_schema
-from conveyor.structured.sandbox import JSON_OVERRIDES
+from conveyor.structured.params import StructuredOutputs
+from conveyor.structured.sandbox import JSON_OVERRIDES, regex_literal
 from conveyor.structured.tools import call_schema, parameters_of
 
 # family -> (opening marker, key of the arguments, calls written as one JSON list)
@@ -110,25 +117,37 @@ def _qwen3_xml_grammar(tools: list[dict], parallel: bool, marker: Callable[[str]
         parts = []
         for j, (key, schema) in enumerate(_properties(tool)):
             key = _checked(key, _xml_name, "without <, > or blanks")
-            rules.append(f"p{i}_{j}: {_xml_parameter(key, schema)}")
-            parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+            part = f"P{i}_{j}" if _xml_text(schema) else f"p{i}_{j}"  # upper case: a terminal
+            rules.append(f"{part}: {_xml_parameter(key, schema)}")
+            parts.append(part if key in required else f"{part}?")
         name = _checked(tool["function"]["name"], _xml_name, "without <, > or blanks")
         head = json.dumps(f"<function={name}>\n")
         calls.append(" ".join([head, *parts, '"</function>\\n"']))
     more = ' ("\\n" call)*' if parallel else ""
     body = f'start: call{more}\ncall: {open_call} "\\n" one {close_call}\n'
-    return body + f"one: {' | '.join(calls)}\n" + "\n".join(rules) + "\n"
+    return body + f"one: {' | '.join(calls)}\n" + "\n".join([*rules, _XML_TEXT]) + "\n"
+
+
+# A string parameter's text: anything (newlines and < too) but the tags that would end its
+# block, its function or its call early as the parser reads them.
+_XML_TEXT = r"XML_TEXT: /(.|\n)*/ & ~/(.|\n)*<\/(parameter|function|tool_call)>(.|\n)*/"
+
+
+def _xml_text(schema: dict) -> bool:
+    """Whether a parameter is written as text: a string (or untyped) without an enum."""
+    return schema.get("type", "string") == "string" and schema.get("enum") is None
 
 
 def _xml_parameter(key: str, schema: dict) -> str:
     """One <parameter=P> block: a string (the parser's reading of an untyped one too) as
-    text without "<", an enum of strings as one of them, anything else as its schema's
-    JSON."""
+    text that holds none of the closing tags the parser reads a block, a function and a call
+    to (so `<` itself may be in it), an enum of strings as one of them, anything else as
+    its schema's JSON."""
     kind = schema.get("type", "string")
     enum = schema.get("enum")
-    if kind == "string" and enum is None:  # one lexeme: the text's own newlines too
-        return f"/<parameter={_regex_text(key)}>\\n[^<]*\\n<\\/parameter>\\n/"
     head = json.dumps(f"<parameter={key}>\n")
+    if _xml_text(schema):  # a terminal (one lexeme), so the text ends at the block's end
+        return f'{head} XML_TEXT "\\n</parameter>\\n"'
     if kind == "string" and all(isinstance(v, str) for v in enum):
         value = "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
     else:
@@ -147,6 +166,29 @@ def _harmony_grammar(tools: list[dict], parallel: bool, marker: Callable[[str], 
         named.append(f'{recipient} {constrain} "json" {message} {_json(_arguments(tool))}')
     more = f' ({start} "assistant" call)*' if parallel else ""
     return f"start: call{more}\ncall: {channel} one {call_end}\none: {' | '.join(named)}\n"
+
+
+def harmony_final(constraint: StructuredOutputs, marker: Callable[[str], str]) -> str:
+    """The Lark grammar of an answer in harmony's final channel whose text fits constraint
+    (a json, json_object, regex or choice one)."""
+    kind, text = constraint.key
+    if kind in ("json", "json_object"):
+        schema = json.loads(text) if kind == "json" else {"type": "object"}
+        body = _json(schema if isinstance(schema, dict) else {})
+    elif kind == "regex":
+        body = _lark_regex(f"(?:{text})")
+    else:
+        body = _lark_regex("(" + "|".join(regex_literal(c) for c in json.loads(text)) + ")")
+    return f'start: {marker("<|channel|>")} "final" {marker("<|message|>")} {body}\n'
+
+
+def _lark_regex(regex: str) -> str:
+    """A regex as a Lark /regex/ terminal: its unescaped slashes escaped."""
+    out, escaped = [], False
+    for char in regex:
+        out.append("\\/" if char == "/" and not escaped else char)
+        escaped = char == "\\" and not escaped
+    return "/" + "".join(out) + "/"
 
 
 _OTHER_GRAMMARS = {
@@ -208,11 +250,6 @@ def _checked(name: str, fits: Callable[[str], bool], what: str) -> str:
     if not fits(name):
         raise ValueError(f"tools: {name!r} cannot be written in this model's call syntax ({what})")
     return name
-
-
-def _regex_text(text: str) -> str:
-    """text matched literally in a Lark /regex/ (text has no blanks, < or >)."""
-    return "".join(c if c.isalnum() or c == "_" else "\\" + c for c in text)
 
 
 def _xml_name(name: str) -> bool:

@@ -171,11 +171,15 @@ _LLAMA3_CALL = CallSyntax(re.compile(_JOINED_HEAD), (), brace=True, joined=";", 
 _GRANITE_CALL = CallSyntax(
     re.compile(r"[ \t\r\n]*\[?" + _JOINED_HEAD), (), brace=True, joined=",]"
 )  # fmt: skip
+# Mistral's list after [TOOL_CALLS] (before its tokenizer v11) is Granite's form.
+_MISTRAL_LIST = _GRANITE_CALL
 
 FORMATS = {
     "hermes": ToolFormat(("<tool_call>",), "{[", read_hermes, _HERMES_CALL),
     "llama3_json": ToolFormat(("<|python_tag|>",), "{", read_llama3_json, _LLAMA3_CALL),
-    "mistral": ToolFormat(("[TOOL_CALLS]",), "", read_mistral, _MISTRAL_CALL),
+    "mistral": ToolFormat(
+        ("[TOOL_CALLS]",), "", read_mistral, _MISTRAL_CALL, other_calls=(_MISTRAL_LIST,)
+    ),
     "granite": ToolFormat(("<|tool_call|>", "<tool_call>"), "", read_granite, _GRANITE_CALL),
     "deepseek_v3": ToolFormat(
         (_DS_BEGIN, _DS_CALL), "", read_deepseek_v3, _DEEPSEEK_CALL, (_DS_CALLS_END,)

@@ -5,7 +5,8 @@ opening markers, or, for formats whose reply is the call itself, a first non-bla
 that opens one: `{` or `[`). What follows is read in one of two ways:
 
 - **streamed calls** (formats with a CallSyntax: hermes' `<tool_call>` blocks, Mistral's
-  `[TOOL_CALLS]F[ARGS]{...}`, DeepSeek V3.1's `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`,
+  `[TOOL_CALLS]F[ARGS]{...}` and `[TOOL_CALLS][{...}, ...]`, DeepSeek V3.1's
+  `<｜tool▁call▁begin｜>F<｜tool▁sep｜>{...}`,
   Qwen3-Coder's `<tool_call><function=F>` with its XML turned into JSON by an ArgsWriter;
   Llama 3's and Granite's calls joined without markers, whose arguments end where their JSON
   value does, and pythonic lists of calls, whose keyword values a writer turns into JSON;
@@ -96,13 +97,20 @@ class ToolFormat(NamedTuple):
     """markers: where a region opens anywhere in the reply; heads: first non-blank characters
     that open one at the reply's start; read: the region's calls, or None when it holds none
     (it is content then); calls: how a call after a marker streams (None: read whole);
-    trailers: markers that close a run of streamed calls (DeepSeek's), dropped after one."""
+    trailers: markers that close a run of streamed calls (DeepSeek's), dropped after one;
+    other_calls: other forms a call after the same markers may take (Mistral's JSON list
+    beside its [ARGS] form): a call streams in the first form whose header it matches."""
 
     markers: tuple[str, ...]
     heads: str
     read: Callable[[str, ToolContext], Region | None]
     calls: CallSyntax | None = None
     trailers: tuple[str, ...] = ()
+    other_calls: tuple[CallSyntax, ...] = ()
+
+    @property
+    def syntaxes(self) -> tuple[CallSyntax, ...]:
+        return (self.calls, *self.other_calls) if self.calls is not None else ()
 
 
 class ToolContext(NamedTuple):
@@ -149,7 +157,7 @@ class ToolStream:
 
     __slots__ = ("format", "context", "state", "_scan", "_region", "_blanks", "_closes")
     __slots__ += ("_opener", "_header", "_start", "_held", "_num_calls", "_writer", "_end")
-    __slots__ += ("_braced",)
+    __slots__ += ("_braced", "_syntax")
 
     def __init__(self, format: ToolFormat, context: ToolContext) -> None:
         self.format = format
@@ -167,6 +175,7 @@ class ToolStream:
         self._writer: ArgsWriter | None = None  # args: the call's, when not written as JSON
         self._end: JsonEnd | None = None  # args: where a joined call's arguments end
         self._braced = False  # between: the call's enclosing } was read
+        self._syntax = format.calls  # args, between: the form the call streams in
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -224,7 +233,8 @@ class ToolStream:
 
     def _open(self, opener: str) -> None:
         self.state, self._opener, self._header, self._start = _HEADER, opener, [], ""
-        self._closes = MarkerScan(self.format.calls.closes)
+        closes = dict.fromkeys(m for syntax in self.format.syntaxes for m in syntax.closes)
+        self._closes = MarkerScan(tuple(closes))
 
     def _header_step(self, text: str, out: list[Event]) -> str | None:
         """Until the header reads as a call of a declared tool (commit: its start goes out,
@@ -233,20 +243,19 @@ class ToolStream:
         self._header.append(found.before)
         if len(self._start) < HEADER_LIMIT:
             self._start = (self._start + found.before)[:HEADER_LIMIT]
-        name, end = self._call_head()
+        name, end, syntax = self._call_head()
         if name is not None:
             held = "" if found.marker is not None else self._closes.flush()
             marker = found.marker or ""
             rest = "".join(self._header)[end:] + held + marker + found.after
             out.append(ToolCallStart(self._num_calls, name))
             self._num_calls += 1
-            self.state, self._held = _ARGS, ""
-            self._closes = MarkerScan(self.format.calls.closes)
-            writer = self.format.calls.writer
+            self.state, self._held, self._syntax = _ARGS, "", syntax
+            self._closes = MarkerScan(syntax.closes)
+            writer = syntax.writer
             parameters = self.context.tools.get(name) or {}
             self._writer = writer(parameters, self.context.max_depth) if writer else None
-            joined = self.format.calls.joined
-            self._end = JsonEnd() if joined and self._writer is None else None
+            self._end = JsonEnd() if syntax.joined and self._writer is None else None
             return rest
         if found.marker is None:
             return None
@@ -254,16 +263,18 @@ class ToolStream:
         out.extend(self._read_block(self._opener + "".join(self._header) + closing))
         return self._after_close(found.marker, found.after)
 
-    def _call_head(self) -> tuple[str | None, int]:
-        """(name, where the arguments start) once the header reads as a declared call."""
-        match = self.format.calls.header.match(self._start)
-        name = next((g for g in match.groups() if g is not None), None) if match else None
-        if name is None or name not in self.context.tools:
-            return None, 0
-        return name, match.end()
+    def _call_head(self) -> tuple[str | None, int, CallSyntax | None]:
+        """(name, where the arguments start, the call's form) once the header reads as a
+        declared call in one of the format's forms."""
+        for syntax in self.format.syntaxes:
+            match = syntax.header.match(self._start)
+            name = next((g for g in match.groups() if g is not None), None) if match else None
+            if name is not None and name in self.context.tools:
+                return name, match.end(), syntax
+        return None, 0, None
 
     def _args_step(self, text: str, out: list[Event]) -> str | None:
-        if self.format.calls.joined:
+        if self._syntax.joined:
             return self._joined_args(text, out)
         found = self._closes.feed(text)
         self._stream_args(found.before, out)
@@ -280,7 +291,7 @@ class ToolStream:
                 out.append(ToolArgsDelta(self._num_calls - 1, written))
             return
         text = self._held + text
-        keep = closing_tail(text, self.format.calls.brace, self.format.calls.blanks)
+        keep = closing_tail(text, self._syntax.brace, self._syntax.blanks)
         self._held = text[len(text) - keep :] if keep else ""
         if len(text) > keep:
             out.append(ToolArgsDelta(self._num_calls - 1, text[: len(text) - keep]))
@@ -300,13 +311,13 @@ class ToolStream:
             return None
         out.append(ToolCallEnd(self._num_calls - 1))
         self.state, self._end, self._writer = _BETWEEN, None, None
-        self._braced = not self.format.calls.brace
+        self._braced = not self._syntax.brace
         return text[end:]
 
     def _between(self, text: str, out: list[Event]) -> str | None:
         """After joined calls' arguments: blanks and the call's `}`, then the next call (the
         first of `joined`), the run's end (another of them), or content."""
-        joined = self.format.calls.joined
+        joined = self._syntax.joined
         for i, char in enumerate(text):
             if char in _BLANKS:
                 continue
@@ -355,7 +366,7 @@ class ToolStream:
             return []
         if self.state == _ARGS and self._end is not None:
             return [ToolCallEnd(self._num_calls - 1)]
-        if self.state == _ARGS and self._writer is not None and self.format.calls.joined:
+        if self.state == _ARGS and self._writer is not None and self._syntax.joined:
             out = [ToolArgsDelta(self._num_calls - 1, self._writer.close())]
             return [*out, ToolCallEnd(self._num_calls - 1)]
         if self.state == _ARGS:
