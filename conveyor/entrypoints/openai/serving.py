@@ -291,17 +291,20 @@ class OpenAIServing:
         streams = []
         base = f"{prefix}-{uuid.uuid4().hex}"
         using = self.loras.using(model) if self.loras is not None else nullcontext()
+        request_ids = []
         try:
             with using as lora_request:
                 for i, prompt in enumerate(prompts):
-                    request_id = base if len(prompts) == 1 else f"{base}-{i}"
+                    request_ids.append(base if len(prompts) == 1 else f"{base}-{i}")
                     stream = await self.engine.add_request(
-                        request_id, prompt, params, priority, lora_request=lora_request
+                        request_ids[-1], prompt, params, priority, lora_request=lora_request
                     )
                     streams.append(stream)
-        except ValueError:
-            for stream in streams:
-                self.engine.abort(stream.request_id)
+        except (ValueError, asyncio.CancelledError):
+            # Refused, or its caller went away meanwhile (a beam search's step, cancelled with
+            # its client): none of it runs on, the one being added included.
+            for request_id in request_ids:
+                self.engine.abort(request_id)
             raise
         return streams
 
