@@ -63,18 +63,34 @@ def test_a_model_that_is_not_served_quantized_keeps_prompt_rows_on_its_kernels()
     assert plan.ops()["decode_projections"] == "panel_dense[avx512]"
 
 
-def test_a_mixture_of_experts_runs_its_layers_as_modules_without_the_prompt_tiles():
+def test_a_mixture_of_experts_runs_compiled_with_the_dense_layers_kernels_when_invariant():
+    """A batch-invariant MoE's layers are one compiled call like a dense model's, its experts
+    named on the kernels of the row classes (the prompt tiles, the int8 tiles from the
+    switch point); sinks too. Without batch invariance the MoE layers run as modules."""
     from conveyor.model.families import Parts
 
-    for parts in (Parts(moe_layers=(False, True)), Parts(attn_sinks=True)):
+    cpu = AMX_CPU._replace(amx_int8=True)
+    for parts in (Parts(moe_layers=(False, True)), Parts(moe_layers=(True,), attn_sinks=True)):
         config = SimpleNamespace(**vars(_config()), parts=parts)
-        plan = kernel_plan.build(PlanSettings(), config, AMX_CPU)
+        plan = kernel_plan.build(PlanSettings(), config, cpu)
         assert (plan.compiled_layers, plan.prompt_tiles, plan.prompt_attention) == (
-            False, False, False,
+            True, True, True,
         )  # fmt: skip
-        assert plan.ops()["decode_projections"] == "panel_blocks[avx512]"
+        ops = plan.ops()
+        assert ops["experts"] == "moe[compiled]"
+        assert ops["expert_prompt_projections"] == "amx_bf16_tiles[amx]"
+        assert ops["expert_decode_projections"] == (
+            "panel_blocks[avx512], amx_int8_tiles[amx] from 32 rows"
+        )
+    sinks = SimpleNamespace(**vars(_config()), parts=Parts(attn_sinks=True))
+    assert "sink layers" in kernel_plan.build(PlanSettings(), sinks, cpu).ops()["prompt_attention"]
+    varying = SimpleNamespace(**{**vars(_config()), "batch_invariant": False})
+    varying.parts = Parts(moe_layers=(True,))
+    plan = kernel_plan.build(PlanSettings(), varying, cpu)
+    assert not plan.compiled_layers and plan.ops()["experts"] == "moe[modules]"
     dense = SimpleNamespace(**vars(_config()), parts=Parts())
-    assert kernel_plan.build(PlanSettings(), dense, AMX_CPU).compiled_layers
+    plan = kernel_plan.build(PlanSettings(), dense, AMX_CPU)
+    assert plan.compiled_layers and "experts" not in plan.ops()
 
 
 def test_switches_and_missing_kernels_name_the_fallbacks():
