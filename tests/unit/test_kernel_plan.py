@@ -210,6 +210,46 @@ def test_generated_rows_run_the_int8_tiles_the_plan_names(tiles_from, q4_gguf, m
     assert (ran["amx/int8_blocks"] > 0) == bool(tiles_from)
 
 
+def test_a_quantized_mixtures_experts_take_the_prompt_tiles_and_the_int8_tiles(
+    tiny_checkpoint, monkeypatch
+):
+    """A Qwen3-MoE served quantized (int8) on AMX: every expert's projections have prompt
+    tiles; a prompt step's projections all ran them (two per expert run, the router on the
+    float panels), and a generated row's expert projections ran the int8 tiles from 1 row."""
+    from conveyor import LLMEngine
+    from conveyor.model import prompt_route
+    from conveyor.model.moe import MoEMLP
+
+    cpu = _cpu()
+    if not (cpu.amx and cpu.amx_int8):
+        pytest.skip("this CPU has no AMX-BF16 and AMX-INT8")
+    monkeypatch.setenv("CONVEYOR_DECODE_TILES_FROM", "1")
+    ops = kernels.load()
+    engine = LLMEngine(
+        str(tiny_checkpoint("qwen3_moe")), dtype="float32", quantization="int8",
+        skip_tokenizer_init=True, num_blocks=32,
+    )  # fmt: skip
+    model = engine.core.runner.model
+    assert prompt_route.route_of(model) == "tiles"
+    assert engine.kernel_plan["experts"] == "moe[compiled]"
+    assert engine.kernel_plan["expert_prompt_projections"] == "amx_bf16_tiles[amx]"
+    layers = model.model.layers
+    moe_layers = sum(isinstance(layer.mlp, MoEMLP) for layer in layers)
+    assert 0 < moe_layers < len(layers)
+    for layer in layers:
+        if isinstance(layer.mlp, MoEMLP):
+            assert all(e.gate_up_proj.prompt_tiles is not None for e in layer.mlp.experts)
+    # dense layers: qkv, o, gate_up, down; MoE layers: qkv, o, then two per expert run
+    fixed = 4 * (len(layers) - moe_layers) + 2 * moe_layers
+    engine.add_request("a", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=3))
+    for name in ("amx/bf16_linear", "amx/int8_blocks"):  # the prompt step, then a decode step
+        before = ops.kernel_runs()
+        engine.step()
+        ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
+        assert ran["moe/experts"] > 0
+        assert ran[name] == fixed + 2 * ran["moe/experts"], name
+
+
 # ---- the environment is read in one place ---------------------------------------------------
 
 
