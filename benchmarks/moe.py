@@ -7,7 +7,7 @@ the same active parameters, and the weight bytes a one-row decode step reads.
    batch-invariant), timed on decode steps of 1, 8 and 64 rows (--rows) at --context tokens of
    context, in alternation, --rounds times, best of the rounds. The ratio MoE / dense is the
    overhead of routing and grouping (goal: within 1.3x).
-2. Bytes read. At one row, the experts a step runs (model/moe.py's groups) against the
+2. Bytes read. At one row, the experts a step runs (the compiled MoE's count) against the
    active experts' bytes (top_k experts per MoE layer): the weights of the experts outside a
    row's top-k are never read.
 """
@@ -127,33 +127,25 @@ def _tokens(n: int, seed: int, args: argparse.Namespace) -> list[int]:
 
 
 def _bytes_read(engine, args: argparse.Namespace) -> dict:
-    """Expert weight bytes one one-row decode step runs, against its active experts' bytes."""
+    """Expert weight bytes one one-row decode step runs (the compiled MoE layers' count of
+    experts run, kernels/layer/decoder_layer.cpp), against its active experts' bytes."""
     from conveyor import SamplingParams
-    from conveyor.model import moe
+    from conveyor.model import kernels, moe
 
     model = engine.core.runner.model
     layers = [m for m in model.modules() if isinstance(m, moe.MoEMLP)]
     expert_bytes = sum(p.numel() * p.element_size() for p in layers[0].experts[0].parameters())
-    ran: list[int] = []
-    original = moe.expert_groups
-
-    def counted(expert_ids, num_experts):
-        groups = original(expert_ids, num_experts)
-        if expert_ids.shape[0] == 1:
-            ran.append(len(groups))
-        return groups
-
-    moe.expert_groups = counted
-    try:
-        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        engine.add_request(f"one-{time.monotonic_ns()}", _tokens(args.context, 5, args), params)
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        moe.expert_groups = original
-    steps = len(ran) // len(layers)
+    ops = kernels.load()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request(f"one-{time.monotonic_ns()}", _tokens(args.context, 5, args), params)
+    engine.step()  # the prompt
+    before, steps = ops.kernel_runs()["moe/experts"], 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    ran = ops.kernel_runs()["moe/experts"] - before
     return {
-        "expert_bytes_run": sum(ran) * expert_bytes // max(steps, 1),
+        "expert_bytes_run": ran * expert_bytes // max(steps, 1),
         "active_expert_bytes": args.top_k * len(layers) * expert_bytes,
         "all_expert_bytes": args.experts * len(layers) * expert_bytes,
     }

@@ -45,6 +45,7 @@ from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.request import LoRARequest, LoRAStats, module_requests
 from conveyor.model.config import ModelConfig
 from conveyor.model.loader import load_tokenizer
+from conveyor.model.memory import weight_memory
 from conveyor.model.plan import PlanSettings
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
 from conveyor.request import Request, RequestStatus
@@ -139,6 +140,9 @@ class CoreInfo:
     kernel_plan: dict[str, str] = field(default_factory=dict)  # model/plan.py: summary()
     # Blocks that leave this window go back to the pool while a request runs (0: none).
     sliding_window: int = 0
+    # Bytes of memory this rank holds (memory_report): weights, kernel_copies, experts (of
+    # both), kv_cache.
+    memory: dict[str, int] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -171,6 +175,7 @@ class EngineCore:
             logger.info("conveyor: %s", self.runner.plan.log_line())
             self.num_blocks = self._num_blocks()
             self._allocate_kv_cache()
+            self.memory = self.memory_report()
             cache = self.cache_config
             self.kv_cache = KVCacheManager(
                 self.num_blocks,
@@ -281,7 +286,26 @@ class EngineCore:
             self.lora_config,
             self.kernel_plan,
             self.kv_cache.sliding_window,
+            self.memory,
         )
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank's model holds (model/memory.py: its weights, their kernels' packed
+        copies, the experts' share) and its KV cache (the draft model's too); logged at start."""
+        model = getattr(self.runner, "model", None)
+        if model is None:
+            return {}
+        weights = weight_memory(model)
+        per_block = self.runner.kv_bytes_per_block()
+        if self.draft_runner is not None:
+            per_block += self.draft_runner.kv_bytes_per_block()
+        report = weights.as_dict() | {"kv_cache": per_block * self.num_blocks}
+        logger.info(
+            "conveyor: memory: %s, KV cache %.1f MiB",
+            weights.log_line(),
+            report["kv_cache"] / 2**20,
+        )
+        return report
 
     @property
     def kernel_plan(self) -> dict[str, str]:

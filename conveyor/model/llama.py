@@ -145,17 +145,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def compiled(self, ops: ModuleType):
         """This layer as the compiled ops' DecoderLayer (kernels/layer/decoder_layer.cpp: the same
-        arithmetic in one call), or None when a projection has no compiled form there, or the
-        MLP is a mixture of experts or the attention has sinks (the model then runs its
-        modules)."""
+        arithmetic in one call), or None when a projection has no compiled form there (the
+        model then runs its modules). A mixture of experts runs as the compiled MoE
+        (_compiled_moe)."""
         attn, mlp = self.self_attn, self.mlp
-        if isinstance(mlp, MoEMLP) or attn.sinks is not None:
+        qkv, o = _projection(attn.qkv_proj, ops), _projection(attn.o_proj, ops)
+        if isinstance(mlp, MoEMLP):
+            gate_up = down = None
+            moe = _compiled_moe(mlp, ops)
+            if moe is None:
+                return None
+        else:
+            gate_up, down = _projection(mlp.gate_up_proj, ops), _projection(mlp.down_proj, ops)
+            moe = None
+            if gate_up is None or down is None:
+                return None
+        if qkv is None or o is None:
             return None
-        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        projections = [_projection(module, ops) for module in modules]
-        if None in projections:
-            return None
-        qkv, o, gate_up, down = projections
         norms = {role: _kernel_weight(self.norm(role)) for role in _ROLES}
         eps = next(n.eps for n in map(self.norm, _ROLES) if n is not None)
         return ops.DecoderLayer(
@@ -174,8 +180,10 @@ class LlamaDecoderLayer(nn.Module):
             window=attn.kind.window,
             softcap=attn.kind.softcap,
             rope=attn.rope,
-            activation=_ACTIVATIONS[mlp.act],
+            activation=_ACTIVATIONS.get(getattr(mlp, "act", "silu"), 0),
             residual_scale=self.residual_scale,
+            moe=moe,
+            sinks=None if attn.sinks is None else attn.sinks.detach(),
         )
 
 
@@ -210,6 +218,40 @@ def _projection(module: nn.Module, ops: ModuleType):
     return None
 
 
+# The compiled MoE's routers and expert activations (kernels/layer/decoder_layer.cpp: Router,
+# ExpertActivation).
+_ROUTERS = {"softmax_topk": 0, "topk_softmax": 1}
+_EXPERT_ACTIVATIONS = {"silu": 0, "swiglu_clamp": 1}
+
+
+def _compiled_moe(mlp: MoEMLP, ops: ModuleType):
+    """The MoE MLP as the compiled ops' MoE (the module's arithmetic: model/moe.py), or None
+    when one of its projections has no compiled form or its activation no compiled loop."""
+    act = mlp.experts[0].act
+    if act not in _EXPERT_ACTIVATIONS:
+        return None
+    router = _projection(mlp.gate, ops)
+    gate_up = [_projection(e.gate_up_proj, ops) for e in mlp.experts]
+    down = [_projection(e.down_proj, ops) for e in mlp.experts]
+    shared = {}
+    if mlp.shared_expert is not None:
+        shared = {
+            "shared_gate_up": _projection(mlp.shared_expert.gate_up_proj, ops),
+            "shared_down": _projection(mlp.shared_expert.down_proj, ops),
+            "shared_gate": _projection(mlp.shared_expert_gate, ops),
+        }
+    if router is None or None in gate_up or None in down or None in shared.values():
+        return None
+    expert = mlp.experts[0]
+    return ops.MoE(
+        router=router, gate_up=gate_up, down=down, router_kind=_ROUTERS[mlp.router],
+        top_k=mlp.top_k, norm_topk_prob=mlp.norm_topk_prob,
+        float32_route_weights=mlp.float32_route_weights,
+        activation=_EXPERT_ACTIVATIONS[act], alpha=expert.alpha or 0.0,
+        limit=expert.limit or 0.0, **shared,
+    )  # fmt: skip
+
+
 def _packed(module: nn.Module) -> bool:
     """Whether the module runs the batch-invariant panel kernels (layers.pack_panels)."""
     return getattr(module, "panels", None) is not None
@@ -238,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._compiled: list | None = None  # built at the first step that can use it
         self._invariant = False  # every projection packed for the panel kernels
+        self._experts = False  # some layer's MLP is a mixture of experts
         # Block weights: (rows below which all run the block kernel, rows from which all run
         # float tiles); None for float weights.
         self._quantized_rows: tuple[int, int] | None = None
@@ -305,9 +348,12 @@ class LlamaForCausalLM(nn.Module):
             self._quantized_rows = _block_kernel_rows(self.model.layers)
             projections = [m for m in self.model.layers.modules() if hasattr(m, "panels")]
             self._invariant = bool(projections) and all(map(_packed, projections))
+            self._experts = any(isinstance(layer.mlp, MoEMLP) for layer in self.model.layers)
             self.prompt_route = self.prompt_route and bool(self._compiled)
         if not self._compiled:
             return None
+        if self._experts and (not self._invariant or (self.lora and self.lora.active)):
+            return None  # an expert's rows are not the step's: forms follow the step's rows
         if self._invariant:
             # Batch-invariant: every row count runs the same kernels in the same order, and
             # the norms, rotary and activation are the compiled ones at every row count too

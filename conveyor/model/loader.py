@@ -30,6 +30,8 @@ def load_model(
     plan = plan_quantization(cfg, model)
     if plan is not None and shard.size > 1:
         raise ValueError("quantized weights do not split over tensor-parallel ranks")
+    if device.type == "cpu":  # before any storage: a model too large for memory says so
+        _check_fits(cfg, model, plan)
     if plan is not None:  # quantized modules never get float storage
         plan.strip(model)
     # Real storage on the target device, in the model's dtype; weights are then copied in by
@@ -60,6 +62,15 @@ def load_model(
         if cfg.dtype == torch.float32:
             prompt_route.choose(model, ops)
     return model.eval()
+
+
+def _check_fits(cfg: ModelConfig, model: LlamaForCausalLM, plan: QuantPlan | None) -> None:
+    from conveyor.model import memory
+    from conveyor.model.prompt_route import available_memory
+
+    quantized = () if plan is None else plan.specs
+    need = memory.estimate(model, quantized, cfg.quantization, cfg.dtype, cfg.batch_invariant)
+    memory.check_fits(need, available_memory(), cfg.path.name)
 
 
 def iter_weights(

@@ -19,6 +19,12 @@ the order transformers' eager experts loop adds them in, and one that depends on
 own routing, never on the batch. Each expert's product runs on the projection kernels a dense
 layer uses, so a row's bits are the same alone or batched.
 
+This module is the readable reference. A batch-invariant model runs the same arithmetic as
+kernels/layer/decoder_layer.cpp's MoE, inside the compiled decoder layer (one call per step, as
+a dense model's: model/llama.py builds it in _compiled_moe), bit for bit equal to this module
+(tests/unit/test_moe.py). The activations and the shared expert's sigmoid gate of a float32
+model run the compiled row loops here too (kernels/moe/moe.h), the same in both.
+
 With tensor parallelism each expert is split like a dense MLP (columns of gate/up, rows of
 down), the router is replicated, and one all-reduce adds the ranks' partial sums.
 """
@@ -50,13 +56,14 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act == "silu" and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
-            ops = kernels.load()
-            # The compiled layers' loop, row by row: ATen's silu computes a tensor's (or a
-            # thread's) last elements with its scalar exp, whose bits can differ from the
-            # vector one, so a row's values could depend on the rows computed with it.
-            if ops is not None:
-                return self.down_proj(ops.silu_and_mul(gate_up))
+        ops = _row_ops(gate_up)
+        # The compiled layers' loops, row by row: ATen's silu and sigmoid compute a tensor's
+        # (or a thread's) last elements with their scalar exp, whose bits can differ from the
+        # vector one, so a row's values could depend on the rows computed with it.
+        if ops is not None and self.act == "silu":
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        if ops is not None and self.act == "swiglu_clamp":
+            return self.down_proj(ops.swiglu_clamp_and_mul(gate_up, self.alpha, self.limit))
         gate, up = gate_up.chunk(2, dim=-1)  # views of a fresh tensor: in place
         if self.act == "swiglu_clamp":  # transformers' GptOssExperts._apply_gate
             gate = gate.clamp(min=None, max=self.limit)
@@ -133,8 +140,23 @@ class MoEMLP(nn.Module):
             out.index_add_(0, group.rows, (h * weight).to(x.dtype))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            gate = self.shared_expert_gate(x)  # (T, 1)
+            ops = _row_ops(out)
+            if ops is not None:  # row by row (see Expert.forward)
+                out = ops.sigmoid_gated_add(out, gate, shared)
+            else:
+                out = out + torch.sigmoid(gate) * shared
         return self.tp.all_reduce(out)
+
+    # The compiled form of this module is kernels/layer/decoder_layer.cpp's MoE (built by
+    # llama.py's _compiled_moe): the same arithmetic, grouped and summed in C++, bit for bit.
+
+
+def _row_ops(t: torch.Tensor):
+    """The compiled ops where a float32 CPU tensor's activations run their row loops."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        return None
+    return kernels.load()
 
 
 def _row_sums(top: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,10 @@ class KernelPlan:
     # The layers whose attention the bfloat16 tiles cannot run (sliding window, soft-capped
     # scores: model/families.py); their prompt rows take the generated rows' kernel. "" none.
     special_attention: str = ""
+    # A mixture of experts' MLP: "compiled" (kernels/layer/decoder_layer.cpp's MoE, each
+    # expert's projections on the kernels named for its rows' class), "modules" (model/moe.py),
+    # "" a dense model.
+    experts: str = ""
     settings: PlanSettings = PlanSettings()
 
     def ops(self) -> dict[str, str]:
@@ -128,7 +132,7 @@ class KernelPlan:
         if prompt_attn and self.special_attention:
             prompt_attn += f" ({self.special_attention} layers: {generated})"
         norms = "rms_norm[compiled]" if self.compiled_layers else "torch"
-        return {
+        ops = {
             "decode_projections": decode,
             "prompt_projections": prompt,
             "generated_attention": generated,
@@ -136,6 +140,11 @@ class KernelPlan:
             "lm_head": self._projection(prompt=False),  # float activations: no int8 tiles
             "norms": norms,
         }
+        if self.experts:  # the row counts that pick a kernel are each expert's own
+            ops["experts"] = "moe[compiled]" if self.experts == "compiled" else "moe[modules]"
+            ops["expert_decode_projections"] = decode
+            ops["expert_prompt_projections"] = prompt
+        return ops
 
     def _projection(self, prompt: bool, int8_tiles: bool = False) -> str:
         """Without batch invariance the kernel follows the row count (model/quant: the block
@@ -205,8 +214,8 @@ def build(
     bf16 = "amx" if isa == "amx" else ""
     if isa == "avx512" and features.avx512_bf16:
         bf16 = "avx512_bf16"
-    layers = compiled and settings.compiled_layers and not _modules_only(cfg)
     invariant = compiled and cfg.batch_invariant
+    layers = compiled and settings.compiled_layers and not _modules_only(cfg, invariant)
     quantized = cfg.quantization != "none"
     # prompt_route.py's conditions that the config answers (the model's modules settle the rest)
     route = layers and invariant and quantized and cfg.dtype == torch.float32
@@ -227,15 +236,24 @@ def build(
         int8_route=quantized and not invariant and settings.quant_int8,
         decode_tiles_from=settings.decode_tiles_from if decode_tiles else 0,
         special_attention=_special_attention(cfg),
+        experts=_experts(cfg, layers),
         settings=settings,
     )
 
 
-def _modules_only(cfg: ModelFacts) -> bool:
+def _modules_only(cfg: ModelFacts, invariant: bool) -> bool:
     """Layers the compiled decoder layer does not hold run as modules (around the compiled
-    projections, attention and norms): mixtures of experts (model/moe.py), attention sinks."""
+    projections, attention and norms): a mixture of experts without batch invariance (the
+    kernel of a projection would follow each expert's rows there, model/llama.py)."""
     parts = getattr(cfg, "parts", None)
-    return parts is not None and (any(parts.moe_layers) or parts.attn_sinks)
+    return parts is not None and any(parts.moe_layers) and not invariant
+
+
+def _experts(cfg: ModelFacts, layers: bool) -> str:
+    parts = getattr(cfg, "parts", None)
+    if parts is None or not any(parts.moe_layers):
+        return ""
+    return "compiled" if layers else "modules"
 
 
 def _special_attention(cfg: ModelFacts) -> str:
@@ -243,7 +261,8 @@ def _special_attention(cfg: ModelFacts) -> str:
     if parts is None:
         return ""
     kinds = ["sliding-window"] if any(parts.windows) else []
-    return "/".join(kinds + (["soft-capped"] if parts.attn_softcap else []))
+    kinds += ["soft-capped"] if parts.attn_softcap else []
+    return "/".join(kinds + (["sink"] if parts.attn_sinks else []))
 
 
 def applied() -> KernelPlan | None:

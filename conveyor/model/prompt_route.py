@@ -163,6 +163,17 @@ def prompt_tokens(
 
 
 def _projections(model: nn.Module):
+    """The decoder projections that take the tiles: attention's, and the MLP's, a mixture of
+    experts' being every expert's (and the shared expert's). Its router and the shared
+    expert's gate stay float, on the panels, for prompt rows too: the experts a token picks
+    are picked alike on either route."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        yield from (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        yield from (attn.qkv_proj, attn.o_proj)
+        experts = getattr(mlp, "experts", None)
+        if experts is None:
+            yield from (mlp.gate_up_proj, mlp.down_proj)
+            continue
+        shared = [mlp.shared_expert] if mlp.shared_expert is not None else []
+        for expert in [*experts, *shared]:
+            yield from (expert.gate_up_proj, expert.down_proj)

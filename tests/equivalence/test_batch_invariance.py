@@ -437,7 +437,8 @@ def qwen3_moe_q4_1(tmp_path_factory) -> str:
 
 
 class RouteLog:
-    """Records each step's expert choices of the MoE layers (MoEMLP.route's expert_ids)."""
+    """Records each step's expert choices of the MoE layers (MoEMLP.route's expert_ids) where
+    the layers run as modules (CONVEYOR_COMPILED_LAYERS=0; the compiled MoE routes in C++)."""
 
     def __init__(self, llm) -> None:
         from conveyor.model.moe import MoEMLP
@@ -484,12 +485,12 @@ MOE_MODELS = {
 
 
 @pytest.mark.parametrize("name", list(MOE_MODELS))
-def test_a_mixture_of_experts_is_batch_invariant(request, name):
+def test_a_mixture_of_experts_is_batch_invariant(request, monkeypatch, name):
     """Qwen3-MoE in float32 and served quantized (int8, and a Q4_1 GGUF's experts), and GPT-OSS
-    (attention sinks, biased experts) in float32: each request alone against batched in chunks
-    of 32 (steps whose rows route to overlapping and to disjoint experts), from the warm
-    prefix cache, preempted in a small cache, and verified in n-gram drafts, all compared
-    with ==."""
+    (attention sinks, biased experts) in float32, their layers compiled (the MoE in C++): each
+    request alone against batched in chunks of 32 (steps whose rows route to overlapping and
+    to disjoint experts, recorded from the same batches run as modules), from the warm prefix
+    cache, preempted in a small cache, and verified in n-gram drafts, all compared with ==."""
     fixture, quantization, layers = MOE_MODELS[name]
     prompts = PROMPTS[:6] + PROMPTS[12:15] + PROMPTS[-1:]
     path = request.getfixturevalue(fixture)
@@ -508,9 +509,9 @@ def test_a_mixture_of_experts_is_batch_invariant(request, name):
         assert found == [None] * len(want), f"{name}, {what}: {found}"
 
     with LLM(path, **kwargs, max_num_batched_tokens=32) as llm:
-        routes = RouteLog(llm)
+        before = kernels.load().kernel_runs()["moe/experts"]
         check(llm.generate(prompts, greedy(), use_tqdm=False), "batched, budget 32")
-        assert routes.overlapping_and_disjoint() == (True, True)
+        assert kernels.load().kernel_runs()["moe/experts"] > before  # the compiled MoE ran
         check(llm.generate(prompts, greedy(), use_tqdm=False), "again, from the prefix cache")
         assert llm.engine.get_stats().scheduler.prefix_cache_hits > 0
     with LLM(path, **kwargs, num_blocks=7, max_num_batched_tokens=48) as llm:
@@ -519,3 +520,8 @@ def test_a_mixture_of_experts_is_batch_invariant(request, name):
     with LLM(path, **kwargs, speculative_config=NGRAM, max_num_batched_tokens=48) as llm:
         check(llm.generate(prompts, greedy(), use_tqdm=False), "n-gram speculation")
         assert llm.engine.get_stats().spec.num_draft_tokens > 0
+    monkeypatch.setenv("CONVEYOR_COMPILED_LAYERS", "0")
+    with LLM(path, **kwargs, max_num_batched_tokens=32) as llm:
+        routes = RouteLog(llm)
+        llm.generate(prompts, greedy(), use_tqdm=False)
+        assert routes.overlapping_and_disjoint() == (True, True)

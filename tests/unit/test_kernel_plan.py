@@ -63,18 +63,34 @@ def test_a_model_that_is_not_served_quantized_keeps_prompt_rows_on_its_kernels()
     assert plan.ops()["decode_projections"] == "panel_dense[avx512]"
 
 
-def test_a_mixture_of_experts_runs_its_layers_as_modules_without_the_prompt_tiles():
+def test_a_mixture_of_experts_runs_compiled_with_the_dense_layers_kernels_when_invariant():
+    """A batch-invariant MoE's layers are one compiled call like a dense model's, its experts
+    named on the kernels of the row classes (the prompt tiles, the int8 tiles from the
+    switch point); sinks too. Without batch invariance the MoE layers run as modules."""
     from conveyor.model.families import Parts
 
-    for parts in (Parts(moe_layers=(False, True)), Parts(attn_sinks=True)):
+    cpu = AMX_CPU._replace(amx_int8=True)
+    for parts in (Parts(moe_layers=(False, True)), Parts(moe_layers=(True,), attn_sinks=True)):
         config = SimpleNamespace(**vars(_config()), parts=parts)
-        plan = kernel_plan.build(PlanSettings(), config, AMX_CPU)
+        plan = kernel_plan.build(PlanSettings(), config, cpu)
         assert (plan.compiled_layers, plan.prompt_tiles, plan.prompt_attention) == (
-            False, False, False,
+            True, True, True,
         )  # fmt: skip
-        assert plan.ops()["decode_projections"] == "panel_blocks[avx512]"
+        ops = plan.ops()
+        assert ops["experts"] == "moe[compiled]"
+        assert ops["expert_prompt_projections"] == "amx_bf16_tiles[amx]"
+        assert ops["expert_decode_projections"] == (
+            "panel_blocks[avx512], amx_int8_tiles[amx] from 32 rows"
+        )
+    sinks = SimpleNamespace(**vars(_config()), parts=Parts(attn_sinks=True))
+    assert "sink layers" in kernel_plan.build(PlanSettings(), sinks, cpu).ops()["prompt_attention"]
+    varying = SimpleNamespace(**{**vars(_config()), "batch_invariant": False})
+    varying.parts = Parts(moe_layers=(True,))
+    plan = kernel_plan.build(PlanSettings(), varying, cpu)
+    assert not plan.compiled_layers and plan.ops()["experts"] == "moe[modules]"
     dense = SimpleNamespace(**vars(_config()), parts=Parts())
-    assert kernel_plan.build(PlanSettings(), dense, AMX_CPU).compiled_layers
+    plan = kernel_plan.build(PlanSettings(), dense, AMX_CPU)
+    assert plan.compiled_layers and "experts" not in plan.ops()
 
 
 def test_switches_and_missing_kernels_name_the_fallbacks():
@@ -192,6 +208,46 @@ def test_generated_rows_run_the_int8_tiles_the_plan_names(tiles_from, q4_gguf, m
     llm.generate([list(range(5, 45))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
     assert (ran["amx/int8_blocks"] > 0) == bool(tiles_from)
+
+
+def test_a_quantized_mixtures_experts_take_the_prompt_tiles_and_the_int8_tiles(
+    tiny_checkpoint, monkeypatch
+):
+    """A Qwen3-MoE served quantized (int8) on AMX: every expert's projections have prompt
+    tiles; a prompt step's projections all ran them (two per expert run, the router on the
+    float panels), and a generated row's expert projections ran the int8 tiles from 1 row."""
+    from conveyor import LLMEngine
+    from conveyor.model import prompt_route
+    from conveyor.model.moe import MoEMLP
+
+    cpu = _cpu()
+    if not (cpu.amx and cpu.amx_int8):
+        pytest.skip("this CPU has no AMX-BF16 and AMX-INT8")
+    monkeypatch.setenv("CONVEYOR_DECODE_TILES_FROM", "1")
+    ops = kernels.load()
+    engine = LLMEngine(
+        str(tiny_checkpoint("qwen3_moe")), dtype="float32", quantization="int8",
+        skip_tokenizer_init=True, num_blocks=32,
+    )  # fmt: skip
+    model = engine.core.runner.model
+    assert prompt_route.route_of(model) == "tiles"
+    assert engine.kernel_plan["experts"] == "moe[compiled]"
+    assert engine.kernel_plan["expert_prompt_projections"] == "amx_bf16_tiles[amx]"
+    layers = model.model.layers
+    moe_layers = sum(isinstance(layer.mlp, MoEMLP) for layer in layers)
+    assert 0 < moe_layers < len(layers)
+    for layer in layers:
+        if isinstance(layer.mlp, MoEMLP):
+            assert all(e.gate_up_proj.prompt_tiles is not None for e in layer.mlp.experts)
+    # dense layers: qkv, o, gate_up, down; MoE layers: qkv, o, then two per expert run
+    fixed = 4 * (len(layers) - moe_layers) + 2 * moe_layers
+    engine.add_request("a", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=3))
+    for name in ("amx/bf16_linear", "amx/int8_blocks"):  # the prompt step, then a decode step
+        before = ops.kernel_runs()
+        engine.step()
+        ran = {k: v - before[k] for k, v in ops.kernel_runs().items()}
+        assert ran["moe/experts"] > 0
+        assert ran[name] == fixed + 2 * ran["moe/experts"], name
 
 
 # ---- the environment is read in one place ---------------------------------------------------

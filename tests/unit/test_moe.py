@@ -124,3 +124,70 @@ def test_a_rows_bits_are_the_same_alone_and_in_any_batch():
         assert torch.equal(module(x[row : row + 1]), full[row : row + 1]), row
     for first, last in ((0, 7), (5, 38), (30, 64)):
         assert torch.equal(module(x[first:last]), full[first:last]), (first, last)
+
+
+# ---- the compiled MoE (kernels/layer/decoder_layer.cpp) against this module ----------------
+
+
+def gpt_oss_parts() -> Parts:
+    return Parts(
+        moe_layers=(True,), router="topk_softmax", num_experts=EXPERTS, top_k=2,
+        moe_intermediate_size=16, expert_bias=True, act="swiglu_clamp", swiglu_alpha=1.702,
+        swiglu_limit=0.7,  # small: the tests' values reach the clamps
+    )  # fmt: skip
+
+
+def blocks_wide(parts: Parts, **fields) -> Parts:
+    """Experts a whole number of int8 blocks (32 values) wide."""
+    return Parts(**{**parts.to_dict(), "moe_intermediate_size": 32, **fields})
+
+
+TWIN_PARTS = {
+    "qwen3": lambda: blocks_wide(softmax_topk(3, True)),
+    "qwen2-shared-expert": lambda: blocks_wide(softmax_topk(2, False), shared_expert_size=64),
+    "mixtral-float32-weights": lambda: blocks_wide(softmax_topk(2, True, True)),
+    "gpt-oss": lambda: blocks_wide(gpt_oss_parts()),
+}
+
+
+def quantized_experts(module: MoEMLP) -> MoEMLP:
+    """Every expert's (and the shared expert's) projections as int8 blocks (QuantLinear), as
+    `--quantization int8` serves them; the router stays float."""
+    from conveyor.model.quant import QuantLinear, quantize_q8
+
+    experts = list(module.experts) + ([module.shared_expert] if module.shared_expert else [])
+    for expert in experts:
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(expert, name)
+            sizes = getattr(old, "out_sizes", [old.weight.shape[0]])
+            bias = None if old.bias is None else old.bias.detach().clone()
+            setattr(expert, name, QuantLinear(quantize_q8(old.weight), sizes, bias))
+    return module
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="the compiled CPU kernels are unavailable")
+@pytest.mark.parametrize("weights", ["float32", "float64", "int8"])
+@pytest.mark.parametrize("family", list(TWIN_PARTS))
+def test_the_compiled_moe_computes_the_modules_bits(family, weights):
+    """The compiled layer's MoE (router, top-k, grouping, each expert on the projection kernels,
+    the sum by expert id, the shared expert's gate) gives the module's bits, at 1 row and in
+    batches whose rows share and do not share experts; and a row's bits alone are its bits in
+    the batch."""
+    from conveyor.model.llama import _compiled_moe
+
+    dtype = torch.float64 if weights == "float64" else torch.float32
+    module = moe(TWIN_PARTS[family](), dtype)
+    if weights == "int8":
+        quantized_experts(module)
+    pack_panels(module)
+    compiled = _compiled_moe(module, kernels.load())
+    assert compiled is not None
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(70, HIDDEN, generator=gen, dtype=dtype)
+    x[3] = 0.0  # a tie among all experts
+    full = compiled.forward(x)
+    assert torch.equal(full, module(x))
+    for first, last in ((0, 1), (3, 4), (5, 13), (17, 70)):
+        rows = x[first:last]
+        assert torch.equal(compiled.forward(rows), module(rows)), (first, last)
+        assert torch.equal(compiled.forward(rows), full[first:last]), (first, last)

@@ -3,7 +3,8 @@
 The sources are organised by op, one folder each: gemm/ (the panel, block, small-row and AMX
 matmuls), attention/ (paged attention, K/V writes and rotary embedding; the prompt rows'
 bfloat16 attention), layer/ (the compiled decoder layer, rms_norm), lora/ (LoRA deltas), isa/
-(the vectors per instruction set, the balanced thread split); ops.h declares every op and
+(the vectors per instruction set, the balanced thread split), moe/ (the mixture of experts'
+grouping and row loops, used by layer/); ops.h declares every op and
 bindings.cpp binds them. Includes name paths from this folder ("isa/vec.h"), which is the
 build's include path. The C++ is in namespace conveyor, one sub-namespace per op.
 
@@ -54,7 +55,7 @@ SOURCES = (
 )
 # Included by the sources (paths from this folder, the build's include path); in the build key
 # too.
-HEADERS = ("isa/balance.h", "ops.h", "isa/vec.h")
+HEADERS = ("isa/balance.h", "ops.h", "isa/vec.h", "moe/moe.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 NAME = "conveyor_kernels"
 BUILD_LOCK = "conveyor-build.lock"  # ours, flocked; torch's own lock file is `lock`

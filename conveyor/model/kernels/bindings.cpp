@@ -18,7 +18,7 @@ std::map<std::string, bool> cpu_features() {
           {"amx_int8", gemm::amx::int8_usable()}};
 }
 
-// "panel/<isa>", "amx/bf16_linear", "attention/<engine>": the counts tests read to see that
+// "panel/<isa>", "amx/bf16_linear", "attention/<engine>", "moe/experts": the counts tests read to see that
 // what ran is what the kernel plan chose.
 std::map<std::string, int64_t> kernel_runs() {
   std::map<std::string, int64_t> out;
@@ -27,6 +27,7 @@ std::map<std::string, int64_t> kernel_runs() {
   out["amx/int8_blocks"] = gemm::amx::int8_linear_runs();
   for (const auto& [engine, n] : attention::amx::prompt_attention_runs())
     out["attention/" + engine] = n;
+  out["moe/experts"] = layer::moe_expert_runs();
   return out;
 }
 
@@ -50,6 +51,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("columns"), py::arg("num_slots"));
   m.def("rms_norm", &layer::rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
   m.def("silu_and_mul", &layer::silu_and_mul, "silu(gate) * up of gate_up (T, 2 I), row by row");
+  m.def("swiglu_clamp_and_mul", &layer::swiglu_clamp_and_mul,
+        "GPT-OSS's clamped SwiGLU of gate_up (T, 2 I), float32, row by row",
+        py::arg("gate_up"), py::arg("alpha"), py::arg("limit"));
+  m.def("sigmoid_gated_add", &layer::sigmoid_gated_add,
+        "out += sigmoid(gate) * y row by row, in place (float32)", py::arg("out"),
+        py::arg("gate"), py::arg("y"));
   namespace q = gemm::quant;
   m.def("q4_linear", &q::q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");
   m.def("q8_linear", &q::q8_linear, "x @ W^T for int8 blocks (q * d)");

@@ -166,6 +166,9 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
 namespace layer {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor swiglu_clamp_and_mul(const at::Tensor& gate_up, double alpha, double limit);
+at::Tensor sigmoid_gated_add(at::Tensor& out, const at::Tensor& gate, const at::Tensor& y);
+int64_t moe_expert_runs();  // experts the compiled MoE layers ran, since start
 void bind_decoder_layer(pybind11::module& m);  // the DecoderLayer class and decoder_layers
 }  // namespace layer
 

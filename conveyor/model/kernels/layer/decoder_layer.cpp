@@ -31,6 +31,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <optional>
@@ -38,6 +39,7 @@
 
 #include "ops.h"
 #include "isa/vec.h"
+#include "moe/moe.h"
 
 namespace conveyor::layer {
 
@@ -249,6 +251,155 @@ class Projection {
   at::Tensor weight_, qs_, d_, m_, bias_, panels_, wq_, dw_, mw_, prompt_tiles_;
 };
 
+// A mixture-of-experts MLP (model/moe.py: MoEMLP, its reference) as the compiled layer runs it:
+// the router's projection; each row's top_k experts and weights by ATen's softmax and topk, as
+// the module computes them (ties as transformers resolves them); the step's rows grouped by
+// expert (moe/moe.h), each active expert's two projections run once over all its rows on the
+// kernels a dense projection takes (its prompt rows on its prompt tiles, where it has them);
+// a row's weighted expert outputs summed in ascending expert id from zero; then Qwen2-MoE's
+// shared expert behind its sigmoid gate. float32 through moe/moe.h's row loops, float64 through
+// the module's ATen ops (so a float64 model computes exactly what its modules do).
+enum ExpertActivation : int64_t { kExpertSilu = 0, kSwigluClamp = 1 };
+// Experts run (each one's two projections over its rows), since start: kernel_runs()'s
+// "moe/experts", the bytes a step reads (python -m benchmarks moe).
+std::atomic<int64_t> expert_runs{0};
+enum Router : int64_t { kSoftmaxTopk = 0, kTopkSoftmax = 1 };
+
+class MoE {
+ public:
+  MoE(Projection router, std::vector<Projection> gate_up, std::vector<Projection> down,
+      int64_t router_kind, int64_t top_k, bool norm_topk_prob, bool float32_route_weights,
+      int64_t activation, double alpha, double limit, std::optional<Projection> shared_gate_up,
+      std::optional<Projection> shared_down, std::optional<Projection> shared_gate)
+      : router_(std::move(router)),
+        gate_up_(std::move(gate_up)),
+        down_(std::move(down)),
+        router_kind_(static_cast<Router>(router_kind)),
+        top_k_(top_k),
+        norm_topk_prob_(norm_topk_prob),
+        float32_route_weights_(float32_route_weights),
+        activation_(static_cast<ExpertActivation>(activation)),
+        alpha_(alpha),
+        limit_(limit),
+        shared_gate_up_(std::move(shared_gate_up)),
+        shared_down_(std::move(shared_down)),
+        shared_gate_(std::move(shared_gate)) {
+    const int64_t experts = static_cast<int64_t>(gate_up_.size());
+    TORCH_CHECK(experts > 0 && down_.size() == gate_up_.size() &&
+                    router_.out_features() == experts && top_k > 0 && top_k <= experts,
+                "MoE: a router to num_experts logits, gate_up and down per expert, top_k <= experts");
+    const int64_t hidden = router_.in_features();
+    for (int64_t e = 0; e < experts; ++e)
+      TORCH_CHECK(gate_up_[e].in_features() == hidden && down_[e].out_features() == hidden &&
+                      2 * down_[e].in_features() == gate_up_[e].out_features(),
+                  "MoE: expert ", e, "'s weight shapes do not fit together");
+    TORCH_CHECK(router_kind == kSoftmaxTopk || router_kind == kTopkSoftmax,
+                "MoE: router 0 (softmax_topk) or 1 (topk_softmax)");
+    TORCH_CHECK(activation == kExpertSilu || activation == kSwigluClamp,
+                "MoE: activation 0 (silu) or 1 (swiglu_clamp)");
+    TORCH_CHECK(shared_gate_up_.has_value() == shared_down_.has_value() &&
+                    shared_gate_up_.has_value() == shared_gate_.has_value(),
+                "MoE: a shared expert has gate_up, down and its gate");
+  }
+
+  int64_t hidden() const { return router_.in_features(); }
+
+  // h (T, hidden) -> (T, hidden); prompt_rows as Projection's, rows of h.
+  at::Tensor forward(const at::Tensor& h_in, MatmulForm form,
+                     const std::vector<int64_t>& prompt_rows) const {
+    const at::Tensor h = h_in.contiguous();
+    at::Tensor weights, ids;
+    std::tie(weights, ids) = route(h, form);
+    const moe::Groups groups = moe::group_by_expert(ids, static_cast<int64_t>(gate_up_.size()));
+    const bool f32 = h.scalar_type() == at::kFloat;
+    TORCH_CHECK(f32 || h.scalar_type() == at::kDouble, "MoE: float32 or float64 rows");
+    at::Tensor out = at::zeros_like(h);
+    const at::Tensor w = weights.contiguous();
+    expert_runs += static_cast<int64_t>(groups.experts.size());
+    for (size_t g = 0; g + 1 < groups.offsets.size(); ++g) {
+      const int64_t begin = groups.offsets[g], n = groups.offsets[g + 1] - begin;
+      const int64_t* rows = groups.rows.data() + begin;
+      const int64_t* slots = groups.slots.data() + begin;
+      const std::vector<int64_t> local = moe::local_ranges(prompt_rows, rows, n);
+      const at::Tensor y = expert(groups.experts[g], moe::gather_rows(h, rows, n), form, local);
+      if (f32) {
+        std::vector<float> wj(n);
+        for (int64_t j = 0; j < n; ++j) wj[j] = w.data_ptr<float>()[rows[j] * top_k_ + slots[j]];
+        moe::add_weighted(out.data_ptr<float>(), y.contiguous().data_ptr<float>(), wj.data(),
+                          rows, n, out.size(1));
+      } else {  // the module's ops: (h * weight).to(dtype), index_add_
+        const at::Tensor r = at::tensor(std::vector<int64_t>(rows, rows + n));
+        const at::Tensor s = at::tensor(std::vector<int64_t>(slots, slots + n));
+        const at::Tensor wr = w.index({r, s}).unsqueeze(1);
+        out.index_add_(0, r, (y * wr).to(h.scalar_type()));
+      }
+    }
+    if (shared_gate_up_) out = add_shared(out, h, form, prompt_rows);
+    return out;
+  }
+
+ private:
+  // (weights (T, top_k), expert ids (T, top_k) int64), as MoEMLP.route.
+  std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& h, MatmulForm form) const {
+    const at::Tensor logits = router_(h, form);  // (T, E)
+    if (router_kind_ == kTopkSoftmax) {
+      auto [top, ids] = at::topk(logits, top_k_, -1);
+      return {at::softmax(top, 1, top.scalar_type()), ids};
+    }
+    const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+    auto [top, ids] = at::topk(probs, top_k_, -1);
+    if (norm_topk_prob_) {  // each row's k weights added left to right (moe.py: _row_sums)
+      at::Tensor total = top.narrow(1, 0, 1).clone();
+      for (int64_t j = 1; j < top_k_; ++j) total.add_(top.narrow(1, j, 1));
+      top = top / total;
+    }
+    return {float32_route_weights_ ? top : top.to(logits.scalar_type()), ids};
+  }
+
+  at::Tensor expert(int64_t e, const at::Tensor& x, MatmulForm form,
+                    const std::vector<int64_t>& prompt_rows) const {
+    const at::Tensor gate_up = gate_up_[e](x, form, prompt_rows);  // (n, 2 I)
+    return down_[e](activate(gate_up, activation_), form, prompt_rows);
+  }
+
+  at::Tensor activate(const at::Tensor& gate_up, ExpertActivation activation) const {
+    if (activation == kExpertSilu) return silu_mul(gate_up);
+    const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+    if (gate_up.scalar_type() != at::kFloat) {  // transformers' GptOssExperts._apply_gate
+      const at::Tensor gate = gate_up.narrow(1, 0, inner).clamp_max(limit_);
+      const at::Tensor up = gate_up.narrow(1, inner, inner).clamp(-limit_, limit_);
+      return (up + 1) * (gate * at::sigmoid(gate * alpha_));
+    }
+    const at::Tensor src = gate_up.contiguous();
+    at::Tensor out = at::empty({rows, inner}, src.options());
+    moe::swiglu_clamp_rows(src.data_ptr<float>(), out.data_ptr<float>(), rows, inner,
+                           static_cast<float>(alpha_), static_cast<float>(limit_));
+    return out;
+  }
+
+  // out + sigmoid(h Wgate^T) * shared_expert(h): Qwen2-MoE's always-on expert.
+  at::Tensor add_shared(at::Tensor out, const at::Tensor& h, MatmulForm form,
+                        const std::vector<int64_t>& prompt_rows) const {
+    const at::Tensor up = (*shared_gate_up_)(h, form, prompt_rows);
+    const at::Tensor y = (*shared_down_)(activate(up, kExpertSilu), form, prompt_rows);
+    const at::Tensor gate = (*shared_gate_)(h, form);  // (T, 1)
+    if (out.scalar_type() != at::kFloat) return out + at::sigmoid(gate) * y;
+    const at::Tensor g = gate.contiguous(), yc = y.contiguous();
+    moe::add_gated(out.data_ptr<float>(), g.data_ptr<float>(), yc.data_ptr<float>(),
+                   out.size(0), out.size(1));
+    return out;
+  }
+
+  Projection router_;
+  std::vector<Projection> gate_up_, down_;
+  Router router_kind_;
+  int64_t top_k_;
+  bool norm_topk_prob_, float32_route_weights_;
+  ExpertActivation activation_;
+  double alpha_, limit_;
+  std::optional<Projection> shared_gate_up_, shared_down_, shared_gate_;
+};
+
 // A step's LoRA deltas (lora/slots.py): per layer and projection, every resident slot's A^T
 // side by side (in, slots * S * R) and B dense (slots * S * R, out: slice s of slot k in rows
 // k * S * R + s * R .., its own columns, times its scaling); and the step's rows of each slot
@@ -300,10 +451,11 @@ class DecoderLayer {
   DecoderLayer(std::optional<at::Tensor> attn_in, std::optional<at::Tensor> attn_out,
                std::optional<at::Tensor> mlp_in, std::optional<at::Tensor> mlp_out,
                std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, double eps,
-               Projection qkv, Projection o, Projection gate_up, Projection down,
-               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-               int64_t window, double softcap, int64_t rope, int64_t activation,
-               double residual_scale)
+               Projection qkv, Projection o, std::optional<Projection> gate_up,
+               std::optional<Projection> down, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double scale, int64_t window, double softcap, int64_t rope,
+               int64_t activation, double residual_scale, std::optional<MoE> moe,
+               std::optional<at::Tensor> sinks)
       : attn_in_(attn_in.value_or(at::Tensor())),
         attn_out_(attn_out.value_or(at::Tensor())),
         mlp_in_(mlp_in.value_or(at::Tensor())),
@@ -320,15 +472,21 @@ class DecoderLayer {
         head_dim_(head_dim),
         attention_{scale, window, softcap, rope},
         activation_(static_cast<Activation>(activation)),
-        residual_scale_(residual_scale) {
+        residual_scale_(residual_scale),
+        moe_(std::move(moe)),
+        sinks_(sinks) {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t hidden = o_.out_features();
     TORCH_CHECK(qkv_.out_features() == q_size + 2 * kv_size && qkv_.in_features() == hidden &&
-                    o_.in_features() == q_size &&
-                    gate_up_.in_features() == hidden && gate_up_.out_features() % 2 == 0 &&
-                    down_.out_features() == hidden &&
-                    2 * down_.in_features() == gate_up_.out_features(),
+                    o_.in_features() == q_size,
                 "DecoderLayer: weight shapes do not fit together");
+    TORCH_CHECK(moe_ ? !gate_up_ && !down_ && moe_->hidden() == hidden : gate_up_ && down_,
+                "DecoderLayer: a dense MLP (gate_up, down) or a mixture of experts (moe)");
+    TORCH_CHECK(moe_ || (gate_up_->in_features() == hidden &&
+                         gate_up_->out_features() % 2 == 0 && down_->out_features() == hidden &&
+                         2 * down_->in_features() == gate_up_->out_features()),
+                "DecoderLayer: MLP weight shapes do not fit together");
+    TORCH_CHECK(!sinks_ || sinks_->size(0) == num_heads, "DecoderLayer: a sink per head");
     TORCH_CHECK(q_norm_.defined() == k_norm_.defined() &&
                     (!q_norm_.defined() || q_norm_.size(0) == head_dim ||
                      (q_norm_.size(0) == q_size && k_norm_.size(0) == kv_size)),
@@ -367,7 +525,8 @@ class DecoderLayer {
     attention::write_kv(k, v, kv_cache, step.slot_mapping, step.block_size);
     at::Tensor attn = attention::paged_attention(
         q, kv_cache, step.block_size, step.query_start, step.seq_lens, step.block_tables,
-        attention_.scale, step.split_keys, step.prompt_rows, attention_.window, attention_.softcap);
+        attention_.scale, step.split_keys, step.prompt_rows, attention_.window, attention_.softcap,
+        sinks_);
     clock.lap(kAttention);
     const at::Tensor attn_rows = attn.view({num_tokens, q_size});
     at::Tensor o = o_(attn_rows, step.form, step.prompt_rows);
@@ -376,12 +535,19 @@ class DecoderLayer {
     residual_add(x, scaled(optional_norm(o, attn_out_, eps_)));
     h = optional_norm(x, mlp_in_, eps_);
     clock.lap(kOther);
-    at::Tensor gate_up = gate_up_(h, step.form, step.prompt_rows);  // (T, 2 I)
+    if (moe_) {  // its projections, activations and sums together: projections' time
+      const at::Tensor y = moe_->forward(h, step.form, step.prompt_rows);
+      clock.lap(kProjections);
+      residual_add(x, scaled(optional_norm(y, mlp_out_, eps_)));
+      clock.lap(kOther);
+      return;
+    }
+    at::Tensor gate_up = (*gate_up_)(h, step.form, step.prompt_rows);  // (T, 2 I)
     add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1) / 2, gate_up.size(1)});
     clock.lap(kProjections);
     at::Tensor act = activation_ == kGeluTanh ? gelu_mul(gate_up) : silu_mul(gate_up);
     clock.lap(kOther);
-    at::Tensor down = down_(act, step.form, step.prompt_rows);
+    at::Tensor down = (*down_)(act, step.form, step.prompt_rows);
     add_lora(down, act, step, index, 3, {0, down.size(1)});
     clock.lap(kProjections);
     residual_add(x, scaled(optional_norm(down, mlp_out_, eps_)));
@@ -396,11 +562,14 @@ class DecoderLayer {
 
   at::Tensor attn_in_, attn_out_, mlp_in_, mlp_out_, q_norm_, k_norm_;
   double eps_;
-  Projection qkv_, o_, gate_up_, down_;
+  Projection qkv_, o_;
+  std::optional<Projection> gate_up_, down_;  // a dense MLP, or
   int64_t num_heads_, num_kv_heads_, head_dim_;
   Attention attention_;
   Activation activation_;
   double residual_scale_;
+  std::optional<MoE> moe_;              // a mixture of experts
+  std::optional<at::Tensor> sinks_;     // GPT-OSS's per-head logits in every softmax
 };
 
 }  // namespace
@@ -409,6 +578,35 @@ class DecoderLayer {
 // its own loop, one order per value whatever the rows or threads), for the modules that run
 // outside them (model/moe.py's experts).
 at::Tensor silu_and_mul(const at::Tensor& gate_up) { return silu_mul(gate_up); }
+
+// GPT-OSS's clamped SwiGLU of gate_up (T, 2 I), float32, row by row (moe/moe.h), for the modules
+// (model/moe.py's experts): the compiled MoE's arithmetic.
+at::Tensor swiglu_clamp_and_mul(const at::Tensor& gate_up_in, double alpha, double limit) {
+  TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.scalar_type() == at::kFloat &&
+                  gate_up_in.size(1) % 2 == 0,
+              "swiglu_clamp_and_mul: gate_up (T, 2 I), float32");
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  moe::swiglu_clamp_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inner,
+                         static_cast<float>(alpha), static_cast<float>(limit));
+  return out;
+}
+
+// out += sigmoid(gate) * y row by row, in place (out, y (T, n), gate (T, 1), float32): Qwen2-MoE's
+// shared expert as the compiled MoE adds it (moe/moe.h), for the modules.
+at::Tensor sigmoid_gated_add(at::Tensor& out, const at::Tensor& gate, const at::Tensor& y) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat &&
+                  y.sizes() == out.sizes() && y.scalar_type() == at::kFloat &&
+                  gate.numel() == out.size(0) && gate.scalar_type() == at::kFloat,
+              "sigmoid_gated_add: out, y (T, n) and gate (T, 1), float32, out contiguous");
+  const at::Tensor g = gate.contiguous(), yc = y.contiguous();
+  moe::add_gated(out.data_ptr<float>(), g.data_ptr<float>(), yc.data_ptr<float>(), out.size(0),
+                 out.size(1));
+  return out;
+}
+
+int64_t moe_expert_runs() { return expert_runs.load(); }
 
 // RMSNorm over the last dim, as the model's RMSNorm module computes it (see the header).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -492,16 +690,38 @@ void bind_decoder_layer(pybind11::module& m) {
            py::arg("panels") = py::none(), py::arg("block_panels") = py::none(),
            py::arg("prompt_tiles") = py::none());
   using Tensor = std::optional<at::Tensor>;
+  using MaybeProjection = std::optional<Projection>;
+  py::class_<MoE>(m, "MoE")
+      .def(py::init<Projection, std::vector<Projection>, std::vector<Projection>, int64_t,
+                    int64_t, bool, bool, int64_t, double, double, MaybeProjection,
+                    MaybeProjection, MaybeProjection>(),
+           py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("router_kind"),
+           py::arg("top_k"), py::arg("norm_topk_prob"), py::arg("float32_route_weights"),
+           py::arg("activation") = 0, py::arg("alpha") = 0.0, py::arg("limit") = 0.0,
+           py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = py::none())
+      .def(
+          "forward",
+          [](const MoE& moe, const at::Tensor& h, int64_t form,
+             const std::vector<int64_t>& prompt_rows) {
+            TORCH_CHECK(h.dim() == 2 && h.device().is_cpu() && h.size(1) == moe.hidden(),
+                        "MoE.forward: h (T, hidden) on the CPU");
+            return moe.forward(h, static_cast<MatmulForm>(form), prompt_rows);
+          },
+          "the MoE MLP of h (T, hidden), as the compiled layer runs it", py::arg("h"),
+          py::arg("form") = 0, py::arg("prompt_rows") = std::vector<int64_t>{});
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, double, Projection,
-                    Projection, Projection, Projection, int64_t, int64_t, int64_t, double,
-                    int64_t, double, int64_t, int64_t, double>(),
+                    Projection, MaybeProjection, MaybeProjection, int64_t, int64_t, int64_t,
+                    double, int64_t, double, int64_t, int64_t, double, std::optional<MoE>,
+                    Tensor>(),
            py::arg("attn_in"), py::arg("attn_out"), py::arg("mlp_in"), py::arg("mlp_out"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("scale"), py::arg("window") = 0,
-           py::arg("softcap") = 0.0, py::arg("rope") = 0, py::arg("activation") = 0,
-           py::arg("residual_scale") = 1.0);
+           py::arg("gate_up") = py::none(), py::arg("down") = py::none(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
+           py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("rope") = 0,
+           py::arg("activation") = 0, py::arg("residual_scale") = 1.0,
+           py::arg("moe") = py::none(), py::arg("sinks") = py::none());
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a step, x in place (CPU)",
         py::arg("layers"), py::arg("x"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("slot_mapping"), py::arg("block_size"), py::arg("query_start"),
