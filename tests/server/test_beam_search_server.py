@@ -171,7 +171,9 @@ def test_a_client_that_leaves_ends_the_search(server, stream):
     ended = _ended(server.metrics())
     time.sleep(1.0)
     metrics = server.metrics()
-    assert (_busy(metrics), _ended(metrics)) == (0, ended), "the search ran on after its client left"
+    assert (_busy(metrics), _ended(metrics)) == (0, ended), (
+        "the search ran on after its client left"
+    )
 
 
 def _busy(metrics: dict) -> float:

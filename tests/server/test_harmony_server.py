@@ -15,7 +15,7 @@ import openai
 import pytest
 from server_util import ServerProcess
 from test_special_markers import CITY, CITY_FORMAT, joined
-from test_thinking_budget import assert_tool_use_after_thinking
+from test_thinking_budget import assert_tool_use_after_thinking, assert_weather_call_after_thinking
 from tiny import (
     HARMONY_SPECIALS,
     HARMONY_WORDS,
@@ -133,13 +133,7 @@ def test_a_forced_call_is_a_commentary_message_after_the_analysis(client, raw, c
         '{"city": "Paris"}<|call|>'
     )
     assert raw(reply) == f"<|channel|>analysis<|message|>ok{END}{call_text}"
-    assert reply.message.model_dump()["reasoning"] == "ok"
-    (call,) = reply.message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == (
-        "get_weather",
-        {"city": "Paris"},
-    )
-    assert reply.message.content is None and reply.finish_reason == "tool_calls"
+    assert_weather_call_after_thinking(reply)
     calls, reasoning = [], ""
     for chunk in chat(client, stream=True, extra_body=body, **fields):
         delta = chunk.choices[0].delta

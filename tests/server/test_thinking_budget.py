@@ -112,13 +112,7 @@ def test_a_forced_call_comes_after_the_reasoning_in_mistrals_syntax(client, choi
     fields["max_tokens"] = 80
     body = {"thinking_token_budget": 2, "return_token_ids": True}
     reply = chat(client, extra_body=body, **fields).choices[0]
-    assert reply.message.model_dump()["reasoning"] == "ok"
-    (call,) = reply.message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == (
-        "get_weather",
-        {"city": "Paris"},
-    )
-    assert reply.message.content is None and reply.finish_reason == "tool_calls"
+    assert_weather_call_after_thinking(reply)
     tool_calls = MARKER_SPECIALS.index("[TOOL_CALLS]") + 384  # the marker as its own token
     assert tool_calls in reply.model_extra["token_ids"]
     stream = chat(client, extra_body=body, stream=True, **fields)
@@ -161,3 +155,14 @@ def test_completions_budget_reads_whether_the_prompt_opened_the_reasoning(client
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, extra_body=body)
     assert out.choices[0].text.removesuffix("<|im_end|>") == text
     assert out.choices[0].finish_reason == "stop"
+
+
+def assert_weather_call_after_thinking(reply) -> None:
+    """A whole chat reply: the reasoning "ok", then one get_weather call for Paris, no content."""
+    assert reply.message.model_dump()["reasoning"] == "ok"
+    (call,) = reply.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert reply.message.content is None and reply.finish_reason == "tool_calls"

@@ -23,8 +23,8 @@ from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
-from conveyor.model.quant import from_gguf_blocks
 from conveyor.model.loader import _gpt_oss_experts
+from conveyor.model.quant import from_gguf_blocks
 
 # The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
 # not store set to the value llama.cpp fixes in its code: Gemma's query scale is head_dim's,

@@ -50,7 +50,9 @@ def from_gguf_blocks(qtype_name: str, data: np.ndarray, shape: tuple[int, int]) 
 
 
 # MXFP4's e2m1 values doubled, by code (gguf.quants.MXFP4.kvalues, llama.cpp's kvalues_mxfp4).
-_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+_MXFP4_VALUES = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8
+)
 
 
 def _from_mxfp4(data: np.ndarray, num_rows: int, k: int) -> BlockWeight | None:
