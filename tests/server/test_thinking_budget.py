@@ -135,8 +135,9 @@ def assert_tool_use_after_thinking(server, schema: dict) -> None:
         max_tokens=1300,
         messages=HI,
         tools=[{"name": "get_weather", "input_schema": schema}],
-        tool_choice={"type": "any"},
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
         thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"temperature": 0},  # the Messages API samples at 1 by default
     )
     assert [block.type for block in message.content] == ["thinking", "tool_use"]
     assert message.content[1].input == {"city": "Paris"} and message.stop_reason == "tool_use"
