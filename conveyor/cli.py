@@ -89,6 +89,20 @@ def _kernel_plan(engine) -> dict[str, str]:
         return {}
 
 
+def _memory_line(engine) -> str:
+    """What the model holds (the core's memory report, model/memory.py), where the engine
+    tells it before the first request (its own process); "" otherwise."""
+    memory = getattr(getattr(engine, "info", None), "memory", None) or {}
+    if "weights" not in memory:
+        return ""
+    mib = {k: v / 2**20 for k, v in memory.items()}
+    experts = f" (experts {mib['experts']:.1f} MiB of them)" if mib.get("experts") else ""
+    return (
+        f"conveyor: memory: weights {mib['weights']:.1f} MiB + kernel copies "
+        f"{mib['kernel_copies']:.1f} MiB{experts}, KV cache {mib.get('kv_cache', 0):.1f} MiB"
+    )
+
+
 def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     """The app over a ready engine, or an exit status for flags that do not go together."""
 
@@ -157,6 +171,8 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     plan = _kernel_plan(engine)
     if plan:  # model/plan.py: which kernel and instruction set each op takes, chosen at load
         print("conveyor: kernel plan: " + ", ".join(f"{k}={v}" for k, v in plan.items()))
+    if line := _memory_line(engine):
+        print(line, flush=True)
     if args.dashboard:
         print(f"conveyor: dashboard on {base}/dashboard", flush=True)
     return app

@@ -107,7 +107,11 @@ def test_version_shows_the_kernel_plan_the_core_process_chose(server):
     assert plan["decode_projections"].startswith("panel_dense[")
     # and the start prints it in one line, whatever the log level
     line = "conveyor: kernel plan: " + ", ".join(f"{k}={v}" for k, v in plan.items())
-    assert line in server.log_path.read_text().splitlines()
+    lines = server.log_path.read_text().splitlines()
+    assert line in lines
+    # and what the model holds (model/memory.py), from the same core
+    (memory,) = [text for text in lines if text.startswith("conveyor: memory: weights ")]
+    assert "kernel copies" in memory and memory.endswith(" MiB") and "KV cache" in memory
 
 
 def test_routes_other_than_the_probes_need_the_key(server):
