@@ -240,17 +240,35 @@ inline void store_row(T* y, int64_t n0, int64_t n_out, const typename F::V& v) {
 // panels stay in L2 while a block of token rows passes over them.
 constexpr int64_t kTokenBlock = 128;
 
+// The groups [g0, g1) of for_tiles' work, on the calling thread.
 template <typename Fn>
-void for_tiles(int64_t num_panels, int64_t np, int64_t tokens, int64_t tt, const Fn& fn) {
-  const int64_t groups = (num_panels + np - 1) / np;
-  conveyor::balance::balanced_for(groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t tb = 0; tb < tokens; tb += kTokenBlock) {
-      const int64_t te = std::min(tokens, tb + kTokenBlock);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * np, pn = std::min(np, num_panels - p0);
-        for (int64_t t = tb; t < te; t += tt) fn(p0, pn, t, std::min(tt, te - t));
-      }
+void tiles_of(int64_t g0, int64_t g1, int64_t num_panels, int64_t np, int64_t tokens, int64_t tt,
+              const Fn& fn) {
+  for (int64_t tb = 0; tb < tokens; tb += kTokenBlock) {
+    const int64_t te = std::min(tokens, tb + kTokenBlock);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * np, pn = std::min(np, num_panels - p0);
+      for (int64_t t = tb; t < te; t += tt) fn(p0, pn, t, std::min(tt, te - t));
     }
+  }
+}
+
+// Panels [p0, p1) of a call, run on the calling thread (block_linear_group's pieces); p1 < 0:
+// all of its panels, split over the threads.
+struct PanelSlice {
+  int64_t p0 = 0, p1 = -1;
+};
+
+template <typename Fn>
+void for_tiles(int64_t num_panels, int64_t np, int64_t tokens, int64_t tt, const Fn& fn,
+               PanelSlice slice = {}) {
+  const int64_t groups = (num_panels + np - 1) / np;
+  if (slice.p1 >= 0) {  // p0 a multiple of np: the groups of the whole call, the same tiles
+    TORCH_CHECK(slice.p0 % np == 0, "for_tiles: a slice starts at a group");
+    return tiles_of(slice.p0 / np, (slice.p1 + np - 1) / np, num_panels, np, tokens, tt, fn);
+  }
+  conveyor::balance::balanced_for(groups, 1, [&](int64_t g0, int64_t g1) {
+    tiles_of(g0, g1, num_panels, np, tokens, tt, fn);
   });
 }
 
@@ -975,43 +993,45 @@ struct BlockVec {
 
 // Binds a tile template's BlockArgs to Dispatch's (TT, NP) parameters.
 template <template <int, int> class Tile, int TT, int NP>
-void run_tiles(const BlockArgs& a, int64_t tokens, int64_t panels) {
-  for_tiles(panels, NP, tokens, TT, [&](int64_t p0, int64_t pn, int64_t t, int64_t tt) {
-    Dispatch<Tile, TT, NP>::run(tt, pn, a, p0, t);
-  });
+void run_tiles(const BlockArgs& a, int64_t tokens, int64_t panels, PanelSlice slice = {}) {
+  for_tiles(
+      panels, NP, tokens, TT,
+      [&](int64_t p0, int64_t pn, int64_t t, int64_t tt) { Dispatch<Tile, TT, NP>::run(tt, pn, a, p0, t); },
+      slice);
 }
 
+// A slice runs on the calling thread and is not counted (block_linear_group counts its calls).
 template <bool Q4, bool FloatActs>
-void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels) {
-  switch (running_isa()) {
+void block_dispatch(const BlockArgs& a, int64_t tokens, int64_t panels, PanelSlice slice = {}) {
+  switch (slice.p1 >= 0 ? current_isa().load() : running_isa()) {
 #if CONVEYOR_PANEL_AVX512
     case kAvx512:
       if constexpr (FloatActs) {
         // Few rows: one panel's contiguous stream per tile (measured faster than several
         // panels at once below 8 rows); more rows: 4 x 4 tiles.
         if (tokens < 8)
-          return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 8, 1>(a, tokens, panels);
-        return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 4, 4>(a, tokens, panels);
+          return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 8, 1>(a, tokens, panels, slice);
+        return run_tiles<BlockVec<Avx512Blocks, Q4>::template FloatTile, 4, 4>(a, tokens, panels, slice);
       } else {
-        return run_tiles<BlockVec<Avx512Blocks, Q4>::template IntTile, 6, 2>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx512Blocks, Q4>::template IntTile, 6, 2>(a, tokens, panels, slice);
       }
 #endif
 #if CONVEYOR_PANEL_AVX2
     case kAvx2:
       if constexpr (FloatActs) {
-        return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 6, 1>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx2Blocks, Q4>::template FloatTile, 6, 1>(a, tokens, panels, slice);
       } else {
         // q4: tiles of 6 rows, its int16 sums leave room (a Zen 3, SmolLM2's 30 layers of q4
         // projections: 5 rows 1.26x, 8-64 rows 1.35-1.43x faster than 2 rows a tile, 1-2 rows
         // the same; 4 and 8 rows a tile were slower than 6). q8's sign trick keeps 2.
-        return run_tiles<BlockVec<Avx2Blocks, Q4>::template IntTile, Q4 ? 6 : 2, 1>(a, tokens, panels);
+        return run_tiles<BlockVec<Avx2Blocks, Q4>::template IntTile, Q4 ? 6 : 2, 1>(a, tokens, panels, slice);
       }
 #endif
     default:
       if constexpr (FloatActs) {
-        return run_tiles<BlockScalar<Q4>::template FloatTile, 1, 1>(a, tokens, panels);
+        return run_tiles<BlockScalar<Q4>::template FloatTile, 1, 1>(a, tokens, panels, slice);
       } else {
-        return run_tiles<BlockScalar<Q4>::template IntTile, 1, 1>(a, tokens, panels);
+        return run_tiles<BlockScalar<Q4>::template IntTile, 1, 1>(a, tokens, panels, slice);
       }
   }
 }
@@ -1124,6 +1144,72 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
   set_acts(a, quantized);
   if (q4) return block_dispatch<true, false>(a, tokens, panels), y;
   return block_dispatch<false, false>(a, tokens, panels), y;
+}
+
+// block_linear(xs[i], panels[i] = (wq, dw, mw), n_outs[i], false) for every i, the same bits,
+// in one parallel region: the threads share all the calls' panels, a few at a time. For a
+// mixture of experts' step (layer/decoder_layer.cpp: MoE), whose experts each take a few rows:
+// a region per expert, two per expert and layer, cost more than the arithmetic of a few rows.
+// Calls whose rows take the AMX tiles run alone, as block_linear runs them.
+constexpr int64_t kSpread = 16;
+
+std::vector<at::Tensor> block_linear_group(const std::vector<at::Tensor>& xs,
+                                           const std::vector<std::vector<at::Tensor>>& panels,
+                                           const std::vector<int64_t>& n_outs) {
+  const size_t calls = xs.size();
+  TORCH_CHECK(panels.size() == calls && n_outs.size() == calls,
+              "block_linear_group: as many panels and n_outs as xs");
+  std::vector<at::Tensor> ys(calls), contiguous(calls);
+  std::vector<BlockArgs> args(calls);
+  std::vector<Acts> acts(calls);
+  std::vector<int64_t> starts{0};  // the pieces of call i: [starts[i], starts[i + 1])
+  constexpr int64_t kPiece = 4;    // panels a piece: a multiple of every tile's panel count
+  const int isa = current_isa().load();
+  for (size_t i = 0; i < calls; ++i) {
+    TORCH_CHECK(panels[i].size() == 3, "block_linear_group: panels are (wq, dw, mw)");
+    const at::Tensor &wq = panels[i][0], &dw = panels[i][1], &mw = panels[i][2];
+    const int64_t tokens = xs[i].size(0);
+    const bool alone = isa == kAvx512 && conveyor::gemm::amx::int8_takes(tokens);
+    if (alone || tokens == 0) {
+      ys[i] = block_linear(xs[i], wq, dw, mw, n_outs[i], false);
+      starts.push_back(starts.back());
+      continue;
+    }
+    check_block_panels(xs[i], wq, dw, mw, n_outs[i], false);
+    contiguous[i] = xs[i].contiguous();
+    ys[i] = at::empty({tokens, n_outs[i]}, contiguous[i].options());
+    args[i] = panel_args(wq, dw, mw, contiguous[i].size(1), n_outs[i], false);
+    args[i].y = ys[i].data_ptr<float>();
+    starts.push_back(starts.back() + (wq.size(0) + kPiece - 1) / kPiece);
+    runs()[isa].fetch_add(1, std::memory_order_relaxed);
+  }
+  // The calls' activations, a call per thread at a time (each one's rows quantize as alone);
+  // on this thread below kSpread rows in all, where a region costs more than they do.
+  int64_t rows = 0;
+  for (const at::Tensor& x : contiguous) rows += x.defined() ? x.size(0) : 0;
+  const int64_t grain = rows >= kSpread ? 1 : std::max<int64_t>(1, calls);
+  at::parallel_for(0, static_cast<int64_t>(calls), grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (!contiguous[i].defined()) continue;
+      acts[i] = quantize(contiguous[i].data_ptr<float>(), contiguous[i].size(0), args[i].k);
+      set_acts(args[i], acts[i]);
+    }
+  });
+  conveyor::balance::balanced_for(starts.back(), 1, [&](int64_t u0, int64_t u1) {
+    size_t i = std::upper_bound(starts.begin(), starts.end(), u0) - starts.begin() - 1;
+    for (int64_t u = u0; u < u1; ++u) {
+      while (starts[i + 1] <= u) ++i;
+      const int64_t panels_i = panels[i][0].size(0), tokens = contiguous[i].size(0);
+      const PanelSlice slice{(u - starts[i]) * kPiece,
+                             std::min(panels_i, (u - starts[i] + 1) * kPiece)};
+      if (args[i].mw) {
+        block_dispatch<true, false>(args[i], tokens, panels_i, slice);
+      } else {
+        block_dispatch<false, false>(args[i], tokens, panels_i, slice);
+      }
+    }
+  });
+  return ys;
 }
 
 // ------------------------------------------------------------------------ greedy argmax

@@ -188,6 +188,12 @@ class Projection {
   }
 
   int64_t out_features() const { return weight_.defined() ? weight_.size(0) : qs_.size(0); }
+  // The int8 block panels (wq, dw, mw) of a quantized projection: gemm::panel::block_linear_group
+  // runs several such projections at once (MoE::experts); empty for other weights.
+  std::vector<at::Tensor> block_panels() const {
+    return wq_.defined() ? std::vector<at::Tensor>{wq_, dw_, mw_} : std::vector<at::Tensor>{};
+  }
+  at::Tensor with_bias(at::Tensor y) const { return bias_.defined() ? y.add_(bias_) : y; }
   int64_t in_features() const {
     if (weight_.defined()) return weight_.size(1);
     return m_.defined() ? 2 * qs_.size(1) : qs_.size(1);  // q4: two values a byte
@@ -246,8 +252,6 @@ class Projection {
   }
 
  private:
-  at::Tensor with_bias(at::Tensor y) const { return bias_.defined() ? y.add_(bias_) : y; }
-
   at::Tensor weight_, qs_, d_, m_, bias_, panels_, wq_, dw_, mw_, prompt_tiles_;
 };
 
@@ -316,12 +320,12 @@ class MoE {
     at::Tensor out = at::zeros_like(h);
     const at::Tensor w = weights.contiguous();
     expert_runs += static_cast<int64_t>(groups.experts.size());
+    const std::vector<at::Tensor> ys = experts(groups, h, form, prompt_rows);
     for (size_t g = 0; g + 1 < groups.offsets.size(); ++g) {
       const int64_t begin = groups.offsets[g], n = groups.offsets[g + 1] - begin;
       const int64_t* rows = groups.rows.data() + begin;
       const int64_t* slots = groups.slots.data() + begin;
-      const std::vector<int64_t> local = moe::local_ranges(prompt_rows, rows, n);
-      const at::Tensor y = expert(groups.experts[g], moe::gather_rows(h, rows, n), form, local);
+      const at::Tensor& y = ys[g];
       if (f32) {
         std::vector<float> wj(n);
         for (int64_t j = 0; j < n; ++j) wj[j] = w.data_ptr<float>()[rows[j] * top_k_ + slots[j]];
@@ -354,6 +358,54 @@ class MoE {
       top = top / total;
     }
     return {float32_route_weights_ ? top : top.to(logits.scalar_type()), ids};
+  }
+
+  // Each group's expert output (its rows' gathered h through gate_up, the activation, down).
+  // Experts on int8 block panels whose rows take no prompt tiles run together, each of the two
+  // projections of all of them in one parallel region (gemm::panel::block_linear_group, the
+  // same bits as one at a time); the others one at a time.
+  std::vector<at::Tensor> experts(const moe::Groups& groups, const at::Tensor& h, MatmulForm form,
+                                  const std::vector<int64_t>& prompt_rows) const {
+    const size_t count = groups.experts.size();
+    std::vector<at::Tensor> ys(count), xs;
+    std::vector<size_t> together;
+    std::vector<std::vector<at::Tensor>> gate_up, down;
+    std::vector<int64_t> gate_up_n, down_n;
+    for (size_t g = 0; g < count; ++g) {
+      const int64_t begin = groups.offsets[g], n = groups.offsets[g + 1] - begin;
+      const int64_t* rows = groups.rows.data() + begin;
+      const int64_t e = groups.experts[g];
+      const std::vector<int64_t> local = moe::local_ranges(prompt_rows, rows, n);
+      at::Tensor x = moe::gather_rows(h, rows, n);
+      std::vector<at::Tensor> gu = gate_up_[e].block_panels(), dn = down_[e].block_panels();
+      if (!local.empty() || gu.empty() || dn.empty() || x.scalar_type() != at::kFloat) {
+        ys[g] = expert(e, x, form, local);
+        continue;
+      }
+      together.push_back(g);
+      xs.push_back(std::move(x));
+      gate_up.push_back(std::move(gu)), down.push_back(std::move(dn));
+      gate_up_n.push_back(gate_up_[e].out_features()), down_n.push_back(down_[e].out_features());
+    }
+    if (together.empty()) return ys;
+    std::vector<at::Tensor> mid = gemm::panel::block_linear_group(xs, gate_up, gate_up_n);
+    // an expert's few rows per thread (a region each would cost more than their arithmetic),
+    // on this thread below 16 rows in all
+    int64_t rows = 0;
+    for (const at::Tensor& x : xs) rows += x.size(0);
+    const int64_t calls = static_cast<int64_t>(together.size());
+    const bool inference = c10::InferenceMode::is_enabled();  // thread-local: carried over
+    at::parallel_for(0, calls, rows >= 16 ? 1 : calls, [&](int64_t i0, int64_t i1) {
+      c10::InferenceMode guard(inference);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t e = groups.experts[together[i]];
+        mid[i] = activate(gate_up_[e].with_bias(mid[i]), activation_);
+      }
+    });
+    std::vector<at::Tensor> out = gemm::panel::block_linear_group(mid, down, down_n);
+    for (size_t i = 0; i < together.size(); ++i)
+      ys[together[i]] = down_[groups.experts[together[i]]].with_bias(out[i]);
+    return ys;
   }
 
   at::Tensor expert(int64_t e, const at::Tensor& x, MatmulForm form,
