@@ -9,9 +9,9 @@ the same active parameters, and the weight bytes a one-row decode step reads.
    in alternation, --rounds times, best of the rounds. The ratio MoE / dense is the overhead
    of routing and grouping (goal: within 1.3x).
 2. The floor of each step: max(weight bytes read / the measured read bandwidth, its
-   arithmetic / the measured peak of its instructions), as `python -m benchmarks step` counts it. The
-   MoE step reads the experts it runs (the compiled MoE's count, over the timed step): at one
-   row its top-k per layer, at 8 rows nearly all of them. Where both steps are bound by
+   arithmetic / the measured peak of its instructions), as `python -m benchmarks step` counts
+   it. The MoE step reads the experts it runs (the compiled MoE's count over the timed steps):
+   at one row its top-k per layer, at 8 rows nearly all of them. Where both steps are bound by
    reading weights, the MoE's floor over the dense one's is what no kernel can beat; each
    step's time over its floor says how near the kernels run to it.
 3. Bytes read. At one row, the experts a step runs against the active experts' bytes (top_k
