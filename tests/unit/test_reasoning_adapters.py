@@ -95,3 +95,18 @@ def test_the_blanks_beside_calls_make_no_item_and_other_blanks_are_kept():
     ]
     assert spaced_items(f" \n{call} ") == [("function_call", None)]
     assert spaced_items("Paris, \n France. \n") == [("message", "Paris, \n France. \n")]
+
+
+def test_anthropic_whole_message_has_the_streams_blocks_in_the_replys_order():
+    call = CALL.removeprefix("<think>Hm.</think>")
+    blocks = _Blocks()
+    frames = [
+        frame
+        for delta in deltas(f"{call}\nDone.", {"get_weather": {}})
+        for frame in blocks.feed(delta)
+    ]
+    data = [json.loads(frame.split("data: ", 1)[1]) for frame in frames + blocks.close()]
+    starts = [d["content_block"]["type"] for d in data if d["type"] == "content_block_start"]
+    assert starts == [block["type"] for block in blocks.content] == ["tool_use", "text"]
+    assert blocks.content[0]["input"] == json.loads(ARGS)
+    assert blocks.content[1]["text"] == "\nDone."
