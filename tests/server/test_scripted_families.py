@@ -6,7 +6,7 @@ where the family has text before a call, then two calls, the second's arguments 
 same reply is checked, whole and streamed, as chat completions' reasoning, content and
 tool_calls, as the Responses API's reasoning, message and function_call items (with their
 stream events), and as the Messages API's thinking, text and tool_use blocks (with their
-input_json_delta pieces).
+input_json_delta pieces). A reply of a call then text keeps its order on the last two.
 
 The model writes each token once (a scripted model's next token depends on the last one only),
 so the reply is cut in pieces that are each new (tiny.reply_pieces): markers that are one
@@ -266,3 +266,40 @@ def test_messages_api_blocks_whole_and_streamed(served):
     assert sorted(pieces) == [i for i, _ in uses]
     for index, block in uses:
         assert json.loads("".join(pieces[index])) == block.input and len(pieces[index]) >= 2
+
+
+CALL_THEN_TEXT = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\nDone.'
+)
+
+
+@pytest.fixture(scope="module")
+def call_then_text(tmp_path_factory):
+    """A hermes model whose reply is a call, then text."""
+    folder = tmp_path_factory.mktemp("scripted-call-then-text")
+    path = make_reply_checkpoint(folder / "ckpt", CALL_THEN_TEXT, QWEN3.markers)
+    args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
+    args += ["--kv-cache-memory", "32MiB", "--enable-auto-tool-choice", "--tool-call-parser"]
+    server = ServerProcess([*args, "hermes"], folder / "server.log")
+    yield Served("hermes", server.base_url, AutoTokenizer.from_pretrained(path))
+    server.stop()
+
+
+def test_text_after_a_call_comes_after_it_whole_and_streamed(call_then_text):
+    expected = [("call", TWO_CALLS[0]), ("text", "Done.")]
+    fields = {"model": MODEL, "input": HI, "tools": RESPONSES_TOOLS, "temperature": 0}
+    responses = call_then_text.openai.responses
+    assert response_parts(responses.create(**fields).output) == expected
+    streamed = list(responses.create(stream=True, **fields))[-1].response
+    assert response_parts(streamed.output) == expected
+    fields = {
+        "model": MODEL,
+        "max_tokens": 300,
+        "messages": [{"role": "user", "content": HI}],
+        "tools": MESSAGES_TOOLS,
+        "extra_body": {"temperature": 0},
+    }
+    messages = call_then_text.anthropic.messages
+    assert message_parts(messages.create(**fields).content) == expected
+    with messages.stream(**fields) as stream:
+        assert message_parts(stream.get_final_message().content) == expected
