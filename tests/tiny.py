@@ -313,3 +313,62 @@ def harmony_thinking_script() -> dict[int, int]:
     order = [newline, *ids("<|channel|>analysis<|message|>"), *ids("o"), *ids("k")]
     assert len(order) == len(set(order)) == 6
     return dict(zip(order[:-1], order[1:], strict=True)) | {order[-1]: order[-2]}
+
+
+def reply_pieces(
+    raw: str, markers: tuple[str, ...] = (), specials: tuple[str, ...] = (), size: int = 4
+) -> list[str]:
+    """raw cut into pieces, each different from the others and from "\\n", so that a scripted
+    model writes them in a row, one token each: a marker (of markers or specials) is a piece
+    the first time it comes, the text between markers is cut every `size` characters, and a
+    piece that came before is lengthened (by a character, or a whole marker) until it is new,
+    or, at raw's end or a special marker's first, joined to the piece before."""
+    atoms: list[str] = []  # raw's markers and its other characters, in order
+    at = 0
+    while at < len(raw):
+        found = [marker for marker in markers + specials if raw.startswith(marker, at)]
+        atoms.append(max(found, key=len) if found else raw[at])
+        at += len(atoms[-1])
+    pieces: list[str] = []
+    used = {"\n"}  # the newline starts the script
+
+    def fresh(atom: str) -> bool:  # a special marker still to be its own token
+        return atom in specials and atom not in used
+
+    start = 0
+    while start < len(atoms):
+        end = start + 1
+        while end - start < size and end < len(atoms) and len(atoms[start]) == len(atoms[end]) == 1:
+            end += 1
+        while "".join(atoms[start:end]) in used and end < len(atoms) and not fresh(atoms[end]):
+            end += 1
+        piece = "".join(atoms[start:end])
+        if piece in used:
+            piece = pieces.pop() + piece
+        assert piece not in used, piece
+        used.add(piece)
+        pieces.append(piece)
+        start = end
+    return pieces
+
+
+def make_reply_checkpoint(
+    path: Path, raw: str, markers: tuple[str, ...] = (), specials: tuple[str, ...] = ()
+) -> Path:
+    """A scripted checkpoint that, after a newline, writes exactly `raw`, then <|im_end|>, in
+    the pieces reply_pieces cuts it in: one token each, special ones for the family's markers
+    that its tokenizer makes special (specials: each one such a token the first time it
+    comes), ordinary ones (words) for the rest, and unused words so that the vocabulary is a
+    multiple of 8 (4 heads of an even size)."""
+    pieces = reply_pieces(raw, markers, specials)
+    assert all(special in pieces for special in specials if special in raw)
+    words = tuple(piece for piece in pieces if piece not in specials)
+    size = len(scripted_tokenizer(specials, words))
+    words += tuple(f"<unused{i}>" for i in range(-size % 8))
+    tokenizer = scripted_tokenizer(specials, words)
+    (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+    order = [newline, *tokenizer.convert_tokens_to_ids(pieces), tokenizer.eos_token_id]
+    assert len(set(order)) == len(order) and len(tokenizer) % 8 == 0
+    assert tokenizer.decode(order[1:-1]) == raw
+    successor = dict(zip(order[:-1], order[1:], strict=True))
+    return make_scripted_checkpoint(path, successor, specials, words, max_position_embeddings=2048)

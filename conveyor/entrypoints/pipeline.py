@@ -390,19 +390,57 @@ async def _anext(iterator):
         return None
 
 
+class CallSpacing:
+    """Drops the blanks beside a call from a reply's content: those before a call's start
+    and those after its end up to the next text. They are the family's spacing between its
+    calls (`</tool_call>\\n<tool_call>`), not text: an API that shows text as items or blocks
+    of its own would show them as blank ones between the calls, and Anthropic's whole
+    message, whose text is one block, as part of it. Blanks elsewhere are kept; a content's
+    trailing blanks are held until it is known whether a call follows."""
+
+    __slots__ = ("_held", "_after_call")
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._after_call = False
+
+    def feed(self, event: Event) -> list[Event]:
+        if isinstance(event, ContentDelta):
+            text = self._held + event.text
+            text = text.lstrip() if self._after_call else text
+            kept = text.rstrip()
+            self._held = text[len(kept) :]
+            self._after_call = self._after_call and not kept
+            return [ContentDelta(kept)] if kept else []
+        if isinstance(event, ToolCallStart):
+            self._held = ""
+        elif isinstance(event, ToolCallEnd):
+            self._after_call = True
+        return [event]
+
+    def finish(self) -> list[Event]:
+        held, self._held = self._held, ""
+        return [ContentDelta(held)] if held else []
+
+
 async def generate(
     stream: RequestStream, reader: ReplyReader, prompt: list[int], tally: Tally | None = None
 ) -> AsyncIterator[Event | Finish]:
     """The events of a one-choice request's reply, then its Finish, as the Responses and
-    Messages adapters render them. tally: kept up to date, for an adapter that tells the usage
-    of a reply that fails before its Finish."""
+    Messages adapters render them: text as items or blocks of their own, so without the
+    blanks beside its calls (CallSpacing). tally: kept up to date, for an adapter that tells
+    the usage of a reply that fails before its Finish."""
     tally = tally if tally is not None else Tally()
     choices = Choices([PromptState(prompt)], readers=lambda _: reader)
+    spacing = CallSpacing()
     async for step in choices.steps([stream]):
         tally.num_output_tokens = step.choice.num_tokens
         tally.num_cached_tokens = step.choice.prompt.num_cached_tokens
         for event in step.events:
-            yield event
+            for spaced in spacing.feed(event):
+                yield spaced
+    for event in spacing.finish():
+        yield event
     yield choices.finish(choices.choices[0])
 
 

@@ -12,19 +12,11 @@ import anthropic
 import httpx
 import openai
 import pytest
+from family_replies import TOOLS, TWO_CALL_REPLIES, TWO_CALLS, TWO_TOOLS, gathered
 from server_util import start_tiny
 from tiny import make_tiny_checkpoint
 
 MODEL = "tiny"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 THINK_THEN_CALL = "<think>I need the weather.</think>\n" + CALL
 THINK_THEN_ANSWER = "<think>Easy.</think>\n\nParis."
@@ -49,21 +41,6 @@ def ask(client, raw: str, stream: bool = False, **fields):
         extra_body=extra,
         **({"max_tokens": 200} | fields),
     )
-
-
-def gathered(chunks) -> dict:
-    out = {"reasoning": "", "reasoning_content": "", "content": "", "calls": [], "finish": None}
-    for chunk in chunks:
-        choice = chunk.choices[0]
-        delta = choice.delta.model_dump()
-        for key in ("reasoning", "reasoning_content", "content"):
-            out[key] += delta.get(key) or ""
-        for call in delta.get("tool_calls") or []:
-            if call.get("id"):
-                out["calls"].append([call["function"]["name"], ""])
-            out["calls"][-1][1] += call["function"].get("arguments") or ""
-        out["finish"] = choice.finish_reason or out["finish"]
-    return out
 
 
 def test_reasoning_is_returned_apart_from_the_answer(client):
@@ -323,67 +300,6 @@ def test_a_calls_streamed_arguments_join_to_the_whole_in_each_family(family_serv
     assert "".join(pieces) == call.function.arguments
     assert len(pieces) >= fewest
     assert gathered(chunks)["finish"] == "tool_calls"
-
-
-# Two declared tools, the second's argument nested, for replies of text then two calls.
-TWO_TOOLS = [
-    TOOLS[0],
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "parameters": {"type": "object", "properties": {"where": {"type": "object"}}},
-        },
-    },
-]
-WHERE = {"days": [1, 2], "note": None}
-TWO_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"where": WHERE})]
-_W, _T = '{"city": "Paris"}', '{"where": {"days": [1, 2], "note": null}}'
-_PY = '[get_weather(city="Paris"), get_time(where={"days": [1, 2], "note": None})]'
-_XML = (
-    "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=where>\n"
-    '{"days": [1, 2], "note": null}\n</parameter>\n</function>\n</tool_call>'
-)
-_DS = "<｜tool▁call▁begin｜>{}<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
-_HARMONY = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}<|call|>"
-# family -> its raw reply of the two calls (text first where the family has text before a
-# call), and that text
-TWO_CALL_REPLIES = {
-    "deepseek_v3": (
-        f"Sure.<｜tool▁calls▁begin｜>{_DS.format('get_weather', _W)}{_DS.format('get_time', _T)}"
-        "<｜tool▁calls▁end｜>",
-        "Sure.",
-    ),
-    "granite": (
-        f'<|tool_call|>[{{"name": "get_weather", "arguments": {_W}}}, '
-        f'{{"name": "get_time", "arguments": {_T}}}]',
-        None,
-    ),
-    "hermes": (
-        f'Sure. <tool_call>\n{{"name": "get_weather", "arguments": {_W}}}\n</tool_call>\n'
-        f'<tool_call>\n{{"name": "get_time", "arguments": {_T}}}\n</tool_call>',
-        "Sure.",
-    ),
-    "llama3_json": (
-        f'<|python_tag|>{{"name": "get_weather", "parameters": {_W}}}; '
-        f'{{"name": "get_time", "parameters": {_T}}}',
-        None,
-    ),
-    "llama4_pythonic": (f"Sure. <|python_start|>{_PY}<|python_end|>", "Sure."),
-    "mistral": (
-        f'Sure.[TOOL_CALLS][{{"name": "get_weather", "arguments": {_W}}}, '
-        f'{{"name": "get_time", "arguments": {_T}}}]',
-        "Sure.",
-    ),
-    "pythonic": (_PY, None),
-    "qwen3_coder": (_XML, "Sure."),
-    "qwen3_xml": (_XML, "Sure."),
-    "openai": (
-        _HARMONY.format("get_weather", _W) + "<|start|>assistant" + _HARMONY.format("get_time", _T),
-        None,
-    ),
-}
 
 
 def test_text_then_two_calls_with_nested_arguments_in_each_family(family_server):

@@ -11,7 +11,7 @@ from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.responses.output import OutputBuilder
 from conveyor.entrypoints.openai.serving import _ToolReply
 from conveyor.entrypoints.parsers import ParserNames
-from conveyor.entrypoints.pipeline import Parsers
+from conveyor.entrypoints.pipeline import CallSpacing, Parsers
 
 RAW = "<think>Let me see.</think>\n\nParis."
 
@@ -72,3 +72,41 @@ def test_responses_and_anthropic_streams_send_a_calls_arguments_in_pieces():
         if d.get("delta", {}).get("type") == "input_json_delta"
     ]
     assert len(pieces) > 1 and "".join(pieces) == ARGS
+
+
+def spaced_items(raw: str) -> list[tuple[str, str]]:
+    """The Responses API's items of a hermes reply, as generate() spaces its events."""
+    spacing, builder = CallSpacing(), OutputBuilder(plain=True)
+    tools = {"get_weather": {"type": "object"}}
+    events = [spaced for delta in deltas(raw, tools) for spaced in spacing.feed(delta)]
+    for event in events + spacing.finish():
+        builder.feed(event)
+    builder.finish("completed")
+    return [(item["type"], item.get("content", [{}])[0].get("text")) for item in builder.items]
+
+
+def test_the_blanks_beside_calls_make_no_item_and_other_blanks_are_kept():
+    call = CALL.removeprefix("<think>Hm.</think>")
+    assert spaced_items(f"Sure. {call}\n{call}\n\nDone. \n") == [
+        ("message", "Sure."),
+        ("function_call", None),
+        ("function_call", None),
+        ("message", "Done. \n"),
+    ]
+    assert spaced_items(f" \n{call} ") == [("function_call", None)]
+    assert spaced_items("Paris, \n France. \n") == [("message", "Paris, \n France. \n")]
+
+
+def test_anthropic_whole_message_has_the_streams_blocks_in_the_replys_order():
+    call = CALL.removeprefix("<think>Hm.</think>")
+    blocks = _Blocks()
+    frames = [
+        frame
+        for delta in deltas(f"{call}\nDone.", {"get_weather": {}})
+        for frame in blocks.feed(delta)
+    ]
+    data = [json.loads(frame.split("data: ", 1)[1]) for frame in frames + blocks.close()]
+    starts = [d["content_block"]["type"] for d in data if d["type"] == "content_block_start"]
+    assert starts == [block["type"] for block in blocks.content] == ["tool_use", "text"]
+    assert blocks.content[0]["input"] == json.loads(ARGS)
+    assert blocks.content[1]["text"] == "\nDone."

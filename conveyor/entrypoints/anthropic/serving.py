@@ -28,11 +28,11 @@ from conveyor.entrypoints.parsers.events import (
     ReasoningDelta,
     ToolArgsDelta,
     ToolCallStart,
-    joined,
 )
-from conveyor.entrypoints.pipeline import Finish, generate, tidy
+from conveyor.entrypoints.pipeline import Finish, generate
 from conveyor.entrypoints.runner import Answer, Failure, GenerationError, sse
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.tools import MAX_DEPTH
 
 ABORTED = "the request was aborted before it finished (the server may be shutting down)"
 
@@ -87,18 +87,14 @@ class MessagesServing:
     ) -> dict:
         events = [event async for event in self._generate(chat, prompt, stream)]
         finish = events.pop()
-        parsed = tidy(joined(events))
-        blocks = []
-        if parsed.reasoning and chat.include_reasoning:
-            blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
-        if parsed.content:
-            blocks.append({"type": "text", "text": parsed.content})
-        depth = self.serving.limits.max_json_depth
-        blocks += [_tool_use(name, _input(arguments, depth)) for name, arguments in parsed.calls]
+        blocks = _Blocks(chat.include_reasoning, self.serving.limits.max_json_depth)
+        for event in events:
+            blocks.feed(event)
+        blocks.close()
         stop_reason, stop_sequence = _stop(finish)
         usage = finish.usage
         return _head(stream, self.serving.served_name(chat.model)) | {
-            "content": blocks,
+            "content": blocks.content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": {
@@ -120,7 +116,7 @@ class MessagesServing:
         }
         yield sse({"type": "message_start", "message": start}, "message_start")
         yield sse({"type": "ping"}, "ping")
-        blocks = _Blocks(chat.include_reasoning)
+        blocks = _Blocks(chat.include_reasoning, self.serving.limits.max_json_depth)
         async for event in self._generate(chat, prompt, stream):
             if isinstance(event, Finish):
                 break
@@ -153,43 +149,53 @@ def _stream_failed(failure: Failure) -> str:
 
 
 class _Blocks:
-    """Content blocks from a reply's events: reasoning goes to an open thinking block, text
-    to an open text block; a call's start opens a tool_use block, which its arguments go to
-    as partial JSON."""
+    """Content blocks from a reply's events, as the stream's events and as the whole
+    message's content, so that the two are the same blocks in the same order: reasoning goes
+    to an open thinking block, text to an open text block; a call's start opens a tool_use
+    block, which its arguments go to as partial JSON (its input once it closes)."""
 
-    def __init__(self, include_reasoning: bool = True) -> None:
+    def __init__(self, include_reasoning: bool = True, max_depth: int = MAX_DEPTH) -> None:
         self.include_reasoning = include_reasoning
-        self.index = -1
+        self.max_depth = max_depth
+        self.content: list[dict] = []  # the blocks so far, as a whole message shows them
         self.open: str | None = None  # the type of the block open now
+        self._arguments: list[str] = []  # the open tool_use block's partial JSON
 
     def feed(self, event: Event) -> list[str]:
         if isinstance(event, ReasoningDelta) and event.text and self.include_reasoning:
             events = [] if self.open == "thinking" else self._start(_THINKING)
+            self.content[-1]["thinking"] += event.text
             return events + [self._delta({"type": "thinking_delta", "thinking": event.text})]
         if isinstance(event, ContentDelta) and event.text:
             events = [] if self.open == "text" else self._start({"type": "text", "text": ""})
+            self.content[-1]["text"] += event.text
             return events + [self._delta({"type": "text_delta", "text": event.text})]
         if isinstance(event, ToolCallStart):
             return self._start(_tool_use(event.name, {}))
         if isinstance(event, ToolArgsDelta) and event.text:
+            self._arguments.append(event.text)
             return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
         return []
 
     def close(self) -> list[str]:
         if self.open is None:
             return []
+        if self.open == "tool_use":
+            self.content[-1]["input"] = _input("".join(self._arguments), self.max_depth)
+            self._arguments = []
         self.open = None
-        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+        body = {"type": "content_block_stop", "index": len(self.content) - 1}
+        return [sse(body, "content_block_stop")]
 
     def _start(self, block: dict) -> list[str]:
         events = self.close()
-        self.index += 1
+        self.content.append(dict(block))
         self.open = block["type"]
-        body = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return [*events, sse(body, "content_block_start")]
+        body = {"type": "content_block_start", "index": len(self.content) - 1}
+        return [*events, sse(body | {"content_block": block}, "content_block_start")]
 
     def _delta(self, delta: dict) -> str:
-        body = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        body = {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
         return sse(body, "content_block_delta")
 
 
