@@ -497,21 +497,24 @@ def test_attention_decode_rows_on_one_and_two_threads(ops):
         assert torch.equal(row, prefill[-1:]), f"{threads} threads"
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
-def test_a_group_of_block_calls_gives_each_calls_bits(ops, isas, fmt):
-    """block_linear_group (a mixture of experts' projections in one parallel region) equals
-    block_linear call by call, on every instruction set and on one and two threads: calls of
-    0-40 rows (past the AMX tiles' switch point, which such a call takes alone), widths off a
-    panel's 16, and a call of the same weights twice."""
+@pytest.mark.parametrize("kind", ["q4", "q8", "float32"])
+def test_a_group_of_calls_gives_each_calls_bits(ops, isas, kind):
+    """block_linear_group and dense_linear_group (a mixture of experts' projections in one
+    parallel region) equal block_linear / dense_linear call by call, on every instruction set
+    and on one and two threads: calls of 0-40 rows (past the AMX tiles' switch point, which a
+    block call takes alone), widths off a panel's 16, and a call of the same weights twice."""
     shapes = [(37, 64), (48, 96), (16, 32), (100, 64), (37, 64)]
-    calls = [make_op(ops, fmt, n, k, seed=s)[0] for s, (n, k) in enumerate(shapes)]
+    calls = [make_op(ops, kind, n, k, seed=s)[0] for s, (n, k) in enumerate(shapes)]
     calls[-1] = calls[0]
     rows = [1, 0, 7, 40, 16]
     xs = [
         random_x(t, op.weight.shape[1], torch.float32, seed=t)
         for t, op in zip(rows, calls, strict=True)
     ]
-    panels = [[op.wq, op.dw, op.mw] for op in calls]
+    if kind == "float32":
+        group, panels = ops.dense_linear_group, [op.panels for op in calls]
+    else:
+        group, panels = ops.block_linear_group, [[op.wq, op.dw, op.mw] for op in calls]
     n_outs = [op.weight.shape[0] for op in calls]
     try:
         for isa in isas:
@@ -519,10 +522,10 @@ def test_a_group_of_block_calls_gives_each_calls_bits(ops, isas, fmt):
             alone = [op(x) for op, x in zip(calls, xs, strict=True)]
             for threads in (1, 2):
                 with torch_threads(threads):
-                    together = ops.block_linear_group(xs, panels, n_outs)
+                    together = group(xs, panels, n_outs)
                 for i, (a, b) in enumerate(zip(alone, together, strict=True)):
                     assert a.shape == b.shape and torch.equal(a, b), f"{isa}, {threads}: call {i}"
     finally:
         ops.set_isa("auto")
     with pytest.raises(RuntimeError, match="as many panels"):
-        ops.block_linear_group(xs, panels[:-1], n_outs)
+        group(xs, panels[:-1], n_outs)

@@ -78,6 +78,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &pg::block_linear, "x @ W^T over block panels, one order per value",
         py::arg("x"), py::arg("wq"), py::arg("dw"), py::arg("mw"), py::arg("n_out"),
         py::arg("float_acts") = false);
+  m.def("dense_linear_group", &pg::dense_linear_group,
+        "dense_linear(xs[i], panels[i], n_outs[i]) for every i (float32) in one parallel "
+        "region, the same bits", py::arg("xs"), py::arg("panels"), py::arg("n_outs"));
   m.def("block_linear_group", &pg::block_linear_group,
         "block_linear(xs[i], *panels[i], n_outs[i]) for every i in one parallel region, the "
         "same bits", py::arg("xs"), py::arg("panels"), py::arg("n_outs"));

@@ -70,6 +70,9 @@ std::vector<at::Tensor> pack_blocks(const at::Tensor& qs, const at::Tensor& d,
                                     const std::optional<at::Tensor>& m, bool float_acts);
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& dw,
                         const at::Tensor& mw, int64_t n_out, bool float_acts);
+std::vector<at::Tensor> dense_linear_group(const std::vector<at::Tensor>& xs,
+                                           const std::vector<at::Tensor>& panels,
+                                           const std::vector<int64_t>& n_outs);
 std::vector<at::Tensor> block_linear_group(const std::vector<at::Tensor>& xs,
                                            const std::vector<std::vector<at::Tensor>>& panels,
                                            const std::vector<int64_t>& n_outs);

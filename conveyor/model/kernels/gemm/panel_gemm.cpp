@@ -316,10 +316,13 @@ struct Dense {
   static constexpr int kNP = Isa == kAvx512 ? 4 : 1;
 
   static void run(const T* x, int64_t tokens, int64_t k_dim, const T* w, int64_t panels, T* y,
-                  int64_t n_out) {
-    for_tiles(panels, kNP, tokens, kTT, [&](int64_t p0, int64_t pn, int64_t t, int64_t tt) {
-      Dispatch<Tile, kTT, kNP>::run(tt, pn, x + t * k_dim, k_dim, w, p0, y + t * n_out, n_out);
-    });
+                  int64_t n_out, PanelSlice slice = {}) {
+    for_tiles(
+        panels, kNP, tokens, kTT,
+        [&](int64_t p0, int64_t pn, int64_t t, int64_t tt) {
+          Dispatch<Tile, kTT, kNP>::run(tt, pn, x + t * k_dim, k_dim, w, p0, y + t * n_out, n_out);
+        },
+        slice);
   }
 };
 
@@ -336,21 +339,73 @@ at::Tensor pack_dense(const at::Tensor& weight) {
   return padded.view({panels, lanes, k}).transpose(1, 2).contiguous();
 }
 
+// A slice runs on the calling thread and is not counted (dense_linear_group counts its calls).
 template <typename T>
 void dense_dispatch(const T* x, int64_t tokens, int64_t k, const T* w, int64_t panels, T* y,
-                    int64_t n) {
-  switch (running_isa()) {
+                    int64_t n, PanelSlice slice = {}) {
+  switch (slice.p1 >= 0 ? current_isa().load() : running_isa()) {
 #if CONVEYOR_PANEL_AVX512
     case kAvx512:
-      return Dense<T, kAvx512>::run(x, tokens, k, w, panels, y, n);
+      return Dense<T, kAvx512>::run(x, tokens, k, w, panels, y, n, slice);
 #endif
 #if CONVEYOR_PANEL_AVX2
     case kAvx2:
-      return Dense<T, kAvx2>::run(x, tokens, k, w, panels, y, n);
+      return Dense<T, kAvx2>::run(x, tokens, k, w, panels, y, n, slice);
 #endif
     default:
-      return Dense<T, kScalar>::run(x, tokens, k, w, panels, y, n);
+      return Dense<T, kScalar>::run(x, tokens, k, w, panels, y, n, slice);
   }
+}
+
+// Splits the panels of several calls into pieces of kGroupPiece panels (a multiple of every
+// tile's panel count, so that each piece's tiles are the whole call's) and runs
+// fn(call, slice) over all the pieces in one parallel region (balanced_for).
+constexpr int64_t kGroupPiece = 4;
+
+template <typename Fn>
+void for_pieces(const std::vector<int64_t>& num_panels, const Fn& fn) {
+  std::vector<int64_t> starts{0};  // the pieces of call i: [starts[i], starts[i + 1])
+  for (int64_t p : num_panels) starts.push_back(starts.back() + (p + kGroupPiece - 1) / kGroupPiece);
+  conveyor::balance::balanced_for(starts.back(), 1, [&](int64_t u0, int64_t u1) {
+    size_t i = std::upper_bound(starts.begin(), starts.end(), u0) - starts.begin() - 1;
+    for (int64_t u = u0; u < u1; ++u) {
+      while (starts[i + 1] <= u) ++i;
+      const int64_t first = (u - starts[i]) * kGroupPiece;
+      fn(i, PanelSlice{first, std::min(num_panels[i], first + kGroupPiece)});
+    }
+  });
+}
+
+// dense_linear(xs[i], panels[i], n_outs[i]) for every i (float32), the same bits, in one
+// parallel region: block_linear_group's twin for float weights.
+std::vector<at::Tensor> dense_linear_group(const std::vector<at::Tensor>& xs,
+                                           const std::vector<at::Tensor>& panels,
+                                           const std::vector<int64_t>& n_outs) {
+  const size_t calls = xs.size();
+  TORCH_CHECK(panels.size() == calls && n_outs.size() == calls,
+              "dense_linear_group: as many panels and n_outs as xs");
+  std::vector<at::Tensor> ys(calls), contiguous(calls);
+  std::vector<int64_t> num_panels(calls, 0);
+  const int isa = current_isa().load();
+  for (size_t i = 0; i < calls; ++i) {
+    const at::Tensor &x = xs[i], &w = panels[i];
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1) &&
+                    x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                    w.is_contiguous() && w.size(2) * w.element_size() == kPanelBytes &&
+                    n_outs[i] >= 0 && n_outs[i] <= w.size(0) * w.size(2) && x.device().is_cpu() &&
+                    w.device().is_cpu(),
+                "dense_linear_group: float32 x (T, K) and panels (P, K, L) from pack_dense");
+    contiguous[i] = x.contiguous();
+    ys[i] = at::empty({x.size(0), n_outs[i]}, contiguous[i].options());
+    if (x.size(0) > 0 && n_outs[i] > 0) num_panels[i] = w.size(0);
+    runs()[isa].fetch_add(1, std::memory_order_relaxed);
+  }
+  for_pieces(num_panels, [&](size_t i, PanelSlice slice) {
+    const at::Tensor& x = contiguous[i];
+    dense_dispatch<float>(x.data_ptr<float>(), x.size(0), x.size(1), panels[i].data_ptr<float>(),
+                          num_panels[i], ys[i].data_ptr<float>(), n_outs[i], slice);
+  });
+  return ys;
 }
 
 at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n_out) {
@@ -1162,8 +1217,7 @@ std::vector<at::Tensor> block_linear_group(const std::vector<at::Tensor>& xs,
   std::vector<at::Tensor> ys(calls), contiguous(calls);
   std::vector<BlockArgs> args(calls);
   std::vector<Acts> acts(calls);
-  std::vector<int64_t> starts{0};  // the pieces of call i: [starts[i], starts[i + 1])
-  constexpr int64_t kPiece = 4;    // panels a piece: a multiple of every tile's panel count
+  std::vector<int64_t> num_panels(calls, 0);  // 0: a call run alone, or of no rows
   const int isa = current_isa().load();
   for (size_t i = 0; i < calls; ++i) {
     TORCH_CHECK(panels[i].size() == 3, "block_linear_group: panels are (wq, dw, mw)");
@@ -1172,7 +1226,6 @@ std::vector<at::Tensor> block_linear_group(const std::vector<at::Tensor>& xs,
     const bool alone = isa == kAvx512 && conveyor::gemm::amx::int8_takes(tokens);
     if (alone || tokens == 0) {
       ys[i] = block_linear(xs[i], wq, dw, mw, n_outs[i], false);
-      starts.push_back(starts.back());
       continue;
     }
     check_block_panels(xs[i], wq, dw, mw, n_outs[i], false);
@@ -1180,7 +1233,7 @@ std::vector<at::Tensor> block_linear_group(const std::vector<at::Tensor>& xs,
     ys[i] = at::empty({tokens, n_outs[i]}, contiguous[i].options());
     args[i] = panel_args(wq, dw, mw, contiguous[i].size(1), n_outs[i], false);
     args[i].y = ys[i].data_ptr<float>();
-    starts.push_back(starts.back() + (wq.size(0) + kPiece - 1) / kPiece);
+    num_panels[i] = n_outs[i] > 0 ? wq.size(0) : 0;
     runs()[isa].fetch_add(1, std::memory_order_relaxed);
   }
   // The calls' activations, a call per thread at a time (each one's rows quantize as alone);
@@ -1195,19 +1248,10 @@ std::vector<at::Tensor> block_linear_group(const std::vector<at::Tensor>& xs,
       set_acts(args[i], acts[i]);
     }
   });
-  conveyor::balance::balanced_for(starts.back(), 1, [&](int64_t u0, int64_t u1) {
-    size_t i = std::upper_bound(starts.begin(), starts.end(), u0) - starts.begin() - 1;
-    for (int64_t u = u0; u < u1; ++u) {
-      while (starts[i + 1] <= u) ++i;
-      const int64_t panels_i = panels[i][0].size(0), tokens = contiguous[i].size(0);
-      const PanelSlice slice{(u - starts[i]) * kPiece,
-                             std::min(panels_i, (u - starts[i] + 1) * kPiece)};
-      if (args[i].mw) {
-        block_dispatch<true, false>(args[i], tokens, panels_i, slice);
-      } else {
-        block_dispatch<false, false>(args[i], tokens, panels_i, slice);
-      }
-    }
+  for_pieces(num_panels, [&](size_t i, PanelSlice slice) {
+    const int64_t tokens = contiguous[i].size(0);
+    if (args[i].mw) return block_dispatch<true, false>(args[i], tokens, num_panels[i], slice);
+    block_dispatch<false, false>(args[i], tokens, num_panels[i], slice);
   });
   return ys;
 }

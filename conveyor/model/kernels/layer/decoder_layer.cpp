@@ -188,11 +188,13 @@ class Projection {
   }
 
   int64_t out_features() const { return weight_.defined() ? weight_.size(0) : qs_.size(0); }
-  // The int8 block panels (wq, dw, mw) of a quantized projection: gemm::panel::block_linear_group
-  // runs several such projections at once (MoE::experts); empty for other weights.
+  // The panels that gemm::panel's group calls take (several projections at once:
+  // MoE::experts): the int8 block panels (wq, dw, mw) of a quantized projection, or a dense
+  // one's float panels; empty for other weights.
   std::vector<at::Tensor> block_panels() const {
     return wq_.defined() ? std::vector<at::Tensor>{wq_, dw_, mw_} : std::vector<at::Tensor>{};
   }
+  const at::Tensor& dense_panels() const { return panels_; }
   at::Tensor with_bias(at::Tensor y) const { return bias_.defined() ? y.add_(bias_) : y; }
   int64_t in_features() const {
     if (weight_.defined()) return weight_.size(1);
@@ -361,51 +363,72 @@ class MoE {
   }
 
   // Each group's expert output (its rows' gathered h through gate_up, the activation, down).
-  // Experts on int8 block panels whose rows take no prompt tiles run together, each of the two
-  // projections of all of them in one parallel region (gemm::panel::block_linear_group, the
-  // same bits as one at a time); the others one at a time.
+  // float32 experts on panels (int8 blocks or float) whose rows take no prompt tiles run
+  // together, each of the two projections of all of them in one parallel region
+  // (gemm::panel's block_linear_group and dense_linear_group, the same bits as one at a time);
+  // the others one at a time.
   std::vector<at::Tensor> experts(const moe::Groups& groups, const at::Tensor& h, MatmulForm form,
                                   const std::vector<int64_t>& prompt_rows) const {
     const size_t count = groups.experts.size();
     std::vector<at::Tensor> ys(count), xs;
     std::vector<size_t> together;
-    std::vector<std::vector<at::Tensor>> gate_up, down;
-    std::vector<int64_t> gate_up_n, down_n;
     for (size_t g = 0; g < count; ++g) {
       const int64_t begin = groups.offsets[g], n = groups.offsets[g + 1] - begin;
       const int64_t* rows = groups.rows.data() + begin;
       const int64_t e = groups.experts[g];
       const std::vector<int64_t> local = moe::local_ranges(prompt_rows, rows, n);
       at::Tensor x = moe::gather_rows(h, rows, n);
-      std::vector<at::Tensor> gu = gate_up_[e].block_panels(), dn = down_[e].block_panels();
-      if (!local.empty() || gu.empty() || dn.empty() || x.scalar_type() != at::kFloat) {
+      if (!local.empty() || x.scalar_type() != at::kFloat || !groupable(e)) {
         ys[g] = expert(e, x, form, local);
         continue;
       }
       together.push_back(g);
       xs.push_back(std::move(x));
-      gate_up.push_back(std::move(gu)), down.push_back(std::move(dn));
-      gate_up_n.push_back(gate_up_[e].out_features()), down_n.push_back(down_[e].out_features());
     }
     if (together.empty()) return ys;
-    std::vector<at::Tensor> mid = gemm::panel::block_linear_group(xs, gate_up, gate_up_n);
+    std::vector<int64_t> ids;
+    for (size_t g : together) ids.push_back(groups.experts[g]);
+    std::vector<at::Tensor> mid = projections(gate_up_, ids, xs);
     // an expert's few rows per thread (a region each would cost more than their arithmetic),
     // on this thread below 16 rows in all
     int64_t rows = 0;
     for (const at::Tensor& x : xs) rows += x.size(0);
-    const int64_t calls = static_cast<int64_t>(together.size());
+    const int64_t calls = static_cast<int64_t>(ids.size());
     const bool inference = c10::InferenceMode::is_enabled();  // thread-local: carried over
     at::parallel_for(0, calls, rows >= 16 ? 1 : calls, [&](int64_t i0, int64_t i1) {
       c10::InferenceMode guard(inference);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t e = groups.experts[together[i]];
-        mid[i] = activate(gate_up_[e].with_bias(mid[i]), activation_);
-      }
+      for (int64_t i = i0; i < i1; ++i)
+        mid[i] = activate(gate_up_[ids[i]].with_bias(mid[i]), activation_);
     });
-    std::vector<at::Tensor> out = gemm::panel::block_linear_group(mid, down, down_n);
-    for (size_t i = 0; i < together.size(); ++i)
-      ys[together[i]] = down_[groups.experts[together[i]]].with_bias(out[i]);
+    std::vector<at::Tensor> out = projections(down_, ids, mid);
+    for (size_t i = 0; i < ids.size(); ++i) ys[together[i]] = down_[ids[i]].with_bias(out[i]);
     return ys;
+  }
+
+  // Whether expert e's two projections run in the group calls: all the experts' weights are of
+  // one kind (the loader quantizes or packs them alike), so the first expert's kind decides.
+  bool groupable(int64_t e) const {
+    const bool blocks = !gate_up_[0].block_panels().empty();
+    const auto kind = [&](const Projection& p) {
+      return blocks ? !p.block_panels().empty() : p.dense_panels().defined();
+    };
+    return kind(gate_up_[e]) && kind(down_[e]);
+  }
+
+  // projection[ids[i]](xs[i]) for every i, in one group call.
+  static std::vector<at::Tensor> projections(const std::vector<Projection>& projection,
+                                             const std::vector<int64_t>& ids,
+                                             const std::vector<at::Tensor>& xs) {
+    std::vector<int64_t> n_outs;
+    for (int64_t e : ids) n_outs.push_back(projection[e].out_features());
+    if (!projection[ids[0]].block_panels().empty()) {
+      std::vector<std::vector<at::Tensor>> panels;
+      for (int64_t e : ids) panels.push_back(projection[e].block_panels());
+      return gemm::panel::block_linear_group(xs, panels, n_outs);
+    }
+    std::vector<at::Tensor> panels;
+    for (int64_t e : ids) panels.push_back(projection[e].dense_panels());
+    return gemm::panel::dense_linear_group(xs, panels, n_outs);
   }
 
   at::Tensor expert(int64_t e, const at::Tensor& x, MatmulForm form,
