@@ -1206,7 +1206,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
 // mixture of experts' step (layer/decoder_layer.cpp: MoE), whose experts each take a few rows:
 // a region per expert, two per expert and layer, cost more than the arithmetic of a few rows.
 // Calls whose rows take the AMX tiles run alone, as block_linear runs them.
-constexpr int64_t kSpread = 16;
+constexpr int64_t kSpread = 128;
 
 std::vector<at::Tensor> block_linear_group(const std::vector<at::Tensor>& xs,
                                            const std::vector<std::vector<at::Tensor>>& panels,

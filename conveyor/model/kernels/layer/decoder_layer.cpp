@@ -390,12 +390,12 @@ class MoE {
     for (size_t g : together) ids.push_back(groups.experts[g]);
     std::vector<at::Tensor> mid = projections(gate_up_, ids, xs);
     // an expert's few rows per thread (a region each would cost more than their arithmetic),
-    // on this thread below 16 rows in all
+    // on this thread below 128 rows in all (panel_gemm.cpp's kSpread, measured likewise)
     int64_t rows = 0;
     for (const at::Tensor& x : xs) rows += x.size(0);
     const int64_t calls = static_cast<int64_t>(ids.size());
     const bool inference = c10::InferenceMode::is_enabled();  // thread-local: carried over
-    at::parallel_for(0, calls, rows >= 16 ? 1 : calls, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, calls, rows >= 128 ? 1 : calls, [&](int64_t i0, int64_t i1) {
       c10::InferenceMode guard(inference);
       for (int64_t i = i0; i < i1; ++i)
         mid[i] = activate(gate_up_[ids[i]].with_bias(mid[i]), activation_);
