@@ -112,13 +112,42 @@ void silu_mul_rows(const float* gate_up, float* out, int64_t rows, int64_t inner
 // The residual add and the MLP's activation: own loops for float32 (small code, which matters
 // right after a matmul has streamed through the caches); ATen's for float64, so that a float64
 // model computes exactly what its modules do.
+// Rows of a prompt chunk split over the threads (an add is elementwise: the same bits on any
+// split), a few decode rows on this thread.
+constexpr int64_t kAddGrain = 1 << 15;
+
 void residual_add(at::Tensor& x, const at::Tensor& y) {
   if (x.scalar_type() != at::kFloat) {
     x.add_(y);
     return;
   }
   const at::Tensor yc = y.contiguous();
-  add_into(x.data_ptr<float>(), yc.data_ptr<float>(), x.numel());
+  float* xp = x.data_ptr<float>();
+  const float* yp = yc.data_ptr<float>();
+  at::parallel_for(0, x.numel(), kAddGrain,
+                   [&](int64_t i0, int64_t i1) { add_into(xp + i0, yp + i0, i1 - i0); });
+}
+
+// x += y, then the RMSNorm of x's rows (weight, eps): each row normed right after its add, while
+// it is in cache, in one parallel region; the same bits as residual_add, then rms_norm.
+at::Tensor add_then_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                         double eps) {
+  if (x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() != 2) {
+    residual_add(x, y);
+    return rms_norm(x, weight, eps);
+  }
+  const at::Tensor yc = y.contiguous(), w = weight.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t n = x.size(1);
+  float* xp = x.data_ptr<float>();
+  const float* yp = yc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 64, [&](int64_t r0, int64_t r1) {
+    add_into(xp + r0 * n, yp + r0 * n, (r1 - r0) * n);
+    rms_norm_rows(xp + r0 * n, w.data_ptr<float>(), op + r0 * n, r1 - r0, n,
+                  static_cast<float>(eps));
+  });
+  return out;
 }
 
 // out (T, I) = gelu_tanh(gate) * up, ATen's ops as the modules run them (Gemma's GeGLU).
@@ -607,8 +636,13 @@ class DecoderLayer {
     at::Tensor o = o_(attn_rows, step.form, step.prompt_rows);
     add_lora(o, attn_rows, step, index, 1, {0, o.size(1)});
     clock.lap(kProjections);
-    residual_add(x, scaled(optional_norm(o, attn_out_, eps_)));
-    h = optional_norm(x, mlp_in_, eps_);
+    const at::Tensor attn_out = scaled(optional_norm(o, attn_out_, eps_));
+    if (mlp_in_.defined()) {
+      h = add_then_norm(x, attn_out, mlp_in_, eps_);
+    } else {
+      residual_add(x, attn_out);
+      h = x;
+    }
     clock.lap(kOther);
     if (moe_) {  // its projections, activations and sums together: projections' time
       const at::Tensor y = moe_->forward(h, step.form, step.prompt_rows);
