@@ -439,8 +439,13 @@ void run_item(const Item& item, const Args& a, const C* kc, const C* vc, const D
     if (r >= rows) continue;
     const float* src = a.q + (row0 + r / group) * a.q_strides[0] +
                        (h * group + r % group) * a.q_strides[1];
-    for (int64_t d = 0; d < dm.padded; ++d)
-      qrow[d] = d < dm.head_dim ? src[d * a.q_strides[2]] * a.scale : 0.0f;
+    if (a.q_strides[2] == 1) {  // the usual layout: contiguous loads, not a gather
+      for (int64_t d = 0; d < dm.head_dim; ++d) qrow[d] = src[d] * a.scale;
+      std::fill(qrow + dm.head_dim, qrow + dm.padded, 0.0f);
+    } else {
+      for (int64_t d = 0; d < dm.padded; ++d)
+        qrow[d] = d < dm.head_dim ? src[d * a.q_strides[2]] * a.scale : 0.0f;
+    }
     for (int64_t c = 0; c < kc_count; ++c) {
       const __m512bh v =
           _mm512_cvtne2ps_pbh(_mm512_load_ps(qrow + c * 32 + 16), _mm512_load_ps(qrow + c * 32));
