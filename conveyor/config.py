@@ -117,21 +117,32 @@ class CacheConfig:
             parse_memory(self.kv_cache_memory)
 
 
-# Tokens one step may hand out when none is given. On a CPU a step is compute-bound from a few
-# hundred prompt tokens on, ~1 ms a token for SmolLM2 on 2 cores whether the chunk is 256 or
-# 2048 tokens: a 2048-token step holds every open stream for 2-3 s, and prompts that arrive
-# together all wait for the last one's chunk. 512 lets the first prompts start decoding while
-# the rest prefill: at 8 streams of 205-token prompts mean TTFT 2.1 -> 1.3 s and output
-# tokens/s +14% (docs/benchmarks.md). A GPU takes 2048 tokens in one step at little more than
-# the cost of a few; without chunked prefill a prompt must fit one step, so 2048 there too.
-CPU_TOKEN_BUDGET = 512
+# Tokens one step may hand out when none is given. A GPU takes 2048 tokens in one step at
+# little more than the cost of a few; without chunked prefill a prompt must fit one step, so
+# 2048 there too. On a CPU a step is compute-bound from a few hundred prompt tokens on (~0.2 ms
+# a token for SmolLM2 on 2 cores, a decode row ~4x that at 64-128 rows), so the budget follows
+# the decodes (SchedulerConfig.base_batched_tokens): CPU_BASE_BUDGET plus
+# CPU_BUDGET_PER_DECODE tokens for each request decoding in the step, at most
+# DEFAULT_TOKEN_BUDGET (vLLM's CPU default). Few decodes: short steps, so prompts that arrive
+# together start streaming one after another; many: prompts keep most of each step instead of
+# a sliver between wide decode batches. Measured at 8-128 streams of 110-308-token prompts
+# (docs/benchmarks.md): a flat 2048 made TTFT 10-15% worse at 8-32 streams than 512 and 10-17%
+# better at 64-128, with 3% more tokens/s there.
+CPU_BASE_BUDGET = 512
+CPU_BUDGET_PER_DECODE = 12
 DEFAULT_TOKEN_BUDGET = 2048
 
 
 def default_token_budget(device_type: str, enable_chunked_prefill: bool = True) -> int:
-    if device_type == "cpu" and enable_chunked_prefill:
-        return CPU_TOKEN_BUDGET
+    """The most tokens a step may take when none is given (2048; on CPU with chunked prefill
+    the most that CPU_BUDGET_PER_DECODE lets the budget grow to)."""
     return DEFAULT_TOKEN_BUDGET
+
+
+def default_base_budget(device_type: str, enable_chunked_prefill: bool = True) -> int | None:
+    """The budget of a step without decodes when none is given: CPU_BASE_BUDGET on CPU with
+    chunked prefill, else None (a flat budget)."""
+    return CPU_BASE_BUDGET if device_type == "cpu" and enable_chunked_prefill else None
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,9 @@ class SchedulerConfig:
     # A step-time target: prompts add to a step only what fits in it after the decodes
     # (core/step_budget.py); None: the token budget alone.
     max_step_ms: float | None = None
+    # A budget that follows the decodes: base_batched_tokens + CPU_BUDGET_PER_DECODE per
+    # request decoding in the step, at most max_num_batched_tokens; None: a flat budget.
+    base_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_max_step_ms(self.max_step_ms)
@@ -152,6 +166,14 @@ class SchedulerConfig:
             raise ValueError(
                 "max_num_batched_tokens must be an integer >= 1, "
                 f"got {self.max_num_batched_tokens!r}"
+            )
+        if self.base_batched_tokens is not None and not (
+            isinstance(self.base_batched_tokens, int)
+            and 1 <= self.base_batched_tokens <= self.max_num_batched_tokens
+        ):
+            raise ValueError(
+                "base_batched_tokens must be an integer in [1, max_num_batched_tokens], "
+                f"got {self.base_batched_tokens!r}"
             )
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(

@@ -27,6 +27,7 @@ from conveyor.config import (
     LoRAConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    default_base_budget,
     default_token_budget,
 )
 
@@ -117,8 +118,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _setting(
         None,
         "engine",
-        "token budget of one step (prompt chunks + decode tokens); default 512 on CPU, 2048 on "
-        "CUDA or without chunked prefill",
+        "token budget of one step (prompt chunks + decode tokens); default 2048, on CPU with "
+        "chunked prefill 512 plus 12 per decoding request, at most 2048",
     )
     block_size: int = _setting(16, "engine", "tokens per KV-cache block")
     num_blocks: int | None = _setting(
@@ -307,15 +308,17 @@ class EngineArgs:
         )
 
     def scheduler_config(self) -> SchedulerConfig:
-        budget = self.max_num_batched_tokens
-        if budget is None:  # 512 on CPU, else 2048 (config.py says why)
+        budget, base = self.max_num_batched_tokens, None
+        if budget is None:  # 2048; on CPU 512 growing with the decodes (config.py says why)
             budget = default_token_budget(self.device_type, self.enable_chunked_prefill)
+            base = default_base_budget(self.device_type, self.enable_chunked_prefill)
         return SchedulerConfig(
             self.max_num_seqs,
             budget,
             self.enable_chunked_prefill,
             self.scheduling_policy,
             self.max_step_ms,
+            base,
         )
 
     @property

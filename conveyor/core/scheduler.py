@@ -38,7 +38,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from conveyor.config import SchedulerConfig, SpeculativeConfig
+from conveyor.config import CPU_BUDGET_PER_DECODE, SchedulerConfig, SpeculativeConfig
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.step_budget import StepBudget, StepShape, step_shape
 from conveyor.outputs import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
@@ -163,7 +163,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self._token_budget()
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
         joined: list[str] = []
@@ -177,6 +177,15 @@ class Scheduler:
         out = self._make_output(scheduled, drafts, preempted, finished_ids)
         out.joined_request_ids = joined
         return out
+
+    def _token_budget(self) -> int:
+        """The step's budget: max_num_batched_tokens, or with a base (the CPU default) the base
+        plus CPU_BUDGET_PER_DECODE per running request that decodes, at most the max."""
+        top, base = self.config.max_num_batched_tokens, self.config.base_batched_tokens
+        if base is None:
+            return top
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return min(top, base + CPU_BUDGET_PER_DECODE * decoding)
 
     def _schedule_running(
         self, budget: int, scheduled: dict[str, int], preempted: list[Request]

@@ -72,8 +72,10 @@ def test_settings_are_frozen_normalized_and_survive_pickling():
     replaced = EngineArgs.of(args, max_num_seqs=8)
     assert (replaced.max_num_seqs, replaced.model, args.max_num_seqs) == (8, "m", 4)
     assert EngineArgs.of("m", max_num_seqs=4) == EngineArgs(model="m", max_num_seqs=4)
-    assert args.scheduler_config().max_num_batched_tokens == 512  # the CPU's default budget
-    assert EngineArgs(device="cuda:1").scheduler_config().max_num_batched_tokens == 2048
+    cpu = args.scheduler_config()  # the CPU's default budget: 512, growing with the decodes
+    assert (cpu.base_batched_tokens, cpu.max_num_batched_tokens) == (512, 2048)
+    cuda = EngineArgs(device="cuda:1").scheduler_config()
+    assert (cuda.base_batched_tokens, cuda.max_num_batched_tokens) == (None, 2048)
 
 
 def test_importing_engine_args_imports_no_torch():

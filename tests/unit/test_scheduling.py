@@ -114,30 +114,45 @@ def assert_idle(engine: LLMEngine) -> None:
 def test_the_default_budget_lets_the_first_of_many_prompts_decode_while_the_rest_prefill(
     model_path, reference
 ):
-    """On CPU a step hands out at most 512 tokens by default: of six 120-token prompts that
-    arrive together, the first four are prefilled (and sample their first token) in the first
-    step, the others follow, and every output still equals transformers'."""
+    """On CPU a step without decodes hands out 512 tokens by default, and 12 more for each
+    request decoding in it, at most 2048: of 40 120-token prompts that arrive together, the
+    first four are prefilled (and sample their first token) in the first step, and each later
+    step, while prompts wait, takes exactly that budget. Every output equals transformers'."""
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(6)]
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(40)]
     engine = make_engine(model_path)
-    expected = 512 if engine.device.type == "cpu" else 2048
-    assert engine.scheduler_config.max_num_batched_tokens == expected
+    cpu = engine.device.type == "cpu"
+    assert engine.scheduler_config.max_num_batched_tokens == 2048
+    assert engine.scheduler_config.base_batched_tokens == (512 if cpu else None)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(8))
     done = run_to_completion(engine)
     for i, prompt in enumerate(prompts):
         assert tokens(done, str(i)) == reference(prompt, 8)
-    if expected == 512:
+    if cpu:
         first = engine.trace[0].num_scheduled_tokens
         assert first == {"0": 120, "1": 120, "2": 120, "3": 120, "4": 32}
-        assert all(sum(s.num_scheduled_tokens.values()) <= 512 for s in engine.trace)
-    # Without chunked prefill a whole prompt must fit one step: the budget stays 2048.
+        computed = dict.fromkeys(map(str, range(len(prompts))), 0)
+        grown = 0
+        for step in engine.trace:
+            decoding = sum(1 for rid in step.num_scheduled_tokens if computed[rid] >= 120)
+            waiting = any(n < 120 for n in computed.values())
+            total = sum(step.num_scheduled_tokens.values())
+            budget = min(2048, 512 + 12 * decoding)
+            assert total <= budget
+            if waiting and total < budget:  # only the last prompts' ends leave some unused
+                assert all(computed[r] + n >= 120 for r, n in step.num_scheduled_tokens.items())
+            grown += waiting and total > 512
+            for rid, n in step.num_scheduled_tokens.items():
+                computed[rid] += n
+        assert grown >= 3
+    # Without chunked prefill a whole prompt must fit one step: a flat 2048.
     whole = make_engine(model_path, enable_chunked_prefill=False)
     assert whole.scheduler_config.max_num_batched_tokens == 2048
-    assert (
-        make_engine(model_path, max_num_batched_tokens=96).scheduler_config.max_num_batched_tokens
-        == 96
-    )
+    assert whole.scheduler_config.base_batched_tokens is None
+    # A budget given is flat, as vLLM's.
+    given = make_engine(model_path, max_num_batched_tokens=96).scheduler_config
+    assert (given.max_num_batched_tokens, given.base_batched_tokens) == (96, None)
 
 
 # ---- 1. preemption by recompute ------------------------------------------------------------

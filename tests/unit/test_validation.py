@@ -100,6 +100,10 @@ def test_bad_engine_settings_are_refused():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1"):
         SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="base_batched_tokens must be an integer in"):
+        SchedulerConfig(max_num_batched_tokens=256, base_batched_tokens=512)
+    with pytest.raises(ValueError, match="base_batched_tokens must be an integer in"):
+        SchedulerConfig(base_batched_tokens=0)
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         SchedulerConfig(policy="lifo")
     with pytest.raises(ValueError, match="block_size must be an integer"):
