@@ -923,6 +923,30 @@ inline C to_cache(T value) {
   }
 }
 
+// n values of one row (stride apart) into cache type C, contiguous: to_cache's bits. float32
+// to float16 16 (or 8) at a time: F16C's conversion rounds to nearest even, as c10's does.
+template <typename T, typename C>
+inline void row_to_cache(const T* src, int64_t stride, C* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, c10::Half>) {
+#if defined(__AVX512F__) || defined(__F16C__)
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#endif
+#if defined(__AVX512F__)
+    if (stride == 1)
+      for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), kRound));
+#elif defined(__F16C__)
+    if (stride == 1)
+      for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), kRound));
+#endif
+  }
+  for (; i < n; ++i) dst[i] = to_cache<C>(src[i * stride]);
+}
+
 // Scatter the step's new keys/values (T, Hkv, D), any strides, into their cache slots
 // (slot = block * block_size + offset; a negative slot is skipped). A 16-bit cache gets the
 // values rounded to nearest even, bit for bit as torch's .to(float16 / bfloat16).
@@ -951,6 +975,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
     C* kc = kv_cache.data_ptr<C>();
     C* vc = kc + kv_cache.stride(0);
     at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+      std::vector<C> key(dim);  // a key row converted, then written down its tile's column
       for (int64_t t = begin; t < end; ++t) {
         if (slots[t] < 0) continue;
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
@@ -959,10 +984,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
           const T* vs = vp + t * v.stride(0) + h * v.stride(1);
           C* kt = kc + (block * num_kv_heads + h) * tile + offset;
           C* vt = vc + (block * num_kv_heads + h) * tile + offset * dim;
-          for (int64_t d = 0; d < dim; ++d) {  // c10's conversions round to nearest even
-            kt[d * block_size] = to_cache<C>(ks[d * k.stride(2)]);
-            vt[d] = to_cache<C>(vs[d * v.stride(2)]);
-          }
+          row_to_cache(ks, k.stride(2), key.data(), dim);
+          for (int64_t d = 0; d < dim; ++d) kt[d * block_size] = key[d];
+          row_to_cache(vs, v.stride(2), vt, dim);
         }
       }
     });
