@@ -239,6 +239,25 @@ def test_negative_slots_are_skipped(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_rotary_gives_the_same_bits_whatever_the_strides(ops, dtype, head_dim):
+    """Contiguous heads take vector loops, strided ones scalar loops: the same expressions, so
+    a row's rotated values do not depend on its tensor's layout."""
+    gen = torch.Generator().manual_seed(head_dim)
+    cos = torch.randn(40, head_dim, generator=gen, dtype=dtype)
+    sin = torch.randn(40, head_dim, generator=gen, dtype=dtype)
+    x = torch.randn(40, 12, head_dim, generator=gen, dtype=dtype) * 10
+    rows = x.clone()
+    ops.rotary_embedding(rows[:, :9], rows[:, 9:], cos, sin)
+    spread = x.transpose(1, 2).contiguous().transpose(1, 2)  # stride(2) = 12: the scalar loops
+    assert spread.stride(2) != 1
+    q, k = spread[:, :9], spread[:, 9:]
+    ops.rotary_embedding(q, k, cos, sin)
+    assert torch.equal(spread, rows)
+    assert not torch.equal(rows, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rotary_in_place_matches_reference(ops, dtype):
     from transformers import LlamaConfig
 

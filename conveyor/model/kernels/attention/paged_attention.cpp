@@ -1017,7 +1017,16 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
       const int64_t sd = x.stride(2);
       for (int64_t h = 0; h < x.size(1); ++h) {
         scalar_t* row = base + h * x.stride(1);
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        if (sd == 1) {  // the same expressions on vectors of lanes
+          constexpr int L = kLanes<scalar_t>;
+          for (; i + L <= half; i += L) {
+            const Vec<scalar_t> x1 = load(row + i), x2 = load(row + i + half);
+            store(row + i, x1 * load(c + i) - x2 * load(s + i));
+            store(row + i + half, x2 * load(c + i + half) + x1 * load(s + i + half));
+          }
+        }
+        for (; i < half; ++i) {
           const scalar_t x1 = row[i * sd], x2 = row[(i + half) * sd];
           row[i * sd] = x1 * c[i] - x2 * s[i];
           row[(i + half) * sd] = x2 * c[i + half] + x1 * s[i + half];
