@@ -42,11 +42,27 @@ def free_port() -> int:
 
 
 class ServerProcess:
+    # free_port's port is free when it returns, not when the server binds it: a test running in
+    # parallel may take it in between. Such a start is retried on another port.
+    BIND_ATTEMPTS = 3
+
     def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.log_path = log_path
+        for attempt in range(self.BIND_ATTEMPTS):
+            self._start(args)
+            try:
+                self._wait_ready(timeout)
+                return
+            except RuntimeError:
+                taken = "address already in use" in log_path.read_text()
+                if not taken or attempt == self.BIND_ATTEMPTS - 1:
+                    raise
+                self.stop()
+
+    def _start(self, args: list[str]) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable,
             "-m",
@@ -58,14 +74,13 @@ class ServerProcess:
             "--log-level",
             "warning",
         ]
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=os.environ | {"PYTHONUNBUFFERED": "1"},
         )
-        self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
