@@ -126,17 +126,11 @@ class CacheConfig:
 # DEFAULT_TOKEN_BUDGET (vLLM's CPU default). Few decodes: short steps, so prompts that arrive
 # together start streaming one after another; many: prompts keep most of each step instead of
 # a sliver between wide decode batches. Measured at 8-128 streams of 110-308-token prompts
-# (docs/benchmarks.md): a flat 2048 made TTFT 10-15% worse at 8-32 streams than 512 and 10-17%
-# better at 64-128, with 3% more tokens/s there.
+# (docs/benchmarks.md): a flat 2048 made TTFT 8-14% worse at 8-32 streams than 512 and 9-17%
+# better at 64-128, with 2-3% more tokens/s there.
 CPU_BASE_BUDGET = 512
 CPU_BUDGET_PER_DECODE = 12
 DEFAULT_TOKEN_BUDGET = 2048
-
-
-def default_token_budget(device_type: str, enable_chunked_prefill: bool = True) -> int:
-    """The most tokens a step may take when none is given (2048; on CPU with chunked prefill
-    the most that CPU_BUDGET_PER_DECODE lets the budget grow to)."""
-    return DEFAULT_TOKEN_BUDGET
 
 
 def default_base_budget(device_type: str, enable_chunked_prefill: bool = True) -> int | None:

@@ -19,6 +19,7 @@ from typing import Any
 from conveyor import envs
 from conveyor.config import (
     DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+    DEFAULT_TOKEN_BUDGET,
     DTYPE_NAMES,
     KV_CACHE_DTYPES,
     QUANTIZATION_MODES,
@@ -28,7 +29,6 @@ from conveyor.config import (
     SchedulerConfig,
     SpeculativeConfig,
     default_base_budget,
-    default_token_budget,
 )
 
 
@@ -310,7 +310,7 @@ class EngineArgs:
     def scheduler_config(self) -> SchedulerConfig:
         budget, base = self.max_num_batched_tokens, None
         if budget is None:  # 2048; on CPU 512 growing with the decodes (config.py says why)
-            budget = default_token_budget(self.device_type, self.enable_chunked_prefill)
+            budget = DEFAULT_TOKEN_BUDGET
             base = default_base_budget(self.device_type, self.enable_chunked_prefill)
         return SchedulerConfig(
             self.max_num_seqs,

@@ -2,7 +2,9 @@
 
 There are no prefill and decode phases. Each request has `num_computed_tokens` (KV in the
 cache) and `all_token_ids` (prompt + output). Every step hands out at most
-`max_num_batched_tokens` tokens to at most `max_num_seqs` requests:
+`max_num_batched_tokens` tokens (by default on CPU: `base_batched_tokens` plus
+CPU_BUDGET_PER_DECODE per decoding request, up to that; config.py says why) to at most
+`max_num_seqs` requests:
 
   1. running requests first, in order: each asks for `num_tokens - num_computed_tokens`
      (1 when decoding, the rest of its prompt while prefilling), cut to the budget left

@@ -243,6 +243,8 @@ def _late_request(client: httpx.Client, server: ServerProcess) -> str | int:
         return "refused"
     except httpx.RemoteProtocolError:  # accepted, then closed by the shutdown: nothing sent
         return "closed unanswered"
+    except httpx.ReadError:  # accepted, then closed with the request unread: a reset, no answer
+        return "closed unanswered"
     try:
         body = response.read()
     except httpx.HTTPError:
