@@ -186,7 +186,7 @@ class Scheduler:
         top, base = self.config.max_num_batched_tokens, self.config.base_batched_tokens
         if base is None:
             return top
-        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        decoding = sum(1 for r in self.running if _decoding(r))
         return min(top, base + CPU_BUDGET_PER_DECODE * decoding)
 
     def _schedule_running(
@@ -218,8 +218,8 @@ class Scheduler:
         chunks get only the time the decodes leave."""
         if self.step_budget is None:
             return list(self.running)
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        return decoding + [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        decoding = [r for r in self.running if _decoding(r)]
+        return decoding + [r for r in self.running if not _decoding(r)]
 
     def _prefill_cap(
         self, scheduled: dict[str, int], context: int, num_new: int, whole: bool = False
@@ -525,6 +525,11 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is not None and request.is_finished:
             del self.requests[request_id]
+
+
+def _decoding(request: Request) -> bool:
+    """Whether the request asks for one token this step: it has its whole prompt computed."""
+    return request.num_tokens - request.num_computed_tokens == 1
 
 
 def _rank(request: Request) -> tuple[int, float]:
