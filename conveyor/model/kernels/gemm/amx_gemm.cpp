@@ -37,6 +37,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "isa/balance.h"
 
@@ -349,6 +350,7 @@ void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_o
 // Activations: the int8 rows as quantized for the panels, zero rows up to a multiple of 16; a
 // tile of 16 rows x 32 bytes is loaded from them in place (stride K).
 // Memory: no weight bytes beyond the panels; per call the activations' padding rows (< 16 x K
+// bytes), a block-major copy of the activations' per-block values (RowTable, 2 x rows x nb x 4
 // bytes) and, q4, a thread's nb x 512-byte scratch.
 // Loop order: threads split the panels (balanced_for, pieces of 2); per panel, token tiles of
 // 16 rows; per tile, the blocks pipelined over four sum tiles (int8_tile), each stored to a
@@ -384,10 +386,33 @@ void configure_int8() {
   _tile_loadconfig(&cfg);
 }
 
-// acc[r] (16 columns of row r) folds block b's integer sums (scratch: 16 rows x 16 int32).
+// A row tile's per-block activation values, block-major: for block b, its 16 rows' xd, and xs
+// (q4) or xi (q8), at [b * 16 + r]. The fold reads a block's 16 rows from one line each, at
+// fixed offsets, where the row-major arrays put them a row (nb values) apart: 16 more addresses
+// to keep, which GCC spilled to the stack and reloaded at every block (~10% of the kernel).
+struct RowTable {
+  std::vector<float> xd, xs;
+  std::vector<int32_t> xi;
+  RowTable(const Int8Blocks& a, bool q4) {
+    const int64_t rows = (a.tokens + 15) / 16 * 16, nb = a.nb;
+    xd.resize(rows * nb);
+    if (q4) xs.resize(rows * nb);
+    else xi.resize(rows * nb);
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t at = (t / 16) * nb * 16 + b * 16 + t % 16;
+        xd[at] = a.xd[t * nb + b];
+        if (q4) xs[at] = a.xs[t * nb + b];
+        else xi[at] = a.xi[t * nb + b];
+      }
+  }
+};
+
+// acc[r] (16 columns of row r) folds block b's integer sums (scratch: 16 rows x 16 int32); xd,
+// xs / xi: the row tile's RowTable entries of block b.
 template <bool Q4>
-inline void fold(__m512 (&acc)[16], const int32_t* sums, const Int8Blocks& a, int64_t row0,
-                 const int16_t* dwp, const int16_t* mwp, int64_t b) {
+inline void fold(__m512 (&acc)[16], const int32_t* sums, const float* xd, const float* xs,
+                 const int32_t* xi, const int16_t* dwp, const int16_t* mwp, int64_t b) {
   const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dwp + b * 16)));
   __m512 mw;
   if constexpr (Q4) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mwp + b * 16)));
@@ -395,12 +420,11 @@ inline void fold(__m512 (&acc)[16], const int32_t* sums, const Int8Blocks& a, in
   // loads and stores (32 a block with the tile store's) bounded the kernel.
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
-    const int64_t tb = (row0 + r) * a.nb + b;
     __m512i isum = _mm512_load_si512(sums + r * 16);
-    if constexpr (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.xi[tb]));
-    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.xd[tb]));
+    if constexpr (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * xi[r]));
+    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r]));
     acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[r]);
-    if constexpr (Q4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xs[tb]), mw, acc[r]);
+    if constexpr (Q4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r]), mw, acc[r]);
   }
 }
 
@@ -420,15 +444,21 @@ inline void fold(__m512 (&acc)[16], const int32_t* sums, const Int8Blocks& a, in
 // dot product and then for its store to reach the cache before the vectors could read it,
 // and the tile unit idled meanwhile. The fold still takes the blocks one by one in order.
 template <bool Q4>
-void int8_tile(const Int8Blocks& a, const uint8_t* wp, const int16_t* dwp, const int16_t* mwp,
-               int64_t row0, int64_t col0, int32_t (*sums)[256]) {
+void int8_tile(const Int8Blocks& a, const RowTable& table, const uint8_t* wp,
+               const int16_t* dwp, const int16_t* mwp, int64_t row0, int64_t col0,
+               int32_t (*sums)[256]) {
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* xa = a.xq + row0 * a.k;
   const int64_t nb = a.nb;
 #define ISSUE(C, A, W, b) CONVEYOR_INT8_BLOCK(C, A, W, xa + (b) * 32, wp + (b) * 512, a.k)
-#define FOLD(C, b) fold<Q4>(acc, sums[C], a, row0, dwp, mwp, b)
+  const int64_t at = row0 * nb;  // the row tile's RowTable entries
+  const float* xd = table.xd.data() + at;
+  const float* xs = Q4 ? table.xs.data() + at : nullptr;
+  const int32_t* xi = Q4 ? nullptr : table.xi.data() + at;
+#define FOLD(C, b) fold<Q4>(acc, sums[C], xd + (b) * 16, xs ? xs + (b) * 16 : nullptr, \
+                            xi ? xi + (b) * 16 : nullptr, dwp, mwp, b)
   ISSUE(0, 4, 6, 0);
   if (nb > 1) ISSUE(1, 5, 7, 1);
   int64_t b = 0;
@@ -482,6 +512,7 @@ void split_nibbles(const uint8_t* src, int64_t nb, uint8_t* dst) {
 
 template <bool Q4>
 void int8_run(const Int8Blocks& a) {
+  const RowTable table(a, Q4);
   conveyor::balance::balanced_for(a.panels, 2, [&](int64_t p0, int64_t p1) {
     configure_int8();
     alignas(64) int32_t sums[4][256];
@@ -501,7 +532,7 @@ void int8_run(const Int8Blocks& a) {
       const int16_t* dwp = a.dw + p * a.nb * 16;
       const int16_t* mwp = Q4 ? a.mw + p * a.nb * 16 : nullptr;
       for (int64_t row0 = 0; row0 < a.tokens; row0 += 16)
-        int8_tile<Q4>(a, wp, dwp, mwp, row0, p * 16, sums);
+        int8_tile<Q4>(a, table, wp, dwp, mwp, row0, p * 16, sums);
     }
     _tile_release();
   });
