@@ -29,6 +29,7 @@ from conveyor.config import (
     SchedulerConfig,
     SpeculativeConfig,
     default_base_budget,
+    default_block_size,
 )
 
 
@@ -121,7 +122,9 @@ class EngineArgs:
         "token budget of one step (prompt chunks + decode tokens); default 2048, on CPU with "
         "chunked prefill 512 plus 12 per decoding request, at most 2048",
     )
-    block_size: int = _setting(16, "engine", "tokens per KV-cache block")
+    block_size: int | None = _setting(
+        None, "engine", "tokens per KV-cache block (default 32 on CPU, 16 on CUDA)"
+    )
     num_blocks: int | None = _setting(
         None, "engine", "KV-cache blocks (default: as many as --kv-cache-memory holds)"
     )
@@ -299,8 +302,11 @@ class EngineArgs:
     # ---- the sub-configs that need no checkpoint ------------------------------------------
 
     def cache_config(self) -> CacheConfig:
+        block_size = self.block_size
+        if block_size is None:  # 32 on CPU, 16 on CUDA (config.py says why)
+            block_size = default_block_size(self.device_type)
         return CacheConfig(
-            self.block_size,
+            block_size,
             self.num_blocks,
             self.kv_cache_memory,
             self.enable_prefix_caching,

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.config import CPU_BLOCK_SIZE
 from conveyor.model import kernels
 from conveyor.outputs import SamplingRow
 from conveyor.sample import sampler as sampler_module
@@ -244,8 +245,10 @@ def test_a_sliding_window_family_is_batch_invariant(gemma3, quantization):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_preempted_requests_equal_each_alone(models, baseline, name):
-    # The longest request needs 5 blocks of 16 (64 + 12 tokens); 9 blocks hold two at most.
-    with make_llm(models, name, num_blocks=9, max_num_batched_tokens=48) as llm:
+    # The longest request (64 + 12 tokens) needs 3 blocks of the CPU's 32; 5 blocks hold two
+    # at most (the baseline's block size: a decode row's softmax runs over groups of blocks).
+    num_blocks = 2 * -(-(64 + 12) // CPU_BLOCK_SIZE) - 1
+    with make_llm(models, name, num_blocks=num_blocks, max_num_batched_tokens=48) as llm:
         outputs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         assert llm.engine.get_stats().scheduler.num_preemptions_total > 0, "nothing preempted"
     assert_same(outputs, baseline(name), f"{name}, preempted under 9 blocks")
@@ -275,8 +278,8 @@ def test_a_prompt_repeating_an_answer_equals_it_alone(models, name):
     take different routes (model/prompt_route.py; with AVX512-BF16 alone, their attention
     does), so the cache must not serve the answer's KV to the prompt that repeats it (their
     blocks are keyed apart)."""
-    first = PROMPTS[1]  # 16 tokens: the answer fills blocks of its own
-    with make_llm(models, name) as llm:
+    first = PROMPTS[1]  # 16 tokens, a block of 16: the answer fills blocks of its own
+    with make_llm(models, name, block_size=16) as llm:
         runner = llm.engine.core.runner
         assert runner.model.prompt_route == bool(kernels.load().prompt_attention_isa())
         answer = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -285,7 +288,7 @@ def test_a_prompt_repeating_an_answer_equals_it_alone(models, name):
         hits = llm.engine.get_stats().scheduler.prefix_cache_hits
         (warm,) = llm.generate([follow], greedy(), use_tqdm=False)
         assert llm.engine.get_stats().scheduler.prefix_cache_hits > hits, "no prefix-cache hit"
-    (want,) = alone(models, name, [follow], [greedy()])
+    (want,) = alone(models, name, [follow], [greedy()], block_size=16)
     assert first_difference(signature(warm), want) is None, first_difference(signature(warm), want)
 
 

@@ -69,7 +69,7 @@ def test_chunks_prefix_hits_preemption_and_lru_slots_match_peft(case):
     adapters load them again and again, and a second run hits the prefix cache."""
     base, _, prompts, loras, reference, _ = case
     engine = LLMEngine(str(base), dtype="float64", **DEVICE_KWARGS, enable_lora=True, max_loras=2,
-                       max_lora_rank=8, max_num_batched_tokens=16, num_blocks=9,
+                       max_lora_rank=8, max_num_batched_tokens=16, num_blocks=9, block_size=16,
                        record_trace=True)  # fmt: skip
     for run in range(2):
         done = _run(engine, prompts, loras, f"run{run}-")

@@ -10,11 +10,13 @@ import uuid
 import httpx
 import openai
 import pytest
+from conftest import DEVICE
 from server_util import start_tiny
 from tiny import CHATML
 from transformers import AutoTokenizer
 
 import conveyor
+from conveyor.config import default_block_size
 from conveyor.metrics_vllm import ITL_BUCKETS, TTFT_BUCKETS
 
 KEY = "compat-key"
@@ -312,7 +314,8 @@ def test_vllm_series_have_vllms_labels_buckets_and_cache_config(server):
         assert metrics[f"{name}_count"] == metrics[f"{name}_bucket{{le=+Inf,model_name=tiny}}"]
     info = [key for key in metrics if key.startswith("vllm:cache_config_info{")]
     assert len(info) == 1 and metrics[info[0]] == 1.0
-    assert "block_size=16" in info[0] and "enable_prefix_caching=True" in info[0]
+    block_size = default_block_size(DEVICE)  # the served default: 32 on CPU, 16 on CUDA
+    assert f"block_size={block_size}," in info[0] and "enable_prefix_caching=True" in info[0]
     assert "cache_dtype=auto" in info[0] and "engine=0" in info[0]
     blocks = int(info[0].split("num_gpu_blocks=")[1].split(",")[0].rstrip("}"))
     assert blocks > 0

@@ -76,6 +76,10 @@ def test_settings_are_frozen_normalized_and_survive_pickling():
     assert (cpu.base_batched_tokens, cpu.max_num_batched_tokens) == (512, 2048)
     cuda = EngineArgs(device="cuda:1").scheduler_config()
     assert (cuda.base_batched_tokens, cuda.max_num_batched_tokens) == (None, 2048)
+    # KV blocks of 32 tokens on CPU, 16 on CUDA, unless given
+    assert args.cache_config().block_size == 32
+    assert EngineArgs(device="cuda:1").cache_config().block_size == 16
+    assert EngineArgs(block_size=16).cache_config().block_size == 16
 
 
 def test_importing_engine_args_imports_no_torch():
