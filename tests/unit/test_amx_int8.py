@@ -125,3 +125,38 @@ def test_the_switch_point_and_the_isa_choose_the_route(amx8):
     finally:
         amx8.set_isa("auto")
     assert tiles_ran(1)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_the_lm_head_s_argmax_on_the_tiles_equals_the_panels(amx8, fmt):
+    """block_argmax's approximate pass (each row's bounds over each panel) on the tiles: the
+    same argmax as on the VNNI panels, over a padded panel (1,001 columns), rows that tie and
+    rows that are not finite, at row counts below, at and past a tile's 16."""
+    gen = torch.Generator().manual_seed(17)
+    n, k = 1001, 576
+    dense = torch.randn(n, k, generator=gen) * 0.05
+    dense[900] = dense[7]
+    weight = QUANTIZERS[fmt](dense)
+    floats = amx8.pack_blocks(weight.qs, weight.d, weight.m, True)
+    ints = amx8.pack_blocks(weight.qs, weight.d, weight.m, False)
+    wmax = quant.error_weights(weight)
+
+    def argmax(x: torch.Tensor, tiles: bool) -> torch.Tensor:
+        amx8.set_amx_int8_from(1 if tiles else 0)
+        runs = amx8.kernel_runs()["amx/int8_blocks"]
+        out = amx8.block_argmax(x, floats[0], ints[0], floats[1], floats[2], wmax, n)
+        assert amx8.kernel_runs()["amx/int8_blocks"] == runs + int(tiles), "route not taken"
+        return out
+
+    for t in (1, 15, 16, 17, 64, 130):
+        x = random_x(t, k, seed=t) * 2
+        if t > 2:
+            x[1] = weight.dequantize()[7] * 40  # columns 7 and 900 tie at its maximum
+        if t > 5:
+            x[4, 9] = float("nan")
+        tiles, panels = argmax(x, True), argmax(x, False)
+        assert torch.equal(tiles, panels), f"{fmt} T={t}: rows {(tiles != panels).nonzero()}"
+        if t > 2:
+            assert tiles[1] == 7
+        if t > 5:
+            assert tiles[4] == -1

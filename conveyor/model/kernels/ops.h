@@ -143,6 +143,13 @@ struct Int8Blocks {
   const int16_t* mw;   // the same for q4; null for q8
   int64_t tokens, k, nb, panels, n_out;
   float* y;            // (tokens, n_out)
+  // block_argmax's bounds in place of y, when lo is set (gemm/panel_gemm.cpp's BlockArgs): for
+  // row t and panel p, the largest of y_n - c_t wmax_n (lo) and of y_n + c_t wmax_n (hi) over
+  // the panel's columns n < n_out, at [t * panels + p]
+  const float* c = nullptr;
+  const float* wmax = nullptr;
+  float* lo = nullptr;
+  float* hi = nullptr;
 };
 bool int8_usable();  // the CPU, the build and the OS allow AMX-INT8
 void set_int8_from(int64_t rows);

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -349,6 +350,8 @@ void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_o
 //       once per panel into a thread's scratch (nb x 512 bytes) that all token tiles then read.
 // Activations: the int8 rows as quantized for the panels, zero rows up to a multiple of 16; a
 // tile of 16 rows x 32 bytes is loaded from them in place (stride K).
+// block_argmax's approximate pass (the lm_head's greedy rows) takes the same tiles: each row's
+// bounds over a panel from the folded values, as the panels compute them (Int8Blocks::lo).
 // Memory: no weight bytes beyond the panels; per call the activations' padding rows (< 16 x K
 // bytes), a block-major copy of the activations' per-block values (RowTable, 2 x rows x nb x 4
 // bytes) and, q4, a thread's nb x 512-byte scratch.
@@ -485,6 +488,19 @@ void int8_tile(const Int8Blocks& a, const RowTable& table, const uint8_t* wp,
 #undef FOLD
   const int64_t rows = std::min<int64_t>(16, a.tokens - row0);
   const int64_t cols = std::min<int64_t>(16, a.n_out - col0);
+  if (a.lo != nullptr) {  // block_argmax: each row's bounds over the panel, as the panels'
+    const __mmask16 valid = static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 w = _mm512_maskz_loadu_ps(valid, a.wmax + col0);
+    const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const int64_t panels = (a.n_out + 15) / 16;
+    for (int r = 0; r < rows; ++r) {
+      const __m512 c = _mm512_set1_ps(a.c[row0 + r]);
+      const int64_t at = (row0 + r) * panels + col0 / 16;
+      a.lo[at] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(valid, none, _mm512_fnmadd_ps(c, w, acc[r])));
+      a.hi[at] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(valid, none, _mm512_fmadd_ps(c, w, acc[r])));
+    }
+    return;
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     if (r >= rows) break;

@@ -1149,9 +1149,10 @@ void set_acts(BlockArgs& a, const Acts& acts) {
 
 // The int8 route on AMX tiles (gemm/amx_gemm.cpp): the same activations, rows padded to a
 // tile's 16, and the same panels; the same bits as block_dispatch.
-void amx_int8(const at::Tensor& x, int64_t tokens, int64_t panels, const BlockArgs& a) {
-  const int64_t rows = (tokens + 15) / 16 * 16;
-  const Acts acts = quantize(x.data_ptr<float>(), tokens, a.k, rows);
+// The tiles' arguments: activations quantized with rows padded to 16, and a's panels, output
+// (y) and, for block_argmax, bounds (c, wmax, lo, hi).
+conveyor::gemm::amx::Int8Blocks tile_args(const Acts& acts, const BlockArgs& a, int64_t tokens,
+                                          int64_t panels) {
   conveyor::gemm::amx::Int8Blocks t{};
   t.xq = acts.q.data();
   t.xd = acts.d.data();
@@ -1166,7 +1167,17 @@ void amx_int8(const at::Tensor& x, int64_t tokens, int64_t panels, const BlockAr
   t.panels = panels;
   t.n_out = a.n_out;
   t.y = a.y;
-  conveyor::gemm::amx::int8_block_linear(t);
+  t.c = a.c;
+  t.wmax = a.wmax;
+  t.lo = a.lo;
+  t.hi = a.hi;
+  return t;
+}
+
+void amx_int8(const at::Tensor& x, int64_t tokens, int64_t panels, const BlockArgs& a) {
+  const int64_t rows = (tokens + 15) / 16 * 16;
+  const Acts acts = quantize(x.data_ptr<float>(), tokens, a.k, rows);
+  conveyor::gemm::amx::int8_block_linear(tile_args(acts, a, tokens, panels));
 }
 
 // y (T, n_out) = x (T, K) @ W^T for panel-packed blocks (pack_blocks with the same
@@ -1318,8 +1329,10 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
   at::Tensor out = at::empty({tokens}, x.options().dtype(at::kLong));
   if (tokens == 0 || n_out == 0) return out.fill_(-1);
   const float* xp = x.data_ptr<float>();
-  // The int8 activations behind the approximate values: their scales xd bound the error.
-  const Acts acts = quantize(xp, tokens, k);
+  // The int8 activations behind the approximate values: their scales xd bound the error. Rows
+  // padded to a tile's 16 where the AMX-INT8 tiles take the call (the same values: amx_int8).
+  const bool tiles = current_isa().load() == kAvx512 && conveyor::gemm::amx::int8_takes(tokens);
+  const Acts acts = quantize(xp, tokens, k, tiles ? (tokens + 15) / 16 * 16 : 0);
   std::vector<float> c(tokens);  // per row: kSlack * sum_b xd_b
   for (int64_t t = 0; t < tokens; ++t) {
     float scale_sum = 0.0f;
@@ -1334,8 +1347,13 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
   a.wmax = wmax.data_ptr<float>();
   a.lo = lo.data();
   a.hi = hi.data();
-  if (q4) block_dispatch<true, false>(a, tokens, panels);
-  else block_dispatch<false, false>(a, tokens, panels);
+  if (tiles) {
+    conveyor::gemm::amx::int8_block_linear(tile_args(acts, a, tokens, panels));
+  } else if (q4) {
+    block_dispatch<true, false>(a, tokens, panels);
+  } else {
+    block_dispatch<false, false>(a, tokens, panels);
+  }
   int64_t* op = out.data_ptr<int64_t>();
   // Each block's sum of x: the float kernel's q4 term, and a finite check (a NaN in x slips
   // through the scales' max|x|).
