@@ -1149,6 +1149,15 @@ void set_acts(BlockArgs& a, const Acts& acts) {
 
 // The int8 route on AMX tiles (gemm/amx_gemm.cpp): the same activations, rows padded to a
 // tile's 16, and the same panels; the same bits as block_dispatch.
+// Whether a call of this many int8-activation rows takes the AMX-INT8 tiles: the amx rung above
+// avx512, where the plan allows both and the call has enough rows.
+bool tiles_take(int64_t tokens, int isa = current_isa().load()) {
+  return isa == kAvx512 && conveyor::gemm::amx::int8_takes(tokens);
+}
+
+// Rows of the activations the tiles read: the call's, padded to a tile's 16 with zero rows.
+int64_t tile_rows(int64_t tokens) { return (tokens + 15) / 16 * 16; }
+
 // The tiles' arguments: activations quantized with rows padded to 16, and a's panels, output
 // (y) and, for block_argmax, bounds (c, wmax, lo, hi).
 conveyor::gemm::amx::Int8Blocks tile_args(const Acts& acts, const BlockArgs& a, int64_t tokens,
@@ -1175,8 +1184,7 @@ conveyor::gemm::amx::Int8Blocks tile_args(const Acts& acts, const BlockArgs& a, 
 }
 
 void amx_int8(const at::Tensor& x, int64_t tokens, int64_t panels, const BlockArgs& a) {
-  const int64_t rows = (tokens + 15) / 16 * 16;
-  const Acts acts = quantize(x.data_ptr<float>(), tokens, a.k, rows);
+  const Acts acts = quantize(x.data_ptr<float>(), tokens, a.k, tile_rows(tokens));
   conveyor::gemm::amx::int8_block_linear(tile_args(acts, a, tokens, panels));
 }
 
@@ -1203,9 +1211,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
     if (q4) return block_dispatch<true, true>(a, tokens, panels), y;
     return block_dispatch<false, true>(a, tokens, panels), y;
   }
-  // The amx rung above avx512: where the plan allows both and the call has enough rows.
-  if (current_isa().load() == kAvx512 && conveyor::gemm::amx::int8_takes(tokens))
-    return amx_int8(x, tokens, panels, a), y;
+  if (tiles_take(tokens)) return amx_int8(x, tokens, panels, a), y;
   const Acts quantized = quantize(x.data_ptr<float>(), tokens, k);
   set_acts(a, quantized);
   if (q4) return block_dispatch<true, false>(a, tokens, panels), y;
@@ -1234,7 +1240,7 @@ std::vector<at::Tensor> block_linear_group(const std::vector<at::Tensor>& xs,
     TORCH_CHECK(panels[i].size() == 3, "block_linear_group: panels are (wq, dw, mw)");
     const at::Tensor &wq = panels[i][0], &dw = panels[i][1], &mw = panels[i][2];
     const int64_t tokens = xs[i].size(0);
-    const bool alone = isa == kAvx512 && conveyor::gemm::amx::int8_takes(tokens);
+    const bool alone = tiles_take(tokens, isa);
     if (alone || tokens == 0) {
       ys[i] = block_linear(xs[i], wq, dw, mw, n_outs[i], false);
       continue;
@@ -1331,8 +1337,8 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
   const float* xp = x.data_ptr<float>();
   // The int8 activations behind the approximate values: their scales xd bound the error. Rows
   // padded to a tile's 16 where the AMX-INT8 tiles take the call (the same values: amx_int8).
-  const bool tiles = current_isa().load() == kAvx512 && conveyor::gemm::amx::int8_takes(tokens);
-  const Acts acts = quantize(xp, tokens, k, tiles ? (tokens + 15) / 16 * 16 : 0);
+  const bool tiles = tiles_take(tokens);
+  const Acts acts = quantize(xp, tokens, k, tiles ? tile_rows(tokens) : 0);
   std::vector<float> c(tokens);  // per row: kSlack * sum_b xd_b
   for (int64_t t = 0; t < tokens; ++t) {
     float scale_sum = 0.0f;
