@@ -386,55 +386,68 @@ inline __m512 exp_shifted(__m512 s, __m512 m_log2e) {
   return _mm512_scalef_ps(y, n);
 }
 
-// Online softmax of row r over the group [k0, k0 + 64): P row into the P tiles, m, the row's
-// sum l and the accumulator row updated. Keys past the row's position weigh exactly 0. l is
-// kept as 16 lanes of partial sums (w.l, a row's 16 floats), each lane the sum of its keys'
-// rounded weights (a pair at a time, vdpbf16ps against 1.0), and reduced once at the end: no
-// horizontal sum per group.
-inline void softmax_row(int64_t r, int64_t k0, Scratch& w, const Dims& dm) {
-  const int64_t visible = w.pos[r] + 1 - k0;
-  uint16_t* prow = w.p.p + (r / kM) * 2 * kTileValues + (r % kM) * 32;
-  if (visible <= 0) {  // a group past the row (or a padding row): no weight
-    std::memset(prow, 0, 64);
-    std::memset(prow + kTileValues, 0, 64);
-    return;
-  }
-  const float* s = w.s.p + r * kSubKeys;
-  const int64_t n_stride = w.rows_p * kSubKeys;
+// Online softmax of row tile mt's 16 rows over the group [k0, k0 + 64): their P rows into the P
+// tiles, m, the sums l and the accumulator rows updated. Keys past a row's position weigh
+// exactly 0. In two passes over the rows, so that no row waits on the one before: first each
+// row's new max, and the factor alpha = e^(m_old - m_new) of all 16 at once (exactly 1 where the
+// max stayed, so the rescale is unconditional and exact there: no branch on the data); then the
+// weights. l is kept as 16 lanes of partial sums (w.l, a row's 16 floats), each lane the sum of
+// its keys' rounded weights (a pair at a time, vdpbf16ps against 1.0), reduced once at the end.
+inline void softmax_tile(int64_t mt, int64_t k0, Scratch& w, const Dims& dm) {
+  const int64_t n_stride = w.rows_p * kSubKeys, r0 = mt * kM;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 x[kSubs];
-  __mmask16 mask[kSubs];
-  __m512 mx = neg_inf;
-  for (int n = 0; n < kSubs; ++n) {
-    mask[n] = first(visible - n * kSubKeys);
-    x[n] = _mm512_load_ps(s + n * n_stride);
-    mx = _mm512_mask_max_ps(mx, mask[n], mx, x[n]);
+  alignas(64) float m_new[kM];
+  int64_t visible[kM];
+  for (int i = 0; i < kM; ++i) {
+    const int64_t r = r0 + i;
+    visible[i] = w.pos[r] + 1 - k0;
+    m_new[i] = w.m.p[r];
+    if (visible[i] <= 0) continue;
+    const float* s = w.s.p + r * kSubKeys;
+    __m512 mx = neg_inf;
+    for (int n = 0; n < kSubs; ++n)
+      mx = _mm512_mask_max_ps(mx, first(visible[i] - n * kSubKeys), mx,
+                              _mm512_load_ps(s + n * n_stride));
+    m_new[i] = std::max(m_new[i], _mm512_reduce_max_ps(mx));
   }
-  const float m_old = w.m[r];
-  const float m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
-  const __m512 m_log2e = _mm512_set1_ps(m_new * 1.44269504088896341f);
+  // e^(m_old - m_new): 1 where the max stayed, ~0 where there was none (-inf, clamped: the
+  // row's sums are still 0 then).
+  using conveyor::vec::Vec;
+  const __m512 m_old = _mm512_load_ps(w.m.p + r0), m_cur = _mm512_load_ps(m_new);
+  const __m512 diff = _mm512_sub_ps(m_old, m_cur);
+  alignas(64) float alpha[kM];
+  const Vec<float> factor = conveyor::vec::vexp<float>(reinterpret_cast<const Vec<float>&>(diff));
+  _mm512_store_ps(alpha, reinterpret_cast<const __m512&>(factor));
+  _mm512_store_ps(w.m.p + r0, m_cur);
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bfloat16 1.0
-  __m512 total = _mm512_setzero_ps();
-  for (int n = 0; n < kSubs; n += 2) {
-    const __m512 p0 = _mm512_maskz_mov_ps(mask[n], exp_shifted(x[n], m_log2e));
-    const __m512 p1 = _mm512_maskz_mov_ps(mask[n + 1], exp_shifted(x[n + 1], m_log2e));
-    const __m512bh rounded = _mm512_cvtne2ps_pbh(p1, p0);  // keys 32 (n / 2) .. in order
-    _mm512_store_si512(prow + (n / 2) * kTileValues, (__m512i)rounded);
-    total = _mm512_dpbf16_ps(total, rounded, ones);
-  }
-  float* lrow = w.l.p + r * kSubKeys;
-  __m512 l = _mm512_load_ps(lrow);
-  if (m_new > m_old) {
-    const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f
-                                                                          : std::exp(m_old - m_new);
+  for (int i = 0; i < kM; ++i) {
+    const int64_t r = r0 + i;
+    uint16_t* prow = w.p.p + mt * 2 * kTileValues + i * 32;
+    if (visible[i] <= 0) {  // a group past the row (or a padding row): no weight
+      std::memset(prow, 0, 64);
+      std::memset(prow + kTileValues, 0, 64);
+      continue;
+    }
+    const float* s = w.s.p + r * kSubKeys;
+    const __m512 m_log2e = _mm512_set1_ps(m_new[i] * 1.44269504088896341f);
+    __m512 total = _mm512_setzero_ps();
+    for (int n = 0; n < kSubs; n += 2) {
+      const __m512 p0 = _mm512_maskz_mov_ps(first(visible[i] - n * kSubKeys),
+                                            exp_shifted(_mm512_load_ps(s + n * n_stride), m_log2e));
+      const __m512 p1 =
+          _mm512_maskz_mov_ps(first(visible[i] - (n + 1) * kSubKeys),
+                              exp_shifted(_mm512_load_ps(s + (n + 1) * n_stride), m_log2e));
+      const __m512bh rounded = _mm512_cvtne2ps_pbh(p1, p0);  // keys 32 (n / 2) .. in order
+      _mm512_store_si512(prow + (n / 2) * kTileValues, (__m512i)rounded);
+      total = _mm512_dpbf16_ps(total, rounded, ones);
+    }
+    const __m512 av = _mm512_set1_ps(alpha[i]);
     float* arow = w.acc.p + r * dm.padded;
-    const __m512 av = _mm512_set1_ps(alpha);
     for (int64_t d = 0; d < dm.padded; d += 16)
       _mm512_store_ps(arow + d, _mm512_mul_ps(_mm512_load_ps(arow + d), av));
-    l = _mm512_mul_ps(l, av);
-    w.m[r] = m_new;
+    float* lrow = w.l.p + r * kSubKeys;
+    _mm512_store_ps(lrow, _mm512_fmadd_ps(_mm512_load_ps(lrow), av, total));
   }
-  _mm512_store_ps(lrow, _mm512_add_ps(l, total));
 }
 
 template <typename E, typename C>
@@ -483,7 +496,7 @@ void run_item(const Item& item, const Args& a, const C* kc, const C* vc, const D
       if (w.pos[last] < k0) continue;  // the whole row tile is before this group
       E::scores(w.q.p + mt * kc_count * kTileValues, w.k.p, kc_count,
                 w.s.p + mt * kM * kSubKeys, rows_p);
-      for (int64_t r = mt * kM; r < (mt + 1) * kM; ++r) softmax_row(r, k0, w, dm);
+      softmax_tile(mt, k0, w, dm);
       const uint16_t* pt = w.p.p + mt * 2 * kTileValues;
       E::values(pt, w.v.p, dm.ct(), w.acc.p + mt * kM * dm.padded, dm.padded);
     }
