@@ -5,20 +5,21 @@
 // products, and what is left is the softmax. Two engines run the same operands in the same layout:
 // AMX tiles (TileEngine) where the CPU has AMX-BF16: a tile dot product per 16 x 16 x 32;
 // AVX512-BF16's vdpbf16ps (DotEngine) where it has only that (a Zen 4 or 5): 16 float lanes
-// each summing a pair of products per instruction, twice float32's FMAs. A tile's row of     pairs
-// is exactly one such operand (16 keys, or 16 columns, x a pair of k), so the packed     K, V and P
+// each summing a pair of products per instruction, twice float32's FMAs. A tile's row of pairs
+// is exactly one such operand (16 keys, or 16 columns, x a pair of k), so the packed K, V and P
 // tiles are shared; Q's pair of d is broadcast to the 16 lanes.
 //
-// Per item (sequence, kv head, up to 64 rows: tokens x the GQA group, as
-// attention/paged_attention.cpp):   Q (scaled) rounded to bfloat16 tiles once; then for each group
-// of 64 keys at absolute   positions 64g .. 64g + 63, up to the item's last causal key:     1. the
-// group's K and V widened from the cache (any cache dtype) and rounded to bfloat16        tiles in
-// AMX's pair layout; keys past the item's last one zeros;     2. S = Q K^T: four 16-key score tiles
-// per row tile, the head dim summed in the tile unit;     3. per row: the running max over its
-// visible keys, P = e^(S - max) rounded to bfloat16,        the sum l of the rounded weights (so
-// the weights applied and the normaliser agree),        the accumulator rescaled when the max
-// grows;     4. acc += P V in the tile unit, the accumulator loaded from and stored back to
-// float32.   out = acc / l.
+// First, every group of 64 keys (absolute positions 64g .. 64g + 63) that a step's prompt rows
+// read, per (sequence, kv head): K and V widened from the cache (any cache dtype) and rounded to
+// bfloat16 tiles in AMX's pair layout, once (KvGroups), over the threads. Then per item
+// (sequence, kv head, up to 128 rows: tokens x the GQA group, as attention/paged_attention.cpp):
+// Q (scaled) rounded to bfloat16 tiles once; then for each group up to the item's last causal key:
+//   1. S = Q K^T: four 16-key score tiles per row tile, the head dim summed in the tile unit;
+//   2. per row: the running max over its visible keys, P = e^(S - max) rounded to bfloat16, the
+//      sum l of the rounded weights (so the weights applied and the normaliser agree), the
+//      accumulator rescaled when the max grows;
+//   3. acc += P V in the tile unit, the accumulator loaded from and stored back to float32.
+// out = acc / l.
 //
 // One reduction order per row. Every value a row gets depends on its own query, its position
 // and the cache only: the key groups sit at fixed positions, a tile dot product sums each row
