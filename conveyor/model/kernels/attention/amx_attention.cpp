@@ -374,11 +374,12 @@ struct DotEngine {
 
 // Every group of keys a step's prompt rows read, as K and V tiles (load_group), converted once
 // per (sequence, kv head) and shared by its items. Each item converted its own groups before,
-// up to its last key: a 2048-token prompt's 48 items per kv head converted its first group 48
-// times. A sequence's groups run to its furthest item's last key, so an earlier item's last
-// group holds real keys past its own last one where it held zeros: its rows weigh them exactly
-// 0 (softmax_tile), and 0 times a finite cached value adds exactly 0, so no bit changes (a value
-// that overflowed a float16 cache to inf already made NaN of the rows before it in its own item).
+// up to its last key: a 2048-token prompt's 49 items per kv head (42 tokens of a GQA group of 3
+// each) converted its first group 49 times. A sequence's groups run to its furthest item's last
+// key, so an earlier item's last group holds real keys past its own last one where it held
+// zeros: its rows weigh them exactly 0 (softmax_tile), and 0 times a finite cached value adds
+// exactly 0, so no bit changes (a value that overflowed a float16 cache to inf already made NaN
+// of the rows before it in its own item).
 // A 2048-token prompt's attention (benchmarks step): 181-182 -> 154-156 ms; 1024: 56 -> 50-51.
 struct KvGroups {
   int64_t kv_heads, k_values, group_values;  // values of a group's K tiles, and of K and V
