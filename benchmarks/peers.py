@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=COMMAND",
         help="another server: a command line with {port} (and {threads}) in it",
     )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--input-len", type=int, default=209)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.47)

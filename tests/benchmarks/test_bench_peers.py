@@ -23,6 +23,14 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def test_a_default_sitting_runs_the_issues_concurrencies_up_to_128_streams():
+    # Where batching is widest is where the peers part (issue 60): 128 streams belong to every
+    # sitting, not only to those that ask.
+    args = parse()
+    assert args.concurrency == [1, 8, 32, 64, 128]
+    assert args.systems == ["conveyor", "vllm", "llama", "conveyor"]
+
+
 def test_custom_systems_parse_and_bad_ones_are_refused():
     systems = peers.custom_systems(["f32=llama-server -m x.gguf --port {port} -t {threads}"])
     argv, env = peers.fill(systems["f32"], 8123, 2)
