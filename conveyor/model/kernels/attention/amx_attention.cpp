@@ -558,7 +558,7 @@ void run_item(const Item& item, const Args& a, const KvGroups& kv, const Dims& d
     }
   }
 
-  const int64_t num_keys = pos0 + item.num_tokens;  // keys the item's last token sees
+  const int64_t num_keys = item_keys(item, a);
   for (int64_t k0 = 0; k0 < num_keys; k0 += kGroupKeys) {
     const uint16_t* kt = kv.k(item.seq, h, k0 / kGroupKeys);
     const uint16_t* vt = kt + kv.k_values;
