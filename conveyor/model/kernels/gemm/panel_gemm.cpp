@@ -1404,7 +1404,9 @@ at::Tensor block_argmax(const at::Tensor& x_in, const at::Tensor& wk, const at::
 // every torch thread at once. Returns operations per second (a multiply-add counts 2):
 //   f32_fma, f64_fma   FMA on the instruction set's float lanes (the dense and lm_head kernels);
 //   int8_dot           the int8 dot product of the block kernels (VNNI's vpdpbusd on AVX-512;
-//                      AVX2's maddubs + madd + add);
+//                      AVX2's maddubs + int16 add: the q4 route's, whose block sums stay in
+//                      int16 lanes; q8's sign trick, a madd and an int32 add more per maddubs,
+//                      makes about half of it);
 //   bf16_dot           AVX512-BF16's vdpbf16ps where the CPU and the build have it (else 0).
 constexpr int kChains = 12;
 
@@ -1428,16 +1430,19 @@ double run_chains(int64_t iters, double ops_per_iter, const Body& body) {
 template <typename T, int Isa>
 double fma_peak(int64_t iters, T w) {
   using F = Lanes<T, Isa>;
-  return run_chains(iters, kChains * F::L * 2, [w](int64_t n) {
+  // AVX2's vector is two registers: 12 chains of them overflowed its 16 registers, and GCC's
+  // spills halved the rate measured (a Zen 3: 134 GFLOP/s float32 on 2 threads, 6 chains 200+).
+  constexpr int chains = Isa == kAvx2 ? kChains / 2 : kChains;
+  return run_chains(iters, chains * F::L * 2, [w](int64_t n) {
     T start[F::L];
     std::fill(start, start + F::L, T(1e-3));
     const typename F::V c = F::load(start);
-    typename F::V acc[kChains];
-    for (int i = 0; i < kChains; ++i) acc[i] = c;
+    typename F::V acc[chains];
+    for (int i = 0; i < chains; ++i) acc[i] = c;
     for (int64_t it = 0; it < n; ++it)
-      for (int i = 0; i < kChains; ++i) acc[i] = F::fma(w, acc[i], c);
+      for (int i = 0; i < chains; ++i) acc[i] = F::fma(w, acc[i], c);
     double total = 0.0;
-    for (int i = 0; i < kChains; ++i) {
+    for (int i = 0; i < chains; ++i) {
       F::store(start, acc[i]);
       for (T x : start) total += x;
     }
@@ -1502,15 +1507,22 @@ double peak_rate(const std::string& kind, int64_t iters) {
   if (isa >= kAvx2) {
     if (kind == "int8_dot")
       return run_chains(iters, kChains * 32 * 2, [&](int64_t n) {
-        // The chain's own bytes are the unsigned operand, so nothing can be hoisted.
+        // The chain's own bytes are the unsigned operand, so nothing can be hoisted. (Measured
+        // as maddubs + madd + int32 add until 2026-12-06: on a Zen 3 that is half the rate of
+        // the q4 kernel's own mix, and a prompt chunk's step then read 111-115% of its floor.)
+        // The asm statement keeps the chains in registers: GCC held some of them on the stack,
+        // and a chain through memory waits for its store at every step (this measured half
+        // the rate of the kernels' own loops).
         const __m256i b = _mm256_set1_epi8(static_cast<char>(-2 + int(wf)));
-        const __m256i one = _mm256_set1_epi16(1);
         __m256i acc[kChains];
         for (int i = 0; i < kChains; ++i) acc[i] = _mm256_setzero_si256();
-        for (int64_t it = 0; it < n; ++it)
+        for (int64_t it = 0; it < n; ++it) {
           for (int i = 0; i < kChains; ++i)
-            acc[i] = _mm256_add_epi32(
-                acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(acc[i], b), one));
+            acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(acc[i], b));
+          asm volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]), "+x"(acc[4]),
+                       "+x"(acc[5]), "+x"(acc[6]), "+x"(acc[7]), "+x"(acc[8]), "+x"(acc[9]),
+                       "+x"(acc[10]), "+x"(acc[11]));
+        }
         double total = 0.0;
         for (int i = 0; i < kChains; ++i) {
           int32_t lanes[8];
