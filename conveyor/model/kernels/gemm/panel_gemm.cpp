@@ -1048,8 +1048,8 @@ struct BlockVec {
 
 #if CONVEYOR_PANEL_AVX2
 // AVX2, q4, int8 activations: TT rows x one panel (16 columns in two halves), the chunk loop
-// kept rolled and the int16 sums pinned to registers. The same instructions as BlockVec's
-// IntTile, in the same order, so the same integers and bits. BlockVec's IntTile at 6 rows
+// kept rolled and the int16 sums pinned to registers. BlockVec's IntTile with Avx2Blocks'
+// own steps, in the same order, so the same integers and bits. BlockVec's IntTile at 6 rows
 // needs 18 registers and spilled its sums (a load and a store a chunk for each); at 4 rows GCC
 // unrolled its chunks and stored every maddubs' result before adding it. Here 4 rows take 15
 // registers: on a Zen 3 1.09-1.13x the 6-row tile's rate at 8-512 rows (30 layers of SmolLM2's
@@ -1061,37 +1061,29 @@ struct Avx2Q4Tile {
     using B = Avx2Blocks;
     B::V acc[TT][1];
     for (int t = 0; t < TT; ++t) acc[t][0] = B::fzero();
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i one = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < a.nb; ++b) {
       const uint8_t* blk = a.wq + (p0 * a.nb + b) * 4 * kPanelBytes;
-      __m256i sa[TT], sb[TT];
-      for (int t = 0; t < TT; ++t) sa[t] = sb[t] = _mm256_setzero_si256();
+      B::I isum[TT];
+      for (int t = 0; t < TT; ++t) isum[t] = B::izero();
       const int8_t* xq0 = a.xq + t0 * a.k + b * QK;
 #pragma GCC unroll 1
       for (int g = 0; g < 4; ++g) {
-        const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + g * kPanelBytes));
-        const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + g * kPanelBytes + 32));
-        const __m256i la = _mm256_and_si256(va, mask), ha = _mm256_and_si256(_mm256_srli_epi16(va, 4), mask);
-        const __m256i lb = _mm256_and_si256(vb, mask), hb = _mm256_and_si256(_mm256_srli_epi16(vb, 4), mask);
+        const B::I v = B::load_bytes(blk + g * kPanelBytes);
+        const B::I lo = B::low_nibbles(v), hi = B::high_nibbles(v);
         for (int t = 0; t < TT; ++t) {
           const int8_t* xq = xq0 + t * a.k;
-          const __m256i xl = _mm256_set1_epi32(read_as<int32_t>(xq + 4 * g));
-          const __m256i xh = _mm256_set1_epi32(read_as<int32_t>(xq + 16 + 4 * g));
-          sa[t] = _mm256_add_epi16(sa[t], _mm256_add_epi16(_mm256_maddubs_epi16(la, xl), _mm256_maddubs_epi16(ha, xh)));
-          sb[t] = _mm256_add_epi16(sb[t], _mm256_add_epi16(_mm256_maddubs_epi16(lb, xl), _mm256_maddubs_epi16(hb, xh)));
+          isum[t] = B::dot_q4(isum[t], lo, B::quad(xq + 4 * g), hi, B::quad(xq + 16 + 4 * g));
         }
         if constexpr (TT == 4)  // the sums stay in registers from chunk to chunk
-          asm volatile("" : "+x"(sa[0]), "+x"(sa[1]), "+x"(sa[2]), "+x"(sa[3]), "+x"(sb[0]),
-                       "+x"(sb[1]), "+x"(sb[2]), "+x"(sb[3]));
+          asm volatile("" : "+x"(isum[0].a), "+x"(isum[1].a), "+x"(isum[2].a), "+x"(isum[3].a),
+                       "+x"(isum[0].b), "+x"(isum[1].b), "+x"(isum[2].b), "+x"(isum[3].b));
       }
       const int64_t base = (p0 * a.nb + b) * kCols;
       const B::V dw = B::half16(a.dw + base);
       const B::V mw = B::half16(a.mw + base);
       for (int t = 0; t < TT; ++t) {
         const int64_t tb = (t0 + t) * a.nb + b;
-        const B::I isum = {_mm256_madd_epi16(sa[t], one), _mm256_madd_epi16(sb[t], one)};
-        acc[t][0] = B::fma(B::mul1(dw, a.xd[tb]), B::to_float(isum), acc[t][0]);
+        acc[t][0] = B::fma(B::mul1(dw, a.xd[tb]), B::to_float(B::finish_q4(isum[t])), acc[t][0]);
         acc[t][0] = B::fma1(a.xs[tb], mw, acc[t][0]);
       }
     }
