@@ -79,15 +79,19 @@ def test_the_kernel_counts_a_busy_threads_time_on_a_core():
     if first is None:
         pytest.skip("this kernel does not report per-thread scheduling statistics")
 
+    # The thread spins until its times are read: a loaded machine may keep this one off a core
+    # for longer than any fixed spin (a 0.3 s spin once ended before a 0.15 s sleep did).
+    read = threading.Event()
+
     def spin() -> None:
-        end = time.monotonic() + 0.3
-        while time.monotonic() < end:
+        while not read.is_set():
             pass
 
     worker = threading.Thread(target=spin)
     worker.start()
     time.sleep(0.15)
     during = thread_times()
+    read.set()
     worker.join()
     # The new thread is found as the one /proc did not list before, not by its native id: where
     # /proc is mounted from another PID namespace (a CI sandbox), the two numberings differ.
