@@ -156,47 +156,6 @@ def test_a_forced_call_is_written_in_the_parsers_own_syntax(client, choice):
     assert streamed["content"] == "" and streamed["finish"] == "tool_calls"
 
 
-@pytest.fixture(scope="module")
-def deepseek(tiny_checkpoint, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("deepseek")
-    server = start_tiny(tiny_checkpoint, folder, "--tool-call-parser", "deepseek_v3")
-    yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-    server.stop()
-
-
-def test_deepseek_v31_arguments_stream_in_pieces_that_join_to_the_whole(deepseek):
-    arguments = '{"city": "Paris", "days": [1, 2]}'
-    raw = (
-        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
-        f"{arguments}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
-    )
-    whole = ask(deepseek, raw, tools=TOOLS).choices[0]
-    assert whole.message.content == "Sure." and whole.finish_reason == "tool_calls"
-    assert whole.message.tool_calls[0].function.arguments == arguments
-    chunks = list(ask(deepseek, raw, stream=True, tools=TOOLS))
-    pieces = argument_pieces(chunks)
-    assert len(pieces) > 3 and "".join(pieces) == arguments
-    streamed = gathered(chunks)
-    assert streamed["content"] == "Sure." and streamed["finish"] == "tool_calls"
-
-
-def test_a_forced_call_is_written_in_deepseeks_syntax(deepseek):
-    reply = deepseek.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Weather in Paris?"}],
-        max_tokens=200,
-        tools=CITY_TOOLS[:1],
-        tool_choice=NAMED,
-        extra_body={"return_token_ids": True},
-    ).choices[0]
-    raw = detokenized(deepseek, reply.model_extra["token_ids"])
-    assert raw.startswith("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{")
-    assert raw.endswith("<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-    (call,) = reply.message.tool_calls
-    assert call.function.name == "get_weather" and reply.finish_reason == "tool_calls"
-    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
-
-
 # family -> what its forced reply starts with and ends with, as the model writes it
 XML_FORCED = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n", "</tool_call>")
 FORCED_SYNTAX = {
