@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
 
+SERVER_THREADS = torch.get_num_threads()  # what a server the tests start runs with
 torch.set_num_threads(2)
 
 # Where the engines under test run: CONVEYOR_TEST_DEVICE=cuda runs the in-process engines of the
@@ -37,12 +38,32 @@ DEVICE = os.environ.get("CONVEYOR_TEST_DEVICE", "cpu")
 # side by side (module fixtures, pytest-xdist workers) would compete for it. The tests use a
 # fixed budget instead, about what the CPU default gives the tiny models.
 CUDA_KV_CACHE_MEMORY = "256MiB"
+
 # Keyword arguments for LLM / LLMEngine / EngineCore, and the same as `conveyor serve` flags.
 DEVICE_KWARGS: dict = {"device": DEVICE}
 DEVICE_FLAGS: list[str] = ["--device", DEVICE]
 if DEVICE != "cpu":
     DEVICE_KWARGS["kv_cache_memory"] = CUDA_KV_CACHE_MEMORY
     DEVICE_FLAGS += ["--kv-cache-memory", CUDA_KV_CACHE_MEMORY]
+
+
+def pytest_configure(config):
+    """Once per session, before any worker starts (the controller, or a run without workers):
+    the matmul forms measured and kept where none are for this build (model/layers.py), at
+    the thread counts of the tests' engines (2) and servers (torch's default). Kept by the
+    kernel sources' hash, they are missing after a kernel change until the next set-up, and
+    each of the suite's ~100 engines and servers then measured for itself: ~1.5-3.5 s of CPU
+    a start, on cores the other worker shares (12 min against 10 for the suite on a Zen 3)."""
+    if DEVICE != "cpu" or hasattr(config, "workerinput"):
+        return
+    from conveyor.model.layers import keep_measured_forms
+
+    for threads in sorted({2, SERVER_THREADS}):
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.float64):
+            with contextlib.suppress(OSError):  # a read-only cache: each measures for itself
+                keep_measured_forms(dtype, again=False)
+    torch.set_num_threads(2)
 
 
 @pytest.fixture(autouse=True)

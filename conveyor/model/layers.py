@@ -158,6 +158,11 @@ def _ops() -> ModuleType | None:
 def _measured_forms(dtype: torch.dtype) -> dict[int, str]:
     """The forms kept for this machine, else measured now (for this process only)."""
     ops = _kernel_ops(dtype)
+    return _kept_forms(dtype, ops) or _measure_forms(dtype, ops)
+
+
+def _kept_forms(dtype: torch.dtype, ops: ModuleType | None) -> dict[int, str] | None:
+    """The forms kept for this machine, build and dtype; None when none are (or unreadable)."""
     allowed = {"linear", "transposed"} | ({"kernel"} if ops is not None else set())
     try:
         text = _forms_file(dtype, ops).read_text()
@@ -165,14 +170,20 @@ def _measured_forms(dtype: torch.dtype) -> dict[int, str]:
         if set(kept) == set(MATMUL_BUCKETS) and set(kept.values()) <= allowed:
             return kept
     except (OSError, ValueError, AttributeError):
-        pass  # not kept here, or unreadable: measure
-    return _measure_forms(dtype, ops)
+        pass
+    return None
 
 
-def keep_measured_forms(dtype: torch.dtype) -> dict[int, str]:
+def keep_measured_forms(dtype: torch.dtype, again: bool = True) -> dict[int, str]:
     """Measures the forms now and keeps them for later processes (the warm-up calls this at
-    set-up, when nothing else runs; run `python -m conveyor.model.warm_up` to measure again)."""
+    set-up, when nothing else runs; run `python -m conveyor.model.warm_up` to measure again).
+    again=False measures only where none are kept: after the kernel sources, torch or the CPU
+    changed (each is in the file's key), so that every later process does not measure for
+    itself (the test session calls it so before its workers start)."""
     ops = _kernel_ops(dtype)
+    kept = None if again else _kept_forms(dtype, ops)
+    if kept is not None:
+        return kept
     winners = _measure_forms(dtype, ops)
     # atomic: a process starting meanwhile reads the old forms or the new ones
     write_atomic(_forms_file(dtype, ops), json.dumps({str(k): v for k, v in winners.items()}))

@@ -385,6 +385,18 @@ def test_matmul_forms_kept_at_set_up_are_read_by_later_processes(ops, monkeypatc
             again = layers.matmul_forms(torch.float64)
             assert measured_dtypes[before:] == [torch.float64]
             assert again == results[torch.float64]
+        # Keeping only what is missing (the test session's start): a kept file is read back,
+        # not measured again; a missing one is measured and kept.
+        kept.write_text(json.dumps(chosen))
+        before = len(measured_dtypes)
+        assert layers.keep_measured_forms(torch.float64, again=False) == {
+            int(k): v for k, v in chosen.items()
+        }
+        assert len(measured_dtypes) == before
+        kept.unlink()
+        assert layers.keep_measured_forms(torch.float64, again=False) == results[torch.float64]
+        assert measured_dtypes[before:] == [torch.float64]
+        assert len(list((tmp_path / "matmul_forms").glob("*.json"))) == 2
     finally:
         layers._measured_forms.cache_clear()
 
