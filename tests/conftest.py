@@ -38,7 +38,6 @@ DEVICE = os.environ.get("CONVEYOR_TEST_DEVICE", "cpu")
 # side by side (module fixtures, pytest-xdist workers) would compete for it. The tests use a
 # fixed budget instead, about what the CPU default gives the tiny models.
 CUDA_KV_CACHE_MEMORY = "256MiB"
-
 # Keyword arguments for LLM / LLMEngine / EngineCore, and the same as `conveyor serve` flags.
 DEVICE_KWARGS: dict = {"device": DEVICE}
 DEVICE_FLAGS: list[str] = ["--device", DEVICE]
@@ -53,7 +52,8 @@ def pytest_configure(config):
     the thread counts of the tests' engines (2) and servers (torch's default). Kept by the
     kernel sources' hash, they are missing after a kernel change until the next set-up, and
     each of the suite's ~100 engines and servers then measured for itself: ~1.5-3.5 s of CPU
-    a start, on cores the other worker shares (12 min against 10 for the suite on a Zen 3)."""
+    a start, on cores the other worker shares (the parallel phase 724-730 s against 614 s
+    with the forms kept, a Zen 3)."""
     if DEVICE != "cpu" or hasattr(config, "workerinput"):
         return
     from conveyor.model.layers import keep_measured_forms
