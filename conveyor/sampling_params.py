@@ -75,7 +75,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 disables
+    top_k: int = -1  # -1 disables; 0 (vLLM's preferred "disabled") is read as -1
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -120,6 +120,8 @@ class SamplingParams:
             raise ValueError("logit_bias must be a mapping of token id to bias")
         self.logit_bias = _int_keys(self.logit_bias) if self.logit_bias else None
         self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
+        if _is_int(self.top_k) and self.top_k == 0:
+            self.top_k = -1  # vLLM: "0 (or -1) considers all tokens"
         self.validate()
 
     @property
@@ -148,7 +150,7 @@ class SamplingParams:
         self._validate_floats()
         _check(
             _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-            f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}",
+            f"top_k must be 0 or -1 (disabled) or an integer >= 1, got {self.top_k!r}",
         )
         prompt_only = self.prompt_logprobs is not None or self.pooling is not None
         _check(

@@ -231,7 +231,7 @@ def _assert_error(response, status, *words):
     [
         ("temperature", -1, ["temperature must be a finite number in [0, 100]"]),
         ("top_p", 1.5, ["top_p must be a finite number in (0, 1]"]),
-        ("top_k", 0, ["top_k must be -1"]),
+        ("top_k", -2, ["top_k must be 0 or -1"]),
         ("max_tokens", 0, ["max_tokens must be an integer >= 1"]),
         ("n", 0, ["n must be an integer >= 1"]),
         ("presence_penalty", 5, ["presence_penalty"]),

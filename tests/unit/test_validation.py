@@ -31,8 +31,8 @@ from conveyor.config import CacheConfig, SchedulerConfig
         (dict(logit_bias={-1: 1.0}), "logit_bias: token id -1 must be >= 0"),
         (dict(top_p=0.0), r"top_p must be a finite number in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be a finite number in \(0, 1\]"),
-        (dict(top_k=0), "top_k must be -1"),
-        (dict(top_k=-2), "top_k must be -1"),
+        (dict(top_k=-2), "top_k must be 0 or -1"),
+        (dict(top_k=1.5), "top_k must be 0 or -1"),
         (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
         (dict(n=0), "n must be an integer >= 1"),
         (dict(min_p=1.5), r"min_p must be a finite number in \[0, 1\]"),
@@ -48,6 +48,12 @@ from conveyor.config import CacheConfig, SchedulerConfig
 def test_bad_sampling_params_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_top_k_zero_is_vllms_disabled():
+    """vLLM reads top_k 0 (its default) and -1 alike as "every token"; clients send either."""
+    assert SamplingParams(top_k=0).top_k == SamplingParams(top_k=-1).top_k == -1
+    assert SamplingParams(top_k=0) == SamplingParams()
 
 
 @pytest.fixture(scope="module")
