@@ -173,6 +173,13 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         print("conveyor: kernel plan: " + ", ".join(f"{k}={v}" for k, v in plan.items()))
     if line := _memory_line(engine):
         print(line, flush=True)
+    if defaults := engine.default_sampling:  # as vLLM warns: they change unset fields' values
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        print(
+            f"conveyor: default sampling from the model's generation config: {shown} "
+            "(for the fields a request leaves out; --generation-config vllm: none)",
+            flush=True,
+        )
     if args.dashboard:
         print(f"conveyor: dashboard on {base}/dashboard", flush=True)
     return app

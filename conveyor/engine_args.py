@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,25 @@ def _speculative_config(text: str) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        return _as_json_object(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _as_json_object(value: Any) -> dict[str, Any]:
+    """A dict with string keys, from itself or from its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"must be a JSON object, got {value[:80]!r}") from None
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise ValueError(f"must be a JSON object (a dict with string keys), got {value!r:.80}")
+    return dict(value)
 
 
 KERNEL_ISAS = ("auto", *envs.ISAS)
@@ -105,6 +125,23 @@ class EngineArgs:
     )
     skip_tokenizer_init: bool = _setting(
         False, "model", "no tokenizer: token ids in, token ids out", cli=False
+    )
+    generation_config: str = _setting(
+        "auto",
+        "model",
+        "default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) for the requests that leave them out, as vLLM's: auto: the "
+        "checkpoint's generation_config.json; vllm: none (neutral defaults); or a folder "
+        "holding a generation_config.json",
+        metavar="auto|vllm|FOLDER",
+    )
+    override_generation_config: dict[str, Any] | None = _setting(
+        None,
+        "model",
+        "JSON object of generation-config fields that replace the model's, e.g. "
+        "'{\"temperature\": 0.5}'",
+        type=_json_object,
+        metavar="JSON",
     )
     kernel_isa: str | None = _setting(
         None,
@@ -244,6 +281,17 @@ class EngineArgs:
         if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
             raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
         object.__setattr__(self, "device", str(self.device))
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a folder holding a "
+                f"generation_config.json, got {self.generation_config!r}"
+            )
+        if self.override_generation_config is not None:
+            try:
+                override = _as_json_object(self.override_generation_config)
+            except ValueError as exc:
+                raise ValueError(f"override_generation_config {exc}") from None
+            object.__setattr__(self, "override_generation_config", override)
         if self.kernel_isa is not None and self.kernel_isa not in KERNEL_ISAS:
             raise ValueError(f"kernel_isa must be one of {KERNEL_ISAS}, got {self.kernel_isa!r}")
         if self.quantization not in QUANTIZATION_MODES:

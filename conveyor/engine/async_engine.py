@@ -110,6 +110,10 @@ class AsyncEngine:
         return self.engine.model_config
 
     @property
+    def default_sampling(self) -> dict:
+        return self.engine.default_sampling
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -40,6 +40,9 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Any: ...  # None with skip_tokenizer_init
 
     @property
+    def default_sampling(self) -> dict[str, Any]: ...  # --generation-config's (model/config.py)
+
+    @property
     def inputs(self) -> InputProcessor: ...  # validation and tokenization of prompts
 
     @property

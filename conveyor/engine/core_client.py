@@ -47,7 +47,7 @@ from conveyor.messages import (
     SnapshotRequest,
     StepOutput,
 )
-from conveyor.model.config import ModelConfig
+from conveyor.model.config import ModelConfig, sampling_defaults
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind
 from conveyor.request import RequestStatus
@@ -198,6 +198,9 @@ class AsyncMPEngine:
             # Loaded while the core loads the model; after it when that fails (its error first).
             early = None if args.skip_tokenizer_init else _try_tokenizer(self._process.model_config)
             self.info, self._stats = self._process.wait_ready()
+            self.default_sampling = sampling_defaults(
+                self.info.model_config.path, args.generation_config, args.override_generation_config
+            )
         except BaseException:
             self._process.kill()
             if self._own_context:

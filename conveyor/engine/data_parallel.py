@@ -197,6 +197,7 @@ class AsyncDPEngine:
         first = self.replicas[0]
         self.info = first.info
         self.model_config = first.model_config
+        self.default_sampling = first.default_sampling
         self.tokenizer = first.tokenizer
         self.router = PrefixRouter(num_replicas, self.info.cache_config.block_size, routing)
         self._placed: dict[str, Placement] = {}  # open requests, by id

@@ -16,6 +16,7 @@ from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.records import StepRecord
 from conveyor.engine_args import EngineArgs
 from conveyor.lora.request import LoRARequest
+from conveyor.model.config import sampling_defaults
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.request import RequestStatus
@@ -41,6 +42,10 @@ class LLMEngine:
             self.core = EngineCore(args)
         try:
             self._attach(self.core.info)
+            # Read here, in the front end, with transformers: the core never imports it.
+            self.default_sampling = sampling_defaults(
+                self.model_config.path, args.generation_config, args.override_generation_config
+            )
         except BaseException:
             self.shutdown()  # no engine-core process or rank is left behind
             raise

@@ -58,6 +58,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat sample with when given no SamplingParams: the model's
+        generation config (its generation_config.json's temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens), else SamplingParams()'s, as vLLM's
+        LLM (generation_config="vllm" leaves the model's out)."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -71,6 +78,8 @@ class LLM:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down")
         prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
@@ -163,6 +172,8 @@ class LLM:
         parsers = Parsers.of(names, chat_template or tokenizer.chat_template)
         specials = special_texts(tokenizer)
         hidden = parsers.hidden(specials, True, bool(tools))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         asked = _as_params_list(sampling_params, len(prompts))
         # the parsers must see their markers, as the server's do (unless all are asked for)
         hides = [hidden is not None and p.skip_special_tokens for p in asked]
@@ -318,8 +329,6 @@ def _as_lora_list(lora_request, num: int) -> list[LoRARequest | None]:
 
 
 def _as_params_list(params, num: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * num
     if isinstance(params, SamplingParams):
         return [params] * num
     params = list(params)

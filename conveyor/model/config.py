@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -282,6 +283,79 @@ def _eos_ids(folder: Path, hf) -> frozenset[int]:
 
         ids |= _as_set(GenerationConfig.from_pretrained(gen_file.parent).eos_token_id)
     return frozenset(ids or _as_set(getattr(hf, "eos_token_id", None)))
+
+
+# The generation config's fields that are default sampling parameters, as vLLM reads them
+# (its ModelConfig.get_diff_sampling_param): what the model's creators recommend, applied to
+# the requests that leave the field out. max_new_tokens caps every request's max_tokens.
+GENERATION_SAMPLING_FIELDS = (
+    "repetition_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a folder holding a generation_config.json
+
+
+def sampling_defaults(
+    path: Path, source: str = "auto", override: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The default sampling parameters of the model at `path`, as SamplingParams' keywords
+    (max_new_tokens becomes max_tokens), as vLLM's --generation-config gives them: "auto" reads
+    the checkpoint's generation_config.json (a GGUF file has none: {}), "vllm" none, a folder
+    its own; then `override` (--override-generation-config) replaces fields. Values that are
+    not valid sampling parameters are a ValueError naming where they came from."""
+    from conveyor.sampling_params import SamplingParams
+
+    found: dict[str, Any] = {}
+    if source != "vllm":
+        if source == "auto":
+            folder = path if path.is_dir() else None
+        else:
+            folder = Path(source)
+            if not folder.is_dir():
+                raise ValueError(
+                    f"generation_config must be 'auto', 'vllm' or a folder holding a "
+                    f"generation_config.json, got {source!r}"
+                )
+        if folder is not None:
+            from conveyor.model.resolve_cache import cached
+
+            found = dict(cached("generation", folder, lambda: _generation_fields(folder)))
+    came_from = "generation_config.json" if found else ""
+    if override:
+        found.update(override)
+        came_from = (
+            "override_generation_config"
+            if not came_from
+            else f"{came_from} and override_generation_config"
+        )
+    fields = {k: found[k] for k in GENERATION_SAMPLING_FIELDS if found.get(k) is not None}
+    if "max_new_tokens" in fields:
+        fields["max_tokens"] = fields.pop("max_new_tokens")
+    try:
+        SamplingParams(**fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"the default sampling parameters from {came_from} are not valid: {error} "
+            f"(--generation-config vllm leaves the model's out)"
+        ) from None
+    return fields
+
+
+def _generation_fields(folder: Path) -> dict[str, Any]:
+    """The sampling fields a folder's generation_config.json sets, as transformers reads it."""
+    if not (folder / "generation_config.json").is_file():
+        return {}
+    from transformers import GenerationConfig
+
+    try:
+        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{folder / 'generation_config.json'}: {error}") from None
+    return {k: diff[k] for k in GENERATION_SAMPLING_FIELDS if diff.get(k) is not None}
 
 
 def _as_set(value) -> set[int]:

@@ -24,6 +24,7 @@ import json
 import logging
 import re
 from collections import Counter
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -346,24 +347,32 @@ class _SamplingFields(BaseModel):
             raise InvalidParam(f"{name}: {error}", name) from None
 
     def sampling_params(
-        self, max_tokens: int | None, constraint: StructuredOutputs | None = None
+        self,
+        max_tokens: int | None,
+        constraint: StructuredOutputs | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
-        """Raises ValueError (-> HTTP 400) for values out of range or not supported."""
+        """Raises ValueError (-> HTTP 400) for values out of range or not supported. defaults:
+        the server's value of each sampling field this request leaves out (the model's
+        generation config, model/config.py: sampling_defaults)."""
         if names := self.unsupported():
             raise ValueError(f"not supported by this server: {', '.join(names)}")
-        values = {
-            name: getattr(self, name)
-            for name in (
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "presence_penalty",
-                "frequency_penalty",
-                "repetition_penalty",
-            )
-            if getattr(self, name) is not None
-        }
+        defaults = defaults or {}
+        values = {}
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
+            if value is not None:
+                values[name] = value
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,

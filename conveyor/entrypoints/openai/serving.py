@@ -84,6 +84,9 @@ class OpenAIServing:
         self._specials = special_texts(self.tokenizer)
         self._lark_marker = marker_terminal(self.tokenizer, self._specials)
         self.loras = None  # the LoRA adapters served by name (lora_routes.ServedLoRAs)
+        # The model's default sampling parameters for the fields a request leaves out, and
+        # the cap on max_tokens (--generation-config, --override-generation-config; vLLM's).
+        self.defaults = dict(engine.default_sampling)
         # Tokenizing and chat templating a long prompt takes a while: never on the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-tokenize")
         self._pacer = Pacer(OFF_LOOP_PER_PASS)
@@ -338,6 +341,14 @@ class OpenAIServing:
         model = getattr(body, "model", None)  # may name a LoRA adapter
         return Submission(prefix, prompts, params, priority, model, bool(body.stream))
 
+    def capped(self, max_tokens: int | None) -> int | None:
+        """A request's max_tokens under the generation config's max_new_tokens, which bounds
+        every request as in vLLM (None: up to the context)."""
+        cap = self.defaults.get("max_tokens")
+        if cap is None or (max_tokens is not None and max_tokens <= cap):
+            return max_tokens
+        return cap
+
     def served_name(self, model: str | None) -> str:
         """The `model` a response names, as vLLM's: the LoRA adapter the request named, else the
         served model's name."""
@@ -355,7 +366,7 @@ class OpenAIServing:
 
     async def completion_params(self, request: CompletionRequest) -> tuple[list, SamplingParams]:
         request.check_limits(self.limits)
-        max_tokens = (
+        max_tokens = self.capped(
             request.max_tokens if request.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         )
         if max_tokens == 0 and not request.echo and request.prompt_logprobs is None:
@@ -365,7 +376,7 @@ class OpenAIServing:
                 "max_tokens",
             )
         constraint, param = request.constraint()
-        params = request.sampling_params(max_tokens, constraint)
+        params = request.sampling_params(max_tokens, constraint, self.defaults)
         await self.check_constraint(constraint, param)
         if max_tokens == 0 and request.n > 1:  # one prompt-only computation serves all n
             params = params.clone(n=1)
@@ -503,10 +514,10 @@ class OpenAIServing:
 
     async def chat_params(self, request: ChatCompletionRequest) -> tuple[list, SamplingParams]:
         request.check_limits(self.limits)
-        max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens = self.capped(request.max_completion_tokens or request.max_tokens)
         constraint, param = request.constraint()
         constraint = self.forced_constraint(request) or await self._answer(constraint, param)
-        params = request.sampling_params(max_tokens, constraint)
+        params = request.sampling_params(max_tokens, constraint, self.defaults)
         await self.check_constraint(constraint, param)
         mode = request.tool_mode
         prompt = await self.off_loop(

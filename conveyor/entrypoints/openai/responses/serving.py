@@ -103,11 +103,11 @@ class Turn:
             "previous_response_id": r.previous_response_id,
             "reasoning": None,
             "store": r.store,
-            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "temperature": self.params.temperature,  # the request's, else the model's default
             "text": r.text_echo(),
             "tool_choice": r.tool_choice_echo(),
             "tools": [tool.model_dump(exclude_none=True) for tool in r.tools or []],
-            "top_p": 1.0 if r.top_p is None else r.top_p,
+            "top_p": self.params.top_p,
             "truncation": "disabled",
             "usage": end.get("usage"),
             "user": r.user,
