@@ -296,7 +296,6 @@ GENERATION_SAMPLING_FIELDS = (
     "min_p",
     "max_new_tokens",
 )
-GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 
 def sampling_defaults(
@@ -324,14 +323,10 @@ def sampling_defaults(
             from conveyor.model.resolve_cache import cached
 
             found = dict(cached("generation", folder, lambda: _generation_fields(folder)))
-    came_from = "generation_config.json" if found else ""
+    sources = ["generation_config.json"] if found else []
     if override:
         found.update(override)
-        came_from = (
-            "override_generation_config"
-            if not came_from
-            else f"{came_from} and override_generation_config"
-        )
+        sources.append("override_generation_config")
     fields = {k: found[k] for k in GENERATION_SAMPLING_FIELDS if found.get(k) is not None}
     if "max_new_tokens" in fields:
         fields["max_tokens"] = fields.pop("max_new_tokens")
@@ -339,7 +334,7 @@ def sampling_defaults(
         SamplingParams(**fields)
     except (TypeError, ValueError) as error:
         raise ValueError(
-            f"the default sampling parameters from {came_from} are not valid: {error} "
+            f"the default sampling parameters from {' and '.join(sources)} are not valid: {error} "
             f"(--generation-config vllm leaves the model's out)"
         ) from None
     return fields
