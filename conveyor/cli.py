@@ -12,6 +12,13 @@ from conveyor.bench.cli import add_bench_parser
 from conveyor.entrypoints.args import add_engine_args, engine_args
 from conveyor.entrypoints.openai.responses.store import add_store_args, store_limits
 from conveyor.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserNames
+from conveyor.entrypoints.serve_line import (
+    add_serve_line_args,
+    check_serve_line,
+    cors_settings,
+    load_chat_template,
+    use_chat_template,
+)
 
 if TYPE_CHECKING:
     from conveyor.engine_args import EngineArgs
@@ -112,6 +119,10 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     from conveyor.entrypoints.openai.api_server import build_app
     from conveyor.limits import RequestLimits
 
+    if problem := check_serve_line(args):
+        print(f"conveyor serve: {problem}", file=sys.stderr)
+        return 2
+    template = None if args.chat_template is None else load_chat_template(args.chat_template)
     limits = RequestLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
     api_key = args.api_key or envs.api_key() or None
     ray = args.distributed_executor_backend == "ray"
@@ -148,6 +159,8 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         )
     else:  # built on the engine thread, where it runs
         engine = AsyncEngine(lambda: LLMEngine(settings))
+    if template is not None:
+        use_chat_template(engine, template)
     app = build_app(
         engine,
         args.served_model_name,
@@ -164,6 +177,9 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         parsers=ParserNames(
             args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice
         ),
+        response_role=args.response_role,
+        cors=cors_settings(args),
+        docs=not args.disable_fastapi_docs,
     )
     name = app.state.metrics.model_name
     base = f"http://{args.host}:{args.port}"
@@ -366,7 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_parser_args(server)
     server.add_argument(
-        "--log-level", default="info", help="uvicorn's: critical|error|warning|info|debug"
+        "--log-level",
+        "--uvicorn-log-level",
+        default="info",
+        help="uvicorn's: critical|error|warning|info|debug",
     )
     server.add_argument(
         "--graceful-timeout",
@@ -374,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds open responses get to finish after SIGTERM",
     )
+    add_serve_line_args(serve.add_argument_group("vLLM's serve line"))
     add_process_args(serve)
     add_limit_args(serve)
     add_store_args(serve)

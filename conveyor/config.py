@@ -118,8 +118,18 @@ class CacheConfig:
     kv_cache_memory: int | float | str | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; a half type halves the KV bytes
+    # CUDA: the share of the GPU's memory the server may hold (vLLM's); None: the KV cache
+    # takes GPU_MEMORY_UTILIZATION of what is free once the model is loaded.
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
+        share = self.gpu_memory_utilization
+        if share is not None and (
+            isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share!r}")
+        if share is not None and self.kv_cache_memory is not None:
+            raise ValueError("give kv_cache_memory or gpu_memory_utilization, not both")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

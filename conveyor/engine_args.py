@@ -172,6 +172,14 @@ class EngineArgs:
         "memory)",
         type=str,
     )
+    gpu_memory_utilization: float | None = _setting(
+        None,
+        "engine",
+        "CUDA: the share of the GPU's memory this server may hold, its model and KV cache "
+        "(vLLM's; default: the KV cache takes 90%% of what is free once the model is loaded). "
+        "On CPU the KV cache is --kv-cache-memory's: vLLM's CPU backend ignores it too",
+        metavar="FRACTION",
+    )
     kv_cache_dtype: str = _setting(
         "auto",
         "engine",
@@ -359,6 +367,7 @@ class EngineArgs:
             self.kv_cache_memory,
             self.enable_prefix_caching,
             self.kv_cache_dtype,
+            self.gpu_memory_utilization,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

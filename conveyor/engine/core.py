@@ -61,6 +61,17 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 GPU_MEMORY_UTILIZATION = 0.9
+
+
+def cuda_kv_budget(free: int, total: int, share: float | None = None) -> int:
+    """Bytes of KV cache on a GPU with `free` of `total` bytes free once the model is loaded:
+    GPU_MEMORY_UTILIZATION of the free bytes, or with vLLM's gpu_memory_utilization `share`
+    what keeps the GPU's memory in use (this server's and any other's) under share x total."""
+    if share is None:
+        return int(free * GPU_MEMORY_UTILIZATION)
+    return max(0, int(free - (1 - share) * total))
+
+
 # With nothing to run but requests whose grammar compiles, a step waits this long for one.
 GRAMMAR_POLL_SECONDS = 0.05
 
@@ -347,8 +358,8 @@ class EngineCore:
         if memory is not None:
             budget = parse_memory(memory)
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * GPU_MEMORY_UTILIZATION)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = cuda_kv_budget(free, total, self.cache_config.gpu_memory_utilization)
         else:
             # Enough for every seat at full length, capped: CPU memory is shared with the host.
             full = self.scheduler_config.max_num_seqs * self.model_config.max_model_len * per_block

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -82,6 +83,9 @@ def build_app(
     lora_allowed_dir: str | None = None,
     parsers: ParserNames | None = None,
     ignore_unknown_fields: bool = False,
+    response_role: str = "assistant",
+    cors: dict | None = None,
+    docs: bool = True,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -91,7 +95,10 @@ def build_app(
     VLLM_ALLOW_RUNTIME_LORA_UPDATING); lora_allowed_dir: the folder they may load from.
     parsers: the reasoning and tool-call parsers named on the command line.
     ignore_unknown_fields: chat, completions and embeddings bodies' unknown top-level fields
-    are logged and ignored, as vLLM does, instead of refused with a 400 naming them."""
+    are logged and ignored, as vLLM does, instead of refused with a 400 naming them.
+    response_role: a chat reply's role where the request adds a generation prompt. cors:
+    CORSMiddleware's keywords (None: no CORS headers). docs: serve /docs, /redoc and
+    /openapi.json."""
     limits = limits or RequestLimits()
     async_engine: EngineClient = (
         engine
@@ -115,7 +122,12 @@ def build_app(
         metrics.on_abort if feed is None else _both(metrics.on_abort, feed.on_abort)
     )
     serving = OpenAIServing(
-        async_engine, model_name, limits, trust_request_chat_template, parsers or ParserNames()
+        async_engine,
+        model_name,
+        limits,
+        trust_request_chat_template,
+        parsers or ParserNames(),
+        response_role,
     )
     loras = serving.loras = ServedLoRAs(async_engine, model_name, lora_allowed_dir)
 
@@ -125,7 +137,8 @@ def build_app(
         yield
         async_engine.shutdown()  # ends open streams with finish_reason "abort"
 
-    app = FastAPI(title="conveyor", lifespan=lifespan)
+    hidden = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="conveyor", lifespan=lifespan, **hidden)
     app.state.engine, app.state.metrics, app.state.dashboard = async_engine, metrics, feed
     install_error_handlers(app)
     if feed is not None:
@@ -148,6 +161,8 @@ def build_app(
         max_body=limits.max_body_bytes,
         health=health,
     )
+    if cors is not None:  # outside Guard: a preflight carries no key, and a 401 needs the headers
+        app.add_middleware(CORSMiddleware, **cors)
 
     def check_model(name: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 if unknown."""

@@ -70,8 +70,10 @@ class OpenAIServing:
         limits: RequestLimits | None = None,
         trust_request_chat_template: bool = False,
         parsers: ParserNames | None = None,
+        response_role: str = "assistant",
     ) -> None:
         self.engine = engine
+        self.response_role = response_role  # vLLM's --response-role
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.limits = limits or RequestLimits()
@@ -349,6 +351,13 @@ class OpenAIServing:
             return max_tokens
         return cap
 
+    def reply_role(self, request: ChatCompletionRequest) -> str:
+        """A chat reply's role, as vLLM's: --response-role where the request adds a
+        generation prompt, else its last message's (the reply continues it)."""
+        if request.add_generation_prompt:
+            return self.response_role
+        return request.messages[-1].role
+
     def served_name(self, model: str | None) -> str:
         """The `model` a response names, as vLLM's: the LoRA adapter the request named, else the
         served model's name."""
@@ -591,6 +600,7 @@ class OpenAIServing:
             self.tool_reply(request, prompts[0]).message(c.text, c.finish_reason) for c in whole
         ]
         echoed = _chat_echo(request)
+        role = {"role": self.reply_role(request)}
         body = {
             "id": streams[0].request_id,
             "object": "chat.completion",
@@ -599,7 +609,7 @@ class OpenAIServing:
             "choices": [
                 {
                     "index": c.index,
-                    "message": _echoed(message, echoed),
+                    "message": _echoed(message | role, echoed),
                     "logprobs": self._chat_logprobs(
                         c.logprobs, request.top_logprobs or 0, request.return_tokens_as_token_ids
                     )
@@ -621,7 +631,7 @@ class OpenAIServing:
         chunk = self._writer(request, streams, "chat.completion.chunk")
         echoed = _chat_echo(request)
         for index in range(request.n):
-            delta = {"role": "assistant", "content": echoed or ""}
+            delta = {"role": self.reply_role(request), "content": echoed or ""}
             yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
         replies = [self.tool_reply(request, prompts[0]) for _ in range(request.n)]
         choices = await self._choices(request, prompts, readers=lambda i: replies[i].reader)

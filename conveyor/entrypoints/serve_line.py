@@ -1,0 +1,151 @@
+"""The flags of vLLM's `vllm serve` line that are not engine settings, so that a user's serve
+line runs here as it is: each one either does what vLLM's does, or (marked "accepted") asks
+for what conveyor already does, and its help says why. The engine's own vLLM flags
+(--max-model-len, --generation-config, --gpu-memory-utilization, ...) are EngineArgs'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}"
+        )
+    return value
+
+
+def add_serve_line_args(group) -> None:
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the Jinja chat template to render chats with instead of the tokenizer's: a "
+        "file, or the template itself on one line (\\n for a newline), as vLLM's",
+    )
+    group.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role a chat completion's message names when the request adds a generation "
+        "prompt (else the last message's role), as vLLM's",
+    )
+    group.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no /docs, /redoc or /openapi.json",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=None,
+        metavar="JSON",
+        help="CORS: the origins a browser page may call the API from, e.g. "
+        "'[\"https://ui.example\"]' or '[\"*\"]'. vLLM allows every origin by default; "
+        "conveyor allows none until this is given",
+    )
+    group.add_argument(
+        "--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help="CORS"
+    )
+    group.add_argument(
+        "--allowed-headers", type=_json_list, default=["*"], metavar="JSON", help="CORS"
+    )
+    group.add_argument("--allow-credentials", action="store_true", help="CORS")
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted: conveyor runs no code from a checkpoint (each family it serves is its "
+        "own code, model/families.py), so there is none to trust",
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted: conveyor logs no request's prompt or parameters",
+    )
+    group.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted: conveyor logs no periodic statistics (they are at /metrics and on "
+        "/dashboard)",
+    )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="accepted: usage always carries prompt_tokens_details.cached_tokens",
+    )
+    group.add_argument(
+        "--swap-space",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="accepted: a preempted request's KV is recomputed, never swapped (vLLM's V1 "
+        "engine ignores it too)",
+    )
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="1 only: a model splits over ranks by --tensor-parallel-size",
+    )
+
+
+def check_serve_line(args: argparse.Namespace) -> str | None:
+    """What in these flags cannot be served, as a message (None: all can)."""
+    if args.pipeline_parallel_size != 1:
+        return (
+            f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is "
+            "not supported; --tensor-parallel-size splits a model over ranks"
+        )
+    return None
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's text: the file it names, else the value itself when it reads as a
+    template (it holds "{", "}" or a newline; "\\n" and "\\t" stand for them), as vLLM's;
+    ValueError for a path that cannot be read or a template Jinja cannot parse."""
+    import jinja2
+
+    try:
+        text = Path(value).read_text()
+    except (OSError, ValueError) as error:
+        if not any(mark in value for mark in "{}\n"):
+            raise ValueError(
+                f"--chat-template {value!r} looks like a file, but it could not be read: {error}"
+            ) from None
+        text = value.replace("\\n", "\n").replace("\\t", "\t")
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"--chat-template is not a Jinja template: {error}") from None
+    return text
+
+
+def use_chat_template(engine: Any, template: str) -> None:
+    """Every tokenizer the server renders chats with (a data-parallel engine's replicas' too)
+    takes `template` as its chat template."""
+    owners = [engine, *getattr(engine, "replicas", [])]
+    tokenizers = {id(t): t for t in (getattr(o, "tokenizer", None) for o in owners) if t}
+    if not tokenizers:
+        raise ValueError("--chat-template needs a tokenizer (this engine has none)")
+    for tokenizer in tokenizers.values():
+        tokenizer.chat_template = template
+
+
+def cors_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Starlette's CORSMiddleware keywords, or None without --allowed-origins."""
+    if args.allowed_origins is None:
+        return None
+    return {
+        "allow_origins": args.allowed_origins,
+        "allow_methods": args.allowed_methods,
+        "allow_headers": args.allowed_headers,
+        "allow_credentials": args.allow_credentials,
+    }

@@ -1,0 +1,92 @@
+"""A vLLM serve line's own flags on a real `conveyor serve` of the tiny llama, through the
+official `openai` client and plain HTTP: --chat-template renders the chats, --response-role
+names the replies, --disable-fastapi-docs hides the schema pages, --allowed-origins answers
+a browser's CORS preflight, and the flags accepted as what conveyor already does start it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_util import ServerProcess
+from transformers import AutoTokenizer
+
+MODEL = "tiny"
+UI = "http://ui.test"
+# Not the tiny model's ChatML: every turn as "role:content", and "bot:" to reply.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}:{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>bot:{% endif %}"
+)
+HI = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-line")
+    template = folder / "template.jinja"
+    template.write_text(TEMPLATE)
+    line = (
+        f"{tiny_checkpoint('llama')} --dtype float32 --served-model-name {MODEL} "
+        f"--chat-template {template} --response-role bot --disable-fastapi-docs "
+        f'--allowed-origins ["{UI}"] --trust-remote-code --disable-log-requests '
+        "--disable-log-stats --enable-prompt-tokens-details --swap-space 4 "
+        "--pipeline-parallel-size 1 --uvicorn-log-level warning --gpu-memory-utilization 0.9 "
+        "--kv-cache-memory 32MiB"
+    )
+    with pytest.raises(RuntimeError, match="not both"):  # a GPU share and a KV size at once
+        ServerProcess(line.split(), folder / "refused.log")
+    line = line.replace(" --gpu-memory-utilization 0.9", "")  # the CPU's KV size is its own
+    proc = ServerProcess(line.split(), folder / "server.log")
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def test_chats_render_with_the_given_template(server, tiny_checkpoint):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    text = "<|im_start|>user:Hi there<|im_end|>\n<|im_start|>bot:"
+    expected = tokenizer(text, add_special_tokens=False).input_ids
+    body = {"model": MODEL, "messages": HI}
+    response = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30)
+    assert response.status_code == 200 and response.json()["tokens"] == expected
+    chatml = tokenizer.apply_chat_template(HI, add_generation_prompt=True)
+    assert chatml != expected  # the model's own template would have rendered another prompt
+
+
+def test_replies_take_the_response_role_where_a_generation_prompt_is_added(client):
+    reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+    assert reply.choices[0].message.role == "bot"
+    assert reply.usage.prompt_tokens_details is not None  # --enable-prompt-tokens-details
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, stream=True)
+    )
+    assert chunks[0].choices[0].delta.role == "bot"
+    follow = HI + [{"role": "assistant", "content": "Hello"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    continued = client.chat.completions.create(
+        model=MODEL, messages=follow, max_tokens=3, extra_body=extra
+    )
+    assert continued.choices[0].message.role == "assistant"  # the message it continues
+
+
+def test_no_schema_pages_and_cors_for_the_allowed_origin_only(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{server.base_url}{path}", timeout=30).status_code == 404, path
+    url = f"{server.base_url}/v1/chat/completions"
+    asked = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
+    preflight = httpx.options(url, headers={"Origin": UI} | asked, timeout=30)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == UI
+    other = httpx.options(url, headers={"Origin": "http://elsewhere.test"} | asked, timeout=30)
+    assert "access-control-allow-origin" not in other.headers
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2}
+    answered = httpx.post(url, json=body, headers={"Origin": UI}, timeout=30)
+    assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == UI

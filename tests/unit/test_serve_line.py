@@ -1,0 +1,66 @@
+"""vLLM's serve line on `conveyor serve`: the flags that are not engine settings parse as a
+vLLM user writes them, and each is checked (serve_line.py); --gpu-memory-utilization's KV
+budget on a GPU (engine/core.py: cuda_kv_budget). The server half is
+tests/server/test_serve_line_server.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.cli import build_parser
+from conveyor.engine.core import cuda_kv_budget
+from conveyor.engine_args import EngineArgs
+from conveyor.entrypoints.args import engine_args
+from conveyor.entrypoints.serve_line import check_serve_line, load_chat_template
+
+GiB = 2**30
+
+
+def test_a_typical_vllm_serve_line_parses_into_settings(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    line = (
+        f"serve {tmp_path} --trust-remote-code --gpu-memory-utilization 0.85 --max-model-len 4096 "
+        "--disable-log-requests --disable-log-stats --uvicorn-log-level warning "
+        f"--served-model-name qwen --chat-template {template} --swap-space 4 "
+        "--enable-prefix-caching --pipeline-parallel-size 1 --tensor-parallel-size 1 "
+        "--enable-prompt-tokens-details --response-role bot "
+        '--generation-config vllm --allowed-origins ["*"]'
+    )
+    args = build_parser().parse_args(line.split())
+    assert (args.log_level, args.response_role, args.allowed_origins) == ("warning", "bot", ["*"])
+    settings = engine_args(args)
+    assert settings.gpu_memory_utilization == 0.85 and settings.max_model_len == 4096
+    assert check_serve_line(args) is None
+    assert load_chat_template(args.chat_template) == "{{ messages[0]['content'] }}"
+    args.pipeline_parallel_size = 2
+    assert "pipeline parallelism is not supported" in check_serve_line(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", "*"])  # not JSON
+
+
+def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    assert load_chat_template("{% for m in messages %}{{ m['content'] }}\\n{% endfor %}") == (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="looks like a file, but it could not be read"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a Jinja template"):
+        load_chat_template("{% for m in messages %}unclosed")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ messages[0] }")
+    with pytest.raises(ValueError, match="not a Jinja template"):
+        load_chat_template(str(bad))
+
+
+def test_gpu_memory_utilization_bounds_the_gpus_memory_in_use():
+    # 60 of 80 GiB free once the model is loaded
+    assert cuda_kv_budget(60 * GiB, 80 * GiB) == int(60 * GiB * 0.9)  # conveyor's default
+    assert cuda_kv_budget(60 * GiB, 80 * GiB, 0.5) == 20 * GiB  # 40 GiB in use at most
+    assert cuda_kv_budget(60 * GiB, 80 * GiB, 0.2) == 0  # the model alone is over the share
+    assert EngineArgs(gpu_memory_utilization=1).gpu_memory_utilization == 1
+    for bad in (0, 1.5, -0.1, True):
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+            EngineArgs(gpu_memory_utilization=bad)
+    with pytest.raises(ValueError, match="not both"):
+        EngineArgs(gpu_memory_utilization=0.5, kv_cache_memory="1GiB")
