@@ -180,6 +180,9 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         response_role=args.response_role,
         cors=cors_settings(args),
         docs=not args.disable_fastapi_docs,
+        root_path=args.root_path,
+        tokens_as_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
     )
     name = app.state.metrics.model_name
     base = f"http://{args.host}:{args.port}"

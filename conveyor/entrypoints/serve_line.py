@@ -60,6 +60,25 @@ def add_serve_line_args(group) -> None:
     )
     group.add_argument("--allow-credentials", action="store_true", help="CORS")
     group.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="the path prefix a proxy in front of the server strips (FastAPI's root_path: the "
+        "schema's server URL and the docs pages carry it)",
+    )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name every token "token_id:N" (as a request\'s return_tokens_as_token_ids '
+        "asks): a token that is not valid UTF-8 on its own stays identifiable",
+    )
+    group.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream of /v1/completions and /v1/chat/completions ends with a usage chunk, "
+        "as stream_options.include_usage asks",
+    )
+    group.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="accepted: conveyor runs no code from a checkpoint (each family it serves is its "

@@ -1,7 +1,9 @@
 """A vLLM serve line's own flags on a real `conveyor serve` of the tiny llama, through the
 official `openai` client and plain HTTP: --chat-template renders the chats, --response-role
 names the replies, --disable-fastapi-docs hides the schema pages, --allowed-origins answers
-a browser's CORS preflight, and the flags accepted as what conveyor already does start it."""
+a browser's CORS preflight, --root-path serves behind a proxy's prefix, and
+--return-tokens-as-token-ids and --enable-force-include-usage set what every request could
+ask; the flags accepted as what conveyor already does start it."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def server(tiny_checkpoint, tmp_path_factory):
         f'--allowed-origins ["{UI}"] --trust-remote-code --disable-log-requests '
         "--disable-log-stats --enable-prompt-tokens-details --swap-space 4 "
         "--pipeline-parallel-size 1 --uvicorn-log-level warning --gpu-memory-utilization 0.9 "
-        "--kv-cache-memory 32MiB"
+        "--kv-cache-memory 32MiB --root-path /api --return-tokens-as-token-ids "
+        "--enable-force-include-usage"
     )
     with pytest.raises(RuntimeError, match="not both"):  # a GPU share and a KV size at once
         ServerProcess(line.split(), folder / "refused.log")
@@ -90,3 +93,19 @@ def test_no_schema_pages_and_cors_for_the_allowed_origin_only(server):
     body = {"model": MODEL, "messages": HI, "max_tokens": 2}
     answered = httpx.post(url, json=body, headers={"Origin": UI}, timeout=30)
     assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == UI
+
+
+def test_the_prefix_a_proxy_strips_and_the_server_wide_request_fields(server, client):
+    models = httpx.get(f"{server.base_url}/api/v1/models", timeout=30)  # as a proxy passes it on
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+    reply = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=3, logprobs=True, top_logprobs=2
+    )
+    tokens = [entry.token for entry in reply.choices[0].logprobs.content]
+    assert len(tokens) == 3 and all(t.startswith("token_id:") for t in tokens), tokens
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, stream=True)
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    pieces = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True))
+    assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 2

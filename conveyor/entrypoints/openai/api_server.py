@@ -50,7 +50,7 @@ from conveyor.entrypoints.openai.protocol import (
 )
 from conveyor.entrypoints.openai.responses.routes import add_response_routes
 from conveyor.entrypoints.openai.responses.store import StoreLimits
-from conveyor.entrypoints.openai.serving import OpenAIServing
+from conveyor.entrypoints.openai.serving import OpenAIServing, ServerDefaults
 from conveyor.entrypoints.openai.vllm_routes import (
     PROBES,
     add_vllm_routes,
@@ -86,6 +86,9 @@ def build_app(
     response_role: str = "assistant",
     cors: dict | None = None,
     docs: bool = True,
+    root_path: str = "",
+    tokens_as_ids: bool = False,
+    force_include_usage: bool = False,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -98,7 +101,10 @@ def build_app(
     are logged and ignored, as vLLM does, instead of refused with a 400 naming them.
     response_role: a chat reply's role where the request adds a generation prompt. cors:
     CORSMiddleware's keywords (None: no CORS headers). docs: serve /docs, /redoc and
-    /openapi.json."""
+    /openapi.json. root_path: the prefix a proxy strips (FastAPI's). tokens_as_ids and
+    force_include_usage: every request's return_tokens_as_token_ids and, streamed,
+    stream_options.include_usage (vLLM's --return-tokens-as-token-ids,
+    --enable-force-include-usage)."""
     limits = limits or RequestLimits()
     async_engine: EngineClient = (
         engine
@@ -128,6 +134,7 @@ def build_app(
         trust_request_chat_template,
         parsers or ParserNames(),
         response_role,
+        ServerDefaults(tokens_as_ids, force_include_usage),
     )
     loras = serving.loras = ServedLoRAs(async_engine, model_name, lora_allowed_dir)
 
@@ -138,7 +145,7 @@ def build_app(
         async_engine.shutdown()  # ends open streams with finish_reason "abort"
 
     hidden = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="conveyor", lifespan=lifespan, **hidden)
+    app = FastAPI(title="conveyor", lifespan=lifespan, root_path=root_path, **hidden)
     app.state.engine, app.state.metrics, app.state.dashboard = async_engine, metrics, feed
     install_error_handlers(app)
     if feed is not None:

@@ -21,6 +21,7 @@ from conveyor.entrypoints.openai.protocol import (
     ChatMessage,
     CompletionRequest,
     InvalidParam,
+    StreamOptions,
 )
 from conveyor.entrypoints.pacer import Pacer
 from conveyor.entrypoints.parsers import ParserNames
@@ -62,6 +63,23 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OFF_LOOP_PER_PASS = 4
 
 
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What the server's flags set on every chat and completion request: logprobs that name
+    tokens "token_id:N" (--return-tokens-as-token-ids) and a usage chunk at the end of every
+    stream (--enable-force-include-usage), as vLLM's."""
+
+    tokens_as_ids: bool = False
+    force_include_usage: bool = False
+
+    def apply(self, request: CompletionRequest | ChatCompletionRequest) -> None:
+        if self.tokens_as_ids:
+            request.return_tokens_as_token_ids = True
+        if self.force_include_usage and request.stream:
+            options = request.stream_options or StreamOptions()
+            request.stream_options = options.model_copy(update={"include_usage": True})
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -71,9 +89,11 @@ class OpenAIServing:
         trust_request_chat_template: bool = False,
         parsers: ParserNames | None = None,
         response_role: str = "assistant",
+        server_defaults: ServerDefaults | None = None,
     ) -> None:
         self.engine = engine
         self.response_role = response_role  # vLLM's --response-role
+        self.server_defaults = server_defaults or ServerDefaults()
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.limits = limits or RequestLimits()
@@ -375,6 +395,7 @@ class OpenAIServing:
 
     async def completion_params(self, request: CompletionRequest) -> tuple[list, SamplingParams]:
         request.check_limits(self.limits)
+        self.server_defaults.apply(request)
         max_tokens = self.capped(
             request.max_tokens if request.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         )
@@ -523,6 +544,7 @@ class OpenAIServing:
 
     async def chat_params(self, request: ChatCompletionRequest) -> tuple[list, SamplingParams]:
         request.check_limits(self.limits)
+        self.server_defaults.apply(request)
         max_tokens = self.capped(request.max_completion_tokens or request.max_tokens)
         constraint, param = request.constraint()
         constraint = self.forced_constraint(request) or await self._answer(constraint, param)
