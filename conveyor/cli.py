@@ -330,8 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model's name in the API (default: the checkpoint's file or folder name)",
+        metavar="NAME",
+        help="the model's name in the API (default: the checkpoint's file or folder name); "
+        "several, as vLLM's: requests may name any, responses and metrics name the first",
     )
     server.add_argument(
         "--api-key",

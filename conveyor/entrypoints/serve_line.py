@@ -79,6 +79,12 @@ def add_serve_line_args(group) -> None:
         "as stream_options.include_usage asks",
     )
     group.add_argument(
+        "--tokenizer-mode",
+        default="auto",
+        help="auto or hf: the checkpoint's tokenizer as transformers' AutoTokenizer loads it "
+        "(its fast one); vLLM's slow and mistral modes are refused",
+    )
+    group.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="accepted: conveyor runs no code from a checkpoint (each family it serves is its "
@@ -118,6 +124,11 @@ def add_serve_line_args(group) -> None:
 
 def check_serve_line(args: argparse.Namespace) -> str | None:
     """What in these flags cannot be served, as a message (None: all can)."""
+    if args.tokenizer_mode not in ("auto", "hf"):
+        return (
+            f"--tokenizer-mode {args.tokenizer_mode}: only auto and hf (transformers' "
+            "AutoTokenizer, from the checkpoint's tokenizer files) are supported"
+        )
     if args.pipeline_parallel_size != 1:
         return (
             f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is "

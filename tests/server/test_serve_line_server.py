@@ -1,9 +1,10 @@
 """A vLLM serve line's own flags on a real `conveyor serve` of the tiny llama, through the
 official `openai` client and plain HTTP: --chat-template renders the chats, --response-role
 names the replies, --disable-fastapi-docs hides the schema pages, --allowed-origins answers
-a browser's CORS preflight, --root-path serves behind a proxy's prefix, and
---return-tokens-as-token-ids and --enable-force-include-usage set what every request could
-ask; the flags accepted as what conveyor already does start it."""
+a browser's CORS preflight, --root-path serves behind a proxy's prefix, a second
+--served-model-name is the model's too, and --return-tokens-as-token-ids and
+--enable-force-include-usage set what every request could ask; the flags accepted as what
+conveyor already does start it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from server_util import ServerProcess
 from transformers import AutoTokenizer
 
 MODEL = "tiny"
+ALIAS = "tiny-alias"  # a second served name
 UI = "http://ui.test"
 # Not the tiny model's ChatML: every turn as "role:content", and "bot:" to reply.
 TEMPLATE = (
@@ -29,7 +31,7 @@ def server(tiny_checkpoint, tmp_path_factory):
     template = folder / "template.jinja"
     template.write_text(TEMPLATE)
     line = (
-        f"{tiny_checkpoint('llama')} --dtype float32 --served-model-name {MODEL} "
+        f"{tiny_checkpoint('llama')} --dtype float32 --served-model-name {MODEL} {ALIAS} "
         f"--chat-template {template} --response-role bot --disable-fastapi-docs "
         f'--allowed-origins ["{UI}"] --trust-remote-code --disable-log-requests '
         "--disable-log-stats --enable-prompt-tokens-details --swap-space 4 "
@@ -109,3 +111,13 @@ def test_the_prefix_a_proxy_strips_and_the_server_wide_request_fields(server, cl
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     pieces = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True))
     assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 2
+
+
+def test_every_served_name_is_the_model_and_responses_name_the_first(server, client):
+    listed = [card.id for card in client.models.list().data]
+    assert listed == [MODEL, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    reply = client.chat.completions.create(model=ALIAS, messages=HI, max_tokens=2)
+    assert reply.model == MODEL
+    with pytest.raises(openai.NotFoundError, match="'tiny' or 'tiny-alias'"):
+        client.chat.completions.create(model="other", messages=HI, max_tokens=2)

@@ -22,7 +22,8 @@ def test_a_typical_vllm_serve_line_parses_into_settings(tmp_path):
     line = (
         f"serve {tmp_path} --trust-remote-code --gpu-memory-utilization 0.85 --max-model-len 4096 "
         "--disable-log-requests --disable-log-stats --uvicorn-log-level warning "
-        f"--served-model-name qwen --chat-template {template} --swap-space 4 "
+        f"--served-model-name qwen qwen-alias --chat-template {template} --swap-space 4 "
+        "--tokenizer-mode auto "
         "--enable-prefix-caching --pipeline-parallel-size 1 --tensor-parallel-size 1 "
         "--enable-prompt-tokens-details --response-role bot "
         '--generation-config vllm --allowed-origins ["*"]'
@@ -33,7 +34,10 @@ def test_a_typical_vllm_serve_line_parses_into_settings(tmp_path):
     assert settings.gpu_memory_utilization == 0.85 and settings.max_model_len == 4096
     assert check_serve_line(args) is None
     assert load_chat_template(args.chat_template) == "{{ messages[0]['content'] }}"
-    args.pipeline_parallel_size = 2
+    assert args.served_model_name == ["qwen", "qwen-alias"]
+    args.tokenizer_mode = "mistral"
+    assert "only auto and hf" in check_serve_line(args)
+    args.tokenizer_mode, args.pipeline_parallel_size = "hf", 2
     assert "pipeline parallelism is not supported" in check_serve_line(args)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", "*"])  # not JSON

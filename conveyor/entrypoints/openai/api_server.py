@@ -71,7 +71,7 @@ PACED_PER_PASS = 16
 
 def build_app(
     engine: EngineClient | LLMEngine | Callable[[], LLMEngine],
-    model_name: str | None,
+    model_name: str | list[str] | None,
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     metrics_auth: bool = True,
@@ -111,7 +111,10 @@ def build_app(
         if isinstance(engine, EngineClient) and not isinstance(engine, LLMEngine)
         else AsyncEngine(engine)
     )
-    model_name = model_name or default_model_name(async_engine.model_config)
+    # vLLM's several served names: a request may name any; responses and metrics the first.
+    names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+    names = names or [default_model_name(async_engine.model_config)]
+    model_name = names[0]
     metrics = EngineMetrics(
         model_name,
         num_replicas=async_engine.num_replicas,
@@ -136,7 +139,9 @@ def build_app(
         response_role,
         ServerDefaults(tokens_as_ids, force_include_usage),
     )
-    loras = serving.loras = ServedLoRAs(async_engine, model_name, lora_allowed_dir)
+    loras = serving.loras = ServedLoRAs(
+        async_engine, model_name, lora_allowed_dir, tuple(names[1:])
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -173,13 +178,14 @@ def build_app(
 
     def check_model(name: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 if unknown."""
-        if name is None or name == model_name:
+        if name is None or name in names:
             return None
         lora = loras.get(name)
         if lora is None:
+            served = " or ".join(repr(n) for n in names)
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves {model_name!r}",
+                f"the model {name!r} does not exist; this server serves {served}",
                 "NotFoundError",
                 "model",
                 "model_not_found",
@@ -197,8 +203,8 @@ def build_app(
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
-        card = model_card(model_name, async_engine.max_model_len)
-        return {"object": "list", "data": [card, *loras.cards()]}
+        cards = [model_card(name, async_engine.max_model_len) for name in names]
+        return {"object": "list", "data": [*cards, *loras.cards()]}
 
     add_vllm_routes(app, async_engine, serving, check_model, health)  # /v1/models/{id}, ...
     if loras.enabled and runtime_updates_allowed(allow_runtime_lora_updating):

@@ -85,9 +85,13 @@ class ServedLoRAs:
         engine: EngineClient,
         base_name: str,
         allowed_dir: str | None = None,
+        aliases: tuple[str, ...] = (),
     ) -> None:
+        """aliases: the base model's other served names (--served-model-name's after the
+        first)."""
         self.engine = engine
         self.base_name = base_name
+        self.base_names = {base_name, *aliases}
         info = engine.inputs.info
         self.config = info.lora_config  # None: LoRA is off
         self.allowed_dir = None if allowed_dir is None else Path(allowed_dir).resolve()
@@ -112,7 +116,7 @@ class ServedLoRAs:
     def using(self, name: str | None) -> Iterator[LoRARequest | None]:
         """The adapter `name` runs with (None: the base model) while its requests are handed
         to the engine; 404 if no adapter has that name (any more)."""
-        if name is None or name == self.base_name:
+        if name is None or name in self.base_names:
             yield None
             return
         lora = self._by_name.get(name)
@@ -141,7 +145,7 @@ class ServedLoRAs:
             message = f"lora_name must be printable, without commas, at most {MAX_NAME_CHARS} chars"
             raise APIError(400, message, "BadRequestError", "lora_name")
         async with self._lock:
-            if name in self._by_name or name == self.base_name:
+            if name in self._by_name or name in self.base_names:
                 message = f"The lora adapter '{name}' has already been loaded."
                 raise APIError(400, message, "BadRequestError", "lora_name")
             loop = asyncio.get_running_loop()

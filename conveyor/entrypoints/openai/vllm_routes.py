@@ -68,7 +68,7 @@ def add_vllm_routes(
         lora = check_model(model_id)
         if lora is not None:
             return lora_card(lora, serving.model_name)
-        return model_card(serving.model_name, engine.max_model_len)
+        return model_card(model_id, engine.max_model_len)  # the name asked for, one of the served
 
     @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> dict:
