@@ -17,6 +17,7 @@ from conveyor.entrypoints.serve_line import (
     check_serve_line,
     cors_settings,
     load_chat_template,
+    ssl_settings,
     use_chat_template,
 )
 
@@ -84,7 +85,9 @@ def _serve(args: argparse.Namespace, settings: EngineArgs, started=None) -> int:
         return app  # refused flags: the exit status
     from conveyor.entrypoints.openai.api_server import run_server
 
-    return run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
+    return run_server(
+        app, args.host, args.port, args.log_level, args.graceful_timeout, ssl_settings(args)
+    )
 
 
 def _kernel_plan(engine) -> dict[str, str]:
@@ -185,7 +188,7 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         force_include_usage=args.enable_force_include_usage,
     )
     name = app.state.metrics.model_name
-    base = f"http://{args.host}:{args.port}"
+    base = f"{'https' if ssl_settings(args) else 'http'}://{args.host}:{args.port}"
     print(f"conveyor: serving {name!r} on {base}/v1", flush=True)
     plan = _kernel_plan(engine)
     if plan:  # model/plan.py: which kernel and instruction set each op takes, chosen at load

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -35,6 +36,11 @@ def post(
     return HTTP.post(f"{base_url}{path}", json=body, headers=headers, timeout=timeout)
 
 
+def trusting(cert: str | Path) -> ssl.SSLContext:
+    """A client's TLS context that trusts the server certificate `cert` (self-signed)."""
+    return ssl.create_default_context(cafile=str(cert))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -49,6 +55,10 @@ class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
         self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.log_path = log_path
+        # HTTPS (--ssl-certfile): probed with a client that trusts that certificate.
+        cert = args[args.index("--ssl-certfile") + 1] if "--ssl-certfile" in args else None
+        self.scheme = "http" if cert is None else "https"
+        self.client = HTTP if cert is None else httpx.Client(timeout=60, verify=trusting(cert))
         for attempt in range(self.BIND_ATTEMPTS):
             self._start(args)
             try:
@@ -62,7 +72,7 @@ class ServerProcess:
 
     def _start(self, args: list[str]) -> None:
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{self.scheme}://127.0.0.1:{self.port}"
         cmd = [
             sys.executable,
             "-m",
@@ -88,7 +98,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-3000:]}")
             try:
-                if HTTP.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                if self.client.get(f"{self.base_url}/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -105,7 +115,7 @@ class ServerProcess:
         with prometheus_client's parser."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        response = HTTP.get(f"{self.base_url}/metrics", headers=self.headers, timeout=10)
+        response = self.client.get(f"{self.base_url}/metrics", headers=self.headers, timeout=10)
         response.raise_for_status()
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(response.text):

@@ -79,6 +79,26 @@ def add_serve_line_args(group) -> None:
         "as stream_options.include_usage asks",
     )
     group.add_argument(
+        "--ssl-keyfile", default=None, metavar="FILE", help="HTTPS: the server's private key"
+    )
+    group.add_argument(
+        "--ssl-certfile", default=None, metavar="FILE", help="HTTPS: the server's certificate"
+    )
+    group.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="FILE",
+        help="HTTPS: the CA certificates client certificates are checked against",
+    )
+    group.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="HTTPS: whether a client certificate is required (Python's ssl.CERT_NONE 0, "
+        "CERT_OPTIONAL 1, CERT_REQUIRED 2), as vLLM's",
+    )
+    group.add_argument(
         "--tokenizer-mode",
         default="auto",
         help="auto or hf: the checkpoint's tokenizer as transformers' AutoTokenizer loads it "
@@ -129,6 +149,8 @@ def check_serve_line(args: argparse.Namespace) -> str | None:
             f"--tokenizer-mode {args.tokenizer_mode}: only auto and hf (transformers' "
             "AutoTokenizer, from the checkpoint's tokenizer files) are supported"
         )
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        return "--ssl-keyfile and --ssl-certfile go together: HTTPS needs both"
     if args.pipeline_parallel_size != 1:
         return (
             f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is "
@@ -178,4 +200,16 @@ def cors_settings(args: argparse.Namespace) -> dict[str, Any] | None:
         "allow_methods": args.allowed_methods,
         "allow_headers": args.allowed_headers,
         "allow_credentials": args.allow_credentials,
+    }
+
+
+def ssl_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's SSL keywords ({}: plain HTTP)."""
+    if args.ssl_certfile is None:
+        return {}
+    return {
+        "ssl_keyfile": args.ssl_keyfile,
+        "ssl_certfile": args.ssl_certfile,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_cert_reqs": args.ssl_cert_reqs,
     }

@@ -8,10 +8,13 @@ conveyor already does start it."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import httpx
 import openai
 import pytest
-from server_util import ServerProcess
+from server_util import ServerProcess, trusting
 from transformers import AutoTokenizer
 
 MODEL = "tiny"
@@ -121,3 +124,33 @@ def test_every_served_name_is_the_model_and_responses_name_the_first(server, cli
     assert reply.model == MODEL
     with pytest.raises(openai.NotFoundError, match="'tiny' or 'tiny-alias'"):
         client.chat.completions.create(model="other", messages=HI, max_tokens=2)
+
+
+def test_https_with_the_given_key_and_certificate(tiny_checkpoint, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a certificate with")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--served-model-name", MODEL]
+    args += ["--kv-cache-memory", "32MiB", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    proc = ServerProcess(args, tmp_path / "server.log")  # ready: /health answered over TLS
+    try:
+        assert proc.base_url.startswith("https://")
+        assert f"on {proc.base_url}/v1" in proc.log_path.read_text()
+        http = httpx.Client(verify=trusting(cert), timeout=30)
+        client = openai.OpenAI(
+            base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0, http_client=http
+        )
+        reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+        plain = proc.base_url.replace("https://", "http://")
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP beside it
+            httpx.get(f"{plain}/health", timeout=10)
+    finally:
+        assert proc.stop() == 0

@@ -39,6 +39,8 @@ def test_a_typical_vllm_serve_line_parses_into_settings(tmp_path):
     assert "only auto and hf" in check_serve_line(args)
     args.tokenizer_mode, args.pipeline_parallel_size = "hf", 2
     assert "pipeline parallelism is not supported" in check_serve_line(args)
+    args.pipeline_parallel_size, args.ssl_keyfile = 1, "key.pem"
+    assert "HTTPS needs both" in check_serve_line(args)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", "*"])  # not JSON
 

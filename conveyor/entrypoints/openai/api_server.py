@@ -452,11 +452,22 @@ def _later(seconds: float, fn: Callable[[], None]) -> None:
 
 
 def run_server(
-    app: FastAPI, host: str, port: int, log_level: str = "info", grace: float = 10.0
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    grace: float = 10.0,
+    ssl: dict | None = None,
 ) -> int:
-    """Serves until SIGTERM / SIGINT (exit status 0) or until the engine died (1)."""
+    """Serves until SIGTERM / SIGINT (exit status 0) or until the engine died (1). ssl:
+    uvicorn's ssl_* keywords, for HTTPS."""
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=grace,
+        **(ssl or {}),
     )
     engine = app.state.engine
     GracefulServer(config, engine, grace, app.state.dashboard).run()
