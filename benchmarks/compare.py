@@ -280,8 +280,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_all(args: argparse.Namespace) -> list[RunResult]:
-    from conveyor.model.config import ModelConfig
-    from conveyor.model.loader import load_tokenizer
+    from conveyor.model.config import ModelConfig, load_tokenizer
 
     # hf-generate's dtype: a GGUF's "auto" resolves to float32, what transformers dequantizes to
     model_config = ModelConfig.from_hf(args.model, args.dtype, args.device)

@@ -130,8 +130,7 @@ def evaluate(
     progress: bool = True,
 ) -> dict:
     """Runs float32 and each variant over the chunks; returns the JSON-ready report."""
-    from conveyor.model.config import ModelConfig
-    from conveyor.model.loader import load_tokenizer
+    from conveyor.model.config import ModelConfig, load_tokenizer
 
     specs = {REFERENCE: ("float32", "none", "auto")} | {name: VARIANTS[name] for name in variants}
     runners = {

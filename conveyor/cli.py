@@ -116,9 +116,7 @@ def _memory_line(engine) -> str:
 def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     """The app over a ready engine, or an exit status for flags that do not go together."""
 
-    from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
-    from conveyor.engine.llm_engine import LLMEngine
     from conveyor.entrypoints.openai.api_server import build_app
     from conveyor.limits import RequestLimits
 
@@ -161,6 +159,9 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
             started=started,
         )
     else:  # built on the engine thread, where it runs
+        from conveyor.engine.async_engine import AsyncEngine
+        from conveyor.engine.llm_engine import LLMEngine
+
         engine = AsyncEngine(lambda: LLMEngine(settings))
     if template is not None:
         use_chat_template(engine, template)

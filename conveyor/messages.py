@@ -2,7 +2,7 @@
 
 Every frame on a channel is one of these, pickled and signed (distributed/channel.py); a
 receiver dispatches on the message's type (`match`), never on a string tag. Payloads are the
-engine's own picklable records (core.py's CoreRequest, CoreOutput, CoreInfo, CoreStats;
+engine's own picklable records (core_io.py's CoreRequest, CoreOutput, CoreInfo, CoreStats;
 the model runner's step), named in comments, not imported: this module imports nothing of
 conveyor's (no import circle runs through it) and neither torch nor the engine, so the front
 end and the core process load it before either.
@@ -29,7 +29,7 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class AddRequests:
-    sequences: list[Any]  # core.CoreRequest: admitted and tokenized by the front end
+    sequences: list[Any]  # core_io.CoreRequest: admitted and tokenized by the front end
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +101,7 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    outputs: list[Any]  # core.CoreOutput of every sequence that advanced (or failed)
+    outputs: list[Any]  # core_io.CoreOutput of every sequence that advanced (or failed)
     stats: Any  # core.CoreStats
 
 

@@ -33,7 +33,7 @@ from conveyor.speculative.stats import SpecDecodingStats
 from conveyor.structured.backend import GrammarCompiler
 
 if TYPE_CHECKING:
-    from conveyor.engine.core import CoreInfo
+    from conveyor.engine.core_io import CoreInfo
     from conveyor.lora.request import LoRAStats
 
 _LATENCY_BUCKETS = [

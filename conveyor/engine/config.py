@@ -4,13 +4,14 @@ core hands out, each component taking only its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from conveyor.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
-from conveyor.distributed.parallel import check_tensor_parallel
 from conveyor.engine_args import EngineArgs
 from conveyor.model.config import ModelConfig, check_tokenizer
+
+if TYPE_CHECKING:  # imported where an engine is built: resolve_model_config runs without it in
+    import torch  # the server's front end (engine/core_proc.py)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class EngineConfig:
         cannot serve. With tensor parallelism, the ranks share num_threads (default: the
         physical cores) evenly. model_config: resolve_model_config(args), when the caller
         has it already (an engine-core process gets it from its front end)."""
+        import torch
+
+        from conveyor.distributed.parallel import check_tensor_parallel
+
         device = resolve_device(args.device)
         tp_size = args.tensor_parallel_size
         num_threads = args.num_threads
@@ -44,6 +49,7 @@ class EngineConfig:
             num_threads = max(1, (num_threads or torch.get_num_threads()) // tp_size)
         if model_config is None:
             model_config = resolve_model_config(args)
+        model_config = model_config.with_kernels_checked()
         if not args.skip_tokenizer_init:
             check_tokenizer(model_config)
         check_tensor_parallel(model_config, tp_size)
@@ -80,7 +86,7 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
     return ModelConfig.from_hf(
         args.model,
         args.dtype,
-        resolve_device(args.device).type,
+        str(args.device).partition(":")[0],  # EngineArgs checked it: cpu or cuda
         args.max_model_len,
         quantization,
         args.tokenizer,
@@ -89,6 +95,8 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    import torch
+
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

@@ -15,26 +15,21 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from conveyor import envs
 from conveyor.config import (
-    DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
-    CacheConfig,
-    LoRAConfig,
-    SchedulerConfig,
     SpeculativeConfig,
     parse_memory,
 )
 from conveyor.core.kv_cache_manager import KVCacheManager
-from conveyor.core.scheduler import Scheduler, SchedulerStats
+from conveyor.core.scheduler import Scheduler
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.core_io import CoreInfo, CoreOutput, CoreRequest, CoreStats
 from conveyor.engine.records import (
     CoreSnapshot,
     StepObserver,
-    StepRecord,
     StepTiming,
     core_snapshot,
 )
@@ -43,16 +38,13 @@ from conveyor.engine_args import EngineArgs
 from conveyor.lora.adapter import LoRAAdapter, LoRAShapes
 from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.request import LoRARequest, LoRAStats, module_requests
-from conveyor.model.config import ModelConfig
-from conveyor.model.loader import load_tokenizer
+from conveyor.model.config import ModelConfig, load_tokenizer
 from conveyor.model.memory import weight_memory
 from conveyor.model.plan import PlanSettings
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
 from conveyor.request import Request, RequestStatus
-from conveyor.sampling_params import SamplingParams
 from conveyor.speculative.draft_model import DraftModelProposer
 from conveyor.speculative.ngram import NgramProposer
-from conveyor.speculative.stats import SpecDecodingStats
 from conveyor.structured.backend import GrammarCompiler
 from conveyor.structured.grammar import Grammar
 from conveyor.worker.model_runner import ModelRunner
@@ -74,86 +66,6 @@ def cuda_kv_budget(free: int, total: int, share: float | None = None) -> int:
 
 # With nothing to run but requests whose grammar compiles, a step waits this long for one.
 GRAMMAR_POLL_SECONDS = 0.05
-
-
-@dataclass(slots=True)
-class CoreRequest:
-    """One sequence for the core: validated and tokenized by the front end."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # params.max_tokens resolved against the context length
-    priority: int
-    arrival_time: float
-    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
-
-
-@dataclass(slots=True)
-class CoreOutput:
-    """What one request gained in one step: its new tokens, their logprobs, and how it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[PositionLogprobs] | None
-    status: RequestStatus  # finished when status.finished
-    stop_reason: int | None  # the stop token id that ended it
-    num_cached_tokens: int
-    first_scheduled_time: float | None
-    num_preemptions: int
-    error: str | None = None  # set when the core refused or failed this sequence
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, when complete
-    embedding: list[float] | None = None  # a pooling request's, when it finishes
-    bad_input: bool = False  # the error is the request's input's doing (Request.bad_input)
-
-    @classmethod
-    def failed(cls, request_id: str, error: str) -> CoreOutput:
-        return cls(request_id, [], None, RequestStatus.FINISHED_ERROR, None, 0, None, 0, error)
-
-
-@dataclass(slots=True)
-class CoreStats:
-    scheduler: SchedulerStats
-    num_steps: int
-    num_generation_tokens_total: int
-    num_blocks: int
-    last_step: StepTiming = StepTiming()
-    spec: SpecDecodingStats | None = None  # set when speculative decoding is on
-    last_record: StepRecord | None = None  # the last step's batch (the dashboard's feed)
-    lora: LoRAStats | None = None  # set when LoRA is on
-
-
-@dataclass(slots=True)
-class EngineStats(CoreStats):
-    """The core's stats plus what only the front end counts (prompt tokens received)."""
-
-    num_prompt_tokens_total: int = 0
-
-    @classmethod
-    def of(cls, core: CoreStats, num_prompt_tokens: int) -> EngineStats:
-        fields = {f.name: getattr(core, f.name) for f in dataclasses.fields(CoreStats)}
-        return cls(**fields, num_prompt_tokens_total=num_prompt_tokens)
-
-
-@dataclass(slots=True)
-class CoreInfo:
-    """What a front end needs to know of its core to validate requests."""
-
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    scheduler_config: SchedulerConfig
-    num_blocks: int
-    device: str
-    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT
-    skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out
-    grammar_unavailable: str | None = None  # why structured output is off, if it is
-    lora_config: LoRAConfig | None = None  # set when LoRA is on
-    kernel_plan: dict[str, str] = field(default_factory=dict)  # model/plan.py: summary()
-    # Blocks that leave this window go back to the pool while a request runs (0: none).
-    sliding_window: int = 0
-    # Bytes of memory this rank holds (memory_report): weights, kernel_copies, experts (of
-    # both), kv_cache.
-    memory: dict[str, int] = field(default_factory=dict)
 
 
 class EngineCore:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from conveyor.engine.core import CoreOutput, CoreStats, EngineStats
+from conveyor.engine.core_io import CoreOutput, CoreStats, EngineStats
 from conveyor.engine.core_proc import CoreProcess
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
@@ -47,8 +47,7 @@ from conveyor.messages import (
     SnapshotRequest,
     StepOutput,
 )
-from conveyor.model.config import ModelConfig, sampling_defaults
-from conveyor.model.loader import load_tokenizer
+from conveyor.model.config import ModelConfig, load_tokenizer, sampling_defaults
 from conveyor.outputs import OutputKind
 from conveyor.request import RequestStatus
 from conveyor.sampling_params import SamplingParams

@@ -59,7 +59,7 @@ from conveyor.messages import (
 )
 
 if TYPE_CHECKING:
-    from conveyor.engine.core import CoreInfo, CoreStats
+    from conveyor.engine.core_io import CoreInfo, CoreStats
     from conveyor.engine_args import EngineArgs
     from conveyor.model.config import ModelConfig
 
@@ -361,7 +361,7 @@ def _apply(core, message: AddRequests | FinishRequests | Stop, link: _Link) -> b
             try:
                 core.add_requests(sequences)
             except Exception as error:  # noqa: BLE001 - refused: the front end fails them
-                from conveyor.engine.core import CoreOutput
+                from conveyor.engine.core_io import CoreOutput
 
                 text = f"the engine core refused it: {type(error).__name__}: {error}"
                 failed = [CoreOutput.failed(spec.request_id, text) for spec in sequences]

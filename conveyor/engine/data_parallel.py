@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from conveyor.engine.core import EngineStats
 from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
+from conveyor.engine.core_io import EngineStats
 from conveyor.engine.records import CoreSnapshot
 from conveyor.engine.streams import EngineDeadError, RequestStream
 from conveyor.engine_args import EngineArgs

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from conveyor.engine.core import CoreInfo, CoreRequest
+from conveyor.engine.core_io import CoreInfo, CoreRequest
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.listing import listed
 from conveyor.lora.request import LoRARequest

@@ -10,14 +10,14 @@ AsyncEngine (or, split across processes, through AsyncMPEngine).
 
 from __future__ import annotations
 
-from conveyor.engine.core import EngineCore, EngineStats
+from conveyor.engine.core import EngineCore
+from conveyor.engine.core_io import EngineStats
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.records import StepRecord
 from conveyor.engine_args import EngineArgs
 from conveyor.lora.request import LoRARequest
-from conveyor.model.config import sampling_defaults
-from conveyor.model.loader import load_tokenizer
+from conveyor.model.config import load_tokenizer, sampling_defaults
 from conveyor.outputs import OutputKind, RequestOutput
 from conveyor.request import RequestStatus
 from conveyor.sampling_params import SamplingParams

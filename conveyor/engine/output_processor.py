@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.engine.core import CoreOutput
+from conveyor.engine.core_io import CoreOutput
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.outputs import (
     CompletionOutput,

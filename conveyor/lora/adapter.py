@@ -29,10 +29,8 @@ from typing import Any, NamedTuple
 import torch
 
 from conveyor import nesting
+from conveyor.lora.request import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 32  # PEFT's own configs nest 3 levels
 PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha when a config leaves it out
 

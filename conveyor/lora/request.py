@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+# An adapter folder's files, as PEFT saves them; a config larger than this is refused unread.
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:

@@ -3,26 +3,31 @@ architecture, shapes, dtype, quantization, EOS ids and context length, resolved 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from conveyor.config import QUANTIZATION_MODES, STATIC_ROPE_TYPES, resolve_model_path
 from conveyor.model.families import Parts, architecture, parts_of
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
+# The names a dtype may be given by -> torch's name of it. Names, not torch dtypes: the server's
+# front end resolves the ModelConfig without importing torch (engine/core_proc.py).
 DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-    "double": torch.float64,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float64": "float64",
+    "double": "float64",
 }
 
 
@@ -30,7 +35,7 @@ DTYPES = {
 class ModelConfig:
     path: Path
     architecture: str  # the family: model/families.py
-    dtype: torch.dtype
+    dtype_name: str  # torch's name of the dtype the model computes in: `dtype` is the dtype
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -59,6 +64,28 @@ class ModelConfig:
     parts: Parts = field(default_factory=Parts)
 
     @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    def with_kernels_checked(self) -> ModelConfig:
+        """This config once the block kernels are known to run here (their CPU and their
+        build): a quantized GGUF whose kernels do not is served dequantized, as the float
+        checkpoint it then is; int8 is refused. Called where the model runs: the front end
+        that resolved the config imports no torch (engine/core_proc.py)."""
+        if self.quantization == "none":
+            return self
+        from conveyor.model import quant
+
+        if quant.kernels_available():
+            return self
+        if self.quantization == "int8":
+            raise _no_int8_kernels("cpu")
+        _warn_dequantized(self.path, self.dtype_name, "cpu")
+        return dataclasses.replace(self, quantization="none")
+
+    @property
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf"
 
@@ -85,7 +112,7 @@ class ModelConfig:
         return cls(
             path=path,
             architecture=facts["architecture"],
-            dtype=resolved_dtype,
+            dtype_name=resolved_dtype,
             vocab_size=facts["vocab_size"],
             hidden_size=facts["hidden_size"],
             intermediate_size=facts["intermediate_size"],
@@ -179,6 +206,49 @@ def check_tokenizer(cfg: ModelConfig) -> None:
         )
 
 
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer AutoTokenizer gives for the checkpoint. AutoTokenizer picks the class by
+    reading the model's config with its config class (3-4 s of imports on 2 cores); the class it
+    picked is kept by the tokenizer files' contents (model/resolve_cache.py), and a later load
+    calls that class's from_pretrained directly, which is the call AutoTokenizer ends in."""
+    from conveyor.model.resolve_cache import cached
+
+    check_tokenizer(cfg)
+    folder = cfg.tokenizer_path
+    loaded = []
+
+    def resolve() -> dict:
+        from transformers import AutoTokenizer
+
+        loaded.append(AutoTokenizer.from_pretrained(folder))
+        cls = type(loaded[0])
+        return {"module": cls.__module__, "name": cls.__qualname__}
+
+    chosen = cached("tokenizer", folder, resolve)
+    if loaded:
+        return loaded[0]
+    cls = _tokenizer_class(chosen)
+    if cls is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    return cls.from_pretrained(folder)
+
+
+def _tokenizer_class(chosen: dict) -> type | None:
+    """The kept class, if it is one of transformers' own (remote code is never kept)."""
+    import importlib
+
+    module = chosen.get("module", "")
+    if not isinstance(module, str) or not module.startswith("transformers."):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), chosen.get("name", ""), None)
+    except ImportError:
+        return None
+    return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
+
+
 def hf_folder(path: Path) -> Path:
     """Where config.json and the tokenizer live: the checkpoint itself, or for a GGUF file
     a folder converted once from its metadata."""
@@ -205,6 +275,8 @@ def rope_frequencies(
             f"unsupported rope_type {rope_type!r}; "
             f"supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
         )
+    import torch
+
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -217,50 +289,65 @@ def rope_frequencies(
     return tuple(inv_freq.float().tolist()), float(scaling)
 
 
-def _resolve_dtype(dtype: str | torch.dtype, saved_name: str | None, device: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
+def _resolve_dtype(dtype: str | torch.dtype, saved_name: str | None, device: str) -> str:
+    """torch's name of the dtype to compute in."""
+    if not isinstance(dtype, str):  # a torch.dtype, named without importing torch
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
-        return dtype
+        return name
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype]
-    saved = getattr(torch, saved_name, None) if saved_name else None
-    if not isinstance(saved, torch.dtype):
-        saved = None
-    if saved in (torch.float32, torch.float64):
+    saved = DTYPES.get(saved_name) if saved_name else None
+    if saved in ("float32", "float64"):
         return saved
     # Half precision is slow on most CPUs; on a GPU it is what the checkpoint was made for.
-    return torch.float32 if device == "cpu" else (saved or torch.bfloat16)
+    return "float32" if device == "cpu" else (saved or "bfloat16")
 
 
-def _resolve_quantization(requested: str, path: Path, dtype: torch.dtype, device: str) -> str:
-    from conveyor.model import quant
+def _resolve_quantization(requested: str, path: Path, dtype: str, device: str) -> str:
+    """The quantization the checkpoint is served with, as far as the settings and the file
+    decide it; whether the block kernels build here is settled by the process that runs the
+    model (ModelConfig.with_kernels_checked), which imports torch."""
+    from conveyor.model.gguf_loader import is_quantized_gguf
 
     if requested not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {requested!r}")
     if requested == "int8":
-        if dtype == torch.float64:
+        if dtype == "float64":
             raise ValueError("quantization='int8' computes in float32; it cannot serve float64")
-        if device != "cpu" or not quant.kernels_available():
-            raise ValueError(
-                "quantization='int8' needs the CPU kernels (x86-64 with AVX2/FMA/F16C), "
-                f"not available on device {device!r}; use quantization='none'"
-            )
+        if device != "cpu" or not _x86():
+            raise _no_int8_kernels(device)
         return "int8"
-    if requested == "none" or not quant.is_quantized_gguf(path) or dtype == torch.float64:
+    if requested == "none" or not is_quantized_gguf(path) or dtype == "float64":
         return "none"  # float64 is the oracle: a quantized GGUF is dequantized for it
-    if device != "cpu" or not quant.kernels_available():
-        logger.warning(
-            "conveyor: the quantized kernels run on x86-64 CPUs with AVX2 only; dequantizing "
-            "%s to %s on %s",
-            path.name,
-            str(dtype).removeprefix("torch."),
-            device,
-        )
+    if device != "cpu" or not _x86():
+        _warn_dequantized(path, dtype, device)
         return "none"
     return "gguf"
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _no_int8_kernels(device: str) -> ValueError:
+    return ValueError(
+        "quantization='int8' needs the CPU kernels (x86-64 with AVX2/FMA/F16C), "
+        f"not available on device {device!r}; use quantization='none'"
+    )
+
+
+def _warn_dequantized(path: Path, dtype: str, device: str) -> None:
+    logger.warning(
+        "conveyor: the quantized kernels run on x86-64 CPUs with AVX2 only; dequantizing "
+        "%s to %s on %s",
+        path.name,
+        dtype,
+        device,
+    )
 
 
 def _resolve_max_len(limit: int, max_model_len: int | None) -> int:

@@ -38,6 +38,30 @@ OUTPUT_NORMS = (  # OLMo 2: on the sublayers' outputs only
     ("mlp_out", "post_feedforward_layernorm"),
 )
 
+# A checkpoint's projection -> (the merged module of model/llama.py it loads into, its shard
+# index there).
+PROJECTION_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+
+
+def projection_of(hf_name: str) -> tuple[str, int, str] | None:
+    """'model.layers.3.self_attn.k_proj.weight' -> ('model.layers.3.self_attn.qkv_proj', 1,
+    'weight'); None for tensors that are not decoder projections."""
+    module, _, param = hf_name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf not in PROJECTION_SHARDS:
+        return None
+    merged, shard = PROJECTION_SHARDS[leaf]
+    return f"{parent}.{merged}", shard, param
+
+
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 

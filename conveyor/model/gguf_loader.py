@@ -33,13 +33,16 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gguf
 import numpy as np
-import torch
 
+from conveyor.model.families import projection_of
 from conveyor.model.gguf_config import FAMILIES, hf_config_dict, is_mixtral
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the server's front end reads
+    import torch  # headers (is_quantized_gguf) without it (engine/core_proc.py)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *FAMILIES)
 # Architectures whose llama.cpp converter derives from its llama one, which permutes Q/K rows.
@@ -185,6 +188,20 @@ def iter_gguf_weights(
             yield target.hf_name, rows.to(dtype)
 
 
+# Stored as floats: a GGUF of these is a float checkpoint.
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def is_quantized_gguf(path: Path) -> bool:
+    """Whether a .gguf file stores any projection weight in a quantized (non-float) type."""
+    if path.suffix != ".gguf":
+        return False
+    types = gguf_tensor_types(path)
+    return any(
+        qtype not in GGUF_FLOAT_TYPES for name, qtype in types.items() if projection_of(name)
+    )
+
+
 def gguf_tensor_types(path: str | Path) -> dict[str, str]:
     """HF name -> GGUF type name (e.g. "Q4_1") of every weight in the file."""
     with _map(path) as buffer:
@@ -244,6 +261,8 @@ def _raw(buffer: mmap.mmap, data_offset: int, info: _TensorInfo, heads: int | No
     ).reshape(-1, byte_shape[-1])
     order = None
     if heads is not None:  # whole rows move, so block-wise formats stay valid
+        import torch
+
         order = _unpermute_rows(torch.arange(info.shape[0]), heads)
     return RawTensor(info.qtype, info.shape, data, order)
 
@@ -425,6 +444,8 @@ def _dequantize(buffer: mmap.mmap, data_offset: int, info: _TensorInfo) -> torch
         ) from error
     if not values.flags.writeable:  # F32 comes back as a view of the read-only map
         values = values.copy()
+    import torch
+
     return torch.from_numpy(values).reshape(info.shape)
 
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from conveyor.distributed.parallel import TPGroup, TPShard
-from conveyor.model.config import ModelConfig, check_tokenizer
+from conveyor.model.config import ModelConfig
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.quant import QuantPlan, plan_quantization
 
@@ -202,46 +202,3 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def _dtype(tensor: torch.Tensor, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if tensor.is_floating_point() else tensor.dtype
-
-
-def load_tokenizer(cfg: ModelConfig):
-    """The tokenizer AutoTokenizer gives for the checkpoint. AutoTokenizer picks the class by
-    reading the model's config with its config class (3-4 s of imports on 2 cores); the class it
-    picked is kept by the tokenizer files' contents (model/resolve_cache.py), and a later load
-    calls that class's from_pretrained directly, which is the call AutoTokenizer ends in."""
-    from conveyor.model.resolve_cache import cached
-
-    check_tokenizer(cfg)
-    folder = cfg.tokenizer_path
-    loaded = []
-
-    def resolve() -> dict:
-        from transformers import AutoTokenizer
-
-        loaded.append(AutoTokenizer.from_pretrained(folder))
-        cls = type(loaded[0])
-        return {"module": cls.__module__, "name": cls.__qualname__}
-
-    chosen = cached("tokenizer", folder, resolve)
-    if loaded:
-        return loaded[0]
-    cls = _tokenizer_class(chosen)
-    if cls is None:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(folder)
-    return cls.from_pretrained(folder)
-
-
-def _tokenizer_class(chosen: dict) -> type | None:
-    """The kept class, if it is one of transformers' own (remote code is never kept)."""
-    import importlib
-
-    module = chosen.get("module", "")
-    if not isinstance(module, str) or not module.startswith("transformers."):
-        return None
-    try:
-        cls = getattr(importlib.import_module(module), chosen.get("name", ""), None)
-    except ImportError:
-        return None
-    return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None

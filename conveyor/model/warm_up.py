@@ -32,8 +32,7 @@ def main() -> int:
     except OSError as error:  # a read-only cache: each process measures for itself
         forms = f"not kept ({error})"
     try:
-        from conveyor.model.config import ModelConfig
-        from conveyor.model.loader import load_tokenizer
+        from conveyor.model.config import ModelConfig, load_tokenizer
 
         load_tokenizer(ModelConfig.from_hf(None))
         model = "ready"

@@ -284,7 +284,9 @@ TICK_WAIT = 0.5
 def test_a_request_aborted_while_idle_leaves_at_once(tiny_checkpoint):
     """No step follows an abort that empties the engine: the core puts the leaver in a record
     of its own (same step number, next record number), so a page does not show it running."""
-    from conveyor.engine.core import CoreRequest, EngineCore, RequestStatus
+    from conveyor.engine.core import EngineCore
+    from conveyor.engine.core_io import CoreRequest
+    from conveyor.request import RequestStatus
 
     core = EngineCore(str(tiny_checkpoint("llama")), dtype="float32", num_blocks=16)
     params = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from conftest import random_prompts
@@ -63,6 +64,31 @@ def test_both_processes_start_with_their_heap_frozen(tiny_checkpoint, tmp_path, 
             assert state["frozen"] > 50_000, f"the {name} froze no start-up heap: {state}"
             assert state["tracked"] < 10_000, f"the {name} still tracks its start-up: {state}"
             assert state["threshold"][2] == heap.FULL_EVERY, f"the {name}'s thresholds: {state}"
+    finally:
+        server.stop()
+
+
+def mapped_libraries(pid: int) -> set[str]:
+    """The file names of the shared libraries mapped into process `pid`."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {Path(line.split()[-1]).name for line in lines if ".so" in line.split()[-1]}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="no /proc maps to read")
+def test_the_front_end_serves_without_importing_torch(tiny_checkpoint, tmp_path):
+    """engine/core_proc.py: the server's front end resolves the model's config and tokenizer,
+    validates and streams without torch or the engine (its import is ~2 s of CPU of every
+    start); only the engine core loads it."""
+    server = start_tiny(tiny_checkpoint, tmp_path)
+    try:
+        reply = server.client.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": "tiny", "prompt": "Hello", "max_tokens": 3},
+        )
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        assert "libtorch_cpu.so" in mapped_libraries(core_pid(server))
+        front = mapped_libraries(server.proc.pid)
+        assert not {name for name in front if name.startswith("libtorch")}, sorted(front)
     finally:
         server.stop()
 

@@ -137,7 +137,8 @@ def test_an_engine_core_given_its_model_config_imports_no_transformers(tiny_chec
     (tmp_path / "settings.pkl").write_bytes(pickle.dumps((args, resolve_model_config(args))))
     code = (
         "import pickle, sys, time\n"
-        "from conveyor.engine.core import CoreRequest, EngineCore\n"
+        "from conveyor.engine.core import EngineCore\n"
+        "from conveyor.engine.core_io import CoreRequest\n"
         "from conveyor.sampling_params import SamplingParams\n"
         f"args, config = pickle.loads(open({str(tmp_path / 'settings.pkl')!r}, 'rb').read())\n"
         "core = EngineCore(args, model_config=config)\n"

@@ -588,7 +588,8 @@ def _decoder_layer(dtype, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, 
 
     hidden, inner = 96, 160
     cfg = ModelConfig(
-        path=None, architecture="test", dtype=dtype, vocab_size=32, hidden_size=hidden,
+        path=None, architecture="test", dtype_name=str(dtype).removeprefix("torch."),
+        vocab_size=32, hidden_size=hidden,
         intermediate_size=inner, num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=qkv_bias,
         qk_norm=qk_norm, max_model_len=512, eos_token_ids=frozenset(),

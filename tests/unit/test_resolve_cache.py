@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from conveyor.model.config import ModelConfig, hf_folder
-from conveyor.model.loader import load_tokenizer
+from conveyor.model.config import ModelConfig, hf_folder, load_tokenizer
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 TEXTS = (
@@ -142,7 +141,7 @@ def test_a_start_that_reads_them_back_imports_no_config_class(tiny_checkpoint, c
     code = (
         "import sys\n"
         "from conveyor.model.config import ModelConfig\n"
-        "from conveyor.model.loader import load_tokenizer\n"
+        "from conveyor.model.config import load_tokenizer\n"
         f"tok = load_tokenizer(ModelConfig.from_hf({path!r}, dtype='float32'))\n"
         "assert tok('hi').input_ids\n"
         "heavy = [m for m in sys.modules if m.startswith('transformers.models.')\n"

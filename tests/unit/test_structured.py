@@ -14,7 +14,8 @@ from conftest import DEVICE_KWARGS, random_prompts
 from tiny import build_tokenizer, make_scripted_checkpoint, make_tiny_checkpoint, slow_schema
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.core import CoreRequest, EngineCore
+from conveyor.engine.core import EngineCore
+from conveyor.engine.core_io import CoreRequest
 from conveyor.request import RequestStatus
 from conveyor.structured import StructuredOutputs
 from conveyor.structured.backend import strict_schema

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -18,9 +20,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.client import EngineClient
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.streams import EngineClosedError
 from conveyor.entrypoints.anthropic import add_messages_routes
 from conveyor.entrypoints.anthropic.errors import error_response as anthropic_error_response
@@ -64,9 +64,25 @@ from conveyor.limits import RequestLimits
 from conveyor.lora.request import LoRARequest
 from conveyor.metrics import EngineMetrics
 
+if TYPE_CHECKING:
+    from conveyor.engine.llm_engine import LLMEngine
+
 logger = logging.getLogger(__name__)
 # Requests (not probes) that enter the app per pass of the event loop (Paced).
 PACED_PER_PASS = 16
+
+
+def _engine_client(engine: EngineClient | LLMEngine | Callable[[], LLMEngine]) -> EngineClient:
+    """`engine` as the server's EngineClient: an LLMEngine (which has the client's methods,
+    but blocking) or a function that builds one runs as an AsyncEngine. Imported only then: a
+    server over an engine-core process imports neither torch nor the engine."""
+    if isinstance(engine, EngineClient):
+        llm_engine = sys.modules.get("conveyor.engine.llm_engine")  # none made before import
+        if llm_engine is None or not isinstance(engine, llm_engine.LLMEngine):
+            return engine
+    from conveyor.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(engine)
 
 
 def build_app(
@@ -106,11 +122,7 @@ def build_app(
     stream_options.include_usage (vLLM's --return-tokens-as-token-ids,
     --enable-force-include-usage)."""
     limits = limits or RequestLimits()
-    async_engine: EngineClient = (
-        engine
-        if isinstance(engine, EngineClient) and not isinstance(engine, LLMEngine)
-        else AsyncEngine(engine)
-    )
+    async_engine = _engine_client(engine)
     # vLLM's several served names: a request may name any; responses and metrics the first.
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
     names = names or [default_model_name(async_engine.model_config)]

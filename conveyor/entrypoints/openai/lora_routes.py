@@ -36,8 +36,13 @@ from pydantic import BaseModel, ConfigDict
 
 from conveyor.engine.client import EngineClient
 from conveyor.entrypoints.openai.errors import APIError
-from conveyor.lora.adapter import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
-from conveyor.lora.request import LoRARequest, module_requests
+from conveyor.lora.request import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    LoRARequest,
+    module_requests,
+)
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 MAX_NAME_CHARS = 256

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.client import EngineClient
 from conveyor.engine.input_processor import reserved_template_variables
 from conveyor.engine.streams import RequestStream
 from conveyor.entrypoints.beam_search import BeamSearch, BeamSearchParams, BeamStream
@@ -83,7 +83,7 @@ class ServerDefaults:
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         model_name: str,
         limits: RequestLimits | None = None,
         trust_request_chat_template: bool = False,

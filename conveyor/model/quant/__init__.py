@@ -70,14 +70,14 @@ load_plan.py (QuantPlan: which tensors load quantized where). Everything is impo
 
 from __future__ import annotations
 
+from conveyor.model.families import projection_of
+from conveyor.model.gguf_loader import GGUF_FLOAT_TYPES, is_quantized_gguf
 from conveyor.model.quant.formats import FORMATS, QK, BlockWeight, quantize_q4, quantize_q8
-from conveyor.model.quant.gguf_blocks import GGUF_FLOAT_TYPES, from_gguf_blocks
+from conveyor.model.quant.gguf_blocks import from_gguf_blocks
 from conveyor.model.quant.load_plan import (
     QuantPlan,
-    is_quantized_gguf,
     pack_int8_modules,
     plan_quantization,
-    projection_of,
 )
 from conveyor.model.quant.modules import (
     QuantConcatLinear,

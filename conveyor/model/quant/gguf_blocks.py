@@ -13,8 +13,6 @@ from conveyor.model.quant.formats import QK, BlockWeight, _half_bits, quantize_q
 # GGUF types whose blocks map onto ours without loss (Q4_K: up to fp16 rounding of d * sc;
 # MXFP4: where its scales are float16 values, which trained weights' are).
 _GGUF_DIRECT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "MXFP4")
-# Stored as floats: a GGUF of these is a float checkpoint.
-GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def from_gguf_blocks(qtype_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockWeight:

@@ -5,42 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from conveyor.model.families import PROJECTION_SHARDS as _SHARDS
+from conveyor.model.gguf_loader import GGUF_FLOAT_TYPES
 from conveyor.model.quant.formats import QK, BlockWeight, quantize_q8
-from conveyor.model.quant.gguf_blocks import GGUF_FLOAT_TYPES, from_gguf_blocks
+from conveyor.model.quant.gguf_blocks import from_gguf_blocks
 from conveyor.model.quant.modules import QuantEmbedding, QuantLinear, merged_linear
 from conveyor.model.quant.ops import int8_route_enabled
 
 # --------------------------------------------------------------------------- loading
 
-# HF projection -> (module of the merged model, shard index in it); see llama.py.
-_SHARDS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
 _EMBED, _LM_HEAD = "model.embed_tokens", "lm_head"
-
-
-def is_quantized_gguf(path: Path) -> bool:
-    """Whether a .gguf file stores any projection weight in a quantized (non-float) type."""
-    if path.suffix != ".gguf":
-        return False
-    from conveyor.model.gguf_loader import gguf_tensor_types
-
-    types = gguf_tensor_types(path)
-    return any(
-        qtype not in GGUF_FLOAT_TYPES for name, qtype in types.items() if projection_of(name)
-    )
 
 
 def pack_int8_modules(model: nn.Module) -> int:
@@ -54,17 +33,6 @@ def pack_int8_modules(model: nn.Module) -> int:
             module.pack_int8()
             count += 1
     return count
-
-
-def projection_of(hf_name: str) -> tuple[str, int, str] | None:
-    """'model.layers.3.self_attn.k_proj.weight' -> ('model.layers.3.self_attn.qkv_proj', 1,
-    'weight'); None for tensors that are not decoder projections."""
-    module, _, param = hf_name.rpartition(".")
-    parent, _, leaf = module.rpartition(".")
-    if leaf not in _SHARDS:
-        return None
-    merged, shard = _SHARDS[leaf]
-    return f"{parent}.{merged}", shard, param
 
 
 class _Pending(nn.Module):
