@@ -39,6 +39,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # dtype; int8: quantize a float checkpoint's projections to int8 blocks. Resolved to
 # "none" | "gguf" (the file's own blocks) | "int8" in ModelConfig.quantization.
 QUANTIZATION_MODES = ("auto", "none", "int8")
+# How a checkpoint's weights are read (vLLM's --load-format): auto by the path (a folder's
+# safetensors, a .gguf file); safetensors or gguf insist on one.
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
 # Seconds a request's grammar may take to compile before the request fails.
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
 

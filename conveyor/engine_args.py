@@ -23,6 +23,7 @@ from conveyor.config import (
     DEFAULT_TOKEN_BUDGET,
     DTYPE_NAMES,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     QUANTIZATION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -106,6 +107,30 @@ class EngineArgs:
         "folder (or .gguf file) of the tokenizer, for checkpoints that ship without one",
         metavar="PATH",
     )
+    revision: str | None = _setting(
+        None,
+        "model",
+        "a model named by its Hugging Face Hub id: the branch, tag or commit to take "
+        "(default: main)",
+        metavar="REV",
+    )
+    tokenizer_revision: str | None = _setting(
+        None, "model", "likewise for a --tokenizer named by its Hub id", metavar="REV"
+    )
+    download_dir: str | None = _setting(
+        None,
+        "model",
+        "where models named by their Hub id are downloaded to and read from (default: "
+        "huggingface_hub's cache, $HF_HOME/hub)",
+        metavar="DIR",
+    )
+    load_format: str = _setting(
+        "auto",
+        "model",
+        "auto: the checkpoint's own format (a folder's safetensors, a .gguf file); "
+        "safetensors or gguf: insist on that one",
+        choices=LOAD_FORMATS,
+    )
     max_model_len: int | None = _setting(
         None, "model", "longest prompt + output in tokens (default: the model's context length)"
     )
@@ -134,6 +159,15 @@ class EngineArgs:
         "checkpoint's generation_config.json; vllm: none (neutral defaults); or a folder "
         "holding a generation_config.json",
         metavar="auto|vllm|FOLDER",
+    )
+    hf_overrides: dict[str, Any] | None = _setting(
+        None,
+        "model",
+        "JSON object of config.json fields that replace the checkpoint's, as vLLM's, e.g. "
+        '\'{"max_position_embeddings": 65536, "rope_scaling": {"rope_type": "yarn", '
+        '"factor": 2.0, "original_max_position_embeddings": 32768}}\'',
+        type=_json_object,
+        metavar="JSON",
     )
     override_generation_config: dict[str, Any] | None = _setting(
         None,
@@ -300,6 +334,13 @@ class EngineArgs:
             except ValueError as exc:
                 raise ValueError(f"override_generation_config {exc}") from None
             object.__setattr__(self, "override_generation_config", override)
+        if self.hf_overrides is not None:
+            try:
+                object.__setattr__(self, "hf_overrides", _as_json_object(self.hf_overrides))
+            except ValueError as exc:
+                raise ValueError(f"hf_overrides {exc}") from None
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kernel_isa is not None and self.kernel_isa not in KERNEL_ISAS:
             raise ValueError(f"kernel_isa must be one of {KERNEL_ISAS}, got {self.kernel_isa!r}")
         if self.quantization not in QUANTIZATION_MODES:

@@ -19,6 +19,9 @@ import pytest
 # cores, where spinning is the faster wait (the default model served passively made 0.79-0.91x
 # the tokens at 8 and 32 streams in two rounds side by side).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The tests never download: a model named by its Hub id (conveyor/hub.py) comes from a cache
+# they build, and the servers they start inherit it. Read when huggingface_hub is imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch  # noqa: E402
 

@@ -91,6 +91,11 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
         quantization,
         args.tokenizer,
         args.batch_invariant,
+        revision=args.revision,
+        tokenizer_revision=args.tokenizer_revision,
+        download_dir=args.download_dir,
+        load_format=args.load_format,
+        hf_overrides=args.hf_overrides,
     )
 
 

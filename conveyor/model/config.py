@@ -4,13 +4,20 @@ architecture, shapes, dtype, quantization, EOS ids and context length, resolved 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from conveyor.config import QUANTIZATION_MODES, STATIC_ROPE_TYPES, resolve_model_path
+from conveyor.config import (
+    LOAD_FORMATS,
+    QUANTIZATION_MODES,
+    STATIC_ROPE_TYPES,
+    resolve_model_path,
+)
 from conveyor.model.families import Parts, architecture, parts_of
 
 if TYPE_CHECKING:
@@ -62,6 +69,9 @@ class ModelConfig:
     batch_invariant: bool = True
     # What the family's layers add to Llama's (model/families.py).
     parts: Parts = field(default_factory=Parts)
+    # The Hugging Face Hub id the model was named by (conveyor/hub.py: `path` is its download
+    # in the cache); None for a local path.
+    hub_id: str | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -104,10 +114,18 @@ class ModelConfig:
         quantization: str = "auto",
         tokenizer: str | Path | None = None,
         batch_invariant: bool = True,
+        *,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        download_dir: str | None = None,
+        load_format: str = "auto",
+        hf_overrides: dict[str, Any] | None = None,
     ) -> ModelConfig:
-        """tokenizer: a folder (or .gguf file) whose tokenizer replaces the checkpoint's."""
-        path = resolve_model_path(model)
-        facts = checkpoint_facts(path)
+        """model: a checkpoint folder, a .gguf file, or a Hugging Face Hub id (downloaded into
+        the cache at `revision`, conveyor/hub.py); None: the default model. tokenizer: a
+        folder, .gguf file or Hub id whose tokenizer replaces the checkpoint's."""
+        path = checkpoint_path(model, revision, download_dir, load_format)
+        facts = checkpoint_facts(path, hf_overrides)
         resolved_dtype = _resolve_dtype(dtype, facts["saved_dtype"], device)
         return cls(
             path=path,
@@ -129,26 +147,84 @@ class ModelConfig:
             rope_inv_freq=tuple(facts["rope_inv_freq"]),
             rope_scaling=facts["rope_scaling"],
             quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
-            tokenizer=_resolve_tokenizer(tokenizer),
+            tokenizer=_resolve_tokenizer(tokenizer, tokenizer_revision, download_dir),
             batch_invariant=bool(batch_invariant),
             parts=Parts.from_dict(facts["parts"]),
+            hub_id=None if model is None or _local(model) is not None else str(model),
         )
 
 
-def checkpoint_facts(path: Path) -> dict:
+def checkpoint_path(
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    load_format: str = "auto",
+) -> Path:
+    """The local checkpoint `model` names: its path, or for a Hugging Face Hub id that is no
+    path on disk, its download in the cache (conveyor/hub.py). ValueError where there is none
+    or it is not in `load_format`."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if model is not None and _local(model) is None:
+        from conveyor import hub
+
+        if hub.looks_like_repo(model):
+            model = str(hub.download(model, revision, download_dir, load_format))
+    path = resolve_model_path(model)
+    if load_format == "gguf" and path.suffix != ".gguf":
+        raise ValueError(f"load_format 'gguf': {str(path)!r} is not a .gguf file")
+    if load_format == "safetensors" and not path.is_dir():
+        raise ValueError(f"load_format 'safetensors': {str(path)!r} is not a checkpoint folder")
+    return path
+
+
+def _local(model: str | Path | None) -> Path | None:
+    """`model` as a path on disk, if it is one."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    return path if path.exists() else None
+
+
+def checkpoint_facts(path: Path, hf_overrides: dict[str, Any] | None = None) -> dict:
     """What ModelConfig takes from the checkpoint's config.json and generation_config.json, as
-    transformers reads them; kept by the files' contents (model/resolve_cache.py), so that a
-    later start imports no transformers config class (3-4 s on 2 cores)."""
+    transformers reads them, with `hf_overrides`' fields in place of config.json's; kept by
+    the files' contents and the overrides (model/resolve_cache.py), so that a later start
+    imports no transformers config class (3-4 s on 2 cores)."""
     from conveyor.model.resolve_cache import cached
 
     folder = hf_folder(path)
-    return cached("model", folder, lambda: _read_facts(folder))
+    kind = "model"
+    if hf_overrides:
+        text = json.dumps(hf_overrides, sort_keys=True)
+        kind += "-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return cached(kind, folder, lambda: _read_facts(folder, hf_overrides))
 
 
-def _read_facts(folder: Path) -> dict:
-    from transformers import AutoConfig
+def hf_config(folder: Path, hf_overrides: dict[str, Any] | None = None):
+    """The checkpoint's transformers config, built from config.json with `hf_overrides`'
+    fields in place of its own (a dict merged into a dict field: rope_scaling), as vLLM's
+    --hf-overrides: the config class reads them as if the file said so."""
+    from transformers import AutoConfig, PretrainedConfig
 
-    hf = AutoConfig.from_pretrained(folder)
+    if not hf_overrides:
+        return AutoConfig.from_pretrained(folder)
+    fields, _ = PretrainedConfig.get_config_dict(folder)
+    for key, value in hf_overrides.items():
+        current = fields.get(key)
+        both = isinstance(value, dict) and isinstance(current, dict)
+        fields[key] = {**current, **value} if both else value
+    if "model_type" not in fields:
+        raise ValueError(f"{folder / 'config.json'} has no model_type to override")
+    try:
+        return AutoConfig.for_model(**fields)
+    except Exception as error:  # noqa: BLE001 - transformers' validators raise their own types
+        reason = " ".join(str(error).split())[:500]
+        raise ValueError(f"hf_overrides: the overridden config is not valid: {reason}") from None
+
+
+def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dict:
+    hf = hf_config(folder, hf_overrides)
     arch = architecture(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
@@ -186,12 +262,18 @@ def _local_rope(hf, head_dim: int) -> tuple[float, ...]:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _resolve_tokenizer(tokenizer: str | Path | None) -> Path | None:
+def _resolve_tokenizer(
+    tokenizer: str | Path | None, revision: str | None = None, download_dir: str | None = None
+) -> Path | None:
     if tokenizer is None:
         return None
-    path = Path(tokenizer).expanduser()
-    if not path.exists():
-        raise ValueError(f"tokenizer {str(tokenizer)!r} does not exist")
+    path = _local(tokenizer)
+    if path is None:
+        from conveyor import hub
+
+        if not hub.looks_like_repo(str(tokenizer)):
+            raise ValueError(f"tokenizer {str(tokenizer)!r} does not exist")
+        path = hub.download(str(tokenizer), revision, download_dir, weights=False)
     return path
 
 

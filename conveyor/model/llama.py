@@ -14,6 +14,7 @@ group's collectives (see distributed/parallel.py for the split).
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable
 from types import ModuleType
@@ -37,6 +38,8 @@ from conveyor.model.layers import (
 )
 from conveyor.model.moe import MoEMLP
 from conveyor.model.quant import QuantLinear
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensor and its index
 
 
 class RopeRows(NamedTuple):
@@ -409,6 +412,8 @@ class LlamaForCausalLM(nn.Module):
             if target in params:
                 self._load_one(target, shard, name, tensor)
                 loaded.add(target)
+            elif (layer := _LAYER.match(name)) and int(layer[1]) >= self.config.num_layers:
+                continue  # a layer past num_hidden_layers, cut short by hf_overrides
             elif not (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 raise ValueError(f"checkpoint has a tensor this model does not use: {name}")
         missing = set(params) - loaded

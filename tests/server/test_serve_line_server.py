@@ -4,7 +4,7 @@ names the replies, --disable-fastapi-docs hides the schema pages, --allowed-orig
 a browser's CORS preflight, --root-path serves behind a proxy's prefix, a second
 --served-model-name is the model's too, and --return-tokens-as-token-ids and
 --enable-force-include-usage set what every request could ask; the flags accepted as what
-conveyor already does start it."""
+conveyor already does start it; a model named by its Hub id is served from the cache."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import subprocess
 import httpx
 import openai
 import pytest
+from hub_util import COMMIT_B, hub_cache
 from server_util import ServerProcess, trusting
 from transformers import AutoTokenizer
 
@@ -157,3 +158,27 @@ def test_https_with_the_given_key_and_certificate(tiny_checkpoint, tmp_path):
     # The clients' idle keep-alive connections did not hold the stop to its grace deadline
     # (asyncio's TLS transport waits for a close_notify that an idle client never sends).
     assert "graceful shutdown exceeded" not in proc.log_path.read_text()
+
+
+def test_a_model_named_by_its_hub_id_serves_from_the_cache_under_that_name(
+    tiny_checkpoint, tmp_path
+):
+    """`conveyor serve org/name` as `vllm serve org/name`: the checkpoint comes from the
+    Hugging Face cache (--download-dir; offline here, as the tests never download) at
+    --revision, and the server answers to the Hub id; --hf-overrides reaches its config."""
+    cache = tmp_path / "hub"
+    hub_cache(cache, "tiny-org/tiny-llama", tiny_checkpoint("llama"), COMMIT_B, "v1")
+    args = ["tiny-org/tiny-llama", "--download-dir", str(cache), "--revision", "v1"]
+    args += ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--load-format", "safetensors"]
+    args += ["--hf-overrides", '{"max_position_embeddings": 300}']
+    proc = ServerProcess(args, tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0)
+        (card,) = client.models.list().data
+        assert (card.id, card.model_dump()["max_model_len"]) == ("tiny-org/tiny-llama", 300)
+        reply = client.completions.create(model="tiny-org/tiny-llama", prompt="Hi", max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+    finally:
+        assert proc.stop() == 0
+    with pytest.raises(RuntimeError, match="not a local path nor in the Hugging Face cache"):
+        ServerProcess(["tiny-org/absent", "--download-dir", str(cache)], tmp_path / "absent.log")

@@ -335,6 +335,10 @@ def _both(first: Callable, second: Callable) -> Callable:
 
 
 def default_model_name(model_config) -> str:
+    """The name a server answers to without --served-model-name: the Hub id the model was named
+    by, as vLLM's, else its file's or folder's name."""
+    if model_config.hub_id:
+        return model_config.hub_id
     path = model_config.path
     return path.stem if path.suffix == ".gguf" else path.name
 
