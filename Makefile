@@ -39,6 +39,9 @@ demo: $(WARM)
 # stretch: they run afterwards, alone.
 TEST_WORKERS ?= 2
 test: $(WARM) browser
+	@# Bytecode once for the ~300 Python processes the suite starts (servers, engine cores,
+	@# commands): where PYTHONDONTWRITEBYTECODE is set, each would compile conveyor again.
+	@$(PY) -m compileall -q conveyor tests benchmarks >/dev/null
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not serial"
 	$(PY) -m pytest -q -m serial
 

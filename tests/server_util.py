@@ -8,10 +8,12 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 # The tests' requests in a row go through one client: httpx.get/post build a new client per
 # call, and its SSL context (~40 ms) was most of each of the hardening fuzz table's ~600 round
@@ -135,6 +137,42 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+class InThreadServer:
+    """`conveyor serve`'s app (build_app: every route, parser and middleware it serves) over an
+    engine built in this process, served by uvicorn on 127.0.0.1 from a thread. For the
+    modules that start a server per parser family: a process apiece (torch's import, the
+    engine's start) cost ~4 s of CPU each. What only the command line does (parsing its
+    flags, the engine-core process) is tested through ServerProcess."""
+
+    def __init__(
+        self, model: str | Path, name: str = "tiny", parsers=None, **engine_settings
+    ) -> None:
+        from conveyor import LLMEngine
+        from conveyor.entrypoints.openai.api_server import build_app
+
+        engine_settings = {"dtype": "float32", "kv_cache_memory": "32MiB"} | engine_settings
+        app = build_app(LLMEngine(str(model), **engine_settings), name, parsers=parsers)
+        for _ in range(ServerProcess.BIND_ATTEMPTS):  # a port taken meanwhile: another one
+            self.port = free_port()
+            self.base_url = f"http://127.0.0.1:{self.port}"
+            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+            self.server = uvicorn.Server(config)
+            self.thread = threading.Thread(target=self.server.run, daemon=True)
+            self.thread.start()
+            deadline = time.monotonic() + 60
+            while not self.server.started and self.thread.is_alive():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the in-thread server did not start in 60 s")
+                time.sleep(0.02)
+            if self.server.started:
+                return
+        raise RuntimeError(f"no free port in {ServerProcess.BIND_ATTEMPTS} attempts")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
 
 
 # ---- the processes behind a server (engine core, ranks) -----------------------------------

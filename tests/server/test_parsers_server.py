@@ -13,8 +13,10 @@ import httpx
 import openai
 import pytest
 from family_replies import TOOLS, TWO_CALL_REPLIES, TWO_CALLS, TWO_TOOLS, gathered
-from server_util import start_tiny
+from server_util import InThreadServer, start_tiny
 from tiny import make_tiny_checkpoint
+
+from conveyor.entrypoints.parsers import ParserNames
 
 MODEL = "tiny"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -186,9 +188,8 @@ def roomy_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=sorted(FORCED_SYNTAX))
-def family_server(request, roomy_checkpoint, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    server = start_tiny(lambda _: roomy_checkpoint, folder, "--tool-call-parser", request.param)
+def family_server(request, roomy_checkpoint):
+    server = InThreadServer(roomy_checkpoint, MODEL, ParserNames(tool_call=request.param))
     yield request.param, openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
     server.stop()
 

@@ -23,9 +23,11 @@ import anthropic
 import openai
 import pytest
 from family_replies import TWO_CALL_REPLIES, TWO_CALLS, TWO_TOOLS, gathered
-from server_util import ServerProcess
+from server_util import InThreadServer
 from tiny import make_reply_checkpoint
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from conveyor.entrypoints.parsers import ParserNames
 
 MODEL = "tiny"
 HI = "Weather and time?"
@@ -123,12 +125,9 @@ def served(request, tmp_path_factory):
     spec = FAMILIES[family]
     folder = tmp_path_factory.mktemp(f"scripted-{family}")
     path = make_reply_checkpoint(folder / "ckpt", raw_reply(family), spec.markers, spec.specials)
-    args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
-    args += ["--kv-cache-memory", "32MiB"]  # room for 16k tokens; the default takes ~1 s more
-    args += ["--enable-auto-tool-choice", "--tool-call-parser", family]
-    if spec.reasoning_parser is not None:
-        args += ["--reasoning-parser", spec.reasoning_parser]
-    server = ServerProcess(args, folder / "server.log")
+    # vLLM's --reasoning-parser R --enable-auto-tool-choice --tool-call-parser F
+    parsers = ParserNames(spec.reasoning_parser, family, auto_tool_choice=True)
+    server = InThreadServer(path, MODEL, parsers)  # 32 MiB of KV cache: room for 16k tokens
     yield Served(family, server.base_url, AutoTokenizer.from_pretrained(path))
     server.stop()
 
@@ -278,9 +277,7 @@ def call_then_text(tmp_path_factory):
     """A hermes model whose reply is a call, then text."""
     folder = tmp_path_factory.mktemp("scripted-call-then-text")
     path = make_reply_checkpoint(folder / "ckpt", CALL_THEN_TEXT, QWEN3.markers)
-    args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
-    args += ["--kv-cache-memory", "32MiB", "--enable-auto-tool-choice", "--tool-call-parser"]
-    server = ServerProcess([*args, "hermes"], folder / "server.log")
+    server = InThreadServer(path, MODEL, ParserNames(tool_call="hermes", auto_tool_choice=True))
     yield Served("hermes", server.base_url, AutoTokenizer.from_pretrained(path))
     server.stop()
 
