@@ -3,6 +3,9 @@ conveyor's greedy chat answer equals transformers' generate on the same GGUF in 
 
 from __future__ import annotations
 
+import functools
+
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -18,7 +21,10 @@ def gguf_path():
     return default_model_path()  # the Makefile installs it; a missing model is a failure
 
 
-def test_smollm2_chat_answer_equals_transformers(gguf_path):
+def test_smollm2_chat_answer_equals_transformers(gguf_path, monkeypatch):
+    # transformers maps the GGUF's tensor names once per submodule, building gguf's name table
+    # (a pure function of the architecture and layer count) each time: ~8 s of this test.
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     # No model given: the default one; dequantized, as transformers computes it.
     llm = LLM(dtype="float32", quantization="none")
     assert llm.engine.model_config.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
