@@ -17,6 +17,7 @@ from conveyor.entrypoints.serve_line import (
     check_serve_line,
     cors_settings,
     load_chat_template,
+    request_logger,
     ssl_settings,
     use_chat_template,
 )
@@ -187,6 +188,7 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         root_path=args.root_path,
         tokens_as_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
+        request_logger=request_logger(args),
     )
     name = app.state.metrics.model_name
     base = f"{'https' if ssl_settings(args) else 'http'}://{args.host}:{args.port}"

@@ -111,9 +111,24 @@ def add_serve_line_args(group) -> None:
         "own code, model/families.py), so there is none to trust",
     )
     group.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log every request as it reaches the engine: its id, prompt (text and token "
+        "ids), sampling parameters and LoRA adapter, at INFO (vLLM's)",
+    )
+    group.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests: the characters of a prompt's text and the token ids "
+        "logged (default: all)",
+    )
+    group.add_argument(
         "--disable-log-requests",
         action="store_true",
-        help="accepted: conveyor logs no request's prompt or parameters",
+        help="accepted: requests are logged only with --enable-log-requests (vLLM's default "
+        "since 0.10 too)",
     )
     group.add_argument(
         "--disable-log-stats",
@@ -151,12 +166,32 @@ def check_serve_line(args: argparse.Namespace) -> str | None:
         )
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         return "--ssl-keyfile and --ssl-certfile go together: HTTPS needs both"
+    if args.max_log_len is not None and args.max_log_len < 0:
+        return f"--max-log-len must be >= 0, got {args.max_log_len}"
     if args.pipeline_parallel_size != 1:
         return (
             f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is "
             "not supported; --tensor-parallel-size splits a model over ranks"
         )
     return None
+
+
+def request_logger(args: argparse.Namespace):
+    """--enable-log-requests' RequestLogger, its lines on stderr (as uvicorn's: "INFO:     ..."),
+    or None."""
+    if not args.enable_log_requests:
+        return None
+    import logging
+
+    from conveyor.entrypoints.openai.serving import RequestLogger
+
+    log = logging.getLogger("conveyor.requests")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    return RequestLogger(args.max_log_len)
 
 
 def load_chat_template(value: str) -> str:

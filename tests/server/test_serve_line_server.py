@@ -3,7 +3,8 @@ official `openai` client and plain HTTP: --chat-template renders the chats, --re
 names the replies, --disable-fastapi-docs hides the schema pages, --allowed-origins answers
 a browser's CORS preflight, --root-path serves behind a proxy's prefix, a second
 --served-model-name is the model's too, and --return-tokens-as-token-ids and
---enable-force-include-usage set what every request could ask; the flags accepted as what
+--enable-force-include-usage set what every request could ask, --enable-log-requests logs
+each request; the flags accepted as what
 conveyor already does start it; a model named by its Hub id is served from the cache."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def server(tiny_checkpoint, tmp_path_factory):
         "--disable-log-stats --enable-prompt-tokens-details --swap-space 4 "
         "--pipeline-parallel-size 1 --uvicorn-log-level warning --gpu-memory-utilization 0.9 "
         "--kv-cache-memory 32MiB --root-path /api --return-tokens-as-token-ids "
-        "--enable-force-include-usage"
+        "--enable-force-include-usage --enable-log-requests --max-log-len 12"
     )
     with pytest.raises(RuntimeError, match="not both"):  # a GPU share and a KV size at once
         ServerProcess(line.split(), folder / "refused.log")
@@ -115,6 +116,21 @@ def test_the_prefix_a_proxy_strips_and_the_server_wide_request_fields(server, cl
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     pieces = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True))
     assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 2
+
+
+def test_each_request_is_logged_as_it_reaches_the_engine(server, client):
+    """--enable-log-requests --max-log-len 12: a line per engine request (each prompt of a
+    batch its own), its prompt's text and token ids cut to 12, its parameters."""
+    reply = client.completions.create(
+        model=MODEL, prompt=["Hello there, my dear friend", "Bye"], max_tokens=2, seed=41
+    )
+    lines = [line for line in server.log_path.read_text().splitlines() if reply.id[:-2] in line]
+    assert len(lines) == 2, lines
+    first = next(line for line in lines if f"{reply.id[:-2]}-0:" in line)
+    assert "prompt: 'Hello there,'" in first and "seed=41" in first and "max_tokens=2" in first
+    ids = first.split("prompt_token_ids: [")[1].split("]")[0].split(", ")
+    assert 1 < len(ids) <= 12
+    assert first.startswith("INFO:") and "lora_request: None" in first
 
 
 def test_every_served_name_is_the_model_and_responses_name_the_first(server, client):

@@ -50,7 +50,7 @@ from conveyor.entrypoints.openai.protocol import (
 )
 from conveyor.entrypoints.openai.responses.routes import add_response_routes
 from conveyor.entrypoints.openai.responses.store import StoreLimits
-from conveyor.entrypoints.openai.serving import OpenAIServing, ServerDefaults
+from conveyor.entrypoints.openai.serving import OpenAIServing, RequestLogger, ServerDefaults
 from conveyor.entrypoints.openai.vllm_routes import (
     PROBES,
     add_vllm_routes,
@@ -105,6 +105,7 @@ def build_app(
     root_path: str = "",
     tokens_as_ids: bool = False,
     force_include_usage: bool = False,
+    request_logger: RequestLogger | None = None,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -120,7 +121,8 @@ def build_app(
     /openapi.json. root_path: the prefix a proxy strips (FastAPI's). tokens_as_ids and
     force_include_usage: every request's return_tokens_as_token_ids and, streamed,
     stream_options.include_usage (vLLM's --return-tokens-as-token-ids,
-    --enable-force-include-usage)."""
+    --enable-force-include-usage). request_logger: log every engine request as it is
+    submitted (vLLM's --enable-log-requests)."""
     limits = limits or RequestLimits()
     async_engine = _engine_client(engine)
     # vLLM's several served names: a request may name any; responses and metrics the first.
@@ -151,6 +153,7 @@ def build_app(
         response_role,
         ServerDefaults(tokens_as_ids, force_include_usage),
     )
+    serving.request_logger = request_logger
     loras = serving.loras = ServedLoRAs(
         async_engine, model_name, lora_allowed_dir, tuple(names[1:])
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -80,6 +81,34 @@ class ServerDefaults:
             request.stream_options = options.model_copy(update={"include_usage": True})
 
 
+class RequestLogger:
+    """vLLM's --enable-log-requests: one INFO line per engine request as it is submitted, its
+    id, prompt (text and token ids, each cut to --max-log-len characters / ids), sampling
+    parameters and LoRA adapter, on the `conveyor.requests` logger."""
+
+    def __init__(self, max_log_len: int | None = None) -> None:
+        self.max_log_len = max_log_len
+
+    def log(self, request_id: str, prompt: list[int], params, lora_request, tokenizer) -> None:
+        if not _REQUEST_LOG.isEnabledFor(logging.INFO):
+            return
+        ids = prompt if self.max_log_len is None else prompt[: self.max_log_len]
+        text = tokenizer.decode(ids) if tokenizer is not None else None
+        if text is not None and self.max_log_len is not None:
+            text = text[: self.max_log_len]
+        _REQUEST_LOG.info(
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora_request: %s",
+            request_id,
+            text,
+            params,
+            ids,
+            lora_request,
+        )
+
+
+_REQUEST_LOG = logging.getLogger("conveyor.requests")
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -94,6 +123,7 @@ class OpenAIServing:
         self.engine = engine
         self.response_role = response_role  # vLLM's --response-role
         self.server_defaults = server_defaults or ServerDefaults()
+        self.request_logger: RequestLogger | None = None  # --enable-log-requests
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.limits = limits or RequestLimits()
@@ -325,6 +355,11 @@ class OpenAIServing:
                         request_ids[-1], prompt, params, priority, lora_request=lora_request
                     )
                     streams.append(stream)
+                    if self.request_logger is not None:
+                        tokenizer = getattr(self.engine, "tokenizer", None)
+                        self.request_logger.log(
+                            request_ids[-1], prompt, params, lora_request, tokenizer
+                        )
         except (ValueError, asyncio.CancelledError):
             # Refused, or its caller went away meanwhile (a beam search's step, cancelled with
             # its client): none of it runs on, the one being added included.
