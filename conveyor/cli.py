@@ -19,7 +19,9 @@ from conveyor.entrypoints.serve_line import (
     load_chat_template,
     request_logger,
     ssl_settings,
+    take_model_flag,
     use_chat_template,
+    with_config_file,
 )
 
 if TYPE_CHECKING:
@@ -416,12 +418,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
+        if argv[:1] == ["serve"]:  # vLLM's --config FILE, read into flags
+            argv = ["serve", *with_config_file(argv[1:], _subparser(parser, "serve"))]
+    except ValueError as error:
+        parser.error(str(error))
+    args = parser.parse_args(argv)
+    try:
+        if args.func is cmd_serve:
+            take_model_flag(args)
         return args.func(args)
     except ValueError as error:
         print(f"conveyor: error: {error}", file=sys.stderr)
         return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._subparsers._group_actions:  # argparse keeps no public handle
+        if name in getattr(action, "choices", {}):
+            return action.choices[name]
+    raise KeyError(name)
 
 
 if __name__ == "__main__":

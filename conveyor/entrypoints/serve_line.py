@@ -26,6 +26,21 @@ def _json_list(text: str) -> list[str]:
 
 def add_serve_line_args(group) -> None:
     group.add_argument(
+        "--model",
+        dest="model_flag",
+        default=None,
+        metavar="MODEL",
+        help="the model, given as a flag instead of the positional argument (vLLM's)",
+    )
+    group.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a YAML file of these flags, as vLLM's (`port: 8000`, `enable-prefix-caching: "
+        "true`, `served-model-name: [a, b]`, `model: PATH`, JSON settings as mappings): the "
+        "command line's own flags win over the file's",
+    )
+    group.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE|TEMPLATE",
@@ -155,6 +170,80 @@ def add_serve_line_args(group) -> None:
         default=1,
         help="1 only: a model splits over ranks by --tensor-parallel-size",
     )
+
+
+def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`conveyor serve` arguments with --config FILE's settings added as flags, as vLLM's: a
+    YAML mapping of flag names (dashes or underscores) to values; true/false turn a switch on
+    or off, a list gives a flag's several values, a mapping its JSON. A flag the command line
+    gives itself keeps the command line's value; `model` is the model where the command line
+    names none. ValueError for a file that cannot be read or a name no flag has."""
+    path, rest = _config_path(argv)
+    if path is None:
+        return argv
+    import yaml
+
+    try:
+        settings = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: {error}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"--config {path}: not a YAML mapping of flag names to values")
+    options = parser._option_string_actions  # argparse's table of every flag it takes
+    given = {arg.split("=", 1)[0] for arg in rest if arg.startswith("-")}
+    added: list[str] = []
+    for key, value in settings.items():
+        name = "--" + str(key).replace("_", "-")
+        if name == "--model":
+            known, _ = parser.parse_known_args(rest)
+            if known.model is None and known.model_flag is None:
+                added += ["--model", str(value)]
+            continue
+        action = options.get(name)
+        if action is None or name == "--config":
+            raise ValueError(f"--config {path}: {key!r} is not a flag of conveyor serve")
+        flags = set(action.option_strings)
+        if flags & given or {f"--no-{s[2:]}" for s in flags} & given:
+            continue  # the command line's own value wins
+        added += _as_flags(name, value, action)
+    return rest + added
+
+
+def _config_path(argv: list[str]) -> tuple[str | None, list[str]]:
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 == len(argv):
+                raise ValueError("--config needs a file")
+            return argv[i + 1], argv[:i] + argv[i + 2 :]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+    return None, argv
+
+
+def _as_flags(name: str, value: Any, action: argparse.Action) -> list[str]:
+    if isinstance(value, bool):
+        if action.nargs == 0:  # a switch: on, or (with its --no- form) off
+            if value:
+                return [name]
+            off = "--no-" + name[2:]
+            return [off] if off in action.option_strings else []
+        return [name, "true" if value else "false"]
+    if isinstance(value, list):
+        return [name, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+    if isinstance(value, dict):
+        return [name, json.dumps(value)]
+    return [name, str(value)]
+
+
+def take_model_flag(args: argparse.Namespace) -> None:
+    """--model as the model (vLLM's spelling); given with a different positional one, a
+    ValueError."""
+    flag = getattr(args, "model_flag", None)
+    if flag is None:
+        return
+    if args.model is not None and args.model != flag:
+        raise ValueError(f"the model is given twice: {args.model!r} and --model {flag!r}")
+    args.model = flag
 
 
 def check_serve_line(args: argparse.Namespace) -> str | None:

@@ -181,13 +181,17 @@ def test_a_model_named_by_its_hub_id_serves_from_the_cache_under_that_name(
 ):
     """`conveyor serve org/name` as `vllm serve org/name`: the checkpoint comes from the
     Hugging Face cache (--download-dir; offline here, as the tests never download) at
-    --revision, and the server answers to the Hub id; --hf-overrides reaches its config."""
+    --revision, and the server answers to the Hub id; --hf-overrides reaches its config; the
+    flags come from a --config file."""
     cache = tmp_path / "hub"
     hub_cache(cache, "tiny-org/tiny-llama", tiny_checkpoint("llama"), COMMIT_B, "v1")
-    args = ["tiny-org/tiny-llama", "--download-dir", str(cache), "--revision", "v1"]
-    args += ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--load-format", "safetensors"]
-    args += ["--hf-overrides", '{"max_position_embeddings": 300}']
-    proc = ServerProcess(args, tmp_path / "server.log")
+    config = tmp_path / "serve.yaml"  # vLLM's --config
+    config.write_text(
+        f"download-dir: {cache}\nrevision: v1\nload_format: safetensors\n"
+        "hf-overrides: {max_position_embeddings: 300}\n"
+    )
+    args = ["--model", "tiny-org/tiny-llama", "--config", str(config), "--dtype", "float32"]
+    proc = ServerProcess([*args, "--kv-cache-memory", "32MiB"], tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0)
         (card,) = client.models.list().data

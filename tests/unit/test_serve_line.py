@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.cli import build_parser
+from conveyor.cli import _subparser, build_parser
 from conveyor.engine.core import cuda_kv_budget
 from conveyor.engine_args import EngineArgs
 from conveyor.entrypoints.args import engine_args
-from conveyor.entrypoints.serve_line import check_serve_line, load_chat_template
+from conveyor.entrypoints.serve_line import (
+    check_serve_line,
+    load_chat_template,
+    take_model_flag,
+    with_config_file,
+)
 
 GiB = 2**30
 
@@ -70,3 +75,45 @@ def test_gpu_memory_utilization_bounds_the_gpus_memory_in_use():
             EngineArgs(gpu_memory_utilization=bad)
     with pytest.raises(ValueError, match="not both"):
         EngineArgs(gpu_memory_utilization=0.5, kv_cache_memory="1GiB")
+
+
+def serve_args(argv: list[str]):
+    """`conveyor serve ARGV` parsed as the command line parses it (--config read in)."""
+    parser = build_parser()
+    args = parser.parse_args(["serve", *with_config_file(argv, _subparser(parser, "serve"))])
+    take_model_flag(args)
+    return args
+
+
+def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: /models/a\nport: 8123\nmax_num_seqs: 7\nenable-prefix-caching: false\n"
+        "served-model-name: [a, a2]\nhf-overrides: {max_position_embeddings: 300}\n"
+        "trust-remote-code: true\nseed: 5\n"
+    )
+    args = serve_args(["--config", str(config)])
+    assert (args.model, args.port, args.max_num_seqs, args.seed) == ("/models/a", 8123, 7, 5)
+    assert args.enable_prefix_caching is False and args.trust_remote_code is True
+    assert args.served_model_name == ["a", "a2"]
+    assert engine_args(args).hf_overrides == {"max_position_embeddings": 300}
+    mine = serve_args(["/models/b", "--port", "9000", f"--config={config}", "-tp", "1"])
+    assert (mine.model, mine.port, mine.max_num_seqs) == ("/models/b", 9000, 7)
+    assert serve_args(["--config", str(config), "--enable-prefix-caching"]).enable_prefix_caching
+
+
+def test_model_as_a_flag_and_what_a_config_file_cannot_say(tmp_path):
+    assert serve_args(["--model", "/models/a"]).model == "/models/a"
+    with pytest.raises(ValueError, match="given twice"):
+        serve_args(["/models/a", "--model", "/models/b"])
+    config = tmp_path / "serve.yaml"
+    for text, message in [
+        ("not_a_flag: 1\n", "'not_a_flag' is not a flag of conveyor serve"),
+        ("- port\n", "not a YAML mapping"),
+        ("port: [8000\n", "--config"),
+    ]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            serve_args(["--config", str(config)])
+    with pytest.raises(ValueError, match="--config"):
+        serve_args(["--config", str(tmp_path / "absent.yaml")])
