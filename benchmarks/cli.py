@@ -1,6 +1,6 @@
 """`python -m benchmarks compare | step | quality | split | spec | structured | scaling |
 peers | dashboard | storm | contention | fuzz |
-families | moe | kernels | attention | quant-kernels`: the lab's commands.
+families | moe | kernels | attention | quant-kernels | start`: the lab's commands.
 
 The flags they share with `conveyor bench serve | throughput` and `conveyor serve` come from
 conveyor.bench.args and conveyor.entrypoints.args. Each command's module is imported when the
@@ -50,6 +50,8 @@ COMMANDS = [
      "and KV dtype, against another build of the kernels, alternated, bits compared"),
     ("quant-kernels", "quant_kernels", "ms per call of each quantized-matmul candidate for "
      "SmolLM2-135M's shapes"),
+    ("start", "start", "a conveyor serve start, this tree against another git revision, "
+     "alternated: seconds to /health and CPU seconds of its processes"),
 ]  # fmt: skip
 
 
