@@ -89,7 +89,13 @@ def _serve(args: argparse.Namespace, settings: EngineArgs, started=None) -> int:
     from conveyor.entrypoints.openai.api_server import run_server
 
     return run_server(
-        app, args.host, args.port, args.log_level, args.graceful_timeout, ssl_settings(args)
+        app,
+        args.host,
+        args.port,
+        args.log_level,
+        args.graceful_timeout,
+        ssl_settings(args),
+        access_log=not args.disable_uvicorn_access_log,
     )
 
 
@@ -191,6 +197,7 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         tokens_as_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
         request_logger=request_logger(args),
+        request_id_headers=args.enable_request_id_headers,
     )
     name = app.state.metrics.model_name
     base = f"{'https' if ssl_settings(args) else 'http'}://{args.host}:{args.port}"

@@ -24,6 +24,16 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def add_serve_line_args(group) -> None:
     group.add_argument(
         "--model",
@@ -118,6 +128,31 @@ def add_serve_line_args(group) -> None:
         default="auto",
         help="auto or hf: the checkpoint's tokenizer as transformers' AutoTokenizer loads it "
         "(its fast one); vLLM's slow and mistral modes are refused",
+    )
+    group.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no uvicorn line per HTTP request",
+    )
+    group.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries X-Request-Id: the request's own, else a new one",
+    )
+    group.add_argument(
+        "--structured-outputs-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="accepted: structured output runs llguidance whatever backend this names "
+        '(vLLM\'s \'{"backend": "xgrammar"}\' or "guidance"); the grammar a request gives is '
+        "the same language under each",
+    )
+    group.add_argument(
+        "--guided-decoding-backend",
+        default=None,
+        metavar="NAME",
+        help="accepted: vLLM's earlier spelling of --structured-outputs-config's backend",
     )
     group.add_argument(
         "--trust-remote-code",

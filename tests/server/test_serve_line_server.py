@@ -42,7 +42,9 @@ def server(tiny_checkpoint, tmp_path_factory):
         "--disable-log-stats --enable-prompt-tokens-details --swap-space 4 "
         "--pipeline-parallel-size 1 --uvicorn-log-level warning --gpu-memory-utilization 0.9 "
         "--kv-cache-memory 32MiB --root-path /api --return-tokens-as-token-ids "
-        "--enable-force-include-usage --enable-log-requests --max-log-len 12"
+        "--enable-force-include-usage --enable-log-requests --max-log-len 12 "
+        "--enable-request-id-headers --disable-uvicorn-access-log "
+        '--structured-outputs-config {"backend":"xgrammar"} --guided-decoding-backend xgrammar'
     )
     with pytest.raises(RuntimeError, match="not both"):  # a GPU share and a KV size at once
         ServerProcess(line.split(), folder / "refused.log")
@@ -131,6 +133,21 @@ def test_each_request_is_logged_as_it_reaches_the_engine(server, client):
     ids = first.split("prompt_token_ids: [")[1].split("]")[0].split(", ")
     assert 1 < len(ids) <= 12
     assert first.startswith("INFO:") and "lora_request: None" in first
+
+
+def test_every_response_carries_a_request_id_header(server):
+    """--enable-request-id-headers: the request's own X-Request-Id comes back, a missing or
+    unusable one is replaced by a new id; errors carry it too."""
+    url = f"{server.base_url}/api/v1/models"
+    assert httpx.get(url, headers={"X-Request-Id": "trace-42"}).headers["x-request-id"] == (
+        "trace-42"
+    )
+    fresh = [httpx.get(url).headers["x-request-id"] for _ in range(2)]
+    assert fresh[0] != fresh[1] and all(len(f) == 32 for f in fresh)
+    too_long = httpx.get(url, headers={"X-Request-Id": "x" * 500}).headers["x-request-id"]
+    assert len(too_long) == 32
+    missing = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": MODEL})
+    assert missing.status_code == 400 and len(missing.headers["x-request-id"]) == 32
 
 
 def test_every_served_name_is_the_model_and_responses_name_the_first(server, client):

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -106,6 +107,7 @@ def build_app(
     tokens_as_ids: bool = False,
     force_include_usage: bool = False,
     request_logger: RequestLogger | None = None,
+    request_id_headers: bool = False,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -122,7 +124,8 @@ def build_app(
     force_include_usage: every request's return_tokens_as_token_ids and, streamed,
     stream_options.include_usage (vLLM's --return-tokens-as-token-ids,
     --enable-force-include-usage). request_logger: log every engine request as it is
-    submitted (vLLM's --enable-log-requests)."""
+    submitted (vLLM's --enable-log-requests). request_id_headers: every response carries
+    X-Request-Id (vLLM's --enable-request-id-headers)."""
     limits = limits or RequestLimits()
     async_engine = _engine_client(engine)
     # vLLM's several served names: a request may name any; responses and metrics the first.
@@ -190,6 +193,8 @@ def build_app(
     )
     if cors is not None:  # outside Guard: a preflight carries no key, and a 401 needs the headers
         app.add_middleware(CORSMiddleware, **cors)
+    if request_id_headers:  # outermost: a 401 or a preflight carries the id too
+        app.add_middleware(RequestIdHeader)
 
     def check_model(name: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 if unknown."""
@@ -346,6 +351,33 @@ def default_model_name(model_config) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+class RequestIdHeader:
+    """ASGI middleware (vLLM's --enable-request-id-headers): every HTTP response carries an
+    X-Request-Id header, the request's own when it sent a usable one (1-128 visible ASCII
+    characters), else a new one."""
+
+    MAX_LENGTH = 128
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), b"")
+        usable = 0 < len(given) <= self.MAX_LENGTH and all(0x21 <= c <= 0x7E for c in given)
+        value = given if usable else uuid.uuid4().hex.encode()
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                kept = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*kept, (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 class Unanswered:
     """ASGI middleware, outermost: tracks the HTTP requests in progress, so that at shutdown's
     deadline those with no response yet (a body still arriving, waiting for an admission slot,
@@ -500,14 +532,16 @@ def run_server(
     log_level: str = "info",
     grace: float = 10.0,
     ssl: dict | None = None,
+    access_log: bool = True,
 ) -> int:
     """Serves until SIGTERM / SIGINT (exit status 0) or until the engine died (1). ssl:
-    uvicorn's ssl_* keywords, for HTTPS."""
+    uvicorn's ssl_* keywords, for HTTPS. access_log: uvicorn's line per request."""
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
+        access_log=access_log,
         timeout_graceful_shutdown=grace,
         **(ssl or {}),
     )
