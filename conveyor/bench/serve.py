@@ -490,23 +490,34 @@ async def first_model(client: aiohttp.ClientSession, base_url: str, headers: dic
 
 
 def load_tokenizer(path: str | None):
-    """A tokenizer from an HF folder or a .gguf file; None: conveyor's default model's."""
+    """A tokenizer from an HF folder, a .gguf file or a Hugging Face Hub id (its tokenizer
+    files only, from the cache or downloaded, conveyor/hub.py); None: conveyor's default
+    model's."""
     from transformers import AutoTokenizer
 
+    from conveyor import hub
     from conveyor.config import default_model_path
     from conveyor.model.config import hf_folder
 
     source = Path(path if path is not None else default_model_path()).expanduser()
+    if not source.exists() and path is not None and hub.looks_like_repo(path):
+        source = hub.download(path, weights=False)
     if source.suffix == ".gguf":
         source = hf_folder(source)  # converted from the GGUF metadata once, then cached
     return AutoTokenizer.from_pretrained(str(source) if source.exists() else path)
 
 
-def _tokenizer_source(args: argparse.Namespace) -> str | None:
+def _tokenizer_source(args: argparse.Namespace, model: str | None) -> str | None:
+    """--tokenizer, else the model where it names one: a path, or a Hub id (org/name: the
+    name a server answers to when it serves a Hub model); None: the default model's."""
+    from conveyor import hub
+
     if args.tokenizer is not None:
         return args.tokenizer
-    if args.model is not None and Path(args.model).expanduser().exists():
-        return args.model
+    if model is not None and Path(model).expanduser().exists():
+        return model
+    if model is not None and "/" in model and hub.looks_like_repo(model):
+        return model
     return None
 
 
@@ -537,13 +548,17 @@ async def benchmark(args: argparse.Namespace) -> dict:
     slos = parse_goodput(args.goodput)
     metric_names = parse_percentile_metrics(args.percentile_metrics)
     percentiles = parse_percentiles(args.metric_percentiles)
-    tokenizer = load_tokenizer(_tokenizer_source(args))
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    model = args.model
+    if model is None and args.tokenizer is None:  # its name may say which tokenizer it has
+        async with client_session(1) as probe:
+            model = await first_model(probe, base_url, _headers())
+    tokenizer = load_tokenizer(_tokenizer_source(args, model))
     requests = sample_requests(args, tokenizer)
     arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     async with client_session(args.max_concurrency) as client:
         headers = _headers()
-        model = args.model or await first_model(client, base_url, headers)
+        model = model or await first_model(client, base_url, headers)
         target = Target(
             base_url + args.endpoint,
             model,
@@ -608,7 +623,7 @@ def result_dict(
         "base_url": args.base_url or f"http://{args.host}:{args.port}",
         "endpoint": args.endpoint,
         "model_id": model,
-        "tokenizer_id": _tokenizer_source(args),
+        "tokenizer_id": _tokenizer_source(args, model),
         "dataset_name": args.dataset_name,
         "num_prompts": args.num_prompts,
         "request_rate": rate,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from hub_util import COMMIT_A, COMMIT_B, hub_cache
+from transformers import AutoTokenizer
 
 from conveyor import LLM, SamplingParams
 from conveyor.config import default_model_path
@@ -107,3 +108,26 @@ def test_a_cached_repository_without_safetensors_is_refused(tiny_checkpoint, tmp
     hub_cache(cache, "org/bins", bins)
     with pytest.raises(ValueError, match="no safetensors weights"):
         download("org/bins", download_dir=cache)
+
+
+def test_bench_serve_counts_with_the_tokenizer_of_a_served_hub_model(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """A server answers to the Hub id it serves, so `conveyor bench serve` takes that model's
+    tokenizer from the cache (its config and tokenizer files only); a plain served name keeps
+    the default model's."""
+    import argparse
+
+    import huggingface_hub
+
+    from conveyor.bench.serve import _tokenizer_source, load_tokenizer
+
+    folder = tiny_checkpoint("qwen3")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    hub_cache(tmp_path, "org/tiny-qwen", folder)
+    args = argparse.Namespace(tokenizer=None, model=None)
+    assert _tokenizer_source(args, "org/tiny-qwen") == "org/tiny-qwen"
+    assert _tokenizer_source(args, "SmolLM2-135M-Instruct.Q4_1") is None
+    text = "The capital of France is Paris."
+    local = AutoTokenizer.from_pretrained(folder)
+    assert load_tokenizer("org/tiny-qwen")(text).input_ids == local(text).input_ids
