@@ -243,7 +243,7 @@ class EngineCore:
         target = self.model_config
         draft = ModelConfig.from_hf(
             spec.model, target.dtype, self.device.type, target.max_model_len, "auto"
-        )
+        ).with_kernels_checked()
         if draft.vocab_size != target.vocab_size:
             raise ValueError(
                 f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) "
