@@ -181,11 +181,12 @@ def test_hot_load_and_unload_under_16_streams_fail_none_and_leak_no_blocks(
     assert all(r is not None and r[0] == "length" for r in results), results
     # The server sends a stream's last chunk before the unload's answer, but the two arrive on
     # two connections read by two threads here: a few ms either way is the client, not the
-    # server (the time after the stream's end, [DONE] included, lost that race in a full run).
+    # server (the time after the stream's end, [DONE] included, lost that race in a full run,
+    # and on a loaded Zen 3 a stream's last chunk was read 58 ms after the unload's answer).
     # An unload that did not wait answers ~1.5 s before the streams end (192 tokens each; with
     # 48 they had all ended before the unload arrived, and nothing was measured).
     late = [results[i][1] - unloaded_at for i in range(8)]
-    assert max(late) <= 0.05, f"unload did not wait: streams ended {late} s after it"
+    assert max(late) <= 0.3, f"unload did not wait: streams ended {late} s after it"
     running = [k for k in during if k.startswith("conveyor:lora_requests_info{")]
     assert any("hot" in k or "attn" in k for k in running), running
     deadline = time.monotonic() + 10

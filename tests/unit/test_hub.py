@@ -131,3 +131,21 @@ def test_bench_serve_counts_with_the_tokenizer_of_a_served_hub_model(
     text = "The capital of France is Paris."
     local = AutoTokenizer.from_pretrained(folder)
     assert load_tokenizer("org/tiny-qwen")(text).input_ids == local(text).input_ids
+
+
+def test_a_tokenizer_named_by_its_hub_id_comes_without_weights(tiny_checkpoint, tmp_path):
+    """--tokenizer org/name --tokenizer-revision REV: its config and tokenizer files only."""
+    cache = tmp_path / "hub"
+    source = tiny_checkpoint("llama")
+    tokenizer_only = tmp_path / "tokenizer-only"
+    tokenizer_only.mkdir()
+    for file in source.iterdir():
+        if not file.name.endswith(".safetensors"):
+            shutil.copy(file, tokenizer_only / file.name)
+    snapshot = hub_cache(cache, "org/tok", tokenizer_only, COMMIT_B, "v2")
+    config = ModelConfig.from_hf(
+        str(source), tokenizer="org/tok", tokenizer_revision="v2", download_dir=str(cache)
+    )
+    assert config.tokenizer == snapshot and config.tokenizer_path == snapshot
+    with pytest.raises(ValueError, match="org/tok"):
+        ModelConfig.from_hf(str(source), tokenizer="org/tok", download_dir=str(cache))
