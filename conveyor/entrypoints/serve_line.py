@@ -238,8 +238,8 @@ def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[s
         if action is None or name == "--config":
             raise ValueError(f"--config {path}: {key!r} is not a flag of conveyor serve")
         flags = set(action.option_strings)
-        if flags & given or {f"--no-{s[2:]}" for s in flags} & given:
-            continue  # the command line's own value wins
+        if flags & given or {f"--no-{s[2:]}" for s in flags} & given or value is None:
+            continue  # the command line's own value wins; an empty one keeps the default
         added += _as_flags(name, value, action)
     return rest + added
 
