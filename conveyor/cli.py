@@ -58,6 +58,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from conveyor.hub import local_lora_modules
+
+    args.lora_modules = local_lora_modules(args.lora_modules, args.download_dir)
     settings = engine_args(args)
     ray = args.distributed_executor_backend == "ray"
     if args.engine_process and args.data_parallel_size == 1 and not ray:

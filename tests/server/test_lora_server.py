@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 from conftest import DEVICE_KWARGS
+from hub_util import hub_cache
 from lora_util import ADAPTERS, make_adapter
 from safetensors.torch import save_file
 from server_util import HTTP, post, start_tiny
@@ -279,9 +280,13 @@ def test_lora_requests_info_is_exported_under_both_prefixes(client, server):
 
 @pytest.fixture(scope="module")
 def inprocess(folders, tiny_checkpoint, tmp_path_factory):
-    """The engine in the server's process, runtime updates off."""
-    flags = [*LORA_FLAGS, "--lora-modules", f"attn={folders['attn']}", "--no-engine-process"]
-    proc = start_tiny(tiny_checkpoint, tmp_path_factory.mktemp("lora-inproc"), *flags)
+    """The engine in the server's process, runtime updates off; its adapter named by a Hub id
+    (vLLM's --lora-modules attn=org/attn-lora), from the Hub cache of --download-dir."""
+    folder = tmp_path_factory.mktemp("lora-inproc")
+    hub_cache(folder / "hub", "org/attn-lora", folders["attn"])
+    flags = [*LORA_FLAGS, "--lora-modules", "attn=org/attn-lora", "--no-engine-process"]
+    flags += ["--download-dir", str(folder / "hub")]
+    proc = start_tiny(tiny_checkpoint, folder, *flags)
     yield proc
     assert proc.stop() == 0
 

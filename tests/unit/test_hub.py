@@ -149,3 +149,21 @@ def test_a_tokenizer_named_by_its_hub_id_comes_without_weights(tiny_checkpoint, 
     assert config.tokenizer == snapshot and config.tokenizer_path == snapshot
     with pytest.raises(ValueError, match="org/tok"):
         ModelConfig.from_hf(str(source), tokenizer="org/tok", download_dir=str(cache))
+
+
+def test_lora_modules_named_by_hub_ids_become_their_cached_folders(tiny_checkpoint, tmp_path):
+    """--lora-modules sql=org/sql-lora: the adapter's two files from the cache; a folder on
+    disk stays; a repository without an adapter's files is refused."""
+    from lora_util import ADAPTERS, make_adapter
+
+    from conveyor.config import LoRAConfig
+    from conveyor.hub import local_lora_modules
+
+    adapter = make_adapter(tiny_checkpoint("llama"), tmp_path / "sql", seed=1, **ADAPTERS["attn"])
+    cache = tmp_path / "hub"
+    snapshot = hub_cache(cache, "org/sql-lora", adapter)
+    entries = local_lora_modules(["sql=org/sql-lora", f"same={adapter}"], cache)
+    assert LoRAConfig.parse_modules(entries) == (("sql", str(snapshot)), ("same", str(adapter)))
+    hub_cache(cache, "org/not-lora", tiny_checkpoint("llama"))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        local_lora_modules(["x=org/not-lora"], cache)
