@@ -58,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from conveyor.hub import local_lora_modules
+    from conveyor.lora.request import local_lora_modules
 
     args.lora_modules = local_lora_modules(args.lora_modules, args.download_dir)
     settings = engine_args(args)

@@ -80,42 +80,26 @@ def download(
     return folder
 
 
-def download_adapter(
-    adapter: str, revision: str | None = None, download_dir: str | Path | None = None
+def download_files(
+    repo: str,
+    files: list[str],
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    what: str = "files",
 ) -> Path:
-    """The local folder of a PEFT LoRA adapter named by its Hub id (`--lora-modules
-    sql=org/sql-lora`, as vLLM takes it): its adapter_config.json and adapter_model.safetensors,
-    from the cache or downloaded."""
-    from conveyor.lora.request import CONFIG_FILE, WEIGHTS_FILE
-
-    match = _REPO.fullmatch(adapter)
+    """The local folder holding `files` (top-level names) of Hub repository `repo`, from the
+    cache or downloaded: a LoRA adapter's (lora/request.py local_lora_modules). ValueError
+    where the repository lacks one; `what` names them in it."""
+    match = _REPO.fullmatch(repo)
     if match is None or match["quant"] is not None:
-        raise ValueError(f"LoRA adapter {adapter!r} is not a local folder nor a Hub repo id")
-    folder = _snapshot(adapter, adapter, revision, download_dir, [CONFIG_FILE, WEIGHTS_FILE])
-    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{what} {repo!r}: not a local folder nor a Hub repo id")
+    folder = _snapshot(repo, repo, revision, download_dir, files)
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
         raise ValueError(
-            f"LoRA adapter {adapter!r}: the Hub repository has no {CONFIG_FILE} and "
-            f"{WEIGHTS_FILE} at its top level"
+            f"{what} {repo!r}: the Hub repository has no {' or '.join(missing)} at its top level"
         )
     return folder
-
-
-def local_lora_modules(
-    entries: list[str] | tuple[str, ...] | None, download_dir: str | Path | None = None
-) -> list[str] | None:
-    """`--lora-modules` entries with each adapter named by its Hub id replaced by its folder
-    in the cache (NAME=FOLDER); adapters on disk stay as they are. Done once, at the start, by
-    the process that reads the command line."""
-    from conveyor.config import LoRAConfig
-
-    if not entries:
-        return None if entries is None else list(entries)
-    resolved = []
-    for name, path in LoRAConfig.parse_modules(entries):
-        if not Path(path).expanduser().exists() and looks_like_repo(path):
-            path = str(download_adapter(path, None, download_dir))
-        resolved.append(json.dumps({"name": name, "path": path}))
-    return resolved
 
 
 def _weight_files(folder: Path) -> list[str]:

@@ -43,6 +43,30 @@ class LoRARequest:
         return self.lora_path
 
 
+def local_lora_modules(
+    entries: list[str] | tuple[str, ...] | None, download_dir: str | None = None
+) -> list[str] | None:
+    """`--lora-modules` entries with each adapter named by its Hub id (sql=org/sql-lora, as
+    vLLM takes it) replaced by its folder in the Hub cache, its two files fetched there where
+    they are not (conveyor/hub.py); adapters on disk stay as they are. Done once, at the start,
+    by the process that reads the command line."""
+    if not entries:
+        return None if entries is None else list(entries)
+    import json
+    from pathlib import Path
+
+    from conveyor import hub
+    from conveyor.config import LoRAConfig
+
+    resolved = []
+    for name, path in LoRAConfig.parse_modules(entries):
+        if not Path(path).expanduser().exists() and hub.looks_like_repo(path):
+            files = [CONFIG_FILE, WEIGHTS_FILE]
+            path = str(hub.download_files(path, files, None, download_dir, "LoRA adapter"))
+        resolved.append(json.dumps({"name": name, "path": path}))
+    return resolved
+
+
 def module_requests(modules: tuple[tuple[str, str], ...]) -> list[LoRARequest]:
     """The LoRARequests of LoRAConfig.modules (`--lora-modules`): ids 1, 2, ... in order."""
     return [LoRARequest(name, i, path) for i, (name, path) in enumerate(modules, start=1)]

@@ -157,7 +157,7 @@ def test_lora_modules_named_by_hub_ids_become_their_cached_folders(tiny_checkpoi
     from lora_util import ADAPTERS, make_adapter
 
     from conveyor.config import LoRAConfig
-    from conveyor.hub import local_lora_modules
+    from conveyor.lora.request import local_lora_modules
 
     adapter = make_adapter(tiny_checkpoint("llama"), tmp_path / "sql", seed=1, **ADAPTERS["attn"])
     cache = tmp_path / "hub"
