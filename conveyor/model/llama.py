@@ -27,7 +27,7 @@ from conveyor.distributed.parallel import TPGroup
 from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionKind, AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
-from conveyor.model.families import Parts
+from conveyor.model.families import PROJECTION_SHARDS, Parts
 from conveyor.model.layers import (
     MATMUL_BUCKETS,
     Linear,
@@ -455,13 +455,8 @@ def _block_kernel_rows(layers: nn.ModuleList) -> tuple[int, int] | None:
     return low, high
 
 
-_MERGED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+# The checkpoint's projections that load as a shard of a merged module (q/k/v, gate/up).
+_MERGED = {leaf: target for leaf, target in PROJECTION_SHARDS.items() if target[0] != leaf}
 
 
 def _merged_target(name: str) -> tuple[str, int | None]:
