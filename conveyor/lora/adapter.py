@@ -30,25 +30,22 @@ import torch
 
 from conveyor import nesting
 from conveyor.lora.request import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
+from conveyor.model.families import PROJECTION_SHARDS
 
 MAX_CONFIG_DEPTH = 32  # PEFT's own configs nest 3 levels
 PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha when a config leaves it out
 
-# HF projection -> (conveyor's projection in the layer, slice of its output columns).
-SLICES = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
-}
-PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _PARENTS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
+# HF projection -> (conveyor's projection in the layer, slice of its output columns).
+SLICES = {
+    leaf: (f"{parent}.{PROJECTION_SHARDS[leaf][0]}", PROJECTION_SHARDS[leaf][1])
+    for parent, leaves in _PARENTS.items()
+    for leaf in leaves
+}
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<leaf>\w+)$")
 # Config entries that change what the adapter computes beyond x @ A^T @ B^T * scaling.
