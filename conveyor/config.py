@@ -182,6 +182,8 @@ class SchedulerConfig:
     # A budget that follows the decodes: base_batched_tokens + CPU_BUDGET_PER_DECODE per
     # request decoding in the step, at most max_num_batched_tokens; None: a flat budget.
     base_batched_tokens: int | None = None
+    # The most tokens one request's chunk adds to a step (0: only the budget bounds it).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         _check_max_step_ms(self.max_step_ms)

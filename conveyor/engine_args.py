@@ -177,6 +177,12 @@ class EngineArgs:
         type=_json_object,
         metavar="JSON",
     )
+    disable_sliding_window: bool = _setting(
+        False,
+        "model",
+        "serve a sliding-window model with full attention, max_model_len capped at its "
+        "(smallest) window, where the two are the same (vLLM's)",
+    )
     kernel_isa: str | None = _setting(
         None,
         "model",
@@ -193,11 +199,21 @@ class EngineArgs:
         "token budget of one step (prompt chunks + decode tokens); default 2048, on CPU with "
         "chunked prefill 512 plus 12 per decoding request, at most 2048",
     )
+    long_prefill_token_threshold: int = _setting(
+        0,
+        "engine",
+        "a prompt adds at most this many tokens to one step, so that several long prompts "
+        "share a step (vLLM's; 0: no limit but the token budget)",
+        metavar="N",
+    )
     block_size: int | None = _setting(
         None, "engine", "tokens per KV-cache block (default 32 on CPU, 16 on CUDA)"
     )
     num_blocks: int | None = _setting(
-        None, "engine", "KV-cache blocks (default: as many as --kv-cache-memory holds)"
+        None,
+        "engine",
+        "KV-cache blocks (default: as many as --kv-cache-memory holds)",
+        aliases=("--num-gpu-blocks-override",),
     )
     kv_cache_memory: int | float | str | None = _setting(
         None,
@@ -205,6 +221,7 @@ class EngineArgs:
         "KV-cache size: bytes, or e.g. 2GiB, 512MiB (default: 2 GiB on CPU, 90%% of free GPU "
         "memory)",
         type=str,
+        aliases=("--kv-cache-memory-bytes",),
     )
     gpu_memory_utilization: float | None = _setting(
         None,
@@ -349,6 +366,7 @@ class EngineArgs:
             )
         for name in ("max_model_len", "num_threads"):
             _check_int(name, getattr(self, name), optional=True)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, low=0)
         for name in ("tensor_parallel_size", "seed"):
             _check_int(name, getattr(self, name), low=0 if name == "seed" else 1)
         timeout = self.grammar_compile_timeout
@@ -423,6 +441,7 @@ class EngineArgs:
             self.scheduling_policy,
             self.max_step_ms,
             base,
+            self.long_prefill_token_threshold,
         )
 
     @property

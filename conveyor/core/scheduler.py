@@ -8,10 +8,11 @@ CPU_BUDGET_PER_DECODE per decoding request, up to that; config.py says why) to a
 
   1. running requests first, in order: each asks for `num_tokens - num_computed_tokens`
      (1 when decoding, the rest of its prompt while prefilling), cut to the budget left
-     (chunked prefill). When the KV pool cannot hold a request's new tokens, the scheduler
-     preempts the lowest-ranked running request (fcfs: the latest admitted; priority: the
-     largest priority value), frees its blocks and resets it to zero computed tokens; it
-     goes back to the front of the waiting queue and is recomputed later.
+     (chunked prefill) and to long_prefill_token_threshold where one is set (several long
+     prompts then share a step). When the KV pool cannot hold a request's new tokens, the
+     scheduler preempts the lowest-ranked running request (fcfs: the latest admitted;
+     priority: the largest priority value), frees its blocks and resets it to zero computed
+     tokens; it goes back to the front of the waiting queue and is recomputed later.
   2. then waiting requests, in policy order, while budget, seats and blocks last. A prefix
      cache hit simply starts a request with num_computed_tokens > 0.
 
@@ -224,10 +225,14 @@ class Scheduler:
     def _prefill_cap(
         self, scheduled: dict[str, int], context: int, num_new: int, whole: bool = False
     ) -> int:
-        """`num_new` prompt tokens after `context` computed ones, cut to what fits in the
-        step-time target next to what is `scheduled` (unchanged without a target, and for one
-        token: a decode row's cost). A prompt that must run whole fits whole or not at all,
-        except as the step's first prompt, which can never starve."""
+        """`num_new` prompt tokens after `context` computed ones, cut to the per-request
+        chunk limit (long_prefill_token_threshold) and to what fits in the step-time target
+        next to what is `scheduled` (unchanged without a target, and for one token: a decode
+        row's cost). A prompt that must run whole fits whole or not at all, except as the
+        step's first prompt, which can never starve."""
+        limit = self.config.long_prefill_token_threshold
+        if limit and not whole:
+            num_new = min(num_new, limit)
         if self.step_budget is None or num_new <= 1:
             return num_new
         step = self._shape_of(scheduled)

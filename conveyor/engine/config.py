@@ -96,6 +96,7 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
         download_dir=args.download_dir,
         load_format=args.load_format,
         hf_overrides=args.hf_overrides,
+        disable_sliding_window=args.disable_sliding_window,
     )
 
 

@@ -120,13 +120,23 @@ class ModelConfig:
         download_dir: str | None = None,
         load_format: str = "auto",
         hf_overrides: dict[str, Any] | None = None,
+        disable_sliding_window: bool = False,
     ) -> ModelConfig:
         """model: a checkpoint folder, a .gguf file, or a Hugging Face Hub id (downloaded into
         the cache at `revision`, conveyor/hub.py); None: the default model. tokenizer: a
-        folder, .gguf file or Hub id whose tokenizer replaces the checkpoint's."""
+        folder, .gguf file or Hub id whose tokenizer replaces the checkpoint's.
+        disable_sliding_window: full attention on every layer, the context capped at the
+        smallest window, within which a window hides nothing (vLLM's)."""
         path = checkpoint_path(model, revision, download_dir, load_format)
         facts = checkpoint_facts(path, hf_overrides)
         resolved_dtype = _resolve_dtype(dtype, facts["saved_dtype"], device)
+        parts = Parts.from_dict(facts["parts"])
+        limit, bound = facts["max_position_embeddings"], "the model's max_position_embeddings"
+        if disable_sliding_window and any(parts.windows):
+            window = min(w for w in parts.windows if w)
+            if window < limit:
+                limit, bound = window, "the sliding window, with --disable-sliding-window"
+            parts = dataclasses.replace(parts, windows=())
         return cls(
             path=path,
             architecture=facts["architecture"],
@@ -142,14 +152,14 @@ class ModelConfig:
             tie_word_embeddings=facts["tie_word_embeddings"],
             qkv_bias=facts["qkv_bias"],
             qk_norm=facts["qk_norm"],
-            max_model_len=_resolve_max_len(facts["max_position_embeddings"], max_model_len),
+            max_model_len=_resolve_max_len(limit, max_model_len, bound),
             eos_token_ids=frozenset(facts["eos_token_ids"]),
             rope_inv_freq=tuple(facts["rope_inv_freq"]),
             rope_scaling=facts["rope_scaling"],
             quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
             tokenizer=_resolve_tokenizer(tokenizer, tokenizer_revision, download_dir),
             batch_invariant=bool(batch_invariant),
-            parts=Parts.from_dict(facts["parts"]),
+            parts=parts,
             hub_id=None if model is None or _local(model) is not None else str(model),
         )
 
@@ -432,13 +442,14 @@ def _warn_dequantized(path: Path, dtype: str, device: str) -> None:
     )
 
 
-def _resolve_max_len(limit: int, max_model_len: int | None) -> int:
+def _resolve_max_len(
+    limit: int, max_model_len: int | None, bound: str = "the model's max_position_embeddings"
+) -> int:
     if max_model_len is None:
         return limit
     if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
         raise ValueError(
-            f"max_model_len must be an integer in [1, {limit}] (the model's "
-            f"max_position_embeddings), got {max_model_len!r}"
+            f"max_model_len must be an integer in [1, {limit}] ({bound}), got {max_model_len!r}"
         )
     return max_model_len
 

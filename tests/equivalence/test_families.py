@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DEVICE_KWARGS, hf_greedy, random_prompts
 from tiny import FAMILIES, make_tiny_checkpoint
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from conveyor import LLMEngine, SamplingParams
 
@@ -106,6 +106,33 @@ def test_preemption_prefix_hits_and_speculation_match_transformers(family):
     assert stats.spec.num_draft_tokens > 0
     assert_reference(name, done, reference)
     assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
+
+
+def test_without_its_sliding_window_a_model_serves_up_to_its_window_with_its_tokens(tmp_path):
+    """disable_sliding_window (vLLM's): full attention, the context capped at the smallest
+    window, inside which a window hides nothing: transformers' tokens (it slides), a request
+    that would pass the window refused, a longer max_model_len a ValueError naming the
+    window; a model with global layers (Gemma 2) capped at its local layers' window."""
+    path = make_tiny_checkpoint(tmp_path / "mistral", "mistral-window")
+    reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    prompt = [5, 17, 42, 9]  # and 3 tokens: the window, all of it
+    [(tokens, _)] = hf_greedy(reference_model, [prompt], 3)
+    engine = LLMEngine(
+        str(path), dtype="float64", **DEVICE_KWARGS, block_size=4, disable_sliding_window=True
+    )
+    assert engine.kv_cache.sliding_window == 0 and engine.max_model_len == 7
+    assert not any(engine.model_config.parts.windows)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    done = run(engine, [("short", prompt, params)])
+    assert done["short"].token_ids == tokens
+    with pytest.raises(ValueError, match="context length 7"):  # past the window
+        engine.add_request("long", prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"\[1, 7\] \(the sliding window"):
+        LLMEngine(str(path), dtype="float64", max_model_len=8, disable_sliding_window=True)
+    gemma = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2")
+    window = AutoConfig.from_pretrained(gemma).sliding_window
+    capped = LLMEngine(str(gemma), dtype="float64", num_blocks=64, disable_sliding_window=True)
+    assert capped.max_model_len == window and capped.kv_cache.sliding_window == 0
 
 
 def test_a_windowed_request_holds_only_its_window_of_blocks(tmp_path):

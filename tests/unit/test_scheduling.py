@@ -155,6 +155,29 @@ def test_the_default_budget_lets_the_first_of_many_prompts_decode_while_the_rest
     assert (given.max_num_batched_tokens, given.base_batched_tokens) == (96, None)
 
 
+def test_a_long_prefill_threshold_lets_several_prompts_share_each_step(model_path, reference):
+    """long_prefill_token_threshold 48 (vLLM's): no request adds more than 48 tokens to a
+    step, so three 120-token prompts arriving together each prefill 48 + 48 + 24 in the
+    first three steps side by side (without it the first takes the whole budget's share);
+    the outputs stay transformers'."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(120)] for _ in range(3)]
+    engine = make_engine(model_path, max_num_batched_tokens=160, long_prefill_token_threshold=48)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(6))
+    done = run_to_completion(engine)
+    for i, prompt in enumerate(prompts):
+        assert tokens(done, str(i)) == reference(prompt, 6)
+    steps = [s.num_scheduled_tokens for s in engine.trace]
+    assert steps[:3] == [{"0": 48, "1": 48, "2": 48}] * 2 + [{"0": 24, "1": 24, "2": 24}]
+    assert all(n <= 48 for step in steps for n in step.values())
+    plain = make_engine(model_path, max_num_batched_tokens=160)
+    for i, prompt in enumerate(prompts):
+        plain.add_request(str(i), prompt, greedy(6))
+    run_to_completion(plain)
+    assert plain.trace[0].num_scheduled_tokens == {"0": 120, "1": 40}
+
+
 # ---- 1. preemption by recompute ------------------------------------------------------------
 
 
