@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -15,12 +16,16 @@ from conveyor.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, P
 from conveyor.entrypoints.serve_line import (
     add_serve_line_args,
     check_serve_line,
+    compilation_eager,
     cors_settings,
     load_chat_template,
+    refused_flags,
     request_logger,
+    server_defaults,
     ssl_settings,
     take_model_flag,
     use_chat_template,
+    uvicorn_settings,
     with_config_file,
 )
 
@@ -60,6 +65,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from conveyor.lora.request import local_lora_modules
 
+    if isinstance(args.hf_token, str):  # read by huggingface_hub here and in the core
+        os.environ["HF_TOKEN"] = args.hf_token
+    if compilation_eager(args.compilation_config):
+        args.enforce_eager = True
     args.lora_modules = local_lora_modules(args.lora_modules, args.download_dir)
     settings = engine_args(args)
     ray = args.distributed_executor_backend == "ray"
@@ -92,13 +101,7 @@ def _serve(args: argparse.Namespace, settings: EngineArgs, started=None) -> int:
     from conveyor.entrypoints.openai.api_server import run_server
 
     return run_server(
-        app,
-        args.host,
-        args.port,
-        args.log_level,
-        args.graceful_timeout,
-        ssl_settings(args),
-        access_log=not args.disable_uvicorn_access_log,
+        app, args.host, args.port, args.log_level, args.graceful_timeout, **uvicorn_settings(args)
     )
 
 
@@ -197,13 +200,16 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         cors=cors_settings(args),
         docs=not args.disable_fastapi_docs,
         root_path=args.root_path,
-        tokens_as_ids=args.return_tokens_as_token_ids,
-        force_include_usage=args.enable_force_include_usage,
+        defaults=server_defaults(args),
         request_logger=request_logger(args),
         request_id_headers=args.enable_request_id_headers,
+        load_tracking=args.enable_server_load_tracking,
+        middleware=args.middleware,
     )
     name = app.state.metrics.model_name
     base = f"{'https' if ssl_settings(args) else 'http'}://{args.host}:{args.port}"
+    if args.uds is not None:
+        base = f"http+unix://{args.uds}"
     print(f"conveyor: serving {name!r} on {base}/v1", flush=True)
     plan = _kernel_plan(engine)
     if plan:  # model/plan.py: which kernel and instruction set each op takes, chosen at load
@@ -434,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             argv = ["serve", *with_config_file(argv[1:], _subparser(parser, "serve"))]
     except ValueError as error:
         parser.error(str(error))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a vLLM flag conveyor refuses says why; any other is argparse's usage error
+        parser.error(refused_flags(unknown) or f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.func is cmd_serve:
             take_model_flag(args)

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from conveyor.entrypoints.openai.chat_content import CONTENT_FORMATS
+
 
 def _json_list(text: str) -> list[str]:
     try:
@@ -205,6 +207,209 @@ def add_serve_line_args(group) -> None:
         default=1,
         help="1 only: a model splits over ranks by --tensor-parallel-size",
     )
+    _add_chat_args(group)
+    _add_http_args(group)
+    for flags, keywords, why in _ACCEPTED:
+        group.add_argument(*flags, **keywords, help=f"accepted: {why}")
+
+
+def _add_chat_args(group) -> None:
+    group.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="the chat template's variables for the requests that do not set them, e.g. "
+        "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)",
+    )
+    group.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default="auto",
+        help="how a message's content reaches the chat template: string (its text parts "
+        'one to a line), openai (a list of {"type": "text", "text": ...} parts), auto: openai '
+        "for a template that loops over a message's content, else string",
+    )
+    group.add_argument(
+        "--expand-tools-even-if-tool-choice-none",
+        action="store_true",
+        help='a request\'s tools reach the chat template even with tool_choice "none" (the '
+        "model is told of them, and calls none); by default they are left out",
+    )
+    group.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='accepted: with tool_choice "none" the tools are left out of the prompt unless '
+        "--expand-tools-even-if-tool-choice-none",
+    )
+    group.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="with --enable-log-requests: log every request's output as it finishes (its "
+        "text and token ids, cut to --max-log-len, and finish reason)",
+    )
+
+
+def _add_http_args(group) -> None:
+    group.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help='serve GET /load: {"server_load": N}, the generating and embedding requests in '
+        "progress, for a load balancer",
+    )
+    group.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="IMPORT.PATH",
+        help="an ASGI middleware class or an async HTTP middleware function (request, "
+        "call_next) to add to the app, by import path; repeatable",
+    )
+    group.add_argument(
+        "--uds", default=None, metavar="PATH", help="listen on this Unix socket, not host:port"
+    )
+    group.add_argument(
+        "--log-config-file",
+        default=None,
+        metavar="FILE",
+        help="a logging configuration (JSON or YAML dictConfig, or INI) for the server's "
+        "loggers, uvicorn's included",
+    )
+    group.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="the largest request line and header block a connection may send (uvicorn's; "
+        "default 16 KiB)",
+    )
+    group.add_argument(
+        "--hf-token",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="TOKEN",
+        help="the Hugging Face token models named by their Hub id are downloaded with "
+        "(without a value: the one `hf auth login` saved, as by default)",
+    )
+    group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="1 only: one front-end process serves the API (it imports no torch and runs "
+        "no model: the engine core does, in its own process)",
+    )
+    group.add_argument(
+        "-O",
+        "--compilation-config",
+        default=None,
+        metavar="LEVEL|JSON",
+        help="vLLM's optimization level or compilation settings: 0, or '{\"cudagraph_mode\": "
+        '"NONE"}\', or \'{"level": 0}\', runs every CUDA step eagerly (--enforce-eager); '
+        "the rest is accepted: conveyor's CPU kernels are compiled ahead, and on CUDA a "
+        "decode step replays a CUDA graph by default",
+    )
+
+
+# vLLM flags that ask for what conveyor does anyway, or that tune what it has no such part
+# for: accepted, each with why (shown as its help).
+_ACCEPTED: tuple[tuple[tuple[str, ...], dict, str], ...] = (
+    (
+        ("--async-scheduling",),
+        {"action": "store_true"},
+        "the engine core schedules the next step while the front end detokenizes and "
+        "streams the last one, in its own process",
+    ),
+    (
+        ("--limit-mm-per-prompt",),
+        {"type": _json_object, "metavar": "JSON"},
+        "the models conveyor serves read text only, so a prompt carries no images, audio or "
+        "video (a content part of another type is a 400)",
+    ),
+    (
+        ("--disable-frontend-multiprocessing",),
+        {"action": "store_true"},
+        "the front end is one process; --no-engine-process runs the engine core on its thread",
+    ),
+    (
+        ("--enable-tokenizer-info-endpoint",),
+        {"action": "store_true"},
+        "GET /tokenizer_info is always served (behind --api-key)",
+    ),
+    (
+        ("--cuda-graph-sizes",),
+        {"nargs": "+", "type": int, "metavar": "N"},
+        "on CUDA a decode step's graph is captured at the first step of each batch size",
+    ),
+    (
+        ("--max-seq-len-to-capture",),
+        {"type": int, "metavar": "N"},
+        "a CUDA graph replays decode steps of any context length",
+    ),
+    (
+        ("--max-parallel-loading-workers",),
+        {"type": int, "metavar": "N"},
+        "weights load in one pass, memory-mapped",
+    ),
+    (
+        ("--disable-custom-all-reduce",),
+        {"action": "store_true"},
+        "tensor parallelism reduces with torch.distributed (gloo on CPU, NCCL on CUDA)",
+    ),
+    (
+        ("--disable-cascade-attn",),
+        {"action": "store_true"},
+        "conveyor has no cascade attention: each request reads its own KV blocks",
+    ),
+    (
+        ("--kv-sharing-fast-prefill",),
+        {"action": "store_true"},
+        "no layer shares another's KV cache in the families conveyor serves",
+    ),
+    (
+        ("--prefix-caching-hash-algo",),
+        {"metavar": "NAME"},
+        "a block's key is a sha256 of its prefix and its tokens, compared themselves on a hit: "
+        "no collision can serve another prefix's KV",
+    ),
+    (
+        ("--show-hidden-metrics-for-version",),
+        {"metavar": "VERSION"},
+        "/metrics shows vLLM's metric names, none hidden",
+    ),
+    (
+        ("--model-impl",),
+        {"choices": ["auto", "vllm", "transformers"]},
+        "each family is conveyor's own code, tested to give transformers' tokens in float64",
+    ),
+    (
+        ("--lora-dtype",),
+        {"metavar": "DTYPE"},
+        "adapters run in the model's compute dtype",
+    ),
+    (
+        ("--fully-sharded-loras",),
+        {"action": "store_true"},
+        "LoRA runs without tensor parallelism (--enable-lora needs --tensor-parallel-size 1)",
+    ),
+    (
+        ("--max-num-partial-prefills", "--max-long-partial-prefills"),
+        {"type": int, "metavar": "N"},
+        "prompts share each step's token budget in admission order, as in vLLM's V1 engine",
+    ),
+    (
+        ("--logprobs-mode",),
+        {"choices": ["raw_logprobs"]},
+        "logprobs are the model's own distribution, before temperature, penalties or "
+        "top-k/p (vLLM's default); the other modes are not served",
+    ),
+    (
+        ("--config-format",),
+        {"choices": ["auto", "hf"]},
+        "a checkpoint's config.json (or a GGUF file's header) is read as transformers reads it",
+    ),
+)
 
 
 def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -292,12 +497,75 @@ def check_serve_line(args: argparse.Namespace) -> str | None:
         return "--ssl-keyfile and --ssl-certfile go together: HTTPS needs both"
     if args.max_log_len is not None and args.max_log_len < 0:
         return f"--max-log-len must be >= 0, got {args.max_log_len}"
+    if args.api_server_count != 1:
+        return (
+            f"--api-server-count {args.api_server_count}: one front-end process serves the "
+            "API; --data-parallel-size adds engine cores behind it"
+        )
+    if args.enable_log_outputs and not args.enable_log_requests:
+        return "--enable-log-outputs goes with --enable-log-requests"
+    if args.log_config_file is not None and not Path(args.log_config_file).is_file():
+        return f"--log-config-file {args.log_config_file}: no such file"
+    if args.uds is not None and args.ssl_certfile is not None:
+        return "--uds serves plain HTTP on a Unix socket: leave out --ssl-certfile"
     if args.pipeline_parallel_size != 1:
         return (
             f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is "
             "not supported; --tensor-parallel-size splits a model over ranks"
         )
     return None
+
+
+def compilation_eager(value: str | None) -> bool:
+    """Whether -O / --compilation-config asks for no CUDA graphs: level 0, or cudagraph_mode
+    NONE; as a level, '{"level": 0, ...}' or vLLM's dotted '.cudagraph_mode=NONE'. ValueError
+    for a value that is none of these forms."""
+    if value is None:
+        return False
+    text = value.strip()
+    if text.isdigit():
+        return int(text) == 0
+    if text.startswith("."):
+        key, sep, setting = text[1:].partition("=")
+        if not sep:
+            raise ValueError(f"-O {value}: a dotted setting is .name=value")
+        settings: dict[str, Any] = {key: setting}
+    else:
+        try:
+            settings = json.loads(text)
+        except ValueError:
+            settings = None
+        if not isinstance(settings, dict):
+            raise ValueError(f"--compilation-config {value!r}: give a level (0-3) or a JSON object")
+    level = settings.get("level", settings.get("mode"))
+    graphs = str(settings.get("cudagraph_mode", "")).upper()
+    return str(level) == "0" or graphs == "NONE"
+
+
+def uvicorn_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's keywords for these flags."""
+    settings: dict[str, Any] = {"access_log": not args.disable_uvicorn_access_log}
+    settings.update(ssl_settings(args))
+    if args.uds is not None:
+        settings["uds"] = args.uds
+    if args.log_config_file is not None:
+        settings["log_config"] = args.log_config_file
+    if args.h11_max_incomplete_event_size is not None:
+        settings["h11_max_incomplete_event_size"] = args.h11_max_incomplete_event_size
+    return settings
+
+
+def server_defaults(args: argparse.Namespace):
+    """What these flags set on every request (serving.ServerDefaults)."""
+    from conveyor.entrypoints.openai.serving import ServerDefaults
+
+    return ServerDefaults(
+        tokens_as_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
+        chat_template_kwargs=args.default_chat_template_kwargs,
+        content_format=args.chat_template_content_format,
+        tools_when_none=args.expand_tools_even_if_tool_choice_none,
+    )
 
 
 def request_logger(args: argparse.Namespace):
@@ -315,7 +583,7 @@ def request_logger(args: argparse.Namespace):
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
-    return RequestLogger(args.max_log_len)
+    return RequestLogger(args.max_log_len, args.enable_log_outputs)
 
 
 def load_chat_template(value: str) -> str:
@@ -372,3 +640,64 @@ def ssl_settings(args: argparse.Namespace) -> dict[str, Any]:
         "ssl_ca_certs": args.ssl_ca_certs,
         "ssl_cert_reqs": args.ssl_cert_reqs,
     }
+
+
+# vLLM flags that ask for what conveyor cannot do: refused, each with why, where argparse
+# would only call them unrecognized.
+VLLM_REFUSED = {
+    "--enable-sleep-mode": "there is no sleep mode (the weights stay loaded; the KV cache is "
+    "--kv-cache-memory's)",
+    "--cpu-offload-gb": "weights are not offloaded: a CUDA model lives on the GPU, a CPU model "
+    "in memory",
+    "--kv-transfer-config": "no disaggregated prefill: one engine prefills and decodes",
+    "--kv-events-config": "the KV cache publishes no events (its state is on /dashboard)",
+    "--otlp-traces-endpoint": "no OpenTelemetry tracing (per-request timings are in /metrics)",
+    "--collect-detailed-traces": "no OpenTelemetry tracing",
+    "--enable-expert-parallel": "experts are split like every projection, by "
+    "--tensor-parallel-size",
+    "--enable-eplb": "no expert parallelism to balance",
+    "--headless": "each replica's engine core runs behind this server's front end",
+    "--data-parallel-address": "replicas on other nodes are placed by Ray "
+    "(--distributed-executor-backend ray --ray-address)",
+    "--data-parallel-rpc-port": "replicas on other nodes are placed by Ray",
+    "--data-parallel-size-local": "replicas on other nodes are placed by Ray",
+    "--data-parallel-start-rank": "replicas on other nodes are placed by Ray",
+    "--data-parallel-backend": "--distributed-executor-backend mp or ray places the replicas",
+    "--task": "the model generates, and /v1/embeddings serves its hidden states; there are "
+    "no classify, score or reward models",
+    "--runner": "the model generates, and /v1/embeddings serves its hidden states",
+    "--convert": "the model generates, and /v1/embeddings serves its hidden states",
+    "--calculate-kv-scales": "the fp8 KV cache (--kv-cache-dtype fp8) needs no scales: its "
+    "values are clamped to +-448",
+    "--enable-prompt-embeds": "prompts are text or token ids",
+    "--tool-server": "no built-in tools (browsing, Python) for the Responses API",
+    "--tool-parser-plugin": "parsers are conveyor's own, by vLLM's names (--tool-call-parser)",
+    "--reasoning-parser-plugin": "parsers are conveyor's own, by vLLM's names (--reasoning-parser)",
+    "--mm-processor-kwargs": "the models conveyor serves read text only",
+    "--mm-encoder-tp-mode": "the models conveyor serves read text only",
+    "--allowed-local-media-path": "the models conveyor serves read text only",
+    "--hf-config-path": "the config is the checkpoint's own (change fields with --hf-overrides)",
+    "--code-revision": "conveyor runs no code from a checkpoint",
+    "--rope-scaling": "vLLM has dropped it: give --hf-overrides '{\"rope_scaling\": {...}}'",
+    "--rope-theta": "vLLM has dropped it: give --hf-overrides '{\"rope_theta\": ...}'",
+    "--speculative-model": "vLLM has dropped it: give --speculative-config "
+    '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'',
+    "--num-speculative-tokens": "vLLM has dropped it: give --speculative-config",
+    "--num-scheduler-steps": "vLLM has dropped it: every step is scheduled",
+    "--tokenizer-pool-size": "vLLM has dropped it: prompts are tokenized on two threads",
+    "--preemption-mode": "a preempted request is recomputed (vLLM's V1 engine too)",
+    "--multi-step-stream-outputs": "vLLM has dropped it",
+    "--enable-lora-bias": "LoRA adapters with bias terms are not served",
+}
+
+
+def refused_flags(unknown: list[str]) -> str | None:
+    """The message for the first of these unrecognized arguments that is a vLLM flag conveyor
+    refuses, or None."""
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--no-"):
+            flag = "--" + flag[5:]
+        if flag in VLLM_REFUSED:
+            return f"vLLM's {flag} is not supported by conveyor: {VLLM_REFUSED[flag]}"
+    return None

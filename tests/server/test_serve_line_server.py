@@ -9,8 +9,13 @@ conveyor already does start it; a model named by its Hub id is served from the c
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -22,11 +27,14 @@ from transformers import AutoTokenizer
 MODEL = "tiny"
 ALIAS = "tiny-alias"  # a second served name
 UI = "http://ui.test"
-# Not the tiny model's ChatML: every turn as "role:content", and "bot:" to reply.
+# Not the tiny model's ChatML: every turn as "role:content", "bot:" to reply, and the
+# variable `greet` (--default-chat-template-kwargs sets it) in front.
 TEMPLATE = (
+    "{% if greet is defined %}{{ greet }}|{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}:{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>bot:{% endif %}"
 )
+GZIP = "starlette.middleware.gzip.GZipMiddleware"  # an ASGI middleware class, by import path
 HI = [{"role": "user", "content": "Hi there"}]
 
 
@@ -44,7 +52,11 @@ def server(tiny_checkpoint, tmp_path_factory):
         "--kv-cache-memory 32MiB --root-path /api --return-tokens-as-token-ids "
         "--enable-force-include-usage --enable-log-requests --max-log-len 12 "
         "--enable-request-id-headers --disable-uvicorn-access-log "
-        '--structured-outputs-config {"backend":"xgrammar"} --guided-decoding-backend xgrammar'
+        '--structured-outputs-config {"backend":"xgrammar"} --guided-decoding-backend xgrammar '
+        '--default-chat-template-kwargs {"greet":"hey"} --enable-log-outputs '
+        f"--enable-server-load-tracking --middleware {GZIP} --async-scheduling -O3 "
+        '--limit-mm-per-prompt {"image":0} --long-prefill-token-threshold 64 '
+        "--expand-tools-even-if-tool-choice-none"
     )
     with pytest.raises(RuntimeError, match="not both"):  # a GPU share and a KV size at once
         ServerProcess(line.split(), folder / "refused.log")
@@ -62,12 +74,23 @@ def client(server):
 def test_chats_render_with_the_given_template(server, tiny_checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
     text = "<|im_start|>user:Hi there<|im_end|>\n<|im_start|>bot:"
-    expected = tokenizer(text, add_special_tokens=False).input_ids
-    body = {"model": MODEL, "messages": HI}
-    response = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30)
-    assert response.status_code == 200 and response.json()["tokens"] == expected
+
+    def tokenized(body: dict) -> list[int]:
+        response = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    expected = ids(f"hey|{text}")  # the server's default template variables
+    assert tokenized({"model": MODEL, "messages": HI}) == expected
     chatml = tokenizer.apply_chat_template(HI, add_generation_prompt=True)
     assert chatml != expected  # the model's own template would have rendered another prompt
+    own = {"model": MODEL, "messages": HI, "chat_template_kwargs": {"greet": "yo"}}
+    assert tokenized(own) == ids(f"yo|{text}")  # a request's own win
+    parts = [{"role": "user", "content": [{"type": "text", "text": t} for t in ("Hi", "there")]}]
+    assert tokenized({"model": MODEL, "messages": parts}) == ids(f"hey|{text}".replace(" ", "\n"))
 
 
 def test_replies_take_the_response_role_where_a_generation_prompt_is_added(client):
@@ -126,7 +149,8 @@ def test_each_request_is_logged_as_it_reaches_the_engine(server, client):
     reply = client.completions.create(
         model=MODEL, prompt=["Hello there, my dear friend", "Bye"], max_tokens=2, seed=41
     )
-    lines = [line for line in server.log_path.read_text().splitlines() if reply.id[:-2] in line]
+    log = server.log_path.read_text().splitlines()
+    lines = [line for line in log if f"Received request {reply.id[:-2]}" in line]
     assert len(lines) == 2, lines
     first = next(line for line in lines if f"{reply.id[:-2]}-0:" in line)
     assert "prompt: 'Hello there,'" in first and "seed=41" in first and "max_tokens=2" in first
@@ -219,3 +243,108 @@ def test_a_model_named_by_its_hub_id_serves_from_the_cache_under_that_name(
         assert proc.stop() == 0
     with pytest.raises(RuntimeError, match="not a local path nor in the Hugging Face cache"):
         ServerProcess(["tiny-org/absent", "--download-dir", str(cache)], tmp_path / "absent.log")
+
+
+def test_each_output_is_logged_as_it_finishes(server, client):
+    """--enable-log-outputs: a line per finished sequence, its text and token ids (cut to
+    --max-log-len 12) and its finish reason; a stream's deltas gathered into one."""
+    for stream in (False, True):
+        reply = client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=14, n=2, stream=stream, seed=3, temperature=1
+        )
+        if stream:
+            request_id = next(iter(reply)).id
+            list(reply)
+        else:
+            request_id = reply.id
+        log = server.log_path.read_text().splitlines()
+        lines = [line for line in log if f"Generated response {request_id}" in line]
+        assert len(lines) == 2, (request_id, log[-6:])
+        for line in lines:
+            assert line.startswith("INFO:") and "finish_reason: length" in line
+            ids = line.split("output_token_ids: [")[1].split("]")[0].split(", ")
+            assert len(ids) == 12  # 14 generated, cut to 12
+
+
+def test_the_load_counts_the_requests_in_progress(server, client):
+    """--enable-server-load-tracking: GET /load is 0 idle and counts a request in progress."""
+    url = f"{server.base_url}/load"
+    assert httpx.get(url, timeout=30).json() == {"server_load": 0}
+    long = {"max_tokens": 400, "extra_body": {"ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(client.completions.create, model=MODEL, prompt="Hi", **long)
+        seen = set()
+        while not reply.done():
+            seen.add(httpx.get(url, timeout=30).json()["server_load"])
+        assert reply.result().usage.completion_tokens == 400
+    assert 1 in seen and seen <= {0, 1}
+    assert httpx.get(url, timeout=30).json() == {"server_load": 0}
+
+
+def test_the_operators_middleware_and_tools_shown_despite_tool_choice_none(server, client):
+    """--middleware GZipMiddleware compresses a large answer for a client that accepts gzip;
+    --expand-tools-even-if-tool-choice-none renders a request's tools with tool_choice none
+    (this template knows no tools: they come as a system message)."""
+    body = {"model": MODEL, "prompt": "Hi " * 200}
+    url = f"{server.base_url}/tokenize"
+    zipped = httpx.post(url, json=body, headers={"Accept-Encoding": "gzip"}, timeout=30)
+    assert zipped.headers["content-encoding"] == "gzip" and len(zipped.json()["tokens"]) >= 200
+    plain = httpx.post(url, json=body, headers={"Accept-Encoding": "identity"}, timeout=30)
+    assert "content-encoding" not in plain.headers
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    bare = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
+    told = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=1, tools=[tool], tool_choice="none"
+    )
+    assert told.usage.prompt_tokens > bare.usage.prompt_tokens + 10
+
+
+def test_a_unix_socket_and_a_logging_configuration(tiny_checkpoint, tmp_path):
+    """--uds: the API on a Unix socket; --log-config-file: uvicorn's lines in the operator's
+    format and file."""
+    socket, log_file = tmp_path / "api.sock", tmp_path / "uvicorn.log"
+    config = tmp_path / "logging.json"
+    config.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "disable_existing_loggers": False,
+                "formatters": {"mine": {"format": "MINE %(levelname)s %(message)s"}},
+                "handlers": {
+                    "file": {
+                        "class": "logging.FileHandler",
+                        "filename": str(log_file),
+                        "formatter": "mine",
+                    }
+                },
+                "loggers": {"uvicorn": {"handlers": ["file"], "level": "INFO"}},
+            }
+        )
+    )
+    args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--served-model-name", MODEL]
+    args += ["--kv-cache-memory", "32MiB", "--uds", str(socket), "--log-config-file", str(config)]
+    server_log = tmp_path / "server.log"
+    with open(server_log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "conveyor.cli", "serve", *args], stdout=out, stderr=out
+        )
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), timeout=30)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, server_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready on the socket"
+            try:
+                if http.get("http://localhost/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+        reply = http.post("http://localhost/v1/completions", json=body)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    lines = log_file.read_text().splitlines()
+    assert any(line.startswith("MINE INFO") and "startup complete" in line for line in lines)
+    assert f"http+unix://{socket}/v1" in server_log.read_text()

@@ -252,7 +252,8 @@ def test_documented_harmless_hints_are_accepted(server):
     assert post(server, CHAT, body).status_code == 200
 
 
-def test_non_text_content_parts_are_refused_and_text_parts_are_joined(server):
+def test_non_text_content_parts_are_refused_and_text_parts_are_joined_one_to_a_line(server):
+    """As vLLM joins a message's text parts for a template that reads a string."""
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     body = {"model": MODEL, "messages": [{"role": "user", "content": [image]}]}
     assert_error(post(server, CHAT, body), 400, "image_url", "not supported")
@@ -263,7 +264,7 @@ def test_non_text_content_parts_are_refused_and_text_parts_are_joined(server):
         url, json={"messages": [{"role": "user", "content": parts}]}, headers=headers
     )
     as_text = httpx.post(
-        url, json={"messages": [{"role": "user", "content": "Hello"}]}, headers=headers
+        url, json={"messages": [{"role": "user", "content": "Hel\nlo"}]}, headers=headers
     )
     assert as_parts.json()["tokens"] == as_text.json()["tokens"]
 

@@ -11,10 +11,16 @@ from conveyor.cli import _subparser, build_parser
 from conveyor.engine.core import cuda_kv_budget
 from conveyor.engine_args import EngineArgs
 from conveyor.entrypoints.args import engine_args
+from conveyor.entrypoints.openai.chat_content import message_dict, resolve_content_format
+from conveyor.entrypoints.openai.protocol import ChatMessage
 from conveyor.entrypoints.serve_line import (
+    VLLM_REFUSED,
     check_serve_line,
+    compilation_eager,
     load_chat_template,
+    refused_flags,
     take_model_flag,
+    uvicorn_settings,
     with_config_file,
 )
 
@@ -117,3 +123,119 @@ def test_model_as_a_flag_and_what_a_config_file_cannot_say(tmp_path):
             serve_args(["--config", str(config)])
     with pytest.raises(ValueError, match="--config"):
         serve_args(["--config", str(tmp_path / "absent.yaml")])
+
+
+def test_more_of_a_vllm_serve_line_parses_and_each_value_is_checked(tmp_path):
+    """vLLM flags a recipe's serve line carries: the ones conveyor does take effect, the ones
+    it has no part for are accepted with their values checked, and the rest are refused
+    with why (not as unrecognized)."""
+    log_config = tmp_path / "logging.json"
+    log_config.write_text("{}")
+    args = serve_args(
+        [
+            "/models/a", "--async-scheduling", "--limit-mm-per-prompt", '{"image": 0}',
+            "--disable-frontend-multiprocessing", "--enable-tokenizer-info-endpoint",
+            "--max-num-partial-prefills", "1", "--model-impl", "vllm", "-O3",
+            "--cuda-graph-sizes", "1", "2", "4", "--prefix-caching-hash-algo", "sha256_cbor",
+            "--num-gpu-blocks-override", "77", "--long-prefill-token-threshold", "256",
+            "--kv-sharing-fast-prefill", "--logprobs-mode", "raw_logprobs",
+            "--default-chat-template-kwargs", '{"enable_thinking": false}',
+            "--uds", "/tmp/conveyor.sock", "--log-config-file", str(log_config),
+            "--h11-max-incomplete-event-size", "65536", "--disable-sliding-window",
+            "--enable-log-requests", "--enable-log-outputs", "--enable-server-load-tracking",
+            "--middleware", "a.B", "--middleware", "c.d", "--hf-token",
+        ]
+    )  # fmt: skip
+    assert check_serve_line(args) is None
+    settings = engine_args(args)
+    assert settings.num_blocks == 77 and settings.long_prefill_token_threshold == 256
+    assert (
+        settings.disable_sliding_window
+        and settings.scheduler_config().long_prefill_token_threshold == 256
+    )
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    assert args.middleware == ["a.B", "c.d"] and args.hf_token is True
+    assert uvicorn_settings(args) == {
+        "access_log": True,
+        "uds": "/tmp/conveyor.sock",
+        "log_config": str(log_config),
+        "h11_max_incomplete_event_size": 65536,
+    }
+    assert engine_args(serve_args(["--kv-cache-memory-bytes", "64MiB"])).kv_cache_memory == "64MiB"
+    for line, message in [
+        (["--api-server-count", "4"], "one front-end process"),
+        (["--enable-log-outputs"], "goes with --enable-log-requests"),
+        (["--log-config-file", str(tmp_path / "absent.json")], "no such file"),
+        (["--uds", "s", "--ssl-keyfile", "k", "--ssl-certfile", "c"], "plain HTTP"),
+    ]:
+        assert message in check_serve_line(serve_args(line)), line
+    for line in (["--logprobs-mode", "processed_logits"], ["--model-impl", "x"]):
+        with pytest.raises(SystemExit):
+            serve_args(line)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an int >= 0"):
+        EngineArgs(long_prefill_token_threshold=-1)
+
+
+def test_vllm_flags_conveyor_cannot_honour_are_refused_with_why(capsys):
+    from conveyor.cli import main
+
+    assert refused_flags(["--enable-sleep-mode"]).startswith(
+        "vLLM's --enable-sleep-mode is not supported by conveyor: there is no sleep mode"
+    )
+    assert "--hf-overrides" in refused_flags(["x", "--rope-theta=1e6"])
+    assert refused_flags(["--no-enable-eplb"]) is not None
+    assert refused_flags(["--not-a-vllm-flag"]) is None
+    for message in VLLM_REFUSED.values():
+        assert message and not message.endswith(".")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/models/a", "--cpu-offload-gb", "4"])
+    assert exit_info.value.code == 2
+    assert "vLLM's --cpu-offload-gb is not supported" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_compilation_settings_ask_for_eager_steps_only_at_level_0_or_without_graphs():
+    for value in ("0", ' {"level": 0}', '{"mode": 0}', '{"cudagraph_mode": "NONE"}',
+                  ".cudagraph_mode=none", ".level=0"):  # fmt: skip
+        assert compilation_eager(value), value
+    for value in (None, "3", '{"level": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}', ".level=3"):
+        assert not compilation_eager(value), value
+    for value in ("fast", "[0]", ".level"):
+        with pytest.raises(ValueError):
+            compilation_eager(value)
+
+
+GEMMA3_LIKE = (  # loops over a message's parts, as Gemma 3's, Llama 4's templates do
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] | selectattr('type', 'equalto', 'text') %}"
+    "[{{ part.text }}]{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def test_a_template_that_loops_over_parts_gets_parts_and_others_a_string():
+    assert resolve_content_format("auto", GEMMA3_LIKE) == "openai"
+    assert resolve_content_format("auto", "{% for p in message.content %}{% endfor %}") == (
+        "openai"
+    )
+    assert resolve_content_format("auto", "{% for m in messages %}{{ m.content }}{% endfor %}") == (
+        "string"
+    )
+    assert resolve_content_format("string", GEMMA3_LIKE) == "string"
+    assert resolve_content_format("auto", "{% for x in %}") == "string"  # rendering says why
+    two = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    parts = ChatMessage(role="user", content=two)
+    assert message_dict(parts)["content"] == "a\nb"  # joined one to a line, as vLLM's
+    assert message_dict(parts, fmt="openai")["content"] == [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b"},
+    ]
+    one = ChatMessage(role="user", content="hi")
+    assert message_dict(one, fmt="openai")["content"] == [{"type": "text", "text": "hi"}]
+    tool = ChatMessage(role="tool", tool_call_id="c1", content=two)
+    assert message_dict(tool, fmt="openai")["content"] == "a\nb"  # a tool's reply: a string
+    empty = ChatMessage(role="assistant", content=None)
+    assert (
+        message_dict(empty)["content"] == "" and message_dict(empty, fmt="openai")["content"] == []
+    )

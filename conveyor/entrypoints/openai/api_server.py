@@ -51,6 +51,7 @@ from conveyor.entrypoints.openai.protocol import (
 )
 from conveyor.entrypoints.openai.responses.routes import add_response_routes
 from conveyor.entrypoints.openai.responses.store import StoreLimits
+from conveyor.entrypoints.openai.server_load import add_load_tracking, add_middleware
 from conveyor.entrypoints.openai.serving import OpenAIServing, RequestLogger, ServerDefaults
 from conveyor.entrypoints.openai.vllm_routes import (
     PROBES,
@@ -104,10 +105,11 @@ def build_app(
     cors: dict | None = None,
     docs: bool = True,
     root_path: str = "",
-    tokens_as_ids: bool = False,
-    force_include_usage: bool = False,
+    defaults: ServerDefaults | None = None,
     request_logger: RequestLogger | None = None,
     request_id_headers: bool = False,
+    load_tracking: bool = False,
+    middleware: list[str] | None = None,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -120,12 +122,12 @@ def build_app(
     are logged and ignored, as vLLM does, instead of refused with a 400 naming them.
     response_role: a chat reply's role where the request adds a generation prompt. cors:
     CORSMiddleware's keywords (None: no CORS headers). docs: serve /docs, /redoc and
-    /openapi.json. root_path: the prefix a proxy strips (FastAPI's). tokens_as_ids and
-    force_include_usage: every request's return_tokens_as_token_ids and, streamed,
-    stream_options.include_usage (vLLM's --return-tokens-as-token-ids,
-    --enable-force-include-usage). request_logger: log every engine request as it is
-    submitted (vLLM's --enable-log-requests). request_id_headers: every response carries
-    X-Request-Id (vLLM's --enable-request-id-headers)."""
+    /openapi.json. root_path: the prefix a proxy strips (FastAPI's). defaults: what the
+    server's flags set on every request (serving.ServerDefaults). request_logger: log every
+    engine request as it is submitted (vLLM's --enable-log-requests). request_id_headers:
+    every response carries X-Request-Id (vLLM's --enable-request-id-headers). load_tracking:
+    GET /load (vLLM's --enable-server-load-tracking); middleware: the import paths of the
+    operator's own middleware (vLLM's --middleware; server_load.py)."""
     limits = limits or RequestLimits()
     async_engine = _engine_client(engine)
     # vLLM's several served names: a request may name any; responses and metrics the first.
@@ -154,7 +156,7 @@ def build_app(
         trust_request_chat_template,
         parsers or ParserNames(),
         response_role,
-        ServerDefaults(tokens_as_ids, force_include_usage),
+        defaults or ServerDefaults(),
     )
     serving.request_logger = request_logger
     loras = serving.loras = ServedLoRAs(
@@ -193,6 +195,9 @@ def build_app(
     )
     if cors is not None:  # outside Guard: a preflight carries no key, and a 401 needs the headers
         app.add_middleware(CORSMiddleware, **cors)
+    if load_tracking:
+        add_load_tracking(app, root_path)
+    add_middleware(app, middleware or [])
     if request_id_headers:  # outermost: a 401 or a preflight carries the id too
         app.add_middleware(RequestIdHeader)
 
@@ -531,19 +536,17 @@ def run_server(
     port: int,
     log_level: str = "info",
     grace: float = 10.0,
-    ssl: dict | None = None,
-    access_log: bool = True,
+    **settings,
 ) -> int:
-    """Serves until SIGTERM / SIGINT (exit status 0) or until the engine died (1). ssl:
-    uvicorn's ssl_* keywords, for HTTPS. access_log: uvicorn's line per request."""
+    """Serves until SIGTERM / SIGINT (exit status 0) or until the engine died (1). settings:
+    uvicorn's own keywords (ssl_* for HTTPS, access_log, uds, log_config, ...)."""
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        access_log=access_log,
         timeout_graceful_shutdown=grace,
-        **(ssl or {}),
+        **settings,
     )
     engine = app.state.engine
     GracefulServer(config, engine, grace, app.state.dashboard).run()

@@ -493,9 +493,17 @@ class ChatMessage(BaseModel):
         return value
 
     def text(self) -> str | None:
+        """The content as one string: its text parts one to a line, as vLLM joins them."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content
+
+    def parts(self) -> list[dict]:
+        """The content as OpenAI's text parts (a string is one part), for the chat templates
+        that read the parts themselves."""
+        if isinstance(self.content, list):
+            return [{"type": "text", "text": part.text} for part in self.content]
+        return [] if self.content is None else [{"type": "text", "text": self.content}]
 
 
 class FunctionDefinition(BaseModel):

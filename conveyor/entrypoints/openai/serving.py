@@ -17,6 +17,11 @@ from conveyor.engine.client import EngineClient
 from conveyor.engine.input_processor import reserved_template_variables
 from conveyor.engine.streams import RequestStream
 from conveyor.entrypoints.beam_search import BeamSearch, BeamSearchParams, BeamStream
+from conveyor.entrypoints.openai.chat_content import (
+    message_dict,
+    resolve_content_format,
+    with_text,
+)
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -66,12 +71,18 @@ OFF_LOOP_PER_PASS = 4
 
 @dataclass(frozen=True)
 class ServerDefaults:
-    """What the server's flags set on every chat and completion request: logprobs that name
-    tokens "token_id:N" (--return-tokens-as-token-ids) and a usage chunk at the end of every
-    stream (--enable-force-include-usage), as vLLM's."""
+    """What the server's flags set on every chat and completion request, as vLLM's: logprobs
+    that name tokens "token_id:N" (--return-tokens-as-token-ids), a usage chunk at the end of
+    every stream (--enable-force-include-usage), the chat template's variables a request does
+    not set (--default-chat-template-kwargs), how a message's content reaches the template
+    (--chat-template-content-format: chat_content.py), and whether a request's tools reach it
+    when its tool_choice is "none" (--expand-tools-even-if-tool-choice-none)."""
 
     tokens_as_ids: bool = False
     force_include_usage: bool = False
+    chat_template_kwargs: dict | None = None
+    content_format: str = "auto"
+    tools_when_none: bool = False
 
     def apply(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         if self.tokens_as_ids:
@@ -79,15 +90,48 @@ class ServerDefaults:
         if self.force_include_usage and request.stream:
             options = request.stream_options or StreamOptions()
             request.stream_options = options.model_copy(update={"include_usage": True})
+        if isinstance(request, ChatCompletionRequest):
+            self.apply_template_kwargs(request)
+
+    def apply_template_kwargs(self, request: ChatCompletionRequest) -> None:
+        if self.chat_template_kwargs:
+            own = request.chat_template_kwargs or {}
+            request.chat_template_kwargs = {**self.chat_template_kwargs, **own}
+
+    def rendered_tools(self, request: ChatCompletionRequest) -> list[dict] | None:
+        """The tools the chat template is given."""
+        if request.tool_mode != "none" or (self.tools_when_none and request.tools):
+            return request.tool_dicts()
+        return None
 
 
 class RequestLogger:
     """vLLM's --enable-log-requests: one INFO line per engine request as it is submitted, its
     id, prompt (text and token ids, each cut to --max-log-len characters / ids), sampling
-    parameters and LoRA adapter, on the `conveyor.requests` logger."""
+    parameters and LoRA adapter, on the `conveyor.requests` logger; with --enable-log-outputs
+    one more per sequence as it finishes, its text, token ids and finish reason."""
 
-    def __init__(self, max_log_len: int | None = None) -> None:
+    def __init__(self, max_log_len: int | None = None, outputs: bool = False) -> None:
         self.max_log_len = max_log_len
+        self.outputs = outputs
+
+    def watch(self, stream):
+        """The stream, its finished sequences logged as they are read (where outputs are)."""
+        return _LoggedStream(stream, self) if self.outputs else stream
+
+    def log_output(self, request_id: str, output: CompletionOutput) -> None:
+        if not _REQUEST_LOG.isEnabledFor(logging.INFO):
+            return
+        cut = self.max_log_len
+        _REQUEST_LOG.info(
+            "Generated response %s (sequence %d): output: %r, output_token_ids: %s, "
+            "finish_reason: %s",
+            request_id,
+            output.index,
+            output.text if cut is None else output.text[:cut],
+            output.token_ids if cut is None else output.token_ids[:cut],
+            output.finish_reason,
+        )
 
     def log(self, request_id: str, prompt: list[int], params, lora_request, tokenizer) -> None:
         if not _REQUEST_LOG.isEnabledFor(logging.INFO):
@@ -107,6 +151,34 @@ class RequestLogger:
 
 
 _REQUEST_LOG = logging.getLogger("conveyor.requests")
+
+
+class _LoggedStream:
+    """A request's stream whose sequences are logged as they finish, their text and token
+    ids gathered from its deltas (a server's engine streams deltas)."""
+
+    def __init__(self, stream, log: RequestLogger) -> None:
+        self._stream, self._log = stream, log
+        self._text: dict[int, list[str]] = {}
+        self._ids: dict[int, list[int]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    async def __aiter__(self):
+        async for item in self._stream:
+            for output in item.outputs:
+                self._gather(item.request_id, output)
+            yield item
+
+    def _gather(self, request_id: str, output: CompletionOutput) -> None:
+        text = self._text.setdefault(output.index, [])
+        ids = self._ids.setdefault(output.index, [])
+        text.append(output.text)
+        ids.extend(output.token_ids)
+        if output.finish_reason is not None:
+            whole = replace(output, text="".join(text), token_ids=list(ids))
+            self._log.log_output(request_id, whole)
 
 
 class OpenAIServing:
@@ -289,7 +361,8 @@ class OpenAIServing:
         if not template:
             raise ValueError("this model has no chat template; use /v1/completions")
         native = "tools" in template
-        dicts = [message_dict(m, native) for m in messages]
+        fmt = resolve_content_format(self.server_defaults.content_format, template)
+        dicts = [message_dict(m, native, fmt) for m in messages]
         kwargs = options.template_kwargs()
         # Everything the request renders into the prompt is counted before the template or
         # the tokenizer sees any of it: too much text for the context is refused at once.
@@ -299,7 +372,7 @@ class OpenAIServing:
         if tools and not native:
             hint = tools_prompt(tools, tool_choice)
             if dicts[0].get("role") == "system":
-                dicts[0]["content"] = f"{dicts[0].get('content') or ''}\n\n{hint}".lstrip()
+                dicts[0]["content"] = with_text(dicts[0]["content"], hint, "\n\n")
             else:
                 dicts.insert(0, {"role": "system", "content": hint})
         return inputs.chat_prompt(
@@ -354,12 +427,13 @@ class OpenAIServing:
                     stream = await self.engine.add_request(
                         request_ids[-1], prompt, params, priority, lora_request=lora_request
                     )
-                    streams.append(stream)
                     if self.request_logger is not None:
                         tokenizer = getattr(self.engine, "tokenizer", None)
                         self.request_logger.log(
                             request_ids[-1], prompt, params, lora_request, tokenizer
                         )
+                        stream = self.request_logger.watch(stream)
+                    streams.append(stream)
         except (ValueError, asyncio.CancelledError):
             # Refused, or its caller went away meanwhile (a beam search's step, cancelled with
             # its client): none of it runs on, the one being added included.
@@ -585,12 +659,11 @@ class OpenAIServing:
         constraint = self.forced_constraint(request) or await self._answer(constraint, param)
         params = request.sampling_params(max_tokens, constraint, self.defaults)
         await self.check_constraint(constraint, param)
-        mode = request.tool_mode
         prompt = await self.off_loop(
             self.chat_prompt,
             request.messages,
             request.add_generation_prompt,
-            request.tool_dicts() if mode != "none" else None,
+            self.server_defaults.rendered_tools(request),
             request.tool_choice,
             ChatTemplateOptions.of(request),
         )
@@ -886,41 +959,6 @@ def truncated(prompt: list[int], keep: int | None, fit: int, side: str = "left")
     if len(prompt) <= keep:
         return prompt
     return prompt[:keep] if side == "right" else prompt[-keep:]
-
-
-def message_dict(message: ChatMessage, native_tools: bool = True) -> dict:
-    """A message as chat templates expect it: content parts (all text) joined into one string.
-    For a template that does not know tools, an assistant turn's tool calls become its text,
-    in the JSON shape tools_prompt asks for."""
-    data = message.model_dump(exclude_none=True)
-    if message.content is not None:
-        data["content"] = message.text()
-    if message.tool_calls and not native_tools:
-        calls = [_call_json(call) for call in message.tool_calls]
-        try:
-            text = json.dumps(calls if len(calls) > 1 else calls[0], ensure_ascii=False)
-        except RecursionError:
-            raise ValueError("messages: tool calls nest too deeply to write") from None
-        data["content"] = f"{data['content']}\n{text}" if data.get("content") else text
-        del data["tool_calls"]
-    if data.get("content") is None:
-        data["content"] = ""
-    return data
-
-
-def _call_json(call: dict) -> dict:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict):
-        raise ValueError("messages: each tool call needs a function with a name and arguments")
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except RecursionError:  # check_limits bounds a chat request's; /tokenize's end here
-            raise ValueError("messages: tool call arguments nest too deeply to read") from None
-        except ValueError:
-            pass
-    return {"name": function.get("name"), "arguments": arguments}
 
 
 class _ToolReply:

@@ -149,6 +149,7 @@ async def _chat_ids(serving: OpenAIServing, body: TokenizeRequest) -> list[int]:
     )
     chat.check_limits(serving.limits)
     chat.check_tools()
+    serving.server_defaults.apply_template_kwargs(chat)
     return await serving.off_loop(
         serving.chat_prompt,
         chat.messages,
