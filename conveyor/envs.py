@@ -24,6 +24,9 @@ CONVEYOR_CUDA_GRAPHS          ''|1|0|eager                decode steps' CUDA gra
 CONVEYOR_CACHE_DIR            (unset)                     conveyor's cache folder
 CONVEYOR_FAULT_INJECT         (unset)                     raise@N | hang@N | exit@N (tests)
 CONVEYOR_API_KEY              (unset)                     the server's bearer key
+
+Read here for torch's sake: OMP_NUM_THREADS, then MKL_NUM_THREADS (torch's default thread
+count where set; data-parallel replicas divide it without importing torch).
 """
 
 from __future__ import annotations
@@ -127,3 +130,13 @@ def fault_inject() -> str | None:
 def api_key() -> str | None:
     """CONVEYOR_API_KEY: the server's bearer key where --api-key is not given."""
     return _get("CONVEYOR_API_KEY") or None
+
+
+def omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS, else MKL_NUM_THREADS, where one is a positive integer: the thread
+    count torch takes by default."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        value = _get(name).strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None

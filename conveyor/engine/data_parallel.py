@@ -27,13 +27,16 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from conveyor import envs
 from conveyor.engine.core_client import AsyncMPEngine, CoreProcess
 from conveyor.engine.core_io import EngineStats
 from conveyor.engine.records import CoreSnapshot
@@ -149,10 +152,8 @@ class AsyncDPEngine:
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}")
         if args.num_threads is None and args.device == "cpu":
-            import torch
-
             # The cores are shared out: N replicas with all threads each would oversubscribe.
-            threads = max(1, torch.get_num_threads() // num_replicas)
+            threads = max(1, default_num_threads() // num_replicas)
             args = dataclasses.replace(args, num_threads=threads)
         check_capacity = getattr(spawn, "check_capacity", None)
         if check_capacity is not None:
@@ -163,10 +164,7 @@ class AsyncDPEngine:
         self.on_abort: Callable | None = None
         self.on_fatal: Callable[[], None] | None = None
         self.fatal = False
-        # transformers' package is imported lazily, name by name, and two threads asking for
-        # its first names at once could get "cannot import name 'AutoTokenizer'": imported
-        # here, before the replicas' threads resolve their model config and tokenizer.
-        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+        _resolve_once(args)
 
         # Started side by side: each waits for its core process to load the model.
         with ThreadPoolExecutor(num_replicas, thread_name_prefix="conveyor-replica") as pool:
@@ -424,3 +422,38 @@ def _replica_args(args: EngineArgs, index: int, local: bool) -> EngineArgs:
     first = int(args.device.partition(":")[2] or 0)
     device = f"cuda:{first + index * args.tensor_parallel_size}"
     return dataclasses.replace(args, device=device)
+
+
+def _resolve_once(args: EngineArgs) -> None:
+    """The model's config and tokenizer resolved on this thread, before the replicas' threads
+    do it side by side: transformers' package is imported lazily, name by name, and two
+    threads asking for its first names at once could get "cannot import name ...". The same
+    imports as one engine's front end (no torch where the checkpoint's answers are kept,
+    model/resolve_cache.py); an error is left for the replicas to raise."""
+    from conveyor.engine.config import resolve_model_config
+    from conveyor.model.config import load_tokenizer
+
+    try:
+        model_config = resolve_model_config(args)
+        if not args.skip_tokenizer_init:
+            load_tokenizer(model_config)
+    except Exception:  # noqa: BLE001 - each replica raises it again, with its own context
+        pass
+
+
+def default_num_threads() -> int:
+    """torch's default CPU thread count, read without importing torch: OMP_NUM_THREADS or
+    MKL_NUM_THREADS where set, else one per physical core this process may run on (Linux's
+    topology files; without them, each CPU)."""
+    if (given := envs.omp_num_threads()) is not None:
+        return given
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            cores.add((package, (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores) or os.cpu_count() or 1)

@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -159,6 +160,11 @@ def test_two_replicas_serve_64_streams(dp):
     assert state["replicas"] == 2 and [m["replica"] for m in state["kv"]] == [0, 1]
     assert {row[0] for row in state["records"]} == {0, 1}
     assert state["totals"]["generation_tokens"] == metrics["conveyor:generation_tokens_total"]
+    if dp.backend == "mp" and Path(f"/proc/{dp.proc.pid}/maps").exists():
+        # The front end divides the cores among the replicas without importing torch.
+        maps = Path(f"/proc/{dp.proc.pid}/maps").read_text()
+        assert "libtorch" not in maps
+        assert all("libtorch_cpu.so" in Path(f"/proc/{pid}/maps").read_text() for pid in _cores(dp))
 
 
 def test_cache_aware_routing_keeps_the_hit_rate_of_one_replica(dp, model, tmp_path, capsys):
