@@ -31,6 +31,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs (worker/cuda_graphs.py)
     adaptive_threads: bool = True  # engine/threads.py
     kernel_isa: str | None = None  # the plan's ISA cap (model/plan.py); None: $CONVEYOR_ISA
+    download_dir: str | None = None  # where Hub ids are read from: the draft model's too
 
     @classmethod
     def resolve(cls, args: EngineArgs, model_config: ModelConfig | None = None) -> EngineConfig:
@@ -75,6 +76,7 @@ class EngineConfig:
             args.enforce_eager,
             args.adaptive_threads,
             args.kernel_isa,
+            args.download_dir,
         )
 
 

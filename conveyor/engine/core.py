@@ -242,7 +242,12 @@ class EngineCore:
             return None
         target = self.model_config
         draft = ModelConfig.from_hf(
-            spec.model, target.dtype, self.device.type, target.max_model_len, "auto"
+            spec.model,
+            target.dtype,
+            self.device.type,
+            target.max_model_len,
+            "auto",
+            download_dir=config.download_dir,
         ).with_kernels_checked()
         if draft.vocab_size != target.vocab_size:
             raise ValueError(

@@ -52,6 +52,20 @@ def test_a_hub_id_serves_the_cached_checkpoint_as_its_folder_does(tiny_checkpoin
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in local]
 
 
+def test_a_draft_model_named_by_its_hub_id_comes_from_the_same_download_dir(
+    tiny_checkpoint, tmp_path
+):
+    cache = tmp_path / "hub"
+    hub_cache(cache, "tiny-org/tiny-llama", tiny_checkpoint("llama"))
+    spec = {"method": "draft_model", "model": "tiny-org/tiny-llama", "num_speculative_tokens": 2}
+    settings = dict(dtype="float32", speculative_config=spec, download_dir=str(cache))
+    llm = LLM("tiny-org/tiny-llama", **settings)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(str(tiny_checkpoint("llama")), dtype="float32").generate(["Hello"], params)
+    assert llm.generate(["Hello"], params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.engine.get_stats().spec.num_draft_tokens > 0
+
+
 def test_revision_takes_a_branch_or_a_commit(tiny_checkpoint, tmp_path):
     cache = tmp_path / "hub"
     first = hub_cache(cache, "org/m", tiny_checkpoint("llama"), COMMIT_A, "main")
