@@ -8,10 +8,10 @@ conveyor's (no import circle runs through it) and neither torch nor the engine, 
 end and the core process load it before either.
 
 Front end -> engine core (engine/core_proc.py):
-  AddRequests, FinishRequests, SnapshotRequest, LoRACall, Stop
+  AddRequests, FinishRequests, SnapshotRequest, CoreCall, Stop
 Engine core -> front end:
   Hello (first: where the core's command socket listens), then Ready or Failed; then
-  StepOutput per step, Snapshot per SnapshotRequest, LoRAReply per LoRACall, and Dead if the
+  StepOutput per step, Snapshot per SnapshotRequest, CoreReply per CoreCall, and Dead if the
   core failed.
 Rank 0 -> tensor-parallel worker (worker/executor.py, worker/tp_worker.py):
   AllocateKV, RunStep, Stop
@@ -44,13 +44,17 @@ class SnapshotRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class LoRACall:
-    """add_lora / remove_lora / list_loras on the core, answered between two steps by a
-    LoRAReply with the same call_id."""
+class CoreCall:
+    """One of CORE_CALLS on the core, answered between two steps by a CoreReply with the same
+    call_id."""
 
     call_id: int
-    method: str  # "add_lora", "remove_lora" or "list_loras"
+    method: str  # one of CORE_CALLS
     argument: Any = None  # lora.LoRARequest for add_lora, a lora_int_id for remove_lora
+
+
+# The engine core's methods a front end may call (EngineCore's, LLMEngine's of the same name).
+CORE_CALLS = ("add_lora", "remove_lora", "list_loras", "reset_prefix_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +115,7 @@ class Snapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class LoRAReply:
+class CoreReply:
     call_id: int
     result: Any = None  # True / False, or the set of lora_int_ids for list_loras
     error: str | None = None  # a ValueError's text: the call was refused

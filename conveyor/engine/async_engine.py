@@ -44,8 +44,8 @@ class _Add:
 
 
 @dataclass(slots=True)
-class _LoRACall:
-    method: str  # LLMEngine's add_lora, remove_lora or list_loras
+class _CoreCall:
+    method: str  # one of LLMEngine's messages.CORE_CALLS
     argument: object
     future: asyncio.Future
 
@@ -183,20 +183,24 @@ class AsyncEngine:
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Loads an adapter (its folder read and checked on the engine thread, between two
         steps); ValueError when it cannot be applied."""
-        return await self._lora_call("add_lora", lora_request)
+        return await self._core_call("add_lora", lora_request)
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Forgets an adapter (False: not loaded); ValueError while requests use it."""
-        return await self._lora_call("remove_lora", lora_id)
+        return await self._core_call("remove_lora", lora_id)
 
     async def list_loras(self) -> set[int]:
-        return await self._lora_call("list_loras", None)
+        return await self._core_call("list_loras", None)
 
-    async def _lora_call(self, method: str, argument):
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, between two steps (False while requests hold blocks)."""
+        return await self._core_call("reset_prefix_cache", None)
+
+    async def _core_call(self, method: str, argument):
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
         future = asyncio.get_running_loop().create_future()
-        self._commands.put(_LoRACall(method, argument, future))
+        self._commands.put(_CoreCall(method, argument, future))
         return await future
 
     def abort(self, request_id: str) -> None:
@@ -281,9 +285,9 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: _Add | _Abort | _Snapshot | _LoRACall) -> None:
-        if isinstance(command, _LoRACall):
-            self._lora(command)
+    def _apply(self, command: _Add | _Abort | _Snapshot | _CoreCall) -> None:
+        if isinstance(command, _CoreCall):
+            self._on_thread(command)
             return
         if isinstance(command, _Snapshot):
             future = command.future
@@ -319,7 +323,7 @@ class AsyncEngine:
         self._streams[command.request_id] = stream
         stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
 
-    def _lora(self, command: _LoRACall) -> None:
+    def _on_thread(self, command: _CoreCall) -> None:
         future = command.future
         method = getattr(self.engine, command.method)
         try:
@@ -333,7 +337,7 @@ class AsyncEngine:
             future.get_loop().call_soon_threadsafe(_settle, future, failure)
             return
         future.get_loop().call_soon_threadsafe(_resolve, future, result)
-        self._callback(self.on_step, [])  # the adapters held, in the stats
+        self._callback(self.on_step, [])  # the adapters held, the blocks cached: the stats
 
     def _step(self) -> None:
         outputs = self.engine.step()

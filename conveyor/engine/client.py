@@ -85,6 +85,9 @@ class EngineClient(Protocol):
 
     async def list_loras(self) -> set[int]: ...
 
+    # Forgets every cached block; False, and nothing forgotten, while requests hold blocks.
+    async def reset_prefix_cache(self) -> bool: ...
+
     def abort(self, request_id: str) -> None: ...  # thread-safe
 
     # Shutting down (thread-safe): after drain(), add_request raises EngineClosedError (a 503)

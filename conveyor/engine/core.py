@@ -375,6 +375,11 @@ class EngineCore:
     def list_loras(self) -> set[int]:
         return set() if self.loras is None else self.loras.ids()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, as vLLM's (after new weights, or between benchmark
+        runs); False, and nothing forgotten, while requests hold blocks."""
+        return self.kv_cache.reset_prefix_cache()
+
     def _loras_in_use(self) -> set[int]:
         live = [r for r in self.scheduler.requests.values() if not r.is_finished]
         live += [request for request, _, _ in self._grammar_waiting.values()]

@@ -39,10 +39,10 @@ from conveyor.engine_args import EngineArgs
 from conveyor.lora.request import LoRARequest
 from conveyor.messages import (
     AddRequests,
+    CoreCall,
+    CoreReply,
     Dead,
     FinishRequests,
-    LoRACall,
-    LoRAReply,
     Snapshot,
     SnapshotRequest,
     StepOutput,
@@ -101,24 +101,27 @@ class SyncCoreClient:
     def get_stats(self) -> CoreStats:
         return self._stats
 
-    # LoRA adapters: a LoRACall, answered between two of the core's steps; the steps it made
-    # meanwhile are held for step(), in order.
+    # LoRA adapters and the prefix cache: a CoreCall, answered between two of the core's
+    # steps; the steps it made meanwhile are held for step(), in order.
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self._lora_call("add_lora", lora_request)
+        return self._core_call("add_lora", lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self._lora_call("remove_lora", lora_id)
+        return self._core_call("remove_lora", lora_id)
 
     def list_loras(self) -> set[int]:
-        return self._lora_call("list_loras")
+        return self._core_call("list_loras")
 
-    def _lora_call(self, method: str, argument=None):
+    def reset_prefix_cache(self) -> bool:
+        return self._core_call("reset_prefix_cache")
+
+    def _core_call(self, method: str, argument=None):
         call_id = next(self._call_ids)
-        self.process.send(LoRACall(call_id, method, argument))
+        self.process.send(CoreCall(call_id, method, argument))
         while True:
             message = self.process.receive()
-            if isinstance(message, LoRAReply) and message.call_id == call_id:
+            if isinstance(message, CoreReply) and message.call_id == call_id:
                 if message.error is not None:
                     raise ValueError(message.error)
                 return message.result
@@ -226,7 +229,7 @@ class AsyncMPEngine:
         self._stopping = False
         self._closed = False  # drain() / abort_all(): no request is admitted after it
         self._snapshot: asyncio.Future | None = None
-        self._lora_calls: dict[int, asyncio.Future] = {}  # call_id -> the caller's future
+        self._core_calls: dict[int, asyncio.Future] = {}  # call_id -> the caller's future
         self._call_ids = itertools.count(1)
 
     # ---- EngineClient (engine/client.py) --------------------------------------------------
@@ -351,7 +354,7 @@ class AsyncMPEngine:
         except TimeoutError:
             return [None]
 
-    # ---- LoRA adapters (a LoRACall to the core, answered between two steps) ---------------
+    # ---- LoRA adapters and the prefix cache (a CoreCall, answered between two steps) -----
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Loads an adapter into the core; ValueError when it cannot be applied. Its folder is
@@ -360,33 +363,38 @@ class AsyncMPEngine:
         if check is None:
             raise ValueError("add_lora needs an engine with enable_lora=True")
         await asyncio.get_running_loop().run_in_executor(None, check, lora_request)
-        return await self._lora_call("add_lora", lora_request)
+        return await self._core_call("add_lora", lora_request)
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Forgets an adapter (False: not loaded); ValueError while requests use it."""
-        removed = await self._lora_call("remove_lora", lora_id)
+        removed = await self._core_call("remove_lora", lora_id)
         if removed and self.inputs.lora_registry is not None:
             self.inputs.lora_registry.remove(lora_id)  # its id may name another folder later
         return removed
 
     async def list_loras(self) -> set[int]:
-        return await self._lora_call("list_loras")
+        return await self._core_call("list_loras")
 
-    async def _lora_call(self, method: str, argument=None):
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (False, and nothing forgotten, while requests hold
+        blocks), as vLLM's."""
+        return await self._core_call("reset_prefix_cache")
+
+    async def _core_call(self, method: str, argument=None):
         if self._loop is None:
             await self.start()
         if not self.is_alive:
             raise EngineDeadError(f"the engine core is not running: {self._error!r}")
         call_id = next(self._call_ids)
-        future = self._lora_calls[call_id] = self._loop.create_future()
-        self._process.send(LoRACall(call_id, method, argument))
+        future = self._core_calls[call_id] = self._loop.create_future()
+        self._process.send(CoreCall(call_id, method, argument))
         try:
             return await future
         finally:
-            self._lora_calls.pop(call_id, None)
+            self._core_calls.pop(call_id, None)
 
-    def _on_lora_reply(self, reply: LoRAReply) -> None:
-        future = self._lora_calls.get(reply.call_id)
+    def _on_core_reply(self, reply: CoreReply) -> None:
+        future = self._core_calls.get(reply.call_id)
         if future is None or future.done():
             return
         if reply.error is not None:
@@ -440,8 +448,8 @@ class AsyncMPEngine:
                 if self._snapshot is not None and not self._snapshot.done():
                     self._snapshot.set_result(message.snapshot)
                 continue
-            if isinstance(message, LoRAReply):
-                self._on_lora_reply(message)
+            if isinstance(message, CoreReply):
+                self._on_core_reply(message)
                 continue
             try:
                 self._stats = message.stats
@@ -530,7 +538,7 @@ class AsyncMPEngine:
         self._error = error = EngineDeadError(f"the engine core died: {reason}")
         if self._snapshot is not None and not self._snapshot.done():
             self._snapshot.set_result(None)  # never answered; a new core gets a new request
-        for future in self._lora_calls.values():
+        for future in self._core_calls.values():
             if not future.done():
                 future.set_exception(error)
         taken: set[str] = set()

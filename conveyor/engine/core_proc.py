@@ -1,6 +1,6 @@
 """The engine-core process: an EngineCore behind two ZeroMQ sockets.
 
-It pulls commands (messages.py: AddRequests, FinishRequests, SnapshotRequest, LoRACall,
+It pulls commands (messages.py: AddRequests, FinishRequests, SnapshotRequest, CoreCall,
 Stop) from the front end and pushes one StepOutput per step (every sequence that advanced, plus
 the core's stats). While it has no work it blocks on its input socket; while it has work it
 applies whatever commands are pending between steps, so a new request joins the very next step.
@@ -44,13 +44,14 @@ from conveyor.distributed.channel import (
     read_settings,
 )
 from conveyor.messages import (
+    CORE_CALLS,
     AddRequests,
+    CoreCall,
+    CoreReply,
     Dead,
     Failed,
     FinishRequests,
     Hello,
-    LoRACall,
-    LoRAReply,
     Ready,
     Snapshot,
     SnapshotRequest,
@@ -323,9 +324,9 @@ def _busy_loop(core, link: _Link, parent_pid: int) -> None:
             if isinstance(message, SnapshotRequest):  # between steps; the step path is untouched
                 link.send(Snapshot(core.snapshot()))
                 continue
-            if isinstance(message, LoRACall):
-                link.send(_lora_call(core, message))
-                applied += 1  # the stats (adapters held) go out after it
+            if isinstance(message, CoreCall):
+                link.send(_core_call(core, message))
+                applied += 1  # the stats (adapters held, blocks cached) go out after it
                 continue
             if not _apply(core, message, link):
                 return
@@ -337,17 +338,17 @@ def _busy_loop(core, link: _Link, parent_pid: int) -> None:
             link.send(StepOutput([], core.get_stats()))
 
 
-def _lora_call(core, call: LoRACall) -> LoRAReply:
-    """One of EngineCore's add_lora / remove_lora / list_loras; a ValueError (a folder that
-    cannot be applied, an adapter in use) is the caller's, sent back as text."""
-    if call.method not in ("add_lora", "remove_lora", "list_loras"):
-        return LoRAReply(call.call_id, error=f"unknown LoRA call {call.method!r}")
+def _core_call(core, call: CoreCall) -> CoreReply:
+    """One of EngineCore's CORE_CALLS; a ValueError (a folder that cannot be applied, an
+    adapter in use) is the caller's, sent back as text."""
+    if call.method not in CORE_CALLS:
+        return CoreReply(call.call_id, error=f"unknown engine-core call {call.method!r}")
     method = getattr(core, call.method)
     try:
-        result = method() if call.method == "list_loras" else method(call.argument)
+        result = method() if call.argument is None else method(call.argument)
     except ValueError as error:
-        return LoRAReply(call.call_id, error=str(error))
-    return LoRAReply(call.call_id, True if call.method == "add_lora" else result)
+        return CoreReply(call.call_id, error=str(error))
+    return CoreReply(call.call_id, True if call.method == "add_lora" else result)
 
 
 def _apply(core, message: AddRequests | FinishRequests | Stop, link: _Link) -> bool:

@@ -281,6 +281,10 @@ class AsyncDPEngine:
     async def list_loras(self) -> set[int]:
         return set().union(*[await replica.list_loras() for replica in self.replicas])
 
+    async def reset_prefix_cache(self) -> bool:
+        """Every replica's (True only if each forgot its cached blocks)."""
+        return all([await replica.reset_prefix_cache() for replica in self.replicas])
+
     def _move_lost(self, dying: AsyncMPEngine, streams: list[RequestStream]) -> set[str]:
         """A replica died: its requests that produced nothing yet start again on another
         replica, into the same streams. Returns the ids moved."""

@@ -151,6 +151,11 @@ class LLMEngine:
         """The lora_int_ids of the adapters the core holds."""
         return self.core.list_loras()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (vLLM's); False, and nothing forgotten, while requests
+        hold blocks."""
+        return self.core.reset_prefix_cache()
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         sequence_ids = [s for request_id in ids for s in self.outputs.abort(request_id)]

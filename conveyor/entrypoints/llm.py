@@ -58,6 +58,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt block (vLLM's), e.g. between benchmark runs; False
+        while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat sample with when given no SamplingParams: the model's
         generation config (its generation_config.json's temperature, top_p, top_k, min_p,

@@ -117,6 +117,26 @@ def test_the_core_dies_with_a_sigkilled_server(tiny_checkpoint, tmp_path):
 # ---- the offline LLM through the same process -------------------------------------------
 
 
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "core-process"])
+def test_reset_prefix_cache_forgets_the_cached_blocks(tiny_checkpoint, engine_process):
+    """LLM.reset_prefix_cache (vLLM's): a prompt seen before hits the cache until the reset,
+    and not after it; the same tokens either way."""
+    prompt = random_prompts(1, 384, seed=12, max_len=120)[0] + list(range(3, 99))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", engine_process=engine_process)
+    try:
+        first, again = llm.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+        assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 64
+        assert llm.reset_prefix_cache() is True
+        after = llm.generate([prompt], params)[0]
+        assert after.num_cached_tokens == 0
+        assert (
+            first.outputs[0].token_ids == again.outputs[0].token_ids == after.outputs[0].token_ids
+        )
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("stop", [None, ["a"]])
 def test_llm_through_the_engine_process_gives_the_same_tokens(tiny_checkpoint, stop):
     path = str(tiny_checkpoint("llama"))

@@ -5,7 +5,7 @@ load / unload works with --allow-runtime-lora-updating and is refused (404) with
 load / unload under 16 concurrent streams fails none and leaks no KV block, hostile folders get
 a 4xx while the server goes on serving, and lora_requests_info is exported under both prefixes.
 
-The main server runs the engine-core process (the LoRACall messages); the second one the engine
+The main server runs the engine-core process (the CoreCall messages); the second one the engine
 in the server's process (AsyncEngine), with runtime updates off."""
 
 from __future__ import annotations

@@ -348,3 +348,27 @@ def test_a_unix_socket_and_a_logging_configuration(tiny_checkpoint, tmp_path):
     lines = log_file.read_text().splitlines()
     assert any(line.startswith("MINE INFO") and "startup complete" in line for line in lines)
     assert f"http+unix://{socket}/v1" in server_log.read_text()
+
+
+def test_reset_prefix_cache_over_http(server, client):
+    """POST /reset_prefix_cache (vLLM's): a repeated prompt hits the cache until the reset;
+    while a request holds blocks the reset is refused with a 409 and nothing is forgotten."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+
+    def cached() -> int:
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    url = f"{server.base_url}/reset_prefix_cache"
+    cached()
+    assert cached() >= 64
+    assert httpx.post(url, timeout=30).status_code == 200
+    assert cached() == 0
+    long = {"max_tokens": 400, "extra_body": {"ignore_eos": True}, "stream": True}
+    chunks = iter(client.completions.create(model=MODEL, prompt="Hi", **long))
+    next(chunks)  # running: its blocks are held until its 400th token
+    refused = httpx.post(url, timeout=30)
+    assert list(chunks)[-1].usage.completion_tokens == 400  # --enable-force-include-usage
+    assert refused.status_code == 409 and "requests are running" in refused.text
+    assert refused.json()["error"]["type"] == "ConflictError"
+    assert cached() >= 64  # nothing was forgotten

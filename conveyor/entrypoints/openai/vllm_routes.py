@@ -1,11 +1,14 @@
 """vLLM's small endpoints beside the OpenAI API: GET /v1/models/{id}, /version, /ping,
-/tokenizer_info, and /tokenize's vLLM fields (`return_token_strs`, `tools`).
+/tokenizer_info, POST /reset_prefix_cache, and /tokenize's vLLM fields (`return_token_strs`,
+`tools`).
 
 /ping is /health under SageMaker's name (GET or POST), answered, like /health, before the API
 key is checked (entrypoints/openai/api_server's _Guard), as vLLM does. Every other route here
 needs the key when the server has one. vLLM checks its key on /v1/* alone, so it serves
 /version and /tokenizer_info openly (the latter only behind a flag, as it shows the tokenizer's
-configuration); conveyor keeps them behind the key, as it does all but its probes.
+configuration); conveyor keeps them behind the key, as it does all but its probes. vLLM serves
+/reset_prefix_cache in its development mode only; conveyor always, behind the key: it costs
+the next prompts their cache hits, nothing more.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from conveyor.engine.client import EngineClient
+from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.lora_routes import lora_card
 from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -78,6 +82,17 @@ def add_vllm_routes(
     @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
     async def ping() -> Response:  # answered by _Guard first; here for the schema
         return health()
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if not await engine.reset_prefix_cache():
+            raise APIError(
+                409,
+                "the prefix cache was not reset: requests are running and hold KV blocks; "
+                "ask again when the server is idle",
+                "ConflictError",
+            )
+        return Response(status_code=200)
 
     @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
     async def info() -> dict:
