@@ -23,6 +23,8 @@ REPETITION_PENALTY_RANGE = (0.01, 2.0)
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 _SEED_MODULUS = 2**64
 
+MAX_SALT_CHARS = 1024  # a salt's length bound (vLLM asks for ~43 random characters)
+
 
 @dataclass(frozen=True, slots=True)
 class ReasoningBounds:
@@ -105,6 +107,9 @@ class SamplingParams:
     # Embeddings: "last" or "mean" pooling of the prompt's final hidden states (normalized);
     # such a request generates nothing (max_tokens=0) and skips the prefix cache.
     pooling: str | None = None
+    # vLLM's: the prompt's blocks are cached under this salt, so that only requests that give
+    # the same salt share them (a tenant cannot time another's prompts through cache hits).
+    cache_salt: str | None = None
     # Set by the server, not by a client: stop strings are matched after the reasoning only.
     reasoning: ReasoningBounds | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
@@ -151,6 +156,11 @@ class SamplingParams:
         _check(
             _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             f"top_k must be 0 or -1 (disabled) or an integer >= 1, got {self.top_k!r}",
+        )
+        _check(
+            self.cache_salt is None
+            or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_SALT_CHARS),
+            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters",
         )
         prompt_only = self.prompt_logprobs is not None or self.pooling is not None
         _check(

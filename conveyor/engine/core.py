@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -351,6 +352,9 @@ class EngineCore:
             adapter = self.add_lora(sequence.lora_request)
             request.lora_id, request.root_digest = adapter.lora_int_id, adapter.digest
             request.lora_name = adapter.lora_name
+        if params.cache_salt is not None:  # only the same salt (and adapter) finds its blocks
+            salt = b"cache_salt:" + params.cache_salt.encode()
+            request.root_digest = hashlib.sha256(request.root_digest + salt).digest()
         return request
 
     # ---- LoRA adapters -------------------------------------------------------------------

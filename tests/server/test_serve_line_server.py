@@ -372,3 +372,24 @@ def test_reset_prefix_cache_over_http(server, client):
     assert refused.status_code == 409 and "requests are running" in refused.text
     assert refused.json()["error"]["type"] == "ConflictError"
     assert cached() >= 64  # nothing was forgotten
+
+
+def test_a_cache_salt_over_http(server, client):
+    """vLLM's cache_salt field: a prompt's cached blocks serve only requests with its salt."""
+    prompt = "A salted prompt, long enough for a few blocks of the cache. " * 10
+
+    def cached(salt: str) -> int:
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}
+        )
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 64
+    assert cached("tenant-b") == 0
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=1, extra_body={"cache_salt": "tenant-c"}
+    )
+    assert chat.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")

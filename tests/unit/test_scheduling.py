@@ -282,6 +282,30 @@ def test_shared_prefix_hits_the_cache_computes_fewer_tokens_and_changes_no_outpu
     assert_idle(cached_engine)
 
 
+def test_a_cache_salt_shares_blocks_only_between_requests_that_give_it(model_path, reference):
+    """vLLM's cache_salt: the same prompt hits the cache only under the same salt (an unsalted
+    request, or another salt, computes it again); the tokens are transformers' either way."""
+    rng = random.Random(6)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(70)]
+    engine = make_engine(model_path, block_size=16)
+
+    def cached(request_id: str, salt: str | None) -> int:
+        params = SamplingParams(temperature=0, max_tokens=4, cache_salt=salt)
+        engine.add_request(request_id, prompt, params)
+        out = run_to_completion(engine)[request_id]
+        assert out.outputs[0].token_ids == reference(prompt, 4)
+        return out.num_cached_tokens
+
+    assert cached("a", "tenant-a") == 0
+    assert cached("b", None) == 0
+    assert cached("c", "tenant-b") == 0
+    assert cached("a2", "tenant-a") == cached("b2", None) == cached("c2", "tenant-b") == 64
+    for bad in ("", 7, "x" * 1025):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            SamplingParams(cache_salt=bad)
+    assert_idle(engine)
+
+
 def test_repeated_prompt_reuses_finished_requests_blocks_but_computes_at_least_one_token(
     model_path, reference
 ):

@@ -41,7 +41,7 @@ from conveyor import nesting
 from conveyor.entrypoints.beam_search import BeamSearchParams
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import MAX_SALT_CHARS, SamplingParams
 from conveyor.structured.backend import strict_schema
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import required_schema
@@ -192,6 +192,8 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     # vLLM's: the reasoning ends once it has this many tokens (its closing marker is forced).
     thinking_token_budget: int | None = Field(default=None, ge=0)
+    # vLLM's: only requests with the same salt share the prompt's cached blocks.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
     # vLLM's beam search: n beams, scored by log-probability over length ** length_penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -387,6 +389,7 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias,
             structured_outputs=constraint,
             prompt_logprobs=self.num_prompt_logprobs(max_tokens),
+            cache_salt=self.cache_salt,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             **values,
