@@ -42,6 +42,37 @@ QUANTIZATION_MODES = ("auto", "none", "int8")
 # How a checkpoint's weights are read (vLLM's --load-format): auto by the path (a folder's
 # safetensors, a .gguf file); safetensors or gguf insist on one.
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
+# Checkpoints quantized by another tool (config.json's quantization_config.quant_method) that
+# conveyor reads: "fp8", block-scaled float8 weights (Qwen's and DeepSeek's -FP8 releases),
+# dequantized at load exactly as transformers dequantizes them on a CPU.
+PREQUANTIZED_METHODS = ("fp8",)
+
+
+def prequantized_refusal(config: dict) -> str | None:
+    """Why a checkpoint whose config.json is `config` cannot be served (None: it can): one
+    quantized by a method conveyor does not read (AWQ, GPTQ, compressed-tensors, bitsandbytes,
+    ...) is refused at once, before its weights are read or downloaded."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return None
+    method = quant.get("quant_method")
+    if method in PREQUANTIZED_METHODS and not _static_activations(quant):
+        return None
+    return (
+        f"a checkpoint quantized with {method!r} (config.json's quantization_config) is not "
+        f"supported: conveyor reads {', '.join(PREQUANTIZED_METHODS)} checkpoints with dynamic "
+        "activations, float checkpoints (quantizing them itself with --quantization int8) and "
+        "GGUF files (Q4_0, Q4_1, Q4_K, Q8_0, ... served quantized); serve the model's "
+        "unquantized repository or a GGUF of it"
+    )
+
+
+def _static_activations(quant: dict) -> bool:
+    """Activations quantized with scales fixed in the checkpoint: not read (conveyor, as
+    transformers on a CPU, computes them in float: the "dynamic" scheme)."""
+    return quant.get("activation_scheme", "dynamic") != "dynamic"
+
+
 # Seconds a request's grammar may take to compile before the request fails.
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
 

@@ -16,6 +16,7 @@ from conveyor.config import (
     LOAD_FORMATS,
     QUANTIZATION_MODES,
     STATIC_ROPE_TYPES,
+    prequantized_refusal,
     resolve_model_path,
 )
 from conveyor.model.families import Parts, architecture, parts_of
@@ -204,6 +205,8 @@ def checkpoint_facts(path: Path, hf_overrides: dict[str, Any] | None = None) -> 
     from conveyor.model.resolve_cache import cached
 
     folder = hf_folder(path)
+    if path.is_dir():
+        check_prequantized(folder / "config.json")
     kind = "model"
     if hf_overrides:
         text = json.dumps(hf_overrides, sort_keys=True)
@@ -339,6 +342,16 @@ def _tokenizer_class(chosen: dict) -> type | None:
     except ImportError:
         return None
     return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
+
+
+def check_prequantized(config_file: Path) -> None:
+    """ValueError for a checkpoint quantized by a method conveyor does not read."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # transformers' own reading says what is wrong with it
+    if isinstance(config, dict) and (reason := prequantized_refusal(config)):
+        raise ValueError(f"{config_file.parent}: {reason}")
 
 
 def hf_folder(path: Path) -> Path:

@@ -1,0 +1,142 @@
+"""Checkpoints quantized by another tool: block-scaled float8 ("fp8", Qwen's and DeepSeek's
+-FP8 releases) is read, dequantized at load as transformers dequantizes it on a CPU, so the
+greedy tokens equal transformers' in float64, a dense model's and a mixture of experts', its
+scales in a shard of their own; every other method (AWQ, GPTQ, compressed-tensors,
+bitsandbytes, fp8 with static activation scales) is refused with its name, before a Hub
+download fetches any weight."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE_KWARGS, hf_greedy
+from hub_util import hub_cache
+from safetensors.torch import load_file, save_file
+from tiny import make_tiny_checkpoint
+from transformers import AutoModelForCausalLM
+
+from conveyor import LLM, SamplingParams
+from conveyor.hub import download
+from conveyor.model.loader import dequantize_fp8
+
+BLOCK = 16  # the tests' fp8 blocks: several per tiny matrix (real checkpoints: 128 x 128)
+EAGER = {"experts_implementation": "eager"}  # transformers' MoE experts in float64 on a CPU
+
+
+def fp8_checkpoint(source: Path, target: Path, block: int = BLOCK) -> Path:
+    """`source`'s projections as float8 e4m3 blocks with float32 `weight_scale_inv`s, as
+    Qwen's -FP8 checkpoints store them: the weights in one shard, the scales in another."""
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if not file.name.endswith(".safetensors"):
+            shutil.copy(file, target / file.name)
+    weights, scales = {}, {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if not name.endswith("_proj.weight") or name.endswith("mlp.gate.weight"):
+                weights[name] = tensor
+                continue
+            rows, cols = tensor.shape
+            blocks = tensor.float().reshape(rows // block, block, cols // block, block)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+            quantized = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+            weights[name] = quantized.reshape(rows, cols)
+            scales[name + "_scale_inv"] = scale
+    files = {
+        "model-00001-of-00002.safetensors": weights,
+        "model-00002-of-00002.safetensors": scales,
+    }
+    weight_map = {}
+    for name, tensors in files.items():
+        save_file(tensors, target / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def dequantized_reference(base: Path, path: Path) -> torch.nn.Module:
+    """transformers' float64 model of `base` with each fp8 weight of `path` dequantized by
+    transformers' own FP8 dequantization (its fp8 experts run no float64 on a CPU)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, **EAGER)
+    stored = {}
+    for file in path.glob("*.safetensors"):
+        stored.update(load_file(file))
+    dequantize = Fp8Dequantize(None)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name + "_scale_inv" in stored:
+                scale = stored[name + "_scale_inv"]
+                param.copy_(dequantize._dequantize_one(stored[name], scale, torch.float64))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_an_fp8_checkpoint_gives_transformers_tokens(tmp_path, arch):
+    base = make_tiny_checkpoint(tmp_path / "base", arch)
+    path = fp8_checkpoint(base, tmp_path / "fp8")
+    prompts = [[5, 17, 42, 9, 100, 33], [7, 8, 9, 10]]
+    reference = dequantized_reference(base, path)
+    expected = [tokens for tokens, _ in hf_greedy(reference, prompts, 10)]
+    if arch == "llama":  # transformers' own loading of the checkpoint: the same model
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        assert [tokens for tokens, _ in hf_greedy(loaded, prompts, 10)] == expected
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, **EAGER)
+    assert [tokens for tokens, _ in hf_greedy(plain, prompts, 10)] != expected  # fp8 counts
+    llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [out.outputs[0].token_ids for out in got] == expected
+
+
+def test_fp8_blocks_dequantize_by_their_scale_grid():
+    weight = torch.tensor([[1.0, 2.0, -3.0, 4.0], [0.5, -0.5, 1.5, 2.0]]).to(torch.float8_e4m3fn)
+    scales = torch.tensor([[2.0, 10.0]])  # one row of blocks, 2 x 2 each
+    expected = torch.tensor([[2.0, 4.0, -30.0, 40.0], [1.0, -1.0, 15.0, 20.0]])
+    assert torch.equal(dequantize_fp8(weight, scales), expected)
+    with pytest.raises(ValueError, match="not divisible by its scale grid"):
+        dequantize_fp8(weight, torch.ones(1, 3))
+
+
+@pytest.mark.parametrize(
+    ("quantization", "named"),
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "'awq'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+        (
+            {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+            "'compressed-tensors'",
+        ),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "'fp8'"),
+    ],
+)
+def test_other_quantized_checkpoints_are_refused_by_name(
+    tiny_checkpoint, tmp_path, quantization, named
+):
+    path = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+    with pytest.raises(ValueError, match=f"quantized with {named}.*not supported"):
+        LLM(str(path), dtype="float32")
+    # A Hub id: refused from its config, before a weight is fetched (none is in this cache).
+    cache = tmp_path / "hub"
+    snapshot = hub_cache(cache, "org/quantized", path)
+    for weights in snapshot.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ValueError, match=f"'org/quantized': .*quantized with {named}"):
+        download("org/quantized", download_dir=cache)
