@@ -9,16 +9,22 @@ larger, raise it). --shared gives every row the same blocks instead (the cache r
 the kernel's arithmetic alone).
 
 --baseline names another build of the kernels (a conveyor_kernels.so, e.g. from
-~/.cache/conveyor/kernels/ before a change): both are timed in alternating rounds in one
-process, so load from elsewhere hits them alike, and their outputs are compared bit for bit.
+~/.cache/conveyor/kernels/ before a change): both are timed in alternating rounds, so load from
+elsewhere hits them alike, and their outputs are compared bit for bit. Each build runs in a
+process of its own: Python keeps one module per extension name, so a second build of
+`conveyor_kernels` loaded into the same process is the first one again (this command's earlier
+in-process comparisons timed one build against itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.machinery
 import importlib.util
 import statistics
+import subprocess
+import sys
 import time
 from types import ModuleType
 
@@ -31,11 +37,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_build(path: str) -> ModuleType:
-    """A kernels module from a given .so (another build of the same sources' module name)."""
+    """A kernels module from a given .so (another build of the same sources' module name).
+    One per process: Python hands back the build it loaded first under that name, which is
+    refused here (RuntimeError) rather than timed as if it were this one."""
     loader = importlib.machinery.ExtensionFileLoader(kernels.NAME, path)
     spec = importlib.util.spec_from_file_location(kernels.NAME, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    if getattr(module, "__file__", path) != path:
+        raise RuntimeError(f"{kernels.NAME} is loaded from {module.__file__} already")
     return module
 
 
@@ -47,9 +57,7 @@ class Case:
         bs, dim, kv_heads = args.block_size, args.head_dim, args.kv_heads
         blocks_per_row = -(-context // bs)
         num_blocks = blocks_per_row if args.shared else rows * blocks_per_row
-        layer_bytes = 2 * num_blocks * kv_heads * bs * dim * dtype.itemsize
-        self.num_layers = 1 if args.shared else max(2, -(-args.cache_mib * 2**20 // layer_bytes))
-        self.num_layers = min(self.num_layers, 30)
+        self.num_layers = self.num_layers_for(args, rows, context, dtype)
         self.caches = []
         for _ in range(self.num_layers):
             cache = torch.randn(2, num_blocks, kv_heads, bs * dim, generator=gen)
@@ -64,22 +72,101 @@ class Case:
         self.block_tables = tables.contiguous()
         self.block_size, self.scale = bs, dim**-0.5
 
+    @staticmethod
+    def num_layers_for(args: argparse.Namespace, rows: int, context: int, dtype) -> int:
+        """Layers whose caches together hold at least --cache-mib (at most 30; 1 shared)."""
+        if args.shared:
+            return 1
+        blocks = rows * -(-context // args.block_size)
+        layer_bytes = 2 * blocks * args.kv_heads * args.block_size * args.head_dim
+        layer_bytes *= dtype.itemsize
+        return min(30, max(2, -(-args.cache_mib * 2**20 // layer_bytes)))
+
     def run(self, ops: ModuleType, layer: int) -> torch.Tensor:
         return ops.paged_attention(self.q, self.caches[layer], self.block_size, self.query_start,
                                    self.seq_lens, self.block_tables, self.scale, True)  # fmt: skip
 
 
-def time_builds(case: Case, builds: list[ModuleType], repeats: int) -> list[float]:
-    """Median microseconds per call of each build, rounds alternating (one round: every
-    layer once)."""
-    times: list[list[float]] = [[] for _ in builds]
+def time_round(case: Case, ops: ModuleType) -> float:
+    """Microseconds per call over one round: every layer once."""
+    start = time.perf_counter()
+    for layer in range(case.num_layers):
+        case.run(ops, layer)
+    return (time.perf_counter() - start) / case.num_layers * 1e6
+
+
+def digest(case: Case, ops: ModuleType) -> str:
+    """The outputs of the first two layers' calls, hashed: equal digests, the same bits."""
+    sha = hashlib.sha256()
+    for layer in range(min(2, case.num_layers)):
+        sha.update(case.run(ops, layer).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def cases(args: argparse.Namespace):
+    """(kv dtype name, context, rows) of every case, in the order they are reported."""
+    for dtype_name in args.kv_dtypes.split(","):
+        for context in map(int, args.contexts.split(",")):
+            for rows in map(int, args.rows.split(",")):
+                yield dtype_name, context, rows
+
+
+class Worker:
+    """One build's process (`--worker SO`): it builds the same cases and, asked, times a round
+    of one or hashes its outputs. Rounds alternate between the workers; each waits on its pipe
+    while the other runs."""
+
+    def __init__(self, build: str, args: argparse.Namespace) -> None:
+        flags = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _CASE_FLAGS]
+        flags += ["--shared"] if args.shared else []
+        command = [sys.executable, "-m", "benchmarks", "attention", "--worker", build, *flags]
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the worker for {line!r} exited ({self.proc.wait()})")
+        return answer.strip()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+# The flags that shape the cases, forwarded to each worker.
+_CASE_FLAGS = ("rows", "contexts", "kv_dtypes", "group", "kv_heads", "head_dim", "block_size",
+               "cache_mib", "num_threads")  # fmt: skip
+
+
+def serve_worker(args: argparse.Namespace) -> int:
+    """--worker: "time I" -> one round of case I in microseconds; "digest I" -> its outputs'
+    hash; EOF ends it."""
+    torch.set_num_threads(args.num_threads)
+    ops = kernels.load() if args.worker == "this" else load_build(args.worker)
+    shapes, built = list(cases(args)), {}
+    for line in sys.stdin:
+        command, index = line.split()
+        if index not in built:
+            built.clear()  # the cases come in order: one built at a time
+            dtype_name, context, rows = shapes[int(index)]
+            built[index] = Case(args, rows, context, DTYPES[dtype_name])
+        case = built[index]
+        answer = time_round(case, ops) if command == "time" else digest(case, ops)
+        print(answer, flush=True)
+    return 0
+
+
+def time_workers(index: int, workers: list[Worker], repeats: int) -> list[float]:
+    """Median microseconds per call of each worker's build, rounds alternating."""
+    times: list[list[float]] = [[] for _ in workers]
     for i in range(repeats + 1):
-        for b, ops in enumerate(builds):
-            start = time.perf_counter()
-            for layer in range(case.num_layers):
-                case.run(ops, layer)
+        for w, worker in enumerate(workers):
+            us = float(worker.ask(f"time {index}"))
             if i:  # the first round warms up
-                times[b].append((time.perf_counter() - start) / case.num_layers * 1e6)
+                times[w].append(us)
     return [statistics.median(t) for t in times]
 
 
@@ -101,33 +188,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one build's process
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.worker is not None:
+        return serve_worker(args)
     torch.set_num_threads(args.num_threads)
-    builds = [load_build(args.build) if args.build else kernels.load()]
-    names = ["this build"]
-    if args.baseline:
-        builds.insert(0, load_build(args.baseline))
-        names.insert(0, "baseline")
+    names = ["baseline", "this build"] if args.baseline else ["this build"]
     print(f"threads={torch.get_num_threads()}  us per layer (median of {args.repeats} rounds)"
           f"{'  shared blocks' if args.shared else ''}  {kernels.cpu_model()}")  # fmt: skip
     header = f"{'rows':>5} {'ctx':>5} {'kv':>9} {'layers':>6}" + "".join(f"{n:>12}" for n in names)
     print(header + ("   speed-up  bits" if args.baseline else "   GB/s"))
-    for dtype_name in args.kv_dtypes.split(","):
-        for context in map(int, args.contexts.split(",")):
-            for rows in map(int, args.rows.split(",")):
-                case = Case(args, rows, context, DTYPES[dtype_name])
-                us = time_builds(case, builds, args.repeats)
-                line = f"{rows:5} {context:5} {dtype_name:>9} {case.num_layers:6}"
-                line += "".join(f"{t:12.1f}" for t in us)
-                if args.baseline:
-                    same = all(torch.equal(case.run(builds[0], i), case.run(builds[1], i))
-                               for i in range(min(2, case.num_layers)))  # fmt: skip
-                    line += f"   {us[0] / us[1]:7.2f}x  {'same' if same else 'DIFFER'}"
-                else:
-                    kv_bytes = 2 * rows * context * args.kv_heads * args.head_dim
-                    kv_bytes *= DTYPES[dtype_name].itemsize  # as read, shared or not
-                    line += f"   {kv_bytes / (us[-1] * 1e3):6.1f}"
-                print(line, flush=True)
+    builds = [args.baseline] if args.baseline else []
+    builds.append(args.build or "this")
+    workers = [Worker(build, args) for build in builds]
+    try:
+        for index, (dtype_name, context, rows) in enumerate(cases(args)):
+            us = time_workers(index, workers, args.repeats)
+            layers = Case.num_layers_for(args, rows, context, DTYPES[dtype_name])
+            line = f"{rows:5} {context:5} {dtype_name:>9} {layers:6}"
+            line += "".join(f"{t:12.1f}" for t in us)
+            if args.baseline:
+                same = len({worker.ask(f"digest {index}") for worker in workers}) == 1
+                line += f"   {us[0] / us[1]:7.2f}x  {'same' if same else 'DIFFER'}"
+            else:
+                kv_bytes = 2 * rows * context * args.kv_heads * args.head_dim
+                kv_bytes *= DTYPES[dtype_name].itemsize  # as read, shared or not
+                line += f"   {kv_bytes / (us[-1] * 1e3):6.1f}"
+            print(line, flush=True)
+    finally:
+        for worker in workers:
+            worker.close()
     return 0

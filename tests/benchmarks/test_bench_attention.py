@@ -1,11 +1,15 @@
 """`python -m benchmarks attention` on tiny shapes: it times the op and, against a baseline
-build (here the same .so loaded a second time), reports the outputs bit for bit."""
+build (here the same .so, in a process of its own), reports the outputs bit for bit; a second
+build is never loaded into a process beside the first (Python would hand back the first)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 from conftest import run_lab
 
+from benchmarks.attention import load_build
 from conveyor.model import kernels
 
 
@@ -22,3 +26,13 @@ def test_attention_lab_times_each_case_and_compares_the_builds_bits():
         ("1", "40", "bfloat16"), ("3", "40", "bfloat16"),
     ]  # fmt: skip
     assert all(r[-1] == "same" for r in rows)
+
+
+def test_a_second_build_is_never_loaded_beside_the_first(tmp_path):
+    ops = kernels.load()
+    if ops is None:
+        pytest.skip("compiled kernels unavailable")
+    copy = tmp_path / "conveyor_kernels.so"
+    shutil.copy(ops.__file__, copy)
+    with pytest.raises(RuntimeError, match="is loaded from .* already"):
+        load_build(str(copy))
