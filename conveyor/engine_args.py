@@ -137,8 +137,9 @@ class EngineArgs:
     quantization: str = _setting(
         "auto",
         "model",
-        "auto: a quantized GGUF runs quantized (CPU); none: dequantize to --dtype; int8: "
-        "quantize a float checkpoint's projections to int8 blocks",
+        "auto: a quantized GGUF runs quantized (CPU), an fp8 checkpoint on int8 blocks (CPU); "
+        "none: dequantize to --dtype; int8: quantize a float checkpoint's projections to int8 "
+        "blocks",
         choices=QUANTIZATION_MODES,
     )
     batch_invariant: bool = _setting(

@@ -426,12 +426,26 @@ def _resolve_quantization(requested: str, path: Path, dtype: str, device: str) -
         if device != "cpu" or not _x86():
             raise _no_int8_kernels(device)
         return "int8"
-    if requested == "none" or not is_quantized_gguf(path) or dtype == "float64":
-        return "none"  # float64 is the oracle: a quantized GGUF is dequantized for it
+    if requested == "none" or dtype == "float64":
+        return "none"  # float64 is the oracle: a quantized checkpoint is dequantized for it
+    if _is_fp8_checkpoint(path):  # quantized already: kept small, as a quantized GGUF is
+        return "int8" if device == "cpu" and _x86() else "none"
+    if not is_quantized_gguf(path):
+        return "none"
     if device != "cpu" or not _x86():
         _warn_dequantized(path, dtype, device)
         return "none"
     return "gguf"
+
+
+def _is_fp8_checkpoint(path: Path) -> bool:
+    """A checkpoint folder of block-scaled float8 weights (config.json's quant_method fp8)."""
+    try:
+        config = json.loads((path / "config.json").read_text()) if path.is_dir() else {}
+    except (OSError, ValueError):
+        return False
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quant, dict) and quant.get("quant_method") == "fp8"
 
 
 def _x86() -> bool:

@@ -102,6 +102,20 @@ def test_an_fp8_checkpoint_gives_transformers_tokens(tmp_path, arch):
     assert [out.outputs[0].token_ids for out in got] == expected
 
 
+def test_an_fp8_checkpoint_is_served_on_int8_blocks_by_default_on_the_cpu(tmp_path):
+    """Quantized already, it stays small, as a quantized GGUF does: --quantization auto takes
+    int8 blocks on the CPU (float32); none, or float64 (the oracle), dequantizes it."""
+    path = fp8_checkpoint(make_tiny_checkpoint(tmp_path / "base", "llama"), tmp_path / "fp8")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    small = LLM(str(path), dtype="float32")
+    assert small.engine.model_config.quantization == "int8"
+    assert len(small.generate(["Hello there"], params)[0].outputs[0].token_ids) == 6
+    assert LLM(
+        str(path), dtype="float32", quantization="none"
+    ).engine.model_config.quantization == ("none")
+    assert LLM(str(path), dtype="float64").engine.model_config.quantization == "none"
+
+
 def test_fp8_blocks_dequantize_by_their_scale_grid():
     weight = torch.tensor([[1.0, 2.0, -3.0, 4.0], [0.5, -0.5, 1.5, 2.0]]).to(torch.float8_e4m3fn)
     scales = torch.tensor([[2.0, 10.0]])  # one row of blocks, 2 x 2 each
