@@ -180,6 +180,8 @@ class InputProcessor:
         tools: list[dict] | None = None,
         variables: dict | None = None,
         field: str = "messages",
+        documents: list[dict] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The token ids of a conversation: the chat template renders text (its special
         tokens written by the template), which is bounded as a prompt is and tokenized
@@ -187,7 +189,9 @@ class InputProcessor:
         variables: the template's own (chat_template_kwargs); none may name a parameter of
         the template's caller or of the tokenizer (reserved_template_variables). The caller
         bounds the texts before (check_texts). field: what the request calls its messages
-        (the Responses API's input), for its errors."""
+        (the Responses API's input), for its errors. documents: the retrieved documents of a
+        RAG template (transformers' `documents`); add_special_tokens: the tokenizer's own
+        special tokens (a BOS) added to the rendered text too, as vLLM's chat field asks."""
         variables = dict(variables or {})
         reserved = sorted(reserved_template_variables(self.tokenizer) & variables.keys())
         if reserved:
@@ -200,6 +204,7 @@ class InputProcessor:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
+                documents=documents,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -212,7 +217,7 @@ class InputProcessor:
             ) from None
         self.check_text_length(len(text), field)
         try:
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
         except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
             raise ValueError(f"{field} could not be tokenized: {error}") from error
 

@@ -31,6 +31,7 @@ UI = "http://ui.test"
 # variable `greet` (--default-chat-template-kwargs sets it) in front.
 TEMPLATE = (
     "{% if greet is defined %}{{ greet }}|{% endif %}"
+    "{% for d in documents or [] %}[{{ d['title'] }}:{{ d['text'] }}]{% endfor %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}:{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>bot:{% endif %}"
 )
@@ -393,3 +394,21 @@ def test_a_cache_salt_over_http(server, client):
     assert chat.usage.completion_tokens == 1
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         cached("")
+
+
+def test_a_rag_templates_documents_reach_it(server, client, tiny_checkpoint):
+    """vLLM's `documents` chat field: the retrieved documents a RAG template (Granite's,
+    Command R's) renders; chat's add_special_tokens is taken too (this tokenizer adds none)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    documents = [{"title": "Paris", "text": "the capital"}, {"title": "Rome", "text": "old"}]
+    body = {"model": MODEL, "messages": HI, "documents": documents}
+    tokens = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30).json()["tokens"]
+    text = "hey|[Paris:the capital][Rome:old]<|im_start|>user:Hi there<|im_end|>\n<|im_start|>bot:"
+    assert tokens == tokenizer(text, add_special_tokens=False).input_ids
+    extra = {"documents": documents, "add_special_tokens": True}
+    reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1, extra_body=extra)
+    assert reply.usage.prompt_tokens == len(tokens)
+    with pytest.raises(openai.BadRequestError, match="documents"):
+        client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=1, extra_body={"documents": [{"title": 1}]}
+        )

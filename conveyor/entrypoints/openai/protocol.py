@@ -555,6 +555,11 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    # vLLM's: the retrieved documents a RAG chat template reads (Granite's, Command R's), and
+    # the tokenizer's own special tokens added to the rendered prompt (off: the template
+    # writes them).
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: bool = False
     echo: bool = False
     # OpenAI's (and vLLM's): handed to the chat template as the variable reasoning_effort,
     # which templates of reasoning models read; others leave it unused, as they do any
@@ -699,10 +704,17 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
 
     def chat_fields(self) -> dict[str, Any]:
         """The fields set that only apply to messages."""
-        names = ("tools", "continue_final_message", "chat_template_kwargs", "chat_template")
+        names = (
+            "tools",
+            "continue_final_message",
+            "chat_template_kwargs",
+            "chat_template",
+            "documents",
+        )
         return {name: getattr(self, name) for name in names if getattr(self, name)}
 
 

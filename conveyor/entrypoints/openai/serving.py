@@ -368,6 +368,7 @@ class OpenAIServing:
         # the tokenizer sees any of it: too much text for the context is refused at once.
         inputs = self.engine.inputs
         texts = {options.messages_field: dicts, "tools": tools, "chat_template_kwargs": kwargs}
+        texts["documents"] = options.documents
         inputs.check_texts(texts)
         if tools and not native:
             hint = tools_prompt(tools, tool_choice)
@@ -383,6 +384,8 @@ class OpenAIServing:
             tools if tools and native else None,
             kwargs,
             options.messages_field,
+            options.documents,
+            options.add_special_tokens,
         )
 
     async def check_constraint(self, constraint: StructuredOutputs | None, param: str) -> None:
@@ -912,6 +915,8 @@ class ChatTemplateOptions:
     kwargs: dict | None = None
     reasoning_effort: str | None = None
     messages_field: str = "messages"  # what errors call the messages (chat_request.names)
+    documents: list[dict] | None = None
+    add_special_tokens: bool = False
 
     @classmethod
     def of(cls, request: ChatCompletionRequest) -> ChatTemplateOptions:
@@ -921,6 +926,8 @@ class ChatTemplateOptions:
             request.chat_template_kwargs,
             request.reasoning_effort,
             request.field_name("messages"),
+            request.documents,
+            request.add_special_tokens,
         )
 
     def template_kwargs(self) -> dict:
