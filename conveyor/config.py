@@ -43,34 +43,61 @@ QUANTIZATION_MODES = ("auto", "none", "int8")
 # safetensors, a .gguf file); safetensors or gguf insist on one.
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 # Checkpoints quantized by another tool (config.json's quantization_config.quant_method) that
-# conveyor reads: "fp8", block-scaled float8 weights (Qwen's and DeepSeek's -FP8 releases),
-# dequantized at load exactly as transformers dequantizes them on a CPU.
-PREQUANTIZED_METHODS = ("fp8",)
+# conveyor reads, dequantized as they load (model/quant/prequantized.py): "fp8", block-scaled
+# float8 weights (Qwen's and DeepSeek's -FP8 releases), and "compressed-tensors" with integer
+# weights only (llm-compressor's W4A16 / W8A16 schemes).
+PREQUANTIZED_METHODS = ("fp8", "compressed-tensors")
+_CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
 
 def prequantized_refusal(config: dict) -> str | None:
     """Why a checkpoint whose config.json is `config` cannot be served (None: it can): one
-    quantized by a method conveyor does not read (AWQ, GPTQ, compressed-tensors, bitsandbytes,
-    ...) is refused at once, before its weights are read or downloaded."""
+    quantized by a method or scheme conveyor does not read (AWQ, GPTQ, bitsandbytes, quantized
+    activations, ...) is refused at once, before its weights are read or downloaded."""
     quant = config.get("quantization_config")
     if not isinstance(quant, dict):
         return None
     method = quant.get("quant_method")
-    if method in PREQUANTIZED_METHODS and not _static_activations(quant):
-        return None
+    if method == "fp8":
+        if quant.get("activation_scheme", "dynamic") == "dynamic":
+            return None  # activations in float, as transformers runs them on a CPU
+        why = "static activation scales"
+    elif method == "compressed-tensors":
+        why = _ct_refusal(quant)
+        if why is None:
+            return None
+    else:
+        why = "a method conveyor does not read"
     return (
-        f"a checkpoint quantized with {method!r} (config.json's quantization_config) is not "
-        f"supported: conveyor reads {', '.join(PREQUANTIZED_METHODS)} checkpoints with dynamic "
-        "activations, float checkpoints (quantizing them itself with --quantization int8) and "
-        "GGUF files (Q4_0, Q4_1, Q4_K, Q8_0, ... served quantized); serve the model's "
-        "unquantized repository or a GGUF of it"
+        f"a checkpoint quantized with {method!r} (config.json's quantization_config: {why}) is "
+        "not supported: conveyor reads fp8 checkpoints with dynamic activations, "
+        "compressed-tensors checkpoints of integer weights only (W4A16, W8A16), float "
+        "checkpoints (quantizing them itself with --quantization int8) and GGUF files (Q4_0, "
+        "Q4_1, Q4_K, Q8_0, ... served quantized); serve the model's unquantized repository or "
+        "a GGUF of it"
     )
 
 
-def _static_activations(quant: dict) -> bool:
-    """Activations quantized with scales fixed in the checkpoint: not read (conveyor, as
-    transformers on a CPU, computes them in float: the "dynamic" scheme)."""
-    return quant.get("activation_scheme", "dynamic") != "dynamic"
+def _ct_refusal(quant: dict) -> str | None:
+    """What in a compressed-tensors config conveyor does not read (None: all of it)."""
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return "no config_groups"
+    if quant.get("sparsity_config") or quant.get("transform_config"):
+        return "sparsity or transforms"
+    for group in groups.values():
+        weights = group.get("weights") or {}
+        if group.get("input_activations") or group.get("output_activations"):
+            return "quantized activations"
+        if group.get("format", quant.get("format")) not in _CT_FORMATS:
+            return f"format {group.get('format', quant.get('format'))!r}"
+        if weights.get("type") != "int" or weights.get("num_bits") not in (4, 8):
+            return f"{weights.get('num_bits')}-bit {weights.get('type')} weights"
+        if weights.get("strategy") not in ("group", "channel") or weights.get("actorder"):
+            return f"strategy {weights.get('strategy')!r}, activation order"
+        if weights.get("symmetric") is False:
+            return "asymmetric weights (zero points)"
+    return None
 
 
 # Seconds a request's grammar may take to compile before the request fails.

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.config import (
     LOAD_FORMATS,
+    PREQUANTIZED_METHODS,
     QUANTIZATION_MODES,
     STATIC_ROPE_TYPES,
     prequantized_refusal,
@@ -428,7 +429,7 @@ def _resolve_quantization(requested: str, path: Path, dtype: str, device: str) -
         return "int8"
     if requested == "none" or dtype == "float64":
         return "none"  # float64 is the oracle: a quantized checkpoint is dequantized for it
-    if _is_fp8_checkpoint(path):  # quantized already: kept small, as a quantized GGUF is
+    if _is_prequantized(path):  # quantized already: kept small, as a quantized GGUF is
         return "int8" if device == "cpu" and _x86() else "none"
     if not is_quantized_gguf(path):
         return "none"
@@ -438,14 +439,15 @@ def _resolve_quantization(requested: str, path: Path, dtype: str, device: str) -
     return "gguf"
 
 
-def _is_fp8_checkpoint(path: Path) -> bool:
-    """A checkpoint folder of block-scaled float8 weights (config.json's quant_method fp8)."""
+def _is_prequantized(path: Path) -> bool:
+    """A checkpoint folder quantized by another tool, of a method conveyor reads (fp8,
+    compressed-tensors)."""
     try:
         config = json.loads((path / "config.json").read_text()) if path.is_dir() else {}
     except (OSError, ValueError):
         return False
     quant = config.get("quantization_config") if isinstance(config, dict) else None
-    return isinstance(quant, dict) and quant.get("quant_method") == "fp8"
+    return isinstance(quant, dict) and quant.get("quant_method") in PREQUANTIZED_METHODS
 
 
 def _x86() -> bool:

@@ -17,6 +17,7 @@ from conveyor.distributed.parallel import TPGroup, TPShard
 from conveyor.model.config import ModelConfig
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.quant import QuantPlan, plan_quantization
+from conveyor.model.quant.prequantized import Dequantizer
 
 
 def load_model(
@@ -160,66 +161,36 @@ _MIXTRAL_NAMES = (
 def iter_safetensors(
     folder: Path, dtype: torch.dtype, slice_of=None, rename=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """rename: (old, new) substrings replaced in each name, in order, before it is cut. A
-    float8 weight with a `weight_scale_inv` beside it (an "fp8" checkpoint) is dequantized
-    whole, then cut; its scales are consumed."""
+    """rename: (old, new) substrings replaced in each name, in order, before it is cut. The
+    weights of a checkpoint quantized by another tool (fp8, compressed-tensors) are
+    dequantized whole, then cut (model/quant/prequantized.py)."""
     files = _safetensors_files(folder)
-    scales = _fp8_scales(files)
-    consumed = {scale for scale, _ in scales.values()}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for stored in f.keys():
-                if stored in consumed or stored.endswith(_FP8_ACTIVATION_SCALES):
-                    continue  # consumed by its weight's dequantization; none for activations
-                name = stored
-                for old, new in rename or ():
-                    name = name.replace(old, new)
-                cut = None if slice_of is None else slice_of(name)
-                if stored in scales:
-                    scale, scale_file = scales[stored]
-                    with safe_open(scale_file, framework="pt") as g:
-                        tensor = dequantize_fp8(f.get_tensor(stored), g.get_tensor(scale))
-                    yield name, (tensor if cut is None else _cut(tensor, cut)).to(dtype)
-                elif cut is None:
-                    yield name, f.get_tensor(stored).to(dtype)
-                else:
-                    yield name, _cut(f.get_slice(stored), cut).to(dtype)
-
-
-# An fp8 checkpoint's per-tensor activation scales: its activations are computed in float.
-_FP8_ACTIVATION_SCALES = (".input_scale", ".activation_scale")
-
-
-def _fp8_scales(files: list[Path]) -> dict[str, tuple[str, Path]]:
-    """float8 weight name -> the name of its block scales (`<weight>_scale_inv`) and the
-    file that holds them."""
     where = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             where.update(dict.fromkeys(f.keys(), file))
-    return {
-        name.removesuffix("_scale_inv"): (name, file)
-        for name, file in where.items()
-        if name.endswith(".weight_scale_inv") and name.removesuffix("_scale_inv") in where
-    }
+    dequantizer = Dequantizer(folder, where)
 
+    def get(name: str) -> torch.Tensor:
+        with safe_open(where[name], framework="pt") as f:
+            return f.get_tensor(name)
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """A block-scaled float8 weight in float32: each (rows / R, cols / C) block of it times
-    its scale, R x C the scales' grid; as transformers dequantizes it (float32 products), so
-    that the bits are the same."""
-    if weight.dim() != 2 or scale_inv.dim() != 2:
-        raise ValueError(f"fp8 weight {tuple(weight.shape)} needs a 2-D scale grid")
-    rows, cols = weight.shape
-    grid_rows, grid_cols = scale_inv.shape
-    if rows % grid_rows or cols % grid_cols:
-        raise ValueError(
-            f"fp8 weight shape ({rows}, {cols}) is not divisible by its scale grid "
-            f"({grid_rows}, {grid_cols})"
-        )
-    blocks = weight.to(torch.float32).reshape(grid_rows, rows // grid_rows, grid_cols, -1)
-    scaled = blocks * scale_inv.to(torch.float32)[:, None, :, None]
-    return scaled.reshape(rows, cols)
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for stored in f.keys():
+                if dequantizer.skips(stored):
+                    continue  # a part of another tensor's weight; no activation scales
+                weight = dequantizer.read(stored, get)
+                name = dequantizer.makes.get(stored, stored)
+                for old, new in rename or ():
+                    name = name.replace(old, new)
+                cut = None if slice_of is None else slice_of(name)
+                if weight is not None:
+                    yield name, (weight if cut is None else _cut(weight, cut)).to(dtype)
+                elif cut is None:
+                    yield name, f.get_tensor(stored).to(dtype)
+                else:
+                    yield name, _cut(f.get_slice(stored), cut).to(dtype)
 
 
 def _cut(tensor, cut: tuple[int, int, int, int]) -> torch.Tensor:

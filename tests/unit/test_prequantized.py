@@ -1,9 +1,11 @@
 """Checkpoints quantized by another tool: block-scaled float8 ("fp8", Qwen's and DeepSeek's
--FP8 releases) is read, dequantized at load as transformers dequantizes it on a CPU, so the
-greedy tokens equal transformers' in float64, a dense model's and a mixture of experts', its
-scales in a shard of their own; every other method (AWQ, GPTQ, compressed-tensors,
-bitsandbytes, fp8 with static activation scales) is refused with its name, before a Hub
-download fetches any weight."""
+-FP8 releases) and compressed-tensors' symmetric integer weights (llm-compressor's W4A16 /
+W8A16, packed or not) are read, dequantized at load as transformers
+dequantizes them, so the greedy tokens equal transformers' in float64 (fp8: a dense model's
+and a mixture of experts', its scales in a shard of their own); served on int8 blocks by
+default on the CPU; every other method or scheme (AWQ, GPTQ, bitsandbytes, quantized
+activations or zero points, fp8 with static activation scales) is refused with its name,
+before a Hub download fetches any weight."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from conveyor import LLM, SamplingParams
 from conveyor.hub import download
-from conveyor.model.loader import dequantize_fp8
+from conveyor.model.loader import iter_safetensors
+from conveyor.model.quant.prequantized import dequantize_fp8
 
 BLOCK = 16  # the tests' fp8 blocks: several per tiny matrix (real checkpoints: 128 x 128)
 EAGER = {"experts_implementation": "eager"}  # transformers' MoE experts in float64 on a CPU
@@ -116,6 +119,72 @@ def test_an_fp8_checkpoint_is_served_on_int8_blocks_by_default_on_the_cpu(tmp_pa
     assert LLM(str(path), dtype="float64").engine.model_config.quantization == "none"
 
 
+def compressed_checkpoint(base: Path, target: Path, bits: int, symmetric: bool, group) -> Path:
+    """`base` quantized by compressed-tensors itself (the library llm-compressor saves with):
+    integer weights with scales from each group's (or row's) range, packed as it packs them."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    strategy = "group" if group else "channel"
+    args = QuantizationArgs(
+        num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            weight = module.weight.data.float()
+            grouped = weight.reshape(weight.shape[0], -1, group or weight.shape[1])
+            scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    fmt = "pack-quantized" if bits == 4 else "int-quantized"
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(target)
+    compressor.update_config(target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, target / name)
+    return target
+
+
+@pytest.mark.parametrize(
+    ("bits", "group"), [(4, 16), (4, 32), (8, None)], ids=["w4a16-g16", "w4a16-g32", "w8a16"]
+)
+def test_a_compressed_tensors_checkpoint_gives_transformers_weights_and_tokens(
+    tmp_path, bits, group
+):
+    base = make_tiny_checkpoint(tmp_path / "base", "llama")
+    path = compressed_checkpoint(base, tmp_path / "ct", bits, True, group)
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors"
+    prompts = [[5, 17, 42, 9, 100, 33], [7, 8, 9, 10]]
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    expected = [tokens for tokens, _ in hf_greedy(reference, prompts, 10)]
+    # transformers decompressed its weights for that forward: conveyor reads the same bits.
+    theirs = dict(reference.named_parameters())
+    ours = dict(iter_safetensors(path, torch.float64))
+    quantized = [name for name in ours if name.endswith("_proj.weight")]
+    assert len(quantized) == 7 * 2 and all(torch.equal(ours[n], theirs[n]) for n in quantized)
+    plain = dict(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64).named_parameters())
+    assert not any(torch.equal(ours[n], plain[n]) for n in quantized)  # quantized, all of them
+    llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [out.outputs[0].token_ids for out in got] == expected
+    assert LLM(str(path), dtype="float32").engine.model_config.quantization == "int8"
+
+
 def test_fp8_blocks_dequantize_by_their_scale_grid():
     weight = torch.tensor([[1.0, 2.0, -3.0, 4.0], [0.5, -0.5, 1.5, 2.0]]).to(torch.float8_e4m3fn)
     scales = torch.tensor([[2.0, 10.0]])  # one row of blocks, 2 x 2 each
@@ -133,6 +202,39 @@ def test_fp8_blocks_dequantize_by_their_scale_grid():
         (
             {"quant_method": "compressed-tensors", "format": "pack-quantized"},
             "'compressed-tensors'",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True},
+                    }
+                },
+            },
+            "'compressed-tensors'.*quantized activations",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {
+                            "num_bits": 4,
+                            "type": "int",
+                            "strategy": "group",
+                            "group_size": 128,
+                            "symmetric": False,
+                        },
+                    }
+                },
+            },
+            "'compressed-tensors'.*zero points",
         ),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
         ({"quant_method": "fp8", "activation_scheme": "static"}, "'fp8'"),
