@@ -149,15 +149,17 @@ inline Vec<T> load_cache(const C* p) {
 // Asks the lines of one tile into L2 (prefetcht2 on x86), ahead of its use. Inline assembly,
 // not __builtin_prefetch: GCC 12 deleted the builtin from the specialised loops this kernel had
 // it in (no prefetch instruction was left in any decode row's Q K^T or P V), silently.
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht2 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 1);
+#endif
+}
+
 inline void prefetch_tile(const void* tile, int lines) {
   const char* p = static_cast<const char*>(tile);
-  for (int i = 0; i < lines; ++i) {
-#if defined(__x86_64__) || defined(__i386__)
-    asm volatile("prefetcht2 %0" : : "m"(p[i * 64]));
-#else
-    __builtin_prefetch(p + i * 64, 0, 1);
-#endif
-  }
+  for (int i = 0; i < lines; ++i) prefetch_line(p + i * 64);
 }
 
 constexpr int kScoreSplit = 2;  // partial sums of a score (qk_rows)
@@ -170,9 +172,11 @@ constexpr int kScoreSplit = 2;  // partial sums of a score (qk_rows)
 #define CONVEYOR_OUT_OF_LINE __attribute__((noinline))
 
 // S[r][j] = sum_d q[r][d] * kt[d][j] for R rows; kt is one (head_dim, block_size) key tile.
-template <typename T, typename C, int R, int BS, int D>
+// PF: the lines of `next` (a tile read later) are prefetched a few per step of the loop over d,
+// rather than in one burst before it (see kPrefetchBlocks).
+template <typename T, typename C, int R, int BS, int D, bool PF = false>
 CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt,
-                                  T* __restrict s, Shape sh) {
+                                  T* __restrict s, Shape sh, const C* next = nullptr) {
   if constexpr (BS != 0) {
     constexpr int NV = BS / kLanes<T>;
     // Two independent partial sums over d (even and odd d), added at the end: a decode row's
@@ -188,6 +192,11 @@ CONVEYOR_OUT_OF_LINE void qk_rows(const T* __restrict q, const C* __restrict kt,
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < NV; ++i) even[r][i] = odd[r][i] = Vec<T>{};
     for (int d = 0; d < D; d += SPLIT) {
+      if constexpr (PF) {
+        constexpr int kLines = BS * D * sizeof(C) / 64, kSteps = D / SPLIT;
+        for (int l = d / SPLIT * kLines / kSteps; l < (d / SPLIT + 1) * kLines / kSteps; ++l)
+          prefetch_line(reinterpret_cast<const char*>(next) + l * 64);
+      }
       Vec<T> ke[NV], ko[NV];
       for (int i = 0; i < NV; ++i) {
         ke[i] = load_cache<T>(kt + d * BS + i * kLanes<T>);
@@ -226,30 +235,37 @@ template <typename T, int BS>
 constexpr int kRowGroup =
     BS == 0 ? 4 : std::max(1, std::min(8, (kRegisters - 4) / (kScoreSplit * BS / kLanes<T>)));
 
-template <typename T, typename C, int BS, int D, int R>
-inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh) {
+template <typename T, typename C, int BS, int D, int R, bool PF = false>
+inline void qk_tail(const T* q, const C* kt, T* s, int rows, Shape sh, const C* next = nullptr) {
   if constexpr (R > 0) {
-    if (rows == R) return qk_rows<T, C, R, BS, D>(q, kt, s, sh);
-    return qk_tail<T, C, BS, D, R - 1>(q, kt, s, rows, sh);
+    if (rows == R) return qk_rows<T, C, R, BS, D, PF>(q, kt, s, sh, next);
+    return qk_tail<T, C, BS, D, R - 1, PF>(q, kt, s, rows, sh, next);
   }
 }
 
 // S = Q K^T for all rows.
-template <typename T, typename C, int BS, int D>
-inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh) {
+// PF: the first register group prefetches the tile `next` as it goes (qk_rows).
+template <typename T, typename C, int BS, int D, bool PF = false>
+inline void qk_block(const T* q, const C* kt, T* s, int rows, Shape sh, const C* next = nullptr) {
   const int dim = D ? D : static_cast<int>(sh.head_dim);
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   constexpr int G = kRowGroup<T, BS>;
   int r = 0;
+  if constexpr (PF) {
+    if (rows < G) return qk_tail<T, C, BS, D, G - 1, true>(q, kt, s, rows, sh, next);
+    qk_rows<T, C, G, BS, D, true>(q, kt, s, sh, next);
+    r = G;
+  }
   for (; r + G <= rows; r += G) qk_rows<T, C, G, BS, D>(q + r * dim, kt, s + r * bs, sh);
   if (r < rows) qk_tail<T, C, BS, D, G - 1>(q + r * dim, kt, s + r * bs, rows - r, sh);
 }
 
 // acc[r][:] += sum_{j < n} p[r][j] * v[j][:] for RP rows at once (each V row loaded once for
 // them); the accumulators stay in registers, 8 vectors of each row at a time.
-template <typename T, typename C, int D, int RP>
+// PF: the lines of `next` are prefetched a few per key (D * sizeof(C) bytes each), as qk_rows.
+template <typename T, typename C, int D, int RP, bool PF = false>
 CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __restrict v,
-                                  T* __restrict acc, int n) {
+                                  T* __restrict acc, int n, const C* next = nullptr) {
   constexpr int L = kLanes<T>;
   constexpr int NV = D / L;
   constexpr int NC = NV < 8 ? NV : 8;
@@ -258,6 +274,12 @@ CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __rest
     for (int r = 0; r < RP; ++r)
       for (int i = 0; i < NC; ++i) a[r][i] = load(acc + r * D + (c0 + i) * L);
     for (int j = 0; j < n; ++j) {
+      if constexpr (PF) {
+        constexpr int kLinesPerKey = (D * sizeof(C) + 63) / 64;
+        if (c0 == 0)
+          for (int l = 0; l < kLinesPerKey; ++l)
+            prefetch_line(reinterpret_cast<const char*>(next) + (j * kLinesPerKey + l) * 64);
+      }
       Vec<T> pb[RP];
       for (int r = 0; r < RP; ++r) pb[r] = broadcast(p[r * bs + j]);
       const C* vrow = v + j * D + c0 * L;
@@ -274,9 +296,9 @@ CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __rest
 
 // acc += P V for all rows; v is one (block_size, head_dim) tile. Rows in threes where the
 // registers allow it (AVX-512 machines have 32 of them for 32-byte vectors).
-template <typename T, typename C, int BS, int D>
+template <typename T, typename C, int BS, int D, bool PF = false>
 inline void pv_block(const T* __restrict p, const C* __restrict v, T* __restrict acc, int rows,
-                     int n, Shape sh) {
+                     int n, Shape sh, const C* next = nullptr) {
   const int bs = BS ? BS : static_cast<int>(sh.block_size);
   if constexpr (D != 0) {
     // Rows in threes with 32 registers (24 accumulators: a decode row's GQA group of 3 in one
@@ -284,6 +306,16 @@ inline void pv_block(const T* __restrict p, const C* __restrict v, T* __restrict
     constexpr int RP = kRegisters >= 32 ? 3 : 1;
     if (n <= 0) return;
     int r = 0;
+    if constexpr (PF) {  // the first call prefetches `next` (pv_rows)
+      if (rows >= RP) {
+        pv_rows<T, C, D, RP, true>(p, bs, v, acc, n, next);
+      } else if (rows == 2) {
+        pv_rows<T, C, D, 2, true>(p, bs, v, acc, n, next);
+      } else {
+        pv_rows<T, C, D, 1, true>(p, bs, v, acc, n, next);
+      }
+      r = std::min(rows, RP >= 2 && rows == 2 ? 2 : RP);
+    }
     for (; r + RP <= rows; r += RP) pv_rows<T, C, D, RP>(p + r * bs, bs, v, acc + r * D, n);
     if (RP == 3 && r + 2 <= rows) {
       pv_rows<T, C, D, 2>(p + r * bs, bs, v, acc + r * D, n);
@@ -501,18 +533,23 @@ void soft_cap(T* s, int64_t n, T cap) {
 }
 
 // Tiles sit at scattered places (a block table is any list of block ids), so the hardware
-// prefetcher, which follows a stream within a 4 KiB page, starts every tile cold. The K tile
-// kPrefetchBlocks blocks ahead is asked into L2 before a block's Q K^T, the V tile before its
-// P V (the first ones of an item all at once). Only for items of fewer than kWidenRows rows
+// prefetcher, which follows a stream within a 4 KiB page, starts every tile cold. The K and V
+// tiles kPrefetchBlocks blocks ahead are asked into L2 while a block's Q K^T and P V run (the
+// first ones of an item all at once before it). Only for items of fewer than kWidenRows rows
 // (decode rows, verifications), which are bound by reading the cache: a many-row item computes
 // long enough on each tile for the hardware to keep up. Measured on a Zen 4 (2 threads,
 // SmolLM2's heads, float16 cache, 30 layers each with its own cache): 64 decode rows at 256
-// tokens 30-34 -> 18-21 ms, 8 decode rows 4.1 -> 2.1 ms, with no prefetch at all (what GCC had
-// left of the earlier per-iteration form) against these bursts; earlier on a Xeon, spreading
-// the lines over the loops beat bursts, but that form needs the prefetch inside the loops, and
-// an asm statement there (with or without a call, even never executed) cost the many-row items
-// up to 1.6x through worse register allocation.
+// tokens 30-34 -> 18-21 ms, 8 decode rows 4.1 -> 2.1 ms, with no prefetch at all against bursts
+// of whole tiles before each block.
 constexpr int64_t kPrefetchBlocks = 2;
+// Whether the tiles ahead are prefetched a few lines per step inside Q K^T and P V (the shapes
+// compiled with constant trip counts; in instantiations of their own, PF, so that the many-row
+// items' loops hold no prefetch: an asm statement there cost them up to 1.6x through worse
+// register allocation) rather than in one burst before each block. On a Zen 3 (float16 cache,
+// 1-128 decode rows x 300-2048 tokens from memory, each build in its own process) the spread
+// lines ran 1.04-1.26x faster than the bursts, the same bits.
+template <int BS, int D>
+constexpr bool kSpreadPrefetch = BS != 0 && D != 0;
 
 template <typename T, typename C, int BS, int D>
 void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, const C* vc,
@@ -590,8 +627,12 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
         widen(vc + offset, w.v.data() + i * tile, tile);
         qk_block<T, T, BS, D>(w.q.data(), w.k.data() + i * tile, si, rows, sh);
       } else {
-        if (k_next[i]) prefetch_tile(k_next[i], tile_lines);
-        qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh);
+        if (k_next[i] && kSpreadPrefetch<BS, D>)
+          qk_block<T, C, BS, D, true>(w.q.data(), kc + offset, si, rows, sh, k_next[i]);
+        else if (k_next[i])
+          prefetch_tile(k_next[i], tile_lines);
+        if (!k_next[i] || !kSpreadPrefetch<BS, D>)
+          qk_block<T, C, BS, D>(w.q.data(), kc + offset, si, rows, sh);
       }
       if (in.softcap > 0) soft_cap(si, rows * bs, static_cast<T>(in.softcap));
     }
@@ -601,8 +642,13 @@ void run_item(const WorkItem& item, const Inputs& in, const T* qp, const C* kc, 
       if (widened) {
         pv_block<T, T, BS, D>(si, w.v.data() + i * tile, w.acc.data(), rows, n[i], sh);
       } else {
-        if (v_next[i]) prefetch_tile(v_next[i], tile_lines);
-        pv_block<T, C, BS, D>(si, vc + offsets[i], w.acc.data(), rows, n[i], sh);
+        if (v_next[i] && kSpreadPrefetch<BS, D> && n[i] == bs) {
+          pv_block<T, C, BS, D, true>(si, vc + offsets[i], w.acc.data(), rows, n[i], sh,
+                                      v_next[i]);
+        } else {
+          if (v_next[i]) prefetch_tile(v_next[i], tile_lines);
+          pv_block<T, C, BS, D>(si, vc + offsets[i], w.acc.data(), rows, n[i], sh);
+        }
       }
     }
   }
