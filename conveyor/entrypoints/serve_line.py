@@ -469,7 +469,10 @@ def _as_flags(name: str, value: Any, action: argparse.Action) -> list[str]:
             return [off] if off in action.option_strings else []
         return [name, "true" if value else "false"]
     if isinstance(value, list):
-        return [name, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+        items = [json.dumps(v) if isinstance(v, dict) else str(v) for v in value]
+        if isinstance(action, argparse._AppendAction):  # the flag once per item (--middleware)
+            return [part for item in items for part in (name, item)]
+        return [name, *items]
     if isinstance(value, dict):
         return [name, json.dumps(value)]
     return [name, str(value)]

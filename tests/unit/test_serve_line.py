@@ -96,13 +96,16 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path):
     config.write_text(
         "model: /models/a\nport: 8123\nmax_num_seqs: 7\nenable-prefix-caching: false\n"
         "served-model-name: [a, a2]\nhf-overrides: {max_position_embeddings: 300}\n"
-        "trust-remote-code: true\nseed: 5\ntokenizer:\n"
+        "trust-remote-code: true\nseed: 5\ntokenizer:\nmiddleware: [a.B, c.D]\n"
+        "default-chat-template-kwargs: {enable_thinking: false}\n"
     )
     args = serve_args(["--config", str(config)])
     assert (args.model, args.port, args.max_num_seqs, args.seed) == ("/models/a", 8123, 7, 5)
     assert args.enable_prefix_caching is False and args.trust_remote_code is True
     assert args.served_model_name == ["a", "a2"] and args.tokenizer is None
     assert engine_args(args).hf_overrides == {"max_position_embeddings": 300}
+    assert args.middleware == ["a.B", "c.D"]
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
     mine = serve_args(["/models/b", "--port", "9000", f"--config={config}", "-tp", "1"])
     assert (mine.model, mine.port, mine.max_num_seqs) == ("/models/b", 9000, 7)
     assert serve_args(["--config", str(config), "--enable-prefix-caching"]).enable_prefix_caching
