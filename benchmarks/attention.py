@@ -1,4 +1,4 @@
-"""`python -m benchmarks attention`: the decode attention op alone, microseconds per layer.
+"""`python -m benchmarks attention`: the attention op alone, microseconds per layer.
 
 Each case is B decode rows (one new token per sequence, each sequence its own shuffled KV
 blocks) attending C tokens, with SmolLM2-135M's heads by default (9 query heads over 3 KV
@@ -7,6 +7,9 @@ step does, from memory: every call goes to the next of L layers, each with its o
 chosen so the layers hold at least --cache-mib together (far more than L2; on a CPU whose L3 is
 larger, raise it). --shared gives every row the same blocks instead (the cache read from L2:
 the kernel's arithmetic alone).
+
+--prompts adds prompt cases: one sequence whose N tokens are all new (rows "p"), the prompt
+chunk's causal attention, with its GFLOP/s.
 
 --baseline names another build of the kernels (a conveyor_kernels.so, e.g. from
 ~/.cache/conveyor/kernels/ before a change): both are timed in alternating rounds, so load from
@@ -53,22 +56,25 @@ class Case:
     """One shape's inputs: q, L layer caches and the step's metadata."""
 
     def __init__(self, args: argparse.Namespace, rows: int, context: int, dtype: torch.dtype):
+        """rows 0: a prompt, one sequence whose `context` tokens are all new (causal)."""
         gen = torch.Generator().manual_seed(0)
         bs, dim, kv_heads = args.block_size, args.head_dim, args.kv_heads
+        sequences = max(rows, 1)
         blocks_per_row = -(-context // bs)
-        num_blocks = blocks_per_row if args.shared else rows * blocks_per_row
+        num_blocks = blocks_per_row if args.shared else sequences * blocks_per_row
         self.num_layers = self.num_layers_for(args, rows, context, dtype)
         self.caches = []
         for _ in range(self.num_layers):
             cache = torch.randn(2, num_blocks, kv_heads, bs * dim, generator=gen)
             self.caches.append(cache.clamp(-448, 448).to(dtype))
-        self.q = torch.randn(rows, kv_heads * args.group, dim, generator=gen)
-        self.query_start = torch.arange(rows + 1, dtype=torch.long)
-        self.seq_lens = torch.full((rows,), context, dtype=torch.long)
+        tokens = rows or context
+        self.q = torch.randn(tokens, kv_heads * args.group, dim, generator=gen)
+        self.query_start = torch.arange(sequences + 1, dtype=torch.long) * (tokens // sequences)
+        self.seq_lens = torch.full((sequences,), context, dtype=torch.long)
         if args.shared:
-            tables = torch.randperm(num_blocks, generator=gen).repeat(rows, 1)
+            tables = torch.randperm(num_blocks, generator=gen).repeat(sequences, 1)
         else:
-            tables = torch.randperm(num_blocks, generator=gen).view(rows, blocks_per_row)
+            tables = torch.randperm(num_blocks, generator=gen).view(sequences, blocks_per_row)
         self.block_tables = tables.contiguous()
         self.block_size, self.scale = bs, dim**-0.5
 
@@ -77,7 +83,7 @@ class Case:
         """Layers whose caches together hold at least --cache-mib (at most 30; 1 shared)."""
         if args.shared:
             return 1
-        blocks = rows * -(-context // args.block_size)
+        blocks = max(rows, 1) * -(-context // args.block_size)
         layer_bytes = 2 * blocks * args.kv_heads * args.block_size * args.head_dim
         layer_bytes *= dtype.itemsize
         return min(30, max(2, -(-args.cache_mib * 2**20 // layer_bytes)))
@@ -104,11 +110,14 @@ def digest(case: Case, ops: ModuleType) -> str:
 
 
 def cases(args: argparse.Namespace):
-    """(kv dtype name, context, rows) of every case, in the order they are reported."""
+    """(kv dtype name, context, rows) of every case, in the order they are reported; rows 0:
+    a prompt of `context` tokens (--prompts)."""
     for dtype_name in args.kv_dtypes.split(","):
         for context in map(int, args.contexts.split(",")):
             for rows in map(int, args.rows.split(",")):
                 yield dtype_name, context, rows
+        for tokens in map(int, filter(None, args.prompts.split(","))):
+            yield dtype_name, tokens, 0
 
 
 class Worker:
@@ -137,8 +146,8 @@ class Worker:
 
 
 # The flags that shape the cases, forwarded to each worker.
-_CASE_FLAGS = ("rows", "contexts", "kv_dtypes", "group", "kv_heads", "head_dim", "block_size",
-               "cache_mib", "num_threads")  # fmt: skip
+_CASE_FLAGS = ("rows", "contexts", "prompts", "kv_dtypes", "group", "kv_heads", "head_dim",
+               "block_size", "cache_mib", "num_threads")  # fmt: skip
 
 
 def serve_worker(args: argparse.Namespace) -> int:
@@ -172,6 +181,11 @@ def time_workers(index: int, workers: list[Worker], repeats: int) -> list[float]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,8,32,64,128", help="decode rows (sequences)")
+    parser.add_argument(
+        "--prompts",
+        default="",
+        help="prompt lengths, e.g. 512,2048: one sequence's tokens all new (its GFLOP/s shown)",
+    )
     parser.add_argument("--contexts", default="256,1024,2048", help="tokens each row attends")
     parser.add_argument("--kv-dtypes", default="float32,bfloat16", help=",".join(DTYPES))
     parser.add_argument("--group", type=int, default=3, help="query heads per KV head")
@@ -207,11 +221,15 @@ def main(args: argparse.Namespace) -> int:
         for index, (dtype_name, context, rows) in enumerate(cases(args)):
             us = time_workers(index, workers, args.repeats)
             layers = Case.num_layers_for(args, rows, context, DTYPES[dtype_name])
-            line = f"{rows:5} {context:5} {dtype_name:>9} {layers:6}"
+            line = f"{rows or 'p':>5} {context:5} {dtype_name:>9} {layers:6}"
             line += "".join(f"{t:12.1f}" for t in us)
             if args.baseline:
                 same = len({worker.ask(f"digest {index}") for worker in workers}) == 1
                 line += f"   {us[0] / us[1]:7.2f}x  {'same' if same else 'DIFFER'}"
+            elif rows == 0:  # a prompt: causal Q K^T and P V, 2 FLOPs a multiply-add
+                heads = args.kv_heads * args.group
+                flops = 4 * heads * args.head_dim * context * (context + 1) / 2
+                line += f"   {flops / (us[-1] * 1e3):6.1f} GFLOP/s"
             else:
                 kv_bytes = 2 * rows * context * args.kv_heads * args.head_dim
                 kv_bytes *= DTYPES[dtype_name].itemsize  # as read, shared or not

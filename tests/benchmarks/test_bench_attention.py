@@ -1,6 +1,7 @@
-"""`python -m benchmarks attention` on tiny shapes: it times the op and, against a baseline
-build (here the same .so, in a process of its own), reports the outputs bit for bit; a second
-build is never loaded into a process beside the first (Python would hand back the first)."""
+"""`python -m benchmarks attention` on tiny shapes (decode rows and a prompt): it times the op
+and, against a baseline build (here the same .so, in a process of its own), reports the outputs
+bit for bit; a second build is never loaded into a process beside the first (Python would hand
+back the first)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ def test_attention_lab_times_each_case_and_compares_the_builds_bits():
     if ops is None:
         pytest.skip("compiled kernels unavailable")
     argv = ["attention", "--rows", "1,3", "--contexts", "40", "--kv-dtypes", "float32,bfloat16"]
+    argv += ["--prompts", "40"]
     argv += ["--repeats", "1", "--cache-mib", "1", "--num-threads", "1"]
     argv += ["--baseline", ops.__file__]
     rows = [line.split() for line in run_lab(argv).splitlines()[2:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("1", "40", "float32"), ("3", "40", "float32"),
-        ("1", "40", "bfloat16"), ("3", "40", "bfloat16"),
+        ("1", "40", "float32"), ("3", "40", "float32"), ("p", "40", "float32"),
+        ("1", "40", "bfloat16"), ("3", "40", "bfloat16"), ("p", "40", "bfloat16"),
     ]  # fmt: skip
     assert all(r[-1] == "same" for r in rows)
 
