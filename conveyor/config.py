@@ -50,13 +50,28 @@ PREQUANTIZED_METHODS = ("fp8", "compressed-tensors")
 _CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
 
-def prequantized_refusal(config: dict) -> str | None:
-    """Why a checkpoint whose config.json is `config` cannot be served (None: it can): one
-    quantized by a method or scheme conveyor does not read (AWQ, GPTQ, bitsandbytes, quantized
-    activations, ...) is refused at once, before its weights are read or downloaded."""
-    quant = config.get("quantization_config")
-    if not isinstance(quant, dict):
+def quantization_config(folder: Path) -> dict | None:
+    """The quantization_config of the checkpoint folder's config.json (None: none, or no
+    config.json that reads: transformers' own reading says what is wrong with it)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
         return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return quant if isinstance(quant, dict) else None
+
+
+def check_prequantized(folder: Path, name: str) -> None:
+    """ValueError, naming the checkpoint as `name`, for one quantized by a method or scheme
+    conveyor does not read: at once, before its weights are read or downloaded."""
+    quant = quantization_config(folder)
+    if quant is not None and (reason := prequantized_refusal(quant)):
+        raise ValueError(f"{name}: {reason}")
+
+
+def prequantized_refusal(quant: dict) -> str | None:
+    """Why a checkpoint of this quantization_config cannot be served (None: it can): AWQ,
+    GPTQ, bitsandbytes, quantized activations, ... are not read."""
     method = quant.get("quant_method")
     if method == "fp8":
         if quant.get("activation_scheme", "dynamic") == "dynamic":

@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from conveyor.config import prequantized_refusal
+from conveyor.config import check_prequantized
 
 # "gpt2", "Qwen/Qwen3-0.6B", "unsloth/Qwen3-0.6B-GGUF:Q4_K_M": an optional owner, a name, and
 # for a GGUF repository the quantization after a colon.
@@ -63,7 +63,7 @@ def download(
     folder = _snapshot(model, repo, revision, download_dir, _CONFIG_FILES)
     if not weights:
         return folder
-    _check_servable(folder / "config.json", model)
+    check_prequantized(folder, f"model {model!r}")  # before any weight is downloaded
     if not (folder / "config.json").is_file():
         raise ValueError(
             f"model {model!r}: the Hub repository has no config.json at its top level; "
@@ -184,14 +184,3 @@ def _snapshot(
     except Exception as error:  # noqa: BLE001 - a bad revision name, a full disk, a proxy
         raise ValueError(f"model {model!r}: could not get it from the Hub: {error}") from None
     return Path(path)
-
-
-def _check_servable(config_file: Path, model: str) -> None:
-    """ValueError before any weight is downloaded, for a checkpoint quantized by a method
-    conveyor does not read."""
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(config, dict) and (reason := prequantized_refusal(config)):
-        raise ValueError(f"model {model!r}: {reason}")

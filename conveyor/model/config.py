@@ -17,7 +17,8 @@ from conveyor.config import (
     PREQUANTIZED_METHODS,
     QUANTIZATION_MODES,
     STATIC_ROPE_TYPES,
-    prequantized_refusal,
+    check_prequantized,
+    quantization_config,
     resolve_model_path,
 )
 from conveyor.model.families import Parts, architecture, parts_of
@@ -207,7 +208,7 @@ def checkpoint_facts(path: Path, hf_overrides: dict[str, Any] | None = None) -> 
 
     folder = hf_folder(path)
     if path.is_dir():
-        check_prequantized(folder / "config.json")
+        check_prequantized(folder, str(folder))
     kind = "model"
     if hf_overrides:
         text = json.dumps(hf_overrides, sort_keys=True)
@@ -345,16 +346,6 @@ def _tokenizer_class(chosen: dict) -> type | None:
     return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
 
 
-def check_prequantized(config_file: Path) -> None:
-    """ValueError for a checkpoint quantized by a method conveyor does not read."""
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return  # transformers' own reading says what is wrong with it
-    if isinstance(config, dict) and (reason := prequantized_refusal(config)):
-        raise ValueError(f"{config_file.parent}: {reason}")
-
-
 def hf_folder(path: Path) -> Path:
     """Where config.json and the tokenizer live: the checkpoint itself, or for a GGUF file
     a folder converted once from its metadata."""
@@ -442,12 +433,8 @@ def _resolve_quantization(requested: str, path: Path, dtype: str, device: str) -
 def _is_prequantized(path: Path) -> bool:
     """A checkpoint folder quantized by another tool, of a method conveyor reads (fp8,
     compressed-tensors)."""
-    try:
-        config = json.loads((path / "config.json").read_text()) if path.is_dir() else {}
-    except (OSError, ValueError):
-        return False
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    return isinstance(quant, dict) and quant.get("quant_method") in PREQUANTIZED_METHODS
+    quant = quantization_config(path) if path.is_dir() else None
+    return quant is not None and quant.get("quant_method") in PREQUANTIZED_METHODS
 
 
 def _x86() -> bool:

@@ -17,11 +17,12 @@ of are consumed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from conveyor.config import quantization_config
 
 # An fp8 checkpoint's per-tensor activation scales: its activations are computed in float.
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
@@ -73,11 +74,8 @@ class Dequantizer:
 
 def _ct_num_bits(folder: Path) -> int | None:
     """A weight-only compressed-tensors checkpoint's bits per weight (None: not one)."""
-    try:
-        quant = json.loads((folder / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
+    quant = quantization_config(folder)
+    if quant is None or quant.get("quant_method") != "compressed-tensors":
         return None
     bits = {group["weights"]["num_bits"] for group in quant["config_groups"].values()}
     return bits.pop() if len(bits) == 1 else None
