@@ -74,6 +74,21 @@ def failure_of(error: BaseException) -> Failure:
 Refuse = Callable[[Failure, "str | None"], Exception]  # an API's error, raised before the 200
 
 
+MAX_HEADER_ID = 128
+
+
+def header_request_id(headers) -> str | None:
+    """A request's X-Request-Id header where it is usable (1-128 visible ASCII characters; a
+    Starlette Headers or ASGI's raw pairs), else None."""
+    if isinstance(headers, list):
+        raw = next((v for k, v in headers if k.lower() == b"x-request-id"), b"")
+        given = raw.decode("latin-1")
+    else:
+        given = headers.get("x-request-id", "")
+    usable = 0 < len(given) <= MAX_HEADER_ID and all("!" <= c <= "~" for c in given)
+    return given if usable else None
+
+
 @dataclass(frozen=True, slots=True)
 class Submission:
     """One generating request as the engine runs it, whatever API it came in by."""
@@ -84,6 +99,7 @@ class Submission:
     priority: int
     model: str | None  # the request's `model`, which may name a LoRA adapter
     stream: bool
+    request_id: str | None = None  # the client's (vLLM's field, or its X-Request-Id header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +131,7 @@ async def run(
 ):
     """Submits the request and answers it, whole or streamed (serving: OpenAIServing)."""
     s = submission
-    work = serving.submit(s.prefix, s.prompts, s.params, s.priority, s.model)
+    work = serving.submit(s.prefix, s.prompts, s.params, s.priority, s.model, s.request_id)
     streams = await refused_if_invalid(work, refuse)
     reply = answer(streams)
     if s.stream:

@@ -412,3 +412,51 @@ def test_a_rag_templates_documents_reach_it(server, client, tiny_checkpoint):
         client.chat.completions.create(
             model=MODEL, messages=HI, max_tokens=1, extra_body={"documents": [{"title": 1}]}
         )
+
+
+def test_a_clients_request_id_names_its_response_and_its_log_lines(server, client):
+    """vLLM's request_id field: the response's id is "<chatcmpl|cmpl|embd>-<request_id>" and
+    the engine's log lines carry it; an X-Request-Id header wins over it; two requests of one
+    id at once are both answered (the engine's own ids stay apart); a blank one, or one with a
+    control character, is a 400 naming the field."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=2, extra_body={"request_id": "trace-7"}
+    )
+    assert reply.id == "chatcmpl-trace-7"
+    assert "Received request chatcmpl-trace-7-" in server.log_path.read_text()
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=3, stream=True, extra_body={"request_id": "s-1"}
+    )
+    assert {chunk.id for chunk in chunks} == {"chatcmpl-s-1"}
+    batch = client.completions.create(
+        model=MODEL, prompt=["One", "Two"], max_tokens=2, extra_body={"request_id": "b"}
+    )
+    assert batch.id == "cmpl-b" and len(batch.choices) == 2
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "request_id": "from-body"}
+    url = f"{server.base_url}/v1/completions"
+    headed = httpx.post(url, json=body, headers={"X-Request-Id": "from-header"}, timeout=60)
+    assert headed.json()["id"] == "cmpl-from-header"
+    assert headed.headers["x-request-id"] == "from-header"
+    embedded = httpx.post(
+        f"{server.base_url}/v1/embeddings",
+        json={"model": MODEL, "input": "Hello", "request_id": "e-1"},
+        timeout=60,
+    )
+    assert embedded.json()["id"] == "embd-e-1"
+
+    def same_id(_) -> tuple[str, int]:
+        twin = client.completions.create(
+            model=MODEL,
+            prompt="Count: 1 2 3",
+            max_tokens=8,
+            extra_body={"request_id": "twin", "ignore_eos": True},
+        )
+        return twin.id, twin.usage.completion_tokens
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(same_id, range(2))) == [("cmpl-twin", 8)] * 2
+    for bad in ["", "a\nb", "x" * 300]:
+        with pytest.raises(openai.BadRequestError, match="request_id"):
+            client.completions.create(
+                model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": bad}
+            )

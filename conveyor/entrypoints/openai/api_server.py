@@ -61,7 +61,7 @@ from conveyor.entrypoints.openai.vllm_routes import (
 )
 from conveyor.entrypoints.pacer import Pacer
 from conveyor.entrypoints.parsers import ParserNames
-from conveyor.entrypoints.runner import Answer, run
+from conveyor.entrypoints.runner import Answer, header_request_id, run
 from conveyor.limits import RequestLimits
 from conveyor.lora.request import LoRARequest
 from conveyor.metrics import EngineMetrics
@@ -239,6 +239,8 @@ def build_app(
         """A chat or completions request: checked, its prompts made, run and answered."""
         check_model(body.model)
         admitted(raw)
+        if (given := header_request_id(raw.headers)) is not None:  # vLLM's: the header wins
+            body = body.model_copy(update={"request_id": given})
         prompts, params = await bad_request(prepare(body))
         submission = serving.submission(prefix, body, prompts, params)
         return await run(raw, serving, submission, _answer(whole, stream, body, prompts), refuse)
@@ -361,8 +363,6 @@ class RequestIdHeader:
     X-Request-Id header, the request's own when it sent a usable one (1-128 visible ASCII
     characters), else a new one."""
 
-    MAX_LENGTH = 128
-
     def __init__(self, app) -> None:
         self.app = app
 
@@ -370,9 +370,8 @@ class RequestIdHeader:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), b"")
-        usable = 0 < len(given) <= self.MAX_LENGTH and all(0x21 <= c <= 0x7E for c in given)
-        value = given if usable else uuid.uuid4().hex.encode()
+        given = header_request_id(scope["headers"])
+        value = (given or uuid.uuid4().hex).encode()
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start":

@@ -14,6 +14,7 @@ pooling); for a chat model they are a similarity signal at best (see README).
 from __future__ import annotations
 
 import base64
+import time
 from typing import Literal
 
 import numpy as np
@@ -22,9 +23,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.engine.streams import RequestFailedError
-from conveyor.entrypoints.openai.protocol import HintText, InvalidParam
-from conveyor.entrypoints.openai.serving import OpenAIServing
-from conveyor.entrypoints.runner import until_disconnected
+from conveyor.entrypoints.openai.protocol import HintText, InvalidParam, RequestId
+from conveyor.entrypoints.openai.serving import OpenAIServing, reply_id
+from conveyor.entrypoints.runner import header_request_id, until_disconnected
 from conveyor.limits import RequestLimits
 from conveyor.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class EmbeddingRequest(BaseModel):
     truncation_side: Literal["left", "right"] = "left"
     add_special_tokens: bool = True
     priority: int = 0
+    request_id: RequestId | None = None  # the response's id is "embd-<request_id>"
 
     def check_limits(self, limits: RequestLimits) -> None:
         value = self.input
@@ -81,7 +83,10 @@ async def embed(
     )
     params = SamplingParams(max_tokens=0, pooling=pooling)
     priority = serving.limits.clamp_priority(request.priority)
-    streams = await serving.submit("embd", prompts, params, priority, request.model)
+    if (given := header_request_id(raw.headers)) is not None:  # vLLM's: the header wins
+        request = request.model_copy(update={"request_id": given})
+    model = request.model
+    streams = await serving.submit("embd", prompts, params, priority, model, request.request_id)
     work = _embeddings(serving, request, prompts, streams)
     return await until_disconnected(raw, serving, streams, work)
 
@@ -93,7 +98,9 @@ async def _embeddings(serving: OpenAIServing, request: EmbeddingRequest, prompts
         serving.abort_unfinished(streams)
     num_tokens = sum(len(p) for p in prompts)
     return {
+        "id": reply_id("embd", request, streams),
         "object": "list",
+        "created": int(time.time()),
         "data": [
             {"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
             for i, v in enumerate(vectors)

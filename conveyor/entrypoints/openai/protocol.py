@@ -78,6 +78,12 @@ def _bounded_metadata(value: dict | None) -> dict | None:
 
 
 HintText = Annotated[str, Field(max_length=MAX_HINT_CHARS)]
+# vLLM's request_id (and the X-Request-Id header): the id a client traces its request by, in the
+# response's id and the server's logs; no control characters (it is written to the log).
+MAX_REQUEST_ID_CHARS = 256
+RequestId = Annotated[
+    str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
 Metadata = Annotated[dict[str, str], AfterValidator(_bounded_metadata)]
 OptionalMetadata = Annotated[dict[str, str | None], AfterValidator(_bounded_metadata)]
 
@@ -194,6 +200,8 @@ class _SamplingFields(BaseModel):
     thinking_token_budget: int | None = Field(default=None, ge=0)
     # vLLM's: only requests with the same salt share the prompt's cached blocks.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+    # vLLM's: the response's id is "<chatcmpl|cmpl>-<request_id>" (an X-Request-Id header wins).
+    request_id: RequestId | None = None
     # vLLM's beam search: n beams, scored by log-probability over length ** length_penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0

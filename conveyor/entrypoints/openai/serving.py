@@ -411,16 +411,18 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int,
         model: str | None = None,
+        request_id: str | None = None,
     ) -> list[RequestStream]:
         """All prompts are accepted, or none: a refused one aborts those before it. model:
         the request's `model`, which may name a LoRA adapter (resolved now, so that an unload
-        waits for the submission; 404 if no adapter has that name any more). Beam search
-        (params: BeamSearchParams): a BeamStream per prompt, whose steps are submitted here as
-        ordinary requests when it is read."""
+        waits for the submission; 404 if no adapter has that name any more). request_id: the
+        client's own (vLLM's field), in the engine's ids. Beam search (params:
+        BeamSearchParams): a BeamStream per prompt, whose steps are submitted here as ordinary
+        requests when it is read."""
         if isinstance(params, BeamSearchParams):
-            return self._beam_streams(prefix, prompts, params, priority, model)
+            return self._beam_streams(prefix, prompts, params, priority, model, request_id)
         streams = []
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = engine_id(prefix, request_id)
         using = self.loras.using(model) if self.loras is not None else nullcontext()
         request_ids = []
         try:
@@ -452,11 +454,14 @@ class OpenAIServing:
         params: BeamSearchParams,
         priority: int,
         model: str | None,
+        request_id: str | None,
     ) -> list[BeamStream]:
         async def step(batch: list[list[int]], step_params: SamplingParams) -> list:
-            return await self.submit(f"{prefix}-beam", batch, step_params, priority, model)
+            return await self.submit(
+                f"{prefix}-beam", batch, step_params, priority, model, request_id
+            )
 
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = engine_id(prefix, request_id)
         return [
             BeamStream(
                 base if len(prompts) == 1 else f"{base}-{i}",
@@ -473,7 +478,8 @@ class OpenAIServing:
         and stream fields, where it has them)."""
         priority = self.limits.clamp_priority(getattr(body, "priority", 0))
         model = getattr(body, "model", None)  # may name a LoRA adapter
-        return Submission(prefix, prompts, params, priority, model, bool(body.stream))
+        request_id = getattr(body, "request_id", None)
+        return Submission(prefix, prompts, params, priority, model, bool(body.stream), request_id)
 
     def capped(self, max_tokens: int | None) -> int | None:
         """A request's max_tokens under the generation config's max_new_tokens, which bounds
@@ -550,7 +556,7 @@ class OpenAIServing:
         choices = await self._choices(request, prompts, keep=True)
         whole = await choices.collect(streams)
         return {
-            "id": streams[0].request_id,
+            "id": reply_id("cmpl", request, streams),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.served_name(request.model),
@@ -594,15 +600,18 @@ class OpenAIServing:
             extras["prompt_token_ids"] = state.token_ids
         return extras
 
-    def _writer(self, request, streams: list[RequestStream], kind: str) -> _ChunkWriter:
+    def _writer(
+        self, request, streams: list[RequestStream], prefix: str, kind: str
+    ) -> _ChunkWriter:
         """The SSE chunk writer of a streamed answer whose chunks are objects of `kind`."""
-        head = {"id": streams[0].request_id, "object": kind, "created": int(time.time())}
+        head = {"id": reply_id(prefix, request, streams), "object": kind}
+        head["created"] = int(time.time())
         return _ChunkWriter(head | {"model": self.served_name(request.model)})
 
     async def complete_stream(
         self, request: CompletionRequest, prompts, streams
     ) -> AsyncIterator[str]:
-        chunk = self._writer(request, streams, "text_completion")
+        chunk = self._writer(request, streams, "cmpl", "text_completion")
         choices = await self._choices(request, prompts)
         continuous = _continuous_usage(request)
         async for step in choices.steps(streams):
@@ -735,7 +744,7 @@ class OpenAIServing:
         echoed = _chat_echo(request)
         role = {"role": self.reply_role(request)}
         body = {
-            "id": streams[0].request_id,
+            "id": reply_id("chatcmpl", request, streams),
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.served_name(request.model),
@@ -761,7 +770,7 @@ class OpenAIServing:
     async def chat_stream(
         self, request: ChatCompletionRequest, prompts, streams
     ) -> AsyncIterator[str]:
-        chunk = self._writer(request, streams, "chat.completion.chunk")
+        chunk = self._writer(request, streams, "chatcmpl", "chat.completion.chunk")
         echoed = _chat_echo(request)
         for index in range(request.n):
             delta = {"role": self.reply_role(request), "content": echoed or ""}
@@ -949,6 +958,23 @@ class ChatTemplateOptions:
                 )
             kwargs["reasoning_effort"] = effort
         return kwargs
+
+
+def engine_id(prefix: str, request_id: str | None) -> str:
+    """The engine's id of a request (its prompts' ids add "-<i>"): the client's request_id,
+    where it gave one, then a suffix that keeps two requests of the same id apart (a retry of
+    one still running, say); else a new uuid."""
+    if request_id is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def reply_id(prefix: str, request, streams: list) -> str:
+    """A response's id: "<prefix>-<request_id>" where the client named its request (vLLM's),
+    else the engine's id of its first prompt."""
+    if request.request_id is not None:
+        return f"{prefix}-{request.request_id}"
+    return streams[0].request_id
 
 
 def truncated(prompt: list[int], keep: int | None, fit: int, side: str = "left") -> list[int]:
