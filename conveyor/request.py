@@ -12,7 +12,7 @@ import numpy as np
 
 from conveyor.outputs import REQUEST_FAILURES, PenaltyCounts
 from conveyor.sample.reasoning import ReasoningPhase
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import RepetitionDetectionParams, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +50,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6  # handling this request's output raised; the engine goes on
+    FINISHED_REPETITION = 7  # its output repeats a pattern (SamplingParams.repetition_detection)
 
     @property
     def finished(self) -> bool:
@@ -65,7 +66,34 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REPETITION: "repetition",
 }
+REPETITION_STOP_REASON = "repetition_detected"  # vLLM's stop_reason for it
+
+
+class RepetitionRuns:
+    """vLLM's repetition check, one comparison per pattern size and output token: for each
+    size L, how many output tokens in a row equal the one L before them. The output ends with
+    a pattern of L tokens repeated C times exactly when that run reaches L * (C - 1)."""
+
+    __slots__ = ("sizes", "runs", "min_count")
+
+    def __init__(self, params: RepetitionDetectionParams) -> None:
+        self.sizes = range(max(1, params.min_pattern_size), params.max_pattern_size + 1)
+        self.runs = [0] * len(self.sizes)
+        self.min_count = params.min_count
+
+    def advance(self, output_token_ids: list[int]) -> bool:
+        """Takes the output's newest token; whether the output now ends in a repetition."""
+        last = len(output_token_ids) - 1
+        token_id, runs, found = output_token_ids[last], self.runs, False
+        for i, size in enumerate(self.sizes):
+            if size <= last and output_token_ids[last - size] == token_id:
+                runs[i] += 1
+                found = found or runs[i] >= size * (self.min_count - 1)
+            else:
+                runs[i] = 0
+        return found
 
 
 @dataclass(slots=True, eq=False)
@@ -101,6 +129,7 @@ class Request:
     grammar: Grammar | None = None
     # Where its reasoning ends, when a thinking budget or a grammar depends on it.
     reasoning: ReasoningPhase | None = field(default=None, init=False)
+    repetition: RepetitionRuns | None = field(default=None, init=False)
     error: str | None = None  # why it ended with FINISHED_ERROR
     # The error is the request's own input's doing (its constraint could not be followed):
     # the client's to fix, a 400, not the server's failure.
@@ -127,6 +156,9 @@ class Request:
         if self.params.pooling is not None:
             self.pooled_rows = []
         self.reasoning = ReasoningPhase.of(self.params, self.prompt_token_ids)
+        detection = self.params.repetition_detection
+        if detection is not None and detection.enabled:
+            self.repetition = RepetitionRuns(detection)
 
     @property
     def prompt_only(self) -> bool:
@@ -171,8 +203,12 @@ class Request:
                 status = self._advance_grammar(answer_token_id)
                 if status is not None:
                     return status
+        repeats = self.repetition is not None and self.repetition.advance(self.output_token_ids)
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        if repeats and self.num_output_tokens >= self.params.min_tokens:
+            self.stop_reason = REPETITION_STOP_REASON
+            return RequestStatus.FINISHED_REPETITION
         return None
 
     def attach_grammar(self, grammar: Grammar) -> None:

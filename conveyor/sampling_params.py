@@ -24,6 +24,54 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 _SEED_MODULUS = 2**64
 
 MAX_SALT_CHARS = 1024  # a salt's length bound (vLLM asks for ~43 random characters)
+# The longest pattern a request's repetition detection looks for: each output token costs one
+# comparison per pattern size (request.py: RepetitionRuns).
+MAX_REPETITION_PATTERN = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RepetitionDetectionParams:
+    """vLLM's repetition detection: the request ends (finish_reason "repetition", stop_reason
+    "repetition_detected") once its output ends with a pattern of min_pattern_size (0: 1) to
+    max_pattern_size tokens repeated min_count times in a row, after min_tokens; a model
+    stuck in a loop stops there rather than at max_tokens. max_pattern_size 0 disables it."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = (self.max_pattern_size, self.min_pattern_size, self.min_count)
+        _check(
+            all(_is_int(v) and v >= 0 for v in sizes),
+            "repetition_detection: max_pattern_size, min_pattern_size and min_count must be "
+            f"integers >= 0, got {sizes!r}",
+        )
+        _check(
+            self.min_pattern_size <= self.max_pattern_size <= MAX_REPETITION_PATTERN,
+            "repetition_detection: min_pattern_size must be <= max_pattern_size <= "
+            f"{MAX_REPETITION_PATTERN}, got {self.min_pattern_size} and "
+            f"{self.max_pattern_size} (both 0 disable it)",
+        )
+        _check(
+            self.max_pattern_size == 0 or self.min_count >= 2,
+            "repetition_detection: min_count must be >= 2 (the times a pattern repeats), got "
+            f"{self.min_count}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_pattern_size > 0
+
+    @classmethod
+    def parse(cls, value) -> RepetitionDetectionParams | None:
+        """value as given: None, an instance, or a mapping of its fields."""
+        if value is None or isinstance(value, cls):
+            return value
+        _check(isinstance(value, dict), "repetition_detection must be an object")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        _check(not unknown, f"repetition_detection: unknown fields {unknown}")
+        return cls(**value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +158,8 @@ class SamplingParams:
     # vLLM's: the prompt's blocks are cached under this salt, so that only requests that give
     # the same salt share them (a tenant cannot time another's prompts through cache hits).
     cache_salt: str | None = None
+    # vLLM's: the request ends once its output repeats a pattern (RepetitionDetectionParams).
+    repetition_detection: RepetitionDetectionParams | None = None
     # Set by the server, not by a client: stop strings are matched after the reasoning only.
     reasoning: ReasoningBounds | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
@@ -125,6 +175,7 @@ class SamplingParams:
             raise ValueError("logit_bias must be a mapping of token id to bias")
         self.logit_bias = _int_keys(self.logit_bias) if self.logit_bias else None
         self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
+        self.repetition_detection = RepetitionDetectionParams.parse(self.repetition_detection)
         if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1  # vLLM: "0 (or -1) considers all tokens"
         self.validate()

@@ -407,3 +407,48 @@ def test_prompt_logprobs_minus_one_is_a_400_as_vllm_answers_it(client):
         client.completions.create(
             model=MODEL, prompt=["A robot", "My name is"], extra_body={"prompt_logprobs": -1}
         )
+
+
+def test_repetition_detection_ends_a_looping_reply(client, server):
+    """vLLM's repetition_detection: a greedy reply that loops (of two allowed tokens: a binary
+    reply has a square within 4 tokens) ends at the loop's second copy with finish_reason
+    "repetition" and stop_reason "repetition_detected" (whole, streamed and in chat); a
+    min_count below 2 is a 400 naming the field."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 64, "temperature": 0}
+    body |= {"ignore_eos": True, "allowed_token_ids": [5, 9]}
+    full = post(server, "/v1/completions", body | {"return_token_ids": True}).json()
+    tokens = full["choices"][0]["token_ids"]
+    detection = {"max_pattern_size": 8, "min_count": 2}
+    cut = next(
+        n
+        for n in range(2, len(tokens) + 1)
+        for size in range(1, min(8, n // 2) + 1)
+        if tokens[n - 2 * size : n - size] == tokens[n - size : n]
+    )
+    extra = {"repetition_detection": detection, "return_token_ids": True, "ignore_eos": True}
+    extra["allowed_token_ids"] = [5, 9]
+    reply = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0, extra_body=extra
+    )
+    choice = reply.choices[0]
+    assert choice.model_extra["token_ids"] == tokens[:cut]
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == (
+        "repetition",
+        "repetition_detected",
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0, stream=True, extra_body=extra
+    )
+    assert [c.choices[0].finish_reason for c in streamed][-1] == "repetition"
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say it again and again"}],
+        max_tokens=64,
+        temperature=0,
+        extra_body=extra,
+    )
+    assert chat.choices[0].finish_reason == "repetition"
+    assert len(chat.choices[0].model_extra["token_ids"]) <= 4
+    bad = {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}
+    with pytest.raises(openai.BadRequestError, match="repetition_detection"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=bad)

@@ -3,7 +3,9 @@ n > 1, seeded sampling and UTF-8-safe text."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 import shutil
 
 import pytest
@@ -11,6 +13,8 @@ from conftest import DEVICE_KWARGS, random_prompts
 from tiny import build_tokenizer, byte_token_ids, make_scripted_checkpoint
 
 from conveyor import LLM, LLMEngine, SamplingParams
+from conveyor.request import RepetitionRuns
+from conveyor.sampling_params import RepetitionDetectionParams
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +211,71 @@ def test_allocated_kv_stays_under_one_spare_block_per_request(tiny_checkpoint):
             assert len(blocks) == -(-request.num_computed_tokens // 4)
             checked += 1
     assert checked > 50
+
+
+def _repeats_vllm(token_ids: list[int], max_size: int, min_size: int, min_count: int) -> bool:
+    """vLLM's check_sequence_repetition (v1/core/sched/utils.py), written out: the output's
+    last size * min_count tokens are min_count copies of its last size tokens."""
+    for size in range(max(1, min_size), max_size + 1):
+        if size * min_count > len(token_ids):
+            return False
+        tail = token_ids[-size:]
+        if all(
+            token_ids[-size * (m + 1) : len(token_ids) - size * m] == tail for m in range(min_count)
+        ):
+            return True
+    return False
+
+
+def test_repetition_runs_agree_with_vllms_check_at_every_token():
+    """RepetitionRuns, one comparison per pattern size and token, says what vLLM's tail
+    comparison says after every token, on sequences of few distinct tokens (many repeats)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        params = RepetitionDetectionParams(
+            max_pattern_size=rng.randint(1, 6), min_count=rng.randint(2, 4)
+        )
+        params = RepetitionDetectionParams(
+            params.max_pattern_size, rng.randint(0, params.max_pattern_size), params.min_count
+        )
+        runs, output = RepetitionRuns(params), []
+        for _ in range(40):
+            pattern_step = rng.random() < 0.7 and len(output) >= 3
+            output.append(output[-rng.randint(1, 3)] if pattern_step else rng.randint(0, 2))
+            expected = _repeats_vllm(output, *dataclasses.astuple(params))
+            assert runs.advance(output) == expected, (params, output)
+
+
+def test_a_reply_that_repeats_itself_ends_with_finish_reason_repetition(llm):
+    """repetition_detection: the reply is the undetected one cut at the first token where its
+    tail repeats a pattern min_count times (after min_tokens), finish_reason "repetition" and
+    stop_reason "repetition_detected"; a bad setting is a ValueError naming the field."""
+    prompt = [5, 6, 7, 8]
+    full = llm.generate(prompt, greedy(48), use_tqdm=False)[0].outputs[0].token_ids
+    tried = 0
+    for max_size, min_count, min_tokens in [(4, 3, 0), (8, 2, 0), (2, 2, 0), (8, 2, 6)]:
+        cut = next(
+            (
+                n
+                for n in range(max(1, min_tokens), len(full) + 1)
+                if _repeats_vllm(full[:n], max_size, 0, min_count)
+            ),
+            None,
+        )
+        if cut is None:
+            continue
+        tried += 1
+        detection = {"max_pattern_size": max_size, "min_count": min_count}
+        params = greedy(48, repetition_detection=detection, min_tokens=min_tokens)
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full[:cut]
+        assert (out.finish_reason, out.stop_reason) == ("repetition", "repetition_detected")
+    assert tried >= 2, full  # the tiny model's greedy reply loops within 48 tokens
+    for bad in [
+        {"max_pattern_size": 4, "min_count": 1},
+        {"max_pattern_size": 2000, "min_count": 2},
+        {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2},
+        {"pattern": 3},
+    ]:
+        with pytest.raises(ValueError, match="repetition_detection"):
+            greedy(4, repetition_detection=bad)

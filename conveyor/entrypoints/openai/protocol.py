@@ -154,6 +154,16 @@ class StructuredOutputsField(BaseModel):
             raise InvalidParam(str(error), "structured_outputs") from None
 
 
+class RepetitionDetectionField(BaseModel):
+    """vLLM's repetition_detection (sampling_params.py: RepetitionDetectionParams)."""
+
+    model_config = STRICT
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 
@@ -202,6 +212,8 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
     # vLLM's: the response's id is "<chatcmpl|cmpl>-<request_id>" (an X-Request-Id header wins).
     request_id: RequestId | None = None
+    # vLLM's: the reply ends (finish_reason "repetition") once it repeats a pattern.
+    repetition_detection: RepetitionDetectionField | None = None
     # vLLM's beam search: n beams, scored by log-probability over length ** length_penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -398,6 +410,11 @@ class _SamplingFields(BaseModel):
             structured_outputs=constraint,
             prompt_logprobs=self.num_prompt_logprobs(max_tokens),
             cache_salt=self.cache_salt,
+            repetition_detection=(
+                None
+                if self.repetition_detection is None
+                else self.repetition_detection.model_dump()
+            ),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             **values,
