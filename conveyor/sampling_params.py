@@ -23,6 +23,7 @@ REPETITION_PENALTY_RANGE = (0.01, 2.0)
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 _SEED_MODULUS = 2**64
 
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 MAX_SALT_CHARS = 1024  # a salt's length bound (vLLM asks for ~43 random characters)
 # The longest pattern a request's repetition detection looks for: each output token costs one
 # comparison per pattern size (request.py: RepetitionRuns).
@@ -158,6 +159,9 @@ class SamplingParams:
     # vLLM's: the prompt's blocks are cached under this salt, so that only requests that give
     # the same salt share them (a tenant cannot time another's prompts through cache hits).
     cache_salt: str | None = None
+    # vLLM's: the logprobs of these tokens at every generated position (with the sampled
+    # token's), in place of the top-N; logprobs is then their count.
+    logprob_token_ids: list[int] | None = None
     # vLLM's: the request ends once its output repeats a pattern (RepetitionDetectionParams).
     repetition_detection: RepetitionDetectionParams | None = None
     # Set by the server, not by a client: stop strings are matched after the reasoning only.
@@ -176,6 +180,10 @@ class SamplingParams:
         self.logit_bias = _int_keys(self.logit_bias) if self.logit_bias else None
         self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
         self.repetition_detection = RepetitionDetectionParams.parse(self.repetition_detection)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if self.logprobs is None:
+                self.logprobs = len(self.logprob_token_ids)
         if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1  # vLLM: "0 (or -1) considers all tokens"
         self.validate()
@@ -260,6 +268,18 @@ class SamplingParams:
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             f"logprobs must be an integer >= 0, got {self.logprobs!r}",
+        )
+        ids = self.logprob_token_ids
+        _check(
+            ids is None
+            or (0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS and all(_is_int(t) and t >= 0 for t in ids)),
+            f"logprob_token_ids must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids (integers "
+            f">= 0), got {ids!r}"[:300],
+        )
+        _check(
+            ids is None or self.logprobs == len(ids),
+            f"logprob_token_ids: logprobs must be unset or equal its length ({len(ids or ())}), "
+            f"got {self.logprobs!r}",
         )
         _check(
             self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED),

@@ -264,12 +264,13 @@ class InputProcessor:
         if len(params.allowed_token_ids or ()) > vocab:
             errors.append(f"allowed_token_ids: more than the vocabulary's {vocab} tokens")
         for name in ("logprobs", "prompt_logprobs"):  # a server bounds them by --max-logprobs
-            if (getattr(params, name) or 0) > vocab:
+            if (getattr(params, name) or 0) > vocab and not params.logprob_token_ids:
                 errors.append(f"{name}: more than the vocabulary's {vocab} tokens")
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids or ()),
             ("logit_bias", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("logprob_token_ids", params.logprob_token_ids or ()),
             ("bad_words", bad_words),
         ):
             outside = [t for t in ids if not 0 <= t < vocab]

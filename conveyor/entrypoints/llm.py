@@ -45,6 +45,11 @@ class LLM:
         # Holds the engine, not the LLM: runs when the LLM is collected, or at exit.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, by vLLM's name for it (llm.llm_engine.model_config, ...)."""
+        return self.engine
+
     def shutdown(self) -> None:
         """Stops the engine's processes and frees its sockets (idempotent)."""
         self._finalizer()

@@ -381,7 +381,8 @@ def _nucleus_end(
 def collect_logprobs(
     logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
 ) -> list[PositionLogprobs | None]:
-    """Raw-distribution logprobs: the sampled token first, then the top-N by rank."""
+    """Raw-distribution logprobs: the sampled token first, then the top-N by rank, or the
+    tokens a row names (logprob_token_ids), in its order, each with its rank."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     result: list[PositionLogprobs | None] = [None] * len(rows)
     if not wanted:
@@ -391,7 +392,7 @@ def collect_logprobs(
     sampled = token_ids[index].unsqueeze(1)
     sampled_logprobs = logprobs.gather(1, sampled)
     sampled_ranks = (logprobs > sampled_logprobs).sum(dim=-1, dtype=torch.int32) + 1
-    max_n = max(rows[i].params.logprobs for i in wanted)
+    max_n = max((rows[i].params.logprobs for i in wanted if not _named(rows[i])), default=0)
     top_logprobs, top_ids = logprobs.topk(max_n, dim=-1)
     columns = zip(
         sampled.squeeze(1).tolist(),
@@ -401,12 +402,32 @@ def collect_logprobs(
         top_logprobs.tolist(),
         strict=True,
     )
-    for i, (token, logprob, rank, ids, values) in zip(wanted, columns, strict=True):
+    for k, (i, (token, logprob, rank, ids, values)) in enumerate(zip(wanted, columns, strict=True)):
         position = {token: Logprob(logprob, rank)}
-        for r in range(rows[i].params.logprobs):
-            position.setdefault(ids[r], Logprob(values[r], r + 1))
+        if _named(rows[i]):
+            position |= _named_logprobs(logprobs[k], rows[i].params.logprob_token_ids, token)
+        else:
+            for r in range(rows[i].params.logprobs):
+                position.setdefault(ids[r], Logprob(values[r], r + 1))
         result[i] = position
     return result
+
+
+def _named(row: SamplingRow) -> bool:
+    return row.params.logprob_token_ids is not None
+
+
+def _named_logprobs(row: torch.Tensor, token_ids: list[int], sampled: int) -> PositionLogprobs:
+    """The named tokens' logprobs in one row of log-probabilities, each with its rank (as a
+    sampled token's: 1 + the tokens more likely), the sampled one left as it is."""
+    ids = torch.tensor(token_ids, device=row.device)
+    values = row[ids]
+    ranks = (row.unsqueeze(0) > values.unsqueeze(1)).sum(dim=-1, dtype=torch.int32) + 1
+    return {
+        t: Logprob(v, r)
+        for t, v, r in zip(token_ids, values.tolist(), ranks.tolist(), strict=True)
+        if t != sampled
+    }
 
 
 def target_logprobs(

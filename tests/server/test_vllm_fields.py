@@ -452,3 +452,44 @@ def test_repetition_detection_ends_a_looping_reply(client, server):
     bad = {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}
     with pytest.raises(openai.BadRequestError, match="repetition_detection"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=bad)
+
+
+def test_logprob_token_ids_show_those_tokens_logprobs(client, server):
+    """vLLM's logprob_token_ids: chat's top_logprobs at every position are the sampled token
+    and the named ones (in that order), completions' the same tokens; their values are those
+    of the whole distribution at that position; without logprobs, with beam search or out of
+    the vocabulary it is a 400 naming the field."""
+    named = [5, 9, 13]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        extra_body={"logprob_token_ids": named, "return_tokens_as_token_ids": True},
+    )
+    for item in chat.choices[0].logprobs.content:
+        sampled = int(item.token.removeprefix("token_id:"))
+        shown = [int(t.token.removeprefix("token_id:")) for t in item.top_logprobs]
+        assert shown == [sampled] + [t for t in named if t != sampled]
+    extra = {"logprob_token_ids": named, "return_tokens_as_token_ids": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    few = client.completions.create(**body, logprobs=1, extra_body=extra).choices[0].logprobs
+    for tops, token in zip(few.top_logprobs, few.tokens, strict=True):
+        assert set(tops) == {token} | {f"token_id:{t}" for t in named}
+    as_ids = {"return_tokens_as_token_ids": True}
+    ranked = post(server, "/v1/completions", body | {"logprobs": 20} | as_ids).json()
+    top20 = ranked["choices"][0]["logprobs"]["top_logprobs"][0]  # the first position's
+    picked = [int(t.removeprefix("token_id:")) for t in list(top20)[-3:]]
+    again = post(
+        server, "/v1/completions", body | {"logprobs": 1, "logprob_token_ids": picked} | as_ids
+    )
+    shown = again.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert all(shown[f"token_id:{t}"] == top20[f"token_id:{t}"] for t in picked)
+    for bad in [
+        {"logprob_token_ids": named},  # no logprobs
+        {"logprob_token_ids": [10**6], "logprobs": 1},
+        {"logprob_token_ids": named, "logprobs": 1, "use_beam_search": True, "n": 2},
+    ]:
+        response = post(server, "/v1/completions", body | bad)
+        assert response.status_code == 400 and "logprob_token_ids" in response.text, response.text

@@ -279,3 +279,23 @@ def test_a_reply_that_repeats_itself_ends_with_finish_reason_repetition(llm):
     ]:
         with pytest.raises(ValueError, match="repetition_detection"):
             greedy(4, repetition_detection=bad)
+
+
+def test_logprob_token_ids_are_those_tokens_entries_of_the_whole_distribution(llm):
+    """vLLM's logprob_token_ids: at every generated position the sampled token's entry, then
+    each named token's logprob and rank, in the order named: the very entries of the same
+    position's whole distribution (logprobs = the vocabulary); out-of-vocabulary ids and a
+    logprobs count that disagrees are ValueErrors naming the field."""
+    prompt, vocab = [5, 6, 7, 8], llm.llm_engine.model_config.vocab_size
+    whole = llm.generate(prompt, greedy(6, logprobs=vocab), use_tqdm=False)[0].outputs[0]
+    named = [vocab - 1, 3, whole.token_ids[2], 40]
+    out = llm.generate(prompt, greedy(6, logprob_token_ids=named), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == whole.token_ids
+    for token_id, position, full in zip(out.token_ids, out.logprobs, whole.logprobs, strict=True):
+        assert list(position) == [token_id] + [t for t in named if t != token_id]
+        for t, entry in position.items():
+            assert (entry.logprob, entry.rank) == (full[t].logprob, full[t].rank)
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        llm.generate(prompt, greedy(2, logprob_token_ids=[vocab]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        greedy(2, logprob_token_ids=[1, 2], logprobs=5)

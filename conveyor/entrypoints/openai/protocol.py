@@ -41,7 +41,7 @@ from conveyor import nesting
 from conveyor.entrypoints.beam_search import BeamSearchParams
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
-from conveyor.sampling_params import MAX_SALT_CHARS, SamplingParams
+from conveyor.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_SALT_CHARS, SamplingParams
 from conveyor.structured.backend import strict_schema
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import required_schema
@@ -212,6 +212,10 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
     # vLLM's: the response's id is "<chatcmpl|cmpl>-<request_id>" (an X-Request-Id header wins).
     request_id: RequestId | None = None
+    # vLLM's: these tokens' logprobs at every position in place of the top-N (with logprobs).
+    logprob_token_ids: list[int] | None = Field(
+        default=None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS
+    )
     # vLLM's: the reply ends (finish_reason "repetition") once it repeats a pattern.
     repetition_detection: RepetitionDetectionField | None = None
     # vLLM's beam search: n beams, scored by log-probability over length ** length_penalty.
@@ -278,6 +282,7 @@ class _SamplingFields(BaseModel):
         counts = [
             ("n", self.n, limits.max_n),
             ("logprobs", self.num_logprobs() or 0, limits.max_logprobs),
+            ("logprob_token_ids", len(self.logprob_token_ids or ()), limits.max_logprobs),
             ("prompt_logprobs", self.prompt_logprobs or 0, limits.max_logprobs),
             ("bad_words", len(self.bad_words or []), limits.max_stop),
             ("stop", len(stops), limits.max_stop),
@@ -296,6 +301,16 @@ class _SamplingFields(BaseModel):
                 )
         for param, value in self.nested_fields():
             check_depth(value, limits.max_json_depth, param)
+
+    def named_logprobs(self) -> list[int] | None:
+        """logprob_token_ids, which takes the place of the top-N the request's logprobs asks
+        for (and so needs it)."""
+        if self.logprob_token_ids is not None and self.num_logprobs() is None:
+            raise InvalidParam(
+                "logprob_token_ids: needs logprobs (the tokens' logprobs are shown in its place)",
+                "logprob_token_ids",
+            )
+        return self.logprob_token_ids
 
     def _check_vllm_forms(self) -> None:
         """What vLLM refuses as a whole: stream_options without a stream (it says how a
@@ -403,7 +418,8 @@ class _SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
-            logprobs=self.num_logprobs(),
+            logprobs=self.num_logprobs() if self.logprob_token_ids is None else None,
+            logprob_token_ids=self.named_logprobs(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
@@ -434,6 +450,7 @@ _NOT_WITH_BEAMS = (
     "frequency_penalty",
     "repetition_penalty",
     "prompt_logprobs",
+    "logprob_token_ids",
     "thinking_token_budget",
 )
 

@@ -753,7 +753,10 @@ class OpenAIServing:
                     "index": c.index,
                     "message": _echoed(message | role, echoed),
                     "logprobs": self._chat_logprobs(
-                        c.logprobs, request.top_logprobs or 0, request.return_tokens_as_token_ids
+                        c.logprobs,
+                        request.top_logprobs or 0,
+                        request.return_tokens_as_token_ids,
+                        request.logprob_token_ids is not None,
                     )
                     if request.logprobs
                     else None,
@@ -805,8 +808,11 @@ class OpenAIServing:
         bodies = []
         for content, held, ended in reply.feed(step.events, entries, finish):
             as_ids = request.return_tokens_as_token_ids
+            named = request.logprob_token_ids is not None
             logprobs = (
-                self._chat_logprobs(held, request.top_logprobs or 0, as_ids) if held else None
+                self._chat_logprobs(held, request.top_logprobs or 0, as_ids, named)
+                if held
+                else None
             )
             body = {"index": step.choice.index, "delta": content, "logprobs": logprobs}
             bodies.append(body | {"finish_reason": ended})
@@ -891,12 +897,20 @@ class OpenAIServing:
         return out
 
     def _chat_logprobs(
-        self, entries: list[tuple[int, PositionLogprobs]], num_top: int, as_ids: bool = False
+        self,
+        entries: list[tuple[int, PositionLogprobs]],
+        num_top: int,
+        as_ids: bool = False,
+        named: bool = False,
     ) -> dict:
+        """OpenAI's chat logprobs: each token's, with its top num_top; named (vLLM's
+        logprob_token_ids): every entry instead, the sampled token's first, as vLLM shows them."""
         content = []
         for token_id, position in entries:
             text = self._token_text(token_id, position[token_id], as_ids)
             ranked = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
+            if named:
+                ranked = list(position.items())
             content.append(
                 {
                     "token": text,
