@@ -14,11 +14,14 @@ from conveyor.entrypoints.args import add_engine_args, engine_args
 from conveyor.entrypoints.openai.responses.store import add_store_args, store_limits
 from conveyor.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParserNames
 from conveyor.entrypoints.serve_line import (
+    QuietPaths,
+    add_negations,
     add_serve_line_args,
     check_serve_line,
     compilation_eager,
     cors_settings,
     load_chat_template,
+    quiet_paths,
     refused_flags,
     request_logger,
     server_defaults,
@@ -100,8 +103,15 @@ def _serve(args: argparse.Namespace, settings: EngineArgs, started=None) -> int:
         return app  # refused flags: the exit status
     from conveyor.entrypoints.openai.api_server import run_server
 
+    quiet = quiet_paths(args)
     return run_server(
-        app, args.host, args.port, args.log_level, args.graceful_timeout, **uvicorn_settings(args)
+        app,
+        args.host,
+        args.port,
+        args.log_level,
+        args.graceful_timeout,
+        QuietPaths(quiet) if quiet else None,
+        **uvicorn_settings(args),
     )
 
 
@@ -419,14 +429,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--graceful-timeout",
+        "--shutdown-timeout",
         type=float,
         default=10.0,
-        help="seconds open responses get to finish after SIGTERM",
+        help="seconds open responses get to finish after SIGTERM (vLLM's --shutdown-timeout); "
+        "those still open then end with finish_reason abort",
     )
     add_serve_line_args(serve.add_argument_group("vLLM's serve line"))
     add_process_args(serve)
     add_limit_args(serve)
     add_store_args(serve)
+    add_negations(serve)  # last: every on/off flag above gets its --no- form, as vLLM's
     serve.set_defaults(func=cmd_serve)
     add_bench_parser(sub)
     return parser

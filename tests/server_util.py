@@ -54,9 +54,11 @@ class ServerProcess:
     # parallel may take it in between. Such a start is retried on another port.
     BIND_ATTEMPTS = 3
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, timeout: float = 240.0, log_level: str = "warning"
+    ) -> None:
         self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
-        self.log_path = log_path
+        self.log_path, self.log_level = log_path, log_level
         # HTTPS (--ssl-certfile): probed with a client that trusts that certificate.
         cert = args[args.index("--ssl-certfile") + 1] if "--ssl-certfile" in args else None
         self.scheme = "http" if cert is None else "https"
@@ -84,7 +86,7 @@ class ServerProcess:
             "--port",
             str(self.port),
             "--log-level",
-            "warning",
+            self.log_level,
         ]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(

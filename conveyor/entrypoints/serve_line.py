@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +285,19 @@ def _add_http_args(group) -> None:
         "default 16 KiB)",
     )
     group.add_argument(
+        "--ssl-ciphers",
+        default=None,
+        metavar="CIPHERS",
+        help="the ciphers HTTPS offers, in OpenSSL's cipher-list format (uvicorn's default: TLSv1)",
+    )
+    group.add_argument(
+        "--disable-access-log-for-endpoints",
+        default=None,
+        metavar="PATHS",
+        help="comma-separated paths whose requests are not written to the access log, e.g. "
+        '"/health,/metrics,/load"',
+    )
+    group.add_argument(
         "--hf-token",
         nargs="?",
         const=True,
@@ -303,6 +317,7 @@ def _add_http_args(group) -> None:
     group.add_argument(
         "-O",
         "--compilation-config",
+        "--optimization-level",
         default=None,
         metavar="LEVEL|JSON",
         help="vLLM's optimization level or compilation settings: 0, or '{\"cudagraph_mode\": "
@@ -403,6 +418,53 @@ _ACCEPTED: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         {"choices": ["raw_logprobs"]},
         "logprobs are the model's own distribution, before temperature, penalties or "
         "top-k/p (vLLM's default); the other modes are not served",
+    ),
+    (
+        ("--attention-backend",),
+        {"metavar": "NAME"},
+        "conveyor has one attention per device, its own paged kernels",
+    ),
+    (
+        ("--performance-mode",),
+        {"metavar": "MODE"},
+        "the kernels and the step's token budget are chosen for the CPU at start",
+    ),
+    (
+        ("--distributed-timeout-seconds", "--cpu-distributed-timeout-seconds"),
+        {"type": int, "metavar": "SECONDS"},
+        "tensor-parallel ranks wait on torch.distributed's default timeout",
+    ),
+    (
+        ("--language-model-only",),
+        {"action": "store_true"},
+        "the models conveyor serves are language models only: no vision or audio tower",
+    ),
+    (
+        ("--ignore-patterns",),
+        {"nargs": "+", "metavar": "GLOB"},
+        "a model named by its Hub id fetches only its top-level config, tokenizer and weight "
+        "files (original/ and every other folder never)",
+    ),
+    (
+        ("--safetensors-load-strategy",),
+        {"metavar": "NAME"},
+        "safetensors weights are memory-mapped and read once, as they are packed",
+    ),
+    (
+        ("--h11-max-header-count",),
+        {"type": int, "metavar": "N"},
+        "a request's whole header block is bounded by --h11-max-incomplete-event-size "
+        "(16 KiB by default)",
+    ),
+    (
+        ("--enable-log-deltas",),
+        {"action": "store_true"},
+        "--enable-log-outputs logs each output whole, once it finishes",
+    ),
+    (
+        ("--log-error-stack",),
+        {"action": "store_true"},
+        "a request that fails in the server logs its traceback",
     ),
     (
         ("--config-format",),
@@ -558,6 +620,26 @@ def uvicorn_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def quiet_paths(args: argparse.Namespace) -> frozenset[str]:
+    """The paths --disable-access-log-for-endpoints keeps out of the access log."""
+    value = args.disable_access_log_for_endpoints or ""
+    return frozenset(path.strip() for path in value.split(",") if path.strip())
+
+
+class QuietPaths(logging.Filter):
+    """Drops uvicorn's access-log records of these paths (their query strings aside)."""
+
+    def __init__(self, paths: frozenset[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 3 or not isinstance(args[2], str):
+            return True
+        return args[2].split("?", 1)[0] not in self.paths
+
+
 def server_defaults(args: argparse.Namespace):
     """What these flags set on every request (serving.ServerDefaults)."""
     from conveyor.entrypoints.openai.serving import ServerDefaults
@@ -642,7 +724,7 @@ def ssl_settings(args: argparse.Namespace) -> dict[str, Any]:
         "ssl_certfile": args.ssl_certfile,
         "ssl_ca_certs": args.ssl_ca_certs,
         "ssl_cert_reqs": args.ssl_cert_reqs,
-    }
+    } | ({"ssl_ciphers": args.ssl_ciphers} if args.ssl_ciphers is not None else {})
 
 
 # vLLM flags that ask for what conveyor cannot do: refused, each with why, where argparse
@@ -691,7 +773,65 @@ VLLM_REFUSED = {
     "--preemption-mode": "a preempted request is recomputed (vLLM's V1 engine too)",
     "--multi-step-stream-outputs": "vLLM has dropped it",
     "--enable-lora-bias": "LoRA adapters with bias terms are not served",
+    "--logits-processors": "no custom logits processor classes are loaded (logit_bias, "
+    "allowed_token_ids, bad_words and structured outputs are per request)",
+    "--worker-cls": "the worker is conveyor's own",
+    "--worker-extension-cls": "the worker is conveyor's own",
+    "--scheduler-cls": "the scheduler is conveyor's own (--scheduling-policy fcfs, priority "
+    "or static)",
+    "--grpc": "the API is HTTP (OpenAI's and Anthropic's)",
+    "--grpc-port": "the API is HTTP (OpenAI's and Anthropic's)",
+    "--watermark": "sampled tokens are not watermarked",
+    "--watermark-config": "sampled tokens are not watermarked",
+    "--kv-offloading-backend": "the KV cache is not offloaded (--kv-cache-memory sizes it)",
+    "--kv-offloading-size": "the KV cache is not offloaded (--kv-cache-memory sizes it)",
+    "--cpu-offload-params": "weights are not offloaded",
+    "--offload-backend": "weights are not offloaded",
+    "--offload-params": "weights are not offloaded",
+    "--offload-group-size": "weights are not offloaded",
+    "--offload-num-in-group": "weights are not offloaded",
+    "--offload-prefetch-step": "weights are not offloaded",
+    "--nnodes": "engines on other nodes are placed by Ray (--distributed-executor-backend ray, "
+    "--ray-address)",
+    "--node-rank": "engines on other nodes are placed by Ray",
+    "--master-addr": "engines on other nodes are placed by Ray",
+    "--master-port": "engines on other nodes are placed by Ray",
+    "--data-parallel-rank": "the replicas run behind this server's front end "
+    "(--data-parallel-size)",
+    "--data-parallel-external-lb": "the replicas run behind this server's front end, which "
+    "balances them (--data-parallel-routing)",
+    "--data-parallel-hybrid-lb": "the replicas run behind this server's front end",
+    "--data-parallel-multi-port-external-lb": "the replicas run behind this server's front end",
+    "--decode-context-parallel-size": "no context parallelism: a request's KV cache lives on "
+    "one rank group (--tensor-parallel-size)",
+    "--prefill-context-parallel-size": "no context parallelism: a request's KV cache lives on "
+    "one rank group (--tensor-parallel-size)",
+    "--ec-transfer-config": "no disaggregated encoder: the models read text only",
+    "--enable-return-routed-experts": "a mixture of experts' routing is not returned",
+    "--enable-elastic-ep": "no expert parallelism",
+    "--io-processor-plugin": "no plugins",
+    "--skip-tokenizer-init": "the server needs the tokenizer (chat templates, stop strings, "
+    "text); offline, LLM(..., skip_tokenizer_init=True) takes and gives token ids",
+    "--pooler-config": "embeddings pool as --embedding-pooling says (last or mean)",
+    "--lora-target-modules": "an adapter applies to the modules its adapter_config.json names",
 }
+
+
+def add_negations(parser: argparse.ArgumentParser) -> None:
+    """vLLM's boolean flags each have a --no- form (argparse's BooleanOptionalAction): a serve
+    line or --config written for vLLM may say --no-enable-log-requests or --no-disable-fastapi-docs.
+    Each on/off flag of the parser gets its --no- form, which sets it off."""
+    taken = {option for action in parser._actions for option in action.option_strings}
+    for action in list(parser._actions):
+        if not isinstance(action, argparse._StoreTrueAction):
+            continue
+        for option in action.option_strings:
+            negated = "--no-" + option[2:]
+            if option.startswith("--") and not option.startswith("--no-") and negated not in taken:
+                parser.add_argument(
+                    negated, dest=action.dest, action="store_false", help=argparse.SUPPRESS
+                )
+                taken.add(negated)
 
 
 def refused_flags(unknown: list[str]) -> str | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -37,6 +39,7 @@ TEMPLATE = (
 )
 GZIP = "starlette.middleware.gzip.GZipMiddleware"  # an ASGI middleware class, by import path
 HI = [{"role": "user", "content": "Hi there"}]
+CIPHER = "ECDHE-RSA-AES128-GCM-SHA256"  # --ssl-ciphers: the one HTTPS offers over TLS 1.2
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +201,9 @@ def test_https_with_the_given_key_and_certificate(tiny_checkpoint, tmp_path):
     )
     args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--served-model-name", MODEL]
     args += ["--kv-cache-memory", "32MiB", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
-    proc = ServerProcess(args, tmp_path / "server.log")  # ready: /health answered over TLS
+    args += ["--ssl-ciphers", CIPHER, "--disable-access-log-for-endpoints", "/health,/load"]
+    # ready: /health answered over TLS; "info" writes the access log
+    proc = ServerProcess(args, tmp_path / "server.log", log_level="info")
     try:
         assert proc.base_url.startswith("https://")
         assert f"on {proc.base_url}/v1" in proc.log_path.read_text()
@@ -211,8 +216,21 @@ def test_https_with_the_given_key_and_certificate(tiny_checkpoint, tmp_path):
         plain = proc.base_url.replace("https://", "http://")
         with pytest.raises(httpx.HTTPError):  # no plain HTTP beside it
             httpx.get(f"{plain}/health", timeout=10)
+        # --ssl-ciphers: TLS 1.2 agrees on the one cipher offered (a client's default would
+        # be AES-256's).
+        context = ssl.create_default_context(cafile=str(cert))
+        context.maximum_version = ssl.TLSVersion.TLSv1_2
+        host, port = proc.base_url.removeprefix("https://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            with context.wrap_socket(raw, server_hostname=host) as tls:
+                assert tls.cipher()[0] == CIPHER
+        http.get(f"{proc.base_url}/health?probe=1")
     finally:
         assert proc.stop() == 0
+    # --disable-access-log-for-endpoints: the readiness polls of /health are not logged
+    log = proc.log_path.read_text()
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in log
+    assert "GET /health" not in log
     # The clients' idle keep-alive connections did not hold the stop to its grace deadline
     # (asyncio's TLS transport waits for a close_notify that an idle client never sends).
     assert "graceful shutdown exceeded" not in proc.log_path.read_text()

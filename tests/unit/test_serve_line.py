@@ -242,3 +242,24 @@ def test_a_template_that_loops_over_parts_gets_parts_and_others_a_string():
     assert (
         message_dict(empty)["content"] == "" and message_dict(empty, fmt="openai")["content"] == []
     )
+
+
+def test_every_on_off_flag_has_vllms_no_form_and_shutdown_timeout_is_the_grace():
+    """vLLM's boolean flags take --no-X (BooleanOptionalAction): each on/off flag here does
+    too, the later of the two winning, without crowding --help; --shutdown-timeout is the
+    grace open responses get after SIGTERM."""
+    serve = _subparser(build_parser(), "serve")
+    switches = [a for a in serve._actions if a.nargs == 0 and a.const is True]
+    assert len(switches) > 20
+    for action in switches:
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        if flag.startswith("--no-"):
+            continue
+        on = serve.parse_args(["m", flag])
+        off = serve.parse_args(["m", flag, "--no-" + flag[2:]])
+        assert getattr(on, action.dest) is True and getattr(off, action.dest) is False, flag
+    line = "m --enable-log-requests --no-disable-fastapi-docs --no-enable-request-id-headers"
+    args = serve.parse_args(line.split())
+    assert (args.enable_log_requests, args.disable_fastapi_docs) == (True, False)
+    assert "--no-enable-log-requests" not in serve.format_help()
+    assert serve.parse_args(["m", "--shutdown-timeout", "2.5"]).graceful_timeout == 2.5

@@ -535,10 +535,12 @@ def run_server(
     port: int,
     log_level: str = "info",
     grace: float = 10.0,
+    access_filter: logging.Filter | None = None,
     **settings,
 ) -> int:
     """Serves until SIGTERM / SIGINT (exit status 0) or until the engine died (1). settings:
-    uvicorn's own keywords (ssl_* for HTTPS, access_log, uds, log_config, ...)."""
+    uvicorn's own keywords (ssl_* for HTTPS, access_log, uds, log_config, ...); access_filter:
+    on the access log once uvicorn has configured it."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -547,6 +549,8 @@ def run_server(
         timeout_graceful_shutdown=grace,
         **settings,
     )
+    if access_filter is not None:
+        logging.getLogger("uvicorn.access").addFilter(access_filter)
     engine = app.state.engine
     GracefulServer(config, engine, grace, app.state.dashboard).run()
     if engine.fatal:
