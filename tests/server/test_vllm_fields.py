@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from server_util import start_tiny
+from transformers import AutoTokenizer
 
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.serving import ChatTemplateOptions
@@ -493,3 +494,50 @@ def test_logprob_token_ids_show_those_tokens_logprobs(client, server):
     ]:
         response = post(server, "/v1/completions", body | bad)
         assert response.status_code == 400 and "logprob_token_ids" in response.text, response.text
+
+
+def test_vllm_032s_hints_are_taken_and_disaggregation_is_refused(client, server):
+    """vLLM 0.32's request fields: session_id (and the X-Session-ID header), watermarking and
+    vllm_xargs are taken (nothing here reads them: no router, watermark or extension), bounded;
+    kv_transfer_params / ec_transfer_params ask for disaggregated serving: a 400 naming them."""
+    hints = {"session_id": "chat-7", "watermarking": False, "vllm_xargs": {"a": 1, "b": ["x"]}}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": None}
+    reply = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json=body | hints,
+        headers={"X-Session-ID": "chat-7"},
+        timeout=60,
+    )
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    assert post(server, "/v1/chat/completions", chat | hints).status_code == 200
+    for bad, name in [
+        ({"vllm_xargs": {f"k{i}": i for i in range(40)}}, "vllm_xargs"),
+        ({"session_id": "s" * 5000}, "session_id"),
+        ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
+        ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
+    ]:
+        for path, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            response = post(server, path, request | bad)
+            assert response.status_code == 400 and name in response.text, (path, response.text)
+
+
+def test_return_prompt_text_is_the_prompt_the_model_read(client, server, tiny_checkpoint):
+    """vLLM's return_prompt_text: a chat response's prompt_text is its prompt's tokens as
+    text (the rendered template), whole and in the stream's first chunks."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    extra = {"return_prompt_text": True, "return_token_ids": True}
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body=extra
+    )
+    text = whole.model_extra["prompt_text"]
+    assert "Tell me a story" in text
+    assert text == tokenizer.decode(whole.model_extra["prompt_token_ids"])
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, stream=True, extra_body=extra
+    )
+    shown = [c.model_extra.get("prompt_text") for c in chunks]
+    assert [t for t in shown if t is not None] == [text]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert "prompt_text" not in plain.model_extra

@@ -84,7 +84,26 @@ MAX_REQUEST_ID_CHARS = 256
 RequestId = Annotated[
     str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")
 ]
+def _bounded_xargs(value: dict | None) -> dict | None:
+    """vLLM's vllm_xargs: a few scalar (or list of scalar) values by name, bounded as metadata."""
+    if value is not None and len(value) > MAX_METADATA:
+        raise ValueError(f"at most {MAX_METADATA} pairs, got {len(value)}")
+    for key, item in (value or {}).items():
+        items = item if isinstance(item, list) else [item]
+        if len(key) > MAX_METADATA_KEY or len(items) > MAX_METADATA or any(
+            isinstance(i, str) and len(i) > MAX_METADATA_VALUE for i in items
+        ):
+            raise ValueError(
+                f"keys may have at most {MAX_METADATA_KEY} characters, lists at most "
+                f"{MAX_METADATA} items, strings at most {MAX_METADATA_VALUE} characters"
+            )
+    return value
+
+
 Metadata = Annotated[dict[str, str], AfterValidator(_bounded_metadata)]
+ExtraArgs = Annotated[
+    dict[str, str | int | float | list[str | int | float]], AfterValidator(_bounded_xargs)
+]
 OptionalMetadata = Annotated[dict[str, str | None], AfterValidator(_bounded_metadata)]
 
 
@@ -228,10 +247,23 @@ class _SamplingFields(BaseModel):
     service_tier: HintText | None = None
     prompt_cache_key: HintText | None = None
     safety_identifier: HintText | None = None
+    # vLLM's: a conversation's stable id (for its KV events and routers), the engine's
+    # watermark (none is configured here) and values for custom extensions (none are loaded).
+    session_id: HintText | None = None
+    watermarking: bool | None = None
+    vllm_xargs: ExtraArgs | None = None
+    # vLLM's disaggregated prefill and encoder: refused when given (unsupported()).
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set that conveyor cannot honour yet: refused rather than silently ignored."""
-        return []
+        return self._transfer_fields()
+
+    def _transfer_fields(self) -> list[str]:
+        """vLLM's KV / encoder transfer fields, set: there is no disaggregated serving here."""
+        fields = ("kv_transfer_params", "ec_transfer_params")
+        return [f"{name} (no disaggregated serving)" for name in fields if getattr(self, name)]
 
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
@@ -467,7 +499,7 @@ class CompletionRequest(_SamplingFields):
     def unsupported(self) -> list[str]:
         names = ["suffix"] if self.suffix else []
         names += ["best_of"] if self.best_of not in (None, self.n) else []
-        return names
+        return names + self._transfer_fields()
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -595,6 +627,8 @@ class ChatCompletionRequest(_SamplingFields):
     # with --trust-request-chat-template); the last assistant message's text in front of the
     # reply.
     continue_final_message: bool = False
+    # vLLM's: the response's prompt_text is the prompt the model read (its tokens as text).
+    return_prompt_text: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     # vLLM's: the retrieved documents a RAG chat template reads (Granite's, Command R's), and

@@ -589,8 +589,8 @@ class OpenAIServing:
         return extras | ({"token_ids": token_ids} if request.return_token_ids else {})
 
     def _prompt_fields(self, request, state: PromptState) -> dict:
-        """vLLM's prompt_logprobs and prompt_token_ids, where the request asks for them (a
-        chat completion's at its top level, a completion's in each choice)."""
+        """vLLM's prompt_logprobs, prompt_token_ids and prompt_text, where the request asks
+        for them (a chat completion's at its top level, a completion's in each choice)."""
         extras = {}
         if request.prompt_logprobs is not None:
             extras["prompt_logprobs"] = self._vllm_prompt_logprobs(
@@ -598,6 +598,8 @@ class OpenAIServing:
             )
         if request.return_token_ids:
             extras["prompt_token_ids"] = state.token_ids
+        if getattr(request, "return_prompt_text", None):  # chat's: the rendered template
+            extras["prompt_text"] = self.tokenizer.decode(state.token_ids)
         return extras
 
     def _writer(
