@@ -24,6 +24,7 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 _SEED_MODULUS = 2**64
 
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
+MAX_STREAM_INTERVAL = 1 << 20  # tokens a stream's chunk may gather
 MAX_SALT_CHARS = 1024  # a salt's length bound (vLLM asks for ~43 random characters)
 # The longest pattern a request's repetition detection looks for: each output token costs one
 # comparison per pattern size (request.py: RepetitionRuns).
@@ -162,6 +163,9 @@ class SamplingParams:
     # vLLM's: the logprobs of these tokens at every generated position (with the sampled
     # token's), in place of the top-N; logprobs is then their count.
     logprob_token_ids: list[int] | None = None
+    # vLLM's: a stream's outputs each carry this many new tokens (the first and the last at
+    # once, whatever they have): fewer, larger chunks.
+    stream_interval: int = 1
     # vLLM's: the request ends once its output repeats a pattern (RepetitionDetectionParams).
     repetition_detection: RepetitionDetectionParams | None = None
     # Set by the server, not by a client: stop strings are matched after the reasoning only.
@@ -268,6 +272,11 @@ class SamplingParams:
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             f"logprobs must be an integer >= 0, got {self.logprobs!r}",
+        )
+        _check(
+            _is_int(self.stream_interval) and 1 <= self.stream_interval <= MAX_STREAM_INTERVAL,
+            f"stream_interval must be an integer in [1, {MAX_STREAM_INTERVAL}], got "
+            f"{self.stream_interval!r}",
         )
         ids = self.logprob_token_ids
         _check(

@@ -44,9 +44,11 @@ class _Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # What the last processed step added.
+    # What the steps since its last output added (one step's, unless its parent holds them
+    # for a stream interval), and how many tokens its outputs have handed out.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[PositionLogprobs] | None = None
+    num_sent: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +65,20 @@ class _Parent:
     new_prompt_logprobs: bool = False  # arrived with the step being processed
     embedding: list[float] | None = None
     max_tokens: int | None = None  # per sequence, resolved (for the request histograms)
+    # Delta outputs: tokens a sequence gathers before its next output (vLLM's stream
+    # interval); the first tokens and the end go out at once.
+    interval: int = 1
+
+    def due(self, changed: list[_Sequence]) -> bool:
+        """Whether this step's delta output goes out (else its tokens wait for the next)."""
+        if self.interval <= 1 or self.new_prompt_logprobs or self.embedding is not None:
+            return True
+        return any(
+            s.status.finished
+            or (s.num_sent == 0 and s.new_token_ids)
+            or len(s.new_token_ids) >= self.interval
+            for s in changed
+        )
 
 
 @dataclass(slots=True)
@@ -110,6 +126,8 @@ class OutputProcessor:
         before registering anything, so a failure leaves no state behind."""
         parent = _Parent(request_id, prompt, prompt_token_ids, arrival_time, output_kind)
         parent.max_tokens = max_tokens
+        if output_kind == OutputKind.DELTA and params:
+            parent.interval = params[0][1].stream_interval
         for index, (sequence_id, sequence_params) in enumerate(params):
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sequence_params)
             sequence = _Sequence(sequence_id, index, parent, detokenizer)
@@ -167,6 +185,9 @@ class OutputProcessor:
             if error is not None:
                 out = _error_output(parent, *error)
                 failed.extend(s.request_id for s in parent.sequences if not s.status.finished)
+            if out is not None or parent.output_kind != OutputKind.DELTA:
+                for sequence in parent.sequences:  # handed out (or never to be, as deltas)
+                    sequence.new_token_ids, sequence.new_logprobs = [], None
             if out is not None:
                 outputs.append(out)
                 if out.finished:
@@ -198,12 +219,12 @@ class OutputProcessor:
         # A step may bring several tokens (speculative decoding): a stop string drops those
         # after the token that completed it, as if they had never been generated.
         new_token_ids = out.new_token_ids[: detokenizer.num_tokens - num_before]
-        sequence.new_token_ids = new_token_ids
+        sequence.new_token_ids.extend(new_token_ids)
         sequence.output_token_ids.extend(new_token_ids)
         if out.new_logprobs is not None and sequence.logprobs is not None:
             kept = out.new_logprobs[: len(new_token_ids)]
             decoded = [_decoded(position, detokenizer) for position in kept]
-            sequence.new_logprobs = decoded
+            sequence.new_logprobs = (sequence.new_logprobs or []) + decoded
             sequence.logprobs.extend(decoded)
             for token_id, position in zip(new_token_ids, decoded, strict=True):
                 sequence.cumulative_logprob += position[token_id].logprob
@@ -224,7 +245,9 @@ class OutputProcessor:
         sequences = parent.sequences
         finished = all(s.status.finished for s in sequences)
         if parent.output_kind == OutputKind.DELTA:
-            completions = [_delta(s) for s in changed]
+            if not (finished or parent.due(changed)):
+                return None
+            completions = [_delta(s) for s in sequences if s in changed or s.new_token_ids]
         elif finished or parent.output_kind == OutputKind.CUMULATIVE:
             completions = [_completion(s) for s in sequences]
         else:
@@ -267,6 +290,7 @@ class OutputProcessor:
 def _delta(sequence: _Sequence) -> CompletionOutput:
     """What the last step added: its tokens, their text and logprobs."""
     text = sequence.detokenizer.get_delta(finished=sequence.status.finished)
+    sequence.num_sent += len(sequence.new_token_ids)
     return _output(sequence, text, list(sequence.new_token_ids), sequence.new_logprobs)
 
 

@@ -27,6 +27,13 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -283,6 +290,15 @@ def _add_http_args(group) -> None:
         metavar="BYTES",
         help="the largest request line and header block a connection may send (uvicorn's; "
         "default 16 KiB)",
+    )
+    group.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="tokens a streamed chunk gathers (default 1: each step's own); the first and the "
+        "last go out at once. Fewer, larger chunks cost the front end less; a request's "
+        "stream_interval may ask for more",
     )
     group.add_argument(
         "--ssl-ciphers",
@@ -650,6 +666,7 @@ def server_defaults(args: argparse.Namespace):
         chat_template_kwargs=args.default_chat_template_kwargs,
         content_format=args.chat_template_content_format,
         tools_when_none=args.expand_tools_even_if_tool_choice_none,
+        stream_interval=args.stream_interval,
     )
 
 

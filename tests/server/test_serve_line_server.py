@@ -60,7 +60,7 @@ def server(tiny_checkpoint, tmp_path_factory):
         '--default-chat-template-kwargs {"greet":"hey"} --enable-log-outputs '
         f"--enable-server-load-tracking --middleware {GZIP} --async-scheduling -O3 "
         '--limit-mm-per-prompt {"image":0} --long-prefill-token-threshold 64 '
-        "--expand-tools-even-if-tool-choice-none"
+        "--expand-tools-even-if-tool-choice-none --stream-interval 2"
     )
     with pytest.raises(RuntimeError, match="not both"):  # a GPU share and a KV size at once
         ServerProcess(line.split(), folder / "refused.log")
@@ -478,3 +478,33 @@ def test_a_clients_request_id_names_its_response_and_its_log_lines(server, clien
             client.completions.create(
                 model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": bad}
             )
+
+
+def test_a_stream_interval_gathers_tokens_into_each_chunk(server, client):
+    """--stream-interval 2 and a request's stream_interval: a streamed reply's chunks carry
+    that many tokens each (the first at once, the last whatever is left), a request asking
+    for fewer than the server's getting the server's; the reply is the same."""
+
+    extra = {"return_token_ids": True, "ignore_eos": True}
+
+    def chunk_sizes(interval: int | None) -> tuple[list[int], str, list[int]]:
+        asked = extra if interval is None else extra | {"stream_interval": interval}
+        chunks = client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=9, stream=True, seed=5, extra_body=asked
+        )
+        pieces = [c.choices[0] for c in chunks if c.choices]
+        ids = [p.model_extra["token_ids"] for p in pieces]
+        return [len(i) for i in ids], "".join(p.text for p in pieces), sum(ids, [])
+
+    sizes, text, token_ids = chunk_sizes(None)
+    assert sizes == [1, 2, 2, 2, 2]
+    assert chunk_sizes(1) == (sizes, text, token_ids)
+    assert chunk_sizes(4) == ([1, 4, 4], text, token_ids)
+    whole = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=9, seed=5, extra_body=extra
+    )
+    assert (whole.choices[0].text, whole.choices[0].model_extra["token_ids"]) == (text, token_ids)
+    with pytest.raises(openai.BadRequestError, match="stream_interval"):
+        client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=2, stream=True, extra_body={"stream_interval": 0}
+        )

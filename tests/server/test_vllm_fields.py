@@ -107,6 +107,15 @@ def test_return_token_ids_whole_and_streamed(client):
     assert chunks[0].choices[0].model_extra["prompt_token_ids"] == PROMPT
     ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
     assert ids == whole.model_extra["token_ids"]
+    # Sampled tokens that are bytes of one character: a step whose text is held back still
+    # streams its token ids (they were dropped with the empty text).
+    sampled = {"prompt": "Hi", "max_tokens": 9, "seed": 5, "model": MODEL}
+    extra["ignore_eos"] = True
+    whole = client.completions.create(**sampled, extra_body=extra).choices[0]
+    assert "\ufffd" in whole.text  # a lone byte: some step's text was held back
+    chunks = list(client.completions.create(**sampled, stream=True, extra_body=extra))
+    ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert ids == whole.model_extra["token_ids"] and len(ids) == 9
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body=extra

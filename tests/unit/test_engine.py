@@ -13,6 +13,7 @@ from conftest import DEVICE_KWARGS, random_prompts
 from tiny import build_tokenizer, byte_token_ids, make_scripted_checkpoint
 
 from conveyor import LLM, LLMEngine, SamplingParams
+from conveyor.outputs import OutputKind
 from conveyor.request import RepetitionRuns
 from conveyor.sampling_params import RepetitionDetectionParams
 
@@ -299,3 +300,44 @@ def test_logprob_token_ids_are_those_tokens_entries_of_the_whole_distribution(ll
         llm.generate(prompt, greedy(2, logprob_token_ids=[vocab]), use_tqdm=False)
     with pytest.raises(ValueError, match="logprob_token_ids"):
         greedy(2, logprob_token_ids=[1, 2], logprobs=5)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_interval_gathers_tokens_into_fewer_outputs_of_the_same_reply(tiny_checkpoint, n):
+    """SamplingParams.stream_interval (vLLM's): delta outputs carry that many new tokens each,
+    the first token and the end going out at once; the deltas join into the very tokens,
+    text and logprobs of interval 1."""
+    engine = LLMEngine(str(tiny_checkpoint("llama")), dtype="float64", **DEVICE_KWARGS)
+
+    def deltas(interval: int) -> dict[int, list]:
+        params = SamplingParams(
+            temperature=0.8,
+            seed=3,
+            n=n,
+            max_tokens=23,
+            ignore_eos=True,
+            logprobs=2,
+            stream_interval=interval,
+        )
+        engine.add_request("r", [5, 6, 7, 8], params, output_kind=OutputKind.DELTA)
+        got: dict[int, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    got.setdefault(c.index, []).append(c)
+        return got
+
+    every, gathered = deltas(1), deltas(5)
+    for index in range(n):
+        one, five = every[index], gathered[index]
+        assert [len(c.token_ids) for c in one if c.token_ids] == [1] * 23
+        sizes = [len(c.token_ids) for c in five]
+        assert sizes[0] == 1 and all(s == 5 for s in sizes[1:-1]) and 1 <= sizes[-1] <= 5
+        assert sum(sizes) == 23
+        for field in ("token_ids", "logprobs"):
+            joined = [x for c in five for x in getattr(c, field)]
+            assert joined == [x for c in one for x in getattr(c, field)]
+        assert "".join(c.text for c in five) == "".join(c.text for c in one)
+        assert five[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="stream_interval"):
+        SamplingParams(stream_interval=0)

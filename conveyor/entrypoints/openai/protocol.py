@@ -41,7 +41,12 @@ from conveyor import nesting
 from conveyor.entrypoints.beam_search import BeamSearchParams
 from conveyor.limits import RequestLimits
 from conveyor.listing import listed
-from conveyor.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_SALT_CHARS, SamplingParams
+from conveyor.sampling_params import (
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_SALT_CHARS,
+    MAX_STREAM_INTERVAL,
+    SamplingParams,
+)
 from conveyor.structured.backend import strict_schema
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import required_schema
@@ -84,14 +89,18 @@ MAX_REQUEST_ID_CHARS = 256
 RequestId = Annotated[
     str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")
 ]
+
+
 def _bounded_xargs(value: dict | None) -> dict | None:
     """vLLM's vllm_xargs: a few scalar (or list of scalar) values by name, bounded as metadata."""
     if value is not None and len(value) > MAX_METADATA:
         raise ValueError(f"at most {MAX_METADATA} pairs, got {len(value)}")
     for key, item in (value or {}).items():
         items = item if isinstance(item, list) else [item]
-        if len(key) > MAX_METADATA_KEY or len(items) > MAX_METADATA or any(
-            isinstance(i, str) and len(i) > MAX_METADATA_VALUE for i in items
+        if (
+            len(key) > MAX_METADATA_KEY
+            or len(items) > MAX_METADATA
+            or any(isinstance(i, str) and len(i) > MAX_METADATA_VALUE for i in items)
         ):
             raise ValueError(
                 f"keys may have at most {MAX_METADATA_KEY} characters, lists at most "
@@ -235,6 +244,8 @@ class _SamplingFields(BaseModel):
     logprob_token_ids: list[int] | None = Field(
         default=None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS
     )
+    # vLLM's: tokens a streamed chunk gathers (raised to the server's --stream-interval).
+    stream_interval: int | None = Field(default=None, ge=1, le=MAX_STREAM_INTERVAL)
     # vLLM's: the reply ends (finish_reason "repetition") once it repeats a pattern.
     repetition_detection: RepetitionDetectionField | None = None
     # vLLM's beam search: n beams, scored by log-probability over length ** length_penalty.
@@ -458,6 +469,7 @@ class _SamplingFields(BaseModel):
             structured_outputs=constraint,
             prompt_logprobs=self.num_prompt_logprobs(max_tokens),
             cache_salt=self.cache_salt,
+            stream_interval=self.stream_interval or 1,
             repetition_detection=(
                 None
                 if self.repetition_detection is None

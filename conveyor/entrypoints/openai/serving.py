@@ -75,18 +75,23 @@ class ServerDefaults:
     that name tokens "token_id:N" (--return-tokens-as-token-ids), a usage chunk at the end of
     every stream (--enable-force-include-usage), the chat template's variables a request does
     not set (--default-chat-template-kwargs), how a message's content reaches the template
-    (--chat-template-content-format: chat_content.py), and whether a request's tools reach it
-    when its tool_choice is "none" (--expand-tools-even-if-tool-choice-none)."""
+    (--chat-template-content-format: chat_content.py), whether a request's tools reach it
+    when its tool_choice is "none" (--expand-tools-even-if-tool-choice-none), and the tokens a
+    stream's chunk gathers at least (--stream-interval; a request's stream_interval may ask
+    for more; a reply that is not streamed ignores both)."""
 
     tokens_as_ids: bool = False
     force_include_usage: bool = False
     chat_template_kwargs: dict | None = None
     content_format: str = "auto"
     tools_when_none: bool = False
+    stream_interval: int = 1
 
     def apply(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         if self.tokens_as_ids:
             request.return_tokens_as_token_ids = True
+        asked = request.stream_interval or 1
+        request.stream_interval = max(asked, self.stream_interval) if request.stream else None
         if self.force_include_usage and request.stream:
             options = request.stream_options or StreamOptions()
             request.stream_options = options.model_copy(update={"include_usage": True})
@@ -639,7 +644,8 @@ class OpenAIServing:
                 entries, echo, request.logprobs, request.return_tokens_as_token_ids
             )
         text = (state.text if echo else "") + delta.text
-        if not text and delta.finish_reason is None and not logprobs and not first:
+        ids = request.return_token_ids and delta.token_ids  # tokens whose text is held back
+        if not text and delta.finish_reason is None and not logprobs and not first and not ids:
             return None
         body = {"index": choice.index, "text": text, "logprobs": logprobs}
         body |= {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
