@@ -6,6 +6,9 @@ fields."""
 
 from __future__ import annotations
 
+import json
+import random
+
 import httpx
 import openai
 import pytest
@@ -550,3 +553,74 @@ def test_return_prompt_text_is_the_prompt_the_model_read(client, server, tiny_ch
     assert [t for t in shown if t is not None] == [text]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert "prompt_text" not in plain.model_extra
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    return [json.loads(line.removeprefix("data: ")) for line in lines]
+
+
+def test_a_streamed_reply_joins_into_the_whole_one(server):
+    """A property over random settings (seeds, n, stops, logprobs, echo, stream intervals,
+    prompts whose tokens are parts of one character): the chunks of a streamed completion
+    and chat join into the whole reply's text, token ids, logprobs' tokens and finish
+    reason."""
+    rng = random.Random(1)
+    base = server.base_url
+    for _ in range(20):
+        body = {
+            "model": MODEL,
+            "prompt": rng.choice(["Hi", "Once upon", "The café", "日本"]),
+            "max_tokens": rng.randint(1, 20),
+            "seed": rng.randint(0, 1000),
+            "logprobs": rng.choice([None, 0, 2]),
+            "return_token_ids": True,
+            "ignore_eos": rng.random() < 0.7,
+            "stop": rng.choice([None, ["a"], ["e", "x"]]),
+            "n": rng.choice([1, 2]),
+            "echo": rng.random() < 0.2,
+            "include_stop_str_in_output": rng.random() < 0.3,
+        }
+        streamed = {"stream": True, "stream_interval": rng.choice([1, 1, 3])}
+        whole = post(server, "/v1/completions", body).json()
+        chunks = _sse(f"{base}/v1/completions", body | streamed)
+        for choice in whole["choices"]:
+            parts = [c for k in chunks for c in k["choices"] if c["index"] == choice["index"]]
+            assert "".join(p["text"] for p in parts) == choice["text"], body
+            assert [t for p in parts for t in p["token_ids"] or []] == choice["token_ids"], body
+            if body["logprobs"] is not None:
+                tokens = [t for p in parts if p["logprobs"] for t in p["logprobs"]["tokens"]]
+                assert tokens == choice["logprobs"]["tokens"], body
+            assert [p["finish_reason"] for p in parts if p["finish_reason"]] == [
+                choice["finish_reason"]
+            ]
+        chat = {key: body[key] for key in ("max_tokens", "seed", "ignore_eos", "stop", "n")}
+        chat |= {"model": MODEL, "messages": [{"role": "user", "content": body["prompt"]}]}
+        chat |= {"return_token_ids": True, "logprobs": body["logprobs"] is not None}
+        whole = post(server, "/v1/chat/completions", chat).json()
+        chunks = _sse(f"{base}/v1/chat/completions", chat | streamed)
+        for choice in whole["choices"]:
+            parts = [c for k in chunks for c in k["choices"] if c["index"] == choice["index"]]
+            text = "".join(p["delta"].get("content") or "" for p in parts)
+            assert text == choice["message"]["content"], chat
+            ids = [t for p in parts for t in p.get("token_ids") or []]
+            assert ids == choice["token_ids"], chat
+            if chat["logprobs"]:
+                tokens = [
+                    t["token"] for p in parts if p["logprobs"] for t in p["logprobs"]["content"]
+                ]
+                assert tokens == [t["token"] for t in choice["logprobs"]["content"]], chat
+
+
+def test_an_empty_chat_reply_is_an_empty_string(server):
+    """A reply that a stop string ends before its first character: content "" (as vLLM and
+    OpenAI write an empty reply), not null, whole and streamed."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+    chat |= {"temperature": 0, "ignore_eos": True}
+    first = post(server, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+    stopped = chat | {"stop": [first[0]]}
+    reply = post(server, "/v1/chat/completions", stopped).json()["choices"][0]
+    assert reply["message"]["content"] == "" and reply["finish_reason"] == "stop"
+    chunks = _sse(f"{server.base_url}/v1/chat/completions", stopped | {"stream": True})
+    assert "".join(c["delta"].get("content") or "" for k in chunks for c in k["choices"]) == ""

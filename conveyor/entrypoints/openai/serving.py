@@ -1053,7 +1053,13 @@ class _ToolReply:
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         parsed = self.parsed(text)
-        message: dict = {"role": "assistant", "content": parsed.content}
+        content = parsed.content
+        plain = (
+            parsed.reasoning is None and not parsed.calls and self.reader.mode in ("auto", "none")
+        )
+        if content is None and plain:
+            content = ""  # an empty reply (a stop at once), as vLLM and OpenAI write it
+        message: dict = {"role": "assistant", "content": content}
         if parsed.reasoning is not None and self.include_reasoning:
             message |= {"reasoning": parsed.reasoning, "reasoning_content": parsed.reasoning}
         if not parsed.calls:
