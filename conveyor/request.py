@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -72,27 +73,44 @@ REPETITION_STOP_REASON = "repetition_detected"  # vLLM's stop_reason for it
 
 
 class RepetitionRuns:
-    """vLLM's repetition check, one comparison per pattern size and output token: for each
-    size L, how many output tokens in a row equal the one L before them. The output ends with
-    a pattern of L tokens repeated C times exactly when that run reaches L * (C - 1)."""
+    """vLLM's repetition check, incremental: for each pattern size L, how many output tokens
+    in a row equal the one L before them; the output ends with a pattern of L tokens repeated
+    C times exactly when that run reaches L * (C - 1). A token extends only the runs of the
+    sizes at which it occurred before (found through where each token occurred in the last
+    max_pattern_size tokens), so a token costs its recent occurrences, not every size."""
 
-    __slots__ = ("sizes", "runs", "min_count")
+    __slots__ = ("low", "high", "min_count", "runs", "where", "window")
 
     def __init__(self, params: RepetitionDetectionParams) -> None:
-        self.sizes = range(max(1, params.min_pattern_size), params.max_pattern_size + 1)
-        self.runs = [0] * len(self.sizes)
+        self.low, self.high = max(1, params.min_pattern_size), params.max_pattern_size
         self.min_count = params.min_count
+        self.runs: dict[int, tuple[int, int]] = {}  # size -> (run, index of its last token)
+        self.where: dict[int, deque[int]] = {}  # token -> its indexes in the window
+        self.window: deque[tuple[int, int]] = deque()  # (index, token), oldest first
 
     def advance(self, output_token_ids: list[int]) -> bool:
         """Takes the output's newest token; whether the output now ends in a repetition."""
         last = len(output_token_ids) - 1
-        token_id, runs, found = output_token_ids[last], self.runs, False
-        for i, size in enumerate(self.sizes):
-            if size <= last and output_token_ids[last - size] == token_id:
-                runs[i] += 1
-                found = found or runs[i] >= size * (self.min_count - 1)
-            else:
-                runs[i] = 0
+        token_id = output_token_ids[last]
+        window, where = self.window, self.where
+        while window and window[0][0] < last - self.high:  # out of reach of every size
+            index, old = window.popleft()
+            seen = where[old]
+            seen.popleft()
+            if not seen:
+                del where[old]
+        runs, found = self.runs, False
+        seen = where.setdefault(token_id, deque())
+        for index in seen:
+            size = last - index
+            if size < self.low:
+                continue
+            run, at = runs.get(size, (0, -1))
+            run = run + 1 if at == last - 1 else 1
+            runs[size] = (run, last)
+            found = found or run >= size * (self.min_count - 1)
+        seen.append(last)
+        window.append((last, token_id))
         return found
 
 
