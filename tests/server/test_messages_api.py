@@ -7,6 +7,7 @@ errors in Anthropic's shape (the server serving on afterwards)."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from typing import Literal
 from unittest.mock import ANY
@@ -333,3 +334,36 @@ def test_an_engine_failure_mid_stream_ends_it_with_an_error_event(
         assert caught.value.body["error"]["type"] == "api_error"
     finally:
         server.stop()
+
+
+PROMPTS = ["Hi", "café 日本", "Once", "Tell me", "\u00e9\u00e8 x", "1 2 3", "¿Qué?", "ok"]
+
+
+def test_a_streamed_message_equals_the_whole_one_over_random_settings(client):
+    """A property over random stop sequences, lengths and prompts (some of whose tokens are
+    parts of one character): the stream's final message (and its text deltas,
+    joined) is the whole message: its text, stop reason, stop sequence and usage."""
+    rng = random.Random(3)
+    for _ in range(16):
+        kwargs = {
+            "model": MODEL,
+            "max_tokens": rng.randint(1, 24),
+            "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+            "extra_body": {"temperature": 0},  # Anthropic's API has no seed: greedy replies
+        }
+        if rng.random() < 0.5:
+            kwargs["stop_sequences"] = rng.choice([["a"], ["e", " "], ["日"]])
+        whole = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        expected = "".join(block.text for block in whole.content)
+        assert text == expected == "".join(block.text for block in final.content), kwargs
+        assert (final.stop_reason, final.stop_sequence) == (
+            whole.stop_reason,
+            whole.stop_sequence,
+        ), kwargs
+        assert (final.usage.input_tokens, final.usage.output_tokens) == (
+            whole.usage.input_tokens,
+            whole.usage.output_tokens,
+        ), kwargs

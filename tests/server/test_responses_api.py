@@ -8,6 +8,7 @@ are unit-tested first."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from typing import Literal
 
@@ -175,6 +176,36 @@ def test_a_stream_sends_the_typed_events_in_order(client, server):
     assert client.responses.create(model=MODEL, **fields).output_text == text
     sdk = list(client.responses.create(model=MODEL, stream=True, **fields))
     assert [e.type for e in sdk] == kinds
+
+
+def test_a_streamed_response_equals_the_whole_one_over_random_settings(server):
+    """A property over random inputs (some of whose tokens are parts of one character),
+    instructions and lengths: the stream's deltas, its text.done and its final response are
+    the whole response's text, status and usage."""
+    rng = random.Random(5)
+    for _ in range(12):
+        fields = {
+            "input": rng.choice(["Hi", "café 日本", "Once", "¿Qué?", "1 2 3", "ok"]),
+            "temperature": 0,
+            "max_output_tokens": rng.randint(1, 20),
+        }
+        if rng.random() < 0.4:
+            fields["instructions"] = rng.choice(["Be brief.", "Réponds en français."])
+        whole = raw_response(server, store=False, **fields)
+        found = events(server, store=False, **fields)
+        final = found[-1]["response"]
+        text = "".join(e["delta"] for e in found if e["type"] == "response.output_text.delta")
+        done = [e["text"] for e in found if e["type"] == "response.output_text.done"]
+        expected = whole["output"][0]["content"][0]["text"] if whole["output"] else ""
+        assert text == expected and done in ([expected], []), fields
+        texts = [
+            [part["text"] for item in r["output"] for part in item["content"]]
+            for r in (final, whole)
+        ]
+        assert texts[0] == texts[1], fields  # (the items' ids are each response's own)
+        counts = ("input_tokens", "output_tokens", "total_tokens")  # the cache's hits differ
+        assert final["status"] == whole["status"], fields
+        assert [final["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
 
 
 def test_a_named_tool_call_round_trips(client, server):
