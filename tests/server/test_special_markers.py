@@ -59,6 +59,15 @@ def test_skip_special_tokens_false_still_shows_every_token(client):
         .message
     )
     assert "<|im_end|>" in (message.content or "")
+    # vLLM's spaces_between_special_tokens: taken; a Rust tokenizer writes special tokens
+    # side by side either way (no space before the end marker).
+    for spaces in (True, False):
+        extra = body | {"spaces_between_special_tokens": spaces}
+        again = client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=20, extra_body=extra
+        )
+        assert again.choices[0].message.content == message.content
+    assert " <|im_end|>" not in message.content
 
 
 def test_thinking_block_on_the_messages_api(server):

@@ -220,6 +220,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: whether the text puts a space between two special tokens. The Rust tokenizers
+    # conveyor loads write them side by side either way, as vLLM's fast path does (its slow,
+    # Python tokenizers are the ones it changes; transformers 5 loads none for these models).
+    spaces_between_special_tokens: bool = True
     priority: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
