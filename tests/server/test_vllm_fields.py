@@ -509,10 +509,12 @@ def test_logprob_token_ids_show_those_tokens_logprobs(client, server):
 
 
 def test_vllm_032s_hints_are_taken_and_disaggregation_is_refused(client, server):
-    """vLLM 0.32's request fields: session_id (and the X-Session-ID header), watermarking and
-    vllm_xargs are taken (nothing here reads them: no router, watermark or extension), bounded;
+    """vLLM 0.32's request fields: session_id (and the X-Session-ID header), watermarking,
+    vllm_xargs, return_token_offsets and routed_experts_prompt_start are taken (nothing here
+    reads them, nor does vLLM's generating endpoint the last two), bounded;
     kv_transfer_params / ec_transfer_params ask for disaggregated serving: a 400 naming them."""
     hints = {"session_id": "chat-7", "watermarking": False, "vllm_xargs": {"a": 1, "b": ["x"]}}
+    hints |= {"return_token_offsets": True, "routed_experts_prompt_start": 2}
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": None}
     reply = httpx.post(
         f"{server.base_url}/v1/completions",
@@ -528,6 +530,7 @@ def test_vllm_032s_hints_are_taken_and_disaggregation_is_refused(client, server)
         ({"session_id": "s" * 5000}, "session_id"),
         ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
         ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
+        ({"routed_experts_prompt_start": -1}, "routed_experts_prompt_start"),
     ]:
         for path, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
             response = post(server, path, request | bad)

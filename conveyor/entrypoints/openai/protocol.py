@@ -267,6 +267,9 @@ class _SamplingFields(BaseModel):
     session_id: HintText | None = None
     watermarking: bool | None = None
     vllm_xargs: ExtraArgs | None = None
+    # vLLM's: ignored by its generating endpoints too (render endpoints' and routed experts').
+    return_token_offsets: bool | None = None
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
     # vLLM's disaggregated prefill and encoder: refused when given (unsupported()).
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
