@@ -35,6 +35,14 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
 
 
+def greedy_chat(client, content: str, max_tokens: int, **fields):
+    """A greedy chat completion of one user message."""
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **fields
+    )
+
+
 def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
 
@@ -453,13 +461,7 @@ def test_repetition_detection_ends_a_looping_reply(client, server):
         model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0, stream=True, extra_body=extra
     )
     assert [c.choices[0].finish_reason for c in streamed][-1] == "repetition"
-    chat = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Say it again and again"}],
-        max_tokens=64,
-        temperature=0,
-        extra_body=extra,
-    )
+    chat = greedy_chat(client, "Say it again and again", 64, extra_body=extra)
     assert chat.choices[0].finish_reason == "repetition"
     assert len(chat.choices[0].model_extra["token_ids"]) <= 4
     bad = {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}
@@ -473,14 +475,8 @@ def test_logprob_token_ids_show_those_tokens_logprobs(client, server):
     of the whole distribution at that position; without logprobs, with beam search or out of
     the vocabulary it is a 400 naming the field."""
     named = [5, 9, 13]
-    chat = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Hello"}],
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-        extra_body={"logprob_token_ids": named, "return_tokens_as_token_ids": True},
-    )
+    extra = {"logprob_token_ids": named, "return_tokens_as_token_ids": True}
+    chat = greedy_chat(client, "Hello", 4, logprobs=True, extra_body=extra)
     for item in chat.choices[0].logprobs.content:
         sampled = int(item.token.removeprefix("token_id:"))
         shown = [int(t.token.removeprefix("token_id:")) for t in item.top_logprobs]
