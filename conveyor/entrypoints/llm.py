@@ -12,6 +12,11 @@ from tqdm.auto import tqdm
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine_args import EngineArgs
 from conveyor.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from conveyor.entrypoints.openai.chat_content import (
+    CONTENT_FORMATS,
+    offline_message,
+    resolve_content_format,
+)
 from conveyor.entrypoints.parsers import ParserNames
 from conveyor.entrypoints.pipeline import (
     Parsers,
@@ -162,8 +167,13 @@ class LLM:
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
         thinking_token_budget: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_content_format: str = "auto",
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """chat_template_kwargs: the template's own variables (e.g. enable_thinking). Each
+        """vLLM's LLM.chat. chat_template_kwargs: the template's own variables (e.g.
+        enable_thinking); lora_request: as generate's; chat_template_content_format:
+        "string", "openai" or "auto", and continue_final_message, as the server's. Each
         completion's text is also read as the server reads a chat reply (its `parsed`:
         reasoning, content, and with tools the calls of declared functions), by the parsers
         named (vLLM's names) or those the chat template makes unambiguous; and generated as
@@ -174,7 +184,13 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.apply_chat_template(
-                c, add_generation_prompt, chat_template, chat_template_kwargs, tools
+                c,
+                add_generation_prompt,
+                chat_template,
+                chat_template_kwargs,
+                tools,
+                continue_final_message,
+                chat_template_content_format,
             )
             for c in conversations
         ]
@@ -203,7 +219,7 @@ class LLM:
             _as_served(p, reader(), parsers, tokenizer, marker, hide, thinking_token_budget)
             for p, reader, hide in zip(asked, readers, hides, strict=True)
         ]
-        outputs = self.generate(prompts, params, use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         for out, reader in zip(outputs, readers, strict=True):
             for completion in out.outputs:
                 completion.parsed = reader().parse(completion.text)
@@ -216,17 +232,34 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        content_format: str = "auto",
     ) -> list[int]:
         """The conversation's prompt token ids, made as the server makes a chat request's:
-        its text bounded before the template renders it, the rendered text bounded and
+        its text bounded before the template renders it, a message's text parts given as the
+        template reads them (content_format: chat_content.py), the rendered text bounded and
         tokenized (without the tokenizer's own special tokens: the template wrote them); a
         chat_template_kwargs name that is a parameter of transformers' apply_chat_template
-        or of the tokenizer (padding, max_length, ...) is a ValueError."""
+        or of the tokenizer (padding, max_length, ...) is a ValueError. continue_final_message:
+        the last (assistant) message is continued rather than closed."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM has none (skip_tokenizer_init)")
-        if chat_template is None and not tokenizer.chat_template:
+        template = chat_template or tokenizer.chat_template
+        if not template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                f"got {content_format!r}"
+            )
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message continues the last message: add_generation_prompt "
+                "must be False with it"
+            )
+        fmt = resolve_content_format(content_format, template)
+        messages = [offline_message(m, fmt) if isinstance(m, dict) else m for m in messages]
         inputs = self.engine.inputs
         texts = {"messages": messages, "tools": tools, "chat_template_kwargs": chat_template_kwargs}
         inputs.check_texts(texts)
@@ -234,6 +267,7 @@ class LLM:
             messages,
             chat_template,
             add_generation_prompt,
+            continue_final_message,
             tools=tools,
             variables=chat_template_kwargs,
         )

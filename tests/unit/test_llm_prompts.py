@@ -95,3 +95,35 @@ def test_chat_thinking_token_budget_ends_the_reasoning(llm):
                 messages, GREEDY, use_tqdm=False, reasoning_parser="mistral",
                 thinking_token_budget=bad,
             )  # fmt: skip
+
+
+def test_chat_takes_vllms_content_parts_and_continues_a_final_message(llm):
+    """LLM.chat as vLLM's: text parts reach a string template one to a line (or as parts with
+    chat_template_content_format="openai"), continue_final_message continues the last
+    (assistant) message, both as transformers renders them; a part that is not text and a
+    format it does not know are ValueErrors."""
+    tokenizer = llm.get_tokenizer()
+
+    def rendered(messages, **kwargs) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    parts = [{"type": "text", "text": "Where"}, {"type": "text", "text": "is it?"}]
+    joined = [{"role": "user", "content": "Where\nis it?"}]
+    prompt = llm.apply_chat_template([{"role": "user", "content": parts}])
+    assert prompt == rendered(joined, add_generation_prompt=True)
+    (out,) = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == prompt
+    as_parts = llm.apply_chat_template(
+        [{"role": "user", "content": parts}], content_format="openai"
+    )
+    assert as_parts == rendered([{"role": "user", "content": parts}], add_generation_prompt=True)
+    follow = joined + [{"role": "assistant", "content": "It is in"}]
+    (cont,) = llm.chat(
+        follow, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert cont.prompt_token_ids == rendered(follow, continue_final_message=True)
+    with pytest.raises(ValueError, match="text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(joined, GREEDY, use_tqdm=False, chat_template_content_format="xml")

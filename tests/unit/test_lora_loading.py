@@ -180,3 +180,17 @@ def test_lora_modules_load_at_start_and_a_bad_one_fails_it(base, good, tmp_path)
     assert llm.engine.list_loras() == {1}
     with pytest.raises(ValueError, match="no such folder"):
         LLM(str(base), dtype="float64", enable_lora=True, lora_modules=[f"bad={tmp_path}/none"])
+
+
+def test_chat_runs_with_an_adapter_as_generate_does(llm, good):
+    """LLM.chat(..., lora_request=) (vLLM's): the conversation's prompt generated with the
+    adapter, the same tokens as generate's with it, not the base model's."""
+    adapter = LoRARequest("good", 1, str(good))
+    messages = [{"role": "user", "content": "Hello there"}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (chat,) = llm.chat(messages, params, use_tqdm=False, lora_request=adapter)
+    prompt = llm.apply_chat_template(messages)
+    (plain,) = llm.generate([prompt], params, use_tqdm=False, lora_request=adapter)
+    (base,) = llm.generate([prompt], params, use_tqdm=False)
+    assert chat.prompt_token_ids == prompt
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids != base.outputs[0].token_ids

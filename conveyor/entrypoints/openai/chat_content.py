@@ -56,6 +56,25 @@ def _const(node) -> object:
     return node.value if isinstance(node, nodes.Const) else None
 
 
+def offline_message(message: dict, fmt: str) -> dict:
+    """An offline chat's message (LLM.chat: a dict, its other keys the caller's own) with its
+    content in format `fmt`, as the server gives a request's: text parts one to a line as a
+    string, or a string as OpenAI's one text part. A part that is not text is a ValueError."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise ValueError(f"messages: only text content parts are read, got {part!r:.80}")
+            texts.append(str(part.get("text", "")))
+        if fmt == "string" or message.get("role") == "tool":
+            return message | {"content": "\n".join(texts)}
+        return message | {"content": [{"type": "text", "text": t} for t in texts]}
+    if fmt == "openai" and isinstance(content, str) and message.get("role") != "tool":
+        return message | {"content": [{"type": "text", "text": content}]}
+    return message
+
+
 def message_dict(message: ChatMessage, native_tools: bool = True, fmt: str = "string") -> dict:
     """A message as chat templates expect it, its content in format `fmt`. For a template
     that does not know tools, an assistant turn's tool calls become its text, in the JSON
