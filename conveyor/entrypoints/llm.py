@@ -47,6 +47,8 @@ class LLM:
     def __init__(self, model: str | EngineArgs | None = None, **settings) -> None:
         self.engine = LLMEngine(model, **settings)
         self._counter = itertools.count()
+        self._queued: list[str] = []  # enqueue()'s requests, for wait_for_completion()
+        self._finished: dict[str, RequestOutput] = {}  # theirs that a generate() ran to the end
         # Holds the engine, not the LLM: runs when the LLM is collected, or at exit.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
@@ -85,17 +87,35 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """lora_request: one adapter for every prompt, or one (or None: the base model) per
-        prompt; needs enable_lora=True."""
+        """vLLM's: each prompt's output, in order. lora_request: one adapter for every prompt,
+        or one (or None: the base model) per prompt; needs enable_lora=True. priority: one
+        for every prompt or one per prompt (--scheduling-policy priority: lower runs first)."""
+        ids = self.enqueue(prompts, sampling_params, lora_request, priority, queue=False)
+        return self._run(ids, use_tqdm)
+
+    def enqueue(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
+        use_tqdm: bool = True,
+        queue: bool = True,
+    ) -> list[str]:
+        """vLLM's: adds the prompts' requests (as generate's) without running them; their
+        ids. wait_for_completion() runs them (a generate() call meanwhile runs them too, and
+        keeps their outputs for it). One prompt refused refuses them all."""
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
+        if isinstance(priority, int) and not isinstance(priority, bool):
+            priority = [priority] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         loras = _as_lora_list(lora_request, len(prompts))
@@ -116,7 +136,17 @@ class LLM:
         except ValueError:
             self.engine.abort_request(ids)  # one bad prompt fails the call, nothing left behind
             raise
-        return self._run(ids, use_tqdm)
+        if queue:
+            self._queued.extend(ids)
+        return ids
+
+    def wait_for_completion(self, output_type=None, *, use_tqdm: bool = True) -> list:
+        """vLLM's: runs every enqueued request to its end; their outputs, in enqueue order
+        (output_type: accepted for vLLM's signature; they are RequestOutputs)."""
+        ids, self._queued = self._queued, []
+        missing = [i for i in ids if i not in self._finished]
+        done = dict(zip(missing, self._run(missing, use_tqdm), strict=True))
+        return [done.get(i) or self._finished.pop(i) for i in ids]
 
     def beam_search(
         self,
@@ -124,10 +154,11 @@ class LLM:
         params: BeamSearchParams,
         lora_request: LoRARequest | None = None,
         use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (entrypoints/beam_search.py): each output's sequences, best
         first, hold the prompt's and the beam's tokens, the beam's text and its cumulative
-        log-probability."""
+        log-probability. concurrency_limit: at most this many prompts' beams at once."""
         prompts = _as_prompt_list(prompts)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -145,7 +176,14 @@ class LLM:
         def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
             return self.generate(batch, step, use_tqdm, lora_request=lora_request)
 
-        return beam_search(generate, tokenizer, ids, params)
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        step = concurrency_limit or max(len(ids), 1)
+        return [
+            out
+            for start in range(0, len(ids), step)
+            for out in beam_search(generate, tokenizer, ids[start : start + step], params)
+        ]
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", use_tqdm: bool = True
@@ -170,6 +208,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template_content_format: str = "auto",
         continue_final_message: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat. chat_template_kwargs: the template's own variables (e.g.
         enable_thinking); lora_request: as generate's; chat_template_content_format:
@@ -219,7 +258,7 @@ class LLM:
             _as_served(p, reader(), parsers, tokenizer, marker, hide, thinking_token_budget)
             for p, reader, hide in zip(asked, readers, hides, strict=True)
         ]
-        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        outputs = self.generate(prompts, params, use_tqdm, lora_request, priority)
         for out, reader in zip(outputs, readers, strict=True):
             for completion in out.outputs:
                 completion.parsed = reader().parse(completion.text)
@@ -277,11 +316,14 @@ class LLM:
         with tqdm(
             total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm
         ) as bar:
+            wanted = set(request_ids)
             while len(results) < len(request_ids):
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         bar.update(1)
+                    elif out.finished:  # an enqueued request's: kept for wait_for_completion
+                        self._finished[out.request_id] = out
                 if not self.engine.has_unfinished_requests() and len(results) < len(request_ids):
                     raise RuntimeError("engine went idle with requests unfinished")
         return [results[i] for i in request_ids]

@@ -46,6 +46,11 @@ def test_beam_search_finds_transformers_beams(checkpoint):
     params = BeamSearchParams(BEAM_WIDTH, MAX_TOKENS, ignore_eos=True, length_penalty=0.0)
     with LLM(str(checkpoint), dtype="float64", **DEVICE_KWARGS) as llm:
         outputs = llm.beam_search(prompts, params)
+        # vLLM's concurrency_limit: a prompt's beams at a time, the same beams
+        one_by_one = llm.beam_search(prompts, params, concurrency_limit=1)
+    assert [[s.tokens for s in o.sequences] for o in one_by_one] == [
+        [s.tokens for s in o.sequences] for o in outputs
+    ]
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         expected = hf_beams(model, prompt, eos=None)
         got = [(s.tokens[len(prompt) :], s.cum_logprob) for s in output.sequences]

@@ -341,3 +341,21 @@ def test_a_stream_interval_gathers_tokens_into_fewer_outputs_of_the_same_reply(t
         assert five[-1].finish_reason == "length"
     with pytest.raises(ValueError, match="stream_interval"):
         SamplingParams(stream_interval=0)
+
+
+def test_enqueue_then_wait_for_completion_as_vllms_llm(llm):
+    """vLLM's LLM.enqueue / wait_for_completion: requests added without running, run by the
+    wait (in enqueue order) with the same outputs as generate's; a generate() in between runs
+    its own and keeps the queued ones' outputs for the wait; a bad prompt queues nothing."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+    first = llm.enqueue(prompts[:2], greedy(6), use_tqdm=False)
+    alone = llm.generate([[40, 41]], greedy(3), False, None, 0)  # vLLM's positional order
+    second = llm.enqueue(prompts[2:], greedy(6), priority=0, use_tqdm=False)
+    assert len(first) == 2 and len(second) == 1 and len(alone[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError):
+        llm.enqueue([[5], []], greedy(2), use_tqdm=False)
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == first + second
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.wait_for_completion(use_tqdm=False) == []
