@@ -266,6 +266,15 @@ def _add_http_args(group) -> None:
         "progress, for a load balancer",
     )
     group.add_argument(
+        "--max-num-queued-reqs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="the most generating and embedding requests in progress (running or waiting); "
+        "one beyond is answered 503 with Retry-After at once, so that its client may retry "
+        "elsewhere (default: no limit)",
+    )
+    group.add_argument(
         "--middleware",
         action="append",
         default=[],

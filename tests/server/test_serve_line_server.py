@@ -508,3 +508,39 @@ def test_a_stream_interval_gathers_tokens_into_each_chunk(server, client):
         client.completions.create(
             model=MODEL, prompt="Hi", max_tokens=2, stream=True, extra_body={"stream_interval": 0}
         )
+
+
+def test_a_request_beyond_max_num_queued_reqs_is_a_503_at_once(tiny_checkpoint, tmp_path):
+    """vLLM's --max-num-queued-reqs 2: with two long streams in progress a third request, of
+    any API, is answered 503 with Retry-After at once (in its API's shape), and served again
+    once they end; probes are not counted."""
+    args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--served-model-name", MODEL]
+    args += ["--kv-cache-memory", "32MiB", "--max-num-queued-reqs", "2"]
+    proc = ServerProcess(args, tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0)
+        long = {"max_tokens": 300, "extra_body": {"ignore_eos": True}, "stream": True}
+        streams = [iter(client.completions.create(model=MODEL, prompt="Hi", **long))]
+        streams.append(iter(client.completions.create(model=MODEL, prompt="Hey", **long)))
+        for stream in streams:
+            next(stream)  # both in progress
+        busy = httpx.post(
+            f"{proc.base_url}/v1/chat/completions",
+            json={"model": MODEL, "messages": HI, "max_tokens": 1},
+            timeout=10,
+        )
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "--max-num-queued-reqs" in busy.json()["error"]["message"]
+        message = httpx.post(
+            f"{proc.base_url}/v1/messages",
+            json={"model": MODEL, "messages": HI, "max_tokens": 1},
+            timeout=10,
+        )
+        assert message.status_code == 503 and message.json()["type"] == "error"
+        assert httpx.get(f"{proc.base_url}/health", timeout=10).status_code == 200
+        assert all(list(stream)[-1].choices[0].finish_reason == "length" for stream in streams)
+        reply = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+    finally:
+        assert proc.stop() == 0

@@ -110,6 +110,7 @@ def build_app(
     request_id_headers: bool = False,
     load_tracking: bool = False,
     middleware: list[str] | None = None,
+    max_queued: int | None = None,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -127,7 +128,8 @@ def build_app(
     engine request as it is submitted (vLLM's --enable-log-requests). request_id_headers:
     every response carries X-Request-Id (vLLM's --enable-request-id-headers). load_tracking:
     GET /load (vLLM's --enable-server-load-tracking); middleware: the import paths of the
-    operator's own middleware (vLLM's --middleware; server_load.py)."""
+    operator's own middleware (vLLM's --middleware; server_load.py); max_queued: the most
+    generating requests in progress, a 503 beyond (vLLM's --max-num-queued-reqs)."""
     limits = limits or RequestLimits()
     async_engine = _engine_client(engine)
     # vLLM's several served names: a request may name any; responses and metrics the first.
@@ -195,8 +197,8 @@ def build_app(
     )
     if cors is not None:  # outside Guard: a preflight carries no key, and a 401 needs the headers
         app.add_middleware(CORSMiddleware, **cors)
-    if load_tracking:
-        add_load_tracking(app, root_path)
+    if load_tracking or max_queued is not None:
+        add_load_tracking(app, root_path, load_tracking, max_queued)
     add_middleware(app, middleware or [])
     if request_id_headers:  # outermost: a 401 or a preflight carries the id too
         app.add_middleware(RequestIdHeader)
