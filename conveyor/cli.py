@@ -26,6 +26,7 @@ from conveyor.entrypoints.serve_line import (
     request_logger,
     server_defaults,
     ssl_settings,
+    take_active_seqs,
     take_model_flag,
     use_chat_template,
     uvicorn_settings,
@@ -460,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.func is cmd_serve:
             take_model_flag(args)
+            take_active_seqs(args)
         return args.func(args)
     except ValueError as error:
         print(f"conveyor: error: {error}", file=sys.stderr)

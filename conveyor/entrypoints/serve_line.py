@@ -266,6 +266,14 @@ def _add_http_args(group) -> None:
         "progress, for a load balancer",
     )
     group.add_argument(
+        "--max-num-active-seqs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="the most requests running at once (at most --max-num-seqs, which it lowers: "
+        "the step's buffers are sized by it as well); the rest wait",
+    )
+    group.add_argument(
         "--max-num-queued-reqs",
         type=_positive_int,
         default=None,
@@ -574,6 +582,19 @@ def take_model_flag(args: argparse.Namespace) -> None:
     if args.model is not None and args.model != flag:
         raise ValueError(f"the model is given twice: {args.model!r} and --model {flag!r}")
     args.model = flag
+
+
+def take_active_seqs(args: argparse.Namespace) -> None:
+    """vLLM's --max-num-active-seqs, the most requests running at once, as --max-num-seqs (by
+    which conveyor sizes its step buffers too); above --max-num-seqs, a ValueError."""
+    active = getattr(args, "max_num_active_seqs", None)
+    if active is None:
+        return
+    if active > args.max_num_seqs:
+        raise ValueError(
+            f"--max-num-active-seqs {active} must be <= --max-num-seqs {args.max_num_seqs}"
+        )
+    args.max_num_seqs = active
 
 
 def check_serve_line(args: argparse.Namespace) -> str | None:

@@ -19,6 +19,7 @@ from conveyor.entrypoints.serve_line import (
     compilation_eager,
     load_chat_template,
     refused_flags,
+    take_active_seqs,
     take_model_flag,
     uvicorn_settings,
     with_config_file,
@@ -263,3 +264,18 @@ def test_every_on_off_flag_has_vllms_no_form_and_shutdown_timeout_is_the_grace()
     assert (args.enable_log_requests, args.disable_fastapi_docs) == (True, False)
     assert "--no-enable-log-requests" not in serve.format_help()
     assert serve.parse_args(["m", "--shutdown-timeout", "2.5"]).graceful_timeout == 2.5
+
+
+def test_max_num_active_seqs_lowers_the_running_cap_within_max_num_seqs():
+    """vLLM's --max-num-active-seqs: the most requests running, as --max-num-seqs here; above
+    --max-num-seqs it is refused, naming both."""
+    serve = _subparser(build_parser(), "serve")
+    args = serve.parse_args(["m", "--max-num-seqs", "64", "--max-num-active-seqs", "16"])
+    take_active_seqs(args)
+    assert engine_args(args).max_num_seqs == 16
+    args = serve.parse_args(["m", "--max-num-seqs", "8", "--max-num-active-seqs", "16"])
+    with pytest.raises(ValueError, match="--max-num-active-seqs 16 must be <= --max-num-seqs 8"):
+        take_active_seqs(args)
+    untouched = serve.parse_args(["m", "--max-num-seqs", "8"])
+    take_active_seqs(untouched)
+    assert untouched.max_num_seqs == 8
