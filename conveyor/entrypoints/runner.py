@@ -136,6 +136,8 @@ async def run(
     reply = answer(streams)
     if s.stream:
         chunks = guarded(serving, streams, reply.stream(), reply.failed)
+        if interval := serving.server_defaults.keep_alive:
+            chunks = kept_alive(chunks, interval)
         return StreamingResponse(chunks, media_type="text/event-stream")
     try:
         return await until_disconnected(raw, serving, streams, reply.whole())
@@ -174,6 +176,40 @@ async def guarded(
         yield failed(failure_of(error))
     finally:
         serving.abort_unfinished(streams)
+
+
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: every client skips it
+
+
+async def kept_alive(chunks: AsyncIterator[str], interval: float) -> AsyncIterator[str]:
+    """chunks, with an SSE comment whenever none came for `interval` seconds (waiting in the
+    queue, a long prompt, a slow step), so that a proxy with a read timeout keeps the
+    connection (vLLM's --sse-keep-alive-interval). Closing this closes chunks (whose own
+    cleanup aborts the requests of a client that left)."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(chunks.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield chunk
+    finally:
+        if pending is not None:
+            pending.cancel()
+            try:
+                await pending
+            except (asyncio.CancelledError, StopAsyncIteration, Exception):  # noqa: BLE001
+                pass  # closing: whatever the unfinished step raised is moot
+        await chunks.aclose()
 
 
 async def wait_for_disconnect(request: Request) -> None:

@@ -318,6 +318,15 @@ def _add_http_args(group) -> None:
         "stream_interval may ask for more",
     )
     group.add_argument(
+        "--sse-keep-alive-interval",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="a stream that sends nothing for this long (a request waiting, a long prompt) "
+        "gets an SSE comment line, so that a proxy's read timeout keeps it open (default 0: "
+        "none)",
+    )
+    group.add_argument(
         "--ssl-ciphers",
         default=None,
         metavar="CIPHERS",
@@ -619,6 +628,8 @@ def check_serve_line(args: argparse.Namespace) -> str | None:
         return f"--log-config-file {args.log_config_file}: no such file"
     if args.uds is not None and args.ssl_certfile is not None:
         return "--uds serves plain HTTP on a Unix socket: leave out --ssl-certfile"
+    if not 0 <= args.sse_keep_alive_interval < float("inf"):
+        return f"--sse-keep-alive-interval must be >= 0 seconds, got {args.sse_keep_alive_interval}"
     if args.pipeline_parallel_size != 1:
         return (
             f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is "
@@ -697,6 +708,7 @@ def server_defaults(args: argparse.Namespace):
         content_format=args.chat_template_content_format,
         tools_when_none=args.expand_tools_even_if_tool_choice_none,
         stream_interval=args.stream_interval,
+        keep_alive=args.sse_keep_alive_interval,
     )
 
 

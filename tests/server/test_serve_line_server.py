@@ -544,3 +544,42 @@ def test_a_request_beyond_max_num_queued_reqs_is_a_503_at_once(tiny_checkpoint, 
         assert reply.usage.completion_tokens == 2
     finally:
         assert proc.stop() == 0
+
+
+def test_sse_keep_alive_comments_while_a_stream_waits(tiny_checkpoint, tmp_path):
+    """vLLM's --sse-keep-alive-interval: a stream that waits (here in the queue behind a long
+    reply, --max-num-seqs 1) gets SSE comment lines before its first chunk, which the openai
+    client skips: its reply is whole."""
+    args = [str(tiny_checkpoint("llama")), "--dtype", "float32", "--served-model-name", MODEL]
+    args += ["--kv-cache-memory", "32MiB", "--max-num-seqs", "1"]
+    args += ["--sse-keep-alive-interval", "0.05"]
+    proc = ServerProcess(args, tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0)
+        long = {"max_tokens": 400, "extra_body": {"ignore_eos": True}, "stream": True}
+        first = iter(client.completions.create(model=MODEL, prompt="Hi", **long))
+        next(first)  # running: the next request waits for its slot
+        body = {"model": MODEL, "prompt": "Hey", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line]
+        data = [i for i, line in enumerate(lines) if line.startswith("data:")]
+        assert data and lines[: data[0]] and set(lines[: data[0]]) == {": keep-alive"}
+        assert lines[-1] == "data: [DONE]"
+        # A client that leaves while it waits (reading comments) has its request aborted.
+        aborts = f"conveyor:request_success_total{{finished_reason=abort,model_name={MODEL}}}"
+        before = proc.metrics()[aborts]
+        assert list(first)[-1].choices[0].finish_reason == "length"  # it ran on meanwhile
+        second = iter(client.completions.create(model=MODEL, prompt="Hi", **long))
+        next(second)
+        with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as r:
+            assert next(r.iter_lines()) == ": keep-alive"
+        assert list(second)[-1].choices[0].finish_reason == "length"
+        for _ in range(100):
+            if proc.metrics()[aborts] > before:
+                break
+            time.sleep(0.1)
+        assert proc.metrics()[aborts] == before + 1
+        chunks = client.completions.create(model=MODEL, prompt="Hey", max_tokens=3, stream=True)
+        assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) >= 1
+    finally:
+        assert proc.stop() == 0

@@ -78,7 +78,8 @@ class ServerDefaults:
     (--chat-template-content-format: chat_content.py), whether a request's tools reach it
     when its tool_choice is "none" (--expand-tools-even-if-tool-choice-none), and the tokens a
     stream's chunk gathers at least (--stream-interval; a request's stream_interval may ask
-    for more; a reply that is not streamed ignores both)."""
+    for more; a reply that is not streamed ignores both), and how long a stream may go
+    without a chunk before an SSE comment keeps its connection (--sse-keep-alive-interval)."""
 
     tokens_as_ids: bool = False
     force_include_usage: bool = False
@@ -86,6 +87,7 @@ class ServerDefaults:
     content_format: str = "auto"
     tools_when_none: bool = False
     stream_interval: int = 1
+    keep_alive: float = 0.0  # seconds without a chunk before an SSE comment (0: none)
 
     def apply(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         if self.tokens_as_ids:
