@@ -28,6 +28,7 @@ from conveyor.entrypoints.serve_line import (
     ssl_settings,
     take_active_seqs,
     take_model_flag,
+    take_spec_flags,
     use_chat_template,
     uvicorn_settings,
     with_config_file,
@@ -462,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.func is cmd_serve:
             take_model_flag(args)
             take_active_seqs(args)
+            take_spec_flags(args)
         return args.func(args)
     except ValueError as error:
         print(f"conveyor: error: {error}", file=sys.stderr)

@@ -266,6 +266,25 @@ def _add_http_args(group) -> None:
         "progress, for a load balancer",
     )
     group.add_argument(
+        "--spec-method",
+        default=None,
+        metavar="METHOD",
+        help="--speculative-config's method, in short (ngram or draft_model)",
+    )
+    group.add_argument(
+        "--spec-model",
+        default=None,
+        metavar="MODEL",
+        help="--speculative-config's model, in short (the draft model: method draft_model)",
+    )
+    group.add_argument(
+        "--spec-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="--speculative-config's num_speculative_tokens, in short",
+    )
+    group.add_argument(
         "--max-num-active-seqs",
         type=_positive_int,
         default=None,
@@ -591,6 +610,30 @@ def take_model_flag(args: argparse.Namespace) -> None:
     if args.model is not None and args.model != flag:
         raise ValueError(f"the model is given twice: {args.model!r} and --model {flag!r}")
     args.model = flag
+
+
+def take_spec_flags(args: argparse.Namespace) -> None:
+    """vLLM's --spec-method, --spec-model and --spec-tokens as --speculative-config's method,
+    model and num_speculative_tokens; with --speculative-config as well, a ValueError."""
+    given = {
+        key: value
+        for key, value in (
+            ("method", args.spec_method),
+            ("model", args.spec_model),
+            ("num_speculative_tokens", args.spec_tokens),
+        )
+        if value is not None
+    }
+    if not given:
+        return
+    if args.speculative_config is not None:
+        raise ValueError(
+            "--spec-method / --spec-model / --spec-tokens and --speculative-config say the "
+            "same: give one of them"
+        )
+    from conveyor.config import SpeculativeConfig
+
+    args.speculative_config = SpeculativeConfig.parse(given)
 
 
 def take_active_seqs(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ from conveyor.entrypoints.serve_line import (
     refused_flags,
     take_active_seqs,
     take_model_flag,
+    take_spec_flags,
     uvicorn_settings,
     with_config_file,
 )
@@ -279,3 +280,28 @@ def test_max_num_active_seqs_lowers_the_running_cap_within_max_num_seqs():
     untouched = serve.parse_args(["m", "--max-num-seqs", "8"])
     take_active_seqs(untouched)
     assert untouched.max_num_seqs == 8
+
+
+def test_vllms_spec_flags_are_the_speculative_config_in_short():
+    """vLLM's --spec-method / --spec-model / --spec-tokens: the speculative config they spell
+    (an unknown method refused as the config's is); with --speculative-config too, refused."""
+    serve = _subparser(build_parser(), "serve")
+    args = serve.parse_args(["m", "--spec-method", "ngram", "--spec-tokens", "3"])
+    take_spec_flags(args)
+    spec = engine_args(args).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 5)
+    args = serve.parse_args(["m", "--spec-model", "/drafts/tiny", "--spec-tokens", "2"])
+    take_spec_flags(args)
+    assert (args.speculative_config.method, args.speculative_config.model) == (
+        "draft_model",
+        "/drafts/tiny",
+    )
+    with pytest.raises(ValueError, match="method must be one of"):
+        take_spec_flags(serve.parse_args(["m", "--spec-method", "eagle3", "--spec-tokens", "2"]))
+    both = ["m", "--spec-tokens", "2", "--speculative-config"]
+    both.append('{"method": "ngram", "num_speculative_tokens": 4}')
+    with pytest.raises(ValueError, match="give one of them"):
+        take_spec_flags(serve.parse_args(both))
+    untouched = serve.parse_args(["m"])
+    take_spec_flags(untouched)
+    assert untouched.speculative_config is None
