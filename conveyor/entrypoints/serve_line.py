@@ -419,6 +419,16 @@ _ACCEPTED: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         "on CUDA a decode step's graph is captured at the first step of each batch size",
     ),
     (
+        ("--cudagraph-capture-sizes", "--max-cudagraph-capture-size"),
+        {"nargs": "+", "type": int, "metavar": "N"},
+        "on CUDA a decode step's graph is captured at the first step of each batch size",
+    ),
+    (
+        ("--use-tqdm-on-load",),
+        {"action": "store_true"},
+        "the weights' progress bar shows when stderr is a terminal",
+    ),
+    (
         ("--max-seq-len-to-capture",),
         {"type": int, "metavar": "N"},
         "a CUDA graph replays decode steps of any context length",
