@@ -35,7 +35,7 @@ from conveyor.entrypoints.parsers.select import chosen
 from conveyor.entrypoints.parsers.tools import tool_parser
 from conveyor.entrypoints.parsers.tools.forced import harmony_final, lark_marker
 from conveyor.entrypoints.parsers.tools.stream import ToolStream, call_events
-from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from conveyor.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from conveyor.sampling_params import ReasoningBounds
 from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import parse_required
@@ -259,11 +259,38 @@ class PromptState:
     text: str | None = None
     logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None  # its request's times, once it finished
 
     def take(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:
             self.logprobs = out.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.metrics is not None:
+            self.metrics = out.metrics
+
+
+def timing_metrics(metrics: RequestMetrics | None, num_tokens: int) -> dict:
+    """vLLM's per-request metrics of a finished request (--enable-per-request-metrics): time
+    to first token from its scheduling, its decode time (first token to last), its wait in
+    the queue, the mean time between its tokens and its tokens per second from scheduling to
+    the last; each None where its times are unknown. Milliseconds."""
+    m = metrics
+    start = None if m is None else m.first_scheduled_time
+    first = None if m is None else m.first_token_time
+    last = None if m is None else m.finished_time
+
+    def ms(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else (b - a) * 1000.0
+
+    decode = ms(first, last)
+    span = ms(start, last)
+    return {
+        "time_to_first_token_ms": ms(start, first),
+        "generation_time_ms": decode,
+        "queue_time_ms": None if m is None else ms(m.arrival_time, start),
+        "mean_itl_ms": decode / (num_tokens - 1) if decode is not None and num_tokens > 1 else None,
+        "tokens_per_second": num_tokens / span * 1000.0 if span else None,
+    }
 
 
 @dataclass(slots=True)

@@ -337,6 +337,13 @@ def _add_http_args(group) -> None:
         "stream_interval may ask for more",
     )
     group.add_argument(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help="a reply of one choice carries its own timings (vLLM's `metrics`: "
+        "time_to_first_token_ms, generation_time_ms, queue_time_ms, mean_itl_ms, "
+        "tokens_per_second); a stream's on its usage chunk",
+    )
+    group.add_argument(
         "--sse-keep-alive-interval",
         type=float,
         default=0.0,
@@ -762,6 +769,7 @@ def server_defaults(args: argparse.Namespace):
         tools_when_none=args.expand_tools_even_if_tool_choice_none,
         stream_interval=args.stream_interval,
         keep_alive=args.sse_keep_alive_interval,
+        per_request_metrics=args.enable_per_request_metrics,
     )
 
 

@@ -60,7 +60,8 @@ def server(tiny_checkpoint, tmp_path_factory):
         '--default-chat-template-kwargs {"greet":"hey"} --enable-log-outputs '
         f"--enable-server-load-tracking --middleware {GZIP} --async-scheduling -O3 "
         '--limit-mm-per-prompt {"image":0} --long-prefill-token-threshold 64 '
-        "--expand-tools-even-if-tool-choice-none --stream-interval 2"
+        "--expand-tools-even-if-tool-choice-none --stream-interval 2 "
+        "--enable-per-request-metrics"
     )
     with pytest.raises(RuntimeError, match="not both"):  # a GPU share and a KV size at once
         ServerProcess(line.split(), folder / "refused.log")
@@ -583,3 +584,36 @@ def test_sse_keep_alive_comments_while_a_stream_waits(tiny_checkpoint, tmp_path)
         assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) >= 1
     finally:
         assert proc.stop() == 0
+
+
+def test_per_request_metrics_time_each_reply(server, client):
+    """--enable-per-request-metrics: a reply of one choice carries vLLM's `metrics`, its own
+    times in ms (whole, and on a stream's usage chunk), consistent with each other and with
+    the time the client waited; a reply of n choices carries none."""
+    started = time.monotonic()
+    reply = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=6, extra_body={"ignore_eos": True}
+    )
+    waited_ms = (time.monotonic() - started) * 1000
+    metrics = reply.model_extra["metrics"]
+    assert set(metrics) == {
+        "time_to_first_token_ms",
+        "generation_time_ms",
+        "queue_time_ms",
+        "mean_itl_ms",
+        "tokens_per_second",
+    }
+    assert all(v is not None and v >= 0 for v in metrics.values()), metrics
+    assert metrics["time_to_first_token_ms"] + metrics["generation_time_ms"] < waited_ms
+    assert abs(metrics["mean_itl_ms"] * 5 - metrics["generation_time_ms"]) < 1e-6
+    span = metrics["time_to_first_token_ms"] + metrics["generation_time_ms"]
+    assert abs(metrics["tokens_per_second"] - 6 / span * 1000) < 1e-3
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert chunks[-1].usage is not None and "metrics" in chunks[-1].model_extra
+    assert all("metrics" not in c.model_extra for c in chunks[:-1])
+    two = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2)
+    assert "metrics" not in two.model_extra

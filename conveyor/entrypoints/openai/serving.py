@@ -52,6 +52,7 @@ from conveyor.entrypoints.pipeline import (
     finish_reason,
     marker_terminal,
     special_texts,
+    timing_metrics,
     tokenized,
 )
 from conveyor.entrypoints.runner import DONE, Submission, frame
@@ -88,6 +89,7 @@ class ServerDefaults:
     tools_when_none: bool = False
     stream_interval: int = 1
     keep_alive: float = 0.0  # seconds without a chunk before an SSE comment (0: none)
+    per_request_metrics: bool = False  # a reply's own timings (--enable-per-request-metrics)
 
     def apply(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         if self.tokens_as_ids:
@@ -569,7 +571,7 @@ class OpenAIServing:
             "model": self.served_name(request.model),
             "choices": [self._completion_choice(request, choice) for choice in whole],
             "usage": openai_usage(choices.usage()),
-        }
+        } | self._timings(request, choices)
 
     def _completion_choice(self, request: CompletionRequest, choice: Choice) -> dict:
         state = choice.prompt
@@ -609,6 +611,14 @@ class OpenAIServing:
             extras["prompt_text"] = self.tokenizer.decode(state.token_ids)
         return extras
 
+    def _timings(self, request, choices) -> dict:
+        """vLLM's per-request metrics (--enable-per-request-metrics) of a finished reply of one
+        choice, as {"metrics": ...} ({} otherwise: n or several prompts have no one timing)."""
+        if not self.server_defaults.per_request_metrics or len(choices.choices) != 1:
+            return {}
+        tokens = choices.usage().num_output_tokens
+        return {"metrics": timing_metrics(choices.prompts[0].metrics, tokens)}
+
     def _writer(
         self, request, streams: list[RequestStream], prefix: str, kind: str
     ) -> _ChunkWriter:
@@ -628,7 +638,7 @@ class OpenAIServing:
             if body is not None:
                 yield chunk(body, openai_usage(choices.usage()) if continuous else None)
         if request.stream_options and request.stream_options.include_usage:
-            yield chunk.usage(openai_usage(choices.usage()))
+            yield chunk.usage(openai_usage(choices.usage()), self._timings(request, choices))
         yield DONE
 
     def _completion_piece(
@@ -778,7 +788,11 @@ class OpenAIServing:
             ],
             "usage": openai_usage(choices.usage()),
         }
-        return body | self._prompt_fields(request, choices.prompts[0])
+        return (
+            body
+            | self._prompt_fields(request, choices.prompts[0])
+            | self._timings(request, choices)
+        )
 
     async def chat_stream(
         self, request: ChatCompletionRequest, prompts, streams
@@ -801,7 +815,7 @@ class OpenAIServing:
                 else:
                     yield chunk(body, usage)
         if request.stream_options and request.stream_options.include_usage:
-            yield chunk.usage(openai_usage(choices.usage()))
+            yield chunk.usage(openai_usage(choices.usage()), self._timings(request, choices))
         yield DONE
 
     def _chat_pieces(
@@ -1173,5 +1187,6 @@ class _ChunkWriter:
             tail += f',"usage":{_json(usage)}'
         return frame(f"{self._head}{_json(choice)}]{tail}}}")
 
-    def usage(self, usage: dict) -> str:
-        return frame(f'{self._head}],"usage":{_json(usage)}}}')
+    def usage(self, usage: dict, extras: dict | None = None) -> str:
+        tail = "".join(f",{_json(k)}:{_json(v)}" for k, v in (extras or {}).items())
+        return frame(f'{self._head}],"usage":{_json(usage)}{tail}}}')
