@@ -7,6 +7,7 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.structured.params import StructuredOutputs
 
 __all__ = [
+    "AsyncLLM",
     "BeamSearchParams",
     "EngineArgs",
     "LLM",
@@ -26,6 +27,10 @@ def __getattr__(name: str):
         from conveyor.entrypoints.llm import LLM
 
         return LLM
+    if name in ("AsyncLLM", "AsyncLLMEngine"):
+        from conveyor.entrypoints import async_llm
+
+        return getattr(async_llm, name)
     if name == "LLMEngine":
         from conveyor.engine.llm_engine import LLMEngine
 

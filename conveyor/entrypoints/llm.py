@@ -336,13 +336,13 @@ def _as_prompt_list(prompts) -> list[Prompt]:
         isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
     ):
         return [list(prompts)]
-    prompts = [_prompt_of(p) for p in prompts]
+    prompts = [prompt_of(p) for p in prompts]
     if not prompts:
         raise ValueError("prompts must not be empty")
     return prompts
 
 
-def _prompt_of(prompt) -> Prompt:
+def prompt_of(prompt) -> Prompt:
     """A prompt as the engine takes it: vLLM's prompt dicts ({"prompt": text} or
     {"prompt_token_ids": ids}) are read as their text or ids; a string or ids as they are."""
     if not isinstance(prompt, dict):
