@@ -7,6 +7,7 @@ each other.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 from conveyor.entrypoints.args import add_engine_args
@@ -21,13 +22,37 @@ DATASETS = (
 )
 
 
+# vllm bench serve's backends whose servers speak OpenAI's API; openai-chat sends chat.
+SERVE_BACKENDS = ("vllm", "openai", "openai-chat", "sglang", "lmdeploy", "llama.cpp")
+# vllm bench serve's sampling flags, sent with every request where given.
+SAMPLING_FLAGS = (
+    "--top-p",
+    "--top-k",
+    "--min-p",
+    "--frequency-penalty",
+    "--presence-penalty",
+    "--repetition-penalty",
+)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text[:80]!r}")
+    return value
+
+
 def add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -> None:
     # --dataset: the name vLLM's structured-output benchmark gives this flag.
     parser.add_argument("--dataset-name", "--dataset", default="random", choices=DATASETS)
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
+    # --input-len / --output-len: vLLM's general names, the random workload's lengths here
+    parser.add_argument("--random-input-len", "--input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", "--output-len", type=int, default=128)
     parser.add_argument(
         "--random-range-ratio",
         type=float,
@@ -94,6 +119,35 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--endpoint",
         default="/v1/completions",
         help="/v1/completions (token-id prompts) or /v1/chat/completions (text)",
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=SERVE_BACKENDS,
+        help="vllm bench serve's: openai-chat sends chat completions (--endpoint "
+        "/v1/chat/completions), the others completions; each server speaks OpenAI's API",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name sent to the server, when it is not --model (which then only "
+        "names the tokenizer)",
+    )
+    for flag in SAMPLING_FLAGS:
+        parser.add_argument(flag, type=float, default=None, help="sent with every request")
+    parser.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="fields added to every request's body, e.g. '{\"min_tokens\": 8}'",
+    )
+    parser.add_argument(
+        "--header",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="HTTP headers sent with every request",
     )
     parser.add_argument(
         "--model",

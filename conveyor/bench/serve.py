@@ -34,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from conveyor import envs
+from conveyor.bench.args import SAMPLING_FLAGS
 from conveyor.bench.datasets import SampleRequest, arrival_times, sample_requests
 
 if TYPE_CHECKING:
@@ -297,6 +298,7 @@ class Target:
     headers: dict[str, str]
     ignore_eos: bool
     temperature: float
+    extra: dict = field(default_factory=dict)  # sampling flags and --extra-body, as given
 
 
 def build_payload(target: Target, request: SampleRequest, tokenizer) -> dict:
@@ -308,7 +310,7 @@ def build_payload(target: Target, request: SampleRequest, tokenizer) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": target.ignore_eos and request.schema is None,
-    }
+    } | target.extra
     if request.schema is not None:
         payload["response_format"] = response_format(request.schema)
     if not target.chat:
@@ -521,12 +523,47 @@ def _tokenizer_source(args: argparse.Namespace, model: str | None) -> str | None
     return None
 
 
-def _headers() -> dict[str, str]:
+def _headers(given: list[str] | None = None) -> dict[str, str]:
+    """OPENAI_API_KEY's bearer token, and --header's KEY=VALUE pairs."""
     key = os.environ.get("OPENAI_API_KEY") or envs.api_key()
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for pair in given or []:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--header takes KEY=VALUE, got {pair!r}")
+        headers[name.strip()] = value.strip()
+    return headers
+
+
+def _extra_fields(args: argparse.Namespace) -> dict:
+    """The sampling flags given (--top-p, ...) and --extra-body, for every request's body."""
+    extra = {}
+    for flag in SAMPLING_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            extra[flag[2:].replace("-", "_")] = int(value) if flag == "--top-k" else value
+    return extra | (getattr(args, "extra_body", None) or {})
+
+
+def _resolve_endpoint(args: argparse.Namespace) -> None:
+    """--backend as vllm bench serve reads it: openai-chat sends chat completions (the chat
+    endpoint, where --endpoint was left as it was), the others completions."""
+    backend = getattr(args, "backend", None)
+    if backend is None:
+        return
+    chat = args.endpoint.endswith("chat/completions")
+    if backend == "openai-chat" and not chat:
+        if args.endpoint != "/v1/completions":
+            raise ValueError(f"--backend openai-chat sends chat completions, not {args.endpoint}")
+        args.endpoint = "/v1/chat/completions"
+    elif backend != "openai-chat" and chat:
+        raise ValueError(
+            f"--backend {backend} sends completions: give --backend openai-chat for {args.endpoint}"
+        )
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    _resolve_endpoint(args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.request_rate > 0:
@@ -550,6 +587,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
     percentiles = parse_percentiles(args.metric_percentiles)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     model = args.model
+    sent = getattr(args, "served_model_name", None)  # the name sent, --model the tokenizer's
     if model is None and args.tokenizer is None:  # its name may say which tokenizer it has
         async with client_session(1) as probe:
             model = await first_model(probe, base_url, _headers())
@@ -557,8 +595,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
     requests = sample_requests(args, tokenizer)
     arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
     async with client_session(args.max_concurrency) as client:
-        headers = _headers()
-        model = model or await first_model(client, base_url, headers)
+        headers = _headers(getattr(args, "header", None))
+        model = sent or model or await first_model(client, base_url, headers)
         target = Target(
             base_url + args.endpoint,
             model,
@@ -566,6 +604,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
             headers,
             args.ignore_eos,
             args.temperature,
+            _extra_fields(args),
         )
         payloads = [build_payload(target, r, tokenizer) for r in requests]
         loras = getattr(args, "lora_modules", None), getattr(args, "lora_ratio", 1.0)
