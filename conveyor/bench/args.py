@@ -143,6 +143,36 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="fields added to every request's body, e.g. '{\"min_tokens\": 8}'",
     )
     parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="requests sent (the workload's first N) and awaited before the measured run",
+    )
+    parser.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to this long for the server to list its models before starting "
+        "(default 0: it must be up already)",
+    )
+    parser.add_argument(
+        "--label", default=None, help="a name for this run, in the saved result ('label')"
+    )
+    parser.add_argument(
+        "--metadata",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="pairs saved with the result, e.g. machine=zen3 peer=vllm",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted (vllm bench serve's): tokenizers load here without remote code",
+    )
+    parser.add_argument(
         "--header",
         nargs="+",
         default=None,

@@ -566,6 +566,9 @@ def _check_args(args: argparse.Namespace) -> None:
     _resolve_endpoint(args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if getattr(args, "num_warmups", 0) < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    _labels(args)  # a malformed --metadata pair is refused before any request
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 or inf, got {args.request_rate}")
     if not args.burstiness > 0:
@@ -591,6 +594,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
     if model is None and args.tokenizer is None:  # its name may say which tokenizer it has
         async with client_session(1) as probe:
             model = await first_model(probe, base_url, _headers())
+    await _ready(base_url, getattr(args, "ready_check_timeout_sec", 0.0))
     tokenizer = load_tokenizer(_tokenizer_source(args, model))
     requests = sample_requests(args, tokenizer)
     arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
@@ -613,6 +617,13 @@ async def benchmark(args: argparse.Namespace) -> dict:
             if name is not None:
                 payload["model"] = name
         _print_plan(args, model)
+        if warmups := min(getattr(args, "num_warmups", 0), len(payloads)):
+            print(f"Warming up with {warmups} requests")
+            lens = [r.prompt_len for r in requests[:warmups]]
+            with tqdm(total=warmups, disable=True) as quiet:
+                await run_requests(
+                    client, target, payloads[:warmups], lens, [0.0] * warmups, None, quiet
+                )
         with tqdm(total=len(requests), disable=args.disable_tqdm) as bar:
             results, duration = await run_requests(
                 client,
@@ -687,7 +698,37 @@ def result_dict(
             f"std_{name}_ms": s.std_ms,
         }
         out |= {f"p{_percentile_word(p)}_{name}_ms": v for p, v in s.percentiles_ms}
-    return out | _per_request(results)
+    return out | _labels(args) | _per_request(results)
+
+
+def _labels(args: argparse.Namespace) -> dict:
+    """--label and --metadata's pairs, as vllm bench serve saves them."""
+    out = {"label": args.label} if getattr(args, "label", None) else {}
+    for pair in getattr(args, "metadata", None) or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--metadata takes KEY=VALUE, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+async def _ready(base_url: str, timeout: float) -> None:
+    """Waits until the server lists its models (at most `timeout` seconds; 0: no wait)."""
+    if timeout <= 0:
+        return
+    aiohttp = bench_import("aiohttp")
+    deadline = time.monotonic() + timeout
+    async with client_session(1) as probe:
+        while True:
+            try:
+                async with probe.get(f"{base_url}/v1/models", headers=_headers()) as response:
+                    if response.status == 200:
+                        return
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise ValueError(f"{base_url} was not ready within {timeout:g} s")
+            await asyncio.sleep(0.5)
 
 
 def structured_dict(results: list[RequestResult], checks: list[bool | None]) -> dict:

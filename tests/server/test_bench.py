@@ -265,15 +265,26 @@ def test_bad_percentiles_are_rejected():
 def test_serve_takes_vllm_bench_serves_backend_and_request_flags(server, model_path, tmp_path):
     """vllm bench serve's --backend openai-chat (the chat endpoint), --served-model-name,
     --input-len / --output-len, the sampling flags, --extra-body and --header reach every
-    request: min_tokens from --extra-body makes each reply exactly --output-len tokens; a
-    backend that contradicts --endpoint, or a header that is not KEY=VALUE, is refused."""
+    request: min_tokens from --extra-body makes each reply exactly --output-len tokens;
+    --num-warmups sends that many first (the server generates their tokens too), --label and
+    --metadata are saved; a backend that contradicts --endpoint, or a header or metadata
+    pair that is not KEY=VALUE, is refused."""
     name = server.client.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
     flags = ["--backend", "openai-chat", "--served-model-name", name, "--num-prompts", "4"]
     flags += ["--input-len", "12", "--output-len", "4", "--top-k", "1", "--top-p", "0.9"]
     flags += ["--extra-body", '{"min_tokens": 4}', "--header", "X-Bench=1"]
+    flags += ["--num-warmups", "2", "--label", "run-a", "--metadata", "machine=tiny"]
+    flags += ["--ready-check-timeout-sec", "5", "--trust-remote-code"]
+    before = server.metrics()[GENERATED]
     result = run_serve(server, model_path, tmp_path, *flags)
     assert result["endpoint"] == "/v1/chat/completions" and result["model_id"] == name
     assert result["completed"] == 4 and result["total_output_tokens"] == 16
-    for bad in (["--backend", "vllm", "--endpoint", "/v1/chat/completions"], ["--header", "x"]):
-        with pytest.raises(ValueError, match="--backend|--header"):
+    assert (result["label"], result["machine"]) == ("run-a", "tiny")
+    assert generated_since(server, before, 24) == 24  # the 2 warm-up requests' tokens too
+    for bad in (
+        ["--backend", "vllm", "--endpoint", "/v1/chat/completions"],
+        ["--header", "x"],
+        ["--metadata", "=x"],
+    ):
+        with pytest.raises(ValueError, match="--backend|--header|--metadata"):
             run_serve(server, model_path, tmp_path, "--num-prompts", "1", *bad)
