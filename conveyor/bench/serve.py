@@ -527,12 +527,18 @@ def _headers(given: list[str] | None = None) -> dict[str, str]:
     """OPENAI_API_KEY's bearer token, and --header's KEY=VALUE pairs."""
     key = os.environ.get("OPENAI_API_KEY") or envs.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return headers | _pairs(given, "--header")
+
+
+def _pairs(given: list[str] | None, flag: str) -> dict[str, str]:
+    """A flag's KEY=VALUE arguments as a dict; ValueError naming the flag for any other."""
+    pairs = {}
     for pair in given or []:
-        name, sep, value = pair.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"--header takes KEY=VALUE, got {pair!r}")
-        headers[name.strip()] = value.strip()
-    return headers
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} takes KEY=VALUE, got {pair!r}")
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
 def _extra_fields(args: argparse.Namespace) -> dict:
@@ -704,12 +710,7 @@ def result_dict(
 def _labels(args: argparse.Namespace) -> dict:
     """--label and --metadata's pairs, as vllm bench serve saves them."""
     out = {"label": args.label} if getattr(args, "label", None) else {}
-    for pair in getattr(args, "metadata", None) or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--metadata takes KEY=VALUE, got {pair!r}")
-        out[key.strip()] = value.strip()
-    return out
+    return out | _pairs(getattr(args, "metadata", None), "--metadata")
 
 
 async def _ready(base_url: str, timeout: float) -> None:

@@ -1182,11 +1182,14 @@ class _ChunkWriter:
 
     def __call__(self, choice: dict, usage: dict | None = None, extras: dict | None = None) -> str:
         """extras: fields beside choices (vLLM's prompt_token_ids, prompt_logprobs)."""
-        tail = "".join(f",{_json(k)}:{_json(v)}" for k, v in (extras or {}).items())
-        if usage is not None:
-            tail += f',"usage":{_json(usage)}'
-        return frame(f"{self._head}{_json(choice)}]{tail}}}")
+        tail = f',"usage":{_json(usage)}' if usage is not None else ""
+        return frame(f"{self._head}{_json(choice)}]{_fields(extras)}{tail}}}")
 
     def usage(self, usage: dict, extras: dict | None = None) -> str:
-        tail = "".join(f",{_json(k)}:{_json(v)}" for k, v in (extras or {}).items())
-        return frame(f'{self._head}],"usage":{_json(usage)}{tail}}}')
+        """The usage chunk; extras: fields beside it (vLLM's per-request metrics)."""
+        return frame(f'{self._head}],"usage":{_json(usage)}{_fields(extras)}}}')
+
+
+def _fields(extras: dict | None) -> str:
+    """extras as the JSON of fields to append to an object: `,"key":value` each."""
+    return "".join(f",{_json(k)}:{_json(v)}" for k, v in (extras or {}).items())
