@@ -39,14 +39,31 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # dtype; int8: quantize a float checkpoint's projections to int8 blocks. Resolved to
 # "none" | "gguf" (the file's own blocks) | "int8" in ModelConfig.quantization.
 QUANTIZATION_MODES = ("auto", "none", "int8")
+# vLLM's --quantization names of the method a checkpoint was quantized with -> that method:
+# taken as "auto" where the checkpoint is quantized so (vLLM's serve lines name it), refused
+# where it is not (as vLLM refuses a mismatch).
+CHECKPOINT_METHODS = {
+    "fp8": "fp8",
+    "compressed-tensors": "compressed-tensors",
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "gguf": "gguf",
+}
+QUANTIZATION_CHOICES = QUANTIZATION_MODES + tuple(CHECKPOINT_METHODS)
 # How a checkpoint's weights are read (vLLM's --load-format): auto by the path (a folder's
 # safetensors, a .gguf file); safetensors or gguf insist on one.
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 # Checkpoints quantized by another tool (config.json's quantization_config.quant_method) that
 # conveyor reads, dequantized as they load (model/quant/prequantized.py): "fp8", block-scaled
-# float8 weights (Qwen's and DeepSeek's -FP8 releases), and "compressed-tensors" with integer
-# weights only (llm-compressor's W4A16 / W8A16 schemes).
-PREQUANTIZED_METHODS = ("fp8", "compressed-tensors")
+# float8 weights (Qwen's and DeepSeek's -FP8 releases), "compressed-tensors" with integer
+# weights only (llm-compressor's W4A16 / W8A16 schemes), and the grouped integer weights with
+# zero points of "gptq" (AutoGPTQ / GPTQModel, 2, 4 or 8 bits) and "awq" (AutoAWQ's GEMM
+# layout, 4 bits): the -GPTQ-Int4 / -AWQ releases.
+PREQUANTIZED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+GPTQ_FORMATS = (None, "gptq", "gptq_v2")  # checkpoint_format: v1 stores zero points minus 1
+AWQ_VERSIONS = (None, "gemm", "exllama", "ipex")  # the GEMM packing (gemv packs otherwise)
 _CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
 
@@ -70,15 +87,15 @@ def check_prequantized(folder: Path, name: str) -> None:
 
 
 def prequantized_refusal(quant: dict) -> str | None:
-    """Why a checkpoint of this quantization_config cannot be served (None: it can): AWQ,
-    GPTQ, bitsandbytes, quantized activations, ... are not read."""
+    """Why a checkpoint of this quantization_config cannot be served (None: it can):
+    bitsandbytes, quantized activations, 3-bit GPTQ, AWQ's GEMV layout, ... are not read."""
     method = quant.get("quant_method")
     if method == "fp8":
         if quant.get("activation_scheme", "dynamic") == "dynamic":
             return None  # activations in float, as transformers runs them on a CPU
         why = "static activation scales"
-    elif method == "compressed-tensors":
-        why = _ct_refusal(quant)
+    elif method in _SCHEME_REFUSALS:
+        why = _SCHEME_REFUSALS[method](quant)
         if why is None:
             return None
     else:
@@ -86,7 +103,8 @@ def prequantized_refusal(quant: dict) -> str | None:
     return (
         f"a checkpoint quantized with {method!r} (config.json's quantization_config: {why}) is "
         "not supported: conveyor reads fp8 checkpoints with dynamic activations, "
-        "compressed-tensors checkpoints of integer weights only (W4A16, W8A16), float "
+        "compressed-tensors checkpoints of integer weights only (W4A16, W8A16), GPTQ (2, 4 "
+        "or 8 bits) and AWQ (4 bits, GEMM layout) checkpoints, float "
         "checkpoints (quantizing them itself with --quantization int8) and GGUF files (Q4_0, "
         "Q4_1, Q4_K, Q8_0, ... served quantized); serve the model's unquantized repository or "
         "a GGUF of it"
@@ -113,6 +131,30 @@ def _ct_refusal(quant: dict) -> str | None:
         if weights.get("symmetric") is False:
             return "asymmetric weights (zero points)"
     return None
+
+
+def _gptq_refusal(quant: dict) -> str | None:
+    """What in a GPTQ config conveyor does not read (None: all of it)."""
+    if quant.get("bits") not in (2, 4, 8):
+        return f"{quant.get('bits')}-bit weights (2, 4 or 8 are read)"
+    fmt = quant.get("checkpoint_format", quant.get("format"))
+    if fmt not in GPTQ_FORMATS:
+        return f"checkpoint format {fmt!r} (gptq or gptq_v2 are read)"
+    return None
+
+
+def _awq_refusal(quant: dict) -> str | None:
+    """What in an AWQ config conveyor does not read (None: all of it)."""
+    bits = quant.get("bits", quant.get("w_bit"))
+    if bits != 4:
+        return f"{bits}-bit weights (4 are read)"
+    version = quant.get("version")
+    if (version.lower() if isinstance(version, str) else version) not in AWQ_VERSIONS:
+        return f"version {version!r} (the GEMM layout is read)"
+    return None
+
+
+_SCHEME_REFUSALS = {"compressed-tensors": _ct_refusal, "gptq": _gptq_refusal, "awq": _awq_refusal}
 
 
 # Seconds a request's grammar may take to compile before the request fails.

@@ -1,11 +1,12 @@
 """Checkpoints quantized by another tool: block-scaled float8 ("fp8", Qwen's and DeepSeek's
--FP8 releases) and compressed-tensors' symmetric integer weights (llm-compressor's W4A16 /
-W8A16, packed or not) are read, dequantized at load as transformers
-dequantizes them, so the greedy tokens equal transformers' in float64 (fp8: a dense model's
-and a mixture of experts', its scales in a shard of their own); served on int8 blocks by
-default on the CPU; every other method or scheme (AWQ, GPTQ, bitsandbytes, quantized
-activations or zero points, fp8 with static activation scales) is refused with its name,
-before a Hub download fetches any weight."""
+-FP8 releases), compressed-tensors' symmetric integer weights (llm-compressor's W4A16 /
+W8A16, packed or not), GPTQ's and AWQ's grouped integers with zero points (the -GPTQ-Int4 /
+-AWQ releases) are read, dequantized at load as transformers (and GPTQModel, which it runs
+GPTQ and AWQ with) dequantizes them, so the greedy tokens equal transformers' in float64
+(fp8: a dense model's and a mixture of experts', its scales in a shard of their own); served
+on int8 blocks by default on the CPU; every other method or scheme (bitsandbytes, quantized
+activations, compressed-tensors' zero points, fp8 with static activation scales, 3-bit GPTQ,
+AWQ's GEMV layout) is refused with its name, before a Hub download fetches any weight."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from conveyor.model.quant.prequantized import dequantize_fp8
 
 BLOCK = 16  # the tests' fp8 blocks: several per tiny matrix (real checkpoints: 128 x 128)
 EAGER = {"experts_implementation": "eager"}  # transformers' MoE experts in float64 on a CPU
+PROMPTS = [[5, 17, 42, 9, 100, 33], [7, 8, 9, 10]]
 
 
 def fp8_checkpoint(source: Path, target: Path, block: int = BLOCK) -> Path:
@@ -185,6 +187,152 @@ def test_a_compressed_tensors_checkpoint_gives_transformers_weights_and_tokens(
     assert LLM(str(path), dtype="float32").engine.model_config.quantization == "int8"
 
 
+def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned `values` (2-D) packed 32 / bits to an int32 word along dim, the first in the
+    lowest bits: GPTQ's qweight (dim 0) and qzeros (dim 1), AutoGPTQ's pack loops."""
+    per_word = 32 // bits
+    values = values.to(torch.int64) if dim == 0 else values.to(torch.int64).T
+    words = torch.zeros(values.shape[0] // per_word, values.shape[1], dtype=torch.int64)
+    for i in range(per_word):
+        words |= values[i::per_word] << (bits * i)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words if dim == 0 else words.T.contiguous()
+
+
+def _awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """4-bit `values` (rows, N) packed along N as AutoAWQ's GEMM layout: the word's value i
+    is column (0, 2, 4, 6, 1, 3, 5, 7)[i] of its eight."""
+    order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+    rows, cols = values.shape
+    interleaved = values.reshape(rows, cols // 8, 8)[:, :, order].reshape(rows, cols)
+    return _pack(interleaved, 4, 1)
+
+
+def grouped_checkpoint(
+    base: Path, target: Path, method: str, bits: int, **options
+) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`base`'s projections quantized round-to-nearest in groups of 16 input columns, with a
+    zero point and a float16 scale per group and output (symmetric: zero 2^(bits-1)), packed
+    as GPTQ (options: v1 zero points stored minus one, act_order's permuted g_idx) or AWQ
+    packs them. Returns the folder and each projection's exact values (float64, (N, K))."""
+    target.mkdir(parents=True)
+    for file in base.iterdir():
+        if not file.name.endswith(".safetensors"):
+            shutil.copy(file, target / file.name)
+    group, top = 16, 2**bits - 1
+    tensors, values = {}, {}
+    for file in sorted(base.glob("*.safetensors")):
+        for name, weight in load_file(file).items():
+            if not name.endswith("_proj.weight"):
+                tensors[name] = weight
+                continue
+            module = name.removesuffix(".weight")
+            w = weight.double().T  # (K, N), the layout both tools pack
+            k, n = w.shape
+            g_idx = torch.arange(k) // group
+            if options.get("act_order"):  # columns quantized in another order: groups permuted
+                g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(k + n))]
+            low = torch.stack([w[g_idx == g].amin(0) for g in range(k // group)]).clamp(max=0)
+            high = torch.stack([w[g_idx == g].amax(0) for g in range(k // group)]).clamp(min=0)
+            if options.get("sym"):
+                scale = (torch.maximum(-low, high) / (top // 2)).half().clamp(min=1e-3)
+                zero = torch.full(scale.shape, 2 ** (bits - 1), dtype=torch.int64)
+            else:
+                scale = ((high - low) / top).half().clamp(min=1e-3)
+                zero = (-low / scale.double()).round().clamp(0, top).long()
+            q = (w / scale.double()[g_idx] + zero[g_idx]).round().clamp(0, top).long()
+            values[module] = ((q - zero[g_idx]) * scale.double()[g_idx]).T
+            tensors[f"{module}.scales"] = scale
+            if method == "awq":
+                tensors[f"{module}.qweight"] = _awq_pack(q)
+                tensors[f"{module}.qzeros"] = _awq_pack(zero)
+                continue
+            stored_zero = zero - 1 if options.get("format", "gptq") == "gptq" else zero
+            tensors[f"{module}.qweight"] = _pack(q, bits, 0)
+            tensors[f"{module}.qzeros"] = _pack(stored_zero & top, bits, 1)
+            tensors[f"{module}.g_idx"] = g_idx.int()
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    quant = {"quant_method": method, "bits": bits, "group_size": group}
+    if method == "gptq":
+        quant |= {
+            "desc_act": bool(options.get("act_order")),
+            "sym": bool(options.get("sym")),
+            "checkpoint_format": options.get("format", "gptq"),
+        }
+    else:
+        quant |= {"zero_point": True, "version": "gemm"}
+    (target / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
+    return target, values
+
+
+@pytest.mark.parametrize(
+    ("method", "bits", "options"),
+    [
+        ("gptq", 4, {"sym": True, "act_order": True}),
+        ("gptq", 4, {"format": "gptq_v2"}),
+        ("gptq", 8, {}),
+        ("gptq", 2, {"format": "gptq_v2", "act_order": True}),
+        ("awq", 4, {}),
+    ],
+    ids=["gptq-w4-sym-act-order", "gptq-w4-v2", "gptq-w8-v1", "gptq-w2-v2", "awq-w4"],
+)
+def test_gptq_and_awq_checkpoints_give_their_exact_weights_and_transformers_tokens(
+    tmp_path, method, bits, options
+):
+    """value = (q - zero) * scale, each projection's bits equal to the exact values the
+    quantizer made; transformers' float64 model of those values gives conveyor's tokens."""
+    base = make_tiny_checkpoint(tmp_path / "base", "llama")
+    path, exact = grouped_checkpoint(base, tmp_path / method, method, bits, **options)
+    ours = dict(iter_safetensors(path, torch.float64))
+    assert len(exact) == 7 * 2 and all(
+        torch.equal(ours[f"{m}.weight"], v) for m, v in exact.items()
+    )
+    assert not any(name.endswith(("qweight", "qzeros", "scales", "g_idx")) for name in ours)
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    plain = [tokens for tokens, _ in hf_greedy(reference, PROMPTS, 10)]
+    with torch.no_grad():
+        for module, value in exact.items():
+            reference.get_parameter(f"{module}.weight").copy_(value)
+    expected = [tokens for tokens, _ in hf_greedy(reference, PROMPTS, 10)]
+    if bits <= 4:
+        assert expected != plain  # the quantization counts
+    llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [out.outputs[0].token_ids for out in got] == expected
+    assert LLM(str(path), dtype="float32").engine.model_config.quantization == "int8"
+
+
+def test_vllms_quantization_names_take_the_checkpoints_own_method_and_refuse_another(tmp_path):
+    """vLLM serve lines name the method (--quantization awq, gptq_marlin, fp8, gguf): the
+    checkpoint's own is served as auto; another is refused, naming both, as vLLM refuses it."""
+    base = make_tiny_checkpoint(tmp_path / "base", "llama")
+    path, _ = grouped_checkpoint(base, tmp_path / "q", "gptq", 4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    auto = LLM(str(path), dtype="float32").generate(["Hello"], params)[0].outputs[0].token_ids
+    for name in ("gptq", "gptq_marlin"):
+        llm = LLM(str(path), dtype="float32", quantization=name)
+        assert llm.engine.model_config.quantization == "int8"
+        assert llm.generate(["Hello"], params)[0].outputs[0].token_ids == auto
+    for name, found in (("awq_marlin", "quantized with 'gptq'"), ("fp8", "quantized with 'gptq'")):
+        with pytest.raises(ValueError, match=f"quantization='{name}'.*this checkpoint is {found}"):
+            LLM(str(path), dtype="float32", quantization=name)
+    with pytest.raises(ValueError, match="quantization='awq'.*this checkpoint is not quantized"):
+        LLM(str(base), dtype="float32", quantization="awq")
+
+
+def test_a_broken_gptq_module_is_named(tmp_path):
+    base = make_tiny_checkpoint(tmp_path / "base", "llama")
+    path, _ = grouped_checkpoint(base, tmp_path / "q", "gptq", 4)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.g_idx"
+    tensors[name] = tensors[name] + 100  # groups past the scales'
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj: a group index outside"):
+        LLM(str(path), dtype="float32")
+
+
 def test_fp8_blocks_dequantize_by_their_scale_grid():
     weight = torch.tensor([[1.0, 2.0, -3.0, 4.0], [0.5, -0.5, 1.5, 2.0]]).to(torch.float8_e4m3fn)
     scales = torch.tensor([[2.0, 10.0]])  # one row of blocks, 2 x 2 each
@@ -197,8 +345,15 @@ def test_fp8_blocks_dequantize_by_their_scale_grid():
 @pytest.mark.parametrize(
     ("quantization", "named"),
     [
-        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "'awq'"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+        (
+            {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+            "'awq'.*version 'gemv'",
+        ),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "'gptq'.*3-bit"),
+        (
+            {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+            "'gptq'.*format 'marlin'",
+        ),
         (
             {"quant_method": "compressed-tensors", "format": "pack-quantized"},
             "'compressed-tensors'",

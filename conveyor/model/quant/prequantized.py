@@ -11,6 +11,19 @@ packed little-endian into int32 words along each row (`weight_packed`, the row l
 (`weight_scale`), symmetric (no zero points); value = q * scale, computed exactly (float64)
 and rounded once to the model's dtype: in float64, transformers' values bit for bit.
 
+GPTQ (quant_method "gptq": AutoGPTQ's and GPTQModel's -GPTQ-Int4 / -Int8 releases) and AWQ
+("awq": AutoAWQ's -AWQ releases): per `<module>`, unsigned integers packed into int32 words,
+the first in the lowest bits (`qweight`), a float16 scale and an integer zero point per group
+of input columns and output (`scales` (G, N), `qzeros` packed like the weights); value =
+(q - zero) * scale, exact in float64 as above. GPTQ packs the input dim: qweight (K * bits /
+32, N), qzeros (G, N * bits / 32), `g_idx` (K,) each input column's group (activation order
+makes it a permutation of groups; without it k // group_size), zero points stored minus one
+in its v1 format (checkpoint_format "gptq", each one read back + 1 as AutoGPTQ's and vLLM's
+kernels read it) and as they are in "gptq_v2". AWQ packs the output dim, eight 4-bit values a
+word in the order 0, 2, 4, 6, 1, 3, 5, 7: qweight (K, N / 8), qzeros (G, N / 8); without
+zero points (zero_point false) every zero is 2^(bits - 1). The bits a module holds come from
+its shapes (GPTQModel's per-module "dynamic" bits included).
+
 Each dequantized weight is yielded under its module's `.weight` name; the tensors it was made
 of are consumed.
 """
@@ -27,6 +40,8 @@ from conveyor.config import quantization_config
 # An fp8 checkpoint's per-tensor activation scales: its activations are computed in float.
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
 _CT_PARTS = ("scale", "zero_point", "shape", "g_idx")  # of a compressed-tensors weight
+_GROUPED_PARTS = ("qzeros", "scales", "g_idx")  # of a GPTQ or AWQ module's qweight
+_AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of 8 is the word's value _AWQ_COLUMNS[c]
 
 
 class Dequantizer:
@@ -36,6 +51,16 @@ class Dequantizer:
         """where: every stored tensor's name -> its file."""
         self.where = where
         self.num_bits = _ct_num_bits(folder)
+        quant = quantization_config(folder) or {}
+        self.grouped = (
+            quant.get("quant_method") if quant.get("quant_method") in ("gptq", "awq") else None
+        )
+        # GPTQ's v1 format stores each zero point minus one.
+        self.zero_offset = int(
+            self.grouped == "gptq"
+            and quant.get("checkpoint_format", quant.get("format")) != "gptq_v2"
+        )
+        self.bits = quant.get("bits", quant.get("w_bit"))
         self.makes: dict[str, str] = {}  # stored name -> the weight name it is read as
         self.consumed: set[str] = set()  # read as parts of another tensor's weight
         for name in where:
@@ -46,6 +71,10 @@ class Dequantizer:
                 self._compressed(name, name.removesuffix("_packed"))
             elif self.num_bits and name.endswith(".weight") and f"{name}_scale" in where:
                 self._compressed(name, name)  # int8 weights beside their scales
+            elif self.grouped and name.endswith(".qweight"):
+                module = name.removesuffix(".qweight")
+                self.makes[name] = f"{module}.weight"
+                self.consumed |= {f"{module}.{part}" for part in _GROUPED_PARTS} & where.keys()
 
     def _compressed(self, stored: str, weight: str) -> None:
         self.makes[stored] = weight
@@ -62,6 +91,22 @@ class Dequantizer:
             return None
         if f"{weight}_scale_inv" in self.where:
             return dequantize_fp8(get(weight), get(f"{weight}_scale_inv"))
+        if self.grouped and stored.endswith(".qweight"):
+            module = stored.removesuffix(".qweight")
+            parts = {
+                part: get(f"{module}.{part}") if f"{module}.{part}" in self.where else None
+                for part in _GROUPED_PARTS
+            }
+            if parts["scales"] is None:
+                raise ValueError(f"{module}: a qweight without its scales")
+            try:
+                if self.grouped == "awq":
+                    return dequantize_awq(get(stored), parts["scales"], parts["qzeros"])
+                return dequantize_gptq(
+                    get(stored), bits=self.bits, zero_offset=self.zero_offset, **parts
+                )
+            except ValueError as e:
+                raise ValueError(f"{module}: {e}") from None
         if f"{weight}_g_idx" in self.where or f"{weight}_zero_point" in self.where:
             raise ValueError(f"{weight}: zero points and activation order are not read")
         if stored.endswith("_packed"):
@@ -102,6 +147,106 @@ def dequantize_int(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     q = values.to(torch.float64).reshape(rows, groups, cols // groups)
     scaled = q * scale.to(torch.float64).reshape(rows, groups, 1)
     return scaled.reshape(rows, cols)
+
+
+def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The unsigned integers packed 32 / bits to each int32 word of `words` (2-D), the first in
+    the lowest bits, laid out along `dim` (0: a word holds rows, 1: columns); int64."""
+    if 32 % bits:
+        raise ValueError(f"{bits}-bit values do not pack whole into 32-bit words")
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    rows, cols = words.shape
+    words = words.to(torch.int64) & 0xFFFFFFFF
+    if dim == 0:
+        values = (words[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+        return values.reshape(rows * per_word, cols)
+    values = (words[:, :, None] >> shifts) & ((1 << bits) - 1)
+    return values.reshape(rows, cols * per_word)
+
+
+def dequantize_grouped(
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: torch.Tensor
+) -> torch.Tensor:
+    """The (N, K) weight of the integers q (K, N): (q[k, n] - zeros[g, n]) * scales[g, n], g =
+    group[k]; float64, exact (the caller rounds it once)."""
+    if group.numel() and (int(group.min()) < 0 or int(group.max()) >= scales.shape[0]):
+        raise ValueError(f"a group index outside the {scales.shape[0]} groups of its scales")
+    rows = group.long()
+    centred = (q - zeros[rows]).to(torch.float64)
+    return (centred * scales.to(torch.float64)[rows]).T.contiguous()
+
+
+def _groups(num_inputs: int, num_groups: int) -> torch.Tensor:
+    """Each input column's group: k // group_size, the columns in num_groups equal groups."""
+    if num_groups < 1 or num_inputs % num_groups:
+        raise ValueError(f"{num_inputs} input columns cannot make {num_groups} equal groups")
+    return torch.arange(num_inputs) // (num_inputs // num_groups)
+
+
+def _bits_of(packed: int, values: int, fallback) -> int:
+    """The bits per value of `values` integers packed into `packed` int32 words."""
+    if values and (packed * 32) % values == 0 and (packed * 32) // values in (2, 4, 8):
+        return (packed * 32) // values
+    if fallback is None:
+        raise ValueError(f"{packed} words cannot hold {values} values of 2, 4 or 8 bits")
+    return fallback
+
+
+def dequantize_gptq(
+    qweight: torch.Tensor,
+    *,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    bits: int | None,
+    zero_offset: int,
+) -> torch.Tensor:
+    """A GPTQ module's (N, K) weight, float64: qweight (K * bits / 32, N) packed along the
+    inputs, qzeros (G, N * bits / 32) along the outputs (each + zero_offset), scales (G, N),
+    g_idx (K,) the groups (None: K in G equal groups). The bits come from g_idx's length
+    where it is stored (a per-module override), else from the config."""
+    num_outputs = scales.shape[-1]
+    if qweight.shape[-1] != num_outputs:
+        raise ValueError(f"qweight {tuple(qweight.shape)} against scales {tuple(scales.shape)}")
+    if g_idx is not None:
+        bits = _bits_of(qweight.shape[0], g_idx.numel(), None)
+    if bits is None:
+        raise ValueError("no bits in the quantization_config")
+    q = unpack_words(qweight, bits, 0)
+    group = g_idx if g_idx is not None else _groups(q.shape[0], scales.shape[0])
+    if group.numel() != q.shape[0]:
+        raise ValueError(f"g_idx has {group.numel()} entries for {q.shape[0]} input columns")
+    if qzeros is None:
+        zeros = torch.full(scales.shape, 1 << (bits - 1), dtype=torch.int64)
+    else:
+        zeros = unpack_words(qzeros, bits, 1)[:, :num_outputs] + zero_offset
+    if zeros.shape != scales.shape:
+        raise ValueError(f"qzeros {tuple(qzeros.shape)} against scales {tuple(scales.shape)}")
+    return dequantize_grouped(q, zeros, scales, group)
+
+
+def dequantize_awq(
+    qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None
+) -> torch.Tensor:
+    """An AWQ module's (N, K) weight, float64: qweight (K, N / 8) and qzeros (G, N / 8) packed
+    along the outputs in AWQ's order, scales (G, N), K in G equal groups."""
+    num_outputs = scales.shape[-1]
+    if _bits_of(qweight.shape[-1], num_outputs, None) != 4:
+        raise ValueError(f"qweight {tuple(qweight.shape)} is not 4-bit for {num_outputs} outputs")
+
+    def unpack(words: torch.Tensor) -> torch.Tensor:
+        values = unpack_words(words, 4, 1)
+        return values.reshape(values.shape[0], -1, 8)[:, :, _AWQ_COLUMNS].reshape(values.shape)
+
+    q = unpack(qweight)
+    if qzeros is None:
+        zeros = torch.full(scales.shape, 8, dtype=torch.int64)
+    else:
+        zeros = unpack(qzeros)
+    if zeros.shape != scales.shape:
+        raise ValueError(f"qzeros {tuple(qzeros.shape)} against scales {tuple(scales.shape)}")
+    return dequantize_grouped(q, zeros, scales, _groups(q.shape[0], scales.shape[0]))
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
