@@ -24,7 +24,7 @@ from conveyor.config import (
     DTYPE_NAMES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
-    QUANTIZATION_MODES,
+    QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
     CacheConfig,
     LoRAConfig,
@@ -137,10 +137,13 @@ class EngineArgs:
     quantization: str = _setting(
         "auto",
         "model",
-        "auto: a quantized GGUF runs quantized (CPU), an fp8 checkpoint on int8 blocks (CPU); "
-        "none: dequantize to --dtype; int8: quantize a float checkpoint's projections to int8 "
-        "blocks",
-        choices=QUANTIZATION_MODES,
+        "auto: a quantized GGUF runs quantized (CPU), an fp8, compressed-tensors, GPTQ or AWQ "
+        "checkpoint on int8 blocks (CPU); none: dequantize to --dtype; int8: quantize a float "
+        "checkpoint's projections to int8 blocks; fp8, compressed-tensors, gptq(_marlin), "
+        "awq(_marlin), gguf: vLLM's names of the checkpoint's own method, as auto (a checkpoint "
+        "quantized otherwise is refused)",
+        choices=QUANTIZATION_CHOICES,
+        aliases=("-q",),
     )
     batch_invariant: bool = _setting(
         True,
@@ -361,9 +364,9 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kernel_isa is not None and self.kernel_isa not in KERNEL_ISAS:
             raise ValueError(f"kernel_isa must be one of {KERNEL_ISAS}, got {self.kernel_isa!r}")
-        if self.quantization not in QUANTIZATION_MODES:
+        if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
-                f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}"
+                f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
             )
         for name in ("max_model_len", "num_threads"):
             _check_int(name, getattr(self, name), optional=True)

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.config import (
+    CHECKPOINT_METHODS,
     LOAD_FORMATS,
     PREQUANTIZED_METHODS,
+    QUANTIZATION_CHOICES,
     QUANTIZATION_MODES,
     STATIC_ROPE_TYPES,
     check_prequantized,
@@ -410,8 +412,10 @@ def _resolve_quantization(requested: str, path: Path, dtype: str, device: str) -
     model (ModelConfig.with_kernels_checked), which imports torch."""
     from conveyor.model.gguf_loader import is_quantized_gguf
 
+    if requested in CHECKPOINT_METHODS:
+        requested = _checkpoint_method(requested, path)
     if requested not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {requested!r}")
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {requested!r}")
     if requested == "int8":
         if dtype == "float64":
             raise ValueError("quantization='int8' computes in float32; it cannot serve float64")
@@ -428,6 +432,24 @@ def _resolve_quantization(requested: str, path: Path, dtype: str, device: str) -
         _warn_dequantized(path, dtype, device)
         return "none"
     return "gguf"
+
+
+def _checkpoint_method(requested: str, path: Path) -> str:
+    """vLLM's name of the checkpoint's own quantization method -> "auto"; ValueError where
+    the checkpoint was quantized otherwise, or not at all (a GGUF file is "gguf")."""
+    if path.is_dir():
+        quant = quantization_config(path)
+        method = quant.get("quant_method") if quant else None
+    else:
+        method = "gguf" if path.suffix.lower() == ".gguf" else None
+    if CHECKPOINT_METHODS[requested] != method:
+        found = f"quantized with {method!r}" if method else "not quantized"
+        raise ValueError(
+            f"quantization={requested!r} names the method of a checkpoint quantized with "
+            f"{CHECKPOINT_METHODS[requested]!r}, and this checkpoint is {found}: leave it "
+            "'auto', or use 'int8' to quantize a float checkpoint"
+        )
+    return "auto"
 
 
 def _is_prequantized(path: Path) -> bool:

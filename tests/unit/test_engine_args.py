@@ -117,7 +117,7 @@ def test_flags_parse_into_the_same_settings_as_keywords():
         "--kv-cache-memory", "64MiB",
         "--no-enable-prefix-caching",
         "-tp", "2",
-        "--quantization", "none",
+        "-q", "none",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
         "--grammar-compile-timeout", "2.5",
     ]  # fmt: skip
