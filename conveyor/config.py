@@ -103,7 +103,8 @@ def prequantized_refusal(quant: dict) -> str | None:
     return (
         f"a checkpoint quantized with {method!r} (config.json's quantization_config: {why}) is "
         "not supported: conveyor reads fp8 checkpoints with dynamic activations, "
-        "compressed-tensors checkpoints of integer weights only (W4A16, W8A16), GPTQ (2, 4 "
+        "compressed-tensors checkpoints of integer weights only (W4A16, W8A16, with or "
+        "without zero points), GPTQ (2, 4 "
         "or 8 bits) and AWQ (4 bits, GEMM layout) checkpoints, float "
         "checkpoints (quantizing them itself with --quantization int8) and GGUF files (Q4_0, "
         "Q4_1, Q4_K, Q8_0, ... served quantized); serve the model's unquantized repository or "
@@ -128,8 +129,6 @@ def _ct_refusal(quant: dict) -> str | None:
             return f"{weights.get('num_bits')}-bit {weights.get('type')} weights"
         if weights.get("strategy") not in ("group", "channel") or weights.get("actorder"):
             return f"strategy {weights.get('strategy')!r}, activation order"
-        if weights.get("symmetric") is False:
-            return "asymmetric weights (zero points)"
     return None
 
 

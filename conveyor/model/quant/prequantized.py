@@ -8,8 +8,9 @@ compressed-tensors (quant_method "compressed-tensors", llm-compressor's weight-o
 such as W4A16 and W8A16, "pack-quantized" / "int-quantized" / "naive-quantized"): integers
 packed little-endian into int32 words along each row (`weight_packed`, the row length in
 `weight_shape`) or stored as int8 (`weight`), a scale per group of columns or per row
-(`weight_scale`), symmetric (no zero points); value = q * scale, computed exactly (float64)
-and rounded once to the model's dtype: in float64, transformers' values bit for bit.
+(`weight_scale`), and where asymmetric a zero point per group (`weight_zero_point`, packed
+along the rows as the weights are along theirs); value = (q - zero) * scale, computed exactly
+(float64) and rounded once to the model's dtype: in float64, transformers' values bit for bit.
 
 GPTQ (quant_method "gptq": AutoGPTQ's and GPTQModel's -GPTQ-Int4 / -Int8 releases) and AWQ
 ("awq": AutoAWQ's -AWQ releases): per `<module>`, unsigned integers packed into int32 words,
@@ -107,14 +108,19 @@ class Dequantizer:
                 )
             except ValueError as e:
                 raise ValueError(f"{module}: {e}") from None
-        if f"{weight}_g_idx" in self.where or f"{weight}_zero_point" in self.where:
-            raise ValueError(f"{weight}: zero points and activation order are not read")
+        if f"{weight}_g_idx" in self.where:
+            raise ValueError(f"{weight}: activation order is not read")
+        scale = get(f"{weight}_scale")
         if stored.endswith("_packed"):
             shape = tuple(int(n) for n in get(f"{weight}_shape"))
             values = unpack_int32(get(stored), self.num_bits, shape)
         else:
             values = get(stored).to(torch.int32)
-        return dequantize_int(values, get(f"{weight}_scale"))
+        zero = get(f"{weight}_zero_point") if f"{weight}_zero_point" in self.where else None
+        if zero is not None and stored.endswith("_packed"):  # packed along the rows
+            rows, groups = values.shape[0], scale.shape[-1] if scale.dim() == 2 else 1
+            zero = unpack_int32(zero.T.contiguous(), self.num_bits, (groups, rows)).T
+        return dequantize_int(values, scale, zero)
 
 
 def _ct_num_bits(folder: Path) -> int | None:
@@ -137,14 +143,20 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int]) ->
     return (values - (1 << (num_bits - 1))).to(torch.int32).reshape(shape)
 
 
-def dequantize_int(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q * scale with one scale per group of columns (or per row), in float64 (exact: the
-    caller rounds it once, to the model's dtype)."""
+def dequantize_int(
+    values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(q - zero) * scale with one scale (and zero point) per group of columns (or per row),
+    in float64 (exact: the caller rounds it once, to the model's dtype)."""
     rows, cols = values.shape
     groups = scale.shape[-1] if scale.dim() == 2 else 1
     if cols % groups:
         raise ValueError(f"a {rows} x {cols} weight cannot take {groups} scale groups a row")
     q = values.to(torch.float64).reshape(rows, groups, cols // groups)
+    if zero is not None:
+        if zero.numel() != rows * groups:
+            raise ValueError(f"{tuple(zero.shape)} zero points for {rows} x {groups} groups")
+        q = q - zero.to(torch.float64).reshape(rows, groups, 1)
     scaled = q * scale.to(torch.float64).reshape(rows, groups, 1)
     return scaled.reshape(rows, cols)
 
