@@ -17,7 +17,7 @@ from conveyor.distributed.parallel import TPGroup, TPShard
 from conveyor.model.config import ModelConfig
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.quant import QuantPlan, plan_quantization
-from conveyor.model.quant.prequantized import Dequantizer
+from conveyor.model.quant.prequantized import Dequantizer, GroupedInts
 
 
 def load_model(
@@ -95,7 +95,8 @@ def iter_weights(
             weights = _gpt_oss_experts(iter_safetensors(cfg.path, cfg.dtype), cut_of)
         else:
             rename = _MIXTRAL_NAMES if family == "mixtral" else None
-            weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename)
+            grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
+            weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped)
         if shard.size > 1 and family == "phi3":
             weights = _unfused(weights, cfg, cut_of)
         yield from weights
@@ -159,11 +160,12 @@ _MIXTRAL_NAMES = (
 
 
 def iter_safetensors(
-    folder: Path, dtype: torch.dtype, slice_of=None, rename=None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    folder: Path, dtype: torch.dtype, slice_of=None, rename=None, grouped=None
+) -> Iterator[tuple[str, Any]]:
     """rename: (old, new) substrings replaced in each name, in order, before it is cut. The
-    weights of a checkpoint quantized by another tool (fp8, compressed-tensors) are
-    dequantized whole, then cut (model/quant/prequantized.py)."""
+    weights of a checkpoint quantized by another tool (fp8, compressed-tensors, GPTQ, AWQ) are
+    dequantized whole, then cut (model/quant/prequantized.py); grouped(name): a GPTQ or AWQ
+    weight of that name comes as it is stored (GroupedInts, uncut: for the QuantPlan)."""
     files = _safetensors_files(folder)
     where = {}
     for file in files:
@@ -180,10 +182,14 @@ def iter_safetensors(
             for stored in f.keys():
                 if dequantizer.skips(stored):
                     continue  # a part of another tensor's weight; no activation scales
-                weight = dequantizer.read(stored, get)
                 name = dequantizer.makes.get(stored, stored)
                 for old, new in rename or ():
                     name = name.replace(old, new)
+                keep = grouped is not None and grouped(name)
+                weight = dequantizer.read(stored, get, grouped=keep)
+                if isinstance(weight, GroupedInts):
+                    yield name, weight
+                    continue
                 cut = None if slice_of is None else slice_of(name)
                 if weight is not None:
                     yield name, (weight if cut is None else _cut(weight, cut)).to(dtype)

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from conveyor import LLM, SamplingParams
 from conveyor.hub import download
 from conveyor.model.loader import iter_safetensors
+from conveyor.model.quant.modules import QuantLinear
 from conveyor.model.quant.prequantized import dequantize_fp8
 
 BLOCK = 16  # the tests' fp8 blocks: several per tiny matrix (real checkpoints: 128 x 128)
@@ -246,9 +247,9 @@ def _awq_pack(values: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_checkpoint(
-    base: Path, target: Path, method: str, bits: int, **options
+    base: Path, target: Path, method: str, bits: int, group: int = 16, **options
 ) -> tuple[Path, dict[str, torch.Tensor]]:
-    """`base`'s projections quantized round-to-nearest in groups of 16 input columns, with a
+    """`base`'s projections quantized round-to-nearest in groups of `group` input columns, with a
     zero point and a float16 scale per group and output (symmetric: zero 2^(bits-1)), packed
     as GPTQ (options: v1 zero points stored minus one, act_order's permuted g_idx) or AWQ
     packs them. Returns the folder and each projection's exact values (float64, (N, K))."""
@@ -256,7 +257,7 @@ def grouped_checkpoint(
     for file in base.iterdir():
         if not file.name.endswith(".safetensors"):
             shutil.copy(file, target / file.name)
-    group, top = 16, 2**bits - 1
+    top = 2**bits - 1
     tensors, values = {}, {}
     for file in sorted(base.glob("*.safetensors")):
         for name, weight in load_file(file).items():
@@ -357,6 +358,32 @@ def test_vllms_quantization_names_take_the_checkpoints_own_method_and_refuse_ano
             LLM(str(path), dtype="float32", quantization=name)
     with pytest.raises(ValueError, match="quantization='awq'.*this checkpoint is not quantized"):
         LLM(str(base), dtype="float32", quantization="awq")
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "served"),
+    [("gptq", {}, "q4"), ("awq", {}, "q4"), ("gptq", {"act_order": True}, "q8")],
+    ids=["gptq", "awq", "gptq-act-order"],
+)
+def test_4bit_groups_of_whole_blocks_are_served_as_q4_blocks(tmp_path, method, options, served):
+    """On the CPU a 4-bit GPTQ or AWQ checkpoint whose groups are runs of 32-input blocks is
+    served on q4 blocks (half the bytes of int8 ones): d is the group's scale bit for bit, m
+    its -zero * scale in float16, so each value is within 2^-11 of that of the stored one;
+    activation order (groups not in runs) takes int8 blocks."""
+    base = make_tiny_checkpoint(tmp_path / "base", "llama")
+    path, exact = grouped_checkpoint(base, tmp_path / "q", method, 4, group=32, **options)
+    llm = LLM(str(path), dtype="float32")
+    layer = llm.engine.runner.model.model.layers[1]
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert isinstance(module, QuantLinear) and module.format == served
+    blocks = layer.mlp.down_proj.weight_blocks
+    stored = exact["model.layers.1.mlp.down_proj"]
+    error = (blocks.dequantize().double() - stored).abs().max()
+    assert (
+        0 < error <= (stored.abs().max() * 2**-10 if served == "q4" else stored.abs().max() / 127)
+    )
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert len(llm.generate(["Hello there"], params)[0].outputs[0].token_ids) == 6
 
 
 def test_a_broken_gptq_module_is_named(tmp_path):

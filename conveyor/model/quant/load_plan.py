@@ -16,6 +16,7 @@ from conveyor.model.quant.formats import QK, BlockWeight, quantize_q8
 from conveyor.model.quant.gguf_blocks import from_gguf_blocks
 from conveyor.model.quant.modules import QuantEmbedding, QuantLinear, merged_linear
 from conveyor.model.quant.ops import int8_route_enabled
+from conveyor.model.quant.prequantized import GroupedInts
 
 # --------------------------------------------------------------------------- loading
 
@@ -68,6 +69,11 @@ class QuantPlan:
         """For the GGUF reader: leave this tensor in its blocks."""
         return self.mode == "gguf" and hf_name in self._routes
 
+    def keep_grouped(self, hf_name: str) -> bool:
+        """For the safetensors reader: a GPTQ or AWQ weight of this name comes as it is stored
+        (its 4-bit groups become q4 blocks where they map onto them)."""
+        return hf_name in self._routes
+
     def strip(self, model: nn.Module) -> None:
         for name in self.specs:
             model.set_submodule(name, _Pending())
@@ -90,6 +96,8 @@ class QuantPlan:
             if missing:
                 raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:5])}")
             shards = [spec.shards[i] for i in range(len(spec.checkpoint_names))]
+            if len({shard.format for shard in shards}) > 1:  # a merged matrix has one format
+                shards = [s if s.format == "q8" else quantize_q8(s.dequantize()) for s in shards]
             if spec.embedding:
                 model.set_submodule(name, QuantEmbedding(shards[0], self.dtype))
                 continue
@@ -108,6 +116,8 @@ class QuantPlan:
     def _to_blocks(self, tensor) -> BlockWeight:
         if isinstance(tensor, torch.Tensor):  # a float checkpoint (or a dequantized GGUF)
             return quantize_q8(tensor)
+        if isinstance(tensor, GroupedInts):  # GPTQ's or AWQ's integers
+            return tensor.q4_blocks() or quantize_q8(tensor.dequantize())
         weight = from_gguf_blocks(tensor.qtype.name, tensor.data, tuple(tensor.shape))
         return weight if tensor.row_order is None else weight.rows(tensor.row_order)
 

@@ -32,11 +32,13 @@ of are consumed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from conveyor.config import quantization_config
+from conveyor.model.quant.formats import QK, BlockWeight
 
 # An fp8 checkpoint's per-tensor activation scales: its activations are computed in float.
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
@@ -77,6 +79,22 @@ class Dequantizer:
                 self.makes[name] = f"{module}.weight"
                 self.consumed |= {f"{module}.{part}" for part in _GROUPED_PARTS} & where.keys()
 
+    def _grouped(self, module: str, get: Callable[[str], torch.Tensor]) -> GroupedInts:
+        parts = {
+            part: get(f"{module}.{part}") if f"{module}.{part}" in self.where else None
+            for part in _GROUPED_PARTS
+        }
+        if parts["scales"] is None:
+            raise ValueError(f"{module}: a qweight without its scales")
+        try:
+            if self.grouped == "awq":
+                return read_awq(get(f"{module}.qweight"), parts["scales"], parts["qzeros"])
+            return read_gptq(
+                get(f"{module}.qweight"), bits=self.bits, zero_offset=self.zero_offset, **parts
+            )
+        except ValueError as e:
+            raise ValueError(f"{module}: {e}") from None
+
     def _compressed(self, stored: str, weight: str) -> None:
         self.makes[stored] = weight
         self.consumed |= {f"{weight}_{part}" for part in _CT_PARTS} & self.where.keys()
@@ -84,30 +102,20 @@ class Dequantizer:
     def skips(self, stored: str) -> bool:
         return stored in self.consumed or stored.endswith(_ACTIVATION_SCALES)
 
-    def read(self, stored: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+    def read(
+        self, stored: str, get: Callable[[str], torch.Tensor], grouped: bool = False
+    ) -> torch.Tensor | GroupedInts | None:
         """The weight `stored` makes, dequantized (None: it is read as it is). get: a tensor
-        by name, from whichever file holds it."""
+        by name, from whichever file holds it. grouped: a GPTQ or AWQ weight as it is stored
+        (GroupedInts, for a quantized module), not dequantized."""
         weight = self.makes.get(stored)
         if weight is None:
             return None
         if f"{weight}_scale_inv" in self.where:
             return dequantize_fp8(get(weight), get(f"{weight}_scale_inv"))
         if self.grouped and stored.endswith(".qweight"):
-            module = stored.removesuffix(".qweight")
-            parts = {
-                part: get(f"{module}.{part}") if f"{module}.{part}" in self.where else None
-                for part in _GROUPED_PARTS
-            }
-            if parts["scales"] is None:
-                raise ValueError(f"{module}: a qweight without its scales")
-            try:
-                if self.grouped == "awq":
-                    return dequantize_awq(get(stored), parts["scales"], parts["qzeros"])
-                return dequantize_gptq(
-                    get(stored), bits=self.bits, zero_offset=self.zero_offset, **parts
-                )
-            except ValueError as e:
-                raise ValueError(f"{module}: {e}") from None
+            ints = self._grouped(stored.removesuffix(".qweight"), get)
+            return ints if grouped else ints.dequantize()
         if f"{weight}_g_idx" in self.where:
             raise ValueError(f"{weight}: activation order is not read")
         scale = get(f"{weight}_scale")
@@ -177,16 +185,57 @@ def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(rows, cols * per_word)
 
 
-def dequantize_grouped(
-    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: torch.Tensor
-) -> torch.Tensor:
-    """The (N, K) weight of the integers q (K, N): (q[k, n] - zeros[g, n]) * scales[g, n], g =
-    group[k]; float64, exact (the caller rounds it once)."""
-    if group.numel() and (int(group.min()) < 0 or int(group.max()) >= scales.shape[0]):
-        raise ValueError(f"a group index outside the {scales.shape[0]} groups of its scales")
-    rows = group.long()
-    centred = (q - zeros[rows]).to(torch.float64)
-    return (centred * scales.to(torch.float64)[rows]).T.contiguous()
+@dataclass(frozen=True)
+class GroupedInts:
+    """A GPTQ or AWQ module's weight as stored: value[n, k] = (q[k, n] - zeros[g, n]) *
+    scales[g, n], g = group[k]."""
+
+    q: torch.Tensor  # uint8 (K, N), unsigned
+    zeros: torch.Tensor  # int64 (G, N)
+    scales: torch.Tensor  # (G, N), as stored (float16 mostly)
+    group: torch.Tensor  # int64 (K,)
+    bits: int
+
+    def __post_init__(self) -> None:
+        num_groups = self.scales.shape[0]
+        if self.zeros.shape != self.scales.shape:
+            raise ValueError(
+                f"zero points {tuple(self.zeros.shape)} against scales {tuple(self.scales.shape)}"
+            )
+        if self.group.numel() != self.q.shape[0]:
+            raise ValueError(f"{self.group.numel()} group indices for {self.q.shape[0]} inputs")
+        if self.group.numel() and (
+            int(self.group.min()) < 0 or int(self.group.max()) >= num_groups
+        ):
+            raise ValueError(f"a group index outside the {num_groups} groups of its scales")
+
+    def dequantize(self) -> torch.Tensor:
+        """The (N, K) weight in float64, exact (the caller rounds it once)."""
+        centred = (self.q.long() - self.zeros[self.group]).to(torch.float64)
+        return (centred * self.scales.to(torch.float64)[self.group]).T.contiguous()
+
+    def q4_blocks(self) -> BlockWeight | None:
+        """The weight as q4 blocks (value = q * d + m a block of 32 inputs) where each block's
+        inputs share a group (groups of whole blocks, as 128 makes them; activation order
+        mostly does not) and the scales are float16 values: d = the scale bit for bit, m =
+        -zero * scale rounded to float16 (within 2^-11 of it: closer to the stored values
+        than int8 blocks' ~2^-8); None where they cannot hold it."""
+        num_inputs, num_outputs = self.q.shape
+        if self.bits != 4 or num_inputs % QK:
+            return None
+        block_groups = self.group.view(-1, QK)
+        if not torch.equal(block_groups, block_groups[:, :1].expand_as(block_groups)):
+            return None
+        d = self.scales.to(torch.float16)
+        m = (-self.zeros.to(torch.float64) * self.scales.to(torch.float64)).to(torch.float16)
+        if not torch.equal(d.to(self.scales.dtype), self.scales) or not m.isfinite().all():
+            return None
+        of_block = block_groups[:, 0]
+        d, m = d[of_block].T.contiguous(), m[of_block].T.contiguous()  # (N, K / 32)
+        q = self.q.T.reshape(num_outputs, num_inputs // QK, QK)
+        packed = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)  # low nibbles first
+        qs = packed.reshape(num_outputs, -1)
+        return BlockWeight("q4", qs, d.view(torch.int16), m.view(torch.int16))
 
 
 def _groups(num_inputs: int, num_groups: int) -> torch.Tensor:
@@ -196,16 +245,14 @@ def _groups(num_inputs: int, num_groups: int) -> torch.Tensor:
     return torch.arange(num_inputs) // (num_inputs // num_groups)
 
 
-def _bits_of(packed: int, values: int, fallback) -> int:
+def _bits_of(packed: int, values: int) -> int:
     """The bits per value of `values` integers packed into `packed` int32 words."""
     if values and (packed * 32) % values == 0 and (packed * 32) // values in (2, 4, 8):
         return (packed * 32) // values
-    if fallback is None:
-        raise ValueError(f"{packed} words cannot hold {values} values of 2, 4 or 8 bits")
-    return fallback
+    raise ValueError(f"{packed} words cannot hold {values} values of 2, 4 or 8 bits")
 
 
-def dequantize_gptq(
+def read_gptq(
     qweight: torch.Tensor,
     *,
     scales: torch.Tensor,
@@ -213,52 +260,43 @@ def dequantize_gptq(
     g_idx: torch.Tensor | None,
     bits: int | None,
     zero_offset: int,
-) -> torch.Tensor:
-    """A GPTQ module's (N, K) weight, float64: qweight (K * bits / 32, N) packed along the
-    inputs, qzeros (G, N * bits / 32) along the outputs (each + zero_offset), scales (G, N),
-    g_idx (K,) the groups (None: K in G equal groups). The bits come from g_idx's length
-    where it is stored (a per-module override), else from the config."""
+) -> GroupedInts:
+    """A GPTQ module's weight: qweight (K * bits / 32, N) packed along the inputs, qzeros (G,
+    N * bits / 32) along the outputs (each + zero_offset), scales (G, N), g_idx (K,) the
+    groups (None: K in G equal groups). The bits come from g_idx's length where it is stored
+    (a per-module override), else from the config."""
     num_outputs = scales.shape[-1]
     if qweight.shape[-1] != num_outputs:
         raise ValueError(f"qweight {tuple(qweight.shape)} against scales {tuple(scales.shape)}")
     if g_idx is not None:
-        bits = _bits_of(qweight.shape[0], g_idx.numel(), None)
+        bits = _bits_of(qweight.shape[0], g_idx.numel())
     if bits is None:
         raise ValueError("no bits in the quantization_config")
-    q = unpack_words(qweight, bits, 0)
-    group = g_idx if g_idx is not None else _groups(q.shape[0], scales.shape[0])
-    if group.numel() != q.shape[0]:
-        raise ValueError(f"g_idx has {group.numel()} entries for {q.shape[0]} input columns")
+    q = unpack_words(qweight, bits, 0).to(torch.uint8)
+    group = g_idx.long() if g_idx is not None else _groups(q.shape[0], scales.shape[0])
     if qzeros is None:
         zeros = torch.full(scales.shape, 1 << (bits - 1), dtype=torch.int64)
     else:
         zeros = unpack_words(qzeros, bits, 1)[:, :num_outputs] + zero_offset
-    if zeros.shape != scales.shape:
-        raise ValueError(f"qzeros {tuple(qzeros.shape)} against scales {tuple(scales.shape)}")
-    return dequantize_grouped(q, zeros, scales, group)
+    return GroupedInts(q, zeros, scales, group, bits)
 
 
-def dequantize_awq(
+def read_awq(
     qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None
-) -> torch.Tensor:
-    """An AWQ module's (N, K) weight, float64: qweight (K, N / 8) and qzeros (G, N / 8) packed
-    along the outputs in AWQ's order, scales (G, N), K in G equal groups."""
+) -> GroupedInts:
+    """An AWQ module's weight: qweight (K, N / 8) and qzeros (G, N / 8) packed along the
+    outputs in AWQ's order, scales (G, N), K in G equal groups."""
     num_outputs = scales.shape[-1]
-    if _bits_of(qweight.shape[-1], num_outputs, None) != 4:
+    if _bits_of(qweight.shape[-1], num_outputs) != 4:
         raise ValueError(f"qweight {tuple(qweight.shape)} is not 4-bit for {num_outputs} outputs")
 
     def unpack(words: torch.Tensor) -> torch.Tensor:
         values = unpack_words(words, 4, 1)
         return values.reshape(values.shape[0], -1, 8)[:, :, _AWQ_COLUMNS].reshape(values.shape)
 
-    q = unpack(qweight)
-    if qzeros is None:
-        zeros = torch.full(scales.shape, 8, dtype=torch.int64)
-    else:
-        zeros = unpack(qzeros)
-    if zeros.shape != scales.shape:
-        raise ValueError(f"qzeros {tuple(qzeros.shape)} against scales {tuple(scales.shape)}")
-    return dequantize_grouped(q, zeros, scales, _groups(q.shape[0], scales.shape[0]))
+    q = unpack(qweight).to(torch.uint8)
+    zeros = torch.full(scales.shape, 8, dtype=torch.int64) if qzeros is None else unpack(qzeros)
+    return GroupedInts(q, zeros, scales, _groups(q.shape[0], scales.shape[0]), 4)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
