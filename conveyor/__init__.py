@@ -2,7 +2,14 @@
 
 from conveyor.engine_args import EngineArgs
 from conveyor.entrypoints.beam_search import BeamSearchParams
-from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
+from conveyor.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
+from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.params import StructuredOutputs
 
@@ -16,7 +23,10 @@ __all__ = [
     "StructuredOutputs",
     "RequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
+    "PoolingParams",
 ]
 __version__ = "0.1.0"
 

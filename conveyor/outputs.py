@@ -203,6 +203,28 @@ class RequestOutput:
     embedding: list[float] | None = None  # SamplingParams.pooling: set on the final output
 
 
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding (LLM.embed)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's: what LLM.embed returns for each prompt, in the prompts' order."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
 class StepInputs(NamedTuple):
     """One step's model inputs, as arrays: all that every tensor-parallel rank needs to run
     its share of the forward (the step description rank 0 sends the others)."""

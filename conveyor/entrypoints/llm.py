@@ -26,7 +26,13 @@ from conveyor.entrypoints.pipeline import (
     tokenized,
 )
 from conveyor.lora.request import LoRARequest
-from conveyor.outputs import OutputKind, RequestOutput
+from conveyor.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    OutputKind,
+    RequestOutput,
+)
+from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.tools import MAX_DEPTH
 
@@ -186,12 +192,42 @@ class LLM:
         ]
 
     def embed(
-        self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", use_tqdm: bool = True
-    ) -> list[list[float]]:
-        """The normalized final hidden state of each prompt's last token ("last") or its mean
-        over the prompt's tokens ("mean"); prompts are scheduled as any prompt is."""
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
+        tokenization_kwargs: dict | None = None,
+        pooling: str = "last",
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding (`out.outputs.embedding`), the normalized final
+        hidden state of its last token (pooling "last") or its mean over the prompt's tokens
+        ("mean"); prompts are scheduled as any prompt is. pooling_params: PoolingParams (one,
+        or one a prompt)."""
+        if tokenization_kwargs:
+            raise ValueError(
+                "tokenization_kwargs are not taken: prompts are tokenized as the model's "
+                "tokenizer does (pass token ids for another tokenization)"
+            )
+        if pooling_params is not None:
+            each = [pooling_params] if isinstance(pooling_params, PoolingParams) else pooling_params
+            for one in each:
+                if not isinstance(one, PoolingParams):
+                    raise ValueError(f"pooling_params must be PoolingParams, got {one!r}")
+                one.check(self.engine.model_config.hidden_size)
         params = SamplingParams(max_tokens=0, pooling=pooling)
-        return [out.embedding for out in self.generate(prompts, params, use_tqdm)]
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        return [
+            EmbeddingRequestOutput(
+                out.request_id,
+                EmbeddingOutput(out.embedding),
+                out.prompt_token_ids,
+                out.num_cached_tokens,
+                out.finished,
+            )
+            for out in outputs
+        ]
 
     def chat(
         self,

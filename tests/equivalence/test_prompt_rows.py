@@ -112,7 +112,8 @@ def test_embeddings_match_transformers_in_any_chunking(case, pooling):
         outputs = llm.generate(prompts + prompts[:2], [params] * len(prompts) + [generating] * 2)
         by_budget[budget] = [out.embedding for out in outputs[: len(prompts)]]
         assert all(out.embedding is None for out in outputs[len(prompts) :])
-        assert llm.embed(prompts[:2], pooling, use_tqdm=False) == by_budget[budget][:2]
+        embedded = llm.embed(prompts[:2], pooling=pooling, use_tqdm=False)
+        assert [out.outputs.embedding for out in embedded] == by_budget[budget][:2]
     for prompt, got in zip(prompts, by_budget[16], strict=True):
         want = hf_embedding(model, prompt, pooling)
         assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, atol=1e-9)

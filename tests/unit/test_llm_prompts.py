@@ -6,6 +6,7 @@ markers seen even when the tokenizer makes them special tokens)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import DEVICE_KWARGS
 from tiny import MARKER_SPECIALS, make_scripted_checkpoint, thinking_script
 
@@ -31,7 +32,34 @@ def test_prompt_dicts_generate_as_their_text_or_ids(llm):
     assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
     (one,) = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
     assert one.prompt_token_ids == ids
-    assert len(llm.embed([{"prompt": "Paris"}], use_tqdm=False)[0]) > 0
+    (embedded,) = llm.embed([{"prompt": "Paris"}], use_tqdm=False)
+    assert embedded.prompt_token_ids == ids and embedded.finished
+    assert embedded.outputs.hidden_size == llm.engine.model_config.hidden_size
+
+
+def test_embed_answers_as_vllms_llm_embed(llm):
+    """vLLM's shape: EmbeddingRequestOutput(request_id, outputs=EmbeddingOutput(embedding),
+    prompt_token_ids, ...) per prompt, in order; PoolingParams(dimensions=...) checked against
+    the model's hidden size, as vLLM checks it for a model not trained to shorten them."""
+    from conveyor import EmbeddingRequestOutput, PoolingParams
+
+    hidden = llm.engine.model_config.hidden_size
+    outs = llm.embed(["Paris", "Rome is"], use_tqdm=False, pooling_params=PoolingParams())
+    assert all(isinstance(out, EmbeddingRequestOutput) for out in outs)
+    assert [out.prompt_token_ids for out in outs] == [
+        llm.get_tokenizer().encode(p) for p in ("Paris", "Rome is")
+    ]
+    vectors = [torch.tensor(out.outputs.embedding, dtype=torch.float64) for out in outs]
+    assert all(v.numel() == hidden and abs(float(v.norm()) - 1) < 1e-9 for v in vectors)
+    assert not torch.equal(vectors[0], vectors[1]) and outs[0].request_id != outs[1].request_id
+    same = llm.embed("Paris", use_tqdm=False, pooling_params=PoolingParams(dimensions=hidden))
+    assert same[0].outputs.embedding == outs[0].outputs.embedding
+    with pytest.raises(ValueError, match=f"have {hidden} dimensions and cannot be shortened"):
+        llm.embed("Paris", use_tqdm=False, pooling_params=PoolingParams(dimensions=hidden - 1))
+    with pytest.raises(ValueError, match="use_activation=False: conveyor's embeddings are"):
+        PoolingParams(use_activation=False)
+    with pytest.raises(ValueError, match="tokenization_kwargs are not taken"):
+        llm.embed("Paris", use_tqdm=False, tokenization_kwargs={"truncation": True})
 
 
 @pytest.mark.parametrize(

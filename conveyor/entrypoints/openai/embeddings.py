@@ -27,6 +27,7 @@ from conveyor.entrypoints.openai.protocol import HintText, InvalidParam, Request
 from conveyor.entrypoints.openai.serving import OpenAIServing, reply_id
 from conveyor.entrypoints.runner import header_request_id, until_disconnected
 from conveyor.limits import RequestLimits
+from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
 
 
@@ -67,12 +68,10 @@ async def embed(
     """The embeddings of every input, in order (all inputs are accepted, or none). A client
     that goes away first has its inputs aborted, as every generating route's (a 499)."""
     request.check_limits(serving.limits)
-    if request.dimensions is not None and request.dimensions != hidden_size:
-        raise InvalidParam(
-            f"dimensions: this model's embeddings have {hidden_size} dimensions and cannot be "
-            f"shortened (it was not trained for that), got {request.dimensions}",
-            "dimensions",
-        )
+    try:
+        PoolingParams(dimensions=request.dimensions).check(hidden_size)
+    except ValueError as e:
+        raise InvalidParam(str(e), "dimensions") from None
     prompts = await serving.off_loop(
         serving.completion_prompts,
         request.input,
