@@ -6,7 +6,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedTokenizerFast,
+)
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -93,7 +98,31 @@ FAMILIES = {
                              truncate=False, original_max_position_embeddings=64,
                              rope_theta=10000.0),
     ),
+    # Multimodal checkpoints served text-only: the language model inside (text_config) is
+    # one of the families; a tiny vision tower and projector beside it are not read.
+    "gemma3-vlm": dict(
+        model_type="gemma3", mm_tokens_per_image=4,
+        text_config=dict(
+            model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+            rope_local_base_freq=100.0, layer_types=["sliding_attention", "full_attention"],
+        ),
+        vision_config=dict(model_type="siglip_vision_model", image_size=28, patch_size=14),
+    ),
+    "mistral3-vlm": dict(
+        model_type="mistral3", tie_word_embeddings=False,
+        text_config=dict(model_type="mistral", sliding_window=None, tie_word_embeddings=False),
+        vision_config=dict(model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
+    ),
+    "llava": dict(
+        model_type="llava",
+        text_config=dict(model_type="llama"),
+        vision_config=dict(
+            model_type="clip_vision_model", image_size=28, patch_size=14, projection_dim=32
+        ),
+    ),
 }  # fmt: skip
+# A tiny vision tower's sizes (the multimodal FAMILIES').
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
@@ -150,7 +179,26 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         kwargs.update(tie_word_embeddings=True)
     kwargs.update(overrides)
     model_type = kwargs.pop("model_type")
+    if "text_config" in kwargs:  # a multimodal checkpoint: the sizes are its language model's
+        outer = {
+            k: kwargs.pop(k)
+            for k in ("text_config", "vision_config", "mm_tokens_per_image")
+            if k in kwargs
+        }
+        outer["text_config"] = {**kwargs, **outer["text_config"]}
+        outer["vision_config"] = {**TINY_VISION, **outer["vision_config"]}
+        for key in ("tie_word_embeddings", "eos_token_id", "pad_token_id"):
+            outer[key] = outer["text_config"][key]
+        return AutoConfig.for_model(model_type, **outer)
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def auto_class(config):
+    """transformers' class for a tiny config: a causal LM, or an image-text-to-text model for
+    a multimodal one (Gemma 3's is both)."""
+    if hasattr(config, "text_config"):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def make_tiny_checkpoint(
@@ -161,7 +209,7 @@ def make_tiny_checkpoint(
     vocab_size = overrides.pop("vocab_size", len(tokenizer))  # more: a padded vocabulary
     config = tiny_config(arch, vocab_size, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    model = auto_class(config).from_config(config, dtype=torch.float64)
     if arch in FAMILIES:  # norms away from their initial 1 (or Gemma's 0): each one counts
         with torch.no_grad():
             for name, param in model.named_parameters():

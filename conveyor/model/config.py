@@ -77,6 +77,9 @@ class ModelConfig:
     # The Hugging Face Hub id the model was named by (conveyor/hub.py: `path` is its download
     # in the cache); None for a local path.
     hub_id: str | None = None
+    # A multimodal checkpoint served text-only (MULTIMODAL_TEXT_ONLY): its architecture; the
+    # language model's weights are read under the text model's names, the rest is not read.
+    text_of: str | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -166,6 +169,7 @@ class ModelConfig:
             batch_invariant=bool(batch_invariant),
             parts=parts,
             hub_id=None if model is None or _local(model) is not None else str(model),
+            text_of=facts.get("text_of"),
         )
 
 
@@ -240,8 +244,58 @@ def hf_config(folder: Path, hf_overrides: dict[str, Any] | None = None):
         raise ValueError(f"hf_overrides: the overridden config is not valid: {reason}") from None
 
 
+# Multimodal checkpoints whose language model is a family conveyor computes: served text-only
+# (their vision tower and projector are not read; a request with an image is refused, as any
+# multimodal field is), as Gemma 3 (4B and up), Mistral Small 3.1 / 3.2 and LLaVA ship.
+MULTIMODAL_TEXT_ONLY = (
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "LlavaForConditionalGeneration",
+)
+
+
+def _language_model(hf, folder: Path):
+    """The text config of a MULTIMODAL_TEXT_ONLY checkpoint's config, as a causal LM's: its
+    architecture the text model type's, its lm_head tied where the checkpoint stores none (as
+    transformers ties it), its dtype the checkpoint's."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    text = hf.get_text_config()
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.model_type)
+    if causal is None:
+        raise ValueError(
+            f"{hf.architectures}: its language model {text.model_type!r} is no causal LM"
+        )
+    text.architectures = [causal]
+    text.tie_word_embeddings = not any(
+        name.endswith("lm_head.weight") for name in stored_tensor_names(folder)
+    )
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(hf, "dtype", None)
+    if getattr(text, "eos_token_id", None) is None:
+        text.eos_token_id = getattr(hf, "eos_token_id", None)
+    return text
+
+
+def stored_tensor_names(folder: Path) -> list[str]:
+    """The tensor names of a safetensors checkpoint folder: its index's, or its files'."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    names = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dict:
     hf = hf_config(folder, hf_overrides)
+    wrapper = next((n for n in hf.architectures or () if n in MULTIMODAL_TEXT_ONLY), None)
+    if wrapper is not None:
+        hf = _language_model(hf, folder)
     arch = architecture(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
@@ -269,6 +323,7 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "rope_inv_freq": list(rope_inv_freq),
         "rope_scaling": rope_scaling,
         "parts": parts.to_dict(),
+        "text_of": wrapper,
     }
 
 
@@ -325,13 +380,27 @@ def load_tokenizer(cfg: ModelConfig):
 
     chosen = cached("tokenizer", folder, resolve)
     if loaded:
-        return loaded[0]
+        return _processor_chat_template(loaded[0], folder)
     cls = _tokenizer_class(chosen)
     if cls is None:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(folder)
-    return cls.from_pretrained(folder)
+        return _processor_chat_template(AutoTokenizer.from_pretrained(folder), folder)
+    return _processor_chat_template(cls.from_pretrained(folder), folder)
+
+
+def _processor_chat_template(tokenizer, folder: Path):
+    """A multimodal checkpoint may keep its chat template in its processor's file
+    (chat_template.json) and none in the tokenizer's: the tokenizer takes that one."""
+    path = folder / "chat_template.json"
+    if getattr(tokenizer, "chat_template", None) is None and path.is_file():
+        try:
+            template = json.loads(path.read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            template = None
+        if isinstance(template, str):
+            tokenizer.chat_template = template
+    return tokenizer
 
 
 def _tokenizer_class(chosen: dict) -> type | None:
