@@ -120,6 +120,28 @@ FAMILIES = {
             model_type="clip_vision_model", image_size=28, patch_size=14, projection_dim=32
         ),
     ),
+    "qwen2_5-vl": dict(  # q/k/v bias; multimodal RoPE sections (one position on text)
+        model_type="qwen2_5_vl",
+        text_config=dict(
+            model_type="qwen2_5_vl_text", use_sliding_window=False,
+            rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3]),
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            fullatt_block_indexes=[0],
+        ),
+    ),
+    "qwen3-vl": dict(  # q/k norms; interleaved multimodal RoPE
+        model_type="qwen3_vl",
+        text_config=dict(
+            model_type="qwen3_vl_text", head_dim=16,
+            rope_scaling=dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True),
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            deepstack_visual_indexes=[0],
+        ),
+    ),
 }  # fmt: skip
 # A tiny vision tower's sizes (the multimodal FAMILIES').
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)

@@ -246,12 +246,23 @@ def hf_config(folder: Path, hf_overrides: dict[str, Any] | None = None):
 
 # Multimodal checkpoints whose language model is a family conveyor computes: served text-only
 # (their vision tower and projector are not read; a request with an image is refused, as any
-# multimodal field is), as Gemma 3 (4B and up), Mistral Small 3.1 / 3.2 and LLaVA ship.
+# multimodal field is), as Gemma 3 (4B and up), Mistral Small 3.1 / 3.2, LLaVA, Qwen2-VL,
+# Qwen2.5-VL and Qwen3-VL ship. The Qwen VLs' multimodal RoPE gives a text token the same
+# position on its three axes: on text it is the 1-D RoPE of their text model's family.
 MULTIMODAL_TEXT_ONLY = (
     "Gemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
 )
+# Text model types with no causal-LM class of their own -> the family's class they compute as.
+_TEXT_MODEL_CLASSES = {
+    "qwen2_vl_text": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
+    "qwen3_vl_text": "Qwen3ForCausalLM",
+}
 
 
 def _language_model(hf, folder: Path):
@@ -261,7 +272,9 @@ def _language_model(hf, folder: Path):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     text = hf.get_text_config()
-    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.model_type)
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.model_type) or _TEXT_MODEL_CLASSES.get(
+        text.model_type
+    )
     if causal is None:
         raise ValueError(
             f"{hf.architectures}: its language model {text.model_type!r} is no causal LM"

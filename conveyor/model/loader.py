@@ -95,11 +95,11 @@ def iter_weights(
             weights = _gpt_oss_experts(iter_safetensors(cfg.path, cfg.dtype), cut_of)
         else:
             rename = _MIXTRAL_NAMES if family == "mixtral" else None
-            only = None
+            skip = None
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
-                rename, only = _LANGUAGE_MODEL_NAMES, _LANGUAGE_MODEL_PREFIXES
+                rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL
             grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
-            weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, only)
+            weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, skip)
         if shard.size > 1 and family == "phi3":
             weights = _unfused(weights, cfg, cut_of)
         yield from weights
@@ -162,9 +162,16 @@ _MIXTRAL_NAMES = (
 )
 
 
-# A multimodal checkpoint's language model: its tensors (transformers' saved layout and its
-# in-memory one), under the text model's names; no other tensor is read.
-_LANGUAGE_MODEL_PREFIXES = ("language_model.", "model.language_model.", "lm_head.")
+# A multimodal checkpoint's language model: its tensors (transformers' saved layouts and its
+# in-memory one) under the text model's names; its vision tower and projector are not read.
+_NOT_LANGUAGE_MODEL = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "visual.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "model.visual.",
+)
 _LANGUAGE_MODEL_NAMES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
@@ -173,9 +180,9 @@ _LANGUAGE_MODEL_NAMES = (
 
 
 def iter_safetensors(
-    folder: Path, dtype: torch.dtype, slice_of=None, rename=None, grouped=None, only=None
+    folder: Path, dtype: torch.dtype, slice_of=None, rename=None, grouped=None, skip=None
 ) -> Iterator[tuple[str, Any]]:
-    """only: the prefixes of the stored names read (None: all of them).
+    """skip: prefixes of stored names that are not read.
     rename: (old, new) substrings replaced in each name, in order, before it is cut. The
     weights of a checkpoint quantized by another tool (fp8, compressed-tensors, GPTQ, AWQ) are
     dequantized whole, then cut (model/quant/prequantized.py); grouped(name): a GPTQ or AWQ
@@ -194,7 +201,7 @@ def iter_safetensors(
     for file in files:
         with safe_open(file, framework="pt") as f:
             for stored in f.keys():
-                if dequantizer.skips(stored) or (only and not stored.startswith(only)):
+                if dequantizer.skips(stored) or (skip and stored.startswith(skip)):
                     continue  # a part of another tensor's weight; no activation scales
                 name = dequantizer.makes.get(stored, stored)
                 for old, new in rename or ():
