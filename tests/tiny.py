@@ -131,6 +131,14 @@ FAMILIES = {
             fullatt_block_indexes=[0],
         ),
     ),
+    "qwen2-vl": dict(
+        model_type="qwen2_vl",
+        text_config=dict(
+            model_type="qwen2_vl_text", use_sliding_window=False,
+            rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3]),
+        ),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+    ),
     "qwen3-vl": dict(  # q/k norms; interleaved multimodal RoPE
         model_type="qwen3_vl",
         text_config=dict(
