@@ -32,6 +32,7 @@ GGUF_ARCHS = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
@@ -49,7 +50,7 @@ EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
 PERMUTED_QK = ("llama", "granite", "smollm3")
-NORM_PLUS_ONE = ("gemma2", "gemma3")  # Gemma's converters store a norm weight w as 1 + w
+NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")  # Gemma's converters store a norm weight w as 1 + w
 QTYPES = {
     "F32": gguf.GGMLQuantizationType.F32,
     "F16": gguf.GGMLQuantizationType.F16,
@@ -152,7 +153,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     rope = _rope(config)
-    if arch != "gemma2":  # Gemma2Model writes no base: llama.cpp's default 10000 holds
+    if arch not in ("gemma", "gemma2"):  # GemmaModel and Gemma2Model write no base: 10000
         writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE:
@@ -223,7 +224,10 @@ def check_expressible(config, arch: str) -> None:
     module docstring): its GGUF would be another model."""
     layers = range(config.num_hidden_layers)
     expected: dict[str, object] = {}
-    if arch in NORM_PLUS_ONE:
+    if arch == "gemma":  # GemmaModel drops lm_head.weight and writes no RoPE base
+        expected["tie_word_embeddings"] = True
+        expected["rope_theta"] = 10000.0
+    elif arch in NORM_PLUS_ONE:
         big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]
         scalar = config.hidden_size // config.num_attention_heads if big else _head_dim(config)
         expected["query_pre_attn_scalar"] = scalar

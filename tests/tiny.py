@@ -50,6 +50,10 @@ FAMILIES = {
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True,
         sliding_window=9, max_window_layers=1, tie_word_embeddings=True,
     ),
+    "gemma": dict(
+        architectures=["GemmaForCausalLM"], model_type="gemma", head_dim=16,
+        hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+    ),
     "gemma2": dict(
         architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=16,
         query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=5.0,

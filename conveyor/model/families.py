@@ -169,17 +169,23 @@ def _windows(hf, family: str, num_layers: int) -> tuple[int, ...]:
     return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
-def _gemma(hf, head_dim: int, local_rope: Callable) -> dict:
-    # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the model dtype.
-    embed_scale = struct.unpack("f", struct.pack("f", hf.hidden_size**0.5))[0]
+def _gemma1(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Gemma: Llama's two norms scaling by 1 + w, GeGLU, the embedding scaled by sqrt(hidden)."""
     return dict(
-        norms=SANDWICH_NORMS,
         norm_offset=True,
         act=_activation(getattr(hf, "hidden_activation", None) or hf.hidden_act),
+        # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the model dtype.
+        embed_scale=struct.unpack("f", struct.pack("f", hf.hidden_size**0.5))[0],
+    )
+
+
+def _gemma(hf, head_dim: int, local_rope: Callable) -> dict:
+    return dict(
+        _gemma1(hf, head_dim, local_rope),
+        norms=SANDWICH_NORMS,
         attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
         attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
         final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
-        embed_scale=embed_scale,
     )
 
 
@@ -268,6 +274,7 @@ _MOE = {
 _BUILDERS = {
     "qwen3": lambda hf, head_dim, local_rope: dict(qk_norm="head"),
     "qwen3_moe": lambda hf, head_dim, local_rope: dict(qk_norm="head"),
+    "gemma": _gemma1,
     "gemma2": _gemma,
     "gemma3": _gemma3,
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
@@ -285,7 +292,7 @@ def _activation(name: str) -> str:
 def _refuse_unsupported(hf, family: str) -> None:
     """Settings inside a supported family that conveyor does not compute: refused by name."""
     act = getattr(hf, "hidden_act", None) or "silu"
-    if family not in ("gemma2", "gemma3"):
+    if family not in ("gemma", "gemma2", "gemma3"):
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} for {family}; supported: 'silu'")
     params = getattr(hf, "rope_parameters", None) or {}

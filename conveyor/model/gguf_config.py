@@ -27,6 +27,7 @@ from typing import Any
 
 # HF model_type and class of each llama.cpp architecture handled here.
 FAMILIES = {
+    "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
@@ -242,6 +243,7 @@ def _smollm3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
 
 
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
+    "gemma": lambda metadata, config: config.update(hidden_act="gelu_pytorch_tanh"),
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "phi3": _phi3,

@@ -48,7 +48,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *FAMILIES)
 # Architectures whose llama.cpp converter derives from its llama one, which permutes Q/K rows.
 _PERMUTED_QK = ("llama", "granite", "smollm3")
 # Gemma's norms scale by 1 + w; llama.cpp stores 1 + w.
-_NORM_PLUS_ONE = ("gemma2", "gemma3")
+_NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 
 # GGUF name -> HF name for tensors outside the decoder layers.
 _GLOBAL_NAMES = {

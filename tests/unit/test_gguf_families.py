@@ -32,6 +32,7 @@ from conveyor.model.quant import from_gguf_blocks
 # Gemma 3 slides on all layers but every sixth, its local RoPE base is 10000 (the global one
 # differs, so that each table counts); SmolLM3 drops RoPE on every fourth layer.
 GGUF_FAMILIES = {
+    "gemma": dict(tie_word_embeddings=True),
     "gemma2": dict(query_pre_attn_scalar=16, tie_word_embeddings=True),
     "gemma3": dict(num_hidden_layers=6, layer_types=None, rope_theta=1e6, rope_local_base_freq=1e4),
     "phi3": {},
