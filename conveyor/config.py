@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "GlmForCausalLM": "glm",
+    "Glm4ForCausalLM": "glm4",
     "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",

@@ -199,7 +199,8 @@ def _gemma3_hparams(writer: gguf.GGUFWriter, config) -> None:
 
 def _phi3_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
-    writer.add_rope_dimension_count(_head_dim(config))
+    partial = _rope(config).get("partial_rotary_factor", 1.0)  # llama.cpp's n_rot
+    writer.add_rope_dimension_count(int(_head_dim(config) * partial))
     writer.add_sliding_window(config.sliding_window or 0)
 
 

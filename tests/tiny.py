@@ -69,6 +69,16 @@ FAMILIES = {
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=11,
         original_max_position_embeddings=512,
     ),
+    "phi3-partial": dict(  # rotary on half of each head (the fused q and k rows reordered)
+        architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=None,
+        original_max_position_embeddings=512, partial_rotary_factor=0.5,
+    ),
+    "glm": dict(  # interleaved rotary pairs on half of each head; q/k/v bias; fused gate_up
+        architectures=["GlmForCausalLM"], model_type="glm", head_dim=16, attention_bias=True,
+    ),
+    "glm4": dict(  # as GLM, with four norms
+        architectures=["Glm4ForCausalLM"], model_type="glm4", head_dim=16, attention_bias=True,
+    ),
     "olmo2": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2"),
     "granite": dict(
         architectures=["GraniteForCausalLM"], model_type="granite", attention_multiplier=0.2,

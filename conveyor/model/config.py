@@ -80,6 +80,9 @@ class ModelConfig:
     # A multimodal checkpoint served text-only (MULTIMODAL_TEXT_ONLY): its architecture; the
     # language model's weights are read under the text model's names, the rest is not read.
     text_of: str | None = None
+    # A head's q and k rows in the order that makes the checkpoint's RoPE (partial, or GLM's
+    # interleaved pairs) the default one (rotary_rows); None: the checkpoint's order.
+    rotary_rows: tuple[int, ...] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,6 +173,7 @@ class ModelConfig:
             parts=parts,
             hub_id=None if model is None or _local(model) is not None else str(model),
             text_of=facts.get("text_of"),
+            rotary_rows=tuple(facts["rotary_rows"]) if facts.get("rotary_rows") else None,
         )
 
 
@@ -257,6 +261,8 @@ MULTIMODAL_TEXT_ONLY = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
 )
+# Families whose RoPE turns pairs of adjacent dims (2i, 2i + 1), GPT-J's way (rotary_rows).
+INTERLEAVED_ROPE = ("glm", "glm4")
 # Text model types with no causal-LM class of their own -> the family's class they compute as.
 _TEXT_MODEL_CLASSES = {
     "qwen2_vl_text": "Qwen2ForCausalLM",
@@ -312,7 +318,10 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
     arch = architecture(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
+    rows = rotary_rows(hf, int(head_dim), arch in INTERLEAVED_ROPE)
     parts = parts_of(hf, arch, int(hf.num_hidden_layers), int(head_dim), _local_rope)
+    if rows is not None and parts.qk_norm:
+        raise ValueError(f"unsupported partial or interleaved rotary with q/k norms ({arch})")
     saved = getattr(hf, "dtype", None)
     return {
         "architecture": arch,
@@ -337,6 +346,7 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "rope_scaling": rope_scaling,
         "parts": parts.to_dict(),
         "text_of": wrapper,
+        "rotary_rows": None if rows is None else list(rows),
     }
 
 
@@ -445,7 +455,9 @@ def rope_frequencies(
 ) -> tuple[tuple[float, ...], float]:
     """RoPE's float32 inverse frequencies and attention scaling for a transformers config, as
     transformers computes them (its ROPE_INIT_FUNCTIONS for the scaled variants). A config
-    with one RoPE per layer type (Gemma 3) gives `layer_type`'s."""
+    with one RoPE per layer type (Gemma 3) gives `layer_type`'s. With partial rotary (GLM's
+    half, say) transformers' rotary_dim / 2 frequencies come first and the other dims' are 0:
+    their pairs turn by cos 0 = 1, sin 0 = 0, unchanged (model/rotary_rows)."""
     params = getattr(hf, "rope_parameters", None) or {}
     by_type = isinstance(params.get(layer_type), dict)
     if by_type:
@@ -460,14 +472,46 @@ def rope_frequencies(
 
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        dim = rotary_dim(hf, head_dim)
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         inv_freq, scaling = 1.0 / (base**exponents), 1.0
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         extra = {"layer_type": layer_type} if by_type else {}
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **extra)
-    return tuple(inv_freq.float().tolist()), float(scaling)
+    freqs = inv_freq.float().tolist()
+    return tuple(freqs + [0.0] * (head_dim // 2 - len(freqs))), float(scaling)
+
+
+def rotary_dim(hf, head_dim: int) -> int:
+    """The dims RoPE turns: head_dim times the config's partial_rotary_factor, as transformers
+    takes it."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    return int(head_dim * (1.0 if factor is None else float(factor)))
+
+
+def rotary_rows(hf, head_dim: int, interleaved: bool) -> tuple[int, ...] | None:
+    """Where RoPE is not transformers' default (the first half of head_dim paired with the
+    second), the order of a head's q and k rows that makes it so: new row j is old row
+    order[j]. Partial rotary (the first rotary_dim dims turned, rotate-half within them) and
+    GLM's interleaved pairs (2i, 2i + 1) become pairs (j, j + head_dim / 2), the unturned dims
+    in the pairs whose frequency is 0. Scores are sums over the dims of q times k, the same in
+    any order both share; the values' rows keep theirs. None: the default."""
+    dim = rotary_dim(hf, head_dim)
+    if dim == head_dim and not interleaved:
+        return None
+    if dim % 2 or not 0 < dim <= head_dim or head_dim % 2:
+        raise ValueError(f"unsupported rotary dims {dim} of head_dim {head_dim}")
+    half, turned = head_dim // 2, dim // 2
+    if interleaved:
+        first, second = list(range(0, dim, 2)), list(range(1, dim, 2))
+    else:
+        first, second = list(range(turned)), list(range(turned, dim))
+    rest = list(range(dim, head_dim))
+    order = first + rest[: half - turned] + second + rest[half - turned :]
+    return tuple(order)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, saved_name: str | None, device: str) -> str:

@@ -11,13 +11,14 @@ layers, the embedding, residual and logit multipliers. `Parts` holds that, resol
 from the checkpoint's config (as transformers reads it); model/llama.py builds both the modules
 and the compiled layers (kernels/layer/decoder_layer.cpp) from it, so a family is written once.
 
-A setting a family does not support (a rope variant, partial rotary dims, a norm kind) is
-refused at load with the field's name: never loaded and computed wrong.
+A setting a family does not support (a rope variant, a norm kind) is refused at load with the
+field's name: never loaded and computed wrong. Partial rotary dims and GLM's interleaved pairs
+are the default RoPE on q and k rows put in another order at load (model/config.py
+rotary_rows).
 """
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -32,6 +33,12 @@ SANDWICH_NORMS = (  # Gemma 2 and 3: all four
     ("attn_out", "post_attention_layernorm"),
     ("mlp_in", "pre_feedforward_layernorm"),
     ("mlp_out", "post_feedforward_layernorm"),
+)
+GLM4_NORMS = (  # GLM-4: all four, under its names
+    ("attn_in", "input_layernorm"),
+    ("attn_out", "post_self_attn_layernorm"),
+    ("mlp_in", "post_attention_layernorm"),
+    ("mlp_out", "post_mlp_layernorm"),
 )
 OUTPUT_NORMS = (  # OLMo 2: on the sublayers' outputs only
     ("attn_out", "post_attention_layernorm"),
@@ -278,6 +285,7 @@ _BUILDERS = {
     "gemma2": _gemma,
     "gemma3": _gemma3,
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
+    "glm4": lambda hf, head_dim, local_rope: dict(norms=GLM4_NORMS),
     "granite": _granite,
     "smollm3": _smollm3,
 }
@@ -295,10 +303,6 @@ def _refuse_unsupported(hf, family: str) -> None:
     if family not in ("gemma", "gemma2", "gemma3"):
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} for {family}; supported: 'silu'")
-    params = getattr(hf, "rope_parameters", None) or {}
-    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
-    if partial is not None and not math.isclose(float(partial), 1.0):
-        raise ValueError(f"unsupported partial_rotary_factor {partial} (rotary on every dim only)")
     if family == "gemma3" and getattr(hf, "use_bidirectional_attention", False):
         raise ValueError("unsupported use_bidirectional_attention for gemma3 (causal only)")
     if getattr(hf, "mlp_bias", False):

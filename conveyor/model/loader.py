@@ -85,7 +85,10 @@ def iter_weights(
         from conveyor.model.gguf_loader import iter_gguf_weights
 
         keep_raw = None if plan is None else plan.keep_raw
-        for name, tensor in iter_gguf_weights(cfg.path, cfg.dtype, keep_raw):
+        weights = iter_gguf_weights(cfg.path, cfg.dtype, keep_raw)
+        if cfg.rotary_rows is not None:  # before the cut: a fused qkv_proj is whole
+            weights = _rotary_rows(weights, cfg)
+        for name, tensor in weights:
             cut = shard.slice_of(name, cfg)
             yield name, tensor if cut is None else _cut(tensor, cut).clone()
     else:
@@ -102,7 +105,46 @@ def iter_weights(
             weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, skip)
         if shard.size > 1 and family == "phi3":
             weights = _unfused(weights, cfg, cut_of)
+        if cfg.rotary_rows is not None:
+            weights = _rotary_rows(weights, cfg)
         yield from weights
+
+
+def _rotary_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Each q and k head's rows (weights and biases, of q_proj / k_proj or the q and k rows of
+    a fused qkv_proj) in cfg.rotary_rows' order: the checkpoint's RoPE as the default one
+    (model/config.py rotary_rows)."""
+    from conveyor.model.gguf_loader import RawTensor
+
+    order = torch.tensor(cfg.rotary_rows)
+    head_dim = len(order)
+
+    def heads(count: int, first: int = 0) -> torch.Tensor:
+        return (first + torch.arange(count)[:, None] * head_dim + order).flatten()
+
+    for name, tensor in weights:
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        if module not in ("q_proj", "k_proj", "qkv_proj"):
+            yield name, tensor
+            continue
+        if isinstance(tensor, GroupedInts):  # GPTQ's or AWQ's: rows of values
+            tensor = tensor.dequantize().to(cfg.dtype)
+        if module == "qkv_proj":
+            q_rows = cfg.num_heads * head_dim
+            if tensor.shape[0] != q_rows + 2 * cfg.num_kv_heads * head_dim:
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, not the whole q, k and v")
+            qk = torch.cat([heads(cfg.num_heads), heads(cfg.num_kv_heads, q_rows)])
+            rows = torch.cat(
+                [qk, torch.arange(q_rows + cfg.num_kv_heads * head_dim, tensor.shape[0])]
+            )
+        else:
+            rows = heads(tensor.shape[0] // head_dim)
+        if isinstance(tensor, RawTensor):  # a GGUF tensor's blocks: rows taken as they load
+            taken = rows if tensor.row_order is None else tensor.row_order[rows]
+            tensor = tensor._replace(row_order=taken)
+        else:
+            tensor = tensor[rows]
+        yield name, tensor
 
 
 def _gpt_oss_experts(weights, cut_of) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """A checkpoint conveyor cannot compute exactly is refused at load with the setting's name,
 never loaded and computed wrong: an unknown architecture (the error lists the families), a
-RoPE that depends on the sequence length (Phi-3's longrope), partial rotary dims, another
-activation, biased MLPs, Gemma 3's bidirectional attention."""
+RoPE that depends on the sequence length (Phi-3's longrope), partial rotary dims beside q/k
+norms, another activation, biased MLPs, Gemma 3's bidirectional attention."""
 
 from __future__ import annotations
 
@@ -39,13 +39,14 @@ def test_the_mixtures_of_experts_are_supported():
     [
         ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
                                    "long_factor": [2.0] * 8, "factor": 4.0}}, "longrope"),
-        ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                      "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+        ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.5}},
+         "partial or interleaved rotary with q/k norms"),
         ("olmo2", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ],
-    ids=["longrope", "partial-rotary", "activation", "mlp-bias", "bidirectional"],
+    ids=["longrope", "partial-rotary-qk-norm", "activation", "mlp-bias", "bidirectional"],
 )  # fmt: skip
 def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
     path = edited(make_tiny_checkpoint(tmp_path, family), **fields)

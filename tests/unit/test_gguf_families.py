@@ -36,6 +36,7 @@ GGUF_FAMILIES = {
     "gemma2": dict(query_pre_attn_scalar=16, tie_word_embeddings=True),
     "gemma3": dict(num_hidden_layers=6, layer_types=None, rope_theta=1e6, rope_local_base_freq=1e4),
     "phi3": {},
+    "phi3-partial": {},  # rope.dimension_count half of head_dim
     "olmo2": {},
     "granite": {},
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
@@ -46,6 +47,7 @@ GGUF_FAMILIES = {
     "gpt_oss": dict(swiglu_limit=7.0),
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
+LLAMA_CPP_NAMES |= {"phi3-partial": "phi3"}
 LLAMA_CPP_NAMES |= {
     "qwen3_moe": "qwen3moe",
     "gpt_oss": "gpt-oss",
