@@ -69,6 +69,12 @@ FAMILIES = {
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=11,
         original_max_position_embeddings=512,
     ),
+    "phi3-longrope": dict(  # Phi-3.5 / Phi-4-mini's RoPE, within its short factors' range
+        architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=None,
+        original_max_position_embeddings=128,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
+                          long_factor=[5.0] * 8),
+    ),
     "phi3-partial": dict(  # rotary on half of each head (the fused q and k rows reordered)
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=None,
         original_max_position_embeddings=512, partial_rotary_factor=0.5,

@@ -143,6 +143,13 @@ class ModelConfig:
         resolved_dtype = _resolve_dtype(dtype, facts["saved_dtype"], device)
         parts = Parts.from_dict(facts["parts"])
         limit, bound = facts["max_position_embeddings"], "the model's max_position_embeddings"
+        rope_limit = facts.get("rope_position_limit")
+        if rope_limit is not None and rope_limit < limit:
+            limit = rope_limit
+            bound = (
+                f"longrope's short factors: from position {rope_limit} on transformers turns "
+                "by its long ones, which conveyor does not compute"
+            )
         if disable_sliding_window and any(parts.windows):
             window = min(w for w in parts.windows if w)
             if window < limit:
@@ -347,6 +354,7 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "parts": parts.to_dict(),
         "text_of": wrapper,
         "rotary_rows": None if rows is None else list(rows),
+        "rope_position_limit": rope_position_limit(hf),
     }
 
 
@@ -463,10 +471,10 @@ def rope_frequencies(
     if by_type:
         params = params[layer_type]
     rope_type = params.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
+    if rope_type not in STATIC_ROPE_TYPES and rope_type != "longrope":
         raise ValueError(
             f"unsupported rope_type {rope_type!r}; "
-            f"supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
+            f"supported: {', '.join(sorted(STATIC_ROPE_TYPES | {'longrope'}))}"
         )
     import torch
 
@@ -482,6 +490,18 @@ def rope_frequencies(
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **extra)
     freqs = inv_freq.float().tolist()
     return tuple(freqs + [0.0] * (head_dim // 2 - len(freqs))), float(scaling)
+
+
+def rope_position_limit(hf) -> int | None:
+    """The positions below which the RoPE's table is the one rope_frequencies gives: longrope
+    (Phi-3.5, Phi-4-mini) turns by its short factors while a sequence stays within
+    original_max_position_embeddings and by its long ones past it, as transformers switches
+    them; conveyor computes the short ones, so its context stops there. None: no limit."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings")
+    return int(original or hf.original_max_position_embeddings)
 
 
 def rotary_dim(hf, head_dim: int) -> int:

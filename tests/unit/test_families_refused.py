@@ -1,7 +1,8 @@
 """A checkpoint conveyor cannot compute exactly is refused at load with the setting's name,
 never loaded and computed wrong: an unknown architecture (the error lists the families), a
-RoPE that depends on the sequence length (Phi-3's longrope), partial rotary dims beside q/k
-norms, another activation, biased MLPs, Gemma 3's bidirectional attention."""
+RoPE that depends on the sequence length (dynamic NTK; longrope past its short factors'
+range), partial rotary dims beside q/k norms, another activation, biased MLPs, Gemma 3's
+bidirectional attention."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def test_the_mixtures_of_experts_are_supported():
 @pytest.mark.parametrize(
     ("family", "fields", "named"),
     [
-        ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                   "long_factor": [2.0] * 8, "factor": 4.0}}, "longrope"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0,
+                                       "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
         ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                        "partial_rotary_factor": 0.5}},
          "partial or interleaved rotary with q/k norms"),
@@ -46,12 +47,30 @@ def test_the_mixtures_of_experts_are_supported():
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ],
-    ids=["longrope", "partial-rotary-qk-norm", "activation", "mlp-bias", "bidirectional"],
+    ids=["dynamic-rope", "partial-rotary-qk-norm", "activation", "mlp-bias", "bidirectional"],
 )  # fmt: skip
 def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
     path = edited(make_tiny_checkpoint(tmp_path, family), **fields)
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_hf(str(path))
+
+
+def test_longrope_is_served_within_its_short_factors_and_refused_past_them(tmp_path):
+    """Phi-3.5 / Phi-4-mini: transformers turns by the short factors while a sequence stays
+    within original_max_position_embeddings (tests/equivalence/test_families.py checks the
+    tokens there), by the long ones past it: the context stops at that length, and a longer
+    max_model_len is refused saying why."""
+    path = make_tiny_checkpoint(tmp_path, "phi3-longrope")
+    config = ModelConfig.from_hf(str(path))
+    assert (
+        config.max_model_len
+        == 128
+        < json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    )
+    with pytest.raises(
+        ValueError, match=r"\[1, 128\] \(longrope's short factors: from position 128"
+    ):
+        ModelConfig.from_hf(str(path), max_model_len=129)
 
 
 def test_lora_on_a_mixture_of_experts_is_refused(tmp_path):
