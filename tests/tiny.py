@@ -72,8 +72,8 @@ FAMILIES = {
     "phi3-longrope": dict(  # Phi-3.5 / Phi-4-mini's RoPE, within its short factors' range
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=None,
         original_max_position_embeddings=128,
-        rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
-                          long_factor=[5.0] * 8),
+        rope_scaling=dict(rope_type="longrope", long_factor=[5.0] * 8,
+                          short_factor=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5]),
     ),
     "phi3-partial": dict(  # rotary on half of each head (the fused q and k rows reordered)
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=None,
