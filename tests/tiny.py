@@ -75,6 +75,12 @@ FAMILIES = {
         rope_scaling=dict(rope_type="longrope", long_factor=[5.0] * 8,
                           short_factor=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5]),
     ),
+    "phi4-mini": dict(  # longrope on three quarters of each head, as Phi-4-mini
+        architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=None,
+        original_max_position_embeddings=128, partial_rotary_factor=0.75,
+        rope_scaling=dict(rope_type="longrope", long_factor=[5.0] * 6,
+                          short_factor=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5]),
+    ),
     "phi3-partial": dict(  # rotary on half of each head (the fused q and k rows reordered)
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=None,
         original_max_position_embeddings=512, partial_rotary_factor=0.5,

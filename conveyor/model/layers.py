@@ -57,8 +57,14 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(max_len, dtype=torch.int64).float()
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, head_dim)
-        self.cos = nn.Buffer((emb.cos() * scaling).to(dtype), persistent=False)
-        self.sin = nn.Buffer((emb.sin() * scaling).to(dtype), persistent=False)
+            cos, sin = emb.cos() * scaling, emb.sin() * scaling
+            if scaling != 1 and not inv_freq.all():
+                # Dims RoPE does not turn (partial rotary: frequency 0, model/config.py
+                # rotary_rows) are not scaled either: cos 1, sin 0.
+                turned = torch.cat((inv_freq, inv_freq)) != 0
+                cos, sin = torch.where(turned, cos, 1.0), torch.where(turned, sin, 0.0)
+        self.cos = nn.Buffer(cos.to(dtype), persistent=False)
+        self.sin = nn.Buffer(sin.to(dtype), persistent=False)
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, D) of the step's positions: gathered once per step, used by every layer."""
