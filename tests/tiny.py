@@ -46,6 +46,17 @@ FAMILIES = {
     "mistral-window": dict(
         architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=7
     ),
+    "ministral": dict(  # Ministral-8B: sliding on the layers layer_types names
+        architectures=["MinistralForCausalLM"], model_type="ministral", sliding_window=7,
+        layer_types=["sliding_attention", "full_attention"], head_dim=16,
+    ),
+    "ministral3": dict(  # Ministral 3: yarn, queries scaled past original_max (not reached)
+        architectures=["Ministral3ForCausalLM"], model_type="ministral3", head_dim=16,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=128, beta_fast=32.0,
+                             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                             llama_4_scaling_beta=0.1),
+    ),
     "qwen2-window": dict(  # slides on layers from max_window_layers on: layer 1 of 2
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True,
         sliding_window=9, max_window_layers=1, tie_word_embeddings=True,

@@ -144,12 +144,8 @@ class ModelConfig:
         parts = Parts.from_dict(facts["parts"])
         limit, bound = facts["max_position_embeddings"], "the model's max_position_embeddings"
         rope_limit = facts.get("rope_position_limit")
-        if rope_limit is not None and rope_limit < limit:
-            limit = rope_limit
-            bound = (
-                f"longrope's short factors: from position {rope_limit} on transformers turns "
-                "by its long ones, which conveyor does not compute"
-            )
+        if rope_limit is not None and rope_limit[0] < limit:
+            limit, bound = rope_limit
         if disable_sliding_window and any(parts.windows):
             window = min(w for w in parts.windows if w)
             if window < limit:
@@ -492,16 +488,24 @@ def rope_frequencies(
     return tuple(freqs + [0.0] * (head_dim // 2 - len(freqs))), float(scaling)
 
 
-def rope_position_limit(hf) -> int | None:
-    """The positions below which the RoPE's table is the one rope_frequencies gives: longrope
-    (Phi-3.5, Phi-4-mini) turns by its short factors while a sequence stays within
-    original_max_position_embeddings and by its long ones past it, as transformers switches
-    them; conveyor computes the short ones, so its context stops there. None: no limit."""
+def rope_position_limit(hf) -> tuple[int, str] | None:
+    """The positions below which conveyor computes the model as transformers does, where its
+    RoPE (or its queries' scale) changes past a length, and why. longrope (Phi-3.5, Phi-4-mini)
+    turns by its short factors while a sequence stays within original_max_position_embeddings
+    and by its long ones past it, as transformers switches them; Ministral 3 scales its
+    queries by 1 + beta * log(1 + floor(position / original_max_position_embeddings)), 1 below
+    that. conveyor computes the first regime, so its context stops there. None: no limit."""
     params = getattr(hf, "rope_parameters", None) or {}
-    if params.get("rope_type") != "longrope":
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf, "original_max_position_embeddings", None
+    )
+    if params.get("rope_type") == "longrope":
+        why = "longrope's short factors: from position {} on transformers turns by its long ones"
+    elif params.get("llama_4_scaling_beta"):
+        why = "the queries' scale is 1 below position {}, larger past it (llama_4_scaling_beta)"
+    else:
         return None
-    original = params.get("original_max_position_embeddings")
-    return int(original or hf.original_max_position_embeddings)
+    return int(original), why.format(int(original)) + ", which conveyor does not compute"
 
 
 def rotary_dim(hf, head_dim: int) -> int:

@@ -171,7 +171,7 @@ def _windows(hf, family: str, num_layers: int) -> tuple[int, ...]:
     if not window or getattr(hf, "use_sliding_window", True) is False:
         return ()
     types = getattr(hf, "layer_types", None)
-    if family in ("mistral", "phi3", "mixtral") or types is None:
+    if family in ("mistral", "ministral3", "phi3", "mixtral") or types is None:
         return (int(window),) * num_layers
     return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 

@@ -73,6 +73,17 @@ def test_longrope_is_served_within_its_short_factors_and_refused_past_them(tmp_p
         ModelConfig.from_hf(str(path), max_model_len=129)
 
 
+def test_ministral3_is_served_below_its_query_scaling_and_refused_past_it(tmp_path):
+    """Ministral 3 scales its queries by 1 + beta * log(1 + floor(position / original)): 1
+    below original_max_position_embeddings, where conveyor computes it as transformers."""
+    path = make_tiny_checkpoint(tmp_path, "ministral3")
+    assert ModelConfig.from_hf(str(path)).max_model_len == 128
+    with pytest.raises(
+        ValueError, match=r"\[1, 128\] \(the queries' scale is 1 below position 128"
+    ):
+        ModelConfig.from_hf(str(path), max_model_len=129)
+
+
 def test_lora_on_a_mixture_of_experts_is_refused(tmp_path):
     from conveyor import LLM
 
