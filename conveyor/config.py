@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
     "Olmo2ForCausalLM": "olmo2",
+    "Exaone4ForCausalLM": "exaone4",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",

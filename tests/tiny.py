@@ -103,6 +103,11 @@ FAMILIES = {
         architectures=["Glm4ForCausalLM"], model_type="glm4", head_dim=16, attention_bias=True,
     ),
     "olmo2": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2"),
+    "exaone4": dict(  # output norms, per-head q/k norms, a sliding layer with RoPE then a
+        # global one without
+        architectures=["Exaone4ForCausalLM"], model_type="exaone4", head_dim=16,
+        sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+    ),
     "granite": dict(
         architectures=["GraniteForCausalLM"], model_type="granite", attention_multiplier=0.2,
         embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0,

@@ -206,6 +206,15 @@ def _gemma3(hf, head_dim: int, local_rope: Callable) -> dict:
     )
 
 
+def _exaone4(hf, head_dim: int, local_rope: Callable) -> dict:
+    """EXAONE 4: norms on the sublayers' outputs, per-head q/k norms; with a sliding window
+    only the sliding layers turn by RoPE (the global ones take none), else every layer."""
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+    sliding = getattr(hf, "sliding_window", None)
+    ropes = tuple(0 if not sliding or t == "sliding_attention" else -1 for t in types)
+    return dict(norms=OUTPUT_NORMS, qk_norm="head", ropes=ropes)
+
+
 def _granite(hf, head_dim: int, local_rope: Callable) -> dict:
     return dict(
         attn_scale=float(hf.attention_multiplier),
@@ -286,6 +295,7 @@ _BUILDERS = {
     "gemma3": _gemma3,
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
     "glm4": lambda hf, head_dim, local_rope: dict(norms=GLM4_NORMS),
+    "exaone4": _exaone4,
     "granite": _granite,
     "smollm3": _smollm3,
 }
