@@ -29,6 +29,8 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4ForCausalLM": "glm4",
     "Olmo2ForCausalLM": "olmo2",
     "Exaone4ForCausalLM": "exaone4",
+    "SeedOssForCausalLM": "seed_oss",
+    "Ernie4_5ForCausalLM": "ernie4_5",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",

@@ -102,6 +102,13 @@ FAMILIES = {
     "glm4": dict(  # as GLM, with four norms
         architectures=["Glm4ForCausalLM"], model_type="glm4", head_dim=16, attention_bias=True,
     ),
+    "seed_oss": dict(  # q/k/v and o_proj biases
+        architectures=["SeedOssForCausalLM"], model_type="seed_oss", head_dim=16,
+        attention_bias=True, attention_out_bias=True,
+    ),
+    "ernie4_5": dict(  # interleaved rotary pairs over the whole head
+        architectures=["Ernie4_5ForCausalLM"], model_type="ernie4_5", head_dim=16,
+    ),
     "olmo2": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2"),
     "exaone4": dict(  # output norms, per-head q/k norms, a sliding layer with RoPE then a
         # global one without

@@ -296,6 +296,10 @@ _BUILDERS = {
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
     "glm4": lambda hf, head_dim, local_rope: dict(norms=GLM4_NORMS),
     "exaone4": _exaone4,
+    # Seed-OSS: q/k/v biases (attention_bias) and the o_proj's own (attention_out_bias)
+    "seed_oss": lambda hf, head_dim, local_rope: dict(
+        o_bias=bool(getattr(hf, "attention_out_bias", False))
+    ),
     "granite": _granite,
     "smollm3": _smollm3,
 }
@@ -317,3 +321,5 @@ def _refuse_unsupported(hf, family: str) -> None:
         raise ValueError("unsupported use_bidirectional_attention for gemma3 (causal only)")
     if getattr(hf, "mlp_bias", False):
         raise ValueError(f"unsupported mlp_bias for {family}")
+    if family == "ernie4_5" and getattr(hf, "use_bias", False):
+        raise ValueError("unsupported use_bias for ernie4_5 (biased projections and MLP)")
