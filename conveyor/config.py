@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
     "GptOssForCausalLM": "gpt_oss",
 }
 # RoPE variants whose inverse frequencies are fixed at load time (no sequence-length dependence).

@@ -139,6 +139,10 @@ FAMILIES = {
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
         decoder_sparse_step=2, use_sliding_window=False,
     ),
+    "olmoe": dict(  # OLMo's q/k norms over all heads; every layer 6 experts, top-2
+        architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=False,
+    ),
     "gpt_oss": dict(  # sinks, biases, a sliding layer then a full one, yarn RoPE; a SwiGLU
         # limit low enough that the clamps bite
         architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=16,
@@ -202,7 +206,7 @@ FAMILIES = {
 }  # fmt: skip
 # A tiny vision tower's sizes (the multimodal FAMILIES').
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 
 
 def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:

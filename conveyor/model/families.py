@@ -280,8 +280,22 @@ def _gpt_oss_moe(hf, num_layers: int) -> dict:
     )
 
 
+def _olmoe_moe(hf, num_layers: int) -> dict:
+    """OLMoE: every layer a mixture of experts of intermediate_size; softmax in float32, top-k,
+    renormalised only with norm_topk_prob, the weights cast to the model dtype."""
+    return dict(
+        moe_layers=(True,) * num_layers,
+        router="softmax_topk",
+        num_experts=int(hf.num_experts),
+        top_k=int(hf.num_experts_per_tok),
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+        moe_intermediate_size=int(hf.intermediate_size),
+    )
+
+
 _MOE = {
     "mixtral": _mixtral_moe,
+    "olmoe": _olmoe_moe,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
     "gpt_oss": _gpt_oss_moe,
@@ -296,6 +310,7 @@ _BUILDERS = {
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
     "glm4": lambda hf, head_dim, local_rope: dict(norms=GLM4_NORMS),
     "exaone4": _exaone4,
+    "olmoe": lambda hf, head_dim, local_rope: dict(qk_norm="full"),
     # Seed-OSS: q/k/v biases (attention_bias) and the o_proj's own (attention_out_bias)
     "seed_oss": lambda hf, head_dim, local_rope: dict(
         o_bias=bool(getattr(hf, "attention_out_bias", False))
@@ -321,5 +336,7 @@ def _refuse_unsupported(hf, family: str) -> None:
         raise ValueError("unsupported use_bidirectional_attention for gemma3 (causal only)")
     if getattr(hf, "mlp_bias", False):
         raise ValueError(f"unsupported mlp_bias for {family}")
+    if getattr(hf, "clip_qkv", None) is not None:
+        raise ValueError(f"unsupported clip_qkv for {family} (q, k and v clamped)")
     if family == "ernie4_5" and getattr(hf, "use_bias", False):
         raise ValueError("unsupported use_bias for ernie4_5 (biased projections and MLP)")
