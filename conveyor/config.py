@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "Exaone4ForCausalLM": "exaone4",
     "SeedOssForCausalLM": "seed_oss",
     "Ernie4_5ForCausalLM": "ernie4_5",

@@ -110,6 +110,15 @@ FAMILIES = {
         architectures=["Ernie4_5ForCausalLM"], model_type="ernie4_5", head_dim=16,
     ),
     "olmo2": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2"),
+    "olmo3": dict(  # OLMo 2's layer; a sliding layer, then a full one with a yarn-scaled RoPE
+        architectures=["Olmo3ForCausalLM"], model_type="olmo3", sliding_window=7,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="yarn", rope_theta=50000.0, factor=4.0,
+                                original_max_position_embeddings=128),
+        ),
+    ),
     "exaone4": dict(  # output norms, per-head q/k norms, a sliding layer with RoPE then a
         # global one without
         architectures=["Exaone4ForCausalLM"], model_type="exaone4", head_dim=16,

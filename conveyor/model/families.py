@@ -206,6 +206,17 @@ def _gemma3(hf, head_dim: int, local_rope: Callable) -> dict:
     )
 
 
+def _olmo3(hf, head_dim: int, local_rope: Callable) -> dict:
+    """OLMo 3: OLMo 2's layer, sliding layers (layer_types) turning by their own RoPE table,
+    the full ones by the global (possibly scaled) one."""
+    return dict(
+        norms=OUTPUT_NORMS,
+        qk_norm="full",
+        ropes=tuple(1 if t == "sliding_attention" else 0 for t in hf.layer_types),
+        local_rope_inv_freq=local_rope(hf, head_dim),
+    )
+
+
 def _exaone4(hf, head_dim: int, local_rope: Callable) -> dict:
     """EXAONE 4: norms on the sublayers' outputs, per-head q/k norms; with a sliding window
     only the sliding layers turn by RoPE (the global ones take none), else every layer."""
@@ -311,6 +322,7 @@ _BUILDERS = {
     "glm4": lambda hf, head_dim, local_rope: dict(norms=GLM4_NORMS),
     "exaone4": _exaone4,
     "olmoe": lambda hf, head_dim, local_rope: dict(qk_norm="full"),
+    "olmo3": _olmo3,
     # Seed-OSS: q/k/v biases (attention_bias) and the o_proj's own (attention_out_bias)
     "seed_oss": lambda hf, head_dim, local_rope: dict(
         o_bias=bool(getattr(hf, "attention_out_bias", False))
