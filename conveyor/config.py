@@ -16,6 +16,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # each one's layers).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "InternLM3ForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "ministral",
     "Ministral3ForCausalLM": "ministral3",

@@ -46,6 +46,9 @@ FAMILIES = {
     "mistral-window": dict(
         architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=7
     ),
+    "llama-bias": dict(  # attention_bias: q/k/v and o_proj biases (InternLM3's with bias)
+        architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True,
+    ),
     "ministral": dict(  # Ministral-8B: sliding on the layers layer_types names
         architectures=["MinistralForCausalLM"], model_type="ministral", sliding_window=7,
         layer_types=["sliding_attention", "full_attention"], head_dim=16,

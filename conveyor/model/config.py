@@ -325,6 +325,10 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
     parts = parts_of(hf, arch, int(hf.num_hidden_layers), int(head_dim), _local_rope)
     if rows is not None and parts.qk_norm:
         raise ValueError(f"unsupported partial or interleaved rotary with q/k norms ({arch})")
+    if not parts.o_bias and any(n.endswith(".o_proj.bias") for n in stored_tensor_names(folder)):
+        # attention_bias gives the o_proj a bias in some families (Llama, Granite, OLMo 2,
+        # InternLM3), not in others (Qwen2, Mistral): the checkpoint says which.
+        parts = dataclasses.replace(parts, o_bias=True)
     saved = getattr(hf, "dtype", None)
     return {
         "architecture": arch,
