@@ -215,6 +215,18 @@ FAMILIES = {
             deepstack_visual_indexes=[0],
         ),
     ),
+    "qwen3-vl-moe": dict(  # Qwen3-VL-30B-A3B's language model: stacked experts, top-2 of 4
+        model_type="qwen3_vl_moe",
+        text_config=dict(
+            model_type="qwen3_vl_moe_text", head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, decoder_sparse_step=1,
+            rope_scaling=dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True),
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            deepstack_visual_indexes=[0],
+        ),
+    ),
 }  # fmt: skip
 # A tiny vision tower's sizes (the multimodal FAMILIES').
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)

@@ -263,6 +263,7 @@ MULTIMODAL_TEXT_ONLY = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 )
 # Families whose RoPE turns pairs of adjacent dims (2i, 2i + 1), GPT-J's way (rotary_rows).
 INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")
@@ -271,6 +272,7 @@ _TEXT_MODEL_CLASSES = {
     "qwen2_vl_text": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
+    "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
 }
 
 
@@ -289,6 +291,8 @@ def _language_model(hf, folder: Path):
             f"{hf.architectures}: its language model {text.model_type!r} is no causal LM"
         )
     text.architectures = [causal]
+    if text.model_type == "qwen3_vl_moe_text":  # its router renormalises the top-k, always
+        text.norm_topk_prob = True
     text.tie_word_embeddings = not any(
         name.endswith("lm_head.weight") for name in stored_tensor_names(folder)
     )

@@ -102,7 +102,11 @@ def iter_weights(
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
                 rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL
             grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
-            weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, skip)
+            if cfg.text_of in _STACKED_EXPERTS:  # its experts' 3-D tensors split, then cut
+                weights = iter_safetensors(cfg.path, cfg.dtype, None, rename, grouped, skip)
+                weights = _stacked_experts(weights, cfg, cut_of)
+            else:
+                weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, skip)
         if shard.size > 1 and family == "phi3":
             weights = _unfused(weights, cfg, cut_of)
         if cfg.rotary_rows is not None:
@@ -145,6 +149,45 @@ def _rotary_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
         else:
             tensor = tensor[rows]
         yield name, tensor
+
+
+# Checkpoints that keep each layer's experts as two 3-D tensors (experts.gate_up_proj, gate
+# rows then up rows, and experts.down_proj), in x @ W form (as released) or nn.Linear's.
+_STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
+
+
+def _stacked_experts(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, Any]]:
+    """Each expert of a stacked `mlp.experts.gate_up_proj` / `down_proj` pair under a dense
+    MLP's names (gate_proj, up_proj, down_proj of `mlp.experts.E`), in nn.Linear's (out, in)
+    form whichever form is stored; every tensor then cut for this rank."""
+    hidden, inner = cfg.hidden_size, cfg.parts.moe_intermediate_size
+    forms = {  # leaf -> (shape as nn.Linear's (out, in), the parts' names and row ranges)
+        "gate_up_proj": (
+            (2 * inner, hidden),
+            (("gate_proj", 0, inner), ("up_proj", inner, 2 * inner)),
+        ),
+        "down_proj": ((hidden, inner), (("down_proj", 0, hidden),)),
+    }
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".mlp.experts") or leaf not in forms:
+            cut = cut_of(name)
+            yield name, tensor if cut is None else _cut(tensor, cut).clone()
+            continue
+        shape, parts = forms[leaf]
+        if tuple(tensor.shape[1:]) == shape:
+            linear = tensor
+        elif tuple(tensor.shape[1:]) == shape[::-1]:
+            linear = tensor.transpose(1, 2)
+        else:
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)}, expected (E, {shape}) or its x @ W form"
+            )
+        for expert, matrix in enumerate(linear):
+            for part, start, stop in parts:
+                part_name = f"{prefix}.{expert}.{part}.weight"
+                piece, cut = matrix[start:stop].contiguous(), cut_of(part_name)
+                yield part_name, piece if cut is None else _cut(piece, cut).clone()
 
 
 def _gpt_oss_experts(weights, cut_of) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,11 +24,13 @@ TEMPLATE = (
 )
 
 
-@pytest.mark.parametrize("arch", ["gemma3-vlm", "mistral3-vlm", "llava", "qwen2_5-vl", "qwen3-vl"])
+@pytest.mark.parametrize(
+    "arch", ["gemma3-vlm", "mistral3-vlm", "llava", "qwen2_5-vl", "qwen3-vl", "qwen3-vl-moe"]
+)
 def test_the_vision_tower_is_not_read_and_the_processors_template_is_taken(tmp_path, arch):
     path = make_tiny_checkpoint(tmp_path / arch, arch)
     reference = auto_class(AutoConfig.from_pretrained(path)).from_pretrained(
-        path, dtype=torch.float64
+        path, dtype=torch.float64, experts_implementation="eager"
     )
     prompts = [[5, 17, 42, 9, 100, 33], [7, 8, 9, 10]]
     expected = [tokens for tokens, _ in hf_greedy(reference, prompts, 6)]
@@ -58,3 +60,29 @@ def test_the_vision_tower_is_not_read_and_the_processors_template_is_taken(tmp_p
     # Served quantized on the CPU (int8 blocks under the text model's names) as well.
     small = LLM(str(path), dtype="float32", quantization="int8")
     assert len(small.generate(["Paris"], params, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_stacked_experts_read_in_either_form(tmp_path):
+    """Qwen3-VL-MoE's Hub checkpoints keep each layer's experts as two 3-D tensors in x @ W
+    form (E, hidden, 2 x inner), transformers 5 saves them in nn.Linear's (E, 2 x inner,
+    hidden): either gives the same tokens, equal to transformers'."""
+    path = make_tiny_checkpoint(tmp_path / "linear", "qwen3-vl-moe")
+    reference = auto_class(AutoConfig.from_pretrained(path)).from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    )
+    prompts = [[5, 17, 42, 9, 100, 33], [7, 8, 9, 10]]
+    expected = [tokens for tokens, _ in hf_greedy(reference, prompts, 6)]
+    stored = load_file(path / "model.safetensors")
+    stacked = [n for n in stored if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert stacked and all(stored[n].dim() == 3 for n in stacked)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = []
+    for form in ("linear", "x @ W"):
+        if form == "x @ W":
+            for name in stacked:
+                stored[name] = stored[name].transpose(1, 2).contiguous()
+            save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+        llm = LLM(str(path), dtype="float64")
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([out.outputs[0].token_ids for out in got])
+    assert runs == [expected, expected]
