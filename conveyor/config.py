@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "SeedOssForCausalLM": "seed_oss",
     "Ernie4_5ForCausalLM": "ernie4_5",
     "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granitemoe",
     "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",

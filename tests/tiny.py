@@ -151,6 +151,11 @@ FAMILIES = {
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
         decoder_sparse_step=2, use_sliding_window=False,
     ),
+    "granitemoe": dict(  # Granite's multipliers; stacked experts, top-2 of 4 by float32 logits
+        architectures=["GraniteMoeForCausalLM"], model_type="granitemoe", num_local_experts=4,
+        num_experts_per_tok=2, intermediate_size=32, attention_multiplier=0.2,
+        embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0,
+    ),
     "olmoe": dict(  # OLMo's q/k norms over all heads; every layer 6 experts, top-2
         architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=6,
         num_experts_per_tok=2, norm_topk_prob=False,

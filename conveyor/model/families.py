@@ -304,8 +304,21 @@ def _olmoe_moe(hf, num_layers: int) -> dict:
     )
 
 
+def _granitemoe_moe(hf, num_layers: int) -> dict:
+    """Granite's MoE: every layer a mixture; top-k of the router's logits in float32, softmax
+    over those k, the weights in the model dtype; experts of intermediate_size."""
+    return dict(
+        moe_layers=(True,) * num_layers,
+        router="topk_softmax_float32",
+        num_experts=int(hf.num_local_experts),
+        top_k=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.intermediate_size),
+    )
+
+
 _MOE = {
     "mixtral": _mixtral_moe,
+    "granitemoe": _granitemoe_moe,
     "olmoe": _olmoe_moe,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
@@ -328,6 +341,7 @@ _BUILDERS = {
         o_bias=bool(getattr(hf, "attention_out_bias", False))
     ),
     "granite": _granite,
+    "granitemoe": _granite,
     "smollm3": _smollm3,
 }
 

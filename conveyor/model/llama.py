@@ -223,7 +223,7 @@ def _projection(module: nn.Module, ops: ModuleType):
 
 # The compiled MoE's routers and expert activations (kernels/layer/decoder_layer.cpp: Router,
 # ExpertActivation).
-_ROUTERS = {"softmax_topk": 0, "topk_softmax": 1}
+_ROUTERS = {"softmax_topk": 0, "topk_softmax": 1, "topk_softmax_float32": 2}
 _EXPERT_ACTIVATIONS = {"silu": 0, "swiglu_clamp": 1}
 
 

@@ -97,12 +97,12 @@ def iter_weights(
         if family == "gpt_oss":  # its experts' 3-D tensors are split first, then cut
             weights = _gpt_oss_experts(iter_safetensors(cfg.path, cfg.dtype), cut_of)
         else:
-            rename = _MIXTRAL_NAMES if family == "mixtral" else None
+            rename = {"mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES}.get(family)
             skip = None
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
                 rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL
             grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
-            if cfg.text_of in _STACKED_EXPERTS:  # its experts' 3-D tensors split, then cut
+            if cfg.text_of in _STACKED_EXPERTS or family == "granitemoe":  # split, then cut
                 weights = iter_safetensors(cfg.path, cfg.dtype, None, rename, grouped, skip)
                 weights = _stacked_experts(weights, cfg, cut_of)
             else:
@@ -151,6 +151,12 @@ def _rotary_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
         yield name, tensor
 
 
+# Granite MoE's names of its MoE modules -> the names the model uses (its experts stacked).
+_GRANITE_MOE_NAMES = (
+    (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+    (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+    (".block_sparse_moe.router.layer.", ".mlp.gate."),
+)
 # Checkpoints that keep each layer's experts as two 3-D tensors (experts.gate_up_proj, gate
 # rows then up rows, and experts.down_proj), in x @ W form (as released) or nn.Linear's.
 _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)

@@ -1,10 +1,12 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS), as transformers
-computes it.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS), as
+transformers computes it.
 
 A router (a projection to num_experts logits) picks each token's top_k experts (Parts.router):
 "softmax_topk", softmax over all experts in float32, torch.topk (ties as torch resolves them),
 optionally the k weights divided by their sum (norm_topk_prob); "topk_softmax" (GPT-OSS, whose
-router has a bias), torch.topk of the logits, then softmax over those k in the model dtype.
+router has a bias), torch.topk of the logits, then softmax over those k in the model dtype;
+"topk_softmax_float32" (Granite's MoE) the same on the logits in float32, the weights cast back
+to the model dtype.
 
 Each expert is a gated MLP of its own, stored as the dense MLP's modules (gate_up_proj,
 down_proj), so that the loader, the quantized modules (model/quant) and the batch-invariant
@@ -94,7 +96,7 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg, tp: TPGroup) -> None:
         super().__init__()
         parts = cfg.parts
-        if parts.router not in ("softmax_topk", "topk_softmax"):
+        if parts.router not in ("softmax_topk", "topk_softmax", "topk_softmax_float32"):
             raise ValueError(f"unsupported MoE router {parts.router!r}")
         self.tp = tp
         self.router = parts.router
@@ -123,6 +125,9 @@ class MoEMLP(nn.Module):
         if self.router == "topk_softmax":
             top, expert_ids = torch.topk(logits, self.top_k, dim=-1)  # (T, k)
             return Routes(torch.softmax(top, dim=1, dtype=top.dtype), expert_ids)
+        if self.router == "topk_softmax_float32":
+            top, expert_ids = torch.topk(logits.float(), self.top_k, dim=-1)
+            return Routes(torch.softmax(top, dim=1).to(logits.dtype), expert_ids)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.norm_topk_prob:

@@ -299,7 +299,9 @@ enum ExpertActivation : int64_t { kExpertSilu = 0, kSwigluClamp = 1 };
 // Experts run (each one's two projections over its rows), since start: kernel_runs()'s
 // "moe/experts", the bytes a step reads (python -m benchmarks moe).
 std::atomic<int64_t> expert_runs{0};
-enum Router : int64_t { kSoftmaxTopk = 0, kTopkSoftmax = 1 };
+// kTopkSoftmaxFloat (Granite's MoE): the logits in float32 first, the weights back in the
+// model dtype.
+enum Router : int64_t { kSoftmaxTopk = 0, kTopkSoftmax = 1, kTopkSoftmaxFloat = 2 };
 
 class MoE {
  public:
@@ -329,8 +331,8 @@ class MoE {
       TORCH_CHECK(gate_up_[e].in_features() == hidden && down_[e].out_features() == hidden &&
                       2 * down_[e].in_features() == gate_up_[e].out_features(),
                   "MoE: expert ", e, "'s weight shapes do not fit together");
-    TORCH_CHECK(router_kind == kSoftmaxTopk || router_kind == kTopkSoftmax,
-                "MoE: router 0 (softmax_topk) or 1 (topk_softmax)");
+    TORCH_CHECK(router_kind >= kSoftmaxTopk && router_kind <= kTopkSoftmaxFloat,
+                "MoE: router 0 (softmax_topk), 1 (topk_softmax) or 2 (topk_softmax_float32)");
     TORCH_CHECK(activation == kExpertSilu || activation == kSwigluClamp,
                 "MoE: activation 0 (silu) or 1 (swiglu_clamp)");
     TORCH_CHECK(shared_gate_up_.has_value() == shared_down_.has_value() &&
@@ -381,6 +383,10 @@ class MoE {
     if (router_kind_ == kTopkSoftmax) {
       auto [top, ids] = at::topk(logits, top_k_, -1);
       return {at::softmax(top, 1, top.scalar_type()), ids};
+    }
+    if (router_kind_ == kTopkSoftmaxFloat) {
+      auto [top, ids] = at::topk(logits.to(at::kFloat), top_k_, -1);
+      return {at::softmax(top, 1, at::kFloat).to(logits.scalar_type()), ids};
     }
     const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
     auto [top, ids] = at::topk(probs, top_k_, -1);
