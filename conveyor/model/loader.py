@@ -165,7 +165,9 @@ _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
 def _stacked_experts(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, Any]]:
     """Each expert of a stacked `mlp.experts.gate_up_proj` / `down_proj` pair under a dense
     MLP's names (gate_proj, up_proj, down_proj of `mlp.experts.E`), in nn.Linear's (out, in)
-    form whichever form is stored; every tensor then cut for this rank."""
+    form whichever form is stored (a square one, hidden = 2 x inner, is taken as nn.Linear's:
+    Granite's form, and no released Qwen3-VL-MoE's shape); every tensor then cut for this
+    rank."""
     hidden, inner = cfg.hidden_size, cfg.parts.moe_intermediate_size
     forms = {  # leaf -> (shape as nn.Linear's (out, in), the parts' names and row ranges)
         "gate_up_proj": (
