@@ -64,15 +64,21 @@ FILE_TYPES = {
 
 
 def write_gguf(
-    hf_dir: Path, out_path: Path, qtype: str = "F32", experts: str | None = None
+    hf_dir: Path,
+    out_path: Path,
+    qtype: str = "F32",
+    experts: str | None = None,
+    arch: str | None = None,
 ) -> Path:
     """Converts the checkpoint in `hf_dir` to a GGUF at `out_path`, 2-D weights as `qtype`;
-    the experts' 3-D weights as `experts` when given (llama.cpp's GPT-OSS files: "MXFP4")."""
+    the experts' 3-D weights as `experts` when given (llama.cpp's GPT-OSS files: "MXFP4");
+    under `arch` when given (llama.cpp's qwen2vl: a Qwen2.5-VL's language model, Qwen2's
+    tensors under another architecture name), else the model type's."""
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {sorted(QTYPES)}, got {qtype!r}")
     config = AutoConfig.from_pretrained(hf_dir)
     raw_config = json.loads((Path(hf_dir) / "config.json").read_text())
-    arch = GGUF_ARCHS[config.model_type]
+    arch = arch or GGUF_ARCHS[config.model_type]
     writer = gguf.GGUFWriter(out_path, arch)
     # Not "mistral": transformers 5.23 maps a llama file named exactly so to Mistral, then fails.
     writer.add_name(f"tiny-{config.model_type}")

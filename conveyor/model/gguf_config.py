@@ -31,6 +31,9 @@ FAMILIES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    # A Qwen2-VL / Qwen2.5-VL's language model, as llama.cpp converts it: Qwen2's tensors (its
+    # multimodal RoPE sections are one position on text)
+    "qwen2vl": ("qwen2", "Qwen2ForCausalLM"),
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "granite": ("granite", "GraniteForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
@@ -247,6 +250,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "phi3": _phi3,
+    "qwen2vl": lambda metadata, config: config.update(use_sliding_window=False),
     "olmo2": _llama_like("olmo2"),
     "granite": _llama_like("granite"),
     "smollm3": _smollm3,

@@ -304,3 +304,18 @@ def test_rope_settings_conveyor_does_not_compute_are_refused_by_name(arch, keys,
     shapes = SHAPES | ({tensor: (64,)} if tensor else {})
     with pytest.raises(ValueError, match=message):
         hf_config_dict(metadata_of(arch, 2, **keys), shapes)
+
+
+def test_a_qwen2vl_file_is_its_language_model_served_as_qwen2(tmp_path):
+    """llama.cpp converts a Qwen2-VL / Qwen2.5-VL's language model under its own architecture
+    name, `qwen2vl`, with Qwen2's tensors: served as Qwen2, the same tokens as the checkpoint."""
+    hf_dir = snap_to_float_gguf(make_tiny_checkpoint(tmp_path / "hf", "qwen2"))
+    path = write_gguf(hf_dir, tmp_path / "qwen2vl.gguf", "F32", arch="qwen2vl")
+    assert gguf_architecture(path) == "qwen2vl"
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    prompts = random_prompts(4, 384, seed=7, max_len=30)
+    runs = []
+    for source in (hf_dir, path):
+        llm = LLM(str(source), dtype="float64", **DEVICE_KWARGS)
+        runs.append([out.outputs[0].token_ids for out in llm.generate(prompts, params)])
+    assert runs[0] == runs[1]
