@@ -36,6 +36,7 @@ GGUF_ARCHS = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
+    "glm4": "glm4",
     "olmo2": "olmo2",
     "granite": "granite",
     "smollm3": "smollm3",
@@ -218,7 +219,13 @@ def _granite_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_logit_scale(config.logits_scaling)
 
 
+def _glm4_hparams(writer: gguf.GGUFWriter, config) -> None:
+    partial = _rope(config).get("partial_rotary_factor", 0.5)  # llama.cpp's n_rot
+    writer.add_rope_dimension_count(int(_head_dim(config) * partial))
+
+
 _FAMILY_HPARAMS = {
+    "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,
     "phi3": _phi3_hparams,

@@ -31,6 +31,7 @@ FAMILIES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "glm4": ("glm4", "Glm4ForCausalLM"),
     # A Qwen2-VL / Qwen2.5-VL's language model, as llama.cpp converts it: Qwen2's tensors (its
     # multimodal RoPE sections are one position on text)
     "qwen2vl": ("qwen2", "Qwen2ForCausalLM"),
@@ -95,6 +96,8 @@ def hf_config_dict(
         config[field] = metadata.get(f"tokenizer.ggml.{name}_token_id")
     config["rope_parameters"] = _rope(metadata, arch)
     _FAMILY_FIELDS["mixtral" if is_mixtral(metadata) else arch](metadata, config)
+    if arch == "glm4":  # q/k/v biases, stated by their tensors
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if config.get("num_experts"):
         _experts(arch, config, tensor_shapes)
     return config
@@ -251,6 +254,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "gemma3": _gemma3,
     "phi3": _phi3,
     "qwen2vl": lambda metadata, config: config.update(use_sliding_window=False),
+    "glm4": _llama_like("glm4"),  # its rotary half of each head: rope.dimension_count
     "olmo2": _llama_like("olmo2"),
     "granite": _llama_like("granite"),
     "smollm3": _smollm3,

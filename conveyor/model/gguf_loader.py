@@ -92,6 +92,10 @@ _EXPERT_NAMES = {
 _ARCH_LAYER_NAMES = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "glm4": {
+        "post_attention_norm": "post_self_attn_layernorm",
+        "post_ffw_norm": "post_mlp_layernorm",
+    },
 }
 # GGUF tensors that only exist fused (Phi-3's Q, K and V); Phi-3's ffn_up is another one, gate
 # and up stacked, under the name other architectures give up alone (see _fused_parts).
@@ -416,8 +420,8 @@ def _expert_targets(info: _TensorInfo, layer: str, projection: str, param: str) 
 
 
 def _fused_parts(kind: str, info: _TensorInfo, layout: _Layout) -> list[tuple[str, int]] | None:
-    """(GGUF name, rows) of each part of a fused tensor, in order; None: not fused. Phi-3's
-    ffn_up is gate and up stacked (its gate_up_proj), other architectures' ffn_up is up."""
+    """(GGUF name, rows) of each part of a fused tensor, in order; None: not fused. Phi-3's and
+    GLM-4's ffn_up is gate and up stacked (their gate_up_proj), other architectures' is up."""
     if kind == "attn_qkv":
         kv_rows = layout.num_kv_heads * layout.head_dim
         return [
@@ -425,7 +429,7 @@ def _fused_parts(kind: str, info: _TensorInfo, layout: _Layout) -> list[tuple[st
             ("attn_k", kv_rows),
             ("attn_v", kv_rows),
         ]
-    if kind == "ffn_up" and layout.architecture == "phi3":
+    if kind == "ffn_up" and layout.architecture in ("phi3", "glm4"):
         return [("ffn_gate", info.shape[0] // 2), ("ffn_up", info.shape[0] // 2)]
     return None
 

@@ -37,6 +37,7 @@ GGUF_FAMILIES = {
     "gemma3": dict(num_hidden_layers=6, layer_types=None, rope_theta=1e6, rope_local_base_freq=1e4),
     "phi3": {},
     "phi3-partial": {},  # rope.dimension_count half of head_dim
+    "glm4": {},  # interleaved rotary on half of each head, q/k/v biases, fused ffn_up
     "olmo2": {},
     "granite": {},
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=None),
