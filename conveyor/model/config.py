@@ -276,7 +276,7 @@ _TEXT_MODEL_CLASSES = {
 }
 
 
-def _language_model(hf, folder: Path):
+def _language_model(hf, stored: list[str]):
     """The text config of a MULTIMODAL_TEXT_ONLY checkpoint's config, as a causal LM's: its
     architecture the text model type's, its lm_head tied where the checkpoint stores none (as
     transformers ties it), its dtype the checkpoint's."""
@@ -293,9 +293,7 @@ def _language_model(hf, folder: Path):
     text.architectures = [causal]
     if text.model_type == "qwen3_vl_moe_text":  # its router renormalises the top-k, always
         text.norm_topk_prob = True
-    text.tie_word_embeddings = not any(
-        name.endswith("lm_head.weight") for name in stored_tensor_names(folder)
-    )
+    text.tie_word_embeddings = not any(name.endswith("lm_head.weight") for name in stored)
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(hf, "dtype", None)
     if getattr(text, "eos_token_id", None) is None:
@@ -319,9 +317,10 @@ def stored_tensor_names(folder: Path) -> list[str]:
 
 def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dict:
     hf = hf_config(folder, hf_overrides)
+    stored = stored_tensor_names(folder)  # the checkpoint's tensors' names, read once
     wrapper = next((n for n in hf.architectures or () if n in MULTIMODAL_TEXT_ONLY), None)
     if wrapper is not None:
-        hf = _language_model(hf, folder)
+        hf = _language_model(hf, stored)
     arch = architecture(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
@@ -329,7 +328,7 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
     parts = parts_of(hf, arch, int(hf.num_hidden_layers), int(head_dim), _local_rope)
     if rows is not None and parts.qk_norm:
         raise ValueError(f"unsupported partial or interleaved rotary with q/k norms ({arch})")
-    if not parts.o_bias and any(n.endswith(".o_proj.bias") for n in stored_tensor_names(folder)):
+    if not parts.o_bias and any(n.endswith(".o_proj.bias") for n in stored):
         # attention_bias gives the o_proj a bias in some families (Llama, Granite, OLMo 2,
         # InternLM3), not in others (Qwen2, Mistral): the checkpoint says which.
         parts = dataclasses.replace(parts, o_bias=True)
