@@ -20,8 +20,12 @@ environment variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
+
+import numpy as np
+import torch
 
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -54,3 +58,17 @@ def _set_thresholds() -> bool:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
         and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     )
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, align: int = 4096) -> torch.Tensor:
+    """A CPU tensor of zero bytes, page-aligned, whose pages the OS provides on first touch.
+
+    calloc (numpy's zeros) promises zeros; above the mmap threshold it takes them as fresh
+    pages from the OS and writes nothing. The KV cache (2 GiB by default) was allocated and
+    then zeroed: every page faulted in at start, 3 s of a 2-vCPU Zen 3's start for memory most
+    servers never fill. The pages are still unwritten here, so a madvise (huge pages) after
+    this call applies before their first touch."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)

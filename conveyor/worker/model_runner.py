@@ -120,10 +120,14 @@ class ModelRunner:
             )
 
     def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
-        if self.attention_ops is not None:  # huge pages must be asked for before the first touch
+        """Zero bytes (0.0 in each); on the CPU pages the OS faults in as steps first write
+        them (allocator.zeroed), asked for as huge pages before that first touch."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        cache = allocator.zeroed(shape, self.kv_dtype)
+        if self.attention_ops is not None:
             self.attention_ops.advise_huge_pages(cache)
-        return cache.view(torch.uint8).zero_().view(cache.dtype)  # zero bytes: 0.0 in each
+        return cache
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
