@@ -22,6 +22,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The tests never download: a model named by its Hub id (conveyor/hub.py) comes from a cache
 # they build, and the servers they start inherit it. Read when huggingface_hub is imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# pytest rewrites each test module's asserts on import and caches the result in __pycache__,
+# but not where bytecode is not written (PYTHONDONTWRITEBYTECODE, as some sandboxes set): then
+# the controller and each worker rewrote all ~110 modules again (~4 s of CPU each). Written
+# for this process's imports from here on; the processes the tests start keep the setting.
+sys.dont_write_bytecode = False
 
 import torch  # noqa: E402
 
