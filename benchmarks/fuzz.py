@@ -100,6 +100,11 @@ def seeds(model: str, adapter_dir: str | None) -> dict[str, list[dict]]:
             {"model": model, "input": "Hi there"},
             {"model": model, "input": ["a", "b"], "encoding_format": "base64"},
         ],
+        "POST /score": [{"model": model, "text_1": "Hi", "text_2": ["a", "b"]}],
+        "POST /v1/rerank": [
+            {"model": model, "query": "Hi", "documents": ["a", "b"], "top_n": 1},
+        ],
+        "POST /classify": [{"model": model, "input": ["a", "b"]}],
         "POST /tokenize": [
             {"model": model, "prompt": "Hi"},
             {"model": model, "messages": [{"role": "user", "content": "Hi"}]},

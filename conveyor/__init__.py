@@ -3,11 +3,15 @@
 from conveyor.engine_args import EngineArgs
 from conveyor.entrypoints.beam_search import BeamSearchParams
 from conveyor.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
@@ -25,6 +29,10 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "Logprob",
     "PoolingParams",
 ]

@@ -91,6 +91,9 @@ class ScheduledRequest:
     num_prompt_logprobs: int = 0
     # Embeddings: the chunk's final hidden states are handed back (ModelRunnerOutput.hidden).
     pooling: bool = False
+    # The chunk ends a classify request's prompt: its last row's label logits are handed back
+    # (ModelRunnerOutput.hidden; model ModelConfig.classifier).
+    classify: bool = False
     # The LoRA adapter (its lora_int_id) the rows run with; 0: the base model.
     lora_id: int = 0
     # The request's prompt length: rows at positions below it are prompt tokens (a model's
@@ -222,6 +225,47 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's: one prompt's label probabilities (LLM.classify); `logits` the classifier's raw
+    label logits they come from (conveyor/scoring.py)."""
+
+    probs: list[float]
+    logits: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """vLLM's: what LLM.classify returns for each prompt, in the prompts' order."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's: one pair's score (LLM.score)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's: what LLM.score returns for each pair, in the pairs' order; prompt_token_ids the
+    joined pair's (a classifier), or the second text's (embeddings compared)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
     finished: bool = True
 
 

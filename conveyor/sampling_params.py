@@ -14,7 +14,7 @@ from conveyor.structured.params import StructuredOutputs
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("last", "mean", "classify")  # classify: the label logits (model classifier)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
 # vLLM's upper bound; the lower one keeps logit / penalty finite in float32 (1e-300 is 0 there,
 # and a seen token's logit / 0 is inf, 0 / 0 NaN).
@@ -154,7 +154,8 @@ class SamplingParams:
     # input processor into bad_words_token_ids).
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
-    # Embeddings: "last" or "mean" pooling of the prompt's final hidden states (normalized);
+    # Embeddings: "last" or "mean" pooling of the prompt's final hidden states (normalized),
+    # or "classify": the label logits of the model's classifier at the prompt's last token;
     # such a request generates nothing (max_tokens=0) and skips the prefix cache.
     pooling: str | None = None
     # vLLM's: the prompt's blocks are cached under this salt, so that only requests that give

@@ -565,7 +565,10 @@ def _ask_prompt_rows(item: ScheduledRequest, request: Request) -> None:
         start, end = item.num_computed_tokens, item.num_computed_tokens + len(item.token_ids)
         item.prompt_targets = request.prompt_token_ids[start + 1 : end + 1]
         item.num_prompt_logprobs = request.params.prompt_logprobs
-    item.pooling = request.pooled_rows is not None
+    classify = request.params.pooling == "classify"
+    item.pooling = request.pooled_rows is not None and not classify
+    end = item.num_computed_tokens + len(item.token_ids)
+    item.classify = classify and end == request.num_prompt_tokens
 
 
 def _take_prompt_rows(request: Request, item: ScheduledRequest, out: ModelRunnerOutput) -> None:
@@ -584,10 +587,16 @@ def _take_prompt_rows(request: Request, item: ScheduledRequest, out: ModelRunner
 
 def _finish_pooling(request: Request) -> None:
     """The embedding of a pooling request: mean or last of its prompt's final hidden states,
-    L2-normalized, reduced once over all rows (so the same whatever the chunking)."""
+    L2-normalized, reduced once over all rows (so the same whatever the chunking); a classify
+    request's: the label logits its last row gave."""
     if request.pooled_rows is None:
         return
     import torch
+
+    if request.params.pooling == "classify":
+        request.embedding = request.pooled_rows[-1].tolist()
+        request.pooled_rows = None
+        return
 
     rows = torch.cat(request.pooled_rows)  # (P, H)
     pooled = rows[-1] if request.params.pooling == "last" else rows.mean(dim=0)

@@ -109,6 +109,7 @@ class InputProcessor:
                 "n must be 1 with max_tokens=0: the prompt alone is computed, the same for "
                 "every completion"
             )
+        self._check_task(params)
         if self.tokenizer is None:
             self._check_without_tokenizer(params)
         text, token_ids = self._tokenize(prompt)
@@ -294,6 +295,23 @@ class InputProcessor:
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return params.clone(bad_words_token_ids=sequences)
+
+    def _check_task(self, params: SamplingParams) -> None:
+        """A classify request needs the model's classifier; a sequence classifier (its head
+        no vocabulary's) computes no tokens."""
+        model = self.info.model_config
+        if params.pooling == "classify" and model.classifier is None:
+            raise ValueError(
+                "this model has no classifier: serve a *ForSequenceClassification checkpoint, "
+                "or name the tokens whose logits are the labels (--hf-overrides "
+                '\'{"classifier_from_token": ["no", "yes"]}\')'
+            )
+        if model.is_sequence_classifier and params.pooling is None:
+            raise ValueError(
+                f"{model.path.name} is a sequence classifier ({model.classifier.num_labels} "
+                "labels): it classifies, scores and embeds (/classify, /score, /rerank, "
+                "/v1/embeddings; LLM.classify, LLM.score, LLM.embed), it generates no text"
+            )
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         """Resolves max_tokens and refuses what could never run."""

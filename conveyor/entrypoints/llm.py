@@ -27,13 +27,18 @@ from conveyor.entrypoints.pipeline import (
 )
 from conveyor.lora.request import LoRARequest
 from conveyor.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     OutputKind,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
+from conveyor.scoring import cosine, label_probs, one_label, pairs
 from conveyor.structured.tools import MAX_DEPTH
 
 Prompt = str | list[int]
@@ -227,6 +232,68 @@ class LLM:
                 out.finished,
             )
             for out in outputs
+        ]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's: each prompt's label probabilities (`out.outputs.probs`) by the model's
+        classifier at its last token (a *ForSequenceClassification checkpoint's score head,
+        or `classifier_from_token`'s tokens, ModelConfig.classifier); ValueError for a model
+        without one."""
+        params = SamplingParams(max_tokens=0, pooling="classify")
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        return [
+            ClassificationRequestOutput(
+                out.request_id,
+                ClassificationOutput(label_probs(out.embedding), out.embedding),
+                out.prompt_token_ids,
+                out.finished,
+            )
+            for out in outputs
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's: a score per pair (data_1 one text against each of data_2, or two lists
+        pairwise; `out.outputs.score`): with a classifier of one label, the sigmoid of its
+        logit on the pair joined as the tokenizer joins a text pair (a cross-encoder, such as
+        Qwen3-Reranker with vLLM's `classifier_from_token` overrides); without one, the cosine
+        similarity of the two texts' embeddings."""
+        joined = pairs(data_1, data_2)
+        classifier = self.engine.model_config.classifier
+        if classifier is not None:
+            one_label(classifier.num_labels)
+            tokenizer = self.get_tokenizer()
+            prompts = [tokenizer(a, text_pair=b)["input_ids"] for a, b in joined]
+            outputs = self.classify(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
+            return [
+                ScoringRequestOutput(
+                    out.request_id, ScoringOutput(out.outputs.probs[0]), out.prompt_token_ids
+                )  # fmt: skip
+                for out in outputs
+            ]
+        texts = list(dict.fromkeys(t for pair in joined for t in pair))
+        embedded = self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)
+        vectors = dict(zip(texts, embedded, strict=True))
+        return [
+            ScoringRequestOutput(
+                vectors[b].request_id,
+                ScoringOutput(cosine(vectors[a].outputs.embedding, vectors[b].outputs.embedding)),
+                vectors[b].prompt_token_ids,
+            )
+            for a, b in joined
         ]
 
     def chat(

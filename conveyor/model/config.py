@@ -44,6 +44,23 @@ DTYPES = {
 
 
 @dataclass(frozen=True)
+class Classifier:
+    """A classifier over the last prompt token's final hidden state (vLLM's pooling runner for
+    /classify, /score and /rerank): a `*ForSequenceClassification` checkpoint's `score` head
+    (token_ids empty), or a causal LM's logits of some tokens (vLLM's `classifier_from_token`
+    hf_overrides; with `is_original_qwen3_reranker`, Qwen3-Reranker's one label: the second
+    token's logit minus the first's, so that its sigmoid is P(yes) of the softmax over both)."""
+
+    labels: tuple[str, ...]  # a name per label (id2label's, or the tokens')
+    token_ids: tuple[int, ...] = ()
+    difference: bool = False
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.difference else len(self.labels)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: Path
     architecture: str  # the family: model/families.py
@@ -83,6 +100,15 @@ class ModelConfig:
     # A head's q and k rows in the order that makes the checkpoint's RoPE (partial, or GLM's
     # interleaved pairs) the default one (rotary_rows); None: the checkpoint's order.
     rotary_rows: tuple[int, ...] | None = None
+    # A classifier head (Classifier): the model answers pooling "classify" requests (/classify,
+    # /score, /rerank); None: it has none (/score and /rerank then compare embeddings).
+    classifier: Classifier | None = None
+
+    @property
+    def is_sequence_classifier(self) -> bool:
+        """A `*ForSequenceClassification` checkpoint: its head is no vocabulary's, it does
+        not generate."""
+        return self.classifier is not None and not self.classifier.token_ids
 
     @property
     def dtype(self) -> torch.dtype:
@@ -177,6 +203,7 @@ class ModelConfig:
             hub_id=None if model is None or _local(model) is not None else str(model),
             text_of=facts.get("text_of"),
             rotary_rows=tuple(facts["rotary_rows"]) if facts.get("rotary_rows") else None,
+            classifier=_classifier(facts.get("classifier")),
         )
 
 
@@ -315,12 +342,71 @@ def stored_tensor_names(folder: Path) -> list[str]:
     return names
 
 
+def _sequence_classifier(hf, folder: Path, stored: list[str]) -> dict | None:
+    """The classifier facts of a config (Classifier's fields as JSON), the config's
+    architectures turned to the causal LM's where it names a `*ForSequenceClassification`;
+    None without one. vLLM's `classifier_from_token` (given by --hf-overrides) names tokens
+    whose logits are the labels'."""
+    names = list(getattr(hf, "architectures", None) or [])
+    sequence = next((n for n in names if n.endswith("ForSequenceClassification")), None)
+    tokens = getattr(hf, "classifier_from_token", None)
+    if sequence is None and tokens is None:
+        return None
+    if sequence is not None:
+        hf.architectures = [sequence.removesuffix("ForSequenceClassification") + "ForCausalLM"]
+    difference = bool(getattr(hf, "is_original_qwen3_reranker", False))
+    if tokens is None:
+        if "score.weight" not in stored:
+            raise ValueError(f"{sequence} checkpoint without a score.weight head")
+        if any(name.endswith(".bias") and name.startswith("score.") for name in stored):
+            raise ValueError(f"unsupported biased score head of {sequence}")
+        labels = getattr(hf, "id2label", None) or {}
+        count = int(getattr(hf, "num_labels", len(labels)) or len(labels))
+        return {"labels": [str(labels.get(i, f"LABEL_{i}")) for i in range(count)]}
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+    if difference and len(tokens) != 2:
+        raise ValueError(
+            f"is_original_qwen3_reranker takes two classifier_from_token tokens, got {tokens!r}"
+        )
+    return {"labels": tokens, "token_ids": _token_ids(folder, tokens), "difference": difference}
+
+
+def _token_ids(folder: Path, tokens: list[str]) -> list[int]:
+    """Each token's id in the checkpoint's tokenizer (tokenizer.json), as vLLM looks them up."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"classifier_from_token: no tokenizer.json in {folder} to find {tokens}")
+    vocabulary = Tokenizer.from_file(str(path))
+    ids = [vocabulary.token_to_id(token) for token in tokens]
+    if None in ids:
+        missing = [t for t, i in zip(tokens, ids, strict=True) if i is None]
+        raise ValueError(f"classifier_from_token: {missing} not in the tokenizer's vocabulary")
+    return ids
+
+
+def _classifier(facts: dict | None) -> Classifier | None:
+    if facts is None:
+        return None
+    return Classifier(
+        labels=tuple(facts["labels"]),
+        token_ids=tuple(facts.get("token_ids", ())),
+        difference=bool(facts.get("difference", False)),
+    )
+
+
 def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dict:
     hf = hf_config(folder, hf_overrides)
     stored = stored_tensor_names(folder)  # the checkpoint's tensors' names, read once
     wrapper = next((n for n in hf.architectures or () if n in MULTIMODAL_TEXT_ONLY), None)
     if wrapper is not None:
         hf = _language_model(hf, stored)
+    classifier = _sequence_classifier(hf, folder, stored)
+    if classifier is not None and "token_ids" not in classifier:
+        # The head is the score's: an lm_head, stored or not, is never read (tied: none kept).
+        hf.tie_word_embeddings = True
     arch = architecture(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
@@ -358,6 +444,7 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "text_of": wrapper,
         "rotary_rows": None if rows is None else list(rows),
         "rope_position_limit": rope_position_limit(hf),
+        "classifier": classifier,
     }
 
 

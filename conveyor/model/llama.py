@@ -281,6 +281,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, tp.shard.vocab(cfg.vocab_size)[2])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # A *ForSequenceClassification checkpoint's head (ModelConfig.classifier), replicated
+        # on every tensor-parallel rank; rank 0 applies it (classify).
+        self.score = (
+            Linear(cfg.hidden_size, cfg.classifier.num_labels)
+            if (cfg.is_sequence_classifier)
+            else None
+        )
         self._compiled: list | None = None  # built at the first step that can use it
         self._invariant = False  # every projection packed for the panel kernels
         self._experts = False  # some layer's MLP is a mixture of experts
@@ -391,6 +398,16 @@ class LlamaForCausalLM(nn.Module):
         if parts.final_softcap:
             logits = torch.tanh(logits / parts.final_softcap) * parts.final_softcap
         return logits.contiguous()  # (N, vocab), row-major for the sampler
+
+    def classify(self, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        """(N, num_labels) label logits of final hidden states (ModelConfig.classifier): the
+        score head's, or the classifier tokens' columns of those rows' `logits` (every rank
+        computed them, compute_logits)."""
+        classifier = self.config.classifier
+        if self.score is not None:
+            return self.score(hidden)
+        picked = logits[:, list(classifier.token_ids)]
+        return picked[:, 1:] - picked[:, :1] if classifier.difference else picked
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """compute_logits(hidden).argmax(-1), exactly, where the lm_head can find it without

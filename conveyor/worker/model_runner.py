@@ -68,6 +68,9 @@ class ModelRunner:
         0: every step eager, --enforce-eager); plan_settings: the kernel plan's (model/plan.py;
         None: the environment's)."""
         self.cfg = cfg
+        # A classifier of tokens' logits: a classify request's last row joins the logits rows
+        # (every rank computes those); a score head needs none (model.classify).
+        self._classify_logits = cfg.classifier is not None and bool(cfg.classifier.token_ids)
         self.tp = tp or TPGroup()
         self.publish = publish
         self.num_kv_heads = self.tp.shard.kv_heads(cfg.num_kv_heads)[1]
@@ -154,6 +157,7 @@ class ModelRunner:
                 if greedy is None:
                     logits = self.model.compute_logits(selected)
         num_prompt_rows = sum(len(s.prompt_targets or ()) for s in sched.scheduled)
+        num_prompt_rows += self._classify_logits * sum(s.classify for s in sched.scheduled)
         prompt_rows = self._prompt_rows(sched.scheduled, step, hidden, logits, num_prompt_rows)
         if num_prompt_rows:  # the sampler reads the sampled rows only
             logits = logits[: len(step.logits_rows) - num_prompt_rows]
@@ -187,7 +191,7 @@ class ModelRunner:
     def _only_plain_greedy(scheduled: list[ScheduledRequest], sampled: list[int]) -> bool:
         """Whether the step's logits serve only to pick argmax tokens (sample/sampler.py:
         plain_greedy), so that the model may find those without computing every logit."""
-        if any(s.prompt_targets for s in scheduled):
+        if any(s.prompt_targets or s.classify for s in scheduled):
             return False
         return all(plain_greedy(scheduled[i].sampling) for i in sampled)
 
@@ -200,10 +204,12 @@ class ModelRunner:
         num_prompt_rows: int,
     ) -> tuple[dict, dict, dict]:
         """Prompt logprobs of the chunks that asked (their logits rows follow the sampled
-        rows, see step_inputs), the final hidden states of pooling chunks, and the requests
-        whose rows are not finite (request id -> why: they end with that error)."""
+        rows, see step_inputs), the final hidden states of pooling chunks, the label logits of
+        the chunks that end a classify request's prompt (the classifier tokens' logits rows
+        come last), and the requests whose rows are not finite (request id -> why: they end
+        with that error)."""
         prompt_logprobs, pooled, failures = {}, {}, {}
-        if not num_prompt_rows and not any(s.pooling for s in scheduled):
+        if not num_prompt_rows and not any(s.pooling or s.classify for s in scheduled):
             return prompt_logprobs, pooled, failures
         starts = np.cumsum(step.query_lens) - step.query_lens
         row = len(step.logits_rows) - num_prompt_rows
@@ -221,6 +227,18 @@ class ModelRunner:
                 pooled[s.request_id] = hidden[start : start + len(s.token_ids)].clone()
                 if not _all_finite(pooled[s.request_id]):
                     failures[s.request_id] = HIDDEN_NOT_FINITE
+        for s, start in zip(scheduled, starts.tolist(), strict=True):
+            if not s.classify:
+                continue
+            last = start + len(s.token_ids) - 1
+            rows = None
+            if self._classify_logits:
+                rows, row = logits[row : row + 1], row + 1
+            labels = self.model.classify(hidden[last : last + 1], rows)[0].clone()
+            if not _all_finite(labels):
+                failures[s.request_id] = LOGITS_NOT_FINITE
+                continue
+            pooled[s.request_id] = labels
         return prompt_logprobs, pooled, failures
 
     def _lora_rows(self, scheduled: list[ScheduledRequest], step: StepInputs):
@@ -287,6 +305,11 @@ class ModelRunner:
                 if s.prompt_targets
             ]
             logits_rows = np.concatenate([logits_rows, *extra])
+        if self._classify_logits and any(s.classify for s in scheduled):
+            # a classify request's last prompt row, after those: its classifier tokens' logits
+            ends = np.cumsum(query_lens) - 1
+            rows = [ends[i : i + 1] for i, s in enumerate(scheduled) if s.classify]
+            logits_rows = np.concatenate([logits_rows, *rows])
         prompt = None
         if self.model.prompt_route:
             lengths = (s.num_prompt_tokens for s in scheduled)

@@ -40,7 +40,8 @@ def test_a_fuzz_pass_over_every_route_gets_no_5xx_and_no_engine_death(server):
     assert report.ok, text
     assert sum(report.cases.values()) == NUM_CASES, text
     routes = {route.split(" ", 1)[1] for route in report.cases}
-    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"):
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
+                 "/score", "/v1/rerank", "/classify"):  # fmt: skip
         assert path in routes, text
     assert "/tokenize" in routes and "/v1/load_lora_adapter" in routes, text
 

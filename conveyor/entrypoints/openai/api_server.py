@@ -51,6 +51,14 @@ from conveyor.entrypoints.openai.protocol import (
 )
 from conveyor.entrypoints.openai.responses.routes import add_response_routes
 from conveyor.entrypoints.openai.responses.store import StoreLimits
+from conveyor.entrypoints.openai.scoring import (
+    ClassificationRequest,
+    RerankRequest,
+    ScoreRequest,
+    classify,
+    rerank,
+    score,
+)
 from conveyor.entrypoints.openai.server_load import add_load_tracking, add_middleware
 from conveyor.entrypoints.openai.serving import OpenAIServing, RequestLogger, ServerDefaults
 from conveyor.entrypoints.openai.vllm_routes import (
@@ -262,6 +270,29 @@ def build_app(
         admitted(raw)
         hidden_size = async_engine.model_config.hidden_size
         return await bad_request(embed(serving, body, embedding_pooling, hidden_size, raw))
+
+    # vLLM's pooling routes beside the embeddings (scoring.py): by the model's classifier, or
+    # (/score, /rerank) the embeddings' cosine similarity where it has none.
+    async def classification(body: ClassificationRequest, raw: Request):
+        check_model(body.model)
+        admitted(raw)
+        return await bad_request(classify(serving, body, raw, embedding_pooling))
+
+    async def scores(body: ScoreRequest, raw: Request):
+        check_model(body.model)
+        admitted(raw)
+        return await bad_request(score(serving, body, raw, embedding_pooling))
+
+    async def reranking(body: RerankRequest, raw: Request):
+        check_model(body.model)
+        admitted(raw)
+        return await bad_request(rerank(serving, body, raw, embedding_pooling))
+
+    app.post("/classify")(classification)
+    for path in ("/score", "/v1/score"):
+        app.post(path)(scores)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path)(reranking)
 
     # Each body's model, lenient about unknown fields (vLLM's way) where the operator asks;
     # the key that makes a SageMaker /invocations body one of them.
