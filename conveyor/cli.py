@@ -17,7 +17,9 @@ from conveyor.entrypoints.serve_line import (
     QuietPaths,
     add_negations,
     add_serve_line_args,
+    add_task_flags,
     check_serve_line,
+    check_task,
     compilation_eager,
     cors_settings,
     load_chat_template,
@@ -140,6 +142,17 @@ def _memory_line(engine) -> str:
     )
 
 
+def _has_classifier(settings: EngineArgs) -> bool:
+    """Whether the model has a classifier (ModelConfig.classifier); True where its config
+    does not resolve: the engine's start then says why."""
+    from conveyor.engine.config import resolve_model_config
+
+    try:
+        return resolve_model_config(settings).classifier is not None
+    except ValueError:
+        return True
+
+
 def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     """The app over a ready engine, or an exit status for flags that do not go together."""
 
@@ -147,7 +160,7 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
     from conveyor.entrypoints.openai.api_server import build_app
     from conveyor.limits import RequestLimits
 
-    if problem := check_serve_line(args):
+    if problem := check_serve_line(args) or check_task(args, lambda: _has_classifier(settings)):
         print(f"conveyor serve: {problem}", file=sys.stderr)
         return 2
     template = None if args.chat_template is None else load_chat_template(args.chat_template)
@@ -439,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         "those still open then end with finish_reason abort",
     )
     add_serve_line_args(serve.add_argument_group("vLLM's serve line"))
+    add_task_flags(serve.add_argument_group("vLLM's serve line"))
     add_process_args(serve)
     add_limit_args(serve)
     add_store_args(serve)
@@ -450,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    argv = [_dashed(arg) for arg in argv]
     parser = build_parser()
     try:
         if argv[:1] == ["serve"]:  # vLLM's --config FILE, read into flags
@@ -468,6 +483,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"conveyor: error: {error}", file=sys.stderr)
         return 2
+
+
+def _dashed(arg: str) -> str:
+    """A flag's name with dashes for underscores, as vLLM's parser takes them: model cards
+    write `--hf_overrides '{...}'` and `--max_model_len 4096`. Values are left as given."""
+    if not arg.startswith("--"):
+        return arg
+    name, equals, value = arg.partition("=")
+    return name.replace("_", "-") + equals + value
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -666,6 +667,40 @@ def take_active_seqs(args: argparse.Namespace) -> None:
     args.max_num_seqs = active
 
 
+# vLLM's model runner choices (--task before vLLM 0.10, --runner and --convert after): conveyor
+# serves a model's every task at once (generation, /v1/embeddings, and with a classifier
+# /classify, /score, /rerank), so these only check that the model can do what they name.
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+
+
+def add_task_flags(parser: argparse.ArgumentParser) -> None:
+    doc = (
+        "vLLM's (a serve line written for it): every task is served at once (generation, "
+        "/v1/embeddings; /classify, /score, /rerank by the model's classifier); classify or "
+        "score checks that the model has one"
+    )
+    parser.add_argument("--task", choices=TASKS, default="auto", help=doc)
+    parser.add_argument("--runner", choices=RUNNERS, default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--convert", choices=CONVERTS, default="auto", help=argparse.SUPPRESS)
+
+
+def check_task(args: argparse.Namespace, has_classifier: Callable[[], bool]) -> str | None:
+    """A task a model without a classifier cannot do, as a message (None: it can)."""
+    if args.task not in ("classify", "score") and args.convert != "classify":
+        return None
+    if has_classifier():
+        return None
+    named = f"--task {args.task}" if args.task != "auto" else "--convert classify"
+    return (
+        f"{named}: the model has no classifier; serve a *ForSequenceClassification "
+        "checkpoint, or name the tokens whose logits are the labels, as for Qwen3-Reranker: "
+        '--hf-overrides \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\''
+    )
+
+
 def check_serve_line(args: argparse.Namespace) -> str | None:
     """What in these flags cannot be served, as a message (None: all can)."""
     if args.tokenizer_mode not in ("auto", "hf"):
@@ -868,10 +903,6 @@ VLLM_REFUSED = {
     "--data-parallel-size-local": "replicas on other nodes are placed by Ray",
     "--data-parallel-start-rank": "replicas on other nodes are placed by Ray",
     "--data-parallel-backend": "--distributed-executor-backend mp or ray places the replicas",
-    "--task": "the model generates, and /v1/embeddings serves its hidden states; there are "
-    "no classify, score or reward models",
-    "--runner": "the model generates, and /v1/embeddings serves its hidden states",
-    "--convert": "the model generates, and /v1/embeddings serves its hidden states",
     "--calculate-kv-scales": "the fp8 KV cache (--kv-cache-dtype fp8) needs no scales: its "
     "values are clamped to +-448",
     "--enable-prompt-embeds": "prompts are text or token ids",

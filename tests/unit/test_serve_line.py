@@ -16,6 +16,7 @@ from conveyor.entrypoints.openai.protocol import ChatMessage
 from conveyor.entrypoints.serve_line import (
     VLLM_REFUSED,
     check_serve_line,
+    check_task,
     compilation_eager,
     load_chat_template,
     refused_flags,
@@ -305,3 +306,25 @@ def test_vllms_spec_flags_are_the_speculative_config_in_short():
     untouched = serve.parse_args(["m"])
     take_spec_flags(untouched)
     assert untouched.speculative_config is None
+
+
+def test_vllms_task_flags_parse_and_a_classify_task_needs_a_classifier():
+    for line in ("--task score", "--task embed", "--runner pooling --convert classify", ""):
+        args = build_parser().parse_args(["serve", "/models/m", *line.split()])
+        wants = "score" in line or "classify" in line
+        assert check_task(args, lambda: True) is None
+        problem = check_task(args, lambda: False)
+        assert (problem is not None) == wants, line
+        if wants:
+            assert "the model has no classifier" in problem and "classifier_from_token" in problem
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "/models/m", "--task", "reward"])
+
+
+def test_flags_written_with_underscores_parse_as_vllm_takes_them():
+    from conveyor.cli import _dashed
+
+    line = ["serve", "/m", "--hf_overrides", '{"a_b": 1}', "--max_model_len=64", "--task=score"]
+    args = build_parser().parse_args([_dashed(arg) for arg in line])
+    assert args.hf_overrides == {"a_b": 1}  # the value keeps its underscore
+    assert engine_args(args).max_model_len == 64 and args.task == "score"
