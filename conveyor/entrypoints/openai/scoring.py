@@ -175,11 +175,7 @@ async def score(serving: OpenAIServing, body: ScoreRequest, raw: Request,
         joined = pairs(body.text_1, body.text_2)
     except ValueError as error:
         raise InvalidParam(str(error), "text_2") from None
-    run = _Run(serving, body, raw, pooling)
-    try:
-        scores = await run.scores("score", joined, _classifier(serving))
-    except ValueError as error:
-        raise InvalidParam(str(error), "model") from None
+    run, scores = await _scored(serving, body, raw, pooling, "score", joined)
     if isinstance(scores, Response):
         return scores
     return {
@@ -197,11 +193,7 @@ async def rerank(serving: OpenAIServing, body: RerankRequest, raw: Request,
     if not body.documents:
         raise InvalidParam("documents: at least one document", "documents")
     joined = [(body.query, document) for document in body.documents]
-    run = _Run(serving, body, raw, pooling)
-    try:
-        scores = await run.scores("rerank", joined, _classifier(serving))
-    except ValueError as error:
-        raise InvalidParam(str(error), "model") from None
+    run, scores = await _scored(serving, body, raw, pooling, "rerank", joined)
     if isinstance(scores, Response):
         return scores
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
@@ -219,6 +211,20 @@ async def rerank(serving: OpenAIServing, body: RerankRequest, raw: Request,
         "usage": {"total_tokens": run.num_tokens},
         "results": results,
     }
+
+
+async def _scored(serving: OpenAIServing, body, raw: Request, pooling: str, prefix: str,
+                  joined: list[tuple[str, str]]) -> tuple[_Run, list | Response]:  # fmt: skip
+    """The run and each pair's score (a Response: the client went away); a classifier that
+    cannot score is a 400."""
+    run = _Run(serving, body, raw, pooling)
+    classifier = _classifier(serving)
+    if classifier is not None:
+        try:
+            one_label(classifier.num_labels)
+        except ValueError as error:
+            raise InvalidParam(str(error), "model") from None
+    return run, await run.scores(prefix, joined, classifier)
 
 
 def _usage(num_tokens: int) -> dict:
