@@ -239,18 +239,26 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         *,
         use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """vLLM's: each prompt's label probabilities (`out.outputs.probs`) by the model's
         classifier at its last token (a *ForSequenceClassification checkpoint's score head,
         or `classifier_from_token`'s tokens, ModelConfig.classifier); ValueError for a model
-        without one."""
+        without one. pooling_params=PoolingParams(use_activation=False): `probs` holds the
+        raw label logits (a reward model's score), as vLLM's."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params must be PoolingParams, got {pooling_params!r}")
+        activation = pooling_params is None or pooling_params.activation
         params = SamplingParams(max_tokens=0, pooling="classify")
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [
             ClassificationRequestOutput(
                 out.request_id,
-                ClassificationOutput(label_probs(out.embedding), out.embedding),
+                ClassificationOutput(
+                    label_probs(out.embedding) if activation else list(out.embedding),
+                    out.embedding,
+                ),
                 out.prompt_token_ids,
                 out.finished,
             )

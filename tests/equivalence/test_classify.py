@@ -13,7 +13,7 @@ from conftest import DEVICE_KWARGS
 from tiny import build_tokenizer, make_tiny_checkpoint, tiny_config
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, PoolingParams, SamplingParams
 
 PROMPTS = [
     "the quick brown fox",
@@ -66,6 +66,9 @@ def test_the_score_head_equals_transformers_and_is_the_same_bits_batched(classif
             assert max(range(num_labels), key=out.outputs.probs.__getitem__) == top
         alone = llm.classify(prompt, use_tqdm=False)[0]
         assert alone.outputs.logits == out.outputs.logits  # bit for bit
+    # vLLM's use_activation=False: the raw logits (a reward model's score) in probs
+    raw = llm.classify(PROMPTS, use_tqdm=False, pooling_params=PoolingParams(use_activation=False))
+    assert [r.outputs.probs for r in raw] == [out.outputs.logits for out in together]
 
 
 def test_a_sequence_classifier_generates_nothing_and_embeds(classifier):

@@ -69,6 +69,9 @@ def test_score_and_rerank_by_the_classifier_equal_llm_score(reranker):
     assert reply.status_code == 200, reply.text
     data = reply.json()["data"]
     assert data[0]["probs"] == logits.probs and data[0]["num_classes"] == 1
+    body = {"input": "the quick brown fox", "use_activation": False}
+    raw = _post(server, "/classify", body).json()["data"]
+    assert raw[0]["probs"] == logits.logits  # the raw logit, as vLLM answers without activation
 
 
 def test_without_a_classifier_scores_are_cosines_and_classify_is_a_400(plain):

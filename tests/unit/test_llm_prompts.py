@@ -57,7 +57,7 @@ def test_embed_answers_as_vllms_llm_embed(llm):
     with pytest.raises(ValueError, match=f"have {hidden} dimensions and cannot be shortened"):
         llm.embed("Paris", use_tqdm=False, pooling_params=PoolingParams(dimensions=hidden - 1))
     with pytest.raises(ValueError, match="use_activation=False: conveyor's embeddings are"):
-        PoolingParams(use_activation=False)
+        llm.embed("Paris", use_tqdm=False, pooling_params=PoolingParams(use_activation=False))
     with pytest.raises(ValueError, match="tokenization_kwargs are not taken"):
         llm.embed("Paris", use_tqdm=False, tokenization_kwargs={"truncation": True})
 

@@ -34,6 +34,10 @@ class ClassificationRequest(BaseModel):
 
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
+    # vLLM's: False answers the raw label logits in `probs` (a reward model's score);
+    # `activation` its older name
+    use_activation: bool | None = None
+    activation: bool | None = None
     user: HintText | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     add_special_tokens: bool = True
@@ -154,8 +158,9 @@ async def classify(serving: OpenAIServing, body: ClassificationRequest, raw: Req
     if isinstance(logits, Response):
         return logits
     data = []
+    activation = body.use_activation is not False and body.activation is not False
     for i, each in enumerate(logits):
-        probs = label_probs(each)
+        probs = label_probs(each) if activation else list(each)
         best = max(range(len(probs)), key=probs.__getitem__)
         label = classifier.labels[best] if len(classifier.labels) == len(probs) else str(best)
         data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
