@@ -149,3 +149,21 @@ def test_a_bad_classifier_override_is_refused_by_name(tiny_checkpoint):
     three = {"classifier_from_token": ["a", "b", "c"], "is_original_qwen3_reranker": True}
     with pytest.raises(ValueError, match="takes two classifier_from_token tokens"):
         LLM(path, dtype="float64", hf_overrides=three, **DEVICE_KWARGS)
+
+
+def test_two_tensor_parallel_ranks_give_the_same_bits(reranker):
+    """Classifier tokens across two ranks (their logits rows computed by every rank, as a
+    sampled row's): the bits of one. (A score head is replicated and applied on rank 0.)"""
+    llm = reranker[0]
+    expected = [s.outputs.score for s in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    config = llm.engine.model_config
+    overrides = {
+        "classifier_from_token": list(config.classifier.labels),
+        "is_original_qwen3_reranker": True,
+    }
+    two = LLM(str(config.path), dtype="float64", tensor_parallel_size=2, hf_overrides=overrides,
+              **DEVICE_KWARGS)  # fmt: skip
+    try:
+        assert [s.outputs.score for s in two.score(QUERY, DOCUMENTS, use_tqdm=False)] == expected
+    finally:
+        two.shutdown()
