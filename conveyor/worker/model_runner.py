@@ -157,7 +157,8 @@ class ModelRunner:
                 if greedy is None:
                     logits = self.model.compute_logits(selected)
         num_prompt_rows = sum(len(s.prompt_targets or ()) for s in sched.scheduled)
-        num_prompt_rows += self._classify_logits * sum(s.classify for s in sched.scheduled)
+        if self._classify_logits:  # a classifier's tokens' logits rows come after those
+            num_prompt_rows += sum(s.classify for s in sched.scheduled)
         prompt_rows = self._prompt_rows(sched.scheduled, step, hidden, logits, num_prompt_rows)
         if num_prompt_rows:  # the sampler reads the sampled rows only
             logits = logits[: len(step.logits_rows) - num_prompt_rows]
