@@ -10,8 +10,10 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from server_util import ServerProcess
+from server_util import InThreadServer
 from tiny import MARKER_SPECIALS, make_scripted_checkpoint, thinking_script
+
+from conveyor.entrypoints.parsers import ParserNames
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "Where?"}]
@@ -31,10 +33,9 @@ def joined(stream) -> tuple[str, str]:
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("markers")
     path = make_scripted_checkpoint(folder / "ckpt", thinking_script(), MARKER_SPECIALS)
-    args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
-    proc = ServerProcess([*args, "--reasoning-parser", "mistral"], folder / "server.log")
-    yield proc
-    proc.stop()
+    server = InThreadServer(path, MODEL, ParserNames("mistral"))  # --reasoning-parser mistral
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
