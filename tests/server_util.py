@@ -155,7 +155,8 @@ class InThreadServer:
         from conveyor.entrypoints.openai.api_server import build_app
 
         engine_settings = {"dtype": "float32", "kv_cache_memory": "32MiB"} | engine_settings
-        app = build_app(LLMEngine(str(model), **engine_settings), name, parsers=parsers)
+        self.engine = LLMEngine(str(model), **engine_settings)
+        app = build_app(self.engine, name, parsers=parsers)
         for _ in range(ServerProcess.BIND_ATTEMPTS):  # a port taken meanwhile: another one
             self.port = free_port()
             self.base_url = f"http://127.0.0.1:{self.port}"
@@ -173,8 +174,11 @@ class InThreadServer:
         raise RuntimeError(f"no free port in {ServerProcess.BIND_ATTEMPTS} attempts")
 
     def stop(self) -> None:
+        """Stops the server, then its engine: the thread count its governor took goes back
+        to this process (a later test in this worker sees torch's threads as they were)."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.engine.shutdown()
 
 
 # ---- the processes behind a server (engine core, ranks) -----------------------------------

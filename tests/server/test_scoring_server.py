@@ -96,6 +96,9 @@ def test_without_a_classifier_scores_are_cosines_and_classify_is_a_400(plain):
         ("/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n"),
         ("/score", {"text_1": "a", "text_2": "b", "temperature": 1}, "temperature"),
         ("/classify", {"input": [[1, 2], [99999]]}, ""),
+        # refused from its length alone, never tokenized (a 4 MB document)
+        ("/rerank", {"query": "q", "documents": ["x" * 2**22]}, "cannot fit in the model's"),
+        ("/score", {"text_1": "", "text_2": "b"}, "must not be empty"),
     ],
 )
 def test_bad_bodies_are_400s_and_the_server_goes_on(reranker, route, body, says):

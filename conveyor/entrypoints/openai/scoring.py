@@ -120,10 +120,8 @@ class _Run:
         """A score per pair (conveyor/scoring.py); a Response (499) if the client went away."""
         if classifier is not None:
             one_label(classifier.num_labels)
-            tokenizer = self.serving.tokenizer
-            joined_ids = await self.serving.off_loop(
-                lambda: [tokenizer(a, text_pair=b)["input_ids"] for a, b in joined]
-            )
+            encode = self.serving.encode_pair
+            joined_ids = await self.serving.off_loop(lambda: [encode(a, b) for a, b in joined])
             logits = await self.pooled(prefix, await self.prompts(joined_ids), "classify")
             if isinstance(logits, Response):
                 return logits

@@ -349,6 +349,17 @@ class OpenAIServing:
         except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
             raise ValueError(f"prompt could not be tokenized: {error}") from error
 
+    def encode_pair(self, text_1: str, text_2: str) -> list[int]:
+        """A text pair's token ids, joined as the tokenizer joins a pair (a cross-encoder's
+        prompt: /score, /rerank); refused before tokenizing where it cannot fit, as encode."""
+        if not text_1 or not text_2:
+            raise ValueError("a text of a scored pair must not be empty")
+        self.engine.inputs.check_texts({"text_1": len(text_1), "text_2": len(text_2)})
+        try:
+            return list(self.tokenizer(text_1, text_pair=text_2).input_ids)
+        except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
+            raise ValueError(f"the pair could not be tokenized: {error}") from error
+
     def chat_prompt(
         self,
         messages: list[ChatMessage],
