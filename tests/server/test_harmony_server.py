@@ -13,7 +13,7 @@ import json
 import anthropic
 import openai
 import pytest
-from server_util import InThreadServer
+from server_util import ServerProcess
 from test_special_markers import CITY, CITY_FORMAT, joined
 from test_thinking_budget import assert_tool_use_after_thinking, assert_weather_call_after_thinking
 from tiny import (
@@ -23,8 +23,6 @@ from tiny import (
     make_scripted_checkpoint,
     scripted_tokenizer,
 )
-
-from conveyor.entrypoints.parsers import ParserNames
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "Where?"}]
@@ -43,11 +41,11 @@ def server(tmp_path_factory):
         HARMONY_WORDS,
         max_position_embeddings=2048,  # Anthropic's least budget is 1024 tokens
     )
-    # conveyor serve's app in-thread: --reasoning-parser openai_gptoss
-    # --enable-auto-tool-choice --tool-call-parser openai
-    server = InThreadServer(path, MODEL, ParserNames("openai_gptoss", "openai", True))
-    yield server
-    server.stop()
+    args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
+    parsers = "--reasoning-parser openai_gptoss --enable-auto-tool-choice --tool-call-parser openai"
+    proc = ServerProcess([*args, *parsers.split()], folder / "server.log")
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -217,12 +215,14 @@ def test_a_completion_whose_prompt_opened_the_analysis_is_bounded_by_a_budget(cl
 
 
 @pytest.fixture(scope="module")
-def gpt_oss(tiny_checkpoint):
+def gpt_oss(tiny_checkpoint, tmp_path_factory):
     """The tiny random GPT-OSS (sinks, biased experts, a sliding layer) with harmony's parser;
     its tokenizer spells the markers in several ordinary tokens each."""
-    server = InThreadServer(tiny_checkpoint("gpt_oss"), MODEL, ParserNames("openai_gptoss"))
-    yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-    server.stop()
+    folder = tmp_path_factory.mktemp("gpt-oss")
+    args = [str(tiny_checkpoint("gpt_oss")), "--dtype", "float32", "--served-model-name", MODEL]
+    proc = ServerProcess([*args, "--reasoning-parser", "openai_gptoss"], folder / "server.log")
+    yield openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0)
+    proc.stop()
 
 
 def test_gpt_oss_a_budget_forces_the_end_of_the_analysis_in_ordinary_tokens(gpt_oss):

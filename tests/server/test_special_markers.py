@@ -10,10 +10,8 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from server_util import InThreadServer
+from server_util import ServerProcess
 from tiny import MARKER_SPECIALS, make_scripted_checkpoint, thinking_script
-
-from conveyor.entrypoints.parsers import ParserNames
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "Where?"}]
@@ -33,9 +31,10 @@ def joined(stream) -> tuple[str, str]:
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("markers")
     path = make_scripted_checkpoint(folder / "ckpt", thinking_script(), MARKER_SPECIALS)
-    server = InThreadServer(path, MODEL, ParserNames("mistral"))  # --reasoning-parser mistral
-    yield server
-    server.stop()
+    args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
+    proc = ServerProcess([*args, "--reasoning-parser", "mistral"], folder / "server.log")
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture(scope="module")

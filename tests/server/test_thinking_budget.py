@@ -10,11 +10,9 @@ import json
 import anthropic
 import openai
 import pytest
-from server_util import InThreadServer
+from server_util import ServerProcess
 from test_special_markers import joined
 from tiny import MARKER_SPECIALS, endless_thinking_script, make_scripted_checkpoint
-
-from conveyor.entrypoints.parsers import ParserNames
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "Where?"}]
@@ -27,11 +25,11 @@ def server(tmp_path_factory):
     path = make_scripted_checkpoint(
         folder / "ckpt", script, MARKER_SPECIALS, max_position_embeddings=2048
     )
-    # conveyor serve's app in-thread (no process to start): --reasoning-parser mistral
-    # --tool-call-parser mistral
-    server = InThreadServer(path, MODEL, ParserNames("mistral", "mistral"))
-    yield server
-    server.stop()
+    args = [str(path), "--dtype", "float32", "--served-model-name", MODEL]
+    parsers = ["--reasoning-parser", "mistral", "--tool-call-parser", "mistral"]
+    proc = ServerProcess([*args, *parsers], folder / "server.log")
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
