@@ -99,6 +99,8 @@ def test_without_a_classifier_scores_are_cosines_and_classify_is_a_400(plain):
         # refused from its length alone, never tokenized (a 4 MB document)
         ("/rerank", {"query": "q", "documents": ["x" * 2**22]}, "cannot fit in the model's"),
         ("/score", {"text_1": "", "text_2": "b"}, "must not be empty"),
+        # more pairs than the server's input limit (64): refused before any is tokenized
+        ("/rerank", {"query": "q", "documents": ["d"] * 65}, "at most 64 inputs"),
     ],
 )
 def test_bad_bodies_are_400s_and_the_server_goes_on(reranker, route, body, says):

@@ -82,7 +82,11 @@ class _Run:
         self.num_tokens = 0
 
     async def prompts(self, texts) -> list[list[int]]:
+        """Each input's token ids, its count checked against the server's limit first (a
+        request of more inputs is refused before any is tokenized)."""
         serving, body = self.serving, self.body
+        single = isinstance(texts, str) or all(isinstance(t, int) for t in texts)
+        self.check_count(1 if single else len(texts))
         return await serving.off_loop(
             serving.completion_prompts,
             texts,
@@ -91,16 +95,17 @@ class _Run:
             serving.engine.max_model_len,  # a prompt-only request may fill the context
         )
 
+    def check_count(self, count: int) -> None:
+        limit = self.serving.limits.max_prompts
+        if count > limit:
+            raise InvalidParam(
+                f"at most {limit} inputs per request allowed by this server, got {count}", "input"
+            )
+
     async def pooled(self, prefix: str, prompts: list[list[int]], pooling: str) -> list:
         """Each prompt's engine answer (label logits or embedding), in order; all prompts are
         accepted or none, and a client that goes away has them aborted (a 499)."""
         serving, body = self.serving, self.body
-        if len(prompts) > serving.limits.max_prompts:
-            raise InvalidParam(
-                f"at most {serving.limits.max_prompts} inputs per request allowed by this "
-                f"server, got {len(prompts)}",
-                "input",
-            )
         self.num_tokens += sum(len(p) for p in prompts)
         params = SamplingParams(max_tokens=0, pooling=pooling)
         priority = serving.limits.clamp_priority(body.priority)
@@ -118,8 +123,8 @@ class _Run:
 
     async def scores(self, prefix: str, joined: list[tuple[str, str]], classifier) -> list:
         """A score per pair (conveyor/scoring.py); a Response (499) if the client went away."""
-        if classifier is not None:
-            one_label(classifier.num_labels)
+        if classifier is not None:  # of one label (_scored checked it)
+            self.check_count(len(joined))  # before any pair is tokenized
             encode = self.serving.encode_pair
             joined_ids = await self.serving.off_loop(lambda: [encode(a, b) for a, b in joined])
             logits = await self.pooled(prefix, await self.prompts(joined_ids), "classify")
