@@ -2,7 +2,8 @@
 
 Only what a loader needs to rebuild config, tokenizer and weights from the file, plus the
 llama.cpp details a loader must undo (Q/K row permutation, llama3 `rope_freqs`, quantization,
-Gemma's norms stored as 1 + w, Phi-3's fused attn_qkv and gate+up ffn_up), under llama.cpp's
+Gemma's norms stored as 1 + w, Phi-3's fused attn_qkv and gate+up ffn_up and its longrope
+factors as tensors), under llama.cpp's
 architecture names, metadata keys and tensor names (gguf.get_tensor_name_map).
 
 What llama.cpp does not store but fixes in its code (Gemma's sliding layers and query scale,
@@ -205,7 +206,12 @@ def _gemma3_hparams(writer: gguf.GGUFWriter, config) -> None:
 
 
 def _phi3_hparams(writer: gguf.GGUFWriter, config) -> None:
-    writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+    original = config.original_max_position_embeddings
+    writer.add_rope_scaling_orig_ctx_len(original)
+    if _rope(config).get("rope_type") == "longrope":  # llama.cpp's attention factor
+        scale = config.max_position_embeddings / original
+        factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(factor)
     partial = _rope(config).get("partial_rotary_factor", 1.0)  # llama.cpp's n_rot
     writer.add_rope_dimension_count(int(_head_dim(config) * partial))
     writer.add_sliding_window(config.sliding_window or 0)
@@ -258,8 +264,8 @@ def check_expressible(config, arch: str) -> None:
         expected["local rope_theta"] = 10000.0
     if arch == "smollm3":
         expected["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in layers]
-    if arch == "phi3":
-        expected["rope_scaling"] = None
+    if arch == "phi3" and _rope(config).get("rope_type") != "longrope":
+        expected["rope_scaling"] = None  # llama.cpp's phi3 writes longrope or no scaling
     if arch == "gpt-oss":  # llama.cpp fixes these
         expected["swiglu_limit"] = 7.0
         expected["swiglu_alpha"] = 1.702
@@ -362,6 +368,10 @@ def _add_tensors(
         _add_tensor(writer, name, data.numpy(), F32 if name.endswith(F32_TENSORS) else kind)
     if arch == "llama" and _rope(config).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    if arch == "phi3" and _rope(config).get("rope_type") == "longrope":  # Phi-3.5's factors
+        for which in ("long", "short"):
+            factors = np.array(_rope(config)[f"{which}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{which}.weight", factors)
 
 
 F32 = gguf.GGMLQuantizationType.F32

@@ -169,8 +169,17 @@ class ModelConfig:
         resolved_dtype = _resolve_dtype(dtype, facts["saved_dtype"], device)
         parts = Parts.from_dict(facts["parts"])
         limit, bound = facts["max_position_embeddings"], "the model's max_position_embeddings"
+        rope_inv_freq, rope_scaling = facts["rope_inv_freq"], facts["rope_scaling"]
         rope_limit = facts.get("rope_position_limit")
-        if rope_limit is not None and rope_limit[0] < limit:
+        long_rope = facts.get("rope_long")
+        past = isinstance(max_model_len, int) and rope_limit and max_model_len > rope_limit[0]
+        if long_rope is not None and past:
+            # A context past longrope's original length: its long factors at every position,
+            # as vLLM and llama.cpp choose by the context (transformers chooses by each forward's
+            # length, so a sequence within the original length turns by the short ones there).
+            rope_inv_freq, rope_scaling = long_rope["inv_freq"], long_rope["scaling"]
+            _warn_long_rope(path, rope_limit[0], max_model_len)
+        elif rope_limit is not None and rope_limit[0] < limit:
             limit, bound = rope_limit
         if disable_sliding_window and any(parts.windows):
             window = min(w for w in parts.windows if w)
@@ -194,8 +203,8 @@ class ModelConfig:
             qk_norm=facts["qk_norm"],
             max_model_len=_resolve_max_len(limit, max_model_len, bound),
             eos_token_ids=frozenset(facts["eos_token_ids"]),
-            rope_inv_freq=tuple(facts["rope_inv_freq"]),
-            rope_scaling=facts["rope_scaling"],
+            rope_inv_freq=tuple(rope_inv_freq),
+            rope_scaling=rope_scaling,
             quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
             tokenizer=_resolve_tokenizer(tokenizer, tokenizer_revision, download_dir),
             batch_invariant=bool(batch_invariant),
@@ -444,8 +453,18 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "text_of": wrapper,
         "rotary_rows": None if rows is None else list(rows),
         "rope_position_limit": rope_position_limit(hf),
+        "rope_long": _long_rope(hf, int(head_dim)),
         "classifier": classifier,
     }
+
+
+def _long_rope(hf, head_dim: int) -> dict | None:
+    """longrope's long factors' frequencies and scaling; None for every other RoPE."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    inv_freq, scaling = rope_frequencies(hf, head_dim, long=True)
+    return {"inv_freq": list(inv_freq), "scaling": scaling}
 
 
 def _local_rope(hf, head_dim: int) -> tuple[float, ...]:
@@ -549,13 +568,14 @@ def hf_folder(path: Path) -> Path:
 
 
 def rope_frequencies(
-    hf, head_dim: int, layer_type: str = "full_attention"
+    hf, head_dim: int, layer_type: str = "full_attention", long: bool = False
 ) -> tuple[tuple[float, ...], float]:
     """RoPE's float32 inverse frequencies and attention scaling for a transformers config, as
     transformers computes them (its ROPE_INIT_FUNCTIONS for the scaled variants). A config
     with one RoPE per layer type (Gemma 3) gives `layer_type`'s. With partial rotary (GLM's
     half, say) transformers' rotary_dim / 2 frequencies come first and the other dims' are 0:
-    their pairs turn by cos 0 = 1, sin 0 = 0, unchanged (model/rotary_rows)."""
+    their pairs turn by cos 0 = 1, sin 0 = 0, unchanged (model/rotary_rows). long: longrope's
+    long factors' frequencies (what transformers turns by past the original length)."""
     params = getattr(hf, "rope_parameters", None) or {}
     by_type = isinstance(params.get(layer_type), dict)
     if by_type:
@@ -577,6 +597,8 @@ def rope_frequencies(
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         extra = {"layer_type": layer_type} if by_type else {}
+        if long:  # the frequencies transformers switches to past the original length
+            extra["seq_len"] = int(params["original_max_position_embeddings"]) + 1
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **extra)
     freqs = inv_freq.float().tolist()
     return tuple(freqs + [0.0] * (head_dim // 2 - len(freqs))), float(scaling)
@@ -588,7 +610,9 @@ def rope_position_limit(hf) -> tuple[int, str] | None:
     turns by its short factors while a sequence stays within original_max_position_embeddings
     and by its long ones past it, as transformers switches them; Ministral 3 scales its
     queries by 1 + beta * log(1 + floor(position / original_max_position_embeddings)), 1 below
-    that. conveyor computes the first regime, so its context stops there. None: no limit."""
+    that. By default the context stops there; a longer max_model_len turns longrope's every
+    position by its long factors (ModelConfig.from_hf) and is refused for Ministral 3. None:
+    no limit."""
     params = getattr(hf, "rope_parameters", None) or {}
     original = params.get("original_max_position_embeddings") or getattr(
         hf, "original_max_position_embeddings", None
@@ -721,6 +745,19 @@ def _warn_dequantized(path: Path, dtype: str, device: str) -> None:
         path.name,
         dtype,
         device,
+    )
+
+
+def _warn_long_rope(path: Path, original: int, max_model_len: int) -> None:
+    logger.warning(
+        "conveyor: max_model_len %d is past %s's original %d positions: its longrope long "
+        "factors turn every position, as vLLM does; transformers turns a sequence that stays "
+        "within %d positions by the short ones (a max_model_len of at most %d computes that)",
+        max_model_len,
+        path.name,
+        original,
+        original,
+        original,
     )
 
 

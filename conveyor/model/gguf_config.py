@@ -16,12 +16,14 @@ llama.cpp makes every layer a mixture in these, renormalises the top-k weights o
 and of Mixtral but not of `qwen2moe` (its build_moe_ffn's norm_w), and gates `qwen2moe`'s
 shared expert by a sigmoid; the configs say the same to transformers.
 
-A setting the file states and conveyor does not compute (Phi-3's longrope factors, llama3
-`rope_freqs`, a rope scaling type) is refused by name, never dropped.
+Phi-3's longrope (Phi-3.5, Phi-4-mini) is stored as two tensors, rope_factors_long / _short,
+which become the config's long_factor / short_factor. A setting the file states and conveyor
+does not compute (llama3 `rope_freqs`, a rope scaling type) is refused by name, never dropped.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -75,10 +77,14 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B of 
 
 
 def hf_config_dict(
-    metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]
+    metadata: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    rope_factors: dict[str, list[float]] | None = None,
 ) -> dict[str, Any]:
     """The config.json fields of a GGUF file of one of FAMILIES, from its key-values and the
-    (torch order) shapes of its tensors by GGUF name."""
+    (torch order) shapes of its tensors by GGUF name; rope_factors: the values of a Phi-3
+    file's rope_factors_long / _short tensors by name (its longrope factors), where it has
+    them."""
     arch = metadata["general.architecture"]
     if arch not in FAMILIES and not is_mixtral(metadata):
         raise ValueError(f"GGUF architecture {arch!r} has no config mapping here")
@@ -96,6 +102,8 @@ def hf_config_dict(
         config[field] = metadata.get(f"tokenizer.ggml.{name}_token_id")
     config["rope_parameters"] = _rope(metadata, arch)
     _FAMILY_FIELDS["mixtral" if is_mixtral(metadata) else arch](metadata, config)
+    if LONGROPE_TENSORS[0] in tensor_shapes:
+        _longrope(metadata, config, rope_factors)
     if arch == "glm4":  # q/k/v biases, stated by their tensors
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if config.get("num_experts"):
@@ -131,14 +139,46 @@ def _experts(arch: str, config: dict[str, Any], tensor_shapes: dict) -> None:
         config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
 
 
+# Phi-3's longrope factors, as llama.cpp's converter stores them (float32, one per pair of dims)
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def _refuse_extra_tensors(arch: str, tensor_names: set[str]) -> None:
     """Tensors that carry RoPE settings a config cannot say here; see the module docstring."""
-    for name, what in (
-        ("rope_factors_long.weight", "longrope scaling (rope_factors_long / _short)"),
-        ("rope_freqs.weight", "llama3 rope scaling (rope_freqs)"),
-    ):
+    refused = [("rope_freqs.weight", "llama3 rope scaling (rope_freqs)")]
+    if arch != "phi3":
+        refused.append((LONGROPE_TENSORS[0], "longrope scaling (rope_factors_long / _short)"))
+    for name, what in refused:
         if name in tensor_names:
             raise ValueError(f"unsupported {what} in a GGUF {arch} file")
+    if (LONGROPE_TENSORS[0] in tensor_names) != (LONGROPE_TENSORS[1] in tensor_names):
+        raise ValueError(f"a GGUF {arch} file with one of {LONGROPE_TENSORS} needs both")
+
+
+def _longrope(
+    metadata: dict[str, Any], config: dict[str, Any], factors: dict[str, list[float]] | None
+) -> None:
+    """Phi-3.5 / Phi-4-mini's longrope, as transformers' config states it: llama.cpp keeps its
+    factors as tensors, its original length and attention factor as keys. The attention
+    factor is left to transformers where it is the one it derives (sqrt(1 + ln(s) / ln(n)) for
+    s = context / original length n), which the file holds rounded to float32."""
+    if factors is None or not all(name in factors for name in LONGROPE_TENSORS):
+        raise ValueError("a GGUF phi3 file's longrope factors were not read")
+    params = config["rope_parameters"]
+    if params["rope_type"] != "default":
+        raise ValueError(f"a GGUF phi3 file states longrope and {params['rope_type']} scaling")
+    original = config["original_max_position_embeddings"]
+    params.update(
+        rope_type="longrope",
+        long_factor=[float(f) for f in factors[LONGROPE_TENSORS[0]]],
+        short_factor=[float(f) for f in factors[LONGROPE_TENSORS[1]]],
+        original_max_position_embeddings=original,
+    )
+    stated = metadata.get("phi3.rope.scaling.attn_factor")
+    scale = config["max_position_embeddings"] / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    if stated is not None and not math.isclose(stated, derived, rel_tol=1e-6):
+        params["attention_factor"] = float(stated)
 
 
 def _rope(metadata: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ import gguf
 import numpy as np
 
 from conveyor.model.families import projection_of
-from conveyor.model.gguf_config import FAMILIES, hf_config_dict, is_mixtral
+from conveyor.model.gguf_config import FAMILIES, LONGROPE_TENSORS, hf_config_dict, is_mixtral
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the server's front end reads
     import torch  # headers (is_quantized_gguf) without it (engine/core_proc.py)
@@ -103,9 +103,12 @@ _ARCH_LAYER_NAMES = {
 _FUSED = ("attn_qkv",)
 
 # Tensors llama.cpp writes that HF models keep no parameter for. `rope_freqs` holds the llama3
-# rope-scaling factors, which the model derives from its config's rope parameters instead;
+# rope-scaling factors, which the model derives from its config's rope parameters instead,
+# `rope_factors_long / _short` Phi-3's longrope factors, which its config holds (gguf_config);
 # `attn_rot_embd` is the rotary inv_freq buffer that old converters stored per layer.
-_SKIPPED = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?")
+_SKIPPED = re.compile(
+    r"rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd(\.weight)?"
+)
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -521,7 +524,8 @@ def _hf_config_and_tokenizer(path: Path, architecture: str) -> tuple[Any, Any]:
 
     if architecture in FAMILIES or is_mixtral(gguf_metadata(path)):
         header = _header(path)
-        fields = hf_config_dict(header.metadata, {t.name: t.shape for t in header.tensors})
+        shapes = {t.name: t.shape for t in header.tensors}
+        fields = hf_config_dict(header.metadata, shapes, _rope_factors(path, header))
         config = AutoConfig.for_model(**fields)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
         return config, tokenizer
@@ -531,6 +535,15 @@ def _hf_config_and_tokenizer(path: Path, architecture: str) -> tuple[Any, Any]:
     if architecture == "qwen3" and key_length:
         config.head_dim = key_length
     return config, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _rope_factors(path: Path, header: _Header) -> dict[str, list[float]]:
+    """The values of the file's longrope factor tensors (Phi-3's), by name."""
+    infos = [t for t in header.tensors if t.name in LONGROPE_TENSORS]
+    if not infos:
+        return {}
+    with _map(path) as buffer:
+        return {t.name: _dequantize(buffer, header.data_offset, t).tolist() for t in infos}
 
 
 def _cache_root() -> Path:

@@ -6,6 +6,8 @@ that preempts, shared prefixes that hit the prefix cache, and n-gram speculation
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import DEVICE_KWARGS, hf_greedy, random_prompts
@@ -186,3 +188,31 @@ def test_a_windowed_request_holds_only_its_window_of_blocks(tmp_path):
     assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
     gemma = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2")  # a global layer: no freeing
     assert LLMEngine(str(gemma), dtype="float64", num_blocks=64).kv_cache.sliding_window == 0
+
+
+def test_past_longrope_original_length_the_long_factors_turn_every_position(tmp_path):
+    """Phi-3.5 / Phi-4-mini with a max_model_len past original_max_position_embeddings (128
+    here): longrope's long factors turn every position, as vLLM and llama.cpp choose by the
+    context. Prompts past 128 tokens, chunked, get transformers' tokens (it turns a sequence
+    longer than 128 by the long factors); a short prompt gets the tokens of transformers with
+    the short factors set to the long ones (it would turn that one by the short factors)."""
+    path = make_tiny_checkpoint(tmp_path, "phi4-mini")
+    reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    vocab_size = reference_model.config.vocab_size
+    rng = random.Random(11)
+    long_prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (129, 140, 163)]
+    reference = hf_greedy(reference_model, long_prompts, MAX_TOKENS)
+    config = AutoConfig.from_pretrained(path)
+    config.rope_parameters["short_factor"] = list(config.rope_parameters["long_factor"])
+    long_only = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float64)
+    short_prompts = random_prompts(3, vocab_size, seed=12, max_len=60)
+    reference += hf_greedy(long_only, short_prompts, MAX_TOKENS)
+    engine = LLMEngine(
+        str(path), dtype="float64", **DEVICE_KWARGS, max_model_len=512,
+        max_num_batched_tokens=48,
+    )  # fmt: skip
+    assert engine.max_model_len == 512
+    done = run(engine, requests(long_prompts + short_prompts), arrive_every=2)
+    assert_reference("phi4-mini", done, reference)
+    short = hf_greedy(reference_model, short_prompts, MAX_TOKENS)  # the factors count
+    assert [tokens for tokens, _ in short] != [tokens for tokens, _ in reference[3:]]

@@ -1,8 +1,8 @@
 """A checkpoint conveyor cannot compute exactly is refused at load with the setting's name,
 never loaded and computed wrong: an unknown architecture (the error lists the families), a
-RoPE that depends on the sequence length (dynamic NTK; longrope past its short factors'
-range), partial rotary dims beside q/k norms, another activation, biased MLPs, Gemma 3's
-bidirectional attention."""
+RoPE that depends on the sequence length (dynamic NTK), partial rotary dims beside q/k norms,
+another activation, biased MLPs, Gemma 3's bidirectional attention. A RoPE that changes past
+a length (longrope, Ministral 3's query scale) serves within it, and past it as stated."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import json
 
 import pytest
 from tiny import make_tiny_checkpoint
+from transformers import AutoConfig
 
 from conveyor.config import SUPPORTED_ARCHITECTURES
-from conveyor.model.config import ModelConfig
+from conveyor.model.config import ModelConfig, rope_frequencies
 
 
 def edited(path, **fields):
@@ -55,22 +56,25 @@ def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, fami
         ModelConfig.from_hf(str(path))
 
 
-def test_longrope_is_served_within_its_short_factors_and_refused_past_them(tmp_path):
+def test_longrope_serves_its_short_factors_by_default_and_its_long_ones_past_them(tmp_path):
     """Phi-3.5 / Phi-4-mini: transformers turns by the short factors while a sequence stays
-    within original_max_position_embeddings (tests/equivalence/test_families.py checks the
-    tokens there), by the long ones past it: the context stops at that length, and a longer
-    max_model_len is refused saying why."""
+    within original_max_position_embeddings, by the long ones past it. By default the context
+    stops at that length (transformers' tokens for every prompt, checked in
+    tests/equivalence/test_families.py); a longer max_model_len turns every position by the
+    long factors (vLLM's and llama.cpp's choice), up to max_position_embeddings."""
     path = make_tiny_checkpoint(tmp_path, "phi3-longrope")
+    limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
     config = ModelConfig.from_hf(str(path))
-    assert (
-        config.max_model_len
-        == 128
-        < json.loads((path / "config.json").read_text())["max_position_embeddings"]
-    )
-    with pytest.raises(
-        ValueError, match=r"\[1, 128\] \(longrope's short factors: from position 128"
-    ):
-        ModelConfig.from_hf(str(path), max_model_len=129)
+    assert config.max_model_len == 128 < limit
+    hf = AutoConfig.from_pretrained(path)
+    assert config.rope_inv_freq == rope_frequencies(hf, config.head_dim)[0]
+    longer = ModelConfig.from_hf(str(path), max_model_len=129)
+    assert longer.max_model_len == 129
+    assert longer.rope_inv_freq == rope_frequencies(hf, config.head_dim, long=True)[0]
+    assert longer.rope_inv_freq != config.rope_inv_freq
+    assert longer.rope_scaling == config.rope_scaling
+    with pytest.raises(ValueError, match=rf"\[1, {limit}\] \(the model's max_position_emb"):
+        ModelConfig.from_hf(str(path), max_model_len=limit + 1)
 
 
 def test_ministral3_is_served_below_its_query_scaling_and_refused_past_it(tmp_path):

@@ -7,6 +7,7 @@ is taken as llama.cpp takes it, on real models' sizes."""
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,6 +38,7 @@ GGUF_FAMILIES = {
     "gemma3": dict(num_hidden_layers=6, layer_types=None, rope_theta=1e6, rope_local_base_freq=1e4),
     "phi3": {},
     "phi3-partial": {},  # rope.dimension_count half of head_dim
+    "phi4-mini": {},  # longrope (rope_factors_long / _short) on three quarters of each head
     "glm4": {},  # interleaved rotary on half of each head, q/k/v biases, fused ffn_up
     "olmo2": {},
     "granite": {},
@@ -48,7 +50,7 @@ GGUF_FAMILIES = {
     "gpt_oss": dict(swiglu_limit=7.0),
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
-LLAMA_CPP_NAMES |= {"phi3-partial": "phi3"}
+LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
 LLAMA_CPP_NAMES |= {
     "qwen3_moe": "qwen3moe",
     "gpt_oss": "gpt-oss",
@@ -140,7 +142,35 @@ def test_config_from_metadata_equals_checkpoint_config(converted: Converted):
         theirs.max_model_len,
     )
     assert ours.rope_inv_freq == pytest.approx(theirs.rope_inv_freq, rel=1e-6)
+    assert ours.rope_scaling == pytest.approx(theirs.rope_scaling, rel=1e-6)
     assert_close_dicts(ours.parts.to_dict(), theirs.parts.to_dict())
+
+
+def test_a_phi3_files_longrope_factors_turn_as_its_checkpoints(tmp_path):
+    """llama.cpp keeps Phi-3.5 / Phi-4-mini's longrope factors as two tensors: within the
+    original length the file turns by the short ones, past it (a longer max_model_len) by
+    the long ones, as the checkpoint does; and the tokens past the original length agree."""
+    hf_dir = snap_to_float_gguf(make_tiny_checkpoint(tmp_path / "hf", "phi4-mini"))
+    path = write_gguf(hf_dir, tmp_path / "phi4-mini.gguf", "F32")
+    names = {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= names
+    short, long = [
+        [ModelConfig.from_hf(str(source), max_model_len=n) for source in (hf_dir, path)]
+        for n in (None, 512)
+    ]
+    assert short[1].max_model_len == short[0].max_model_len == 128
+    for ours, theirs in (short[::-1], long[::-1]):
+        assert ours.rope_inv_freq == pytest.approx(theirs.rope_inv_freq, rel=1e-6)
+        assert ours.rope_scaling == pytest.approx(theirs.rope_scaling, rel=1e-6)
+    assert long[1].rope_inv_freq != pytest.approx(short[1].rope_inv_freq, rel=1e-3)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (140, 151)]  # past 128
+    runs = []
+    for source in (hf_dir, path):
+        llm = LLM(str(source), dtype="float64", max_model_len=512, **DEVICE_KWARGS)
+        runs.append([out.outputs[0].token_ids for out in llm.generate(prompts, params)])
+    assert runs[0] == runs[1]
 
 
 def assert_close_dicts(ours: dict, theirs: dict) -> None:
@@ -296,7 +326,7 @@ def test_sliding_layers_follow_llama_cpp_unless_the_file_states_a_pattern():
 @pytest.mark.parametrize(
     ("arch", "keys", "tensor", "message"),
     [
-        ("phi3", {}, "rope_factors_long.weight", "longrope"),
+        ("smollm3", {}, "rope_factors_long.weight", "longrope"),
         ("smollm3", {}, "rope_freqs.weight", "llama3 rope scaling"),
         ("granite", {"rope.scaling.type": "su"}, None, "rope.scaling.type 'su'"),
     ],
