@@ -405,10 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--embedding-pooling",
-        choices=["last", "mean"],
-        default="last",
-        help="/v1/embeddings: the last token's final hidden state, or the mean over the "
-        "input's tokens (normalized either way)",
+        choices=["last", "mean", "cls"],
+        default=None,
+        help="/v1/embeddings: the last token's final hidden state, the mean over the input's "
+        "tokens, or the first token's (an encoder's [CLS]), normalized either way; default: "
+        "the checkpoint's sentence-transformers pooling, else an encoder's first token and a "
+        "decoder's last",
     )
     server.add_argument(
         "--ignore-unknown-fields",

@@ -14,7 +14,8 @@ from conveyor.structured.params import StructuredOutputs
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
-POOLING_TYPES = ("last", "mean", "classify")  # classify: the label logits (model classifier)
+# cls: the first token's (an encoder's [CLS]); classify: the label logits (model classifier)
+POOLING_TYPES = ("last", "mean", "cls", "classify")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
 # vLLM's upper bound; the lower one keeps logit / penalty finite in float32 (1e-300 is 0 there,
 # and a seen token's logit / 0 is inf, 0 / 0 NaN).

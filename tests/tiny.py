@@ -532,3 +532,83 @@ def make_reply_checkpoint(
     assert tokenizer.decode(order[1:-1]) == raw
     successor = dict(zip(order[:-1], order[1:], strict=True))
     return make_scripted_checkpoint(path, successor, specials, words, max_position_embeddings=2048)
+
+
+# BERT-family encoders (conveyor/model/bert.py): kind -> (architecture, config fields, pooling
+# a sentence-transformers modules.json states or None). "bert" is an embedder as
+# sentence-transformers saves one (mean pooling, no "bert." prefix); "bert-cross" a
+# cross-encoder (ms-marco-MiniLM's shape: token types, the pooler, one label); the RoBERTa ones
+# number positions from padding_idx + 1, "xlm-roberta-cross" a bge-reranker's shape.
+ENCODERS = {
+    "bert": ("BertModel", "bert", "mean"),
+    "bert-cross": ("BertForSequenceClassification", "bert", None),
+    "xlm-roberta": ("XLMRobertaModel", "xlm-roberta", None),
+    "xlm-roberta-cross": ("XLMRobertaForSequenceClassification", "xlm-roberta", None),
+}
+
+
+def make_tiny_encoder(path: Path, kind: str = "bert", seed: int = 0, **overrides) -> Path:
+    """A float64 random BERT-family checkpoint with its tokenizer (BERT's WordPiece with [CLS]
+    and [SEP], or RoBERTa's byte-level BPE with <s> and </s>) saved to `path`."""
+    import json
+
+    from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
+    from transformers import (
+        AutoModel,
+        AutoModelForSequenceClassification,
+        BertTokenizer,
+        RobertaTokenizer,
+    )
+
+    architecture, model_type, pooling = ENCODERS[kind]
+    path.mkdir(parents=True, exist_ok=True)
+    if model_type == "bert":
+        words = BertWordPieceTokenizer(lowercase=True)
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        words.train_from_iterator(CORPUS, vocab_size=300, special_tokens=specials)
+        tokenizer = BertTokenizer(vocab=words.get_vocab())
+        fields = dict(type_vocab_size=2, pad_token_id=0, offset=0)
+    else:
+        pieces = ByteLevelBPETokenizer()
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        pieces.train_from_iterator(CORPUS, vocab_size=400, special_tokens=specials)
+        pieces.save_model(str(path))  # merges.txt: the merges in their order
+        lines = (path / "merges.txt").read_text().splitlines()[1:]
+        merges = [tuple(line.split()) for line in lines if line]
+        tokenizer = RobertaTokenizer(vocab=pieces.get_vocab(), merges=merges)
+        # RoBERTa numbers positions from padding_idx + 1: 128 positions take 130 rows
+        fields = dict(type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2, offset=2)
+    fields.update(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128 + fields.pop("offset"),
+        layer_norm_eps=1e-12, initializer_range=0.2, architectures=[architecture],
+    )  # fmt: skip
+    if architecture.endswith("ForSequenceClassification"):
+        fields["num_labels"] = 1
+    fields.update(overrides)
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    auto = AutoModelForSequenceClassification if "num_labels" in fields else AutoModel
+    model = auto.from_config(config, dtype=torch.float64)
+    with torch.no_grad():  # norms away from their initial (1, 0): each one counts
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if pooling is not None:  # as sentence-transformers saves a model
+        kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+        modules = [
+            {"idx": i, "name": str(i), "path": where, "type": f"sentence_transformers.models.{k}"}
+            for i, (where, k) in enumerate(kinds)
+        ]
+        (path / "modules.json").write_text(json.dumps(modules))
+        (path / "1_Pooling").mkdir(exist_ok=True)
+        modes = {
+            "word_embedding_dimension": fields["hidden_size"],
+            "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean",
+            "pooling_mode_max_tokens": False,
+        }
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+    return path

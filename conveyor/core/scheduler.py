@@ -586,7 +586,7 @@ def _take_prompt_rows(request: Request, item: ScheduledRequest, out: ModelRunner
 
 
 def _finish_pooling(request: Request) -> None:
-    """The embedding of a pooling request: mean or last of its prompt's final hidden states,
+    """The embedding of a pooling request: mean, last or first of its prompt's final hidden states,
     L2-normalized, reduced once over all rows (so the same whatever the chunking); a classify
     request's: the label logits its last row gave."""
     if request.pooled_rows is None:
@@ -599,6 +599,7 @@ def _finish_pooling(request: Request) -> None:
         return
 
     rows = torch.cat(request.pooled_rows)  # (P, H)
-    pooled = rows[-1] if request.params.pooling == "last" else rows.mean(dim=0)
+    pooling = request.params.pooling
+    pooled = rows[-1] if pooling == "last" else rows[0] if pooling == "cls" else rows.mean(dim=0)
     request.embedding = torch.nn.functional.normalize(pooled, dim=0).tolist()
     request.pooled_rows = None

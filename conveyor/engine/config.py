@@ -3,6 +3,7 @@ core hands out, each component taking only its own."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,10 +61,14 @@ class EngineConfig:
                 "enable_lora: LoRA adapters on a mixture-of-experts model are not supported "
                 "(its experts' projections have no adapter slots)"
             )
+        scheduler_config, enforce_eager = args.scheduler_config(), args.enforce_eager
+        if model_config.is_encoder:
+            scheduler_config = _encoder_scheduling(args, model_config, scheduler_config)
+            enforce_eager = True  # no decode steps to replay
         return cls(
             model_config,
             args.cache_config(),
-            args.scheduler_config(),
+            scheduler_config,
             args.speculative_config,
             device,
             tp_size,
@@ -73,11 +78,36 @@ class EngineConfig:
             args.skip_tokenizer_init,
             args.record_trace,
             lora_config,
-            args.enforce_eager,
+            enforce_eager,
             args.adaptive_threads,
             args.kernel_isa,
             args.download_dir,
         )
+
+
+def _encoder_scheduling(
+    args: EngineArgs, model: ModelConfig, config: SchedulerConfig
+) -> SchedulerConfig:
+    """An encoder's sequences run whole (bidirectional attention; model/bert.py): no chunked
+    prefill, and a step budget that takes the longest one; no drafts, no adapters."""
+    if args.speculative_config is not None:
+        raise ValueError("an encoder (BERT family) generates no tokens: no speculative decoding")
+    if args.enable_lora:
+        raise ValueError("enable_lora: an encoder (BERT family) has no adapter slots")
+    budget = config.max_num_batched_tokens
+    if args.max_num_batched_tokens is not None and budget < model.max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens {budget} < max_model_len {model.max_model_len}: an "
+            "encoder's sequence runs whole in one step"
+        )
+    return dataclasses.replace(
+        config,
+        max_num_batched_tokens=max(budget, model.max_model_len),
+        enable_chunked_prefill=False,
+        base_batched_tokens=None,
+        long_prefill_token_threshold=0,
+        max_step_ms=None,
+    )
 
 
 def resolve_model_config(args: EngineArgs) -> ModelConfig:

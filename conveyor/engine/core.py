@@ -192,7 +192,9 @@ class EngineCore:
             tokenizer_file=model.tokenizer_path / "tokenizer.json",
             tokenizer_dir=model.tokenizer_path,
         )
-        if not config.skip_tokenizer_init:  # without a tokenizer, constrained requests fail
+        # without a tokenizer, constrained requests fail; a model that generates nothing
+        # (an encoder, a sequence classifier) takes none
+        if not config.skip_tokenizer_init and model.generates:
             grammars.prepare()  # never raises: structured output is optional
         return grammars
 

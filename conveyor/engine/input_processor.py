@@ -312,6 +312,15 @@ class InputProcessor:
                 "labels): it classifies, scores and embeds (/classify, /score, /rerank, "
                 "/v1/embeddings; LLM.classify, LLM.score, LLM.embed), it generates no text"
             )
+        if model.is_encoder and params.pooling is None:
+            raise ValueError(
+                f"{model.path.name} is an encoder (BERT family): it embeds"
+                + (", classifies and scores" if model.classifier is not None else "")
+                + " (/v1/embeddings, /classify, /score, /rerank; LLM.embed, LLM.classify, "
+                "LLM.score), it generates no text"
+            )
+        if model.is_encoder and params.prompt_logprobs is not None:
+            raise ValueError("an encoder (BERT family) has no prompt logprobs")
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         """Resolves max_tokens and refuses what could never run."""

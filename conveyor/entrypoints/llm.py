@@ -204,12 +204,14 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
         tokenization_kwargs: dict | None = None,
-        pooling: str = "last",
+        pooling: str | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's: each prompt's embedding (`out.outputs.embedding`), the normalized final
-        hidden state of its last token (pooling "last") or its mean over the prompt's tokens
-        ("mean"); prompts are scheduled as any prompt is. pooling_params: PoolingParams (one,
-        or one a prompt)."""
+        hidden state of its last token (pooling "last"), of its first ("cls": an encoder's
+        [CLS]) or its mean over the prompt's tokens ("mean"); None: the model's own (its
+        sentence-transformers pooling, else an encoder's first token, a decoder's last);
+        prompts are scheduled as any prompt is. pooling_params: PoolingParams (one, or one a
+        prompt)."""
         if tokenization_kwargs:
             raise ValueError(
                 "tokenization_kwargs are not taken: prompts are tokenized as the model's "
@@ -221,6 +223,7 @@ class LLM:
                 if not isinstance(one, PoolingParams):
                     raise ValueError(f"pooling_params must be PoolingParams, got {one!r}")
                 one.check(self.engine.model_config.hidden_size)
+        pooling = pooling or self.engine.model_config.default_pooling
         params = SamplingParams(max_tokens=0, pooling=pooling)
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [

@@ -963,7 +963,8 @@ VLLM_REFUSED = {
     "--io-processor-plugin": "no plugins",
     "--skip-tokenizer-init": "the server needs the tokenizer (chat templates, stop strings, "
     "text); offline, LLM(..., skip_tokenizer_init=True) takes and gives token ids",
-    "--pooler-config": "embeddings pool as --embedding-pooling says (last or mean)",
+    "--pooler-config": "embeddings pool as --embedding-pooling says (last, mean or cls; by "
+    "default the checkpoint's sentence-transformers pooling)",
     "--lora-target-modules": "an adapter applies to the modules its adapter_config.json names",
 }
 

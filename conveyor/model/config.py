@@ -103,12 +103,24 @@ class ModelConfig:
     # A classifier head (Classifier): the model answers pooling "classify" requests (/classify,
     # /score, /rerank); None: it has none (/score and /rerank then compare embeddings).
     classifier: Classifier | None = None
+    # The pooling of an embedding request that names none: the checkpoint's sentence-
+    # transformers Pooling module's (cls | mean | last), else an encoder's first token, a
+    # decoder's last.
+    default_pooling: str = "last"
+    # A BERT-family encoder (model/bert.py): bidirectional, each sequence whole in one step;
+    # it embeds and classifies, it generates nothing.
+    is_encoder: bool = False
 
     @property
     def is_sequence_classifier(self) -> bool:
         """A `*ForSequenceClassification` checkpoint: its head is no vocabulary's, it does
         not generate."""
         return self.classifier is not None and not self.classifier.token_ids
+
+    @property
+    def generates(self) -> bool:
+        """Whether the model has a vocabulary head to generate with."""
+        return not self.is_encoder and not self.is_sequence_classifier
 
     @property
     def dtype(self) -> torch.dtype:
@@ -205,7 +217,9 @@ class ModelConfig:
             eos_token_ids=frozenset(facts["eos_token_ids"]),
             rope_inv_freq=tuple(rope_inv_freq),
             rope_scaling=rope_scaling,
-            quantization=_resolve_quantization(quantization, path, resolved_dtype, device),
+            quantization=_encoder_quantization(quantization)
+            if facts.get("encoder")
+            else _resolve_quantization(quantization, path, resolved_dtype, device),
             tokenizer=_resolve_tokenizer(tokenizer, tokenizer_revision, download_dir),
             batch_invariant=bool(batch_invariant),
             parts=parts,
@@ -213,6 +227,8 @@ class ModelConfig:
             text_of=facts.get("text_of"),
             rotary_rows=tuple(facts["rotary_rows"]) if facts.get("rotary_rows") else None,
             classifier=_classifier(facts.get("classifier")),
+            default_pooling=facts.get("pooling") or "last",
+            is_encoder=bool(facts.get("encoder")),
         )
 
 
@@ -409,6 +425,8 @@ def _classifier(facts: dict | None) -> Classifier | None:
 def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dict:
     hf = hf_config(folder, hf_overrides)
     stored = stored_tensor_names(folder)  # the checkpoint's tensors' names, read once
+    if any(ENCODER_ARCHITECTURES.get(n) for n in hf.architectures or ()):
+        return _encoder_facts(hf, folder, stored)
     wrapper = next((n for n in hf.architectures or () if n in MULTIMODAL_TEXT_ONLY), None)
     if wrapper is not None:
         hf = _language_model(hf, stored)
@@ -454,8 +472,140 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "rotary_rows": None if rows is None else list(rows),
         "rope_position_limit": rope_position_limit(hf),
         "rope_long": _long_rope(hf, int(head_dim)),
+        "pooling": _decoder_pooling(folder),
         "classifier": classifier,
     }
+
+
+# The BERT family's encoders (model/bert.py): architecture -> family.
+ENCODER_ARCHITECTURES = {
+    f"{prefix}{suffix}": "roberta" if "Roberta" in prefix else "bert"
+    for prefix in ("Bert", "Roberta", "XLMRoberta")
+    for suffix in ("Model", "ForMaskedLM", "ForSequenceClassification")
+}
+_ENCODER_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+# sentence-transformers' pooling modes (1_Pooling/config.json) -> conveyor's pooling
+_SENTENCE_POOLING = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+}
+
+
+def _encoder_facts(hf, folder: Path, stored: list[str]) -> dict:
+    """ModelConfig's facts of a BERT / RoBERTa / XLM-RoBERTa encoder (model/bert.py): an
+    embedder, or with a *ForSequenceClassification head a cross-encoder (classifier)."""
+    name = next(n for n in hf.architectures if n in ENCODER_ARCHITECTURES)
+    family = ENCODER_ARCHITECTURES[name]
+    kind = getattr(hf, "position_embedding_type", "absolute") or "absolute"
+    if kind != "absolute":
+        raise ValueError(f"unsupported position_embedding_type {kind!r} of {name}")
+    if getattr(hf, "is_decoder", False) or getattr(hf, "add_cross_attention", False):
+        raise ValueError(f"unsupported {name} as a decoder (is_decoder / add_cross_attention)")
+    act = getattr(hf, "hidden_act", "gelu")
+    if act not in _ENCODER_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r} of {name}; supported: gelu, gelu_new")
+    offset = int(hf.pad_token_id) + 1 if family == "roberta" else 0
+    types = int(getattr(hf, "type_vocab_size", 0) or 0)
+    sep = -1
+    if types > 1:  # a pair's second text is type 1: after the tokenizer's first sep token
+        sep = _sep_token_id(folder)
+    parts = Parts(
+        family=family,
+        act=_ENCODER_ACTIVATIONS[act],
+        position_offset=offset,
+        type_vocab_size=types,
+        sep_token_id=sep,
+    )
+    classifier = None
+    if name.endswith("ForSequenceClassification"):
+        labels = getattr(hf, "id2label", None) or {}
+        count = int(getattr(hf, "num_labels", len(labels)) or len(labels))
+        classifier = {"labels": [str(labels.get(i, f"LABEL_{i}")) for i in range(count)]}
+    heads = int(hf.num_attention_heads)
+    saved = getattr(hf, "dtype", None)
+    return {
+        "architecture": family,
+        "vocab_size": int(hf.vocab_size),
+        "hidden_size": int(hf.hidden_size),
+        "intermediate_size": int(hf.intermediate_size),
+        "num_layers": int(hf.num_hidden_layers),
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": int(hf.hidden_size) // heads,
+        "rms_norm_eps": float(hf.layer_norm_eps),
+        "tie_word_embeddings": False,
+        "qkv_bias": True,
+        "qk_norm": False,
+        "max_position_embeddings": int(hf.max_position_embeddings) - offset,
+        "saved_dtype": str(saved).removeprefix("torch.") if saved is not None else None,
+        "eos_token_ids": [],
+        "rope_inv_freq": [],
+        "rope_scaling": 1.0,
+        "parts": parts.to_dict(),
+        "text_of": None,
+        "rotary_rows": None,
+        "rope_position_limit": None,
+        "rope_long": None,
+        "pooling": sentence_pooling(folder) or "cls",
+        "classifier": classifier,
+        "encoder": True,
+    }
+
+
+def _sep_token_id(folder: Path) -> int:
+    """The tokenizer's separator token's id (BERT's [SEP]); -1 where it names none."""
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / file
+        if path.is_file():
+            token = json.loads(path.read_text()).get("sep_token")
+            if isinstance(token, dict):  # an AddedToken's fields
+                token = token.get("content")
+            if isinstance(token, str):
+                try:
+                    return _token_ids(folder, [token])[0]
+                except ValueError:
+                    return -1
+    return -1
+
+
+def _decoder_pooling(folder: Path) -> str | None:
+    """A decoder's sentence-transformers pooling (Qwen3-Embedding's last token, say); one that
+    conveyor does not compute leaves the default (last) with a warning: the model still
+    generates."""
+    try:
+        return sentence_pooling(folder)
+    except ValueError as error:
+        logger.warning("conveyor: %s; embeddings pool the last token", error)
+        return None
+
+
+def sentence_pooling(folder: Path) -> str | None:
+    """The pooling a sentence-transformers checkpoint states (modules.json's Pooling module's
+    config: cls, mean or last token); None where it states none. A module that changes the
+    pooled vector other than by normalizing it (Dense, say) is refused: conveyor's
+    embedding would not be the model's."""
+    path = folder / "modules.json"
+    if not path.is_file():
+        return None
+    try:
+        modules = json.loads(path.read_text())
+        pooling = None
+        for module in modules:
+            kind = str(module.get("type", "")).rpartition(".")[2]
+            if kind == "Pooling":
+                config = folder / module.get("path", "") / "config.json"
+                modes = json.loads(config.read_text()) if config.is_file() else {}
+                chosen = [mode for key, mode in _SENTENCE_POOLING.items() if modes.get(key)]
+                others = [k for k, v in modes.items() if k.startswith("pooling_mode") and v]
+                if len(chosen) != 1 or len(others) != 1:
+                    raise ValueError(f"unsupported sentence-transformers pooling {others}")
+                pooling = chosen[0]
+            elif kind not in ("Transformer", "Normalize", "Pooling"):
+                raise ValueError(f"unsupported sentence-transformers module {kind!r}")
+    except (OSError, AttributeError, TypeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: unreadable sentence-transformers modules ({error})") from None
+    return pooling
 
 
 def _long_rope(hf, head_dim: int) -> dict | None:
@@ -672,6 +822,13 @@ def _resolve_dtype(dtype: str | torch.dtype, saved_name: str | None, device: str
         return saved
     # Half precision is slow on most CPUs; on a GPU it is what the checkpoint was made for.
     return "float32" if device == "cpu" else (saved or "bfloat16")
+
+
+def _encoder_quantization(requested: str) -> str:
+    """An encoder runs in its float dtype (model/bert.py has no quantized route)."""
+    if requested not in ("auto", "none"):
+        raise ValueError(f"quantization {requested!r}: an encoder (BERT family) runs unquantized")
+    return "none"
 
 
 def _resolve_quantization(requested: str, path: Path, dtype: str, device: str) -> str:

@@ -111,6 +111,11 @@ class Parts:
     swiglu_limit: float = 0.0
     attn_sinks: bool = False
     o_bias: bool = False
+    # BERT / RoBERTa encoders (model/bert.py): their first position's row (RoBERTa:
+    # padding_idx + 1), token types (a pair's second text: 1 after the first sep_token_id).
+    position_offset: int = 0
+    type_vocab_size: int = 0
+    sep_token_id: int = -1
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0

@@ -26,6 +26,12 @@ def load_model(
     """The model on `device`; with a TPGroup of size > 1, this rank's share of it, read from
     the checkpoint as slices (see distributed/parallel.py)."""
     shard = TPShard() if tp is None else tp.shard
+    if cfg.is_encoder:  # the BERT family: a model of its own (model/bert.py)
+        if shard.size > 1:
+            raise ValueError("an encoder (BERT family) does not split over tensor-parallel ranks")
+        from conveyor.model.bert import load_encoder
+
+        return load_encoder(cfg, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
     plan = plan_quantization(cfg, model)

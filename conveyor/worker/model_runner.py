@@ -228,10 +228,12 @@ class ModelRunner:
                 pooled[s.request_id] = hidden[start : start + len(s.token_ids)].clone()
                 if not _all_finite(pooled[s.request_id]):
                     failures[s.request_id] = HIDDEN_NOT_FINITE
+        # an encoder classifies a sequence by its first token (which runs whole, in one step)
+        first = getattr(self.model, "classifies_first_token", False)
         for s, start in zip(scheduled, starts.tolist(), strict=True):
             if not s.classify:
                 continue
-            last = start + len(s.token_ids) - 1
+            last = start if first else start + len(s.token_ids) - 1
             rows = None
             if self._classify_logits:
                 rows, row = logits[row : row + 1], row + 1

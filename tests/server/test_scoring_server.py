@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from server_util import InThreadServer
-from tiny import build_tokenizer
+from tiny import build_tokenizer, make_tiny_encoder
 
 from conveyor import LLM
 
@@ -116,3 +116,38 @@ def test_the_tokens_named_are_tokens_of_the_tiny_vocabulary():
     tokenizer = build_tokenizer()
     ids = tokenizer.convert_tokens_to_ids(RERANKER["classifier_from_token"])
     assert None not in ids
+
+
+def test_an_encoder_cross_encoder_and_embedder_serve_the_pooling_routes(tmp_path):
+    """BERT-family encoders (model/bert.py) over the app: a cross-encoder's /v1/rerank and
+    /score answer as LLM.score, an embedder's /v1/embeddings (the openai client) as
+    LLM.embed with its sentence-transformers pooling; a completion is a 400 saying why."""
+    import openai
+
+    cross = make_tiny_encoder(tmp_path / "cross", "bert-cross", seed=1)
+    llm = LLM(str(cross), dtype="float32", kv_cache_memory="32MiB")
+    expected = [s.outputs.score for s in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    llm.shutdown()
+    server = InThreadServer(cross, "cross")
+    try:
+        reply = _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS})
+        assert reply.status_code == 200, reply.text
+        results = reply.json()["results"]
+        assert [r["relevance_score"] for r in results] == sorted(expected, reverse=True)
+        scores = _post(server, "/score", {"text_1": QUERY, "text_2": DOCUMENTS}).json()["data"]
+        assert [d["score"] for d in scores] == expected
+        reply = _post(server, "/v1/completions", {"prompt": "a fox", "max_tokens": 2})
+        assert reply.status_code == 400 and "generates no text" in reply.text
+    finally:
+        server.stop()
+    embedder = make_tiny_encoder(tmp_path / "embedder", "bert")
+    llm = LLM(str(embedder), dtype="float32", kv_cache_memory="32MiB")
+    vectors = [out.outputs.embedding for out in llm.embed(DOCUMENTS, use_tqdm=False)]
+    llm.shutdown()
+    server = InThreadServer(embedder, "embedder")
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        reply = client.embeddings.create(model="embedder", input=DOCUMENTS)
+        assert [d.embedding for d in reply.data] == vectors
+    finally:
+        server.stop()

@@ -104,7 +104,7 @@ def build_app(
     dashboard: bool = True,
     trust_request_chat_template: bool = False,
     response_store: StoreLimits | None = None,
-    embedding_pooling: str = "last",
+    embedding_pooling: str | None = None,
     allow_runtime_lora_updating: bool = False,
     lora_allowed_dir: str | None = None,
     parsers: ParserNames | None = None,
@@ -140,6 +140,8 @@ def build_app(
     generating requests in progress, a 503 beyond (vLLM's --max-num-queued-reqs)."""
     limits = limits or RequestLimits()
     async_engine = _engine_client(engine)
+    # None: the model's own (ModelConfig.default_pooling)
+    embedding_pooling = embedding_pooling or async_engine.model_config.default_pooling
     # vLLM's several served names: a request may name any; responses and metrics the first.
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
     names = names or [default_model_name(async_engine.model_config)]

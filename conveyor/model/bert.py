@@ -1,0 +1,217 @@
+"""The BERT family of encoders (BERT, RoBERTa, XLM-RoBERTa): sentence embedders and
+cross-encoder rerankers (all-MiniLM, bge, e5, bge-m3, ms-marco-MiniLM, bge-reranker), as
+transformers' BertModel / XLMRobertaModel and their *ForSequenceClassification compute them.
+
+An encoder's attention is bidirectional: every token sees its whole sequence, so a sequence
+runs whole in one step (the scheduler never chunks it, engine/config.py), and nothing is
+cached between steps: the KV cache the engine holds goes unread. Each sequence of a step runs
+its own forward, alone: its rows are computed with the same shapes and ops whatever else the
+step holds, so its embedding and scores are the same bits alone or batched (and the arithmetic
+is transformers' own ops, in the model's dtype).
+
+Embeddings (post-norm layers): word + position + token type rows, LayerNorm. RoBERTa numbers
+positions from padding_idx + 1. The token type of a pair's second text (BERT's cross-encoders)
+is 1 from the token after the first [SEP] on, as BERT's tokenizer marks a pair; a single text
+is all type 0. A layer: self-attention (biased q, k, v, o), then LayerNorm(x + attention);
+the MLP (GELU), then LayerNorm(x + MLP).
+
+The classifier head reads the first token ([CLS] / <s>): BERT's pooler (dense, tanh) then its
+classifier; RoBERTa's classifier.dense, tanh, classifier.out_proj: the same arithmetic, loaded
+under one pair of names here (head_dense, head_out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from conveyor.model.attention import AttentionMetadata
+from conveyor.model.config import ModelConfig
+
+ENCODER_FAMILIES = ("bert", "roberta")
+# Stored name prefixes of the encoder proper (a *ForSequenceClassification or *ForMaskedLM
+# checkpoint's); a BertModel saved alone (sentence-transformers) has none.
+_PREFIXES = ("bert.", "roberta.", "model.")
+# Stored tensors that are not the encoder's: a masked LM's head, position ids buffers.
+_UNUSED = ("cls.", "lm_head.", "embeddings.position_ids", "embeddings.token_type_ids")
+_HEAD_NAMES = {
+    "pooler.dense.weight": "head_dense.weight",
+    "pooler.dense.bias": "head_dense.bias",
+    "classifier.dense.weight": "head_dense.weight",
+    "classifier.dense.bias": "head_dense.bias",
+    "classifier.out_proj.weight": "head_out.weight",
+    "classifier.out_proj.bias": "head_out.bias",
+    "classifier.weight": "head_out.weight",
+    "classifier.bias": "head_out.bias",
+}
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.attention_out = nn.Linear(hidden, hidden)
+        self.attention_norm = nn.LayerNorm(hidden, eps=eps)
+        self.intermediate = nn.Linear(hidden, cfg.intermediate_size)
+        self.output = nn.Linear(cfg.intermediate_size, hidden)
+        self.output_norm = nn.LayerNorm(hidden, eps=eps)
+        self.approximate = "tanh" if cfg.parts.act == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (L, hidden): one sequence
+        length = x.shape[0]
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (1, heads, L, head_dim)
+            return t.view(1, length, self.num_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        context = nn.functional.scaled_dot_product_attention(q, k, v)
+        context = context.transpose(1, 2).reshape(length, -1)
+        x = self.attention_norm(self.attention_out(context) + x)
+        h = nn.functional.gelu(self.intermediate(x), approximate=self.approximate)
+        return self.output_norm(self.output(h) + x)
+
+
+class EncoderModel(nn.Module):
+    """The encoder and (a classifier's) head; forward returns every token's final hidden
+    state, a step's sequences one after another, as a decoder's forward does."""
+
+    # The runner classifies a sequence by its first row (the decoders' by their last).
+    classifies_first_token = True
+    prompt_route = False
+    lora = None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        parts = cfg.parts
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        positions = cfg.max_model_len + parts.position_offset
+        self.position_embeddings = nn.Embedding(positions, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(max(parts.type_vocab_size, 1), cfg.hidden_size)
+        self.embeddings_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.head_dense = self.head_out = None
+        if cfg.classifier is not None:
+            self.head_dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+            self.head_out = nn.Linear(cfg.hidden_size, cfg.classifier.num_labels)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,): 0 .. L - 1 within each sequence, which runs whole
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        del kv_caches  # nothing is cached: a sequence runs whole, in one step
+        starts = meta.query_start.tolist()
+        bounds = zip(starts[:-1], starts[1:], strict=True)
+        out = [self.encode(input_ids[a:b], positions[a:b]) for a, b in bounds]
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def encode(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One whole sequence's final hidden states (L, hidden)."""
+        if int(positions[0]) != 0:
+            raise ValueError("an encoder's sequence runs whole, from its first token")
+        parts = self.config.parts
+        types = torch.zeros_like(ids)
+        if parts.type_vocab_size > 1 and parts.sep_token_id >= 0:
+            # a pair's second text: type 1 after the first [SEP] (BERT's tokenizer's marks)
+            seps = (ids == parts.sep_token_id).to(torch.int64)
+            types = (torch.cumsum(seps, 0) - seps).clamp_(max=1)
+        x = (
+            self.word_embeddings(ids)
+            + self.token_type_embeddings(types)
+            + self.position_embeddings(positions + parts.position_offset)
+        )
+        x = self.embeddings_norm(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def classify(self, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        """(N, labels): the head on each sequence's first token's final hidden state."""
+        del logits
+        if self.head_dense is None:
+            raise ValueError("this model has no classifier head")
+        return self.head_out(torch.tanh(self.head_dense(hidden)))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError("an encoder generates no tokens")
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> None:
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            target = encoder_name(name, self.head_dense is not None)
+            if target is None:
+                continue
+            if target not in params:
+                raise ValueError(f"unexpected encoder weight {name!r} ({target})")
+            param = params[target]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {param.shape}")
+            param.data.copy_(tensor)
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks encoder weights: {missing[:5]}")
+
+
+def encoder_name(stored: str, classifier: bool) -> str | None:
+    """This module's parameter name of a stored BERT / RoBERTa tensor; None: not read."""
+    name = stored
+    for prefix in _PREFIXES:
+        name = name.removeprefix(prefix)
+    if name in _HEAD_NAMES:
+        return _HEAD_NAMES[name] if classifier else None
+    if name.startswith(_UNUSED) or name.startswith("pooler."):
+        return None  # a BertModel's pooler serves no embedding
+    name = name.replace("embeddings.LayerNorm.", "embeddings_norm.").removeprefix("embeddings.")
+    if name.startswith("encoder.layer."):
+        index, _, rest = name.removeprefix("encoder.layer.").partition(".")
+        for old, new in _LAYER_NAMES:
+            if rest.startswith(old):
+                return f"layers.{index}.{new}{rest.removeprefix(old)}"
+    return name
+
+
+_LAYER_NAMES = (
+    ("attention.self.query.", "query."),
+    ("attention.self.key.", "key."),
+    ("attention.self.value.", "value."),
+    ("attention.output.dense.", "attention_out."),
+    ("attention.output.LayerNorm.", "attention_norm."),
+    ("intermediate.dense.", "intermediate."),
+    ("output.dense.", "output."),
+    ("output.LayerNorm.", "output_norm."),
+)
+
+
+def load_encoder(cfg: ModelConfig, device: torch.device) -> EncoderModel:
+    """The encoder on `device`, in cfg.dtype, its weights read from the checkpoint."""
+    from conveyor.model.loader import iter_safetensors
+
+    with torch.device(device):
+        model = EncoderModel(cfg).to(cfg.dtype)
+    model.load_weights(_weights(iter_safetensors(cfg.path, cfg.dtype)))
+    return model.eval()
+
+
+def _weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    # Old BERT checkpoints name LayerNorm's weight and bias gamma and beta.
+    for name, tensor in weights:
+        yield (
+            name.replace("LayerNorm.gamma", "LayerNorm.weight").replace(
+                "LayerNorm.beta", "LayerNorm.bias"
+            ),
+            tensor,
+        )
