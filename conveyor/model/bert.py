@@ -4,10 +4,10 @@ transformers' BertModel / XLMRobertaModel and their *ForSequenceClassification c
 
 An encoder's attention is bidirectional: every token sees its whole sequence, so a sequence
 runs whole in one step (the scheduler never chunks it, engine/config.py), and nothing is
-cached between steps: the KV cache the engine holds goes unread. Each sequence of a step runs
-its own forward, alone: its rows are computed with the same shapes and ops whatever else the
-step holds, so its embedding and scores are the same bits alone or batched (and the arithmetic
-is transformers' own ops, in the model's dtype).
+cached between steps: the KV cache the engine holds goes unread. The step's rows share the
+projections, on the batch-invariant panel kernels on the CPU (every output value one chain of
+FMAs, whatever the row count: layers.pack_panels); attention and the GELU run per sequence, and
+the norms per row, so a sequence's embedding and scores are the same bits alone or batched.
 
 Embeddings (post-norm layers): word + position + token type rows, LayerNorm. RoBERTa numbers
 positions from padding_idx + 1. The token type of a pair's second text (BERT's cross-encoders)
@@ -29,6 +29,7 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.config import ModelConfig
+from conveyor.model.layers import MergedLinear, pack_panels
 
 ENCODER_FAMILIES = ("bert", "roberta")
 # Stored name prefixes of the encoder proper (a *ForSequenceClassification or *ForMaskedLM
@@ -53,28 +54,42 @@ class EncoderLayer(nn.Module):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
-        self.attention_out = nn.Linear(hidden, hidden)
+        self.qkv = MergedLinear(hidden, [hidden] * 3, bias=True)
+        self.attention_out = MergedLinear(hidden, [hidden], bias=True)
         self.attention_norm = nn.LayerNorm(hidden, eps=eps)
-        self.intermediate = nn.Linear(hidden, cfg.intermediate_size)
-        self.output = nn.Linear(cfg.intermediate_size, hidden)
+        self.intermediate = MergedLinear(hidden, [cfg.intermediate_size], bias=True)
+        self.output = MergedLinear(cfg.intermediate_size, [hidden], bias=True)
         self.output_norm = nn.LayerNorm(hidden, eps=eps)
         self.approximate = "tanh" if cfg.parts.act == "gelu_tanh" else "none"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (L, hidden): one sequence
-        length = x.shape[0]
-
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (1, heads, L, head_dim)
-            return t.view(1, length, self.num_heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        context = nn.functional.scaled_dot_product_attention(q, k, v)
-        context = context.transpose(1, 2).reshape(length, -1)
+    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """x: (T, hidden), the step's sequences one after another, [a, b) each."""
+        qkv = self.qkv(x)
+        context = torch.empty_like(x)
+        for a, b in bounds:
+            self._attention(qkv[a:b], context[a:b])
         x = self.attention_norm(self.attention_out(context) + x)
-        h = nn.functional.gelu(self.intermediate(x), approximate=self.approximate)
+        h = self.intermediate(x)
+        # GELU per sequence, in place: an elementwise op's vector loop leaves a tail to its
+        # scalar form where its range ends, which would fall elsewhere in a larger tensor
+        for a, b in bounds:
+            torch.ops.aten.gelu_(h[a:b], approximate=self.approximate)
         return self.output_norm(self.output(h) + x)
+
+    def _attention(self, qkv: torch.Tensor, out: torch.Tensor) -> None:
+        """One sequence's bidirectional attention into `out` (L, hidden): softmax(q k^T /
+        sqrt(head_dim)) v per head, as batched matmuls (at a few hundred tokens faster here
+        than the fused attention kernel, which pays for tiling a short sequence)."""
+        length, hidden = out.shape
+        q, k, v = (
+            qkv[:, i * hidden : (i + 1) * hidden]
+            .reshape(length, self.num_heads, self.head_dim)
+            .transpose(0, 1)
+            for i in range(3)
+        )  # (heads, L, head_dim)
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(self.head_dim**-0.5)
+        weights = torch.softmax(scores, dim=-1)
+        out.view(length, self.num_heads, self.head_dim).copy_(torch.bmm(weights, v).transpose(0, 1))
 
 
 class EncoderModel(nn.Module):
@@ -110,29 +125,28 @@ class EncoderModel(nn.Module):
     ) -> torch.Tensor:
         del kv_caches  # nothing is cached: a sequence runs whole, in one step
         starts = meta.query_start.tolist()
-        bounds = zip(starts[:-1], starts[1:], strict=True)
-        out = [self.encode(input_ids[a:b], positions[a:b]) for a, b in bounds]
-        return torch.cat(out) if len(out) > 1 else out[0]
-
-    def encode(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One whole sequence's final hidden states (L, hidden)."""
-        if int(positions[0]) != 0:
+        bounds = list(zip(starts[:-1], starts[1:], strict=True))
+        if any(int(positions[a]) != 0 for a, _ in bounds):
             raise ValueError("an encoder's sequence runs whole, from its first token")
-        parts = self.config.parts
-        types = torch.zeros_like(ids)
-        if parts.type_vocab_size > 1 and parts.sep_token_id >= 0:
-            # a pair's second text: type 1 after the first [SEP] (BERT's tokenizer's marks)
-            seps = (ids == parts.sep_token_id).to(torch.int64)
-            types = (torch.cumsum(seps, 0) - seps).clamp_(max=1)
+        types = torch.cat([self._token_types(input_ids[a:b]) for a, b in bounds])
         x = (
-            self.word_embeddings(ids)
+            self.word_embeddings(input_ids)
             + self.token_type_embeddings(types)
-            + self.position_embeddings(positions + parts.position_offset)
+            + self.position_embeddings(positions + self.config.parts.position_offset)
         )
         x = self.embeddings_norm(x)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, bounds)
         return x
+
+    def _token_types(self, ids: torch.Tensor) -> torch.Tensor:
+        """A sequence's token types: a pair's second text is type 1 from the token after the
+        first separator on (as BERT's tokenizer marks a pair); 0 everywhere otherwise."""
+        parts = self.config.parts
+        if parts.type_vocab_size < 2 or parts.sep_token_id < 0:
+            return torch.zeros_like(ids)
+        seps = (ids == parts.sep_token_id).to(torch.int64)
+        return (torch.cumsum(seps, 0) - seps).clamp_(max=1)
 
     def classify(self, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
         """(N, labels): the head on each sequence's first token's final hidden state."""
@@ -154,6 +168,12 @@ class EncoderModel(nn.Module):
             target = encoder_name(name, self.head_dense is not None)
             if target is None:
                 continue
+            if ".qkv." in target:  # query, key, value: the rows of one fused projection
+                module, _, kind = target.rpartition(".")
+                index = ("query", "key", "value").index(name.split(".")[-2])
+                self.get_submodule(module).load_shard(index, kind, tensor)
+                loaded.add(f"{target}#{index}")
+                continue
             if target not in params:
                 raise ValueError(f"unexpected encoder weight {name!r} ({target})")
             param = params[target]
@@ -161,6 +181,9 @@ class EncoderModel(nn.Module):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {param.shape}")
             param.data.copy_(tensor)
             loaded.add(target)
+        for target in [t for t in params if ".qkv." in t]:
+            if all(f"{target}#{i}" in loaded for i in range(3)):
+                loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks encoder weights: {missing[:5]}")
@@ -185,9 +208,9 @@ def encoder_name(stored: str, classifier: bool) -> str | None:
 
 
 _LAYER_NAMES = (
-    ("attention.self.query.", "query."),
-    ("attention.self.key.", "key."),
-    ("attention.self.value.", "value."),
+    ("attention.self.query.", "qkv."),
+    ("attention.self.key.", "qkv."),
+    ("attention.self.value.", "qkv."),
     ("attention.output.dense.", "attention_out."),
     ("attention.output.LayerNorm.", "attention_norm."),
     ("intermediate.dense.", "intermediate."),
@@ -203,6 +226,8 @@ def load_encoder(cfg: ModelConfig, device: torch.device) -> EncoderModel:
     with torch.device(device):
         model = EncoderModel(cfg).to(cfg.dtype)
     model.load_weights(_weights(iter_safetensors(cfg.path, cfg.dtype)))
+    if cfg.batch_invariant and device.type == "cpu":
+        pack_panels(model)  # every row's projections one chain of FMAs, whatever the batch
     return model.eval()
 
 
