@@ -22,8 +22,11 @@ DATASETS = (
 )
 
 
-# vllm bench serve's backends whose servers speak OpenAI's API; openai-chat sends chat.
-SERVE_BACKENDS = ("vllm", "openai", "openai-chat", "sglang", "lmdeploy", "llama.cpp")
+# vllm bench serve's backends whose servers speak OpenAI's API; openai-chat sends chat,
+# openai-embeddings embeddings (/v1/embeddings: a request's latency, input tokens/s).
+SERVE_BACKENDS = (
+    "vllm", "openai", "openai-chat", "openai-embeddings", "sglang", "lmdeploy", "llama.cpp",
+)  # fmt: skip
 # vllm bench serve's sampling flags, sent with every request where given.
 SAMPLING_FLAGS = (
     "--top-p",
@@ -118,14 +121,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoint",
         default="/v1/completions",
-        help="/v1/completions (token-id prompts) or /v1/chat/completions (text)",
+        help="/v1/completions (token-id prompts), /v1/chat/completions (text) or "
+        "/v1/embeddings (token-id inputs)",
     )
     parser.add_argument(
         "--backend",
         default=None,
         choices=SERVE_BACKENDS,
         help="vllm bench serve's: openai-chat sends chat completions (--endpoint "
-        "/v1/chat/completions), the others completions; each server speaks OpenAI's API",
+        "/v1/chat/completions), openai-embeddings each prompt's token ids to /v1/embeddings "
+        "(its latency is its TTFT and E2EL), the others completions; each server speaks "
+        "OpenAI's API",
     )
     parser.add_argument(
         "--served-model-name",

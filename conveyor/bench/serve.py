@@ -299,11 +299,15 @@ class Target:
     ignore_eos: bool
     temperature: float
     extra: dict = field(default_factory=dict)  # sampling flags and --extra-body, as given
+    embeddings: bool = False  # /v1/embeddings: one JSON answer, no tokens generated
 
 
 def build_payload(target: Target, request: SampleRequest, tokenizer) -> dict:
-    """Token ids to /v1/completions (exact prompt lengths); text to chat. A request with a
-    schema never ignores EOS: its output ends when its JSON is complete."""
+    """Token ids to /v1/completions (exact prompt lengths); text to chat; token ids to
+    /v1/embeddings. A request with a schema never ignores EOS: its output ends when its JSON
+    is complete."""
+    if target.embeddings:
+        return {"model": target.model, "input": request.prompt_token_ids} | target.extra
     payload = {
         "model": target.model,
         "temperature": target.temperature,
@@ -377,7 +381,10 @@ async def send_request(
                 body = (await response.read()).decode(errors="replace")
                 result.error = f"HTTP {response.status}: {body[:500]}"
                 return result
-            await _read_stream(response, result)
+            if target.embeddings:
+                _read_embeddings(await response.json(), result)
+            else:
+                await _read_stream(response, result)
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"
     return result
@@ -411,6 +418,20 @@ async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult) 
             result.itl.append(now - last_token_time)
         last_token_time = now
     _finish(result, done, last_token_time, finish_reason, usage)
+
+
+def _read_embeddings(body: dict, result: RequestResult) -> None:
+    """An embeddings answer: its latency is the request's TTFT and E2EL; success needs one
+    vector and the usage's prompt tokens."""
+    result.latency = result.ttft = time.perf_counter() - result.start_time
+    data, usage = body.get("data") or [], body.get("usage") or {}
+    if len(data) != 1 or not data[0].get("embedding"):
+        result.error = f"expected one embedding, got {len(data)}"
+    elif usage.get("prompt_tokens") is None:
+        result.error = "no usage.prompt_tokens in the answer"
+    else:
+        result.prompt_len = int(usage["prompt_tokens"])
+        result.success = True
 
 
 def _chunk_token(chunk: dict) -> tuple[str | None, str | None]:
@@ -557,6 +578,11 @@ def _resolve_endpoint(args: argparse.Namespace) -> None:
     backend = getattr(args, "backend", None)
     if backend is None:
         return
+    if backend == "openai-embeddings":
+        if args.endpoint not in ("/v1/completions", "/v1/embeddings"):
+            raise ValueError(f"--backend openai-embeddings sends embeddings, not {args.endpoint}")
+        args.endpoint = "/v1/embeddings"
+        return
     chat = args.endpoint.endswith("chat/completions")
     if backend == "openai-chat" and not chat:
         if args.endpoint != "/v1/completions":
@@ -581,9 +607,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     if not 0 <= getattr(args, "lora_ratio", 1.0) <= 1:
         raise ValueError(f"--lora-ratio must be in [0, 1], got {args.lora_ratio}")
-    if args.endpoint not in ("/v1/completions", "/v1/chat/completions"):
+    if args.endpoint == "/v1/embeddings" and getattr(args, "backend", None) is None:
+        args.backend = "openai-embeddings"
+    if args.endpoint not in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
         raise ValueError(
-            f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint!r}"
+            "--endpoint must be /v1/completions, /v1/chat/completions or /v1/embeddings, got "
+            f"{args.endpoint!r}"
         )
 
 
@@ -615,6 +644,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
             args.ignore_eos,
             args.temperature,
             _extra_fields(args),
+            embeddings=args.endpoint == "/v1/embeddings",
         )
         payloads = [build_payload(target, r, tokenizer) for r in requests]
         loras = getattr(args, "lora_modules", None), getattr(args, "lora_ratio", 1.0)

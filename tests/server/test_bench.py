@@ -288,3 +288,28 @@ def test_serve_takes_vllm_bench_serves_backend_and_request_flags(server, model_p
     ):
         with pytest.raises(ValueError, match="--backend|--header|--metadata"):
             run_serve(server, model_path, tmp_path, "--num-prompts", "1", *bad)
+
+
+def test_serve_measures_embeddings_as_vllms_openai_embeddings_backend(tmp_path):
+    """--backend openai-embeddings (or --endpoint /v1/embeddings) sends each prompt's token
+    ids to /v1/embeddings: exact input lengths from the server's usage, no output tokens, a
+    request's latency its TTFT and E2EL; a chat backend with that endpoint is refused."""
+    from server_util import InThreadServer
+    from tiny import make_tiny_encoder
+
+    path = make_tiny_encoder(tmp_path / "encoder", "bert")
+    server = InThreadServer(path, "encoder")
+    try:
+        flags = ["--served-model-name", "encoder", "--num-prompts", "6", "--input-len", "20"]
+        for how in (["--backend", "openai-embeddings"], ["--endpoint", "/v1/embeddings"]):
+            result = run_serve(server, path, tmp_path, *flags, *how)
+            assert result["endpoint"] == "/v1/embeddings"
+            assert result["completed"] == 6 and result["failed"] == 0
+            assert result["input_lens"] == [20] * 6 and result["total_output_tokens"] == 0
+            assert result["ttfts"] == result["latencies"] and min(result["latencies"]) > 0
+            assert math.isclose(result["total_token_throughput"], 120 / result["duration"])
+        with pytest.raises(ValueError, match="--backend"):
+            run_serve(server, path, tmp_path, *flags, "--backend", "openai-chat",
+                      "--endpoint", "/v1/embeddings")  # fmt: skip
+    finally:
+        server.stop()
