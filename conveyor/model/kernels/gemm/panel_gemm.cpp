@@ -312,7 +312,7 @@ struct Dense {
           store_row<T, F>(y + t * n_out, (p0 + p) * F::L, n_out, acc[t][p]);
     }
   };
-  static constexpr int kTT = Isa == kAvx512 ? 4 : Isa == kAvx2 ? 4 : 2;
+  static constexpr int kTT = Isa == kAvx512 ? 6 : Isa == kAvx2 ? 6 : 2;
   static constexpr int kNP = Isa == kAvx512 ? 4 : 1;
 
   static void run(const T* x, int64_t tokens, int64_t k_dim, const T* w, int64_t panels, T* y,
