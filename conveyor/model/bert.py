@@ -100,6 +100,7 @@ class EncoderModel(nn.Module):
     classifies_first_token = True
     prompt_route = False
     lora = None
+    per_sequence = False  # each sequence's rows through the projections alone (load_encoder)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -128,6 +129,15 @@ class EncoderModel(nn.Module):
         bounds = list(zip(starts[:-1], starts[1:], strict=True))
         if any(int(positions[a]) != 0 for a, _ in bounds):
             raise ValueError("an encoder's sequence runs whole, from its first token")
+        if self.per_sequence and len(bounds) > 1:
+            return torch.cat(
+                [self._encode(input_ids[a:b], positions[a:b], [(0, b - a)]) for a, b in bounds]
+            )
+        return self._encode(input_ids, positions, bounds)
+
+    def _encode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, bounds: list[tuple[int, int]]
+    ) -> torch.Tensor:
         types = torch.cat([self._token_types(input_ids[a:b]) for a, b in bounds])
         x = (
             self.word_embeddings(input_ids)
@@ -219,19 +229,24 @@ _LAYER_NAMES = (
 )
 
 
-def load_encoder(cfg: ModelConfig, device: torch.device) -> EncoderModel:
-    """The encoder on `device`, in cfg.dtype, its weights read from the checkpoint."""
-    from conveyor.model.loader import iter_safetensors
-
+def load_encoder(
+    cfg: ModelConfig, device: torch.device, weights: Iterable[tuple[str, torch.Tensor]]
+) -> EncoderModel:
+    """The encoder on `device`, in cfg.dtype, its weights read from `weights` (the
+    checkpoint's, model/loader.py)."""
     with torch.device(device):
         model = EncoderModel(cfg).to(cfg.dtype)
-    model.load_weights(_weights(iter_safetensors(cfg.path, cfg.dtype)))
+    model.load_weights(_weights(weights))
     if cfg.batch_invariant and device.type == "cpu":
         pack_panels(model)  # every row's projections one chain of FMAs, whatever the batch
+        projections = [m for m in model.modules() if isinstance(m, MergedLinear)]
+        # Weights the panel kernels do not take (bfloat16, float16) run each sequence's
+        # projections alone: torch's matmul for a given row count reduces in its own order.
+        model.per_sequence = any(m.panels is None for m in projections)
     return model.eval()
 
 
-def _weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     # Old BERT checkpoints name LayerNorm's weight and bias gamma and beta.
     for name, tensor in weights:
         yield (

@@ -31,7 +31,7 @@ def load_model(
             raise ValueError("an encoder (BERT family) does not split over tensor-parallel ranks")
         from conveyor.model.bert import load_encoder
 
-        return load_encoder(cfg, device)
+        return load_encoder(cfg, device, iter_safetensors(cfg.path, cfg.dtype))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
     plan = plan_quantization(cfg, model)

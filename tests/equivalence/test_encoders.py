@@ -89,14 +89,15 @@ def test_cross_encoder_logits_and_scores_equal_transformers(cross_encoder):
 
 
 def test_a_sequence_is_the_same_bits_alone_or_batched(cross_encoder, tmp_path):
-    """float32, the served dtype: each sequence of a step runs its own forward."""
+    """float32 (the step's rows share the panel kernels) and bfloat16 (which they do not
+    take: each sequence's projections run alone)."""
     _, path = cross_encoder
     embedder = make_tiny_encoder(tmp_path / "bert", "bert")
-    for source in (path, embedder):
-        llm = LLM(str(source), dtype="float32", **DEVICE_KWARGS)
+    for source, dtype in ((path, "float32"), (embedder, "float32"), (embedder, "bfloat16")):
+        llm = LLM(str(source), dtype=dtype, **DEVICE_KWARGS)
         batched = [out.outputs.embedding for out in llm.embed(TEXTS, use_tqdm=False)]
         alone = [llm.embed([text], use_tqdm=False)[0].outputs.embedding for text in TEXTS]
-        assert alone == batched
+        assert alone == batched, dtype
     llm = LLM(str(path), dtype="float32", **DEVICE_KWARGS)
     batched = [out.outputs.probs for out in llm.classify(TEXTS, use_tqdm=False)]
     assert [llm.classify(t, use_tqdm=False)[0].outputs.probs for t in TEXTS] == batched
