@@ -37,6 +37,10 @@ ENCODER_FAMILIES = ("bert", "roberta")
 _PREFIXES = ("bert.", "roberta.", "model.")
 # Stored tensors that are not the encoder's: a masked LM's head, position ids buffers.
 _UNUSED = ("cls.", "lm_head.", "embeddings.position_ids", "embeddings.token_type_ids")
+# Longer sequences attend through torch's fused attention (flash: O(L) memory; bge-m3 takes
+# 8192 tokens, whose (heads, L, L) scores would be 4 GiB); shorter ones through batched
+# matmuls, faster at a few hundred tokens. Chosen by the sequence's own length: batch-invariant.
+MATMUL_ATTENTION_TOKENS = 1024
 _HEAD_NAMES = {
     "pooler.dense.weight": "head_dense.weight",
     "pooler.dense.bias": "head_dense.bias",
@@ -87,9 +91,12 @@ class EncoderLayer(nn.Module):
             .transpose(0, 1)
             for i in range(3)
         )  # (heads, L, head_dim)
-        scores = torch.bmm(q, k.transpose(1, 2)).mul_(self.head_dim**-0.5)
-        weights = torch.softmax(scores, dim=-1)
-        out.view(length, self.num_heads, self.head_dim).copy_(torch.bmm(weights, v).transpose(0, 1))
+        if length > MATMUL_ATTENTION_TOKENS:  # the fused kernel: no (L, L) scores in memory
+            context = nn.functional.scaled_dot_product_attention(q, k, v)
+        else:
+            scores = torch.bmm(q, k.transpose(1, 2)).mul_(self.head_dim**-0.5)
+            context = torch.bmm(torch.softmax(scores, dim=-1), v)
+        out.view(length, self.num_heads, self.head_dim).copy_(context.transpose(0, 1))
 
 
 class EncoderModel(nn.Module):

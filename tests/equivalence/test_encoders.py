@@ -88,6 +88,25 @@ def test_cross_encoder_logits_and_scores_equal_transformers(cross_encoder):
     assert len(set(scores)) == len(TEXTS)
 
 
+def test_long_sequences_attend_through_the_fused_kernel_as_transformers(embedder, monkeypatch):
+    """Past MATMUL_ATTENTION_TOKENS (lowered here to 8) a sequence attends through torch's
+    fused attention (no (L, L) scores in memory): the same embeddings as transformers."""
+    from conveyor.model import bert
+
+    monkeypatch.setattr(bert, "MATMUL_ATTENTION_TOKENS", 8)
+    kind, path = embedder
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reference = AutoModel.from_pretrained(path, dtype=torch.float64).eval()
+    llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
+    for out, text in zip(llm.embed(TEXTS, use_tqdm=False), TEXTS, strict=True):
+        with torch.no_grad():
+            hidden = reference(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+        pooled = hidden.mean(dim=0) if kind == "bert" else hidden[0]
+        expected = torch.nn.functional.normalize(pooled, dim=0)
+        got = torch.tensor(out.outputs.embedding, dtype=torch.float64)
+        assert (got - expected).abs().max().item() < 1e-12, text
+
+
 def test_a_sequence_is_the_same_bits_alone_or_batched(cross_encoder, tmp_path):
     """float32 (the step's rows share the panel kernels) and bfloat16 (which they do not
     take: each sequence's projections run alone)."""
