@@ -544,6 +544,11 @@ ENCODERS = {
     "bert-cross": ("BertForSequenceClassification", "bert", None),
     "xlm-roberta": ("XLMRobertaModel", "xlm-roberta", None),
     "xlm-roberta-cross": ("XLMRobertaForSequenceClassification", "xlm-roberta", None),
+    # ModernBERT (model/modernbert.py) with BERT's tokenizer: local layers seeing 4 tokens on
+    # either side, so that the tests' texts pass their window; biases on in the embedder, the
+    # cross-encoder pooling the mean
+    "modernbert": ("ModernBertModel", "modernbert", "mean"),
+    "modernbert-cross": ("ModernBertForSequenceClassification", "modernbert", None),
 }
 
 
@@ -562,7 +567,7 @@ def make_tiny_encoder(path: Path, kind: str = "bert", seed: int = 0, **overrides
 
     architecture, model_type, pooling = ENCODERS[kind]
     path.mkdir(parents=True, exist_ok=True)
-    if model_type == "bert":
+    if model_type in ("bert", "modernbert"):
         words = BertWordPieceTokenizer(lowercase=True)
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         words.train_from_iterator(CORPUS, vocab_size=300, special_tokens=specials)
@@ -583,6 +588,18 @@ def make_tiny_encoder(path: Path, kind: str = "bert", seed: int = 0, **overrides
         num_attention_heads=4, max_position_embeddings=128 + fields.pop("offset"),
         layer_norm_eps=1e-12, initializer_range=0.2, architectures=[architecture],
     )  # fmt: skip
+    if model_type == "modernbert":
+        modern = dict(
+            local_attention=8, global_attn_every_n_layers=2, num_hidden_layers=3,
+            norm_eps=1e-5, cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3,
+            global_rope_theta=1000.0, local_rope_theta=100.0, intermediate_size=96,
+        )  # fmt: skip
+        if architecture == "ModernBertModel":
+            modern.update(attention_bias=True, mlp_bias=True, norm_bias=True)
+        else:
+            modern.update(classifier_pooling="mean", classifier_bias=True)
+        fields = {k: v for k, v in fields.items() if k not in ("type_vocab_size",)} | modern
+        fields.pop("layer_norm_eps", None)
     if architecture.endswith("ForSequenceClassification"):
         fields["num_labels"] = 1
     fields.update(overrides)
@@ -592,7 +609,7 @@ def make_tiny_encoder(path: Path, kind: str = "bert", seed: int = 0, **overrides
     model = auto.from_config(config, dtype=torch.float64)
     with torch.no_grad():  # norms away from their initial (1, 0): each one counts
         for name, param in model.named_parameters():
-            if "LayerNorm" in name:
+            if "norm" in name.lower():
                 param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -103,8 +103,6 @@ class EncoderModel(nn.Module):
     """The encoder and (a classifier's) head; forward returns every token's final hidden
     state, a step's sequences one after another, as a decoder's forward does."""
 
-    # The runner classifies a sequence by its first row (the decoders' by their last).
-    classifies_first_token = True
     prompt_route = False
     lora = None
     per_sequence = False  # each sequence's rows through the projections alone (load_encoder)
@@ -165,12 +163,12 @@ class EncoderModel(nn.Module):
         seps = (ids == parts.sep_token_id).to(torch.int64)
         return (torch.cumsum(seps, 0) - seps).clamp_(max=1)
 
-    def classify(self, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
-        """(N, labels): the head on each sequence's first token's final hidden state."""
-        del logits
+    def classify_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(1, labels): the head on a sequence's first token's final hidden state (its rows
+        given whole, as the runner gives an encoder's)."""
         if self.head_dense is None:
             raise ValueError("this model has no classifier head")
-        return self.head_out(torch.tanh(self.head_dense(hidden)))
+        return self.head_out(torch.tanh(self.head_dense(hidden[:1])))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise ValueError("an encoder generates no tokens")

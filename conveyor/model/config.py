@@ -479,8 +479,8 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
 
 # The BERT family's encoders (model/bert.py): architecture -> family.
 ENCODER_ARCHITECTURES = {
-    f"{prefix}{suffix}": "roberta" if "Roberta" in prefix else "bert"
-    for prefix in ("Bert", "Roberta", "XLMRoberta")
+    f"{prefix}{suffix}": {"Bert": "bert", "ModernBert": "modernbert"}.get(prefix, "roberta")
+    for prefix in ("Bert", "Roberta", "XLMRoberta", "ModernBert")
     for suffix in ("Model", "ForMaskedLM", "ForSequenceClassification")
 }
 _ENCODER_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -497,6 +497,8 @@ def _encoder_facts(hf, folder: Path, stored: list[str]) -> dict:
     embedder, or with a *ForSequenceClassification head a cross-encoder (classifier)."""
     name = next(n for n in hf.architectures if n in ENCODER_ARCHITECTURES)
     family = ENCODER_ARCHITECTURES[name]
+    if family == "modernbert":
+        return _modernbert_facts(hf, folder, name)
     kind = getattr(hf, "position_embedding_type", "absolute") or "absolute"
     if kind != "absolute":
         raise ValueError(f"unsupported position_embedding_type {kind!r} of {name}")
@@ -541,6 +543,67 @@ def _encoder_facts(hf, folder: Path, stored: list[str]) -> dict:
         "saved_dtype": str(saved).removeprefix("torch.") if saved is not None else None,
         "eos_token_ids": [],
         "rope_inv_freq": [],
+        "rope_scaling": 1.0,
+        "parts": parts.to_dict(),
+        "text_of": None,
+        "rotary_rows": None,
+        "rope_position_limit": None,
+        "rope_long": None,
+        "pooling": sentence_pooling(folder) or "cls",
+        "classifier": classifier,
+        "encoder": True,
+    }
+
+
+def _modernbert_facts(hf, folder: Path, name: str) -> dict:
+    """ModelConfig's facts of a ModernBERT encoder (model/modernbert.py): its global and
+    local layers' RoPE and window, biases, and its classifier's pooling and activation."""
+    heads = int(hf.num_attention_heads)
+    head_dim = int(hf.hidden_size) // heads
+    acts = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+    for setting in ("hidden_activation", "classifier_activation"):
+        if getattr(hf, setting) not in acts:
+            raise ValueError(f"unsupported {setting} {getattr(hf, setting)!r} of {name}")
+    if hf.classifier_pooling not in ("cls", "mean"):
+        raise ValueError(f"unsupported classifier_pooling {hf.classifier_pooling!r} of {name}")
+    types = list(hf.layer_types)
+    window = int(hf.local_attention) // 2  # |i - j| <= window on the local layers
+    parts = Parts(
+        family="modernbert",
+        act=acts[hf.hidden_activation],
+        windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        ropes=tuple(1 if t == "sliding_attention" else 0 for t in types),
+        local_rope_inv_freq=rope_frequencies(hf, head_dim, "sliding_attention")[0],
+        o_bias=bool(hf.attention_bias),
+        norm_bias=bool(hf.norm_bias),
+        mlp_bias=bool(hf.mlp_bias),
+        head_bias=bool(hf.classifier_bias),
+        classifier_pooling=hf.classifier_pooling,
+        classifier_act=acts[hf.classifier_activation],
+    )
+    classifier = None
+    if name.endswith("ForSequenceClassification"):
+        labels = getattr(hf, "id2label", None) or {}
+        count = int(getattr(hf, "num_labels", len(labels)) or len(labels))
+        classifier = {"labels": [str(labels.get(i, f"LABEL_{i}")) for i in range(count)]}
+    saved = getattr(hf, "dtype", None)
+    return {
+        "architecture": "modernbert",
+        "vocab_size": int(hf.vocab_size),
+        "hidden_size": int(hf.hidden_size),
+        "intermediate_size": int(hf.intermediate_size),
+        "num_layers": int(hf.num_hidden_layers),
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(hf.norm_eps),
+        "tie_word_embeddings": False,
+        "qkv_bias": bool(hf.attention_bias),
+        "qk_norm": False,
+        "max_position_embeddings": int(hf.max_position_embeddings),
+        "saved_dtype": str(saved).removeprefix("torch.") if saved is not None else None,
+        "eos_token_ids": [],
+        "rope_inv_freq": list(rope_frequencies(hf, head_dim, "full_attention")[0]),
         "rope_scaling": 1.0,
         "parts": parts.to_dict(),
         "text_of": None,

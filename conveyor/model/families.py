@@ -116,6 +116,13 @@ class Parts:
     position_offset: int = 0
     type_vocab_size: int = 0
     sep_token_id: int = -1
+    # ModernBERT (model/modernbert.py): biased norms / MLP / head, the classifier's pooling
+    # (cls | mean) and its head's activation
+    norm_bias: bool = True
+    mlp_bias: bool = False
+    head_bias: bool = False
+    classifier_pooling: str = "cls"
+    classifier_act: str = "gelu"
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0

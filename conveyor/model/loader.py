@@ -29,9 +29,14 @@ def load_model(
     if cfg.is_encoder:  # the BERT family: a model of its own (model/bert.py)
         if shard.size > 1:
             raise ValueError("an encoder (BERT family) does not split over tensor-parallel ranks")
+        weights = iter_safetensors(cfg.path, cfg.dtype)
+        if cfg.parts.family == "modernbert":
+            from conveyor.model.modernbert import load_modernbert
+
+            return load_modernbert(cfg, device, weights)
         from conveyor.model.bert import load_encoder
 
-        return load_encoder(cfg, device, iter_safetensors(cfg.path, cfg.dtype))
+        return load_encoder(cfg, device, weights)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
     plan = plan_quantization(cfg, model)

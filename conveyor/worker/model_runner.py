@@ -228,16 +228,19 @@ class ModelRunner:
                 pooled[s.request_id] = hidden[start : start + len(s.token_ids)].clone()
                 if not _all_finite(pooled[s.request_id]):
                     failures[s.request_id] = HIDDEN_NOT_FINITE
-        # an encoder classifies a sequence by its first token (which runs whole, in one step)
-        first = getattr(self.model, "classifies_first_token", False)
+        # an encoder pools a sequence's rows itself (which run whole, in one step)
+        whole = getattr(self.model, "classify_sequence", None)
         for s, start in zip(scheduled, starts.tolist(), strict=True):
             if not s.classify:
                 continue
-            last = start if first else start + len(s.token_ids) - 1
+            last = start + len(s.token_ids) - 1
             rows = None
             if self._classify_logits:
                 rows, row = logits[row : row + 1], row + 1
-            labels = self.model.classify(hidden[last : last + 1], rows)[0].clone()
+            if whole is not None:
+                labels = whole(hidden[start : last + 1])[0].clone()
+            else:
+                labels = self.model.classify(hidden[last : last + 1], rows)[0].clone()
             if not _all_finite(labels):
                 failures[s.request_id] = LOGITS_NOT_FINITE
                 continue

@@ -22,13 +22,13 @@ TEXTS = [
 QUERY = "which is the capital of France?"
 
 
-@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta", "modernbert"])
 def embedder(request, tmp_path_factory):
     path = make_tiny_encoder(tmp_path_factory.mktemp(request.param), request.param)
     return request.param, path
 
 
-@pytest.fixture(scope="module", params=["bert-cross", "xlm-roberta-cross"])
+@pytest.fixture(scope="module", params=["bert-cross", "xlm-roberta-cross", "modernbert-cross"])
 def cross_encoder(request, tmp_path_factory):
     path = make_tiny_encoder(tmp_path_factory.mktemp(request.param), request.param, seed=1)
     return request.param, path
@@ -41,14 +41,15 @@ def test_embeddings_equal_transformers_with_the_checkpoints_pooling(embedder):
     tokenizer = AutoTokenizer.from_pretrained(path)
     reference = AutoModel.from_pretrained(path, dtype=torch.float64).eval()
     llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS)
-    assert llm.engine.model_config.default_pooling == ("mean" if kind == "bert" else "cls")
+    mean = kind in ("bert", "modernbert")  # their modules.json says so
+    assert llm.engine.model_config.default_pooling == ("mean" if mean else "cls")
     outputs = llm.embed(TEXTS, use_tqdm=False)
     for text, out in zip(TEXTS, outputs, strict=True):
         encoded = tokenizer(text, return_tensors="pt")
         assert out.prompt_token_ids == encoded["input_ids"][0].tolist()
         with torch.no_grad():
             hidden = reference(**encoded).last_hidden_state[0]
-        pooled = hidden.mean(dim=0) if kind == "bert" else hidden[0]
+        pooled = hidden.mean(dim=0) if mean else hidden[0]
         expected = torch.nn.functional.normalize(pooled, dim=0)
         got = torch.tensor(out.outputs.embedding, dtype=torch.float64)
         assert (got - expected).abs().max().item() < 1e-12, text
@@ -101,7 +102,7 @@ def test_long_sequences_attend_through_the_fused_kernel_as_transformers(embedder
     for out, text in zip(llm.embed(TEXTS, use_tqdm=False), TEXTS, strict=True):
         with torch.no_grad():
             hidden = reference(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
-        pooled = hidden.mean(dim=0) if kind == "bert" else hidden[0]
+        pooled = hidden.mean(dim=0) if kind in ("bert", "modernbert") else hidden[0]
         expected = torch.nn.functional.normalize(pooled, dim=0)
         got = torch.tensor(out.outputs.embedding, dtype=torch.float64)
         assert (got - expected).abs().max().item() < 1e-12, text
