@@ -22,7 +22,7 @@ under one pair of names here (head_dense, head_out).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -81,31 +81,88 @@ class EncoderLayer(nn.Module):
         return self.output_norm(self.output(h) + x)
 
     def _attention(self, qkv: torch.Tensor, out: torch.Tensor) -> None:
-        """One sequence's bidirectional attention into `out` (L, hidden): softmax(q k^T /
-        sqrt(head_dim)) v per head, as batched matmuls (at a few hundred tokens faster here
-        than the fused attention kernel, which pays for tiling a short sequence)."""
-        length, hidden = out.shape
-        q, k, v = (
-            qkv[:, i * hidden : (i + 1) * hidden]
-            .reshape(length, self.num_heads, self.head_dim)
-            .transpose(0, 1)
-            for i in range(3)
-        )  # (heads, L, head_dim)
-        if length > MATMUL_ATTENTION_TOKENS:  # the fused kernel: no (L, L) scores in memory
-            context = nn.functional.scaled_dot_product_attention(q, k, v)
-        else:
-            scores = torch.bmm(q, k.transpose(1, 2)).mul_(self.head_dim**-0.5)
-            context = torch.bmm(torch.softmax(scores, dim=-1), v)
-        out.view(length, self.num_heads, self.head_dim).copy_(context.transpose(0, 1))
+        attend(qkv, out, self.num_heads)
 
 
-class EncoderModel(nn.Module):
-    """The encoder and (a classifier's) head; forward returns every token's final hidden
-    state, a step's sequences one after another, as a decoder's forward does."""
+def attend(
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    num_heads: int,
+    rotate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    mask: torch.Tensor | None = None,
+) -> None:
+    """One sequence's bidirectional attention into `out` (L, hidden) from its fused q, k, v
+    rows (L, 3 hidden): softmax(q k^T / sqrt(head_dim)) v per head, q and k turned by `rotate`
+    first, keys outside `mask` (L, L; True: seen) hidden. As batched matmuls up to
+    MATMUL_ATTENTION_TOKENS (at a few hundred tokens faster here than the fused kernel, which
+    pays for tiling a short sequence), through the fused kernel past it or with a mask."""
+    length, hidden = out.shape
+    head_dim = hidden // num_heads
+    q, k, v = (
+        qkv[:, i * hidden : (i + 1) * hidden].reshape(length, num_heads, head_dim).transpose(0, 1)
+        for i in range(3)
+    )  # (heads, L, head_dim)
+    if rotate is not None:
+        q, k = rotate(q), rotate(k)
+    if length > MATMUL_ATTENTION_TOKENS or mask is not None:  # no (L, L) scores kept
+        context = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(head_dim**-0.5)
+        context = torch.bmm(torch.softmax(scores, dim=-1), v)
+    out.view(length, num_heads, head_dim).copy_(context.transpose(0, 1))
+
+
+class Encoder(nn.Module):
+    """What every encoder (this module's, model/modernbert.py's) shows the runner: forward
+    returns every token's final hidden state, a step's sequences one after another, as a
+    decoder's forward does; classify_sequence(rows) pools a sequence's rows through the
+    head; no logits. A subclass defines _encode and place (a stored tensor into its
+    parameters)."""
 
     prompt_route = False
     lora = None
-    per_sequence = False  # each sequence's rows through the projections alone (load_encoder)
+    per_sequence = False  # each sequence's rows through the projections alone (packed_for_cpu)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,): 0 .. L - 1 within each sequence, which runs whole
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        del kv_caches  # nothing is cached: a sequence runs whole, in one step
+        return encode_step(self, input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError("an encoder generates no tokens")
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> None:
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded = {self.place(stored, tensor, params) for stored, tensor in weights}
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {type(self).__name__} weights: {missing[:5]}")
+
+    def place(self, stored: str, tensor: torch.Tensor, params: dict) -> str | None:
+        """Copies a stored tensor into its parameter; returns the parameter's name once it is
+        whole (None: not read, or a part of it)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def copy(params: dict, stored: str, target: str, tensor: torch.Tensor) -> str:
+        if target not in params:
+            raise ValueError(f"unexpected encoder weight {stored!r} ({target})")
+        if params[target].shape != tensor.shape:
+            raise ValueError(f"{stored}: shape {tuple(tensor.shape)}, not {params[target].shape}")
+        params[target].data.copy_(tensor)
+        return target
+
+
+class EncoderModel(Encoder):
+    """BERT / RoBERTa: the encoder and (a classifier's) head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -121,24 +178,6 @@ class EncoderModel(nn.Module):
         if cfg.classifier is not None:
             self.head_dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
             self.head_out = nn.Linear(cfg.hidden_size, cfg.classifier.num_labels)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (T,)
-        positions: torch.Tensor,  # (T,): 0 .. L - 1 within each sequence, which runs whole
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        del kv_caches  # nothing is cached: a sequence runs whole, in one step
-        starts = meta.query_start.tolist()
-        bounds = list(zip(starts[:-1], starts[1:], strict=True))
-        if any(int(positions[a]) != 0 for a, _ in bounds):
-            raise ValueError("an encoder's sequence runs whole, from its first token")
-        if self.per_sequence and len(bounds) > 1:
-            return torch.cat(
-                [self._encode(input_ids[a:b], positions[a:b], [(0, b - a)]) for a, b in bounds]
-            )
-        return self._encode(input_ids, positions, bounds)
 
     def _encode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, bounds: list[tuple[int, int]]
@@ -170,38 +209,46 @@ class EncoderModel(nn.Module):
             raise ValueError("this model has no classifier head")
         return self.head_out(torch.tanh(self.head_dense(hidden[:1])))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise ValueError("an encoder generates no tokens")
+    def place(self, stored: str, tensor: torch.Tensor, params: dict) -> str | None:
+        target = encoder_name(stored, self.head_dense is not None)
+        if target is None:
+            return None
+        if ".qkv." not in target:
+            return self.copy(params, stored, target, tensor)
+        # query, key, value: the rows of one fused projection, whole once all three came
+        module, _, kind = target.rpartition(".")
+        index = ("query", "key", "value").index(stored.split(".")[-2])
+        self.get_submodule(module).load_shard(index, kind, tensor)
+        self._shards = getattr(self, "_shards", set()) | {(target, index)}
+        return target if all((target, i) in self._shards for i in range(3)) else None
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> None:
-        return None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            target = encoder_name(name, self.head_dense is not None)
-            if target is None:
-                continue
-            if ".qkv." in target:  # query, key, value: the rows of one fused projection
-                module, _, kind = target.rpartition(".")
-                index = ("query", "key", "value").index(name.split(".")[-2])
-                self.get_submodule(module).load_shard(index, kind, tensor)
-                loaded.add(f"{target}#{index}")
-                continue
-            if target not in params:
-                raise ValueError(f"unexpected encoder weight {name!r} ({target})")
-            param = params[target]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {param.shape}")
-            param.data.copy_(tensor)
-            loaded.add(target)
-        for target in [t for t in params if ".qkv." in t]:
-            if all(f"{target}#{i}" in loaded for i in range(3)):
-                loaded.add(target)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks encoder weights: {missing[:5]}")
+def encode_step(
+    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """An encoder's step: its sequences' rows [a, b), each whole from position 0, through
+    model._encode(ids, positions, bounds): all rows at once, or each sequence alone where the
+    model's projections would reduce a row by the row count (per_sequence)."""
+    starts = meta.query_start.tolist()
+    bounds = list(zip(starts[:-1], starts[1:], strict=True))
+    if any(int(positions[a]) != 0 for a, _ in bounds):
+        raise ValueError("an encoder's sequence runs whole, from its first token")
+    if model.per_sequence and len(bounds) > 1:
+        return torch.cat(
+            [model._encode(input_ids[a:b], positions[a:b], [(0, b - a)]) for a, b in bounds]
+        )
+    return model._encode(input_ids, positions, bounds)
+
+
+def packed_for_cpu(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """The loaded encoder with its projections packed for the batch-invariant panel kernels
+    on the CPU; weights those do not take (bfloat16, float16) make it run each sequence's
+    projections alone (torch's matmul for a given row count reduces in its own order)."""
+    if cfg.batch_invariant and device.type == "cpu":
+        pack_panels(model)  # every row's projections one chain of FMAs, whatever the batch
+        projections = [m for m in model.modules() if isinstance(m, MergedLinear)]
+        model.per_sequence = any(m.panels is None for m in projections)
+    return model.eval()
 
 
 def encoder_name(stored: str, classifier: bool) -> str | None:
@@ -242,13 +289,7 @@ def load_encoder(
     with torch.device(device):
         model = EncoderModel(cfg).to(cfg.dtype)
     model.load_weights(_weights(weights))
-    if cfg.batch_invariant and device.type == "cpu":
-        pack_panels(model)  # every row's projections one chain of FMAs, whatever the batch
-        projections = [m for m in model.modules() if isinstance(m, MergedLinear)]
-        # Weights the panel kernels do not take (bfloat16, float16) run each sequence's
-        # projections alone: torch's matmul for a given row count reduces in its own order.
-        model.per_sequence = any(m.panels is None for m in projections)
-    return model.eval()
+    return packed_for_cpu(model, cfg, device)
 
 
 def _weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

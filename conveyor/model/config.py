@@ -519,40 +519,15 @@ def _encoder_facts(hf, folder: Path, stored: list[str]) -> dict:
         type_vocab_size=types,
         sep_token_id=sep,
     )
-    classifier = None
-    if name.endswith("ForSequenceClassification"):
-        labels = getattr(hf, "id2label", None) or {}
-        count = int(getattr(hf, "num_labels", len(labels)) or len(labels))
-        classifier = {"labels": [str(labels.get(i, f"LABEL_{i}")) for i in range(count)]}
     heads = int(hf.num_attention_heads)
-    saved = getattr(hf, "dtype", None)
-    return {
-        "architecture": family,
-        "vocab_size": int(hf.vocab_size),
-        "hidden_size": int(hf.hidden_size),
-        "intermediate_size": int(hf.intermediate_size),
-        "num_layers": int(hf.num_hidden_layers),
-        "num_heads": heads,
-        "num_kv_heads": heads,
-        "head_dim": int(hf.hidden_size) // heads,
-        "rms_norm_eps": float(hf.layer_norm_eps),
-        "tie_word_embeddings": False,
-        "qkv_bias": True,
-        "qk_norm": False,
-        "max_position_embeddings": int(hf.max_position_embeddings) - offset,
-        "saved_dtype": str(saved).removeprefix("torch.") if saved is not None else None,
-        "eos_token_ids": [],
-        "rope_inv_freq": [],
-        "rope_scaling": 1.0,
-        "parts": parts.to_dict(),
-        "text_of": None,
-        "rotary_rows": None,
-        "rope_position_limit": None,
-        "rope_long": None,
-        "pooling": sentence_pooling(folder) or "cls",
-        "classifier": classifier,
-        "encoder": True,
-    }
+    return _encoder_fact_dict(
+        hf, folder, name, parts,
+        head_dim=int(hf.hidden_size) // heads,
+        eps=float(hf.layer_norm_eps),
+        qkv_bias=True,
+        max_len=int(hf.max_position_embeddings) - offset,
+        rope_inv_freq=[],
+    )  # fmt: skip
 
 
 def _modernbert_facts(hf, folder: Path, name: str) -> dict:
@@ -581,14 +556,31 @@ def _modernbert_facts(hf, folder: Path, name: str) -> dict:
         classifier_pooling=hf.classifier_pooling,
         classifier_act=acts[hf.classifier_activation],
     )
+    return _encoder_fact_dict(
+        hf, folder, name, parts,
+        head_dim=head_dim,
+        eps=float(hf.norm_eps),
+        qkv_bias=bool(hf.attention_bias),
+        max_len=int(hf.max_position_embeddings),
+        rope_inv_freq=list(rope_frequencies(hf, head_dim, "full_attention")[0]),
+    )  # fmt: skip
+
+
+def _encoder_fact_dict(
+    hf, folder: Path, name: str, parts: Parts, *, head_dim: int, eps: float, qkv_bias: bool,
+    max_len: int, rope_inv_freq: list[float],
+) -> dict:  # fmt: skip
+    """The facts every encoder states alike: sizes, no generation, the checkpoint's pooling,
+    and with a *ForSequenceClassification head its labels."""
     classifier = None
     if name.endswith("ForSequenceClassification"):
         labels = getattr(hf, "id2label", None) or {}
         count = int(getattr(hf, "num_labels", len(labels)) or len(labels))
         classifier = {"labels": [str(labels.get(i, f"LABEL_{i}")) for i in range(count)]}
     saved = getattr(hf, "dtype", None)
+    heads = int(hf.num_attention_heads)
     return {
-        "architecture": "modernbert",
+        "architecture": parts.family,
         "vocab_size": int(hf.vocab_size),
         "hidden_size": int(hf.hidden_size),
         "intermediate_size": int(hf.intermediate_size),
@@ -596,14 +588,14 @@ def _modernbert_facts(hf, folder: Path, name: str) -> dict:
         "num_heads": heads,
         "num_kv_heads": heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(hf.norm_eps),
+        "rms_norm_eps": eps,
         "tie_word_embeddings": False,
-        "qkv_bias": bool(hf.attention_bias),
+        "qkv_bias": qkv_bias,
         "qk_norm": False,
-        "max_position_embeddings": int(hf.max_position_embeddings),
+        "max_position_embeddings": max_len,
         "saved_dtype": str(saved).removeprefix("torch.") if saved is not None else None,
         "eos_token_ids": [],
-        "rope_inv_freq": list(rope_frequencies(hf, head_dim, "full_attention")[0]),
+        "rope_inv_freq": rope_inv_freq,
         "rope_scaling": 1.0,
         "parts": parts.to_dict(),
         "text_of": None,

@@ -19,10 +19,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from conveyor.model.attention import AttentionMetadata
-from conveyor.model.bert import MATMUL_ATTENTION_TOKENS
+from conveyor.model.bert import Encoder, attend, packed_for_cpu
 from conveyor.model.config import ModelConfig
-from conveyor.model.layers import MergedLinear, pack_panels
+from conveyor.model.layers import MergedLinear
 
 
 def _norm(cfg: ModelConfig) -> nn.LayerNorm:
@@ -64,24 +63,12 @@ class ModernBertLayer(nn.Module):
         return x + self.mlp_Wo(gated)
 
     def _attention(self, qkv, cos, sin, out: torch.Tensor) -> None:
-        length, hidden = out.shape
-        q, k, v = (
-            qkv[:, i * hidden : (i + 1) * hidden]
-            .reshape(length, self.num_heads, self.head_dim)
-            .transpose(0, 1)
-            for i in range(3)
-        )  # (heads, L, head_dim)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        length = out.shape[0]
         mask = None
-        if self.window and length > self.window + 1:
+        if self.window and length > self.window + 1:  # the local layers: |i - j| <= window
             where = torch.arange(length, device=qkv.device)
             mask = (where[:, None] - where[None, :]).abs() <= self.window
-        if length > MATMUL_ATTENTION_TOKENS or mask is not None:
-            context = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            scores = torch.bmm(q, k.transpose(1, 2)).mul_(self.head_dim**-0.5)
-            context = torch.bmm(torch.softmax(scores, dim=-1), v)
-        out.view(length, self.num_heads, self.head_dim).copy_(context.transpose(0, 1))
+        attend(qkv, out, self.num_heads, lambda t: _rotate(t, cos, sin), mask)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -94,13 +81,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (wide * cos + rotated * sin).to(x.dtype)
 
 
-class ModernBertEncoder(nn.Module):
-    """Embeddings, layers, final norm and (a classifier's) head; forward returns every
-    token's final hidden state, the step's sequences one after another."""
-
-    prompt_route = False
-    lora = None
-    per_sequence = False
+class ModernBertEncoder(Encoder):
+    """Embeddings, layers, final norm and (a classifier's) head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -116,24 +98,6 @@ class ModernBertEncoder(nn.Module):
             self.head_dense = MergedLinear(cfg.hidden_size, [cfg.hidden_size], parts.head_bias)
             self.head_norm = _norm(cfg)
             self.classifier = MergedLinear(cfg.hidden_size, [cfg.classifier.num_labels], bias=True)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        del kv_caches  # nothing is cached: a sequence runs whole, in one step
-        starts = meta.query_start.tolist()
-        bounds = list(zip(starts[:-1], starts[1:], strict=True))
-        if any(int(positions[a]) != 0 for a, _ in bounds):
-            raise ValueError("an encoder's sequence runs whole, from its first token")
-        if self.per_sequence and len(bounds) > 1:
-            return torch.cat(
-                [self._encode(input_ids[a:b], positions[a:b], [(0, b - a)]) for a, b in bounds]
-            )
-        return self._encode(input_ids, positions, bounds)
 
     def _encode(self, input_ids, positions, bounds) -> torch.Tensor:
         dtype = self.tok_embeddings.weight.dtype
@@ -154,28 +118,9 @@ class ModernBertEncoder(nn.Module):
         act = _activation(self.config.parts.classifier_act)
         return self.classifier(self.head_norm(act(self.head_dense(pooled))))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise ValueError("an encoder generates no tokens")
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> None:
-        return None
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded = set()
-        for stored, tensor in weights:
-            name = _name(stored, self.classifier is not None)
-            if name is None:
-                continue
-            if name not in params:
-                raise ValueError(f"unexpected ModernBERT weight {stored!r} ({name})")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{stored}: shape {tuple(tensor.shape)}, not {params[name].shape}")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks ModernBERT weights: {missing[:5]}")
+    def place(self, stored: str, tensor: torch.Tensor, params: dict) -> str | None:
+        name = _name(stored, self.classifier is not None)
+        return None if name is None else self.copy(params, stored, name, tensor)
 
 
 def _cos_sin(inv_freq, positions: torch.Tensor, dtype: torch.dtype):
@@ -211,8 +156,4 @@ def load_modernbert(
     with torch.device(device):
         model = ModernBertEncoder(cfg).to(cfg.dtype)
     model.load_weights(weights)
-    if cfg.batch_invariant and device.type == "cpu":
-        pack_panels(model)
-        projections = [m for m in model.modules() if isinstance(m, MergedLinear)]
-        model.per_sequence = any(m.panels is None for m in projections)
-    return model.eval()
+    return packed_for_cpu(model, cfg, device)
