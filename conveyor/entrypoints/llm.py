@@ -247,9 +247,10 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """vLLM's: each prompt's label probabilities (`out.outputs.probs`) by the model's
         classifier at its last token (a *ForSequenceClassification checkpoint's score head,
-        or `classifier_from_token`'s tokens, ModelConfig.classifier); ValueError for a model
-        without one. pooling_params=PoolingParams(use_activation=False): `probs` holds the
-        raw label logits (a reward model's score), as vLLM's."""
+        or `classifier_from_token`'s tokens, ModelConfig.classifier; an encoder's head pools
+        its first token, or ModernBERT's the mean); ValueError for a model without one.
+        pooling_params=PoolingParams(use_activation=False): `probs` holds the raw label
+        logits (a reward model's score), as vLLM's."""
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise ValueError(f"pooling_params must be PoolingParams, got {pooling_params!r}")
         activation = pooling_params is None or pooling_params.activation
