@@ -174,6 +174,7 @@ class EncoderModel(Encoder):
         self.token_type_embeddings = nn.Embedding(max(parts.type_vocab_size, 1), cfg.hidden_size)
         self.embeddings_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self._shards: set[tuple[str, int]] = set()  # the q / k / v rows placed (place)
         self.head_dense = self.head_out = None
         if cfg.classifier is not None:
             self.head_dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
@@ -219,7 +220,7 @@ class EncoderModel(Encoder):
         module, _, kind = target.rpartition(".")
         index = ("query", "key", "value").index(stored.split(".")[-2])
         self.get_submodule(module).load_shard(index, kind, tensor)
-        self._shards = getattr(self, "_shards", set()) | {(target, index)}
+        self._shards.add((target, index))
         return target if all((target, i) in self._shards for i in range(3)) else None
 
 

@@ -112,9 +112,8 @@ class ModernBertEncoder(Encoder):
         the head and the classifier."""
         if self.classifier is None:
             raise ValueError("this model has no classifier head")
-        pooled = hidden[:1] if self.config.parts.classifier_pooling == "cls" else None
-        if pooled is None:
-            pooled = hidden.mean(dim=0, keepdim=True)
+        first = self.config.parts.classifier_pooling == "cls"
+        pooled = hidden[:1] if first else hidden.mean(dim=0, keepdim=True)
         act = _activation(self.config.parts.classifier_act)
         return self.classifier(self.head_norm(act(self.head_dense(pooled))))
 
