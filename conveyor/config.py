@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Ministral3ForCausalLM": "ministral3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",

@@ -233,6 +233,25 @@ FAMILIES = {
         ),
     ),
 }  # fmt: skip
+# Hybrids (model/deltanet.py): gated delta nets beside attention; no prefix caching and no
+# speculation, so not in the FAMILIES battery (tests/equivalence/test_hybrid.py). Qwen3.5's
+# layers 0-2 delta nets (2 key heads each serving 2 value heads), layer 3 attention with a
+# quarter of its head turned by RoPE, q/k norms and an output gate.
+_QWEN3_5_TEXT = dict(
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)  # fmt: skip
+HYBRIDS = {
+    "qwen3_5": dict(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", **_QWEN3_5_TEXT
+    ),
+    "qwen3_5-vlm": dict(  # Qwen3.5's releases: the language model inside a VLM
+        model_type="qwen3_5",
+        text_config=dict(model_type="qwen3_5_text", **_QWEN3_5_TEXT),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64),
+    ),
+}  # fmt: skip
 # A tiny vision tower's sizes (the multimodal FAMILIES').
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
@@ -258,7 +277,7 @@ def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
     kwargs = dict(
-        ARCHS[arch] if arch in ARCHS else FAMILIES[arch],
+        ARCHS[arch] if arch in ARCHS else FAMILIES[arch] if arch in FAMILIES else HYBRIDS[arch],
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -289,6 +308,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         kwargs.update(head_dim=16, tie_word_embeddings=True)
     if arch == "qwen2":
         kwargs.update(tie_word_embeddings=True)
+    if arch in HYBRIDS:  # three delta nets, then attention
+        kwargs.update(num_hidden_layers=4)
     kwargs.update(overrides)
     model_type = kwargs.pop("model_type")
     if "text_config" in kwargs:  # a multimodal checkpoint: the sizes are its language model's
@@ -322,7 +343,7 @@ def make_tiny_checkpoint(
     config = tiny_config(arch, vocab_size, **overrides)
     torch.manual_seed(seed)
     model = auto_class(config).from_config(config, dtype=torch.float64)
-    if arch in FAMILIES:  # norms away from their initial 1 (or Gemma's 0): each one counts
+    if arch in FAMILIES or arch in HYBRIDS:  # norms away from 1 (Gemma's 0): each one counts
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

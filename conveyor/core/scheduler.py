@@ -106,9 +106,14 @@ class Scheduler:
         kv_cache: KVCacheManager,
         speculative: SpeculativeConfig | None = None,
         max_loras: int | None = None,
+        state_slots: bool = False,
     ) -> None:
-        """max_loras: with LoRA on, the most adapters the running batch may name at once."""
+        """max_loras: with LoRA on, the most adapters the running batch may name at once;
+        state_slots: a hybrid model's, one per running request (ScheduledRequest.state_slot:
+        max_num_seqs of them, taken at admission, given back at preemption or the end)."""
         self.config = config
+        self.state_slots: dict[str, int] | None = {} if state_slots else None
+        self._free_slots = list(range(config.max_num_seqs))[::-1] if state_slots else []
         self.max_loras = max_loras
         self.speculative = speculative
         self._draft_by_model = speculative is not None and speculative.method == "draft_model"
@@ -364,6 +369,8 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         self.running.append(request)
+        if self.state_slots is not None:
+            self.state_slots[request.request_id] = self._free_slots.pop()
         return num_new
 
     def _priority_victim(self, request: Request) -> Request | None:
@@ -377,9 +384,14 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         return max(self.running, key=_rank) if self.policy == "priority" else self.running[-1]
 
+    def _release_slot(self, request: Request) -> None:
+        if self.state_slots is not None and request.request_id in self.state_slots:
+            self._free_slots.append(self.state_slots.pop(request.request_id))
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
+        self._release_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -415,6 +427,8 @@ class Scheduler:
                 lora_id=request.lora_id,
                 num_prompt_tokens=request.num_prompt_tokens,
             )
+            if self.state_slots is not None:
+                item.state_slot = self.state_slots[request_id]
             if start < request.num_prompt_tokens:
                 _ask_prompt_rows(item, request)
             if num_drafts and not self._draft_by_model:
@@ -522,8 +536,18 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
+        self._release_slot(request)
         self.static_batch.discard(request.request_id)
         self._finished_ids.append(request.request_id)
+
+    def check_state_slots(self) -> None:
+        """A hybrid's state slots: exactly the running requests hold one each; the rest free."""
+        if self.state_slots is None:
+            return
+        running = {r.request_id for r in self.running}
+        assert set(self.state_slots) == running, (sorted(self.state_slots), sorted(running))
+        held = sorted(self.state_slots.values())
+        assert sorted(held + self._free_slots) == list(range(self.config.max_num_seqs))
 
     def forget(self, request_id: str) -> None:
         """Drops a finished request's record once its output has been delivered."""

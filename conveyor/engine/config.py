@@ -4,12 +4,15 @@ core hands out, each component taking only its own."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from conveyor.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from conveyor.engine_args import EngineArgs
 from conveyor.model.config import ModelConfig, check_tokenizer
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # imported where an engine is built: resolve_model_config runs without it in
     import torch  # the server's front end (engine/core_proc.py)
@@ -62,12 +65,16 @@ class EngineConfig:
                 "(its experts' projections have no adapter slots)"
             )
         scheduler_config, enforce_eager = args.scheduler_config(), args.enforce_eager
+        cache_config = args.cache_config()
         if model_config.is_encoder:
             scheduler_config = _encoder_scheduling(args, model_config, scheduler_config)
             enforce_eager = True  # no decode steps to replay
+        if model_config.parts.recurrent:
+            cache_config = _hybrid_cache(args, cache_config)
+            enforce_eager = True  # the delta nets' per-sequence loops: no graphs to replay
         return cls(
             model_config,
-            args.cache_config(),
+            cache_config,
             scheduler_config,
             args.speculative_config,
             device,
@@ -83,6 +90,26 @@ class EngineConfig:
             args.kernel_isa,
             args.download_dir,
         )
+
+
+def _hybrid_cache(args: EngineArgs, cache: CacheConfig) -> CacheConfig:
+    """A hybrid model's (gated delta nets, model/deltanet.py) cache: a sequence's recurrent
+    state exists only at the end of what it computed, so a prefix-cache hit (KV blocks without
+    the state at their end) cannot be continued: prefix caching is off. Drafts (whose rejected
+    tokens would have to be taken back out of the state), adapters and tensor parallelism are
+    refused."""
+    if args.speculative_config is not None:
+        raise ValueError(
+            "speculative decoding is not supported for a hybrid model (gated delta nets: "
+            "rejected drafts cannot be taken back out of a sequence's recurrent state)"
+        )
+    if args.enable_lora:
+        raise ValueError("enable_lora: a hybrid model's gated delta nets have no adapter slots")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size > 1 is not supported for a hybrid model")
+    if cache.enable_prefix_caching:
+        logger.info("conveyor: prefix caching off: a hybrid model's recurrent state is not cached")
+    return dataclasses.replace(cache, enable_prefix_caching=False)
 
 
 def _encoder_scheduling(

@@ -109,7 +109,13 @@ class EngineCore:
                 sliding_window=self._sliding_window(),
             )
             max_loras = None if self.lora_config is None else self.lora_config.max_loras
-            self.scheduler = Scheduler(self.scheduler_config, self.kv_cache, spec, max_loras)
+            self.scheduler = Scheduler(
+                self.scheduler_config,
+                self.kv_cache,
+                spec,
+                max_loras,
+                state_slots=self.model_config.parts.recurrent,
+            )
         except BaseException:  # the ranks started above end now, not when collected
             self.close()
             raise
@@ -161,6 +167,7 @@ class EngineCore:
             loras=self.loras,
             graph_rows=0 if config.enforce_eager else self.scheduler_config.max_num_seqs,
             plan_settings=PlanSettings.from_env(config.kernel_isa),
+            max_num_seqs=self.scheduler_config.max_num_seqs,
         )
 
     def _sliding_window(self) -> int:
@@ -226,10 +233,15 @@ class EngineCore:
         if self.draft_runner is not None:
             per_block += self.draft_runner.kv_bytes_per_block()
         report = weights.as_dict() | {"kv_cache": per_block * self.num_blocks}
+        states = ""
+        if self.model_config.parts.recurrent:  # a hybrid's recurrent states, every slot
+            report["recurrent_states"] = self.runner.state_bytes()
+            states = f", recurrent states {report['recurrent_states'] / 2**20:.1f} MiB"
         logger.info(
-            "conveyor: memory: %s, KV cache %.1f MiB",
+            "conveyor: memory: %s, KV cache %.1f MiB%s",
             weights.log_line(),
             report["kv_cache"] / 2**20,
+            states,
         )
         return report
 
@@ -562,6 +574,7 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
+        self.scheduler.check_state_slots()
 
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any, and gives back the thread count the

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from conveyor.model.deltanet import RecurrentRows
 
 
 class AttentionKind(NamedTuple):
@@ -74,6 +77,8 @@ class AttentionMetadata:
     # [begin, end) pairs, flat: the rows that are prompt tokens, for a model whose prompt
     # tokens take a route of their own (model/prompt_route.py).
     prompt_rows: list[int] = field(default_factory=list)
+    # A hybrid's gated delta nets: each sequence's state slot and rows (model/deltanet.py).
+    recurrent: RecurrentRows | None = None
 
 
 def build_metadata(

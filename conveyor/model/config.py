@@ -306,7 +306,7 @@ def hf_config(folder: Path, hf_overrides: dict[str, Any] | None = None):
 # Multimodal checkpoints whose language model is a family conveyor computes: served text-only
 # (their vision tower and projector are not read; a request with an image is refused, as any
 # multimodal field is), as Gemma 3 (4B and up), Mistral Small 3.1 / 3.2, LLaVA, Qwen2-VL,
-# Qwen2.5-VL and Qwen3-VL ship. The Qwen VLs' multimodal RoPE gives a text token the same
+# Qwen2.5-VL, Qwen3-VL and Qwen3.5 ship. The Qwen VLs' multimodal RoPE gives a text token the same
 # position on its three axes: on text it is the 1-D RoPE of their text model's family.
 MULTIMODAL_TEXT_ONLY = (
     "Gemma3ForConditionalGeneration",
@@ -316,6 +316,7 @@ MULTIMODAL_TEXT_ONLY = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
 )
 # Families whose RoPE turns pairs of adjacent dims (2i, 2i + 1), GPT-J's way (rotary_rows).
 INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")
@@ -439,8 +440,6 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
     rows = rotary_rows(hf, int(head_dim), arch in INTERLEAVED_ROPE)
     parts = parts_of(hf, arch, int(hf.num_hidden_layers), int(head_dim), _local_rope)
-    if rows is not None and parts.qk_norm:
-        raise ValueError(f"unsupported partial or interleaved rotary with q/k norms ({arch})")
     if not parts.o_bias and any(n.endswith(".o_proj.bias") for n in stored):
         # attention_bias gives the o_proj a bias in some families (Llama, Granite, OLMo 2,
         # InternLM3), not in others (Qwen2, Mistral): the checkpoint says which.

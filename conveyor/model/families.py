@@ -6,7 +6,8 @@ what their checkpoint names are, how a norm scales (w, or Gemma's 1 + w), the ML
 and per layer the attention's kind (full or a sliding window, soft-capped scores, its scale)
 and rotary table (the global one, Gemma 3's local one, or none: SmolLM3's NoPE layers), and
 per layer the MLP's kind: dense, or a mixture of experts (a router that picks top_k of
-num_experts per token, how it weighs them, a shared expert behind a sigmoid gate); around the
+num_experts per token, how it weighs them, a shared expert behind a sigmoid gate); a hybrid's
+layers that are gated delta nets instead of attention (model/deltanet.py); around the
 layers, the embedding, residual and logit multipliers. `Parts` holds that, resolved once
 from the checkpoint's config (as transformers reads it); model/llama.py builds both the modules
 and the compiled layers (kernels/layer/decoder_layer.cpp) from it, so a family is written once.
@@ -55,6 +56,14 @@ PROJECTION_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
+    # Qwen3.5's attention: the gate rows of its q_proj (loader: _gated_queries splits them off)
+    "q_gate_proj": ("qkv_proj", 3),
+    # a gated delta net's projections (model/deltanet.py): q/k/v, z, b and a in one matmul
+    "in_proj_qkv": ("in_proj", 0),
+    "in_proj_z": ("in_proj", 1),
+    "in_proj_b": ("in_proj", 2),
+    "in_proj_a": ("in_proj", 3),
+    "out_proj": ("out_proj", 0),
 }
 
 
@@ -123,6 +132,14 @@ class Parts:
     head_bias: bool = False
     classifier_pooling: str = "cls"
     classifier_act: str = "gelu"
+    # Hybrids (Qwen3.5): per layer, True where a gated delta net (model/deltanet.py: linear
+    # attention, a recurrent state per sequence instead of KV blocks) replaces attention; its
+    # (key, value) heads and head dims, its causal convolution's kernel size.
+    linear_layers: tuple[bool, ...] = ()
+    linear_heads: tuple[int, int] = (0, 0)
+    linear_dims: tuple[int, int] = (0, 0)
+    linear_conv: int = 0
+    attn_gate: bool = False  # attention's output times sigmoid(gate rows of q_proj's)
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -132,6 +149,14 @@ class Parts:
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state per sequence (a gated delta net)."""
+        return any(self.linear_layers)
 
     def scale(self, head_dim: int) -> float:
         return self.attn_scale or head_dim**-0.5
@@ -247,6 +272,23 @@ def _granite(hf, head_dim: int, local_rope: Callable) -> dict:
     )
 
 
+def _qwen3_5(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Qwen3.5: three gated delta nets to one attention layer (layer_types), norms scaling by
+    1 + w, per-head q/k norms, attention gated by its q_proj's second half per head."""
+    types = list(hf.layer_types)
+    if set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"unsupported layer_types {sorted(set(types))} for qwen3_5")
+    return dict(
+        norm_offset=True,
+        qk_norm="head",
+        attn_gate=True,
+        linear_layers=tuple(t == "linear_attention" for t in types),
+        linear_heads=(int(hf.linear_num_key_heads), int(hf.linear_num_value_heads)),
+        linear_dims=(int(hf.linear_key_head_dim), int(hf.linear_value_head_dim)),
+        linear_conv=int(hf.linear_conv_kernel_dim),
+    )
+
+
 def _smollm3(hf, head_dim: int, local_rope: Callable) -> dict:
     return dict(ropes=tuple(0 if use else -1 for use in hf.no_rope_layers))
 
@@ -355,6 +397,7 @@ _BUILDERS = {
     "granite": _granite,
     "granitemoe": _granite,
     "smollm3": _smollm3,
+    "qwen3_5": _qwen3_5,
 }
 
 

@@ -27,6 +27,7 @@ from conveyor.distributed.parallel import TPGroup
 from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionKind, AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
+from conveyor.model.deltanet import GatedDeltaNet
 from conveyor.model.families import PROJECTION_SHARDS, Parts
 from conveyor.model.layers import (
     MATMUL_BUCKETS,
@@ -36,7 +37,7 @@ from conveyor.model.layers import (
     RotaryEmbedding,
     matmul_form,
 )
-from conveyor.model.moe import MoEMLP
+from conveyor.model.moe import MoEMLP, cpu_ops, row_ops
 from conveyor.model.quant import QuantLinear
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensor and its index
@@ -56,7 +57,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = tp.shard.kv_heads(cfg.num_kv_heads)[1]
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
+        # Qwen3.5: gate rows after q, k and v; the output is multiplied by their sigmoid
+        self.gated = parts.attn_gate
+        sizes = [q_size, kv_size, kv_size] + [q_size] * self.gated
+        self.qkv_proj = MergedLinear(cfg.hidden_size, sizes, cfg.qkv_bias)
         self.o_proj = (
             MergedLinear(q_size, [cfg.hidden_size], bias=True)
             if parts.o_bias
@@ -77,7 +81,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, ropes: list[RopeRows], rotaries: list[RotaryEmbedding], kv_cache, meta):
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
+        q, k, v, *gate = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
@@ -89,7 +93,11 @@ class LlamaAttention(nn.Module):
             rope = ropes[self.rope]
             q, k = rotaries[self.rope](q, k, rope.cos, rope.sin, meta.ops)
         out = paged_attention(q, k, v, kv_cache, meta, self.kind, self.sinks)  # (T, H, D)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
+        out = out.reshape(num_tokens, -1)
+        if self.gated:  # row by row where ATen's sigmoid would not be (see moe.row_ops)
+            ops = row_ops(out)
+            out = ops.sigmoid_mul(out, gate[0]) if ops else out * torch.sigmoid(gate[0])
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
@@ -102,7 +110,11 @@ class LlamaMLP(nn.Module):
         self.act = cfg.parts.act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of a fresh tensor: in place
+        gate_up = self.gate_up_proj(x)
+        ops = row_ops(gate_up)
+        if ops is not None and self.act == "silu":  # the compiled layers' row loop
+            return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(gate_up)))
+        gate, up = gate_up.chunk(2, dim=-1)  # views of a fresh tensor: in place
         if self.act == "gelu_tanh":
             gate = nn.functional.gelu(gate, approximate="tanh")
         else:
@@ -124,7 +136,12 @@ class LlamaDecoderLayer(nn.Module):
         self.roles: dict[str, str] = dict(parts.norms)
         for name in self.roles.values():
             self.add_module(name, _norm(parts, cfg.hidden_size, cfg.rms_norm_eps))
-        self.self_attn = LlamaAttention(cfg, tp, index)
+        # a hybrid's linear-attention layer (model/deltanet.py) or attention
+        self.linear = parts.is_linear(index)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, index)
+        else:
+            self.self_attn = LlamaAttention(cfg, tp, index)
         self.mlp = MoEMLP(cfg, tp) if parts.is_moe(index) else LlamaMLP(cfg, tp)
         self.residual_scale = parts.residual_scale
 
@@ -134,7 +151,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, ropes, rotaries, kv_cache, meta):
         h = self._normed("attn_in", x)
-        h = self._normed("attn_out", self.self_attn(h, ropes, rotaries, kv_cache, meta))
+        if self.linear:  # kv_cache: this layer's RecurrentState
+            h = self.linear_attn(h, kv_cache, meta.recurrent, cpu_ops(h))
+        else:
+            h = self.self_attn(h, ropes, rotaries, kv_cache, meta)
+        h = self._normed("attn_out", h)
         x = x + self._scaled(h)
         h = self._normed("mlp_out", self.mlp(self._normed("mlp_in", x)))
         return x + self._scaled(h)
@@ -150,7 +171,9 @@ class LlamaDecoderLayer(nn.Module):
         """This layer as the compiled ops' DecoderLayer (kernels/layer/decoder_layer.cpp: the same
         arithmetic in one call), or None when a projection has no compiled form there (the
         model then runs its modules). A mixture of experts runs as the compiled MoE
-        (_compiled_moe)."""
+        (_compiled_moe); a gated delta net or a gated attention has none."""
+        if self.linear or self.self_attn.gated:
+            return None
         attn, mlp = self.self_attn, self.mlp
         qkv, o = _projection(attn.qkv_proj, ops), _projection(attn.o_proj, ops)
         if isinstance(mlp, MoEMLP):

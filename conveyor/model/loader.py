@@ -109,9 +109,9 @@ def iter_weights(
             weights = _gpt_oss_experts(iter_safetensors(cfg.path, cfg.dtype), cut_of)
         else:
             rename = {"mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES}.get(family)
-            skip = None
+            skip = _NOT_READ.get(family)
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
-                rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL
+                rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL + (skip or ())
             grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
             if cfg.text_of in _STACKED_EXPERTS or family == "granitemoe":  # split, then cut
                 weights = iter_safetensors(cfg.path, cfg.dtype, None, rename, grouped, skip)
@@ -120,15 +120,40 @@ def iter_weights(
                 weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, skip)
         if shard.size > 1 and family == "phi3":
             weights = _unfused(weights, cfg, cut_of)
+        if cfg.parts.attn_gate:  # before the rows turn: q_proj's gate rows are no query's
+            weights = _gated_queries(weights, cfg)
         if cfg.rotary_rows is not None:
             weights = _rotary_rows(weights, cfg)
         yield from weights
 
 
+# Stored tensors a family's model does not read: Qwen3.5's multi-token prediction layer (a
+# proposer vLLM can run; conveyor's speculation is n-gram or a draft model).
+_NOT_READ = {"qwen3_5": ("mtp.",)}
+
+
+def _gated_queries(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Qwen3.5's q_proj holds each head's query rows, then that head's gate rows: split into
+    q_proj and q_gate_proj (the qkv_proj's fourth part, model/llama.py)."""
+    head_dim = cfg.head_dim
+    for name, tensor in weights:
+        module, _, param = name.rpartition(".")
+        if not module.endswith("self_attn.q_proj"):
+            yield name, tensor
+            continue
+        if isinstance(tensor, GroupedInts):  # GPTQ's or AWQ's: rows of values
+            tensor = tensor.dequantize().to(cfg.dtype)
+        if not isinstance(tensor, torch.Tensor) or tensor.shape[0] % (2 * head_dim):
+            raise ValueError(f"{name}: not whole heads of query and gate rows")
+        rows = tensor.reshape(-1, 2, head_dim, *tensor.shape[1:])
+        yield name, rows[:, 0].flatten(0, 1).contiguous()
+        yield f"{module.removesuffix('q_proj')}q_gate_proj.{param}", rows[:, 1].flatten(0, 1)
+
+
 def _rotary_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
     """Each q and k head's rows (weights and biases, of q_proj / k_proj or the q and k rows of
-    a fused qkv_proj) in cfg.rotary_rows' order: the checkpoint's RoPE as the default one
-    (model/config.py rotary_rows)."""
+    a fused qkv_proj, and the weights of q and k norms) in cfg.rotary_rows' order: the
+    checkpoint's RoPE as the default one (model/config.py rotary_rows)."""
     from conveyor.model.gguf_loader import RawTensor
 
     order = torch.tensor(cfg.rotary_rows)
@@ -139,7 +164,7 @@ def _rotary_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
 
     for name, tensor in weights:
         module = name.rpartition(".")[0].rpartition(".")[2]
-        if module not in ("q_proj", "k_proj", "qkv_proj"):
+        if module not in ("q_proj", "k_proj", "qkv_proj", "q_norm", "k_norm"):
             yield name, tensor
             continue
         if isinstance(tensor, GroupedInts):  # GPTQ's or AWQ's: rows of values

@@ -58,10 +58,8 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        ops = _row_ops(gate_up)
-        # The compiled layers' loops, row by row: ATen's silu and sigmoid compute a tensor's
-        # (or a thread's) last elements with their scalar exp, whose bits can differ from the
-        # vector one, so a row's values could depend on the rows computed with it.
+        ops = row_ops(gate_up)
+        # The compiled layers' loops, row by row (see row_ops).
         if ops is not None and self.act == "silu":
             return self.down_proj(ops.silu_and_mul(gate_up))
         if ops is not None and self.act == "swiglu_clamp":
@@ -146,7 +144,7 @@ class MoEMLP(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             gate = self.shared_expert_gate(x)  # (T, 1)
-            ops = _row_ops(out)
+            ops = row_ops(out)
             if ops is not None:  # row by row (see Expert.forward)
                 out = ops.sigmoid_gated_add(out, gate, shared)
             else:
@@ -157,11 +155,19 @@ class MoEMLP(nn.Module):
     # llama.py's _compiled_moe): the same arithmetic, grouped and summed in C++, bit for bit.
 
 
-def _row_ops(t: torch.Tensor):
-    """The compiled ops where a float32 CPU tensor's activations run their row loops."""
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+def row_ops(t: torch.Tensor):
+    """The compiled ops where a float32 CPU tensor's activations run their row loops: ATen's
+    silu and sigmoid compute a tensor's (or a thread's) last elements with their scalar exp,
+    whose bits can differ from the vector one, so a row's values could depend on the rows
+    computed with it."""
+    if t.dtype != torch.float32:
         return None
-    return kernels.load()
+    return cpu_ops(t)
+
+
+def cpu_ops(t: torch.Tensor):
+    """The compiled ops for a CPU tensor (None elsewhere, or where they do not build)."""
+    return kernels.load() if t.device.type == "cpu" else None
 
 
 def _row_sums(top: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """SchedulerOutput -> input tensors -> forward -> sampler -> ModelRunnerOutput.
 
-The runner keeps no per-request state: everything it needs arrives in the SchedulerOutput.
-The one host sync of a step is reading the sampled tokens back.
+The runner keeps no per-request state: everything it needs arrives in the SchedulerOutput
+(a hybrid model's state slot per sequence too). The one host sync of a step is reading the
+sampled tokens back.
 
 With tensor parallelism this runner is rank 0: it turns the SchedulerOutput into the step's
 inputs (StepInputs, plain arrays), hands them to the other ranks (worker/executor.py),
@@ -11,6 +12,7 @@ and runs its own share of the forward alongside them; it alone samples.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from itertools import chain
@@ -27,6 +29,7 @@ from conveyor.model import kernels, prompt_route
 from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
+from conveyor.model.deltanet import RecurrentState, recurrent_rows, state_dtype, state_shapes
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
 from conveyor.model.plan import CpuFeatures, KernelPlan, PlanSettings
@@ -60,13 +63,14 @@ class ModelRunner:
         loras: LoRARegistry | None = None,
         graph_rows: int = 0,
         plan_settings: PlanSettings | None = None,
+        max_num_seqs: int = 256,
     ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
         rank 0, sends each step's inputs to the other ranks before the forward; loras: the
         adapters in host memory, with LoRA on (never with tensor parallelism); graph_rows:
         decode steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
         0: every step eager, --enforce-eager); plan_settings: the kernel plan's (model/plan.py;
-        None: the environment's)."""
+        None: the environment's); max_num_seqs: the state slots of a hybrid model."""
         self.cfg = cfg
         # A classifier of tokens' logits: a classify request's last row joins the logits rows
         # (every rank computes those); a score head needs none (model.classify).
@@ -86,7 +90,8 @@ class ModelRunner:
         self.model = load_model(cfg, device, self.tp)
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list = []  # per layer: its KV blocks, or a hybrid's RecurrentState
+        self.max_num_seqs = max_num_seqs  # a hybrid's state slots
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
         int8 = any(getattr(m, "int8_weight", None) is not None for m in self.model.modules())
         self.plan = planned.settled(prompt_route.route_of(self.model), int8)
@@ -100,8 +105,18 @@ class ModelRunner:
         self.last_timing: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def kv_bytes_per_block(self) -> int:
-        per_token = 2 * self.cfg.num_layers * self.num_kv_heads * self.cfg.head_dim
+        """Of every attention layer (a hybrid's gated delta nets keep no KV)."""
+        layers = self.cfg.num_layers - sum(self.cfg.parts.linear_layers)
+        per_token = 2 * layers * self.num_kv_heads * self.cfg.head_dim
         return per_token * self.block_size * self.kv_dtype.itemsize
+
+    def state_bytes(self) -> int:
+        """A hybrid's recurrent states: every gated delta net's, max_num_seqs slots each."""
+        if not self.cfg.parts.recurrent:
+            return 0
+        per_layer = sum(math.prod(s) for s in state_shapes(self.cfg.parts, self.max_num_seqs))
+        itemsize = state_dtype(self.cfg.dtype).itemsize
+        return per_layer * itemsize * sum(self.cfg.parts.linear_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # One contiguous (block, kv head) tile per block and head: see model/attention.py.
@@ -111,7 +126,10 @@ class ModelRunner:
         # and one more for the padded rows of CUDA graphs, last (cuda_graphs).
         scratch = self.graph_mode is not None
         shape = (2, num_blocks + 1 + scratch, self.num_kv_heads, tile)
-        self.kv_caches = [self._new_cache(shape) for _ in range(self.cfg.num_layers)]
+        self.kv_caches = [
+            self._new_state() if self.cfg.parts.is_linear(i) else self._new_cache(shape)
+            for i in range(self.cfg.num_layers)
+        ]
         if scratch:
             self.graphs = DecodeGraphs(
                 self.model,
@@ -132,11 +150,25 @@ class ModelRunner:
             self.attention_ops.advise_huge_pages(cache)
         return cache
 
+    def _new_state(self) -> RecurrentState:
+        """A gated delta net's states, max_num_seqs slots (pages faulted in as they are
+        first written, on the CPU)."""
+        dtype = state_dtype(self.cfg.dtype)
+        conv, ssm = state_shapes(self.cfg.parts, self.max_num_seqs)
+        if self.device.type != "cpu":
+            new = lambda shape: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
+        else:
+            new = lambda shape: allocator.zeroed(shape, dtype)  # noqa: E731
+        return RecurrentState(new(conv), new(ssm))
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         drafts = self._drafts(sched.scheduled)
         step = self.step_inputs(sched.scheduled, drafts)
+        if self.cfg.parts.recurrent:  # the scheduler's state slots (core/scheduler.py)
+            slots = np.fromiter((s.state_slot for s in sched.scheduled), np.int64)
+            step = step._replace(state_slots=slots)
         if self.publish is not None:
             self.publish(step)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
@@ -278,6 +310,13 @@ class ModelRunner:
         )
         if step.prompt_tokens is not None:
             meta.prompt_rows = prompt_route.row_ranges(step.query_lens, step.prompt_tokens)
+        if step.state_slots is not None:
+            meta.recurrent = recurrent_rows(
+                step.query_lens.tolist(),
+                step.context_lens.tolist(),
+                step.state_slots.tolist(),
+                self.device,
+            )
         tensor = self.as_tensor
         return tensor(step.input_ids), tensor(positions), meta, tensor(step.logits_rows)
 

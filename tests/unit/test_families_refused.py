@@ -41,14 +41,11 @@ def test_the_mixtures_of_experts_are_supported():
     [
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0,
                                        "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
-        ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                       "partial_rotary_factor": 0.5}},
-         "partial or interleaved rotary with q/k norms"),
         ("olmo2", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ],
-    ids=["dynamic-rope", "partial-rotary-qk-norm", "activation", "mlp-bias", "bidirectional"],
+    ids=["dynamic-rope", "activation", "mlp-bias", "bidirectional"],
 )  # fmt: skip
 def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
     path = edited(make_tiny_checkpoint(tmp_path, family), **fields)

@@ -48,6 +48,7 @@ SOURCES = (
     "gemm/small_gemm.cpp",
     "gemm/quant_gemm.cpp",
     "layer/decoder_layer.cpp",
+    "layer/deltanet.cpp",
     "gemm/panel_gemm.cpp",
     "lora/lora_gemm.cpp",
     "gemm/amx_gemm.cpp",

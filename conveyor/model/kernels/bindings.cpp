@@ -57,6 +57,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sigmoid_gated_add", &layer::sigmoid_gated_add,
         "out += sigmoid(gate) * y row by row, in place (float32)", py::arg("out"),
         py::arg("gate"), py::arg("y"));
+  m.def("gated_delta_rule", &layer::gated_delta_rule,
+        "a gated delta net's L steps of N sequences (state slots updated in place); its heads' "
+        "outputs normed and gated", py::arg("state"), py::arg("slots"), py::arg("mixed"),
+        py::arg("a"), py::arg("b"), py::arg("z"), py::arg("A_log"), py::arg("dt_bias"),
+        py::arg("norm_weight"), py::arg("eps"), py::arg("key_heads"));
+  m.def("sigmoid_mul", &layer::sigmoid_mul, "x * sigmoid(gate) row by row (float32)",
+        py::arg("x"), py::arg("gate"));
   namespace q = gemm::quant;
   m.def("q4_linear", &q::q4_linear, "x @ W^T for 4-bit blocks (q * d + m)");
   m.def("q8_linear", &q::q8_linear, "x @ W^T for int8 blocks (q * d)");

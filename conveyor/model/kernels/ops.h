@@ -183,6 +183,12 @@ at::Tensor swiglu_clamp_and_mul(const at::Tensor& gate_up, double alpha, double 
 at::Tensor sigmoid_gated_add(at::Tensor& out, const at::Tensor& gate, const at::Tensor& y);
 int64_t moe_expert_runs();  // experts the compiled MoE layers ran, since start
 void bind_decoder_layer(pybind11::module& m);  // the DecoderLayer class and decoder_layers
+// layer/deltanet.cpp
+at::Tensor gated_delta_rule(at::Tensor& state, const at::Tensor& slots, const at::Tensor& mixed,
+                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& z,
+                            const at::Tensor& A_log, const at::Tensor& dt_bias,
+                            const at::Tensor& norm_weight, double eps, int64_t key_heads);
+at::Tensor sigmoid_mul(const at::Tensor& x, const at::Tensor& gate);
 }  // namespace layer
 
 }  // namespace conveyor

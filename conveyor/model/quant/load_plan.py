@@ -146,6 +146,7 @@ def plan_quantization(cfg, model: nn.Module) -> QuantPlan | None:
             continue
         parent = name.rpartition(".")[0]
         names = [f"{parent}.{p}.weight" for p, (m, _) in _SHARDS.items() if m == leaf]
+        names = names[: len(getattr(module, "out_sizes", names))]  # qkv_proj: a gate or none
         if quantized(names):
             specs[name] = _Spec(names, getattr(module, "bias", None) is not None)
     _plan_embeddings(cfg, model, specs, quantized)

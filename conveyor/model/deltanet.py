@@ -1,0 +1,201 @@
+"""Gated delta nets: the linear attention of hybrid models (Qwen3.5), which keep a fixed-size
+state per sequence instead of KV blocks.
+
+A layer mixes tokens through two recurrences that run along each sequence:
+  - a causal depthwise convolution (kernel K) over the q/k/v projections: its state is the
+    sequence's last K - 1 inputs;
+  - the gated delta rule: per value head a (key_dim, value_dim) matrix S that each token
+    decays by exp(g), corrects toward its value (S += k (beta (v - S^T k))^T) and reads with
+    its query (o = S^T q).
+Both states live in slots (RecurrentState, one slot per running sequence: worker/model_runner.py
+hands them out); a sequence's chunk continues its slot's state, its first chunk starts from
+zeros. The rule runs token by token in the state dtype (float32, float64 for a float64 model;
+transformers' reference runs float32) in one compiled op on the CPU (kernels/layer/deltanet.cpp:
+each sequence and head on its own thread, its sums in one order) or its PyTorch twin
+(delta_rule_reference: CUDA), so a token's values are the same bits however its prompt was
+chunked and whatever else the step holds; the convolution adds its K products in one order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.layers import Linear, MergedLinear
+
+
+class RecurrentState(NamedTuple):
+    """One layer's states, by slot."""
+
+    conv: torch.Tensor  # (slots, conv_dim, kernel - 1): each sequence's last conv inputs
+    ssm: torch.Tensor  # (slots, value_heads, key_dim, value_dim): the delta rule's matrices
+
+
+@dataclass(slots=True)
+class RecurrentRows:
+    """The step's sequences as the delta nets read them (built once per step)."""
+
+    starts: list[int]  # (S + 1,) rows of sequence s are [starts[s], starts[s + 1])
+    slots: list[int]  # (S,) each sequence's state slot
+    fresh: list[bool]  # (S,) its chunk starts at position 0: its state starts at zeros
+    single: torch.Tensor  # the sequences of one row (decodes): their rows, run as one batch
+    single_slots: torch.Tensor  # and their slots
+    chunks: list[int]  # the other sequences, run one at a time
+
+
+def recurrent_rows(query_lens: list[int], context_lens: list[int], slots: list[int], device):
+    """RecurrentRows of a step: query_lens, context_lens and slots per sequence."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    single = [s for s, n in enumerate(query_lens) if n == 1]
+    return RecurrentRows(
+        starts=starts,
+        slots=list(slots),
+        fresh=[c == 0 for c in context_lens],
+        single=torch.tensor([starts[s] for s in single], dtype=torch.int64, device=device),
+        single_slots=torch.tensor([slots[s] for s in single], dtype=torch.int64, device=device),
+        chunks=[s for s, n in enumerate(query_lens) if n > 1],
+    )
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The recurrence's dtype: float32, or float64 for a float64 model."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def state_shapes(parts, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (conv, ssm) shapes of one layer's RecurrentState for a family's Parts."""
+    (key_heads, value_heads), (key_dim, value_dim) = parts.linear_heads, parts.linear_dims
+    conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
+    conv = (num_slots, conv_dim, parts.linear_conv - 1)
+    return conv, (num_slots, value_heads, key_dim, value_dim)
+
+
+class GatedRMSNorm(nn.Module):
+    """The weight of the RMSNorm each head's output takes before its gate (silu(z)); the
+    rule computes it (gated_delta_rule)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's `linear_attn` (transformers' names: in_proj_qkv / _z / _b / _a merged into one
+    projection, conv1d, dt_bias, A_log, norm, out_proj)."""
+
+    def __init__(self, cfg, index: int) -> None:
+        super().__init__()
+        parts = cfg.parts
+        (self.key_heads, self.value_heads), (self.key_dim, self.value_dim) = (
+            parts.linear_heads,
+            parts.linear_dims,
+        )
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.conv_dim = 2 * keys + values
+        self.sizes = [self.conv_dim, values, self.value_heads, self.value_heads]
+        self.in_proj = MergedLinear(cfg.hidden_size, self.sizes, bias=False)
+        self.conv1d = nn.Module()  # holds the checkpoint's conv1d.weight (conv_dim, 1, K)
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, parts.linear_conv))
+        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.value_heads))
+        self.norm = GatedRMSNorm(self.value_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(values, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, state: RecurrentState, rows: RecurrentRows, ops=None):
+        """ops: the compiled ops (gated_delta_rule) on the CPU; None: the reference twin."""
+        num_tokens, dtype = x.shape[0], x.dtype
+        mixed, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        sdt = state.ssm.dtype
+        rule = delta_rule_reference if ops is None else ops.gated_delta_rule
+        heads, dim = self.value_heads, self.value_dim
+        fixed = (
+            self.A_log.to(sdt), self.dt_bias.to(sdt), self.norm.weight.to(sdt), self.norm.eps,
+            self.key_heads,
+        )  # fmt: skip
+        weight = self.conv1d.weight[:, 0, :].to(sdt)  # (conv_dim, K)
+        for s, fresh in enumerate(rows.fresh):
+            if fresh:
+                state.conv[rows.slots[s]].zero_()
+                state.ssm[rows.slots[s]].zero_()
+        out = torch.empty(num_tokens, heads, dim, dtype=sdt, device=x.device)
+        if rows.single.numel():  # one row per sequence: all of them at once
+            r, slots = rows.single, rows.single_slots
+            window = torch.cat([state.conv[slots], mixed[r].to(sdt).unsqueeze(-1)], dim=-1)
+            state.conv[slots] = window[..., 1:]
+            conv = _conv(window, weight, 1)[..., 0]  # (N, conv_dim)
+            n = conv.shape[0]
+            args = (conv[None], a[r].to(sdt)[None], b[r].to(sdt)[None])
+            zr = z[r].to(sdt).view(1, n, heads, dim)
+            out[r] = rule(state.ssm, slots, *args, zr, *fixed)[0]
+        for s in rows.chunks:
+            begin, end, slot = rows.starts[s], rows.starts[s + 1], rows.slots[s]
+            window = torch.cat([state.conv[slot], mixed[begin:end].to(sdt).T], dim=-1)
+            state.conv[slot] = window[:, window.shape[1] - state.conv.shape[-1] :]
+            conv = _conv(window, weight, end - begin).T  # (L, conv_dim)
+            args = (conv[:, None], a[begin:end, None].to(sdt), b[begin:end, None].to(sdt))
+            zs = z[begin:end].to(sdt).view(end - begin, 1, heads, dim)
+            slots = torch.tensor([slot], dtype=torch.int64, device=x.device)
+            out[begin:end] = rule(state.ssm, slots, *args, zs, *fixed)[:, 0]
+        return self.out_proj(out.to(dtype).reshape(num_tokens, -1))
+
+
+def delta_rule_reference(
+    state: torch.Tensor,  # (slots, Hv, Dk, Dv): updated in place
+    slots: torch.Tensor,  # (N,) the sequences' slots
+    mixed: torch.Tensor,  # (L, N, 2 Hk Dk + Hv Dv): q, k, v before their silu
+    a: torch.Tensor,  # (L, N, Hv): the decay's input
+    b: torch.Tensor,  # (L, N, Hv): beta's
+    z: torch.Tensor,  # (L, N, Hv, Dv): the output gate's
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    key_heads: int,
+) -> torch.Tensor:
+    """The gated delta rule of kernels/layer/deltanet.cpp in PyTorch (the CUDA path, and the
+    twin its test compares with): (L, N, Hv, Dv) normed, gated outputs."""
+    steps, n = mixed.shape[:2]
+    heads, key_dim, value_dim = state.shape[1:]
+    keys = key_heads * key_dim
+    mixed = F.silu(mixed)
+    q = _l2norm(mixed[..., :keys].reshape(steps, n, key_heads, key_dim)) * key_dim**-0.5
+    k = _l2norm(mixed[..., keys : 2 * keys].reshape(steps, n, key_heads, key_dim))
+    v = mixed[..., 2 * keys :].reshape(steps, n, heads, value_dim)
+    groups = heads // key_heads
+    if groups > 1:  # each key head serves `groups` consecutive value heads
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    decay = (-A_log.exp() * F.softplus(a + dt_bias)).exp()
+    beta = b.sigmoid()
+    ssm = state[slots]
+    out = torch.empty(steps, n, heads, value_dim, dtype=state.dtype, device=state.device)
+    for t in range(steps):
+        ssm.mul_(decay[t][..., None, None])
+        k_t = k[t].unsqueeze(-1)  # (N, Hv, Dk, 1)
+        delta = (v[t] - (ssm * k_t).sum(dim=-2)) * beta[t][..., None]
+        ssm.add_(k_t * delta.unsqueeze(-2))
+        out[t] = (ssm * q[t].unsqueeze(-1)).sum(dim=-2)
+    state[slots] = ssm
+    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    return normed * norm_weight * F.silu(z)
+
+
+def _conv(window: torch.Tensor, weight: torch.Tensor, length: int) -> torch.Tensor:
+    """The causal depthwise convolution's last `length` outputs over `window` (..., C,
+    K - 1 + length): the K products of each output added in one order (the same bits for
+    any length and any number of sequences)."""
+    kernel = weight.shape[-1]
+    acc = window[..., 0:length] * weight[:, 0:1]
+    for j in range(1, kernel):
+        acc = acc + window[..., j : j + length] * weight[:, j : j + 1]
+    return acc
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)

@@ -1,0 +1,194 @@
+// Gated delta nets (model/deltanet.py, its reference twin `delta_rule_reference`): the delta
+// rule over L steps of N sequences, each (sequence, value head) pair on its own thread, so a
+// token's values never depend on what else the step holds; and row-wise activations whose
+// bits do not depend on the row count (ATen's sigmoid and silu take a vector path or a scalar
+// one by a value's place in the whole tensor).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+#include "isa/vec.h"
+#include "ops.h"
+
+namespace conveyor::layer {
+
+using vec::kLanes;
+using vec::load;
+using vec::madd;
+using vec::store;
+using vec::Vec;
+
+namespace {
+
+template <typename T>
+inline T silu(T x) {
+  return x / (T(1) + std::exp(-x));
+}
+
+// dst[j] = a[j] * s (j < n), vector lanes where n is a multiple of them.
+template <typename T>
+inline void scale_into(T* dst, const T* a, T s, int64_t n) {
+  if (n % kLanes<T> == 0) {
+    const Vec<T> sv = vec::broadcast(s);
+    for (int64_t j = 0; j < n; j += kLanes<T>) store(dst + j, load(a + j) * sv);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = a[j] * s;
+  }
+}
+
+// acc[j] += a[j] * s (one rounding order per j: madd).
+template <typename T>
+inline void madd_into(T* acc, const T* a, T s, int64_t n) {
+  if (n % kLanes<T> == 0) {
+    const Vec<T> sv = vec::broadcast(s);
+    for (int64_t j = 0; j < n; j += kLanes<T>)
+      store(acc + j, madd<T>(load(a + j), sv, load(acc + j)));
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      T product = a[j] * s;
+      acc[j] = acc[j] + product;
+    }
+  }
+}
+
+// One (sequence, value head) pair's L steps: S (Dk, Dv) updated in place, out (L rows of Dv,
+// `out_stride` apart) its gated, normed outputs.
+template <typename T>
+void pair_steps(T* S, const T* mixed, int64_t mixed_stride, const T* a, const T* b,
+                const T* z, int64_t ab_stride, int64_t z_stride, T* out, int64_t out_stride,
+                int64_t steps, int64_t head, int64_t key_head, int64_t keys, int64_t Dk,
+                int64_t Dv, T A, T dt_bias, const T* norm_weight, T eps) {
+  std::vector<T> q(Dk), k(Dk), v(Dv), kv(Dv), o(Dv);
+  const T scale = T(1) / std::sqrt(static_cast<T>(Dk));
+  for (int64_t t = 0; t < steps; ++t) {
+    const T* m = mixed + t * mixed_stride;
+    T qq = 0, kk = 0;
+    for (int64_t i = 0; i < Dk; ++i) {
+      q[i] = silu(m[key_head * Dk + i]);
+      k[i] = silu(m[keys + key_head * Dk + i]);
+      qq += q[i] * q[i];
+      kk += k[i] * k[i];
+    }
+    const T q_inv = T(1) / std::sqrt(qq + T(1e-6)), k_inv = T(1) / std::sqrt(kk + T(1e-6));
+    for (int64_t i = 0; i < Dk; ++i) {
+      q[i] = q[i] * q_inv * scale;
+      k[i] = k[i] * k_inv;
+    }
+    for (int64_t j = 0; j < Dv; ++j) v[j] = silu(m[2 * keys + head * Dv + j]);
+    const T x = a[t * ab_stride] + dt_bias;
+    const T softplus = x > T(20) ? x : std::log1p(std::exp(x));
+    const T decay = std::exp(-A * softplus);
+    const T beta = T(1) / (T(1) + std::exp(-b[t * ab_stride]));
+    // S *= decay; kv = S^T k
+    std::fill(kv.begin(), kv.end(), T(0));
+    for (int64_t i = 0; i < Dk; ++i) {
+      T* row = S + i * Dv;
+      scale_into(row, row, decay, Dv);
+      madd_into(kv.data(), row, k[i], Dv);
+    }
+    for (int64_t j = 0; j < Dv; ++j) kv[j] = (v[j] - kv[j]) * beta;  // the delta
+    // S += k delta^T; o = S^T q
+    std::fill(o.begin(), o.end(), T(0));
+    for (int64_t i = 0; i < Dk; ++i) {
+      T* row = S + i * Dv;
+      madd_into(row, kv.data(), k[i], Dv);
+      madd_into(o.data(), row, q[i], Dv);
+    }
+    // RMSNorm of the head's output, times w, times silu(z)
+    T ss = 0;
+    for (int64_t j = 0; j < Dv; ++j) ss += o[j] * o[j];
+    const T r = T(1) / std::sqrt(ss / static_cast<T>(Dv) + eps);
+    const T* zt = z + t * z_stride;
+    T* dst = out + t * out_stride;
+    for (int64_t j = 0; j < Dv; ++j) dst[j] = o[j] * r * norm_weight[j] * silu(zt[j]);
+  }
+}
+
+template <typename T>
+void run_rule(at::Tensor& state, const at::Tensor& slots, const at::Tensor& mixed,
+              const at::Tensor& a, const at::Tensor& b, const at::Tensor& z,
+              const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+              double eps, int64_t key_heads, at::Tensor& out) {
+  const int64_t steps = mixed.size(0), n = mixed.size(1);
+  const int64_t Hv = state.size(1), Dk = state.size(2), Dv = state.size(3);
+  const int64_t keys = key_heads * Dk, groups = Hv / key_heads;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* S = state.data_ptr<T>();
+  const T* mp = mixed.data_ptr<T>();
+  const T *ap = a.data_ptr<T>(), *bp = b.data_ptr<T>(), *zp = z.data_ptr<T>();
+  const T *A = A_log.data_ptr<T>(), *dt = dt_bias.data_ptr<T>(), *w = norm_weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t C = mixed.size(2);
+  at::parallel_for(0, n * Hv, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t s = p / Hv, h = p % Hv;
+      pair_steps<T>(S + (slot[s] * Hv + h) * Dk * Dv, mp + s * C, n * C, ap + s * Hv + h,
+                    bp + s * Hv + h, zp + (s * Hv + h) * Dv, n * Hv, n * Hv * Dv,
+                    op + (s * Hv + h) * Dv, n * Hv * Dv, steps, h, h / groups, keys, Dk, Dv,
+                    std::exp(A[h]), dt[h], w, static_cast<T>(eps));
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor gated_delta_rule(at::Tensor& state, const at::Tensor& slots, const at::Tensor& mixed,
+                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& z,
+                            const at::Tensor& A_log, const at::Tensor& dt_bias,
+                            const at::Tensor& norm_weight, double eps, int64_t key_heads) {
+  const auto dtype = state.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "gated_delta_rule: float32/64 state");
+  TORCH_CHECK(state.dim() == 4 && state.is_contiguous(), "gated_delta_rule: state (slots, Hv, "
+              "Dk, Dv), contiguous");
+  const int64_t Hv = state.size(1), Dk = state.size(2), Dv = state.size(3);
+  TORCH_CHECK(mixed.dim() == 3 && mixed.size(2) == 2 * key_heads * Dk + Hv * Dv &&
+                  key_heads > 0 && Hv % key_heads == 0,
+              "gated_delta_rule: mixed (L, N, 2 Hk Dk + Hv Dv)");
+  const int64_t steps = mixed.size(0), n = mixed.size(1);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == n, "gated_delta_rule: slots");
+  TORCH_CHECK(a.sizes() == b.sizes() && a.size(0) == steps && a.size(1) == n && a.size(2) == Hv,
+              "gated_delta_rule: a, b (L, N, Hv)");
+  TORCH_CHECK(z.dim() == 4 && z.size(0) == steps && z.size(1) == n && z.size(2) == Hv &&
+                  z.size(3) == Dv,
+              "gated_delta_rule: z (L, N, Hv, Dv)");
+  for (const at::Tensor* t : {&mixed, &a, &b, &z, &A_log, &dt_bias, &norm_weight})
+    TORCH_CHECK(t->scalar_type() == dtype, "gated_delta_rule: every tensor of the state's dtype");
+  const at::Tensor sl = slots.contiguous(), mc = mixed.contiguous(), ac = a.contiguous(),
+                   bc = b.contiguous(), zc = z.contiguous(), Ac = A_log.contiguous(),
+                   dc = dt_bias.contiguous(), wc = norm_weight.contiguous();
+  at::Tensor out = at::empty({steps, n, Hv, Dv}, state.options());
+  if (dtype == at::kFloat)
+    run_rule<float>(state, sl, mc, ac, bc, zc, Ac, dc, wc, eps, key_heads, out);
+  else
+    run_rule<double>(state, sl, mc, ac, bc, zc, Ac, dc, wc, eps, key_heads, out);
+  return out;
+}
+
+// x * sigmoid(gate), row by row (float32, (T, n)): a value's bits depend on its column only.
+at::Tensor sigmoid_mul(const at::Tensor& x_in, const at::Tensor& gate_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.sizes() == gate_in.sizes() &&
+                  x_in.scalar_type() == at::kFloat && gate_in.scalar_type() == at::kFloat,
+              "sigmoid_mul: x and gate (T, n), float32");
+  const at::Tensor x = x_in.contiguous(), gate = gate_in.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t n = x.size(1);
+  const float *xp = x.data_ptr<float>(), *gp = gate.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *xr = xp + r * n, *gr = gp + r * n;
+      float* o = op + r * n;
+      int64_t i = 0;
+      for (; i + kLanes<float> <= n; i += kLanes<float>) {
+        const Vec<float> g = load(gr + i);
+        store(o + i, load(xr + i) / (1.0f + vec::vexp<float>(-g)));
+      }
+      for (; i < n; ++i) o[i] = xr[i] / (1.0f + std::exp(-gr[i]));
+    }
+  });
+  return out;
+}
+
+}  // namespace conveyor::layer

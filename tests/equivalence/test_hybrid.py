@@ -1,0 +1,123 @@
+"""Hybrid models (gated delta nets beside attention: Qwen3.5, model/deltanet.py) against
+transformers in float64 on tiny random checkpoints: greedy tokens equal its generate, logprobs
+agree, all prompts in one step, chunked at an odd budget with arrivals while others decode, and
+preempted in a small cache (a recompute starts its state from zeros); each sequence holds one
+state slot while it runs. Tokens and logprobs are the same bits alone or batched, whatever the
+chunking (float32). Speculation is refused and prefix caching is off (a cached prefix's blocks
+carry no recurrent state)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import DEVICE_KWARGS, hf_greedy, random_prompts
+from safetensors.torch import load_file, save_file
+from test_families import requests, run
+from tiny import auto_class, make_tiny_checkpoint
+from transformers import AutoConfig
+
+from conveyor import LLMEngine, SamplingParams
+
+MAX_TOKENS = 8
+# transformers runs the delta rule in float32 even for a float64 model (its chunked form over a
+# prompt, its recurrent one per generated token); conveyor's runs float64 there.
+TOLERANCE = 5e-5
+_CASES: dict = {}
+
+
+def _case(name: str, tmp_path_factory):
+    if name not in _CASES:
+        path = make_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
+        config = AutoConfig.from_pretrained(path)
+        reference_model = auto_class(config).from_pretrained(path, dtype=torch.float64)
+        prompts = random_prompts(8, config.get_text_config().vocab_size, seed=3, max_len=40)
+        _CASES[name] = str(path), prompts, hf_greedy(reference_model, prompts, MAX_TOKENS)
+    return _CASES[name]
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5-vlm"])
+def hybrid(request, tmp_path_factory):
+    return _case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return _case("qwen3_5", tmp_path_factory)
+
+
+def assert_reference(done: dict, reference) -> None:
+    for i, (tokens, logprobs) in enumerate(reference):
+        out = done[str(i)]
+        assert out.token_ids == tokens, f"prompt {i}: tokens differ from transformers"
+        got = [pos[t].logprob for pos, t in zip(out.logprobs, tokens, strict=True)]
+        worst = max(abs(a - b) for a, b in zip(got, logprobs, strict=True))
+        assert worst < TOLERANCE, f"prompt {i}: logprob differs by {worst}"
+
+
+def test_all_prompts_in_one_step_match_transformers(hybrid):
+    path, prompts, reference = hybrid
+    engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=4096)
+    assert engine.model_config.parts.recurrent
+    assert not engine.kv_cache.enable_caching  # prefix caching off
+    assert_reference(run(engine, requests(prompts)), reference)
+
+
+def test_odd_chunks_arrivals_and_preemption_match_transformers(qwen3_5):
+    """A state continues across a prompt's chunks of 7 tokens, and a preempted request starts
+    its recompute from zeros in a slot it takes anew (check_integrity: exactly the running
+    requests hold a slot after every step)."""
+    path, prompts, reference = qwen3_5
+    engine = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=7, record_trace=True
+    )
+    assert_reference(run(engine, requests(prompts), arrive_every=3), reference)
+    assert max(sum(s.num_scheduled_tokens.values()) for s in engine.trace) == 7
+    small = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=16,
+        max_num_batched_tokens=16, max_num_seqs=4,
+    )  # fmt: skip
+    assert_reference(run(small, requests(prompts)), reference)
+    assert small.get_stats().scheduler.num_preemptions_total > 0
+    assert small.scheduler.state_slots == {}
+    assert sorted(small.scheduler._free_slots) == [0, 1, 2, 3]
+
+
+def test_tokens_and_logprobs_are_the_same_bits_alone_and_batched(qwen3_5):
+    """float32: each prompt alone in steps of 4096 tokens, then all of them at once in odd
+    chunks of 5 mixed with decode rows: every token and top-5 logprob the same bits."""
+    path, prompts, _ = qwen3_5
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
+
+    def logprobs(out):
+        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+    alone = {}
+    engine = LLMEngine(path, dtype="float32", **DEVICE_KWARGS, max_num_batched_tokens=4096)
+    for i, prompt in enumerate(prompts):
+        out = run(engine, [(str(i), prompt, params)])[str(i)]
+        alone[str(i)] = out.token_ids, logprobs(out)
+    batched = LLMEngine(path, dtype="float32", **DEVICE_KWARGS, max_num_batched_tokens=5)
+    done = run(batched, [(str(i), p, params) for i, p in enumerate(prompts)])
+    for key, (tokens, top) in alone.items():
+        assert done[key].token_ids == tokens, f"prompt {key}: tokens differ batched"
+        assert logprobs(done[key]) == top, f"prompt {key}: logprobs differ batched"
+
+
+def test_speculation_is_refused_and_the_mtp_layer_not_read(qwen3_5, tmp_path):
+    """n-gram drafts would have to be taken back out of the state: refused by name; a
+    checkpoint's multi-token prediction layer (mtp.*, as Qwen3.5's releases carry) is not
+    read."""
+    path, prompts, reference = qwen3_5
+    with pytest.raises(ValueError, match="speculative decoding is not supported for a hybrid"):
+        LLMEngine(
+            path, dtype="float64", speculative_config={"method": "ngram",
+                                                       "num_speculative_tokens": 2},
+        )  # fmt: skip
+    copy = shutil.copytree(path, tmp_path / "with-mtp")
+    weights = load_file(copy / "model.safetensors")
+    weights["mtp.fc.weight"] = torch.zeros(64, 128, dtype=torch.float64)
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    engine = LLMEngine(str(copy), dtype="float64", **DEVICE_KWARGS)
+    assert_reference(run(engine, requests(prompts[:2])), reference[:2])
