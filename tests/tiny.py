@@ -245,6 +245,11 @@ HYBRIDS = {
     "qwen3_5": dict(
         architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", **_QWEN3_5_TEXT
     ),
+    "qwen3_5_moe": dict(  # a mixture of 4 experts (top-2) and a shared one on every layer
+        architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        **_QWEN3_5_TEXT,
+    ),
     "qwen3_5-vlm": dict(  # Qwen3.5's releases: the language model inside a VLM
         model_type="qwen3_5",
         text_config=dict(model_type="qwen3_5_text", **_QWEN3_5_TEXT),

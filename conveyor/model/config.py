@@ -317,6 +317,7 @@ MULTIMODAL_TEXT_ONLY = (
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 # Families whose RoPE turns pairs of adjacent dims (2i, 2i + 1), GPT-J's way (rotary_rows).
 INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")
@@ -449,7 +450,8 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "architecture": arch,
         "vocab_size": int(hf.vocab_size),
         "hidden_size": int(hf.hidden_size),
-        "intermediate_size": int(hf.intermediate_size),
+        # (Qwen3.5-MoE's has no dense MLP, nor a size for one)
+        "intermediate_size": int(getattr(hf, "intermediate_size", None) or 0),
         "num_layers": int(hf.num_hidden_layers),
         "num_heads": int(hf.num_attention_heads),
         "num_kv_heads": int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
@@ -582,7 +584,8 @@ def _encoder_fact_dict(
         "architecture": parts.family,
         "vocab_size": int(hf.vocab_size),
         "hidden_size": int(hf.hidden_size),
-        "intermediate_size": int(hf.intermediate_size),
+        # (Qwen3.5-MoE's has no dense MLP, nor a size for one)
+        "intermediate_size": int(getattr(hf, "intermediate_size", None) or 0),
         "num_layers": int(hf.num_hidden_layers),
         "num_heads": heads,
         "num_kv_heads": heads,

@@ -277,7 +277,7 @@ def _qwen3_5(hf, head_dim: int, local_rope: Callable) -> dict:
     1 + w, per-head q/k norms, attention gated by its q_proj's second half per head."""
     types = list(hf.layer_types)
     if set(types) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"unsupported layer_types {sorted(set(types))} for qwen3_5")
+        raise ValueError(f"unsupported layer_types {sorted(set(types))} for Qwen3.5")
     return dict(
         norm_offset=True,
         qk_norm="head",
@@ -372,6 +372,8 @@ def _granitemoe_moe(hf, num_layers: int) -> dict:
 
 _MOE = {
     "mixtral": _mixtral_moe,
+    # Qwen3.5-MoE: a mixture with a shared expert on every layer, its top-k always renormalised
+    "qwen3_5_moe": lambda hf, num_layers: dict(_qwen_moe(hf, num_layers), norm_topk_prob=True),
     "granitemoe": _granitemoe_moe,
     "olmoe": _olmoe_moe,
     "qwen2_moe": _qwen_moe,
@@ -398,6 +400,7 @@ _BUILDERS = {
     "granitemoe": _granite,
     "smollm3": _smollm3,
     "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5,
 }
 
 

@@ -113,7 +113,7 @@ def iter_weights(
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
                 rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL + (skip or ())
             grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
-            if cfg.text_of in _STACKED_EXPERTS or family == "granitemoe":  # split, then cut
+            if cfg.text_of in _STACKED_EXPERTS or family in _STACKED_FAMILIES:  # split, cut
                 weights = iter_safetensors(cfg.path, cfg.dtype, None, rename, grouped, skip)
                 weights = _stacked_experts(weights, cfg, cut_of)
             else:
@@ -129,7 +129,7 @@ def iter_weights(
 
 # Stored tensors a family's model does not read: Qwen3.5's multi-token prediction layer (a
 # proposer vLLM can run; conveyor's speculation is n-gram or a draft model).
-_NOT_READ = {"qwen3_5": ("mtp.",)}
+_NOT_READ = {"qwen3_5": ("mtp.",), "qwen3_5_moe": ("mtp.",)}
 
 
 def _gated_queries(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
@@ -196,6 +196,9 @@ _GRANITE_MOE_NAMES = (
 # Checkpoints that keep each layer's experts as two 3-D tensors (experts.gate_up_proj, gate
 # rows then up rows, and experts.down_proj), in x @ W form (as released) or nn.Linear's.
 _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
+# Families whose experts transformers 5 saves stacked (a checkpoint of one expert per module
+# reads as it is too).
+_STACKED_FAMILIES = ("granitemoe", "qwen3_5_moe")
 
 
 def _stacked_experts(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, Any]]:

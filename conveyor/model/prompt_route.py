@@ -81,8 +81,11 @@ def attention_applies(model: nn.Module, ops: ModuleType | None) -> bool:
 def _quantized_compiled(model: nn.Module, ops: ModuleType | None) -> bool:
     from conveyor.model.quant import QuantLinear
 
+    parts = model.config.parts
     if ops is None or not kernel_plan.current(model.config).compiled_layers:
         return False  # the route runs inside the compiled layers only
+    if parts.recurrent or parts.attn_gate:  # a hybrid's layers run as the modules
+        return False
     if model.config.head_dim % 16:  # the attention tiles' columns (attention/amx_attention.cpp)
         return False
     projections = list(_projections(model))

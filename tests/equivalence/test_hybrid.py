@@ -1,10 +1,10 @@
-"""Hybrid models (gated delta nets beside attention: Qwen3.5, model/deltanet.py) against
-transformers in float64 on tiny random checkpoints: greedy tokens equal its generate, logprobs
-agree, all prompts in one step, chunked at an odd budget with arrivals while others decode, and
-preempted in a small cache (a recompute starts its state from zeros); each sequence holds one
-state slot while it runs. Tokens and logprobs are the same bits alone or batched, whatever the
-chunking (float32). Speculation is refused and prefix caching is off (a cached prefix's blocks
-carry no recurrent state)."""
+"""Hybrid models (gated delta nets beside attention: Qwen3.5 and Qwen3.5-MoE,
+model/deltanet.py) against transformers in float64 on tiny random checkpoints: greedy tokens
+equal its generate, logprobs agree, all prompts in one step, chunked at an odd budget with
+arrivals while others decode, and preempted in a small cache (a recompute starts its state
+from zeros); each sequence holds one state slot while it runs. Tokens and logprobs are the
+same bits alone or batched, whatever the chunking (float32). Speculation is refused and prefix
+caching is off (a cached prefix's blocks carry no recurrent state)."""
 
 from __future__ import annotations
 
@@ -31,13 +31,15 @@ def _case(name: str, tmp_path_factory):
     if name not in _CASES:
         path = make_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
         config = AutoConfig.from_pretrained(path)
-        reference_model = auto_class(config).from_pretrained(path, dtype=torch.float64)
+        reference_model = auto_class(config).from_pretrained(
+            path, dtype=torch.float64, experts_implementation="eager"
+        )
         prompts = random_prompts(8, config.get_text_config().vocab_size, seed=3, max_len=40)
         _CASES[name] = str(path), prompts, hf_greedy(reference_model, prompts, MAX_TOKENS)
     return _CASES[name]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5-vlm"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_5-vlm"])
 def hybrid(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)
 
@@ -45,6 +47,11 @@ def hybrid(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
     return _case("qwen3_5", tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def layers(request, tmp_path_factory):
+    return _case(request.param, tmp_path_factory)
 
 
 def assert_reference(done: dict, reference) -> None:
@@ -84,10 +91,11 @@ def test_odd_chunks_arrivals_and_preemption_match_transformers(qwen3_5):
     assert sorted(small.scheduler._free_slots) == [0, 1, 2, 3]
 
 
-def test_tokens_and_logprobs_are_the_same_bits_alone_and_batched(qwen3_5):
+def test_tokens_and_logprobs_are_the_same_bits_alone_and_batched(layers):
     """float32: each prompt alone in steps of 4096 tokens, then all of them at once in odd
-    chunks of 5 mixed with decode rows: every token and top-5 logprob the same bits."""
-    path, prompts, _ = qwen3_5
+    chunks of 5 mixed with decode rows: every token and top-5 logprob the same bits (a
+    mixture of experts' too)."""
+    path, prompts, _ = layers
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
 
     def logprobs(out):
