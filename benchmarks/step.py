@@ -54,6 +54,7 @@ from tqdm import tqdm
 
 from conveyor import envs
 from conveyor.model import prompt_route
+from conveyor.model.deltanet import RecurrentState
 from conveyor.model.layers import matmul_forms
 from conveyor.model.quant import QuantLinear
 from conveyor.outputs import ModelRunnerOutput, OutputKind, SchedulerOutput
@@ -588,29 +589,58 @@ def _weights_of(module: nn.Module):
     yield from (t for n, t in module._buffers.items() if t is not None and n not in skip)
 
 
-def kv_bytes(kv_caches: list[torch.Tensor], block_size: int, sched: SchedulerOutput) -> int:
+def kv_bytes(kv_caches: list, block_size: int, sched: SchedulerOutput) -> int:
     """KV of every token a step attends to or writes, at the cache's own size per token (of
     all layers, K and V), whatever its layout or element type: a cache is (2, blocks, ...),
-    with rows past the pool (the null block, CUDA graphs' scratch) that hold no token."""
-    per_token = sum(c.nbytes // c.shape[1] for c in kv_caches) // block_size
-    return per_token * sum(s.num_computed_tokens + len(s.token_ids) for s in sched.scheduled)
+    with rows past the pool (the null block, CUDA graphs' scratch) that hold no token. A
+    hybrid's delta nets (RecurrentState) instead read and write each scheduled sequence's
+    state slot once."""
+    blocks = [c for c in kv_caches if isinstance(c, torch.Tensor)]
+    per_token = sum(c.nbytes // c.shape[1] for c in blocks) // block_size
+    kv = per_token * sum(s.num_computed_tokens + len(s.token_ids) for s in sched.scheduled)
+    states = [c for c in kv_caches if isinstance(c, RecurrentState)]
+    per_slot = sum(t.nbytes // t.shape[0] for c in states for t in c)
+    return kv + 2 * per_slot * len(sched.scheduled)
+
+
+def projection_weights(cfg) -> int:
+    """The projection weights one token multiplies, over all layers: attention's (or a delta
+    net's), and the MLP's (a mixture's router, its top_k experts and its shared expert)."""
+    parts, hidden = cfg.parts, cfg.hidden_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    total = 0
+    for layer in range(cfg.num_layers):
+        if parts.is_linear(layer):
+            (hk, hv), (dk, dv) = parts.linear_heads, parts.linear_dims
+            total += hidden * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * hidden
+        else:
+            total += hidden * (2 * q + 2 * kv + q * parts.attn_gate)
+        if parts.is_moe(layer):
+            experts = parts.top_k * parts.moe_intermediate_size + parts.shared_expert_size
+            total += hidden * (3 * experts + parts.num_experts + bool(parts.shared_expert_size))
+        else:
+            total += 3 * hidden * cfg.intermediate_size
+    return total
 
 
 def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple[float, str]]:
     """The step's operations by part, each with the kind of arithmetic (a roof) that does it."""
     cfg = engine.model_config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_token = cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
+    tokens = sched.total_num_scheduled_tokens
     num_sampled = sum(1 for s in sched.scheduled if s.sampling is not None)
     pairs = 0  # (query, key) pairs under the causal mask
     for s in sched.scheduled:
         n = len(s.token_ids)
         pairs += n * s.num_computed_tokens + n * (n + 1) // 2
+    linear = sum(cfg.parts.linear_layers)  # a hybrid's delta nets: no attention
     ops = {
-        "projections": 2 * sched.total_num_scheduled_tokens * cfg.num_layers * per_token,
+        "projections": 2 * tokens * projection_weights(cfg),
         "logits": 2 * num_sampled * cfg.hidden_size * cfg.vocab_size,
-        "attention": 4 * cfg.num_heads * cfg.head_dim * pairs * cfg.num_layers,
+        "attention": 4 * cfg.num_heads * cfg.head_dim * pairs * (cfg.num_layers - linear),
     }
+    if linear:  # per token and value head: decay, read, correct and read the state (7 x Dk Dv)
+        (_, hv), (dk, dv) = cfg.parts.linear_heads, cfg.parts.linear_dims
+        ops["delta rule"] = 7 * hv * dk * dv * tokens * linear
     if "matmul" in limits.roofs:
         return {part: (n, "matmul") for part, n in ops.items()}
     float_kind = "f64_fma" if cfg.dtype == torch.float64 else "f32_fma"

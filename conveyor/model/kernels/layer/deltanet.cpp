@@ -27,82 +27,142 @@ inline T silu(T x) {
   return x / (T(1) + std::exp(-x));
 }
 
-// dst[j] = a[j] * s (j < n), vector lanes where n is a multiple of them.
+// A token's inputs to the rule: q and k (silu, L2-normed, q scaled), v (silu), the decay and
+// beta (from a and b: softplus, exp, sigmoid).
 template <typename T>
-inline void scale_into(T* dst, const T* a, T s, int64_t n) {
-  if (n % kLanes<T> == 0) {
-    const Vec<T> sv = vec::broadcast(s);
-    for (int64_t j = 0; j < n; j += kLanes<T>) store(dst + j, load(a + j) * sv);
-  } else {
-    for (int64_t j = 0; j < n; ++j) dst[j] = a[j] * s;
+inline void token_inputs(const T* m, T a, T b, int64_t head, int64_t key_head, int64_t keys,
+                         int64_t Dk, int64_t Dv, T A, T dt_bias, T* q, T* k, T* v, T* decay,
+                         T* beta) {
+  const T scale = T(1) / std::sqrt(static_cast<T>(Dk));
+  T qq = 0, kk = 0;
+  for (int64_t i = 0; i < Dk; ++i) {
+    q[i] = silu(m[key_head * Dk + i]);
+    k[i] = silu(m[keys + key_head * Dk + i]);
+    qq += q[i] * q[i];
+    kk += k[i] * k[i];
   }
+  const T q_inv = T(1) / std::sqrt(qq + T(1e-6)), k_inv = T(1) / std::sqrt(kk + T(1e-6));
+  for (int64_t i = 0; i < Dk; ++i) {
+    q[i] = q[i] * q_inv * scale;
+    k[i] = k[i] * k_inv;
+  }
+  for (int64_t j = 0; j < Dv; ++j) v[j] = silu(m[2 * keys + head * Dv + j]);
+  const T x = a + dt_bias;
+  const T softplus = x > T(20) ? x : std::log1p(std::exp(x));
+  *decay = std::exp(-A * softplus);
+  *beta = T(1) / (T(1) + std::exp(-b));
 }
 
-// acc[j] += a[j] * s (one rounding order per j: madd).
+// The value columns a register block holds: kBlock vectors (the columns of S are independent:
+// column j's kv, delta and output read column j of S alone).
 template <typename T>
-inline void madd_into(T* acc, const T* a, T s, int64_t n) {
-  if (n % kLanes<T> == 0) {
-    const Vec<T> sv = vec::broadcast(s);
-    for (int64_t j = 0; j < n; j += kLanes<T>)
-      store(acc + j, madd<T>(load(a + j), sv, load(acc + j)));
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      T product = a[j] * s;
-      acc[j] = acc[j] + product;
+constexpr int kBlock = vec::kRegisters >= 32 ? 4 : 2;
+
+// The rule over `steps` tokens for one block of kBlock vectors of value columns, S (Dk rows of
+// `Dv` values, the block at its columns): one pass over the block per token, which adds the
+// token's correction, reads its output, then decays the block by the next token's decay and
+// reads the next token's kv; each value's operations in the two-pass order (decay, then
+// correct), each sum over the key dims in one order.
+template <typename T>
+void column_block(T* S, int64_t Dk, int64_t Dv, int64_t steps, const T* q, const T* k,
+                  const T* v, const T* decay, const T* beta, T* o) {
+  constexpr int W = kBlock<T>, L = kLanes<T>;
+  Vec<T> kv[W], next[W], acc[W], delta[W];
+  for (int w = 0; w < W; ++w) kv[w] = Vec<T>{};
+  const Vec<T> d0 = vec::broadcast(decay[0]);
+  for (int64_t i = 0; i < Dk; ++i) {  // the first token's decay and kv
+    T* row = S + i * Dv;
+    const Vec<T> ki = vec::broadcast(k[i]);
+    for (int w = 0; w < W; ++w) {
+      const Vec<T> s = load(row + w * L) * d0;
+      store(row + w * L, s);
+      kv[w] = madd<T>(s, ki, kv[w]);
+    }
+  }
+  for (int64_t t = 0; t < steps; ++t) {
+    const T* kt = k + t * Dk;
+    const T* qt = q + t * Dk;
+    const Vec<T> bt = vec::broadcast(beta[t]);
+    for (int w = 0; w < W; ++w) {
+      delta[w] = (load(v + t * Dv + w * L) - kv[w]) * bt;
+      acc[w] = next[w] = Vec<T>{};
+    }
+    const bool more = t + 1 < steps;
+    const Vec<T> dn = vec::broadcast(more ? decay[t + 1] : T(1));
+    const T* kn = more ? k + (t + 1) * Dk : kt;
+    for (int64_t i = 0; i < Dk; ++i) {
+      T* row = S + i * Dv;
+      const Vec<T> ki = vec::broadcast(kt[i]), qi = vec::broadcast(qt[i]);
+      const Vec<T> kni = vec::broadcast(kn[i]);
+      for (int w = 0; w < W; ++w) {
+        Vec<T> s = madd<T>(delta[w], ki, load(row + w * L));
+        acc[w] = madd<T>(s, qi, acc[w]);
+        if (more) {
+          s = s * dn;
+          next[w] = madd<T>(s, kni, next[w]);
+        }
+        store(row + w * L, s);
+      }
+    }
+    for (int w = 0; w < W; ++w) {
+      store(o + t * Dv + w * L, acc[w]);
+      kv[w] = next[w];
     }
   }
 }
 
 // One (sequence, value head) pair's L steps: S (Dk, Dv) updated in place, out (L rows of Dv,
-// `out_stride` apart) its gated, normed outputs.
+// `out_stride` apart) its gated, normed outputs. Value dims that are a whole number of register
+// blocks run column_block; others (tiny test models) a plain loop of the same arithmetic.
 template <typename T>
 void pair_steps(T* S, const T* mixed, int64_t mixed_stride, const T* a, const T* b,
                 const T* z, int64_t ab_stride, int64_t z_stride, T* out, int64_t out_stride,
                 int64_t steps, int64_t head, int64_t key_head, int64_t keys, int64_t Dk,
                 int64_t Dv, T A, T dt_bias, const T* norm_weight, T eps) {
-  std::vector<T> q(Dk), k(Dk), v(Dv), kv(Dv), o(Dv);
-  const T scale = T(1) / std::sqrt(static_cast<T>(Dk));
+  std::vector<T> q(steps * Dk), k(steps * Dk), v(steps * Dv), o(steps * Dv);
+  std::vector<T> decay(steps), beta(steps);
+  for (int64_t t = 0; t < steps; ++t)
+    token_inputs(mixed + t * mixed_stride, a[t * ab_stride], b[t * ab_stride], head, key_head,
+                 keys, Dk, Dv, A, dt_bias, &q[t * Dk], &k[t * Dk], &v[t * Dv], &decay[t],
+                 &beta[t]);
+  constexpr int64_t block = kBlock<T> * kLanes<T>;
+  if (Dv % block == 0) {
+    for (int64_t c = 0; c < Dv; c += block)
+      column_block<T>(S + c, Dk, Dv, steps, q.data(), k.data(), v.data() + c, decay.data(),
+                      beta.data(), o.data() + c);
+  } else {
+    std::vector<T> kv(Dv);
+    for (int64_t t = 0; t < steps; ++t) {
+      const T *qt = &q[t * Dk], *kt = &k[t * Dk], *vt = &v[t * Dv];
+      T* ot = &o[t * Dv];
+      std::fill(kv.begin(), kv.end(), T(0));
+      for (int64_t i = 0; i < Dk; ++i) {
+        T* row = S + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) {
+          row[j] = row[j] * decay[t];
+          kv[j] = kv[j] + row[j] * kt[i];
+        }
+      }
+      for (int64_t j = 0; j < Dv; ++j) kv[j] = (vt[j] - kv[j]) * beta[t];  // the delta
+      std::fill(ot, ot + Dv, T(0));
+      for (int64_t i = 0; i < Dk; ++i) {
+        T* row = S + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) {
+          row[j] = row[j] + kv[j] * kt[i];
+          ot[j] = ot[j] + row[j] * qt[i];
+        }
+      }
+    }
+  }
+  // each token's RMSNorm of the head's output, times w, times silu(z)
   for (int64_t t = 0; t < steps; ++t) {
-    const T* m = mixed + t * mixed_stride;
-    T qq = 0, kk = 0;
-    for (int64_t i = 0; i < Dk; ++i) {
-      q[i] = silu(m[key_head * Dk + i]);
-      k[i] = silu(m[keys + key_head * Dk + i]);
-      qq += q[i] * q[i];
-      kk += k[i] * k[i];
-    }
-    const T q_inv = T(1) / std::sqrt(qq + T(1e-6)), k_inv = T(1) / std::sqrt(kk + T(1e-6));
-    for (int64_t i = 0; i < Dk; ++i) {
-      q[i] = q[i] * q_inv * scale;
-      k[i] = k[i] * k_inv;
-    }
-    for (int64_t j = 0; j < Dv; ++j) v[j] = silu(m[2 * keys + head * Dv + j]);
-    const T x = a[t * ab_stride] + dt_bias;
-    const T softplus = x > T(20) ? x : std::log1p(std::exp(x));
-    const T decay = std::exp(-A * softplus);
-    const T beta = T(1) / (T(1) + std::exp(-b[t * ab_stride]));
-    // S *= decay; kv = S^T k
-    std::fill(kv.begin(), kv.end(), T(0));
-    for (int64_t i = 0; i < Dk; ++i) {
-      T* row = S + i * Dv;
-      scale_into(row, row, decay, Dv);
-      madd_into(kv.data(), row, k[i], Dv);
-    }
-    for (int64_t j = 0; j < Dv; ++j) kv[j] = (v[j] - kv[j]) * beta;  // the delta
-    // S += k delta^T; o = S^T q
-    std::fill(o.begin(), o.end(), T(0));
-    for (int64_t i = 0; i < Dk; ++i) {
-      T* row = S + i * Dv;
-      madd_into(row, kv.data(), k[i], Dv);
-      madd_into(o.data(), row, q[i], Dv);
-    }
-    // RMSNorm of the head's output, times w, times silu(z)
+    const T* ot = &o[t * Dv];
     T ss = 0;
-    for (int64_t j = 0; j < Dv; ++j) ss += o[j] * o[j];
+    for (int64_t j = 0; j < Dv; ++j) ss += ot[j] * ot[j];
     const T r = T(1) / std::sqrt(ss / static_cast<T>(Dv) + eps);
     const T* zt = z + t * z_stride;
     T* dst = out + t * out_stride;
-    for (int64_t j = 0; j < Dv; ++j) dst[j] = o[j] * r * norm_weight[j] * silu(zt[j]);
+    for (int64_t j = 0; j < Dv; ++j) dst[j] = ot[j] * r * norm_weight[j] * silu(zt[j]);
   }
 }
 
