@@ -42,6 +42,7 @@ class RecurrentRows:
     starts: list[int]  # (S + 1,) rows of sequence s are [starts[s], starts[s + 1])
     slots: list[int]  # (S,) each sequence's state slot
     fresh: list[bool]  # (S,) its chunk starts at position 0: its state starts at zeros
+    all_slots: torch.Tensor  # (S,) the slots as a tensor
     single: torch.Tensor  # the sequences of one row (decodes): their rows, run as one batch
     single_slots: torch.Tensor  # and their slots
     chunks: list[int]  # the other sequences, run one at a time
@@ -57,6 +58,7 @@ def recurrent_rows(query_lens: list[int], context_lens: list[int], slots: list[i
         starts=starts,
         slots=list(slots),
         fresh=[c == 0 for c in context_lens],
+        all_slots=torch.tensor(slots, dtype=torch.int64, device=device),
         single=torch.tensor([starts[s] for s in single], dtype=torch.int64, device=device),
         single_slots=torch.tensor([slots[s] for s in single], dtype=torch.int64, device=device),
         chunks=[s for s, n in enumerate(query_lens) if n > 1],
@@ -109,41 +111,57 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(values, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, state: RecurrentState, rows: RecurrentRows, ops=None):
-        """ops: the compiled ops (gated_delta_rule) on the CPU; None: the reference twin."""
+        """ops: the compiled ops (causal_conv, gated_delta_rule) on the CPU; None: their
+        reference twins."""
         num_tokens, dtype = x.shape[0], x.dtype
-        mixed, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
         sdt = state.ssm.dtype
+        mixed, z, b, a = (t.to(sdt) for t in self.in_proj(x).split(self.sizes, dim=-1))
+        conv_op = causal_conv_reference if ops is None else ops.causal_conv
         rule = delta_rule_reference if ops is None else ops.gated_delta_rule
         heads, dim = self.value_heads, self.value_dim
         fixed = (
             self.A_log.to(sdt), self.dt_bias.to(sdt), self.norm.weight.to(sdt), self.norm.eps,
             self.key_heads,
         )  # fmt: skip
-        weight = self.conv1d.weight[:, 0, :].to(sdt)  # (conv_dim, K)
         for s, fresh in enumerate(rows.fresh):
             if fresh:
                 state.conv[rows.slots[s]].zero_()
                 state.ssm[rows.slots[s]].zero_()
+        weight = self.conv1d.weight[:, 0, :].to(sdt)  # (conv_dim, K)
+        conv = conv_op(state.conv, rows.all_slots, rows.starts, mixed, weight)  # (T, conv_dim)
+        z = z.reshape(num_tokens, heads, dim)
+        if rows.single.numel() == num_tokens:  # every row a sequence's one: no gathers
+            args = (conv[None], a[None], b[None], z[None])
+            out = rule(state.ssm, rows.single_slots, *args, *fixed)[0]
+            return self.out_proj(out.to(dtype).reshape(num_tokens, -1))
         out = torch.empty(num_tokens, heads, dim, dtype=sdt, device=x.device)
         if rows.single.numel():  # one row per sequence: all of them at once
-            r, slots = rows.single, rows.single_slots
-            window = torch.cat([state.conv[slots], mixed[r].to(sdt).unsqueeze(-1)], dim=-1)
-            state.conv[slots] = window[..., 1:]
-            conv = _conv(window, weight, 1)[..., 0]  # (N, conv_dim)
-            n = conv.shape[0]
-            args = (conv[None], a[r].to(sdt)[None], b[r].to(sdt)[None])
-            zr = z[r].to(sdt).view(1, n, heads, dim)
-            out[r] = rule(state.ssm, slots, *args, zr, *fixed)[0]
+            r = rows.single
+            args = (conv[r][None], a[r][None], b[r][None], z[r][None])
+            out[r] = rule(state.ssm, rows.single_slots, *args, *fixed)[0]
         for s in rows.chunks:
-            begin, end, slot = rows.starts[s], rows.starts[s + 1], rows.slots[s]
-            window = torch.cat([state.conv[slot], mixed[begin:end].to(sdt).T], dim=-1)
-            state.conv[slot] = window[:, window.shape[1] - state.conv.shape[-1] :]
-            conv = _conv(window, weight, end - begin).T  # (L, conv_dim)
-            args = (conv[:, None], a[begin:end, None].to(sdt), b[begin:end, None].to(sdt))
-            zs = z[begin:end].to(sdt).view(end - begin, 1, heads, dim)
-            slots = torch.tensor([slot], dtype=torch.int64, device=x.device)
-            out[begin:end] = rule(state.ssm, slots, *args, zs, *fixed)[:, 0]
+            begin, end = rows.starts[s], rows.starts[s + 1]
+            slot = rows.all_slots[s : s + 1]
+            args = (conv[begin:end, None], a[begin:end, None], b[begin:end, None])
+            out[begin:end] = rule(state.ssm, slot, *args, z[begin:end, None], *fixed)[:, 0]
         return self.out_proj(out.to(dtype).reshape(num_tokens, -1))
+
+
+def causal_conv_reference(
+    state: torch.Tensor,  # (slots, C, K - 1): each sequence's kept inputs, updated in place
+    slots: torch.Tensor,  # (S,)
+    starts: list[int],  # (S + 1,) the sequences' rows in x
+    x: torch.Tensor,  # (T, C)
+    weight: torch.Tensor,  # (C, K)
+) -> torch.Tensor:
+    """kernels/layer/deltanet.cpp's causal_conv in PyTorch: (T, C) outputs before the silu."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for s, slot in enumerate(slots.tolist()):
+        begin, end = starts[s], starts[s + 1]
+        window = torch.cat([state[slot], x[begin:end].T], dim=-1)
+        state[slot] = window[:, window.shape[1] - state.shape[-1] :]
+        out[begin:end] = _conv(window, weight, end - begin).T
+    return out
 
 
 def delta_rule_reference(

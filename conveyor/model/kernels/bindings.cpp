@@ -62,6 +62,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "outputs normed and gated", py::arg("state"), py::arg("slots"), py::arg("mixed"),
         py::arg("a"), py::arg("b"), py::arg("z"), py::arg("A_log"), py::arg("dt_bias"),
         py::arg("norm_weight"), py::arg("eps"), py::arg("key_heads"));
+  m.def("causal_conv", &layer::causal_conv,
+        "a delta net's causal depthwise convolution over a step's rows, sequence by sequence "
+        "(each one's kept inputs updated in place)", py::arg("state"), py::arg("slots"),
+        py::arg("starts"), py::arg("x"), py::arg("weight"));
   m.def("sigmoid_mul", &layer::sigmoid_mul, "x * sigmoid(gate) row by row (float32)",
         py::arg("x"), py::arg("gate"));
   namespace q = gemm::quant;

@@ -188,6 +188,9 @@ at::Tensor gated_delta_rule(at::Tensor& state, const at::Tensor& slots, const at
                             const at::Tensor& a, const at::Tensor& b, const at::Tensor& z,
                             const at::Tensor& A_log, const at::Tensor& dt_bias,
                             const at::Tensor& norm_weight, double eps, int64_t key_heads);
+at::Tensor causal_conv(at::Tensor& state, const at::Tensor& slots,
+                       const std::vector<int64_t>& starts, const at::Tensor& x,
+                       const at::Tensor& weight);
 at::Tensor sigmoid_mul(const at::Tensor& x, const at::Tensor& gate);
 }  // namespace layer
 

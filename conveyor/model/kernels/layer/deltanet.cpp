@@ -226,6 +226,65 @@ at::Tensor gated_delta_rule(at::Tensor& state, const at::Tensor& slots, const at
   return out;
 }
 
+namespace {
+
+template <typename T>
+void run_conv(at::Tensor& state, const int64_t* slot, const std::vector<int64_t>& starts,
+              const T* x, int64_t x_stride, const T* w, T* out) {
+  const int64_t C = state.size(1), H = state.size(2), K = H + 1;  // H: the inputs kept
+  T* st_all = state.data_ptr<T>();
+  const int64_t num_seqs = static_cast<int64_t>(starts.size()) - 1;
+  at::parallel_for(0, C, 64, [&](int64_t c0, int64_t c1) {
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t begin = starts[s], length = starts[s + 1] - begin;
+      for (int64_t c = c0; c < c1; ++c) {
+        T* st = st_all + (slot[s] * C + c) * H;
+        // the window: the H inputs kept, then the sequence's rows
+        auto at = [&](int64_t i) { return i < H ? st[i] : x[(begin + i - H) * x_stride + c]; };
+        const T* wc = w + c * K;
+        for (int64_t t = 0; t < length; ++t) {
+          T acc = at(t) * wc[0];
+          for (int64_t j = 1; j < K; ++j) acc = acc + at(t + j) * wc[j];
+          out[(begin + t) * C + c] = acc;
+        }
+        T kept[8];
+        for (int64_t i = 0; i < H; ++i) kept[i] = at(length + i);
+        for (int64_t i = 0; i < H; ++i) st[i] = kept[i];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor causal_conv(at::Tensor& state, const at::Tensor& slots,
+                       const std::vector<int64_t>& starts, const at::Tensor& x,
+                       const at::Tensor& weight) {
+  const auto dtype = state.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kDouble) && state.dim() == 3 &&
+                  state.is_contiguous() && state.size(2) >= 1 && state.size(2) < 8,
+              "causal_conv: state (slots, C, K - 1), float32/64, contiguous, K <= 8");
+  const int64_t C = state.size(1), K = state.size(2) + 1;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == C && x.stride(1) == 1 && x.scalar_type() == dtype,
+              "causal_conv: x (T, C) of the state's dtype, rows of unit stride");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.size(1) == K &&
+                  weight.scalar_type() == dtype,
+              "causal_conv: weight (C, K) of the state's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong &&
+                  slots.numel() + 1 == static_cast<int64_t>(starts.size()) &&
+                  starts.back() == x.size(0),
+              "causal_conv: slots (S,), starts (S + 1,) ending at x's rows");
+  const at::Tensor sl = slots.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty({x.size(0), C}, x.options());
+  if (dtype == at::kFloat)
+    run_conv<float>(state, sl.data_ptr<int64_t>(), starts, x.data_ptr<float>(), x.stride(0),
+                    wc.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run_conv<double>(state, sl.data_ptr<int64_t>(), starts, x.data_ptr<double>(), x.stride(0),
+                     wc.data_ptr<double>(), out.data_ptr<double>());
+  return out;
+}
+
 // x * sigmoid(gate), row by row (float32, (T, n)): a value's bits depend on its column only.
 at::Tensor sigmoid_mul(const at::Tensor& x_in, const at::Tensor& gate_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.sizes() == gate_in.sizes() &&
