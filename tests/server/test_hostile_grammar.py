@@ -91,7 +91,7 @@ def assert_serving(server) -> None:
                 "json_schema": {"name": "chain", "schema": ref_chain(3000)},
             },
         ),
-        ("structured_outputs", lambda: {"grammar": lark_chain(20_000)}),
+        ("structured_outputs", lambda: {"grammar": lark_chain(6_000)}),
         ("structured_outputs", lambda: {"json": ref_chain(3000)}),
     ],
     ids=["ref-chain-response-format", "lark-chain", "ref-chain-structured-outputs"],
