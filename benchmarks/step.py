@@ -54,9 +54,9 @@ from tqdm import tqdm
 
 from conveyor import envs
 from conveyor.model import prompt_route
-from conveyor.model.deltanet import RecurrentState
 from conveyor.model.layers import matmul_forms
 from conveyor.model.quant import QuantLinear
+from conveyor.model.recurrent import RecurrentState
 from conveyor.outputs import ModelRunnerOutput, OutputKind, SchedulerOutput
 
 FULL_GRID = dict(batches=(1, 8, 32, 64), contexts=(128, 512, 2048), prefill_chunks=(512, 2048))
@@ -610,7 +610,9 @@ def projection_weights(cfg) -> int:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     total = 0
     for layer in range(cfg.num_layers):
-        if parts.is_linear(layer):
+        if parts.is_linear(layer) and parts.linear_kind == "short_conv":
+            total += 4 * hidden * hidden  # in_proj (B, C, x) and out_proj
+        elif parts.is_linear(layer):
             (hk, hv), (dk, dv) = parts.linear_heads, parts.linear_dims
             total += hidden * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * hidden
         else:
@@ -638,7 +640,9 @@ def step_work(engine, sched: SchedulerOutput, limits: Limits) -> dict[str, tuple
         "logits": 2 * num_sampled * cfg.hidden_size * cfg.vocab_size,
         "attention": 4 * cfg.num_heads * cfg.head_dim * pairs * (cfg.num_layers - linear),
     }
-    if linear:  # per token and value head: decay, read, correct and read the state (7 x Dk Dv)
+    if (
+        linear and cfg.parts.linear_kind == "gated_delta"
+    ):  # per token and value head: decay, read, correct and read the state (7 x Dk Dv)
         (_, hv), (dk, dv) = cfg.parts.linear_heads, cfg.parts.linear_dims
         ops["delta rule"] = 7 * hv * dk * dv * tokens * linear
     if "matmul" in limits.roofs:

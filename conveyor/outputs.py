@@ -99,7 +99,7 @@ class ScheduledRequest:
     # The request's prompt length: rows at positions below it are prompt tokens (a model's
     # prompt route, model/prompt_route.py); None: every row counts as generated.
     num_prompt_tokens: int | None = None
-    # A hybrid model's state slot (model/deltanet.py), held from admission to finish or
+    # A hybrid model's state slot (model/recurrent.py), held from admission to finish or
     # preemption; a chunk at position 0 starts it from zeros. -1: the model has none.
     state_slot: int = -1
 
@@ -283,5 +283,5 @@ class StepInputs(NamedTuple):
     logits_rows: np.ndarray  # rows whose logits the sampler needs (may be empty)
     # (S,) each request's leading rows that are prompt tokens (model/prompt_route.py), or None
     prompt_tokens: np.ndarray | None = None
-    # (S,) each request's state slot, for a hybrid model's gated delta nets; None: no such layer
+    # (S,) each request's state slot, for a hybrid model's recurrent layers; None: no such layer
     state_slots: np.ndarray | None = None

@@ -233,7 +233,7 @@ FAMILIES = {
         ),
     ),
 }  # fmt: skip
-# Hybrids (model/deltanet.py): gated delta nets beside attention; no prefix caching and no
+# Hybrids (model/recurrent.py): gated delta nets beside attention; no prefix caching and no
 # speculation, so not in the FAMILIES battery (tests/equivalence/test_hybrid.py). Qwen3.5's
 # layers 0-2 delta nets (2 key heads each serving 2 value heads), layer 3 attention with a
 # quarter of its head turned by RoPE, q/k norms and an output gate.
@@ -249,6 +249,10 @@ HYBRIDS = {
         architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         **_QWEN3_5_TEXT,
+    ),
+    "lfm2": dict(  # LFM2: short convolutions on layers 0, 1 and 3, attention on layer 2
+        architectures=["Lfm2ForCausalLM"], model_type="lfm2", layer_types=["conv", "conv",
+        "full_attention", "conv"], intermediate_size=192, block_multiple_of=32, norm_eps=1e-5,
     ),
     "qwen3_5-vlm": dict(  # Qwen3.5's releases: the language model inside a VLM
         model_type="qwen3_5",

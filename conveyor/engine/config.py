@@ -93,18 +93,18 @@ class EngineConfig:
 
 
 def _hybrid_cache(args: EngineArgs, cache: CacheConfig) -> CacheConfig:
-    """A hybrid model's (gated delta nets, model/deltanet.py) cache: a sequence's recurrent
+    """A hybrid model's (recurrent layers, model/recurrent.py) cache: a sequence's recurrent
     state exists only at the end of what it computed, so a prefix-cache hit (KV blocks without
     the state at their end) cannot be continued: prefix caching is off. Drafts (whose rejected
     tokens would have to be taken back out of the state), adapters and tensor parallelism are
     refused."""
     if args.speculative_config is not None:
         raise ValueError(
-            "speculative decoding is not supported for a hybrid model (gated delta nets: "
+            "speculative decoding is not supported for a hybrid model (recurrent layers: "
             "rejected drafts cannot be taken back out of a sequence's recurrent state)"
         )
     if args.enable_lora:
-        raise ValueError("enable_lora: a hybrid model's gated delta nets have no adapter slots")
+        raise ValueError("enable_lora: a hybrid model's recurrent layers have no adapter slots")
     if args.tensor_parallel_size > 1:
         raise ValueError("tensor_parallel_size > 1 is not supported for a hybrid model")
     if cache.enable_prefix_caching:

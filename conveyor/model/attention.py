@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from conveyor.model.deltanet import RecurrentRows
+    from conveyor.model.recurrent import RecurrentRows
 
 
 class AttentionKind(NamedTuple):
@@ -77,7 +77,7 @@ class AttentionMetadata:
     # [begin, end) pairs, flat: the rows that are prompt tokens, for a model whose prompt
     # tokens take a route of their own (model/prompt_route.py).
     prompt_rows: list[int] = field(default_factory=list)
-    # A hybrid's gated delta nets: each sequence's state slot and rows (model/deltanet.py).
+    # A hybrid's recurrent layers: each sequence's state slot and rows (model/recurrent.py).
     recurrent: RecurrentRows | None = None
 
 

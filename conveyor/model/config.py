@@ -450,13 +450,12 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "architecture": arch,
         "vocab_size": int(hf.vocab_size),
         "hidden_size": int(hf.hidden_size),
-        # (Qwen3.5-MoE's has no dense MLP, nor a size for one)
-        "intermediate_size": int(getattr(hf, "intermediate_size", None) or 0),
+        "intermediate_size": _mlp_width(hf),
         "num_layers": int(hf.num_hidden_layers),
         "num_heads": int(hf.num_attention_heads),
         "num_kv_heads": int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
         "head_dim": int(head_dim),
-        "rms_norm_eps": float(hf.rms_norm_eps),
+        "rms_norm_eps": float(hf.norm_eps if arch == "lfm2" else hf.rms_norm_eps),
         "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
         "qkv_bias": arch == "qwen2"
         or bool(getattr(hf, "qkv_bias", False))  # Qwen2-MoE's
@@ -476,6 +475,20 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "pooling": _decoder_pooling(folder),
         "classifier": classifier,
     }
+
+
+def _mlp_width(hf) -> int:
+    """The dense MLP's width: intermediate_size, or LFM2's adjusted from it as transformers
+    adjusts it (2/3 of it, times block_ffn_dim_multiplier, rounded up to block_multiple_of);
+    0 for Qwen3.5-MoE, which has no dense MLP nor a size for one."""
+    width = int(getattr(hf, "intermediate_size", None) or 0)
+    if getattr(hf, "block_auto_adjust_ff_dim", False):
+        width = int(2 * width / 3)
+        if hf.block_ffn_dim_multiplier is not None:
+            width = int(hf.block_ffn_dim_multiplier * width)
+            multiple = hf.block_multiple_of
+            width = multiple * ((width + multiple - 1) // multiple)
+    return width
 
 
 # The BERT family's encoders (model/bert.py): architecture -> family.

@@ -7,7 +7,7 @@ and per layer the attention's kind (full or a sliding window, soft-capped scores
 and rotary table (the global one, Gemma 3's local one, or none: SmolLM3's NoPE layers), and
 per layer the MLP's kind: dense, or a mixture of experts (a router that picks top_k of
 num_experts per token, how it weighs them, a shared expert behind a sigmoid gate); a hybrid's
-layers that are gated delta nets instead of attention (model/deltanet.py); around the
+layers that are gated delta nets instead of attention (model/recurrent.py); around the
 layers, the embedding, residual and logit multipliers. `Parts` holds that, resolved once
 from the checkpoint's config (as transformers reads it); model/llama.py builds both the modules
 and the compiled layers (kernels/layer/decoder_layer.cpp) from it, so a family is written once.
@@ -58,7 +58,7 @@ PROJECTION_SHARDS = {
     "down_proj": ("down_proj", 0),
     # Qwen3.5's attention: the gate rows of its q_proj (loader: _gated_queries splits them off)
     "q_gate_proj": ("qkv_proj", 3),
-    # a gated delta net's projections (model/deltanet.py): q/k/v, z, b and a in one matmul
+    # a gated delta net's projections (model/recurrent.py): q/k/v, z, b and a in one matmul
     "in_proj_qkv": ("in_proj", 0),
     "in_proj_z": ("in_proj", 1),
     "in_proj_b": ("in_proj", 2),
@@ -132,9 +132,11 @@ class Parts:
     head_bias: bool = False
     classifier_pooling: str = "cls"
     classifier_act: str = "gelu"
-    # Hybrids (Qwen3.5): per layer, True where a gated delta net (model/deltanet.py: linear
-    # attention, a recurrent state per sequence instead of KV blocks) replaces attention; its
-    # (key, value) heads and head dims, its causal convolution's kernel size.
+    # Hybrids: per layer, True where a recurrent mixer (model/recurrent.py: a state per
+    # sequence instead of KV blocks) replaces attention: "gated_delta" (Qwen3.5's gated delta
+    # net, its (key, value) heads and head dims) or "short_conv" (LFM2's gated convolution);
+    # the causal convolution's kernel size.
+    linear_kind: str = ""
     linear_layers: tuple[bool, ...] = ()
     linear_heads: tuple[int, int] = (0, 0)
     linear_dims: tuple[int, int] = (0, 0)
@@ -155,7 +157,7 @@ class Parts:
 
     @property
     def recurrent(self) -> bool:
-        """Whether some layer keeps a recurrent state per sequence (a gated delta net)."""
+        """Whether some layer keeps a recurrent state per sequence (model/recurrent.py)."""
         return any(self.linear_layers)
 
     def scale(self, head_dim: int) -> float:
@@ -282,10 +284,28 @@ def _qwen3_5(hf, head_dim: int, local_rope: Callable) -> dict:
         norm_offset=True,
         qk_norm="head",
         attn_gate=True,
+        linear_kind="gated_delta",
         linear_layers=tuple(t == "linear_attention" for t in types),
         linear_heads=(int(hf.linear_num_key_heads), int(hf.linear_num_value_heads)),
         linear_dims=(int(hf.linear_key_head_dim), int(hf.linear_value_head_dim)),
         linear_conv=int(hf.linear_conv_kernel_dim),
+    )
+
+
+LFM2_NORMS = (("attn_in", "operator_norm"), ("mlp_in", "ffn_norm"))
+
+
+def _lfm2(hf, head_dim: int, local_rope: Callable) -> dict:
+    """LFM2: gated short convolutions (layer_types "conv") beside attention layers with
+    per-head q/k norms; its norms under their own names."""
+    if getattr(hf, "conv_bias", False):
+        raise ValueError("unsupported conv_bias for lfm2 (biased convolution projections)")
+    return dict(
+        norms=LFM2_NORMS,
+        qk_norm="head",
+        linear_kind="short_conv",
+        linear_layers=tuple(t == "conv" for t in hf.layer_types),
+        linear_conv=int(hf.conv_L_cache),
     )
 
 
@@ -401,6 +421,7 @@ _BUILDERS = {
     "smollm3": _smollm3,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,
+    "lfm2": _lfm2,
 }
 
 

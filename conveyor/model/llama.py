@@ -27,7 +27,6 @@ from conveyor.distributed.parallel import TPGroup
 from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionKind, AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
-from conveyor.model.deltanet import GatedDeltaNet
 from conveyor.model.families import PROJECTION_SHARDS, Parts
 from conveyor.model.layers import (
     MATMUL_BUCKETS,
@@ -39,6 +38,7 @@ from conveyor.model.layers import (
 )
 from conveyor.model.moe import MoEMLP, cpu_ops, row_ops
 from conveyor.model.quant import QuantLinear
+from conveyor.model.recurrent import recurrent_mixer
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensor and its index
 
@@ -136,10 +136,11 @@ class LlamaDecoderLayer(nn.Module):
         self.roles: dict[str, str] = dict(parts.norms)
         for name in self.roles.values():
             self.add_module(name, _norm(parts, cfg.hidden_size, cfg.rms_norm_eps))
-        # a hybrid's linear-attention layer (model/deltanet.py) or attention
+        # a hybrid's recurrent layer (model/recurrent.py), under its checkpoint name, or attention
         self.linear = parts.is_linear(index)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg, index)
+            self.mixer, mixer = recurrent_mixer(cfg, index)
+            self.add_module(self.mixer, mixer)
         else:
             self.self_attn = LlamaAttention(cfg, tp, index)
         self.mlp = MoEMLP(cfg, tp) if parts.is_moe(index) else LlamaMLP(cfg, tp)
@@ -152,7 +153,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, ropes, rotaries, kv_cache, meta):
         h = self._normed("attn_in", x)
         if self.linear:  # kv_cache: this layer's RecurrentState
-            h = self.linear_attn(h, kv_cache, meta.recurrent, cpu_ops(h))
+            h = getattr(self, self.mixer)(h, kv_cache, meta.recurrent, cpu_ops(h))
         else:
             h = self.self_attn(h, ropes, rotaries, kv_cache, meta)
         h = self._normed("attn_out", h)
@@ -171,7 +172,7 @@ class LlamaDecoderLayer(nn.Module):
         """This layer as the compiled ops' DecoderLayer (kernels/layer/decoder_layer.cpp: the same
         arithmetic in one call), or None when a projection has no compiled form there (the
         model then runs its modules). A mixture of experts runs as the compiled MoE
-        (_compiled_moe); a gated delta net or a gated attention has none."""
+        (_compiled_moe); a recurrent layer or a gated attention has none."""
         if self.linear or self.self_attn.gated:
             return None
         attn, mlp = self.self_attn, self.mlp

@@ -108,7 +108,9 @@ def iter_weights(
         if family == "gpt_oss":  # its experts' 3-D tensors are split first, then cut
             weights = _gpt_oss_experts(iter_safetensors(cfg.path, cfg.dtype), cut_of)
         else:
-            rename = {"mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES}.get(family)
+            rename = {
+                "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES
+            }.get(family)  # fmt: skip
             skip = _NOT_READ.get(family)
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
                 rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL + (skip or ())
@@ -187,6 +189,17 @@ def _rotary_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
         yield name, tensor
 
 
+# LFM2's names -> the model's: its MLP's w1 / w3 / w2, attention's out_proj and q/k norms, and
+# its final norm (embedding_norm, applied after the last layer).
+_LFM2_NAMES = (
+    (".feed_forward.w1.", ".mlp.gate_proj."),
+    (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+    (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+    ("model.embedding_norm.", "model.norm."),
+)
 # Granite MoE's names of its MoE modules -> the names the model uses (its experts stacked).
 _GRANITE_MOE_NAMES = (
     (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),

@@ -29,10 +29,10 @@ from conveyor.model import kernels, prompt_route
 from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
-from conveyor.model.deltanet import RecurrentState, recurrent_rows, state_dtype, state_shapes
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
 from conveyor.model.plan import CpuFeatures, KernelPlan, PlanSettings
+from conveyor.model.recurrent import RecurrentState, recurrent_rows, state_dtype, state_shapes
 from conveyor.outputs import (
     HIDDEN_NOT_FINITE,
     LOGITS_NOT_FINITE,
@@ -105,16 +105,16 @@ class ModelRunner:
         self.last_timing: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def kv_bytes_per_block(self) -> int:
-        """Of every attention layer (a hybrid's gated delta nets keep no KV)."""
+        """Of every attention layer (a hybrid's recurrent layers keep no KV)."""
         layers = self.cfg.num_layers - sum(self.cfg.parts.linear_layers)
         per_token = 2 * layers * self.num_kv_heads * self.cfg.head_dim
         return per_token * self.block_size * self.kv_dtype.itemsize
 
     def state_bytes(self) -> int:
-        """A hybrid's recurrent states: every gated delta net's, max_num_seqs slots each."""
+        """A hybrid's recurrent states: every recurrent layer's, max_num_seqs slots each."""
         if not self.cfg.parts.recurrent:
             return 0
-        per_layer = sum(math.prod(s) for s in state_shapes(self.cfg.parts, self.max_num_seqs))
+        per_layer = sum(math.prod(s) for s in state_shapes(self.cfg, self.max_num_seqs))
         itemsize = state_dtype(self.cfg.dtype).itemsize
         return per_layer * itemsize * sum(self.cfg.parts.linear_layers)
 
@@ -151,10 +151,10 @@ class ModelRunner:
         return cache
 
     def _new_state(self) -> RecurrentState:
-        """A gated delta net's states, max_num_seqs slots (pages faulted in as they are
+        """A recurrent layer's states, max_num_seqs slots (pages faulted in as they are
         first written, on the CPU)."""
         dtype = state_dtype(self.cfg.dtype)
-        conv, ssm = state_shapes(self.cfg.parts, self.max_num_seqs)
+        conv, ssm = state_shapes(self.cfg, self.max_num_seqs)
         if self.device.type != "cpu":
             new = lambda shape: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
         else:

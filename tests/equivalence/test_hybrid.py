@@ -1,5 +1,5 @@
 """Hybrid models (gated delta nets beside attention: Qwen3.5 and Qwen3.5-MoE,
-model/deltanet.py) against transformers in float64 on tiny random checkpoints: greedy tokens
+model/recurrent.py) against transformers in float64 on tiny random checkpoints: greedy tokens
 equal its generate, logprobs agree, all prompts in one step, chunked at an odd budget with
 arrivals while others decode, and preempted in a small cache (a recompute starts its state
 from zeros); each sequence holds one state slot while it runs. Tokens and logprobs are the
@@ -39,7 +39,7 @@ def _case(name: str, tmp_path_factory):
     return _CASES[name]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_5-vlm"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_5-vlm", "lfm2"])
 def hybrid(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)
 
@@ -49,7 +49,7 @@ def qwen3_5(tmp_path_factory):
     return _case("qwen3_5", tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "lfm2"])
 def layers(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)
 

@@ -1,5 +1,5 @@
 """The compiled gated delta rule (kernels/layer/deltanet.cpp) against its PyTorch twin
-(model/deltanet.py delta_rule_reference): the same outputs and states within rounding, in
+(model/recurrent.py delta_rule_reference): the same outputs and states within rounding, in
 float64 and float32, for value dims on the register blocks' path (64, 128) and off it (8, 16),
 one key head serving several value heads; and its batch invariance: a sequence's outputs and
 state are the same bits run alone or beside others, and in one call of L steps or L calls of
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conveyor.model import kernels
-from conveyor.model.deltanet import causal_conv_reference, delta_rule_reference
+from conveyor.model.recurrent import causal_conv_reference, delta_rule_reference
 
 ops = kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="the compiled CPU kernels are unavailable")

@@ -1,4 +1,4 @@
-// Gated delta nets (model/deltanet.py, its reference twin `delta_rule_reference`): the delta
+// Gated delta nets (model/recurrent.py, its reference twin `delta_rule_reference`): the delta
 // rule over L steps of N sequences, each (sequence, value head) pair on its own thread, so a
 // token's values never depend on what else the step holds; and row-wise activations whose
 // bits do not depend on the row count (ATen's sigmoid and silu take a vector path or a scalar

@@ -1,5 +1,6 @@
-"""Gated delta nets: the linear attention of hybrid models (Qwen3.5), which keep a fixed-size
-state per sequence instead of KV blocks.
+"""Recurrent layers of hybrid models, which keep a fixed-size state per sequence instead of KV
+blocks: gated delta nets (Qwen3.5's linear attention), and short convolutions (LFM2's, their
+state the convolution's last inputs alone).
 
 A layer mixes tokens through two recurrences that run along each sequence:
   - a causal depthwise convolution (kernel K) over the q/k/v projections: its state is the
@@ -70,12 +71,53 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def state_shapes(parts, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The (conv, ssm) shapes of one layer's RecurrentState for a family's Parts."""
+def state_shapes(cfg, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (conv, ssm) shapes of one layer's RecurrentState for a ModelConfig: a short
+    convolution keeps its last inputs alone (an empty ssm)."""
+    parts = cfg.parts
+    if parts.linear_kind == "short_conv":
+        return (num_slots, cfg.hidden_size, parts.linear_conv - 1), (num_slots, 0)
     (key_heads, value_heads), (key_dim, value_dim) = parts.linear_heads, parts.linear_dims
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
     conv = (num_slots, conv_dim, parts.linear_conv - 1)
     return conv, (num_slots, value_heads, key_dim, value_dim)
+
+
+def recurrent_mixer(cfg, index: int) -> tuple[str, nn.Module]:
+    """A hybrid's recurrent layer in place of attention, and its checkpoint name."""
+    if cfg.parts.linear_kind == "short_conv":
+        return "conv", ShortConv(cfg)
+    return "linear_attn", GatedDeltaNet(cfg, index)
+
+
+def _start_fresh(state: RecurrentState, rows: RecurrentRows) -> None:
+    """Zeroes the states of the sequences whose chunk starts at position 0."""
+    for s, fresh in enumerate(rows.fresh):
+        if fresh:
+            state.conv[rows.slots[s]].zero_()
+            state.ssm[rows.slots[s]].zero_()
+
+
+class ShortConv(nn.Module):
+    """LFM2's `conv` layer: in_proj to B, C and x; the causal depthwise convolution (kernel
+    conv_L_cache) of B * x, its state the last kernel - 1 of those; out_proj of C times it."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        hidden, kernel = cfg.hidden_size, cfg.parts.linear_conv
+        self.in_proj = Linear(hidden, 3 * hidden)
+        self.conv = nn.Module()  # holds the checkpoint's conv.weight (hidden, 1, K)
+        self.conv.weight = nn.Parameter(torch.empty(hidden, 1, kernel))
+        self.out_proj = Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, state: RecurrentState, rows: RecurrentRows, ops=None):
+        sdt = state.conv.dtype
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        _start_fresh(state, rows)
+        conv_op = causal_conv_reference if ops is None else ops.causal_conv
+        weight = self.conv.weight[:, 0, :].to(sdt)
+        conv = conv_op(state.conv, rows.all_slots, rows.starts, (b * h).to(sdt), weight)
+        return self.out_proj(c * conv.to(x.dtype))
 
 
 class GatedRMSNorm(nn.Module):
@@ -123,10 +165,7 @@ class GatedDeltaNet(nn.Module):
             self.A_log.to(sdt), self.dt_bias.to(sdt), self.norm.weight.to(sdt), self.norm.eps,
             self.key_heads,
         )  # fmt: skip
-        for s, fresh in enumerate(rows.fresh):
-            if fresh:
-                state.conv[rows.slots[s]].zero_()
-                state.ssm[rows.slots[s]].zero_()
+        _start_fresh(state, rows)
         weight = self.conv1d.weight[:, 0, :].to(sdt)  # (conv_dim, K)
         conv = conv_op(state.conv, rows.all_slots, rows.starts, mixed, weight)  # (T, conv_dim)
         z = z.reshape(num_tokens, heads, dim)
