@@ -45,6 +45,7 @@ GGUF_ARCHS = {
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",  # llama.cpp's llama converter, with experts
     "gpt_oss": "gpt-oss",
+    "lfm2": "lfm2",
 }
 # The experts' tensors one per expert in a checkpoint, and their 3-D stack in a GGUF file
 # (llama.cpp's converters merge them); the routers llama.cpp keeps in F32.
@@ -157,13 +158,18 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_feed_forward_length(_mlp_width(config, arch))
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    if arch == "lfm2":  # llama.cpp's LFM2: KV heads per layer, none on a short convolution
+        kv = [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types]
+        writer.add_head_count_kv(kv)
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
     rope = _rope(config)
     if arch not in ("gemma", "gemma2"):  # GemmaModel and Gemma2Model write no base: 10000
         writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(config.norm_eps if arch == "lfm2" else config.rms_norm_eps)
     if raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE:
         writer.add_key_length(_head_dim(config))  # llama.cpp writes these when head_dim is stated
         writer.add_value_length(_head_dim(config))
@@ -179,6 +185,18 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     _FAMILY_HPARAMS.get(arch, lambda writer, config: None)(writer, config)
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         _expert_hparams(writer, config)
+
+
+def _mlp_width(config, arch: str) -> int:
+    """feed_forward_length: LFM2's converter writes its MLP's width as transformers adjusts it."""
+    if arch != "lfm2" or not config.block_auto_adjust_ff_dim:
+        return config.intermediate_size
+    width = int(2 * config.intermediate_size / 3)
+    if config.block_ffn_dim_multiplier is not None:
+        width = int(config.block_ffn_dim_multiplier * width)
+        multiple = config.block_multiple_of
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
 
 
 def _expert_hparams(writer: gguf.GGUFWriter, config) -> None:
@@ -358,6 +376,8 @@ def _add_tensors(
             data = permute(data, config.num_attention_heads, config.num_attention_heads)
         elif arch in PERMUTED_QK and ".k_proj." in hf_name:
             data = permute(data, config.num_attention_heads, config.num_key_value_heads)
+        if arch == "lfm2" and hf_name.endswith(".conv.conv.weight"):
+            data = data.squeeze(1)  # llama.cpp's shortconv.conv: (channels, kernel)
         # Phi-3's qkv_proj and gate_up_proj map as they are: attn_qkv, and ffn_up
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if hf_name.endswith(".sinks"):  # llama.cpp's GPT-OSS converter names them so

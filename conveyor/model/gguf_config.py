@@ -16,6 +16,9 @@ llama.cpp makes every layer a mixture in these, renormalises the top-k weights o
 and of Mixtral but not of `qwen2moe` (its build_moe_ffn's norm_w), and gates `qwen2moe`'s
 shared expert by a sigmoid; the configs say the same to transformers.
 
+LFM2 states its attention layers by a per-layer head_count_kv (0 on its short convolutions) and
+the MLP's width already adjusted (transformers' GGUF reader takes them so too).
+
 Phi-3's longrope (Phi-3.5, Phi-4-mini) is stored as two tensors, rope_factors_long / _short,
 which become the config's long_factor / short_factor. A setting the file states and conveyor
 does not compute (llama3 `rope_freqs`, a rope scaling type) is refused by name, never dropped.
@@ -43,6 +46,7 @@ FAMILIES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    "lfm2": ("lfm2", "Lfm2ForCausalLM"),
 }
 # A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral with its llama converter).
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -288,6 +292,18 @@ def _smollm3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in layers]
 
 
+def _lfm2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """LFM2: a layer with KV heads attends, one without is a short convolution
+    (shortconv.l_cache its kernel); feed_forward_length is the MLP's width as it runs."""
+    kv = config["num_key_value_heads"]
+    kv = list(kv) if isinstance(kv, list) else [kv] * config["num_hidden_layers"]
+    config["num_key_value_heads"] = max(kv)
+    config["layer_types"] = ["full_attention" if n else "conv" for n in kv]
+    config["conv_L_cache"] = metadata["lfm2.shortconv.l_cache"]
+    config["block_auto_adjust_ff_dim"] = False
+    config["norm_eps"] = config.pop("rms_norm_eps")
+
+
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "gemma": lambda metadata, config: config.update(hidden_act="gelu_pytorch_tanh"),
     "gemma2": _gemma2,
@@ -302,4 +318,5 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "qwen3moe": _llama_like("qwen3moe"),
     "mixtral": _llama_like("llama"),
     "gpt-oss": _gpt_oss,
+    "lfm2": _lfm2,
 }

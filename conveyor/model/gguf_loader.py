@@ -91,6 +91,13 @@ _EXPERT_NAMES = {
 # Where an architecture means another module by the same GGUF name: Gemma's ffn_norm is the norm
 # before the MLP (Llama's ffn_norm is the same norm, which Llama names post_attention_layernorm).
 _ARCH_LAYER_NAMES = {
+    "lfm2": {  # its norms' names, and its short convolutions
+        "attn_norm": "operator_norm",
+        "ffn_norm": "ffn_norm",
+        "shortconv.in_proj": "conv.in_proj",
+        "shortconv.conv": "conv.conv",
+        "shortconv.out_proj": "conv.out_proj",
+    },
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "glm4": {
@@ -98,6 +105,8 @@ _ARCH_LAYER_NAMES = {
         "post_ffw_norm": "post_mlp_layernorm",
     },
 }
+# Global tensors an architecture names otherwise: LFM2's final norm is its token_embd_norm.
+_ARCH_GLOBAL_NAMES = {"lfm2": {"token_embd_norm.weight": "model.norm.weight"}}
 # GGUF tensors that only exist fused (Phi-3's Q, K and V); Phi-3's ffn_up is another one, gate
 # and up stacked, under the name other architectures give up alone (see _fused_parts).
 _FUSED = ("attn_qkv",)
@@ -110,7 +119,7 @@ _SKIPPED = re.compile(
     r"rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd(\.weight)?"
 )
 
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)")
 
 _SCALAR_FORMATS = {
     gguf.GGUFValueType.UINT8: "B",
@@ -233,6 +242,8 @@ def _float_weight(
         weight = _unpermute_rows(weight, heads)
     if layout.architecture in _NORM_PLUS_ONE and info.name.endswith("norm.weight"):
         weight = weight - 1.0
+    if info.name.endswith(".shortconv.conv.weight"):  # (channels, kernel): nn.Conv1d's is 3-D
+        weight = weight.unsqueeze(1)
     return weight
 
 
@@ -386,6 +397,8 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
     if not isinstance(num_heads, int):  # per-layer lists belong to architectures we do not run
         raise ValueError(f"GGUF {architecture}.attention.head_count is {num_heads!r}, not an int")
     num_kv_heads = metadata.get(f"{architecture}.attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):  # LFM2's, per layer (0: a short convolution)
+        num_kv_heads = max(num_kv_heads)
     head_dim = metadata.get(f"{architecture}.attention.key_length") or (
         metadata[f"{architecture}.embedding_length"] // num_heads
     )
@@ -394,8 +407,9 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
 
 def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Target]:
     """The HF tensors a GGUF tensor holds: one, or the parts of a fused one (Phi-3's)."""
-    if info.name in _GLOBAL_NAMES:
-        return [_Target(_GLOBAL_NAMES[info.name], None)]
+    global_names = {**_GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(layout.architecture, {})}
+    if info.name in global_names:
+        return [_Target(global_names[info.name], None)]
     match = _LAYER_TENSOR.fullmatch(info.name)
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(layout.architecture, {})}
     if match is not None and match[2] in _EXPERT_NAMES:

@@ -24,7 +24,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
-from conveyor.model.loader import _gpt_oss_experts
+from conveyor.model.loader import _LFM2_NAMES, _gpt_oss_experts
 from conveyor.model.quant import from_gguf_blocks
 
 # The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
@@ -48,6 +48,7 @@ GGUF_FAMILIES = {
     "qwen2_moe": dict(mlp_only_layers=[]),
     "qwen3_moe": dict(decoder_sparse_step=1),
     "gpt_oss": dict(swiglu_limit=7.0),
+    "lfm2": {},  # short convolutions (shortconv.*), KV heads per layer, the MLP's width adjusted
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -110,6 +111,8 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
     checkpoint = load_file(converted.hf_dir / "model.safetensors")
     if converted.family == "mixtral":
         checkpoint = {renamed(name): tensor for name, tensor in checkpoint.items()}
+    if converted.family == "lfm2":  # its names as the model reads them
+        checkpoint = {renamed(name, _LFM2_NAMES): tensor for name, tensor in checkpoint.items()}
     if converted.family == "gpt_oss":  # its 3-D experts as each expert's, as loaded
         checkpoint = dict(_gpt_oss_experts(checkpoint.items(), lambda name: None))
     path = getattr(converted, qtype)
@@ -123,8 +126,8 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         assert torch.equal(tensor, checkpoint[name]), name
 
 
-def renamed(name: str) -> str:
-    for old, new in MIXTRAL_NAMES:
+def renamed(name: str, names=MIXTRAL_NAMES) -> str:
+    for old, new in names:
         name = name.replace(old, new)
     return name
 
@@ -350,3 +353,20 @@ def test_a_qwen2vl_file_is_its_language_model_served_as_qwen2(tmp_path):
         llm = LLM(str(source), dtype="float64", **DEVICE_KWARGS)
         runs.append([out.outputs[0].token_ids for out in llm.generate(prompts, params)])
     assert runs[0] == runs[1]
+
+
+def test_transformers_reads_the_lfm2_file_as_its_checkpoint(tmp_path):
+    """The writer's LFM2 (per-layer KV heads, shortconv tensors, the adjusted MLP width) is the
+    format transformers' own GGUF reader takes from llama.cpp: it reads the file back as the
+    checkpoint's tensors, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = tmp_path / "hf"
+    snap_to_float_gguf(make_tiny_checkpoint(hf_dir, "lfm2"))
+    path = write_gguf(hf_dir, tmp_path / "tiny-lfm2-F32.gguf", "F32")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    assert theirs.config.layer_types == ["conv", "conv", "full_attention", "conv"]
+    checkpoint = load_file(hf_dir / "model.safetensors")
+    state = theirs.state_dict()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(state[name].to(tensor.dtype), tensor), name
