@@ -46,6 +46,7 @@ GGUF_ARCHS = {
     "mixtral": "llama",  # llama.cpp's llama converter, with experts
     "gpt_oss": "gpt-oss",
     "lfm2": "lfm2",
+    "qwen3_5_text": "qwen35",
 }
 # The experts' tensors one per expert in a checkpoint, and their 3-D stack in a GGUF file
 # (llama.cpp's converters merge them); the routers llama.cpp keeps in F32.
@@ -72,11 +73,15 @@ def write_gguf(
     qtype: str = "F32",
     experts: str | None = None,
     arch: str | None = None,
+    mtp_layers: int = 0,
 ) -> Path:
     """Converts the checkpoint in `hf_dir` to a GGUF at `out_path`, 2-D weights as `qtype`;
     the experts' 3-D weights as `experts` when given (llama.cpp's GPT-OSS files: "MXFP4");
     under `arch` when given (llama.cpp's qwen2vl: a Qwen2.5-VL's language model, Qwen2's
-    tensors under another architecture name), else the model type's."""
+    tensors under another architecture name), else the model type's. mtp_layers: Qwen3.5's
+    multi-token prediction layers after the model's, as llama.cpp's converter appends them
+    (block_count counts them, nextn_predict_layers says how many; here copies of the last
+    layer and its nextn tensors)."""
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {sorted(QTYPES)}, got {qtype!r}")
     config = AutoConfig.from_pretrained(hf_dir)
@@ -87,13 +92,37 @@ def write_gguf(
     writer.add_name(f"tiny-{config.model_type}")
     writer.add_file_type(FILE_TYPES[qtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_block_count(config.num_hidden_layers + mtp_layers)  # MTP layers after the model's
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
     _add_hparams(writer, config, raw_config, arch)
     _add_tokenizer(writer, hf_dir, config.vocab_size)
     expert_qtype = QTYPES[qtype] if experts is None else gguf.GGMLQuantizationType[experts]
     state = _state_dict(hf_dir, config)
     _add_tensors(writer, state, config, arch, QTYPES[qtype], expert_qtype)
+    if mtp_layers:
+        _add_mtp_layers(writer, state, config, arch, QTYPES[qtype], mtp_layers)
     _finish(writer)
     return out_path
+
+
+def _add_mtp_layers(writer, state, config, arch: str, qtype, count: int) -> None:
+    """Qwen3.5's MTP blocks after the model's own: the last layer's tensors again, and the
+    nextn tensors (eh_proj, enorm, hnorm, shared_head_norm) of each."""
+    layers = config.num_hidden_layers
+    last = f"model.layers.{layers - 1}."
+    for i in range(layers, layers + count):
+        copies = {
+            k.replace(last, f"model.layers.{i}.", 1): v
+            for k, v in state.items()
+            if k.startswith(last)
+        }
+        _add_tensors(writer, copies, config, arch, qtype, qtype, num_layers=layers + count)
+        hidden = config.hidden_size
+        nextn = {"eh_proj": np.ones((hidden, 2 * hidden), np.float32)}
+        nextn |= {n: np.ones(hidden, np.float32) for n in ("enorm", "hnorm", "shared_head_norm")}
+        for name, data in nextn.items():
+            _add_tensor(writer, f"blk.{i}.nextn.{name}.weight", data, qtype)
 
 
 def snap_to_float_gguf(hf_dir: Path) -> Path:
@@ -105,12 +134,20 @@ def snap_to_float_gguf(hf_dir: Path) -> Path:
     for shard in sorted(Path(hf_dir).glob("*.safetensors")):
         state = load_file(shard)
         for name, tensor in state.items():
-            plus_one = arch in NORM_PLUS_ONE and name.endswith("norm.weight")
+            plus_one = _plus_one(arch, name)
             if tensor.dim() >= 2:
                 tensor = tensor.to(torch.float16).to(tensor.dtype)
             state[name] = _f32_round_trip(tensor, plus_one)
         save_file(state, shard, metadata={"format": "pt"})
     return hf_dir
+
+
+def _plus_one(arch: str, name: str) -> bool:
+    """Whether llama.cpp's converter stores this norm's weight w as 1 + w: Gemma's, and
+    Qwen3.5's but its delta nets' (linear_attn.norm, a plain w)."""
+    if arch == "qwen35":
+        return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+    return arch in NORM_PLUS_ONE and name.endswith("norm.weight")
 
 
 def _f32_round_trip(tensor: torch.Tensor, plus_one: bool) -> torch.Tensor:
@@ -157,7 +194,6 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     check_expressible(config, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(_mlp_width(config, arch))
     writer.add_head_count(config.num_attention_heads)
     if arch == "lfm2":  # llama.cpp's LFM2: KV heads per layer, none on a short convolution
@@ -211,6 +247,56 @@ def _expert_hparams(writer: gguf.GGUFWriter, config) -> None:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
+def _qwen35_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's Qwen3.5: its gated delta nets' sizes under the ssm keys, the attention
+    interval, the rotary dims, the (text-irrelevant) multimodal RoPE sections."""
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(4)
+    partial = _rope(config).get("partial_rotary_factor", 0.25)
+    writer.add_rope_dimension_count(int(_head_dim(config) * partial))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+
+
+def _qwen35_tensor(hf_name: str, data: torch.Tensor, config) -> tuple[str, torch.Tensor]:
+    """What llama.cpp's Qwen3.5 converter does to a delta net's tensor: value heads from
+    transformers' grouped order (each key head's together) to a tiled one where a key head
+    serves several, A_log as -exp(A_log), dt_bias as dt_proj.bias, the conv weight squeezed."""
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    dv, per_key = config.linear_value_head_dim, value_heads // key_heads
+    keys = 2 * key_heads * config.linear_key_head_dim
+
+    def tiled(t: torch.Tensor, dim: int, head: int, start: int = 0) -> torch.Tensor:
+        if per_key == 1:
+            return t
+        part = t.narrow(dim, start, t.shape[dim] - start)
+        shape = list(part.shape)
+        grouped = part.reshape(*shape[:dim], key_heads, per_key, head, *shape[dim + 1 :])
+        part = grouped.transpose(dim, dim + 1).reshape(shape)
+        return torch.cat([t.narrow(dim, 0, start), part], dim=dim)
+
+    if ".linear_attn." not in hf_name:
+        return hf_name, data
+    if ".in_proj_qkv." in hf_name:
+        data = tiled(data, 0, dv, keys)
+    elif ".in_proj_z." in hf_name:
+        data = tiled(data, 0, dv)
+    elif ".in_proj_a." in hf_name or ".in_proj_b." in hf_name:
+        data = tiled(data, 0, 1)
+    elif ".conv1d." in hf_name:
+        data = tiled(data.squeeze(1), 0, dv, keys)
+    elif ".out_proj." in hf_name:
+        data = tiled(data, 1, dv)
+    elif hf_name.endswith(".A_log"):
+        data = -torch.exp(tiled(data, 0, 1))
+    elif hf_name.endswith(".dt_bias"):
+        hf_name, data = hf_name.removesuffix("dt_bias") + "dt_proj.bias", tiled(data, 0, 1)
+    return hf_name, data
+
+
 def _gemma2_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -249,6 +335,7 @@ def _glm4_hparams(writer: gguf.GGUFWriter, config) -> None:
 
 
 _FAMILY_HPARAMS = {
+    "qwen35": _qwen35_hparams,
     "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,
@@ -289,6 +376,10 @@ def check_expressible(config, arch: str) -> None:
         expected["swiglu_alpha"] = 1.702
         expected["layer_types"] = [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in layers
+        ]
+    if arch == "qwen35":  # llama.cpp's: attention every fourth layer
+        expected["layer_types"] = [
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in layers
         ]
     if arch in ("qwen2moe", "qwen3moe"):  # every layer a mixture; qwen3moe renormalises
         expected["mlp_only_layers"] = []
@@ -360,8 +451,9 @@ def _add_tensors(
     arch: str,
     qtype: gguf.GGMLQuantizationType,
     expert_qtype: gguf.GGMLQuantizationType,
+    num_layers: int | None = None,
 ) -> None:
-    name_map = gguf.get_tensor_name_map(_model_arch(arch), config.num_hidden_layers)
+    name_map = gguf.get_tensor_name_map(_model_arch(arch), num_layers or config.num_hidden_layers)
     if arch == "gpt-oss":
         state, stated = _gpt_oss_experts(state)
         for name, tensor in stated.items():
@@ -369,8 +461,10 @@ def _add_tensors(
             _add_tensor(writer, name, tensor.to(torch.float32).numpy(), kind)
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor
-        if arch in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+        if _plus_one(arch, hf_name):
             data = data + 1  # in the checkpoint's dtype, then cast, as llama.cpp does
+        if arch == "qwen35":
+            hf_name, data = _qwen35_tensor(hf_name, data, config)
         data = data.to(torch.float32)
         if arch in PERMUTED_QK and ".q_proj." in hf_name:
             data = permute(data, config.num_attention_heads, config.num_attention_heads)

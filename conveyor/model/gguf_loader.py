@@ -98,12 +98,36 @@ _ARCH_LAYER_NAMES = {
         "shortconv.conv": "conv.conv",
         "shortconv.out_proj": "conv.out_proj",
     },
+    "qwen35": {  # its gated delta nets (model/recurrent.py): ssm_a and ssm_dt, see _targets
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_out": "linear_attn.out_proj",
+    },
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "glm4": {
         "post_attention_norm": "post_self_attn_layernorm",
         "post_ffw_norm": "post_mlp_layernorm",
     },
+}
+# Qwen3.5's parameters that are no module's weight: ssm_a holds -exp(A_log), ssm_dt the dt_bias.
+_QWEN35_PARAMETERS = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)")
+# Qwen3.5's tensors whose value heads llama.cpp's converter reorders where a key head serves
+# several (grouped by key head in transformers, tiled in the file), with the dim they run along
+# and the size of one head there; and the query rows its attention splits into query and gate.
+_QWEN35_TILED = {
+    "attn_qkv": (0, "value"),  # its value rows only
+    "attn_gate": (0, "value"),
+    "ssm_alpha": (0, 1),
+    "ssm_beta": (0, 1),
+    "ssm_a": (0, 1),
+    "ssm_dt": (0, 1),
+    "ssm_conv1d": (0, "value"),  # its value channels only
+    "ssm_out": (1, "value"),
 }
 # Global tensors an architecture names otherwise: LFM2's final norm is its token_embd_norm.
 _ARCH_GLOBAL_NAMES = {"lfm2": {"token_embd_norm.weight": "model.norm.weight"}}
@@ -170,6 +194,9 @@ class _Layout(NamedTuple):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    num_layers: int  # the model's: blocks past it are Qwen3.5's multi-token prediction layers
+    # Qwen3.5's gated delta nets: key heads, value heads, key and value head dims
+    linear: tuple[int, int, int, int] | None = None
 
 
 class _Target(NamedTuple):
@@ -188,13 +215,13 @@ def iter_gguf_weights(
     header = _header(path)
     layout = _layout(header, path)
     for info in header.tensors:
-        if _SKIPPED.fullmatch(info.name):
+        if _skipped(info, layout):
             continue
         targets = _targets(info, layout, path)
         info = _as_matrix(info)
         raw = float_weight = None
         for target in targets:
-            if keep_raw is not None and keep_raw(target.hf_name):
+            if keep_raw is not None and keep_raw(target.hf_name) and not _changed(info, layout):
                 raw = raw or _raw(buffer, header.data_offset, info, _permuted_heads(info, layout))
                 yield target.hf_name, _raw_rows(raw, target.rows)
                 continue
@@ -225,9 +252,28 @@ def gguf_tensor_types(path: str | Path) -> dict[str, str]:
     return {
         target.hf_name: info.qtype.name
         for info in header.tensors
-        if not _SKIPPED.fullmatch(info.name)
+        if not _skipped(info, layout)
         for target in _targets(info, layout, path)
     }
+
+
+def _skipped(info: _TensorInfo, layout: _Layout) -> bool:
+    """Tensors no HF parameter holds (_SKIPPED), and the blocks past the model's layers."""
+    if _SKIPPED.fullmatch(info.name):
+        return True
+    block = re.match(r"blk\.(\d+)\.", info.name)
+    return block is not None and int(block[1]) >= layout.num_layers
+
+
+def _changed(info: _TensorInfo, layout: _Layout) -> bool:
+    """Whether the tensor must be read as floats to be undone (not kept in its blocks): Qwen3.5's
+    value heads reordered across a row's blocks or in its rows, and its attention's query rows,
+    which hold each head's gate rows too."""
+    if layout.architecture != "qwen35" or not info.name.startswith("blk."):
+        return False
+    kind = info.name.split(".")[2]
+    key_heads, value_heads = layout.linear[:2] if layout.linear else (1, 1)
+    return kind == "attn_q" or (kind in _QWEN35_TILED and value_heads != key_heads)
 
 
 def _float_weight(
@@ -242,9 +288,46 @@ def _float_weight(
         weight = _unpermute_rows(weight, heads)
     if layout.architecture in _NORM_PLUS_ONE and info.name.endswith("norm.weight"):
         weight = weight - 1.0
+    if layout.architecture == "qwen35":
+        weight = _qwen35_float(weight, info, layout)
     if info.name.endswith(".shortconv.conv.weight"):  # (channels, kernel): nn.Conv1d's is 3-D
         weight = weight.unsqueeze(1)
     return weight
+
+
+def _qwen35_float(weight: torch.Tensor, info: _TensorInfo, layout: _Layout) -> torch.Tensor:
+    """What llama.cpp's Qwen3.5 converter changed, undone: its (1 + w) norms (not the delta
+    nets' ssm_norm) stored as 1 + w, A_log as -exp(A_log), the convolution's weight squeezed,
+    and value heads tiled where a key head serves several."""
+    import torch
+
+    kind = info.name.split(".")[2] if info.name.startswith("blk.") else ""
+    if info.name.endswith("norm.weight") and kind != "ssm_norm":
+        weight = weight - 1.0
+    if kind == "ssm_a":
+        weight = torch.log(-weight)
+    key_heads, value_heads, key_dim, value_dim = layout.linear
+    if kind in _QWEN35_TILED and value_heads != key_heads:
+        dim, size = _QWEN35_TILED[kind]
+        size = value_dim if size == "value" else size
+        start = 2 * key_heads * key_dim if kind in ("attn_qkv", "ssm_conv1d") else 0
+        part = weight.narrow(dim, start, weight.shape[dim] - start)
+        grouped = _grouped_heads(part, dim, key_heads, value_heads // key_heads, size)
+        weight = torch.cat([weight.narrow(dim, 0, start), grouped], dim=dim)
+    if kind == "ssm_conv1d":  # (channels, kernel): nn.Conv1d's is 3-D
+        weight = weight.unsqueeze(1)
+    return weight
+
+
+def _grouped_heads(
+    weight: torch.Tensor, dim: int, key_heads: int, per_key: int, head: int
+) -> torch.Tensor:
+    """Value heads from llama.cpp's tiled order (each key head's first value head, then each
+    one's second, ...) back to transformers' grouped order (a key head's value heads together),
+    along `dim`, heads of `head` values."""
+    shape = list(weight.shape)
+    tiled = weight.reshape(*shape[:dim], per_key, key_heads, head, *shape[dim + 1 :])
+    return tiled.transpose(dim, dim + 1).reshape(shape)
 
 
 def _as_matrix(info: _TensorInfo) -> _TensorInfo:
@@ -402,11 +485,25 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
     head_dim = metadata.get(f"{architecture}.attention.key_length") or (
         metadata[f"{architecture}.embedding_length"] // num_heads
     )
-    return _Layout(architecture, num_heads, num_kv_heads, head_dim)
+    num_layers = metadata[f"{architecture}.block_count"]
+    num_layers -= metadata.get(f"{architecture}.nextn_predict_layers", 0)
+    linear = None
+    if architecture == "qwen35":
+        value_heads = metadata["qwen35.ssm.time_step_rank"]
+        linear = (
+            metadata["qwen35.ssm.group_count"],
+            value_heads,
+            metadata["qwen35.ssm.state_size"],
+            metadata["qwen35.ssm.inner_size"] // value_heads,
+        )
+    return _Layout(architecture, num_heads, num_kv_heads, head_dim, num_layers, linear)
 
 
 def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Target]:
     """The HF tensors a GGUF tensor holds: one, or the parts of a fused one (Phi-3's)."""
+    if layout.architecture == "qwen35" and (param := _QWEN35_PARAMETERS.fullmatch(info.name)):
+        name = "A_log" if param[2] == "ssm_a" else "dt_bias"
+        return [_Target(f"model.layers.{param[1]}.linear_attn.{name}", None)]
     global_names = {**_GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(layout.architecture, {})}
     if info.name in global_names:
         return [_Target(global_names[info.name], None)]
@@ -452,7 +549,7 @@ def _expert_targets(info: _TensorInfo, layer: str, projection: str, param: str) 
 def _fused_parts(kind: str, info: _TensorInfo, layout: _Layout) -> list[tuple[str, int]] | None:
     """(GGUF name, rows) of each part of a fused tensor, in order; None: not fused. Phi-3's and
     GLM-4's ffn_up is gate and up stacked (their gate_up_proj), other architectures' is up."""
-    if kind == "attn_qkv":
+    if kind == "attn_qkv" and layout.architecture != "qwen35":  # its delta nets' q/k/v: one
         kv_rows = layout.num_kv_heads * layout.head_dim
         return [
             ("attn_q", layout.num_heads * layout.head_dim),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from conveyor.paths import cache_dir, write_atomic
 
-FORMAT = 7  # bump when what an entry holds changes
+FORMAT = 8  # bump when what an entry holds changes
 # Weights and other large files are not what transformers resolves a config or tokenizer from.
 WEIGHT_SUFFIXES = frozenset(
     {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz"}

@@ -49,10 +49,14 @@ GGUF_FAMILIES = {
     "qwen3_moe": dict(decoder_sparse_step=1),
     "gpt_oss": dict(swiglu_limit=7.0),
     "lfm2": {},  # short convolutions (shortconv.*), KV heads per layer, the MLP's width adjusted
+    # gated delta nets (ssm_*): value heads tiled (2 per key head), A_log as -exp(A_log), (1 + w)
+    # norms stored as 1 + w, the attention's q_proj holding each head's gate rows
+    "qwen3_5": {},
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
 LLAMA_CPP_NAMES |= {
+    "qwen3_5": "qwen35",
     "qwen3_moe": "qwen3moe",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
@@ -123,6 +127,9 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
     assert set(ours) == set(checkpoint) - tied
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float64
+        if name.endswith(".A_log"):  # stored as -exp(A_log): log(-(-exp(a))) within rounding
+            torch.testing.assert_close(tensor, checkpoint[name], rtol=1e-6, atol=1e-7)
+            continue
         assert torch.equal(tensor, checkpoint[name]), name
 
 
@@ -370,3 +377,23 @@ def test_transformers_reads_the_lfm2_file_as_its_checkpoint(tmp_path):
     state = theirs.state_dict()
     for name, tensor in checkpoint.items():
         assert torch.equal(state[name].to(tensor.dtype), tensor), name
+
+
+def test_a_qwen35_files_multi_token_prediction_layers_are_not_read(tmp_path):
+    """llama.cpp appends Qwen3.5's MTP layers as blocks after the model's (block_count counts
+    them, nextn_predict_layers says how many): the model is the first blocks, its tokens the
+    same as from the file without them."""
+    hf_dir = tmp_path / "hf"
+    snap_to_float_gguf(make_tiny_checkpoint(hf_dir, "qwen3_5"))
+    plain = write_gguf(hf_dir, tmp_path / "tiny-qwen3_5-F32.gguf", "F32")
+    mtp = write_gguf(hf_dir, tmp_path / "tiny-qwen3_5-mtp-F32.gguf", "F32", mtp_layers=1)
+    assert gguf.GGUFReader(mtp).get_tensor(-1).name == "blk.4.nextn.shared_head_norm.weight"
+    assert ModelConfig.from_hf(str(mtp), dtype="float64").num_layers == 4
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompts = random_prompts(3, 384, seed=4, max_len=30)
+    outputs = [
+        [o.outputs[0].token_ids for o in LLM(str(p), dtype="float64", **DEVICE_KWARGS).generate(
+            [{"prompt_token_ids": t} for t in prompts], params)]
+        for p in (plain, mtp)
+    ]  # fmt: skip
+    assert outputs[0] == outputs[1]
