@@ -47,6 +47,7 @@ GGUF_ARCHS = {
     "gpt_oss": "gpt-oss",
     "lfm2": "lfm2",
     "qwen3_5_text": "qwen35",
+    "qwen3_5_moe_text": "qwen35moe",
 }
 # The experts' tensors one per expert in a checkpoint, and their 3-D stack in a GGUF file
 # (llama.cpp's converters merge them); the routers llama.cpp keeps in F32.
@@ -54,6 +55,7 @@ EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
 PERMUTED_QK = ("llama", "granite", "smollm3")
+QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
 NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")  # Gemma's converters store a norm weight w as 1 + w
 QTYPES = {
     "F32": gguf.GGMLQuantizationType.F32,
@@ -145,7 +147,7 @@ def snap_to_float_gguf(hf_dir: Path) -> Path:
 def _plus_one(arch: str, name: str) -> bool:
     """Whether llama.cpp's converter stores this norm's weight w as 1 + w: Gemma's, and
     Qwen3.5's but its delta nets' (linear_attn.norm, a plain w)."""
-    if arch == "qwen35":
+    if arch in QWEN35:
         return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
     return arch in NORM_PLUS_ONE and name.endswith("norm.weight")
 
@@ -336,6 +338,7 @@ def _glm4_hparams(writer: gguf.GGUFWriter, config) -> None:
 
 _FAMILY_HPARAMS = {
     "qwen35": _qwen35_hparams,
+    "qwen35moe": _qwen35_hparams,
     "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,
@@ -377,7 +380,7 @@ def check_expressible(config, arch: str) -> None:
         expected["layer_types"] = [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in layers
         ]
-    if arch == "qwen35":  # llama.cpp's: attention every fourth layer
+    if arch in QWEN35:  # llama.cpp's: attention every fourth layer
         expected["layer_types"] = [
             "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in layers
         ]
@@ -463,7 +466,7 @@ def _add_tensors(
         data = tensor
         if _plus_one(arch, hf_name):
             data = data + 1  # in the checkpoint's dtype, then cast, as llama.cpp does
-        if arch == "qwen35":
+        if arch in QWEN35:
             hf_name, data = _qwen35_tensor(hf_name, data, config)
         data = data.to(torch.float32)
         if arch in PERMUTED_QK and ".q_proj." in hf_name:
@@ -517,10 +520,19 @@ def _gpt_oss_experts(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
 
 def _merged_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's per-expert tensors stacked into one (experts, rows, columns) tensor per
-    layer and projection, named without the expert's index, as llama.cpp's converters do."""
+    layer and projection, named without the expert's index, as llama.cpp's converters do; a
+    stacked gate_up_proj (transformers 5's, nn.Linear's form) split into gate and up."""
     merged: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            merged[f"{name.removesuffix('gate_up_proj')}gate_proj.weight"] = gate
+            merged[f"{name.removesuffix('gate_up_proj')}up_proj.weight"] = up
+            continue
+        if name.endswith(".mlp.experts.down_proj"):
+            merged[f"{name}.weight"] = tensor
+            continue
         match = EXPERT.fullmatch(name)
         if match is None:
             merged[name] = tensor

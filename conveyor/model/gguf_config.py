@@ -16,7 +16,7 @@ llama.cpp makes every layer a mixture in these, renormalises the top-k weights o
 and of Mixtral but not of `qwen2moe` (its build_moe_ffn's norm_w), and gates `qwen2moe`'s
 shared expert by a sigmoid; the configs say the same to transformers.
 
-Qwen3.5 (`qwen35`) states its gated delta nets by llama.cpp's ssm keys (conv_kernel, state_size:
+Qwen3.5 (`qwen35`, and `qwen35moe` with its experts) states its gated delta nets by llama.cpp's ssm keys (conv_kernel, state_size:
 the key head dim, group_count: the key heads, time_step_rank: the value heads, inner_size), its
 attention layers by full_attention_interval, and counts its multi-token prediction layers in
 block_count (nextn_predict_layers of them, after the model's own).
@@ -53,6 +53,7 @@ FAMILIES = {
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "lfm2": ("lfm2", "Lfm2ForCausalLM"),
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
 }
 # A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral with its llama converter).
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -310,26 +311,31 @@ def _lfm2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config["norm_eps"] = config.pop("rms_norm_eps")
 
 
-def _qwen35(metadata: dict[str, Any], config: dict[str, Any]) -> None:
-    """Qwen3.5: its gated delta nets' sizes from the ssm keys, every interval-th layer
+def _qwen35(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    """Qwen3.5's fields: its gated delta nets' sizes from the ssm keys, every interval-th layer
     attention, partial rotary (rope.dimension_count of key_length), the MTP layers left out."""
-    config["num_hidden_layers"] -= metadata.get("qwen35.nextn_predict_layers", 0)
-    value_heads = metadata["qwen35.ssm.time_step_rank"]
-    config.update(
-        linear_conv_kernel_dim=metadata["qwen35.ssm.conv_kernel"],
-        linear_key_head_dim=metadata["qwen35.ssm.state_size"],
-        linear_num_key_heads=metadata["qwen35.ssm.group_count"],
-        linear_num_value_heads=value_heads,
-        linear_value_head_dim=metadata["qwen35.ssm.inner_size"] // value_heads,
-    )
-    interval = metadata.get("qwen35.full_attention_interval", 4)
-    config["layer_types"] = [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-        for i in range(config["num_hidden_layers"])
-    ]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dims = metadata.get("qwen35.rope.dimension_count", head_dim // 4)
-    config["rope_parameters"]["partial_rotary_factor"] = dims / head_dim
+
+    def fields(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+        config["num_hidden_layers"] -= metadata.get(f"{arch}.nextn_predict_layers", 0)
+        value_heads = metadata[f"{arch}.ssm.time_step_rank"]
+        config.update(
+            linear_conv_kernel_dim=metadata[f"{arch}.ssm.conv_kernel"],
+            linear_key_head_dim=metadata[f"{arch}.ssm.state_size"],
+            linear_num_key_heads=metadata[f"{arch}.ssm.group_count"],
+            linear_num_value_heads=value_heads,
+            linear_value_head_dim=metadata[f"{arch}.ssm.inner_size"] // value_heads,
+        )
+        interval = metadata.get(f"{arch}.full_attention_interval", 4)
+        config["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(config["num_hidden_layers"])
+        ]
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        dims = metadata.get(f"{arch}.rope.dimension_count", head_dim // 4)
+        config["rope_parameters"]["partial_rotary_factor"] = dims / head_dim
+
+    return fields
 
 
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
@@ -347,5 +353,6 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "mixtral": _llama_like("llama"),
     "gpt-oss": _gpt_oss,
     "lfm2": _lfm2,
-    "qwen35": _qwen35,
+    "qwen35": _qwen35("qwen35"),
+    "qwen35moe": _qwen35("qwen35moe"),
 }

@@ -88,6 +88,16 @@ _EXPERT_NAMES = {
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
+# Qwen3.5's gated delta nets (model/recurrent.py; ssm_a and ssm_dt: see _targets).
+_QWEN35_NAMES = {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
 # Where an architecture means another module by the same GGUF name: Gemma's ffn_norm is the norm
 # before the MLP (Llama's ffn_norm is the same norm, which Llama names post_attention_layernorm).
 _ARCH_LAYER_NAMES = {
@@ -98,15 +108,8 @@ _ARCH_LAYER_NAMES = {
         "shortconv.conv": "conv.conv",
         "shortconv.out_proj": "conv.out_proj",
     },
-    "qwen35": {  # its gated delta nets (model/recurrent.py): ssm_a and ssm_dt, see _targets
-        "attn_qkv": "linear_attn.in_proj_qkv",
-        "attn_gate": "linear_attn.in_proj_z",
-        "ssm_alpha": "linear_attn.in_proj_a",
-        "ssm_beta": "linear_attn.in_proj_b",
-        "ssm_conv1d": "linear_attn.conv1d",
-        "ssm_norm": "linear_attn.norm",
-        "ssm_out": "linear_attn.out_proj",
-    },
+    "qwen35": _QWEN35_NAMES,
+    "qwen35moe": _QWEN35_NAMES,
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "glm4": {
@@ -114,6 +117,7 @@ _ARCH_LAYER_NAMES = {
         "post_ffw_norm": "post_mlp_layernorm",
     },
 }
+_QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
 # Qwen3.5's parameters that are no module's weight: ssm_a holds -exp(A_log), ssm_dt the dt_bias.
 _QWEN35_PARAMETERS = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)")
 # Qwen3.5's tensors whose value heads llama.cpp's converter reorders where a key head serves
@@ -269,7 +273,7 @@ def _changed(info: _TensorInfo, layout: _Layout) -> bool:
     """Whether the tensor must be read as floats to be undone (not kept in its blocks): Qwen3.5's
     value heads reordered across a row's blocks or in its rows, and its attention's query rows,
     which hold each head's gate rows too."""
-    if layout.architecture != "qwen35" or not info.name.startswith("blk."):
+    if layout.architecture not in _QWEN35 or not info.name.startswith("blk."):
         return False
     kind = info.name.split(".")[2]
     key_heads, value_heads = layout.linear[:2] if layout.linear else (1, 1)
@@ -288,7 +292,7 @@ def _float_weight(
         weight = _unpermute_rows(weight, heads)
     if layout.architecture in _NORM_PLUS_ONE and info.name.endswith("norm.weight"):
         weight = weight - 1.0
-    if layout.architecture == "qwen35":
+    if layout.architecture in _QWEN35:
         weight = _qwen35_float(weight, info, layout)
     if info.name.endswith(".shortconv.conv.weight"):  # (channels, kernel): nn.Conv1d's is 3-D
         weight = weight.unsqueeze(1)
@@ -488,20 +492,20 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
     num_layers = metadata[f"{architecture}.block_count"]
     num_layers -= metadata.get(f"{architecture}.nextn_predict_layers", 0)
     linear = None
-    if architecture == "qwen35":
-        value_heads = metadata["qwen35.ssm.time_step_rank"]
+    if architecture in _QWEN35:
+        value_heads = metadata[f"{architecture}.ssm.time_step_rank"]
         linear = (
-            metadata["qwen35.ssm.group_count"],
+            metadata[f"{architecture}.ssm.group_count"],
             value_heads,
-            metadata["qwen35.ssm.state_size"],
-            metadata["qwen35.ssm.inner_size"] // value_heads,
+            metadata[f"{architecture}.ssm.state_size"],
+            metadata[f"{architecture}.ssm.inner_size"] // value_heads,
         )
     return _Layout(architecture, num_heads, num_kv_heads, head_dim, num_layers, linear)
 
 
 def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Target]:
     """The HF tensors a GGUF tensor holds: one, or the parts of a fused one (Phi-3's)."""
-    if layout.architecture == "qwen35" and (param := _QWEN35_PARAMETERS.fullmatch(info.name)):
+    if layout.architecture in _QWEN35 and (param := _QWEN35_PARAMETERS.fullmatch(info.name)):
         name = "A_log" if param[2] == "ssm_a" else "dt_bias"
         return [_Target(f"model.layers.{param[1]}.linear_attn.{name}", None)]
     global_names = {**_GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(layout.architecture, {})}
@@ -549,7 +553,7 @@ def _expert_targets(info: _TensorInfo, layer: str, projection: str, param: str) 
 def _fused_parts(kind: str, info: _TensorInfo, layout: _Layout) -> list[tuple[str, int]] | None:
     """(GGUF name, rows) of each part of a fused tensor, in order; None: not fused. Phi-3's and
     GLM-4's ffn_up is gate and up stacked (their gate_up_proj), other architectures' is up."""
-    if kind == "attn_qkv" and layout.architecture != "qwen35":  # its delta nets' q/k/v: one
+    if kind == "attn_qkv" and layout.architecture not in _QWEN35:  # their delta nets' q/k/v
         kv_rows = layout.num_kv_heads * layout.head_dim
         return [
             ("attn_q", layout.num_heads * layout.head_dim),

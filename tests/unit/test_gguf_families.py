@@ -24,7 +24,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
-from conveyor.model.loader import _LFM2_NAMES, _gpt_oss_experts
+from conveyor.model.loader import _LFM2_NAMES, _gpt_oss_experts, _stacked_experts
 from conveyor.model.quant import from_gguf_blocks
 
 # The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
@@ -52,11 +52,13 @@ GGUF_FAMILIES = {
     # gated delta nets (ssm_*): value heads tiled (2 per key head), A_log as -exp(A_log), (1 + w)
     # norms stored as 1 + w, the attention's q_proj holding each head's gate rows
     "qwen3_5": {},
+    "qwen3_5_moe": {},  # and a mixture of 4 experts with a shared one on every layer
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
 LLAMA_CPP_NAMES |= {
     "qwen3_5": "qwen35",
+    "qwen3_5_moe": "qwen35moe",
     "qwen3_moe": "qwen3moe",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
@@ -115,6 +117,9 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
     checkpoint = load_file(converted.hf_dir / "model.safetensors")
     if converted.family == "mixtral":
         checkpoint = {renamed(name): tensor for name, tensor in checkpoint.items()}
+    if converted.family == "qwen3_5_moe":  # its stacked experts as each expert's, as loaded
+        cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+        checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "lfm2":  # its names as the model reads them
         checkpoint = {renamed(name, _LFM2_NAMES): tensor for name, tensor in checkpoint.items()}
     if converted.family == "gpt_oss":  # its 3-D experts as each expert's, as loaded
