@@ -16,10 +16,11 @@ llama.cpp makes every layer a mixture in these, renormalises the top-k weights o
 and of Mixtral but not of `qwen2moe` (its build_moe_ffn's norm_w), and gates `qwen2moe`'s
 shared expert by a sigmoid; the configs say the same to transformers.
 
-Qwen3.5 (`qwen35`, and `qwen35moe` with its experts) states its gated delta nets by llama.cpp's ssm keys (conv_kernel, state_size:
-the key head dim, group_count: the key heads, time_step_rank: the value heads, inner_size), its
-attention layers by full_attention_interval, and counts its multi-token prediction layers in
-block_count (nextn_predict_layers of them, after the model's own).
+Qwen3.5 (`qwen35`, and `qwen35moe` with its experts) states its gated delta nets by llama.cpp's
+ssm keys (conv_kernel, state_size: the key head dim, group_count: the key heads,
+time_step_rank: the value heads, inner_size), its attention layers by full_attention_interval,
+and counts its multi-token prediction layers in block_count (nextn_predict_layers of them,
+after the model's own).
 
 LFM2 states its attention layers by a per-layer head_count_kv (0 on its short convolutions) and
 the MLP's width already adjusted (transformers' GGUF reader takes them so too).
