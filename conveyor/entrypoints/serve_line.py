@@ -400,6 +400,17 @@ def _add_http_args(group) -> None:
 # for: accepted, each with why (shown as its help).
 _ACCEPTED: tuple[tuple[tuple[str, ...], dict, str], ...] = (
     (
+        ("--mamba-ssm-cache-dtype", "--mamba-cache-dtype"),
+        {"choices": ("auto", "float32"), "metavar": "{auto,float32}"},
+        "a hybrid model's recurrent states (Qwen3.5's delta nets, LFM2's convolutions) are "
+        "kept in float32 (float64 for a float64 model); 16-bit states are not offered",
+    ),
+    (
+        ("--mamba-block-size",),
+        {"type": int, "metavar": "N"},
+        "a hybrid model runs without prefix caching, so its states are never cached by block",
+    ),
+    (
         ("--async-scheduling",),
         {"action": "store_true"},
         "the engine core schedules the next step while the front end detokenizes and "
