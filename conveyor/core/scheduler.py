@@ -106,14 +106,16 @@ class Scheduler:
         kv_cache: KVCacheManager,
         speculative: SpeculativeConfig | None = None,
         max_loras: int | None = None,
-        state_slots: bool = False,
+        state_slots: int = 0,
     ) -> None:
         """max_loras: with LoRA on, the most adapters the running batch may name at once;
-        state_slots: a hybrid model's, one per running request (ScheduledRequest.state_slot:
-        max_num_seqs of them, taken at admission, given back at preemption or the end)."""
+        state_slots: a hybrid model's state slots (0: none), one per running request
+        (ScheduledRequest.state_slot: taken at admission, given back at preemption or the end),
+        so no more requests than that run at once."""
         self.config = config
+        self.num_state_slots = state_slots
         self.state_slots: dict[str, int] | None = {} if state_slots else None
-        self._free_slots = list(range(config.max_num_seqs))[::-1] if state_slots else []
+        self._free_slots = list(range(state_slots))[::-1]
         self.max_loras = max_loras
         self.speculative = speculative
         self._draft_by_model = speculative is not None and speculative.method == "draft_model"
@@ -315,7 +317,7 @@ class Scheduler:
             ):
                 break  # a whole prompt per step; preempting others would not make it fit
             num_new = None
-            if len(self.running) < self.config.max_num_seqs:
+            if len(self.running) < self._max_running():
                 num_new = self._admit(request, budget, scheduled)
             if num_new == 0:
                 break  # the step-time target is spent (max_step_ms)
@@ -333,6 +335,12 @@ class Scheduler:
         for request in reversed(blocked):
             self.waiting.add(request, front=True)
         return budget
+
+    def _max_running(self) -> int:
+        """max_num_seqs, or fewer for a hybrid whose state slots are fewer."""
+        if self.state_slots is None:
+            return self.config.max_num_seqs
+        return min(self.config.max_num_seqs, self.num_state_slots)
 
     def _lora_blocked(self, request: Request) -> bool:
         """Whether admitting the request would make the running batch name more than
@@ -547,7 +555,7 @@ class Scheduler:
         running = {r.request_id for r in self.running}
         assert set(self.state_slots) == running, (sorted(self.state_slots), sorted(running))
         held = sorted(self.state_slots.values())
-        assert sorted(held + self._free_slots) == list(range(self.config.max_num_seqs))
+        assert sorted(held + self._free_slots) == list(range(self.num_state_slots))
 
     def forget(self, request_id: str) -> None:
         """Drops a finished request's record once its output has been delivered."""

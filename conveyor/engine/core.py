@@ -97,7 +97,7 @@ class EngineCore:
         try:
             self.runner = self._runner(config)
             logger.info("conveyor: %s", self.runner.plan.log_line())
-            self.num_blocks = self._num_blocks()
+            self.num_blocks, self.num_state_slots = self._cache_sizes()
             self._allocate_kv_cache()
             self.memory = self.memory_report()
             cache = self.cache_config
@@ -114,7 +114,7 @@ class EngineCore:
                 self.kv_cache,
                 spec,
                 max_loras,
-                state_slots=self.model_config.parts.recurrent,
+                state_slots=self.num_state_slots,
             )
         except BaseException:  # the ranks started above end now, not when collected
             self.close()
@@ -167,7 +167,6 @@ class EngineCore:
             loras=self.loras,
             graph_rows=0 if config.enforce_eager else self.scheduler_config.max_num_seqs,
             plan_settings=PlanSettings.from_env(config.kernel_isa),
-            max_num_seqs=self.scheduler_config.max_num_seqs,
         )
 
     def _sliding_window(self) -> int:
@@ -183,7 +182,9 @@ class EngineCore:
             self.tp_workers.connect()
             self.tp_workers.wait_ready()
             self.tp_workers.allocate(self.num_blocks)
-        self.runner.allocate_kv_cache(self.num_blocks)  # may run out of memory
+        self.runner.allocate_kv_cache(
+            self.num_blocks, self.num_state_slots
+        )  # may run out of memory
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.num_blocks)
 
@@ -235,7 +236,7 @@ class EngineCore:
         report = weights.as_dict() | {"kv_cache": per_block * self.num_blocks}
         states = ""
         if self.model_config.parts.recurrent:  # a hybrid's recurrent states, every slot
-            report["recurrent_states"] = self.runner.state_bytes()
+            report["recurrent_states"] = self.runner.state_bytes_per_slot() * self.num_state_slots
             states = f", recurrent states {report['recurrent_states'] / 2**20:.1f} MiB"
         logger.info(
             "conveyor: memory: %s, KV cache %.1f MiB%s",
@@ -280,9 +281,42 @@ class EngineCore:
             plan_settings=plan,
         )
 
-    def _num_blocks(self) -> int:
+    def _cache_sizes(self) -> tuple[int, int]:
+        """KV blocks, and a hybrid model's state slots (0 for another). A running request holds
+        one slot, so there are max_num_seqs of them where the cache's memory holds them beside
+        the KV the seats can use (or beside half of it), else as many as that room holds (at
+        least one): at most that many requests then run at once, the others wait (a state is
+        ~19 MiB for a Qwen3.5-0.8B shape in float32). The KV blocks take the rest."""
+        slots = per_slot = 0
+        if self.model_config.parts.recurrent:
+            slots, per_slot = self.scheduler_config.max_num_seqs, self.runner.state_bytes_per_slot()
         if self.cache_config.num_blocks is not None:
-            return self.cache_config.num_blocks
+            return self.cache_config.num_blocks, slots
+        budget = self._cache_budget(slots * per_slot)
+        if slots:
+            kv_need = self._full_kv_bytes(self.runner.kv_bytes_per_block())
+            room = max(budget // 2, budget - kv_need)
+            slots = max(1, min(slots, room // per_slot))
+            budget -= slots * per_slot
+            if slots < self.scheduler_config.max_num_seqs:
+                logger.info(
+                    "conveyor: %d recurrent state slots of %.1f MiB (max_num_seqs %d): at most "
+                    "%d requests run at once; --kv-cache-memory gives them more room",
+                    slots, per_slot / 2**20, self.scheduler_config.max_num_seqs, slots,
+                )  # fmt: skip
+        per_block = self.runner.kv_bytes_per_block()
+        if self.draft_runner is not None:  # the draft's KV lives in the same block ids
+            per_block += self.draft_runner.kv_bytes_per_block()
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds no block of {per_block} bytes"
+            )
+        return num_blocks, slots
+
+    def _cache_budget(self, states: int) -> int:
+        """Bytes for the KV cache and a hybrid's `states` (every slot's): --kv-cache-memory,
+        CUDA's free share, or on the CPU enough for every seat at full length, capped."""
         per_block = self.runner.kv_bytes_per_block()
         if self.draft_runner is not None:  # the draft's KV lives in the same block ids
             per_block += self.draft_runner.kv_bytes_per_block()
@@ -294,14 +328,13 @@ class EngineCore:
             budget = cuda_kv_budget(free, total, self.cache_config.gpu_memory_utilization)
         else:
             # Enough for every seat at full length, capped: CPU memory is shared with the host.
-            full = self.scheduler_config.max_num_seqs * self.model_config.max_model_len * per_block
-            budget = min(DEFAULT_CPU_KV_MEMORY, full // self.cache_config.block_size)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {budget} bytes holds no block of {per_block} bytes"
-            )
-        return num_blocks
+            budget = min(DEFAULT_CPU_KV_MEMORY, self._full_kv_bytes(per_block) + states)
+        return budget
+
+    def _full_kv_bytes(self, per_block: int) -> int:
+        """The KV of every seat (max_num_seqs) at max_model_len tokens."""
+        seats = self.scheduler_config.max_num_seqs * self.model_config.max_model_len
+        return seats * per_block // self.cache_config.block_size
 
     # ---- requests ------------------------------------------------------------------------
 

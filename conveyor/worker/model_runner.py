@@ -63,14 +63,13 @@ class ModelRunner:
         loras: LoRARegistry | None = None,
         graph_rows: int = 0,
         plan_settings: PlanSettings | None = None,
-        max_num_seqs: int = 256,
     ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
         rank 0, sends each step's inputs to the other ranks before the forward; loras: the
         adapters in host memory, with LoRA on (never with tensor parallelism); graph_rows:
         decode steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
         0: every step eager, --enforce-eager); plan_settings: the kernel plan's (model/plan.py;
-        None: the environment's); max_num_seqs: the state slots of a hybrid model."""
+        None: the environment's)."""
         self.cfg = cfg
         # A classifier of tokens' logits: a classify request's last row joins the logits rows
         # (every rank computes those); a score head needs none (model.classify).
@@ -91,7 +90,7 @@ class ModelRunner:
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list = []  # per layer: its KV blocks, or a hybrid's RecurrentState
-        self.max_num_seqs = max_num_seqs  # a hybrid's state slots
+        self.num_state_slots = 0  # a hybrid's (allocate_kv_cache)
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
         int8 = any(getattr(m, "int8_weight", None) is not None for m in self.model.modules())
         self.plan = planned.settled(prompt_route.route_of(self.model), int8)
@@ -110,15 +109,18 @@ class ModelRunner:
         per_token = 2 * layers * self.num_kv_heads * self.cfg.head_dim
         return per_token * self.block_size * self.kv_dtype.itemsize
 
-    def state_bytes(self) -> int:
-        """A hybrid's recurrent states: every recurrent layer's, max_num_seqs slots each."""
+    def state_bytes_per_slot(self) -> int:
+        """A hybrid's recurrent state of one sequence: every recurrent layer's (0 for another)."""
         if not self.cfg.parts.recurrent:
             return 0
-        per_layer = sum(math.prod(s) for s in state_shapes(self.cfg, self.max_num_seqs))
+        per_layer = sum(math.prod(s) for s in state_shapes(self.cfg, 1))
         itemsize = state_dtype(self.cfg.dtype).itemsize
         return per_layer * itemsize * sum(self.cfg.parts.linear_layers)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        """The KV cache of num_blocks blocks per attention layer, and a hybrid's states of
+        num_state_slots slots per recurrent layer."""
+        self.num_state_slots = num_state_slots
         # One contiguous (block, kv head) tile per block and head: see model/attention.py.
         tile = self.block_size * self.cfg.head_dim
         # One block more, zeroed and never written: the null block that a sliding-window
@@ -151,10 +153,10 @@ class ModelRunner:
         return cache
 
     def _new_state(self) -> RecurrentState:
-        """A recurrent layer's states, max_num_seqs slots (pages faulted in as they are
+        """A recurrent layer's states, num_state_slots slots (pages faulted in as they are
         first written, on the CPU)."""
         dtype = state_dtype(self.cfg.dtype)
-        conv, ssm = state_shapes(self.cfg, self.max_num_seqs)
+        conv, ssm = state_shapes(self.cfg, self.num_state_slots)
         if self.device.type != "cpu":
             new = lambda shape: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
         else:

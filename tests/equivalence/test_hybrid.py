@@ -129,3 +129,29 @@ def test_speculation_is_refused_and_the_mtp_layer_not_read(qwen3_5, tmp_path):
     save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
     engine = LLMEngine(str(copy), dtype="float64", **DEVICE_KWARGS)
     assert_reference(run(engine, requests(prompts[:2])), reference[:2])
+
+
+def test_state_slots_share_the_cache_memory_and_bound_the_running_requests(qwen3_5):
+    """--kv-cache-memory holds the states and the KV blocks: with room for two states (of
+    10.5 KiB, float64) in half of it, two requests run at once and the rest wait; every one
+    finishes with transformers' tokens."""
+    path, prompts, reference = qwen3_5
+    engine = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, kv_cache_memory="60KiB", block_size=16
+    )
+    core = engine.core
+    per_slot = core.runner.state_bytes_per_slot()
+    assert per_slot == 3 * (64 * 3 + 4 * 8 * 8) * 8  # three delta nets: conv inputs, matrices
+    assert core.num_state_slots == 2 and core.memory["recurrent_states"] == 2 * per_slot
+    running = []
+    pending, done = list(requests(prompts)), {}
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            engine.add_request(*pending.pop(0))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        engine.check_integrity()
+        running.append(len(engine.scheduler.running))
+    assert max(running) == 2
+    assert_reference(done, reference)
