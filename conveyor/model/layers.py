@@ -27,13 +27,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.offset = offset
+        self._scale: tuple[int, torch.Tensor] | None = None  # (weight version, 1 + w)
 
     def scale_weight(self) -> torch.Tensor:
-        """What the normalized rows are multiplied by: w, or 1 + w in float32."""
-        return 1.0 + self.weight.float() if self.offset else self.weight
+        """What the normalized rows are multiplied by: w, or 1 + w in float32 (computed once
+        per value of w)."""
+        if not self.offset:
+            return self.weight
+        version = self.weight._version
+        if (
+            self._scale is None
+            or self._scale[0] != version
+            or self._scale[1].device != self.weight.device
+        ):
+            self._scale = (version, 1.0 + self.weight.detach().float())
+        return self._scale[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; the same arithmetic as below for float32
+        if x.dtype == torch.float32:
+            ops = _ops() if x.device.type == "cpu" else None
+            if ops is not None:  # the compiled layers' row loop: one pass, no temporaries
+                return ops.rms_norm(x, self.scale_weight(), self.eps)
             return torch.rms_norm(x, self.weight.shape, self.scale_weight(), self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
