@@ -155,3 +155,22 @@ def test_state_slots_share_the_cache_memory_and_bound_the_running_requests(qwen3
         running.append(len(engine.scheduler.running))
     assert max(running) == 2
     assert_reference(done, reference)
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "lfm2"])
+def test_the_pytorch_twins_give_transformers_tokens(case, tmp_path_factory, monkeypatch):
+    """The recurrent layers' PyTorch twins (the path off the CPU, CUDA's: delta_rule_reference,
+    causal_conv_reference), run here in place of the compiled ops, chunked at an odd budget."""
+    import conveyor.model.llama as llama
+    import conveyor.model.recurrent as recurrent
+
+    path, prompts, reference = _case(case, tmp_path_factory)
+    calls = []
+    twin = recurrent.causal_conv_reference
+    monkeypatch.setattr(llama, "cpu_ops", lambda tensor: None)
+    monkeypatch.setattr(
+        recurrent, "causal_conv_reference", lambda *args: calls.append(1) or twin(*args)
+    )
+    engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=7)
+    assert_reference(run(engine, requests(prompts), arrive_every=2), reference)
+    assert calls  # the twins ran
