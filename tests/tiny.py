@@ -254,6 +254,11 @@ HYBRIDS = {
         architectures=["Lfm2ForCausalLM"], model_type="lfm2", layer_types=["conv", "conv",
         "full_attention", "conv"], intermediate_size=192, block_multiple_of=32, norm_eps=1e-5,
     ),
+    "lfm2_moe": dict(  # LFM2-MoE: layer 0's MLP dense, then 4 experts (top-2) by sigmoid scores
+        architectures=["Lfm2MoeForCausalLM"], model_type="lfm2_moe", layer_types=["conv", "conv",
+        "full_attention", "conv"], num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, use_expert_bias=True, routed_scaling_factor=1.5, norm_eps=1e-5,
+    ),
     "qwen3_5-vlm": dict(  # Qwen3.5's releases: the language model inside a VLM
         model_type="qwen3_5",
         text_config=dict(model_type="qwen3_5_text", **_QWEN3_5_TEXT),
@@ -357,6 +362,9 @@ def make_tiny_checkpoint(
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(0.2 * torch.randn_like(param))
+            for name, buffer in model.named_buffers():  # LFM2-MoE's: it chooses the experts
+                if name.endswith("expert_bias"):
+                    buffer.copy_(0.1 * torch.randn_like(buffer))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)

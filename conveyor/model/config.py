@@ -455,7 +455,7 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "num_heads": int(hf.num_attention_heads),
         "num_kv_heads": int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
         "head_dim": int(head_dim),
-        "rms_norm_eps": float(hf.norm_eps if arch == "lfm2" else hf.rms_norm_eps),
+        "rms_norm_eps": float(hf.norm_eps if arch in ("lfm2", "lfm2_moe") else hf.rms_norm_eps),
         "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
         "qkv_bias": arch == "qwen2"
         or bool(getattr(hf, "qkv_bias", False))  # Qwen2-MoE's

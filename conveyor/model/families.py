@@ -102,8 +102,13 @@ class Parts:
     # Mixture of experts (model/moe.py); moe_layers empty: every layer's MLP is dense.
     moe_layers: tuple[bool, ...] = ()  # per layer: True a mixture of experts
     # "softmax_topk": softmax over all experts in float32, then top_k; "topk_softmax"
-    # (GPT-OSS): top_k of the logits, then softmax over those k
+    # (GPT-OSS): top_k of the logits, then softmax over those k; "sigmoid_topk" (LFM2-MoE):
+    # top_k of the sigmoid scores (plus a learned per-expert bias, router_bias, that only
+    # chooses), weighed by their scores, renormalised (+ 1e-6) with norm_topk_prob, times
+    # routed_scaling
     router: str = ""
+    router_bias: bool = False
+    routed_scaling: float = 1.0
     num_experts: int = 0
     top_k: int = 0
     norm_topk_prob: bool = False  # the top_k weights divided by their sum
@@ -390,8 +395,24 @@ def _granitemoe_moe(hf, num_layers: int) -> dict:
     )
 
 
+def _lfm2_moe(hf, num_layers: int) -> dict:
+    """LFM2-MoE: dense MLPs on its first num_dense_layers, a mixture on the others."""
+    dense = int(hf.num_dense_layers)
+    return dict(
+        moe_layers=tuple(i >= dense for i in range(num_layers)),
+        router="sigmoid_topk",
+        router_bias=bool(hf.use_expert_bias),
+        routed_scaling=float(hf.routed_scaling_factor),
+        num_experts=int(hf.num_experts),
+        top_k=int(hf.num_experts_per_tok),
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+    )
+
+
 _MOE = {
     "mixtral": _mixtral_moe,
+    "lfm2_moe": _lfm2_moe,
     # Qwen3.5-MoE: a mixture with a shared expert on every layer, its top-k always renormalised
     "qwen3_5_moe": lambda hf, num_layers: dict(_qwen_moe(hf, num_layers), norm_topk_prob=True),
     "granitemoe": _granitemoe_moe,
@@ -422,6 +443,7 @@ _BUILDERS = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,
     "lfm2": _lfm2,
+    "lfm2_moe": _lfm2,
 }
 
 

@@ -255,7 +255,7 @@ def _compiled_moe(mlp: MoEMLP, ops: ModuleType):
     """The MoE MLP as the compiled ops' MoE (the module's arithmetic: model/moe.py), or None
     when one of its projections has no compiled form or its activation no compiled loop."""
     act = mlp.experts[0].act
-    if act not in _EXPERT_ACTIVATIONS:
+    if act not in _EXPERT_ACTIVATIONS or mlp.router not in _ROUTERS:
         return None
     router = _projection(mlp.gate, ops)
     gate_up = [_projection(e.gate_up_proj, ops) for e in mlp.experts]

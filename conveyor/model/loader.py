@@ -111,7 +111,8 @@ def iter_weights(
             weights = _gpt_oss_experts(iter_safetensors(cfg.path, cfg.dtype), cut_of)
         else:
             rename = {
-                "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES
+                "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES,
+                "lfm2_moe": (*_LFM2_NAMES, *_LFM2_EXPERT_NAMES),
             }.get(family)  # fmt: skip
             skip = _NOT_READ.get(family)
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
@@ -202,6 +203,14 @@ _LFM2_NAMES = (
     (".self_attn.k_layernorm.", ".self_attn.k_norm."),
     ("model.embedding_norm.", "model.norm."),
 )
+# LFM2-MoE's mixtures: its router, expert bias and experts (stored one module each, w1 / w3 /
+# w2, or stacked) under the MoE MLP's names.
+_LFM2_EXPERT_NAMES = (
+    (".feed_forward.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
 # Granite MoE's names of its MoE modules -> the names the model uses (its experts stacked).
 _GRANITE_MOE_NAMES = (
     (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
@@ -213,7 +222,7 @@ _GRANITE_MOE_NAMES = (
 _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
 # Families whose experts transformers 5 saves stacked (a checkpoint of one expert per module
 # reads as it is too).
-_STACKED_FAMILIES = ("granitemoe", "qwen3_5_moe")
+_STACKED_FAMILIES = ("granitemoe", "qwen3_5_moe", "lfm2_moe")
 
 
 def _stacked_experts(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, Any]]:

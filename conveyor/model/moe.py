@@ -76,6 +76,9 @@ class Expert(nn.Module):
         return self.down_proj(gate.mul_(up))
 
 
+ROUTERS = ("softmax_topk", "topk_softmax", "topk_softmax_float32", "sigmoid_topk")
+
+
 class Routes(NamedTuple):
     weights: torch.Tensor  # (T, top_k): each row's weight of each chosen expert
     expert_ids: torch.Tensor  # (T, top_k) int64
@@ -94,13 +97,20 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg, tp: TPGroup) -> None:
         super().__init__()
         parts = cfg.parts
-        if parts.router not in ("softmax_topk", "topk_softmax", "topk_softmax_float32"):
+        if parts.router not in ROUTERS:
             raise ValueError(f"unsupported MoE router {parts.router!r}")
         self.tp = tp
         self.router = parts.router
         self.top_k = parts.top_k
         self.norm_topk_prob = parts.norm_topk_prob
         self.float32_route_weights = parts.float32_route_weights
+        self.routed_scaling = parts.routed_scaling
+        # LFM2-MoE: a per-expert bias added to the scores to choose (float32, as stored)
+        self.expert_bias = (
+            nn.Parameter(torch.zeros(parts.num_experts, dtype=torch.float32))
+            if parts.router_bias
+            else None
+        )
         size = tp.shard.part(parts.moe_intermediate_size)[1]
         bias = parts.expert_bias
         self.gate = (
@@ -120,6 +130,8 @@ class MoEMLP(nn.Module):
     def route(self, x: torch.Tensor) -> Routes:
         """Each row's top_k experts and their weights, as transformers' TopKRouter."""
         logits = self.gate(x)  # (T, E)
+        if self.router == "sigmoid_topk":
+            return self._sigmoid_routes(logits)
         if self.router == "topk_softmax":
             top, expert_ids = torch.topk(logits, self.top_k, dim=-1)  # (T, k)
             return Routes(torch.softmax(top, dim=1, dtype=top.dtype), expert_ids)
@@ -132,6 +144,20 @@ class MoEMLP(nn.Module):
             top = top / _row_sums(top)
         weights = top if self.float32_route_weights else top.to(logits.dtype)
         return Routes(weights, expert_ids)
+
+    def _sigmoid_routes(self, logits: torch.Tensor) -> Routes:
+        """LFM2-MoE's: top_k of the sigmoid scores (plus expert_bias), weighed by the scores."""
+        ops = row_ops(logits)
+        if ops is not None:  # row by row (see row_ops)
+            scores = ops.sigmoid_mul(torch.ones_like(logits), logits)
+        else:
+            scores = logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        expert_ids = torch.topk(choice, self.top_k, dim=-1).indices  # (T, k)
+        weights = torch.gather(scores, 1, expert_ids).to(logits.dtype)
+        if self.norm_topk_prob:
+            weights = weights / (_row_sums(weights) + 1e-6)
+        return Routes(weights * self.routed_scaling, expert_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = self.route(x)

@@ -39,7 +39,9 @@ def _case(name: str, tmp_path_factory):
     return _CASES[name]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_5-vlm", "lfm2"])
+@pytest.fixture(
+    scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_5-vlm", "lfm2", "lfm2_moe"]
+)
 def hybrid(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)
 
@@ -49,7 +51,7 @@ def qwen3_5(tmp_path_factory):
     return _case("qwen3_5", tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"])
 def layers(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)
 
