@@ -86,8 +86,8 @@ def run(engine: LLMEngine, todo: list, arrive_every: int = 0) -> dict:
     raise AssertionError("requests unfinished")
 
 
-def assert_reference(name: str, done: dict, reference) -> None:
-    tolerance = TOLERANCE.get(name, 1e-6)
+def assert_reference(name: str, done: dict, reference, tolerance: float | None = None) -> None:
+    tolerance = tolerance or TOLERANCE.get(name, 1e-6)
     for i, (tokens, logprobs) in enumerate(reference):
         out = done[str(i)]
         assert out.token_ids == tokens, f"{name} prompt {i}: tokens differ from transformers"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import DEVICE_KWARGS, hf_greedy, random_prompts
 from safetensors.torch import load_file, save_file
+from test_families import assert_reference as family_reference
 from test_families import requests, run
 from tiny import auto_class, make_tiny_checkpoint
 from transformers import AutoConfig
@@ -57,12 +58,7 @@ def layers(request, tmp_path_factory):
 
 
 def assert_reference(done: dict, reference) -> None:
-    for i, (tokens, logprobs) in enumerate(reference):
-        out = done[str(i)]
-        assert out.token_ids == tokens, f"prompt {i}: tokens differ from transformers"
-        got = [pos[t].logprob for pos, t in zip(out.logprobs, tokens, strict=True)]
-        worst = max(abs(a - b) for a, b in zip(got, logprobs, strict=True))
-        assert worst < TOLERANCE, f"prompt {i}: logprob differs by {worst}"
+    family_reference("hybrid", done, reference, TOLERANCE)
 
 
 def test_all_prompts_in_one_step_match_transformers(hybrid):
