@@ -40,6 +40,12 @@ FAMILIES = {
         "attention_multiplier": 0.125, "embedding_multiplier": 12.0,
         "residual_multiplier": 0.22, "logits_scaling": 8.0}),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", {"use_sliding_window": False}),
+    # hybrids (model/recurrent.py): every fourth layer attention, the others recurrent
+    "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text", {
+        "linear_num_key_heads": 3, "linear_num_value_heads": 6, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64}),
+    "lfm2": ("Lfm2ForCausalLM", "lfm2", {
+        "full_attn_idxs": [3, 7], "block_auto_adjust_ff_dim": False}),
 }  # fmt: skip
 
 
