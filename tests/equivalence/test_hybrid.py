@@ -172,3 +172,34 @@ def test_the_pytorch_twins_give_transformers_tokens(case, tmp_path_factory, monk
     engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=7)
     assert_reference(run(engine, requests(prompts), arrive_every=2), reference)
     assert calls  # the twins ran
+
+
+def test_aborted_requests_give_their_slots_back(qwen3_5):
+    """Requests aborted while prefilling and while decoding free their state slots at once; the
+    others finish with transformers' tokens, and an idle engine holds no slot."""
+    path, prompts, reference = qwen3_5
+    engine = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=16, max_num_seqs=3
+    )
+    todo = requests(prompts)
+    engine.add_request("gone-early", prompts[2], todo[0][2])  # 40 tokens: chunks of 16
+    engine.add_request("gone-late", prompts[0], todo[0][2])
+    for request in todo:
+        engine.add_request(*request)
+    done: dict = {}
+    for step in range(2000):
+        if step == 1:
+            assert engine.scheduler.requests["gone-early"].num_computed_tokens < 40
+            engine.abort_request("gone-early")
+        if step == 4:
+            assert engine.scheduler.requests["gone-late"].num_output_tokens > 0
+            engine.abort_request("gone-late")
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        engine.check_integrity()
+    assert engine.scheduler.state_slots == {}
+    assert sorted(engine.scheduler._free_slots) == [0, 1, 2]
+    assert_reference({k: v for k, v in done.items() if not k.startswith("gone")}, reference)
