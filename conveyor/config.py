@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "GemmaForCausalLM": "gemma",

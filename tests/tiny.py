@@ -259,6 +259,11 @@ HYBRIDS = {
         "full_attention", "conv"], num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, use_expert_bias=True, routed_scaling_factor=1.5, norm_eps=1e-5,
     ),
+    "qwen3_next": dict(  # Qwen3.5-MoE's layers, its delta nets' projections interleaved per key
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=2, **_QWEN3_5_TEXT,
+    ),
     "qwen3_5-vlm": dict(  # Qwen3.5's releases: the language model inside a VLM
         model_type="qwen3_5",
         text_config=dict(model_type="qwen3_5_text", **_QWEN3_5_TEXT),

@@ -411,6 +411,7 @@ def _lfm2_moe(hf, num_layers: int) -> dict:
 
 
 _MOE = {
+    "qwen3_next": _qwen_moe,
     "mixtral": _mixtral_moe,
     "lfm2_moe": _lfm2_moe,
     # Qwen3.5-MoE: a mixture with a shared expert on every layer, its top-k always renormalised
@@ -442,6 +443,7 @@ _BUILDERS = {
     "smollm3": _smollm3,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,
+    "qwen3_next": _qwen3_5,  # Qwen3.5's layers (its delta nets' projections stored interleaved)
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2,
 }

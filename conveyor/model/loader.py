@@ -127,6 +127,8 @@ def iter_weights(
             weights = _unfused(weights, cfg, cut_of)
         if cfg.parts.attn_gate:  # before the rows turn: q_proj's gate rows are no query's
             weights = _gated_queries(weights, cfg)
+        if family == "qwen3_next":
+            weights = _grouped_projections(weights, cfg)
         if cfg.rotary_rows is not None:
             weights = _rotary_rows(weights, cfg)
         yield from weights
@@ -134,7 +136,7 @@ def iter_weights(
 
 # Stored tensors a family's model does not read: Qwen3.5's multi-token prediction layer (a
 # proposer vLLM can run; conveyor's speculation is n-gram or a draft model).
-_NOT_READ = {"qwen3_5": ("mtp.",), "qwen3_5_moe": ("mtp.",)}
+_NOT_READ = {"qwen3_5": ("mtp.",), "qwen3_5_moe": ("mtp.",), "qwen3_next": ("mtp.",)}
 
 
 def _gated_queries(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
@@ -153,6 +155,34 @@ def _gated_queries(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
         rows = tensor.reshape(-1, 2, head_dim, *tensor.shape[1:])
         yield name, rows[:, 0].flatten(0, 1).contiguous()
         yield f"{module.removesuffix('q_proj')}q_gate_proj.{param}", rows[:, 1].flatten(0, 1)
+
+
+def _grouped_projections(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Qwen3-Next's delta nets store their input projections per key head: in_proj_qkvz as
+    each key head's q, k, then its value heads' v and z rows, in_proj_ba as its value heads' b
+    and a rows; split into Qwen3.5's in_proj_qkv (every q, every k, every v), in_proj_z,
+    in_proj_b and in_proj_a."""
+    (key_heads, value_heads), (key_dim, value_dim) = cfg.parts.linear_heads, cfg.parts.linear_dims
+    per_key = value_heads // key_heads
+    for name, tensor in weights:
+        module, _, param = name.rpartition(".")
+        leaf = module.rpartition(".")[2]
+        if leaf not in ("in_proj_qkvz", "in_proj_ba"):
+            yield name, tensor
+            continue
+        if isinstance(tensor, GroupedInts):  # GPTQ's or AWQ's: rows of values
+            tensor = tensor.dequantize().to(cfg.dtype)
+        prefix = module.removesuffix(leaf)
+        if leaf == "in_proj_qkvz":
+            sizes = [key_dim, key_dim, per_key * value_dim, per_key * value_dim]
+            q, k, v, z = tensor.reshape(key_heads, sum(sizes), -1).split(sizes, dim=1)
+            qkv = torch.cat([part.reshape(-1, tensor.shape[1]) for part in (q, k, v)])
+            yield f"{prefix}in_proj_qkv.{param}", qkv
+            yield f"{prefix}in_proj_z.{param}", z.reshape(-1, tensor.shape[1])
+        else:
+            b, a = tensor.reshape(key_heads, 2 * per_key, -1).split(per_key, dim=1)
+            yield f"{prefix}in_proj_b.{param}", b.reshape(-1, tensor.shape[1])
+            yield f"{prefix}in_proj_a.{param}", a.reshape(-1, tensor.shape[1])
 
 
 def _rotary_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
