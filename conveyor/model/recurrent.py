@@ -8,13 +8,15 @@ A layer mixes tokens through two recurrences that run along each sequence:
   - the gated delta rule: per value head a (key_dim, value_dim) matrix S that each token
     decays by exp(g), corrects toward its value (S += k (beta (v - S^T k))^T) and reads with
     its query (o = S^T q).
-Both states live in slots (RecurrentState, one slot per running sequence: worker/model_runner.py
-hands them out); a sequence's chunk continues its slot's state, its first chunk starts from
-zeros. The rule runs token by token in the state dtype (float32, float64 for a float64 model;
-transformers' reference runs float32) in one compiled op on the CPU (kernels/layer/deltanet.cpp:
-each sequence and head on its own thread, its sums in one order) or its PyTorch twin
-(delta_rule_reference: CUDA), so a token's values are the same bits however its prompt was
-chunked and whatever else the step holds; the convolution adds its K products in one order.
+A short convolution is the first alone, of B * x, times C. The states live in slots
+(RecurrentState, allocated by worker/model_runner.py; core/scheduler.py gives each running
+sequence one, ScheduledRequest.state_slot); a sequence's chunk continues its slot's state, its
+first chunk starts from zeros. The rule runs token by token in the state dtype (float32, float64
+for a float64 model; transformers' runs float32) in compiled ops on the CPU
+(kernels/layer/deltanet.cpp: the convolution over a step's rows, then the rule with each
+sequence and head on its own thread, its sums in one order) or their PyTorch twins
+(causal_conv_reference, delta_rule_reference: CUDA), so a token's values are the same bits
+however its prompt was chunked and whatever else the step holds.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class RecurrentState(NamedTuple):
 
 @dataclass(slots=True)
 class RecurrentRows:
-    """The step's sequences as the delta nets read them (built once per step)."""
+    """The step's sequences as the recurrent layers read them (built once per step)."""
 
     starts: list[int]  # (S + 1,) rows of sequence s are [starts[s], starts[s + 1])
     slots: list[int]  # (S,) each sequence's state slot
