@@ -338,9 +338,7 @@ class Scheduler:
 
     def _max_running(self) -> int:
         """max_num_seqs, or fewer for a hybrid whose state slots are fewer."""
-        if self.state_slots is None:
-            return self.config.max_num_seqs
-        return min(self.config.max_num_seqs, self.num_state_slots)
+        return min(self.config.max_num_seqs, self.num_state_slots or self.config.max_num_seqs)
 
     def _lora_blocked(self, request: Request) -> bool:
         """Whether admitting the request would make the running batch name more than

@@ -43,9 +43,8 @@ class RecurrentRows:
     """The step's sequences as the recurrent layers read them (built once per step)."""
 
     starts: list[int]  # (S + 1,) rows of sequence s are [starts[s], starts[s + 1])
-    slots: list[int]  # (S,) each sequence's state slot
-    fresh: list[bool]  # (S,) its chunk starts at position 0: its state starts at zeros
-    all_slots: torch.Tensor  # (S,) the slots as a tensor
+    fresh_slots: list[int]  # the slots of the chunks at position 0: their states start at zeros
+    all_slots: torch.Tensor  # (S,) each sequence's state slot
     single: torch.Tensor  # the sequences of one row (decodes): their rows, run as one batch
     single_slots: torch.Tensor  # and their slots
     chunks: list[int]  # the other sequences, run one at a time
@@ -59,8 +58,7 @@ def recurrent_rows(query_lens: list[int], context_lens: list[int], slots: list[i
     single = [s for s, n in enumerate(query_lens) if n == 1]
     return RecurrentRows(
         starts=starts,
-        slots=list(slots),
-        fresh=[c == 0 for c in context_lens],
+        fresh_slots=[slot for slot, c in zip(slots, context_lens, strict=True) if c == 0],
         all_slots=torch.tensor(slots, dtype=torch.int64, device=device),
         single=torch.tensor([starts[s] for s in single], dtype=torch.int64, device=device),
         single_slots=torch.tensor([slots[s] for s in single], dtype=torch.int64, device=device),
@@ -94,10 +92,9 @@ def recurrent_mixer(cfg, index: int) -> tuple[str, nn.Module]:
 
 def _start_fresh(state: RecurrentState, rows: RecurrentRows) -> None:
     """Zeroes the states of the sequences whose chunk starts at position 0."""
-    for s, fresh in enumerate(rows.fresh):
-        if fresh:
-            state.conv[rows.slots[s]].zero_()
-            state.ssm[rows.slots[s]].zero_()
+    for slot in rows.fresh_slots:
+        state.conv[slot].zero_()
+        state.ssm[slot].zero_()
 
 
 class ShortConv(nn.Module):
