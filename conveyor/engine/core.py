@@ -182,9 +182,8 @@ class EngineCore:
             self.tp_workers.connect()
             self.tp_workers.wait_ready()
             self.tp_workers.allocate(self.num_blocks)
-        self.runner.allocate_kv_cache(
-            self.num_blocks, self.num_state_slots
-        )  # may run out of memory
+        # may run out of memory
+        self.runner.allocate_kv_cache(self.num_blocks, self.num_state_slots)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.num_blocks)
 
@@ -230,10 +229,7 @@ class EngineCore:
         if model is None:
             return {}
         weights = weight_memory(model)
-        per_block = self.runner.kv_bytes_per_block()
-        if self.draft_runner is not None:
-            per_block += self.draft_runner.kv_bytes_per_block()
-        report = weights.as_dict() | {"kv_cache": per_block * self.num_blocks}
+        report = weights.as_dict() | {"kv_cache": self._bytes_per_block() * self.num_blocks}
         states = ""
         if self.model_config.parts.recurrent:  # a hybrid's recurrent states, every slot
             report["recurrent_states"] = self.runner.state_bytes_per_slot() * self.num_state_slots
@@ -294,7 +290,7 @@ class EngineCore:
             return self.cache_config.num_blocks, slots
         budget = self._cache_budget(slots * per_slot)
         if slots:
-            kv_need = self._full_kv_bytes(self.runner.kv_bytes_per_block())
+            kv_need = self._full_kv_bytes()
             room = max(budget // 2, budget - kv_need)
             slots = max(1, min(slots, room // per_slot))
             budget -= slots * per_slot
@@ -304,9 +300,7 @@ class EngineCore:
                     "%d requests run at once; --kv-cache-memory gives them more room",
                     slots, per_slot / 2**20, self.scheduler_config.max_num_seqs, slots,
                 )  # fmt: skip
-        per_block = self.runner.kv_bytes_per_block()
-        if self.draft_runner is not None:  # the draft's KV lives in the same block ids
-            per_block += self.draft_runner.kv_bytes_per_block()
+        per_block = self._bytes_per_block()
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -317,9 +311,6 @@ class EngineCore:
     def _cache_budget(self, states: int) -> int:
         """Bytes for the KV cache and a hybrid's `states` (every slot's): --kv-cache-memory,
         CUDA's free share, or on the CPU enough for every seat at full length, capped."""
-        per_block = self.runner.kv_bytes_per_block()
-        if self.draft_runner is not None:  # the draft's KV lives in the same block ids
-            per_block += self.draft_runner.kv_bytes_per_block()
         memory = self.cache_config.kv_cache_memory
         if memory is not None:
             budget = parse_memory(memory)
@@ -328,13 +319,21 @@ class EngineCore:
             budget = cuda_kv_budget(free, total, self.cache_config.gpu_memory_utilization)
         else:
             # Enough for every seat at full length, capped: CPU memory is shared with the host.
-            budget = min(DEFAULT_CPU_KV_MEMORY, self._full_kv_bytes(per_block) + states)
+            budget = min(DEFAULT_CPU_KV_MEMORY, self._full_kv_bytes() + states)
         return budget
 
-    def _full_kv_bytes(self, per_block: int) -> int:
+    def _bytes_per_block(self) -> int:
+        """A KV block's bytes: the model's, and the draft model's, whose KV lives in the same
+        block ids."""
+        per_block = self.runner.kv_bytes_per_block()
+        if self.draft_runner is not None:
+            per_block += self.draft_runner.kv_bytes_per_block()
+        return per_block
+
+    def _full_kv_bytes(self) -> int:
         """The KV of every seat (max_num_seqs) at max_model_len tokens."""
         seats = self.scheduler_config.max_num_seqs * self.model_config.max_model_len
-        return seats * per_block // self.cache_config.block_size
+        return seats * self._bytes_per_block() // self.cache_config.block_size
 
     # ---- requests ------------------------------------------------------------------------
 
