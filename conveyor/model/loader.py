@@ -148,13 +148,20 @@ def _gated_queries(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
         if not module.endswith("self_attn.q_proj"):
             yield name, tensor
             continue
-        if isinstance(tensor, GroupedInts):  # GPTQ's or AWQ's: rows of values
-            tensor = tensor.dequantize().to(cfg.dtype)
+        tensor = _float_rows(tensor, cfg)
         if not isinstance(tensor, torch.Tensor) or tensor.shape[0] % (2 * head_dim):
             raise ValueError(f"{name}: not whole heads of query and gate rows")
         rows = tensor.reshape(-1, 2, head_dim, *tensor.shape[1:])
         yield name, rows[:, 0].flatten(0, 1).contiguous()
         yield f"{module.removesuffix('q_proj')}q_gate_proj.{param}", rows[:, 1].flatten(0, 1)
+
+
+def _float_rows(tensor, cfg: ModelConfig):
+    """A GPTQ or AWQ weight (GroupedInts) as the float rows it holds, to be reordered or split
+    by rows; any other tensor as it is."""
+    if isinstance(tensor, GroupedInts):
+        return tensor.dequantize().to(cfg.dtype)
+    return tensor
 
 
 def _grouped_projections(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
@@ -170,8 +177,7 @@ def _grouped_projections(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]
         if leaf not in ("in_proj_qkvz", "in_proj_ba"):
             yield name, tensor
             continue
-        if isinstance(tensor, GroupedInts):  # GPTQ's or AWQ's: rows of values
-            tensor = tensor.dequantize().to(cfg.dtype)
+        tensor = _float_rows(tensor, cfg)
         prefix = module.removesuffix(leaf)
         if leaf == "in_proj_qkvz":
             sizes = [key_dim, key_dim, per_key * value_dim, per_key * value_dim]
@@ -202,8 +208,7 @@ def _rotary_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
         if module not in ("q_proj", "k_proj", "qkv_proj", "q_norm", "k_norm"):
             yield name, tensor
             continue
-        if isinstance(tensor, GroupedInts):  # GPTQ's or AWQ's: rows of values
-            tensor = tensor.dequantize().to(cfg.dtype)
+        tensor = _float_rows(tensor, cfg)
         if module == "qkv_proj":
             q_rows = cfg.num_heads * head_dim
             if tensor.shape[0] != q_rows + 2 * cfg.num_kv_heads * head_dim:
