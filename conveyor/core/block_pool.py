@@ -4,8 +4,14 @@ A block is in exactly one of three states:
   in use   ref_cnt > 0, not in the free queue (it may also be cached: shared by prefix hits)
   cached   ref_cnt == 0, in the free queue, still findable by its hash until evicted
   free     ref_cnt == 0, in the free queue, no hash
-get_new_blocks() takes from the head of the free queue (least recently freed first) and
-evicts a cached block's hash as it takes it.
+get_new_blocks() takes from the head of the free queue and evicts a cached block's hash as it
+takes it. A freed block with a hash joins the tail (least recently freed, evicted first); one
+without (prefix caching off, or a request's partial last block) joins the head: it holds
+nothing anyone can hit, so it is taken again before a cached block is evicted and before a
+block no step has written yet. The last matters on the CPU: the cache's pages are faulted in
+(and zeroed by the OS) on their first write (allocator.zeroed), and taking the least recently
+freed block walked a fresh server through all of its pages (2 GiB by default), faulting one in
+every few tokens: 13% of a prompt burst's time on a 2-vCPU Xeon (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,6 +47,13 @@ class FreeBlockQueue:
             raise ValueError("no free blocks")
         self.remove(block)
         return block
+
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next_free
+        assert first is not None and block.prev_free is None and block.next_free is None
+        self._head.next_free, block.prev_free = block, self._head
+        block.next_free, first.prev_free = first, block
+        self.num_free_blocks += 1
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
@@ -104,13 +117,17 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: list[KVBlock]) -> None:
-        """Drops a reference; blocks reaching zero join the queue tail in the given order, so
-        the first of them is evicted first."""
+        """Drops a reference; cached blocks reaching zero join the queue tail in the given
+        order, so the first of them is evicted first; blocks without a hash join the head, to
+        be taken again first (the module's docstring says why)."""
         for block in ordered_blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         if not self.enable_caching or block.block_hash is not None:

@@ -818,3 +818,37 @@ def test_request_preempted_for_a_higher_priority_one_is_not_resumed_in_the_same_
     while engine.has_unfinished_requests():
         engine.step()
         engine.check_integrity()
+
+
+def test_blocks_without_a_hash_are_taken_again_before_never_used_ones():
+    """Prefix caching off: a freed request's blocks are the next ones taken, so a server keeps
+    writing the pages it has already written (on the CPU the first write of a page faults it in,
+    block_pool's docstring); never-used blocks come only after them."""
+    manager = KVCacheManager(num_blocks=10, block_size=2, enable_caching=False)
+    a = _request("a", [1, 2, 3, 4, 5])  # 3 blocks
+    _prefill(manager, a)
+    a_blocks = set(_ids(manager.req_to_blocks["a"]))
+    manager.free(a)
+    manager.check_integrity()
+    b = _request("b", [6, 7, 8, 9, 10, 11, 12, 13])  # 4 blocks: a's 3, then a never-used one
+    _prefill(manager, b)
+    taken = _ids(manager.req_to_blocks["b"])
+    assert set(taken[:3]) == a_blocks and taken[3] not in a_blocks
+    manager.check_integrity()
+
+
+def test_a_freed_partial_block_is_taken_before_never_used_and_cached_ones():
+    """Prefix caching on: a request's full blocks are cached and evicted least recently freed
+    first, after every never-used block; its partial last block holds nothing to hit and is
+    taken first."""
+    manager = KVCacheManager(num_blocks=8, block_size=2, enable_caching=True)
+    a = _request("a", [1, 2, 3, 4, 5])  # 2 full blocks and a partial one
+    _prefill(manager, a)
+    full, partial = manager.req_to_blocks["a"][:2], manager.req_to_blocks["a"][2]
+    manager.free(a)
+    manager.check_integrity()
+    order = _ids(manager.pool.free_queue)
+    assert order[0] == partial.block_id and order[-2:] == _ids(full[::-1])
+    assert manager.pool.get_new_blocks(1) == [partial]
+    hits, _ = manager.get_computed_blocks(_request("a2", [1, 2, 3, 4, 9]))
+    assert hits == full
