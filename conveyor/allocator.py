@@ -72,3 +72,30 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, align: int = 4096) -> tor
     raw = np.zeros(nbytes + align, dtype=np.uint8)
     start = -raw.ctypes.data % align
     return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without changing their bytes
+HUGE_PAGE = 2 << 20
+_populate_ok = True
+_libc = None
+
+
+def populate(tensor: torch.Tensor, start: int, nbytes: int) -> bool:
+    """Faults in the pages under bytes [start, start + nbytes) of a CPU tensor's memory (rounded
+    out to whole pages) as a first write would, leaving every byte as it is: the OS zeroes a
+    fresh page then, not in a step's write (zeroed's pages). False where the kernel cannot
+    (before Linux 5.14, or not Linux): the pages are then faulted in by the steps as before."""
+    global _populate_ok
+    if not _populate_ok or not sys.platform.startswith("linux") or nbytes <= 0:
+        return False
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = (tensor.data_ptr() + start) // page * page
+    end = tensor.data_ptr() + min(start + nbytes, tensor.nbytes)
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if _libc.madvise(first, end - first, MADV_POPULATE_WRITE) != 0:
+        _populate_ok = False
+        return False
+    return True

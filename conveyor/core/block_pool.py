@@ -86,6 +86,10 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        # One more than the largest block id ever taken: never-used blocks are taken in id
+        # order, so every block below it has been written (the engine core faults in pages
+        # ahead of it: EngineCore.idle_work).
+        self.high_water = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,6 +105,7 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
+            self.high_water = max(self.high_water, block.block_id + 1)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)

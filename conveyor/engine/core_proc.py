@@ -315,10 +315,12 @@ def _busy_loop(core, link: _Link, parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(link.inputs, zmq.POLLIN)
     while True:
-        if not core.has_unfinished_requests() and not poller.poll(IDLE_POLL_MS):
-            if os.getppid() != parent_pid:
-                return  # orphaned: the front end is gone
-            continue
+        if not core.has_unfinished_requests():
+            busy = core.idle_work()  # a slice of it, if any is left, then back to the sockets
+            if not poller.poll(0 if busy else IDLE_POLL_MS):
+                if os.getppid() != parent_pid:
+                    return  # orphaned: the front end is gone
+                continue
         applied = 0
         while (message := link.receive()) is not None:  # every pending command, between steps
             if isinstance(message, SnapshotRequest):  # between steps; the step path is untouched

@@ -90,6 +90,7 @@ class ModelRunner:
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list = []  # per layer: its KV blocks, or a hybrid's RecurrentState
+        self._populated = 0  # pages populate_cache has faulted in; -1: it cannot here
         self.num_state_slots = 0  # a hybrid's (allocate_kv_cache)
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
         int8 = any(getattr(m, "int8_weight", None) is not None for m in self.model.modules())
@@ -132,6 +133,7 @@ class ModelRunner:
             self._new_state() if self.cfg.parts.is_linear(i) else self._new_cache(shape)
             for i in range(self.cfg.num_layers)
         ]
+        self._populated = 0
         if scratch:
             self.graphs = DecodeGraphs(
                 self.model,
@@ -141,6 +143,27 @@ class ModelRunner:
                 self.cfg.max_model_len,
                 capture=self.graph_mode == "capture",
             )
+
+    def populate_cache(self, blocks: int) -> bool:
+        """Faults in the next huge page (2 MiB) of the CPU KV cache under the first `blocks`
+        blocks of a layer's keys or values, without changing a byte (allocator.populate): every
+        layer's keys and values from block 0 up, the order in which blocks are first taken.
+        Whether it did one (False: those pages are in, the cache is not on the CPU, or the
+        kernel cannot: steps then fault pages in as they first write them)."""
+        caches = [c for c in self.kv_caches if isinstance(c, torch.Tensor) and c.is_cpu]
+        if not caches or self._populated < 0:
+            return False
+        half = caches[0].nbytes // 2  # (2, blocks, ...): the keys, then the values
+        region, pair = divmod(self._populated, 2 * len(caches))
+        start = region * allocator.HUGE_PAGE
+        if start >= min(half, blocks * (half // caches[0].shape[1])):
+            return False
+        cache, base = caches[pair // 2], half * (pair % 2)
+        if not allocator.populate(cache, base + start, min(allocator.HUGE_PAGE, half - start)):
+            self._populated = -1
+            return False
+        self._populated += 1
+        return True
 
     def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Zero bytes (0.0 in each); on the CPU pages the OS faults in as steps first write

@@ -81,3 +81,67 @@ def test_the_model_s_process_keeps_pages(tiny_checkpoint):
     glibc = bool(os.confstr("CS_GNU_LIBC_VERSION"))
     user_set = any(name in os.environ for name in allocator.USER_SETTINGS)
     assert allocator._kept is (glibc and not user_set)
+
+
+# Faults in a 16 MiB zeroed tensor's first half with populate, after writing a pattern into a
+# page of it; prints the pattern's checksum and the page faults of then writing every page of
+# each half. 4 KiB pages (no huge pages), as STEPS.
+POPULATE = """
+import ctypes, resource, torch
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
+from conveyor import allocator
+t = allocator.zeroed((16 << 20,), torch.uint8)
+t[4096:8192] = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
+ok = allocator.populate(t, 0, 8 << 20)
+kept = int(t[4096:8192].to(torch.int64).sum())
+faults = []
+for half in (t[: 8 << 20], t[8 << 20 :]):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    half[::4096] = 1
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(ok, kept, *faults)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise's populate: Linux")
+def test_populate_faults_pages_in_and_keeps_their_bytes():
+    run = subprocess.run(
+        [sys.executable, "-c", POPULATE], capture_output=True, text=True, check=True
+    )
+    ok, kept, populated, untouched = run.stdout.split()
+    if ok != "True":
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert int(kept) == sum(i % 251 for i in range(4096))  # the written page as it was
+    assert int(populated) < 16 and int(untouched) >= 2048 - 16  # 2048 pages of 4 KiB a half
+
+
+def test_an_idle_engine_faults_in_its_cache_ahead_of_its_load(tiny_checkpoint):
+    """EngineCore.idle_work, prefix caching on: a huge page a call, every layer's keys and
+    values from block 0 up, up to twice the blocks ever taken plus POPULATE_AHEAD's; cached
+    blocks keep their bytes (the same answer from a prefix hit after it). Off, nothing (freed
+    blocks are taken again first: core/block_pool.py)."""
+    from conveyor import LLM, SamplingParams
+    from conveyor.allocator import HUGE_PAGE
+
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = {"prompt_token_ids": list(range(3, 70))}
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory="256MiB")
+    core = llm.llm_engine.core
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    caches = [c for c in core.runner.kv_caches if hasattr(c, "nbytes")]
+    half = caches[0].nbytes // 2
+    per_block = half // caches[0].shape[1]
+    blocks = min(core.num_blocks, 2 * core.kv_cache.pool.high_water + core._populate_ahead)
+    assert 0 < core.kv_cache.pool.high_water and blocks < core.num_blocks  # ahead, not all
+    pages = -(-min(half, blocks * per_block) // HUGE_PAGE) * 2 * len(caches)
+    calls = 0
+    while core.idle_work() and calls <= pages:
+        calls += 1
+    if calls == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert calls == pages
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    off = LLM(str(tiny_checkpoint("llama")), dtype="float32", enable_prefix_caching=False)
+    assert not off.llm_engine.core.idle_work()
