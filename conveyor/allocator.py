@@ -85,13 +85,12 @@ def populate(tensor: torch.Tensor, start: int, nbytes: int) -> bool:
     out to whole pages) as a first write would, leaving every byte as it is: the OS zeroes a
     fresh page then, not in a step's write (zeroed's pages). False where the kernel cannot
     (before Linux 5.14, or not Linux): the pages are then faulted in by the steps as before."""
-    global _populate_ok
+    global _populate_ok, _libc
     if not _populate_ok or not sys.platform.startswith("linux") or nbytes <= 0:
         return False
     page = os.sysconf("SC_PAGE_SIZE")
     first = (tensor.data_ptr() + start) // page * page
     end = tensor.data_ptr() + min(start + nbytes, tensor.nbytes)
-    global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
