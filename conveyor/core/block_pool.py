@@ -10,8 +10,9 @@ without (prefix caching off, or a request's partial last block) joins the head: 
 nothing anyone can hit, so it is taken again before a cached block is evicted and before a
 block no step has written yet. The last matters on the CPU: the cache's pages are faulted in
 (and zeroed by the OS) on their first write (allocator.zeroed), and taking the least recently
-freed block walked a fresh server through all of its pages (2 GiB by default), faulting one in
-every few tokens: 13% of a prompt burst's time on a 2-vCPU Xeon (docs/benchmarks.md).
+freed block walked a fresh server through all of its pages (2 GiB by default), faulting in and
+zeroing 2 MiB for every ~90 tokens of SmolLM2's it wrote: 13% of a prompt burst's time on a
+2-vCPU Xeon (docs/benchmarks.md).
 """
 
 from __future__ import annotations
