@@ -61,6 +61,26 @@ def test_a_row_is_the_same_bits_alone_in_any_batch_and_thread_count(amx, shape):
                 assert torch.equal(part, full[start : start + rows]), (threads, start, rows)
 
 
+@pytest.mark.parametrize("inner, k", [(16, 32), (48, 70), (256, 576), (1536, 576)])
+def test_silu_fused_on_the_tiles_is_the_bits_of_the_product_then_silu(amx, inner, k):
+    """bf16_silu_mul (the prompt rows' MLP activation straight from the gate/up tiles' sums)
+    gives silu_and_mul(bf16_linear(...)) bit for bit, at any row count and thread count: a step
+    with a LoRA adapter in it runs the unfused pair for every row, so a prompt row's bits must
+    not depend on which one ran."""
+    gen = torch.Generator().manual_seed(inner + k)
+    w = torch.randn(2 * inner, k, generator=gen) * 0.2
+    packed = amx.pack_bf16(w)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for rows in ROWS:
+                x = torch.randn(rows, k, generator=gen)
+                want = amx.silu_and_mul(amx.bf16_linear(x, packed, 2 * inner))
+                got = amx.bf16_silu_mul(x, packed, inner)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (rows, threads)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        amx.bf16_silu_mul(torch.randn(2, k), amx.pack_bf16(torch.randn(40, k)), 20)
+
+
 def test_no_rows_and_bad_input(amx):
     w = torch.randn(20, 40)
     packed = amx.pack_bf16(w)

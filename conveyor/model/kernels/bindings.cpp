@@ -51,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("columns"), py::arg("num_slots"));
   m.def("rms_norm", &layer::rms_norm, "RMSNorm over the last dim as the model computes it (CPU)");
   m.def("silu_and_mul", &layer::silu_and_mul, "silu(gate) * up of gate_up (T, 2 I), row by row");
+  m.def("bf16_silu_mul", &layer::bf16_silu_mul,
+        "silu_and_mul(bf16_linear(x, packed, 2 inner)), fused on the AMX tiles", py::arg("x"),
+        py::arg("packed"), py::arg("inner"));
   m.def("swiglu_clamp_and_mul", &layer::swiglu_clamp_and_mul,
         "GPT-OSS's clamped SwiGLU of gate_up (T, 2 I), float32, row by row",
         py::arg("gate_up"), py::arg("alpha"), py::arg("limit"));

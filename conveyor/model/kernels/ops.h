@@ -128,6 +128,10 @@ double peak(int64_t iters);
 at::Tensor pack_bf16(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_out);
 void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, at::Tensor& y);
+// silu(gate) * up over rows of (gate | up) values: out rows of `inner` from gate_up rows of 2 inner.
+using SiluRows = void (*)(const float* gate_up, float* out, int64_t rows, int64_t inner);
+void bf16_silu_mul_into(const at::Tensor& x, const at::Tensor& packed, int64_t inner,
+                        at::Tensor& act, SiluRows silu_rows);
 #if CONVEYOR_AMX
 void configure();  // this thread's tiles: eight of 16 rows x 64 bytes
 #endif
@@ -179,6 +183,9 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t b
 namespace layer {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+// silu(gate) * up of x's prompt-row product with a gate_up weight's bfloat16 tiles (pack_bf16),
+// fused in the tiles' route: silu_and_mul(bf16_linear(x, packed, 2 inner)), bit for bit.
+at::Tensor bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t inner);
 at::Tensor swiglu_clamp_and_mul(const at::Tensor& gate_up, double alpha, double limit);
 at::Tensor sigmoid_gated_add(at::Tensor& out, const at::Tensor& gate, const at::Tensor& y);
 int64_t moe_expert_runs();  // experts the compiled MoE layers ran, since start

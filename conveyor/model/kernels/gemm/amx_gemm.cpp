@@ -91,17 +91,16 @@ bool probe() {
 }
 
 
-// Sums of one block of up to 32 rows x 32 columns over all KS tiles of k. Tile numbers are
-// immediates, so each shape is its own instance.
+// Sums of one block of up to 32 rows x 32 columns (panels w0 and w1) over all KS tiles of k.
+// Tile numbers are immediates, so each shape is its own instance.
 template <bool kTwoRows, bool kTwoPanels>
-void block(const uint16_t* x0, const uint16_t* w0, int64_t ks_count) {
+void block(const uint16_t* x0, const uint16_t* w0, const uint16_t* w1, int64_t ks_count) {
   _tile_zero(0);
   if constexpr (kTwoPanels) _tile_zero(1);
   if constexpr (kTwoRows) _tile_zero(2);
   if constexpr (kTwoRows && kTwoPanels) _tile_zero(3);
   constexpr int64_t kTile = kM * kK;  // values of one tile, 1 KiB
   const uint16_t* x1 = x0 + ks_count * kTile;
-  const uint16_t* w1 = w0 + ks_count * kTile;
   for (int64_t ks = 0; ks < ks_count; ++ks) {
     _tile_loadd(4, x0 + ks * kTile, 64);
     _tile_loadd(6, w0 + ks * kTile, 64);
@@ -153,6 +152,29 @@ void round_row(const float* x, int64_t k, uint16_t* out, int64_t ks_count) {
     }
     for (int64_t i = 0; i < kK; ++i) dst[i] = i < k ? c10::BFloat16(x[i]).x : 0;
   }
+}
+
+// x (M, K) float32 in tile-major bfloat16 (round_row), row tiles padded to an even count of
+// zero rows: each tile one contiguous KiB for the tile loads.
+at::Tensor round_rows(const at::Tensor& x, int64_t ks_count) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t row_tiles = (m + 2 * kM - 1) / (2 * kM) * 2;
+  at::Tensor xb = at::empty({row_tiles, ks_count, kM, kK}, x.options().dtype(at::kBFloat16));
+  uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const float* xp = xc.data_ptr<float>();
+  at::parallel_for(0, row_tiles * kM, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* dst = xbp + (r / kM) * ks_count * kM * kK + (r % kM) * kK;
+      if (r < m) {
+        round_row(xp + r * k, k, dst, ks_count);
+      } else {
+        for (int64_t ks = 0; ks < ks_count; ++ks)
+          std::memset(dst + ks * kM * kK, 0, kK * sizeof(uint16_t));
+      }
+    }
+  });
+  return xb;
 }
 #endif
 
@@ -272,23 +294,8 @@ void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_o
 #if CONVEYOR_AMX
   TORCH_CHECK(available(), "bf16_linear: this CPU (or the kernel plan) has no AMX-BF16");
   linear_runs().fetch_add(1, std::memory_order_relaxed);
-  const at::Tensor xc = x.contiguous();
-  // x in tile-major bfloat16 (round_row): each tile one contiguous KiB for the tile loads.
-  const int64_t row_tiles = (m + 2 * kM - 1) / (2 * kM) * 2;
-  at::Tensor xb = at::empty({row_tiles, ks_count, kM, kK}, x.options().dtype(at::kBFloat16));
-  uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const float* xp = xc.data_ptr<float>();
-  at::parallel_for(0, row_tiles * kM, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      uint16_t* dst = xbp + (r / kM) * ks_count * kM * kK + (r % kM) * kK;
-      if (r < m) {
-        round_row(xp + r * k, k, dst, ks_count);
-      } else {
-        for (int64_t ks = 0; ks < ks_count; ++ks)
-          std::memset(dst + ks * kM * kK, 0, kK * sizeof(uint16_t));
-      }
-    }
-  });
+  const at::Tensor xb = round_rows(x, ks_count);
+  const uint16_t* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   // Each thread takes a contiguous range of column blocks (two panels each) and walks it in
@@ -308,14 +315,15 @@ void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_o
           const int64_t p = 2 * b, c0 = p * kN;
           const bool two_panels = p + 1 < panels;
           const uint16_t* w0 = wp + p * ks_count * tile;
+          const uint16_t* w1 = w0 + ks_count * tile;
           if (two_rows && two_panels) {
-            block<true, true>(x0, w0, ks_count);
+            block<true, true>(x0, w0, w1, ks_count);
           } else if (two_rows) {
-            block<true, false>(x0, w0, ks_count);
+            block<true, false>(x0, w0, w1, ks_count);
           } else if (two_panels) {
-            block<false, true>(x0, w0, ks_count);
+            block<false, true>(x0, w0, w1, ks_count);
           } else {
-            block<false, false>(x0, w0, ks_count);
+            block<false, false>(x0, w0, w1, ks_count);
           }
           store(0, yp, m, n_out, r0, c0, scratch);
           if (two_panels) store(1, yp, m, n_out, r0, c0 + kN, scratch);
@@ -328,6 +336,75 @@ void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_o
   });
 #else
   TORCH_CHECK(false, "bf16_linear: this build has no AMX-BF16 (-march=native on such a CPU)");
+#endif
+}
+
+// act (M, inner) = silu(x Wg^T) * (x Wu^T) for a gate_up weight packed as one (gate's panels,
+// then up's): each column block pairs gate panel j with up panel j (both already in the packed
+// tiles), and its sums go from the tiles straight to `silu_rows` (the layer's SiLU-and-multiply
+// row loop, handed in so that both routes run the same code) instead of to a (M, 2 inner) product
+// that a second pass would read back: at a 512-token chunk that product is 6 MB a layer, and
+// the pass over it was bound by that traffic. The sums are bf16_linear's, value for value (a
+// tile's sums do not depend on the panel beside it), so act has the bits of bf16_linear, then
+// silu_rows over its rows. inner: a multiple of 16.
+void bf16_silu_mul_into(const at::Tensor& x, const at::Tensor& packed, int64_t inner,
+                        at::Tensor& act, SiluRows silu_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "bf16_silu_mul: x (M, K) float32 on the CPU");
+  TORCH_CHECK(inner > 0 && inner % kN == 0, "bf16_silu_mul: inner must be a multiple of 16");
+  TORCH_CHECK(act.scalar_type() == at::kFloat && act.is_contiguous() && act.dim() == 2 &&
+                  act.size(0) == x.size(0) && act.size(1) == inner,
+              "bf16_silu_mul: act (M, inner) contiguous float32");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(0) == 2 * inner / kN && packed.size(2) == kM &&
+                  packed.size(3) == 2 * kN && packed.is_contiguous(),
+              "bf16_silu_mul: packed is pack_bf16's tiles of a (2 inner, K) gate_up weight");
+  const int64_t m = x.size(0), k = x.size(1), ks_count = packed.size(1);
+  TORCH_CHECK(k <= ks_count * kK && k > (ks_count - 1) * kK, "bf16_silu_mul: x has ", k,
+              " columns, the weight ", ks_count * kK, " (padded)");
+  if (m == 0) return;
+#if CONVEYOR_AMX
+  TORCH_CHECK(available(), "bf16_silu_mul: this CPU (or the kernel plan) has no AMX-BF16");
+  linear_runs().fetch_add(1, std::memory_order_relaxed);
+  const at::Tensor xb = round_rows(x, ks_count);
+  const uint16_t* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* ap = act.data_ptr<float>();
+  constexpr int64_t kGroup = 16;  // as bf16_linear_into: a group's weights from L2
+  const int64_t blocks = inner / kN, threads = at::get_num_threads();
+  const int64_t tile = kM * kK;
+  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t b0, int64_t b1) {
+    configure();
+    // A row tile's gate and up sums side by side, as silu_rows reads a gate_up row: 16 + 16.
+    alignas(64) float pair[kM * 2 * kN];
+    for (int64_t g = b0; g < b1; g += kGroup) {
+      for (int64_t r0 = 0; r0 < m; r0 += 2 * kM) {
+        const uint16_t* x0 = xbp + (r0 / kM) * ks_count * tile;
+        const bool two_rows = r0 + kM < m;
+        for (int64_t j = g; j < std::min(b1, g + kGroup); ++j) {
+          const uint16_t* wg = wp + j * ks_count * tile;
+          const uint16_t* wu = wp + (blocks + j) * ks_count * tile;
+          if (two_rows) {
+            block<true, true>(x0, wg, wu, ks_count);
+          } else {
+            block<false, true>(x0, wg, wu, ks_count);
+          }
+          for (int half = 0; half < (two_rows ? 2 : 1); ++half) {
+            const int64_t first = r0 + half * kM, rows = std::min(kM, m - first);
+            tile_store(2 * half, pair, 2 * kN * sizeof(float));
+            tile_store(2 * half + 1, pair + kN, 2 * kN * sizeof(float));
+            for (int64_t r = 0; r < rows; ++r)
+              silu_rows(pair + r * 2 * kN, ap + (first + r) * inner + j * kN, 1, kN);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+#else
+  (void)act;
+  (void)silu_rows;
+  TORCH_CHECK(false, "bf16_silu_mul: this build has no AMX-BF16 (-march=native on such a CPU)");
 #endif
 }
 

@@ -254,6 +254,35 @@ class Projection {
     return y;
   }
 
+  // Whether silu_mul_of can take this projection's prompt rows: a gate_up with prompt tiles,
+  // no bias, halves of whole panels.
+  bool fuses_silu() const {
+    return prompt_tiles_.defined() && !bias_.defined() && out_features() % 32 == 0;
+  }
+
+  // silu(gate) * up of this gate_up projection's output (T, 2 I) as (T, I), what silu_mul of
+  // operator()'s output gives, bit for bit: the prompt rows straight from their tiles' sums
+  // (gemm::amx::bf16_silu_mul_into, through the same silu_mul_rows), never writing their
+  // (T, 2 I) product; the rows between through the route below and silu_mul.
+  at::Tensor silu_mul_of(const at::Tensor& x, MatmulForm form,
+                         const std::vector<int64_t>& prompt_rows) const {
+    const int64_t rows = x.size(0), inner = out_features() / 2;
+    at::Tensor act = at::empty({rows, inner}, x.options());
+    int64_t row = 0;
+    for (size_t i = 0; i <= prompt_rows.size(); i += 2) {
+      const int64_t begin = i < prompt_rows.size() ? prompt_rows[i] : rows;
+      if (begin > row)
+        act.narrow(0, row, begin - row).copy_(silu_mul((*this)(x.narrow(0, row, begin - row), form)));
+      if (i == prompt_rows.size()) break;
+      const int64_t end = prompt_rows[i + 1];
+      at::Tensor part = act.narrow(0, begin, end - begin);  // whole rows: contiguous
+      gemm::amx::bf16_silu_mul_into(x.narrow(0, begin, end - begin), prompt_tiles_, inner, part,
+                                    silu_mul_rows);
+      row = end;
+    }
+    return act;
+  }
+
   at::Tensor operator()(const at::Tensor& x, MatmulForm form) const {
     at::Tensor y;
     if (panels_.defined()) {
@@ -658,11 +687,18 @@ class DecoderLayer {
       clock.lap(kOther);
       return;
     }
-    at::Tensor gate_up = (*gate_up_)(h, step.form, step.prompt_rows);  // (T, 2 I)
-    add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1) / 2, gate_up.size(1)});
-    clock.lap(kProjections);
-    at::Tensor act = activation_ == kGeluTanh ? gelu_mul(gate_up) : silu_mul(gate_up);
-    clock.lap(kOther);
+    at::Tensor act;
+    if (activation_ == kSilu && step.lora.ab == nullptr && !step.prompt_rows.empty() &&
+        h.scalar_type() == at::kFloat && gate_up_->fuses_silu()) {
+      act = gate_up_->silu_mul_of(h, step.form, step.prompt_rows);  // its SiLU: projections' time
+      clock.lap(kProjections);
+    } else {
+      at::Tensor gate_up = (*gate_up_)(h, step.form, step.prompt_rows);  // (T, 2 I)
+      add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1) / 2, gate_up.size(1)});
+      clock.lap(kProjections);
+      act = activation_ == kGeluTanh ? gelu_mul(gate_up) : silu_mul(gate_up);
+      clock.lap(kOther);
+    }
     at::Tensor down = (*down_)(act, step.form, step.prompt_rows);
     add_lora(down, act, step, index, 3, {0, down.size(1)});
     clock.lap(kProjections);
@@ -694,6 +730,12 @@ class DecoderLayer {
 // its own loop, one order per value whatever the rows or threads), for the modules that run
 // outside them (model/moe.py's experts).
 at::Tensor silu_and_mul(const at::Tensor& gate_up) { return silu_mul(gate_up); }
+
+at::Tensor bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t inner) {
+  at::Tensor act = at::empty({x.size(0), inner}, x.options());
+  gemm::amx::bf16_silu_mul_into(x, packed, inner, act, silu_mul_rows);
+  return act;
+}
 
 // GPT-OSS's clamped SwiGLU of gate_up (T, 2 I), float32, row by row (moe/moe.h), for the modules
 // (model/moe.py's experts): the compiled MoE's arithmetic.
