@@ -189,6 +189,26 @@ std::atomic<int64_t>& linear_runs() {
   return count;
 }
 
+// What both prompt-tile entry points check: x (M, K) float32 on the CPU, out (M, out_cols)
+// contiguous float32, packed pack_bf16's tiles of a weight of n_out rows and K columns. KS.
+int64_t check_operands(const char* name, const at::Tensor& x, const at::Tensor& packed,
+                       int64_t n_out, const at::Tensor& out, int64_t out_cols) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), name,
+              ": x (M, K) float32 on the CPU");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == out_cols,
+              name, ": the output (M, ", out_cols, ") contiguous float32");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(2) == kM && packed.size(3) == 2 * kN && packed.is_contiguous(),
+              name, ": packed is pack_bf16's (P, KS, 16, 32) bfloat16");
+  const int64_t k = x.size(1), panels = packed.size(0), ks_count = packed.size(1);
+  TORCH_CHECK(k <= ks_count * kK && k > (ks_count - 1) * kK, name, ": x has ", k,
+              " columns, the weight ", ks_count * kK, " (padded)");
+  TORCH_CHECK(n_out > (panels - 1) * kN && n_out <= panels * kN, name, ": n_out ", n_out,
+              " does not fit the packed panels");
+  return ks_count;
+}
+
 }  // namespace
 
 bool usable() {
@@ -276,20 +296,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n_
 // The same into y (M, n_out), contiguous float32: a step's prompt rows straight into their rows
 // of the projection's output, not copied there (decoder_layer.cpp's Projection).
 void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, at::Tensor& y) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "bf16_linear: x (M, K) float32 on the CPU");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 &&
-                  y.size(0) == x.size(0) && y.size(1) == n_out,
-              "bf16_linear: y (M, n_out) contiguous float32");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.size(2) == kM && packed.size(3) == 2 * kN && packed.is_contiguous(),
-              "bf16_linear: packed is pack_bf16's (P, KS, 16, 32) bfloat16");
-  const int64_t m = x.size(0), k = x.size(1);
-  const int64_t panels = packed.size(0), ks_count = packed.size(1);
-  TORCH_CHECK(k <= ks_count * kK && k > (ks_count - 1) * kK, "bf16_linear: x has ", k,
-              " columns, the weight ", ks_count * kK, " (padded)");
-  TORCH_CHECK(n_out > (panels - 1) * kN && n_out <= panels * kN,
-              "bf16_linear: n_out does not fit the packed panels");
+  const int64_t ks_count = check_operands("bf16_linear", x, packed, n_out, y, n_out);
+  const int64_t m = x.size(0), panels = packed.size(0);
   if (m == 0) return;
 #if CONVEYOR_AMX
   TORCH_CHECK(available(), "bf16_linear: this CPU (or the kernel plan) has no AMX-BF16");
@@ -349,19 +357,9 @@ void bf16_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n_o
 // silu_rows over its rows. inner: a multiple of 16.
 void bf16_silu_mul_into(const at::Tensor& x, const at::Tensor& packed, int64_t inner,
                         at::Tensor& act, SiluRows silu_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "bf16_silu_mul: x (M, K) float32 on the CPU");
   TORCH_CHECK(inner > 0 && inner % kN == 0, "bf16_silu_mul: inner must be a multiple of 16");
-  TORCH_CHECK(act.scalar_type() == at::kFloat && act.is_contiguous() && act.dim() == 2 &&
-                  act.size(0) == x.size(0) && act.size(1) == inner,
-              "bf16_silu_mul: act (M, inner) contiguous float32");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.size(0) == 2 * inner / kN && packed.size(2) == kM &&
-                  packed.size(3) == 2 * kN && packed.is_contiguous(),
-              "bf16_silu_mul: packed is pack_bf16's tiles of a (2 inner, K) gate_up weight");
-  const int64_t m = x.size(0), k = x.size(1), ks_count = packed.size(1);
-  TORCH_CHECK(k <= ks_count * kK && k > (ks_count - 1) * kK, "bf16_silu_mul: x has ", k,
-              " columns, the weight ", ks_count * kK, " (padded)");
+  const int64_t ks_count = check_operands("bf16_silu_mul", x, packed, 2 * inner, act, inner);
+  const int64_t m = x.size(0);
   if (m == 0) return;
 #if CONVEYOR_AMX
   TORCH_CHECK(available(), "bf16_silu_mul: this CPU (or the kernel plan) has no AMX-BF16");

@@ -240,17 +240,13 @@ class Projection {
     if (prompt_rows.size() == 2 && prompt_rows[0] == 0 && prompt_rows[1] == rows)
       return with_bias(gemm::amx::bf16_linear(x, prompt_tiles_, n));
     at::Tensor y = at::empty({rows, n}, x.options());
-    int64_t row = 0;
-    for (size_t i = 0; i <= prompt_rows.size(); i += 2) {
-      const int64_t begin = i < prompt_rows.size() ? prompt_rows[i] : rows;
-      if (begin > row) y.narrow(0, row, begin - row).copy_((*this)(x.narrow(0, row, begin - row), form));
-      if (i == prompt_rows.size()) break;
-      const int64_t end = prompt_rows[i + 1];
+    walk_rows(rows, prompt_rows, [&](int64_t begin, int64_t end) {
+      y.narrow(0, begin, end - begin).copy_((*this)(x.narrow(0, begin, end - begin), form));
+    }, [&](int64_t begin, int64_t end) {
       at::Tensor part = y.narrow(0, begin, end - begin);  // whole rows: contiguous
       gemm::amx::bf16_linear_into(x.narrow(0, begin, end - begin), prompt_tiles_, n, part);
       with_bias(part);
-      row = end;
-    }
+    });
     return y;
   }
 
@@ -268,18 +264,14 @@ class Projection {
                          const std::vector<int64_t>& prompt_rows) const {
     const int64_t rows = x.size(0), inner = out_features() / 2;
     at::Tensor act = at::empty({rows, inner}, x.options());
-    int64_t row = 0;
-    for (size_t i = 0; i <= prompt_rows.size(); i += 2) {
-      const int64_t begin = i < prompt_rows.size() ? prompt_rows[i] : rows;
-      if (begin > row)
-        act.narrow(0, row, begin - row).copy_(silu_mul((*this)(x.narrow(0, row, begin - row), form)));
-      if (i == prompt_rows.size()) break;
-      const int64_t end = prompt_rows[i + 1];
+    walk_rows(rows, prompt_rows, [&](int64_t begin, int64_t end) {
+      act.narrow(0, begin, end - begin)
+          .copy_(silu_mul((*this)(x.narrow(0, begin, end - begin), form)));
+    }, [&](int64_t begin, int64_t end) {
       at::Tensor part = act.narrow(0, begin, end - begin);  // whole rows: contiguous
       gemm::amx::bf16_silu_mul_into(x.narrow(0, begin, end - begin), prompt_tiles_, inner, part,
                                     silu_mul_rows);
-      row = end;
-    }
+    });
     return act;
   }
 
@@ -313,6 +305,20 @@ class Projection {
   }
 
  private:
+  // [0, rows) in order as prompt_rows' ranges (on_prompt) and the ranges between (on_other).
+  template <typename Other, typename Prompt>
+  static void walk_rows(int64_t rows, const std::vector<int64_t>& prompt_rows, Other on_other,
+                        Prompt on_prompt) {
+    int64_t row = 0;
+    for (size_t i = 0; i <= prompt_rows.size(); i += 2) {
+      const int64_t begin = i < prompt_rows.size() ? prompt_rows[i] : rows;
+      if (begin > row) on_other(row, begin);
+      if (i == prompt_rows.size()) break;
+      on_prompt(begin, prompt_rows[i + 1]);
+      row = prompt_rows[i + 1];
+    }
+  }
+
   at::Tensor weight_, qs_, d_, m_, bias_, panels_, wq_, dw_, mw_, prompt_tiles_;
 };
 
