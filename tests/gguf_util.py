@@ -46,6 +46,7 @@ GGUF_ARCHS = {
     "mixtral": "llama",  # llama.cpp's llama converter, with experts
     "gpt_oss": "gpt-oss",
     "lfm2": "lfm2",
+    "lfm2_moe": "lfm2moe",
     "qwen3_5_text": "qwen35",
     "qwen3_5_moe_text": "qwen35moe",
 }
@@ -56,6 +57,8 @@ F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
 PERMUTED_QK = ("llama", "granite", "smollm3")
 QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
+LFM2 = ("lfm2", "lfm2moe")  # LFM2 and LFM2-MoE
+LFM2_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # LFM2-MoE's expert leaves
 NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")  # Gemma's converters store a norm weight w as 1 + w
 QTYPES = {
     "F32": gguf.GGMLQuantizationType.F32,
@@ -198,7 +201,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(_mlp_width(config, arch))
     writer.add_head_count(config.num_attention_heads)
-    if arch == "lfm2":  # llama.cpp's LFM2: KV heads per layer, none on a short convolution
+    if arch in LFM2:  # llama.cpp's LFM2: KV heads per layer, none on a short convolution
         kv = [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types]
         writer.add_head_count_kv(kv)
         writer.add_shortconv_l_cache(config.conv_L_cache)
@@ -207,7 +210,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     rope = _rope(config)
     if arch not in ("gemma", "gemma2"):  # GemmaModel and Gemma2Model write no base: 10000
         writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.norm_eps if arch == "lfm2" else config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(config.norm_eps if arch in LFM2 else config.rms_norm_eps)
     if raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE:
         writer.add_key_length(_head_dim(config))  # llama.cpp writes these when head_dim is stated
         writer.add_value_length(_head_dim(config))
@@ -247,6 +250,12 @@ def _expert_hparams(writer: gguf.GGUFWriter, config) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _lfm2moe_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's LFM2-MoE: its dense layers' count, and sigmoid scores choosing the experts."""
+    writer.add_leading_dense_block_count(config.num_dense_layers)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
 def _qwen35_hparams(writer: gguf.GGUFWriter, config) -> None:
@@ -339,6 +348,7 @@ def _glm4_hparams(writer: gguf.GGUFWriter, config) -> None:
 _FAMILY_HPARAMS = {
     "qwen35": _qwen35_hparams,
     "qwen35moe": _qwen35_hparams,
+    "lfm2moe": _lfm2moe_hparams,
     "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,
@@ -384,6 +394,10 @@ def check_expressible(config, arch: str) -> None:
         expected["layer_types"] = [
             "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in layers
         ]
+    if arch == "lfm2moe":  # llama.cpp renormalises the chosen weights and scales them by 1
+        expected["tie_word_embeddings"] = True  # its lfm2moe has no output tensor
+        expected["norm_topk_prob"] = True
+        expected["routed_scaling_factor"] = 1.0
     if arch in ("qwen2moe", "qwen3moe"):  # every layer a mixture; qwen3moe renormalises
         expected["mlp_only_layers"] = []
         expected["decoder_sparse_step"] = 1
@@ -473,12 +487,17 @@ def _add_tensors(
             data = permute(data, config.num_attention_heads, config.num_attention_heads)
         elif arch in PERMUTED_QK and ".k_proj." in hf_name:
             data = permute(data, config.num_attention_heads, config.num_key_value_heads)
-        if arch == "lfm2" and hf_name.endswith(".conv.conv.weight"):
+        if arch == "lfm2moe":  # its experts' w1 / w3 / w2, merged as llama.cpp's converter does
+            for leaf, proj in LFM2_EXPERTS.items():
+                hf_name = hf_name.replace(f".experts.{leaf}.", f".experts.{proj}.")
+        if arch in LFM2 and hf_name.endswith(".conv.conv.weight"):
             data = data.squeeze(1)  # llama.cpp's shortconv.conv: (channels, kernel)
         # Phi-3's qkv_proj and gate_up_proj map as they are: attn_qkv, and ffn_up
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if hf_name.endswith(".sinks"):  # llama.cpp's GPT-OSS converter names them so
             name = f"{name}.weight"
+        if hf_name.endswith(".expert_bias"):  # LFM2-MoE's converter: exp_probs_b.bias
+            name = f"{name}.bias"
         if name is None:
             raise ValueError(f"llama.cpp has no {arch} tensor name for {hf_name}")
         kind = expert_qtype if data.dim() == 3 else qtype
@@ -525,12 +544,12 @@ def _merged_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
+        if name.endswith((".mlp.experts.gate_up_proj", ".feed_forward.experts.gate_up_proj")):
             gate, up = tensor.chunk(2, dim=1)
             merged[f"{name.removesuffix('gate_up_proj')}gate_proj.weight"] = gate
             merged[f"{name.removesuffix('gate_up_proj')}up_proj.weight"] = up
             continue
-        if name.endswith(".mlp.experts.down_proj"):
+        if name.endswith((".mlp.experts.down_proj", ".feed_forward.experts.down_proj")):
             merged[f"{name}.weight"] = tensor
             continue
         match = EXPERT.fullmatch(name)

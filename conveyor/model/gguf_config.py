@@ -23,7 +23,11 @@ and counts its multi-token prediction layers in block_count (nextn_predict_layer
 after the model's own).
 
 LFM2 states its attention layers by a per-layer head_count_kv (0 on its short convolutions) and
-the MLP's width already adjusted (transformers' GGUF reader takes them so too).
+the MLP's width already adjusted (transformers' GGUF reader takes them so too). LFM2-MoE
+(`lfm2moe`) has LFM2's layers, dense MLPs on the first leading_dense_block_count and mixtures
+after them, chosen by sigmoid scores (expert_gating_func 2; another is refused) plus the
+exp_probs_b bias where the file has it; llama.cpp's build_moe_ffn renormalises the chosen
+weights and scales them by nothing, so norm_topk_prob and a routed_scaling_factor of 1.
 
 Phi-3's longrope (Phi-3.5, Phi-4-mini) is stored as two tensors, rope_factors_long / _short,
 which become the config's long_factor / short_factor. A setting the file states and conveyor
@@ -53,6 +57,7 @@ FAMILIES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "lfm2": ("lfm2", "Lfm2ForCausalLM"),
+    "lfm2moe": ("lfm2_moe", "Lfm2MoeForCausalLM"),
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
     "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
 }
@@ -137,6 +142,9 @@ def _experts(arch: str, config: dict[str, Any], tensor_shapes: dict) -> None:
         config["num_local_experts"] = config.pop("num_experts")
         config.pop("moe_intermediate_size", None)
         config["sliding_window"] = None
+        return
+    if config["model_type"] == "lfm2_moe":  # its choosing bias, stated by its tensors
+        config["use_expert_bias"] = any(n.endswith(".exp_probs_b.bias") for n in tensor_shapes)
         return
     if config["model_type"] == "gpt_oss":  # its experts' width is intermediate_size
         config["num_local_experts"] = config.pop("num_experts")
@@ -300,16 +308,38 @@ def _smollm3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in layers]
 
 
-def _lfm2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
-    """LFM2: a layer with KV heads attends, one without is a short convolution
-    (shortconv.l_cache its kernel); feed_forward_length is the MLP's width as it runs."""
+def _lfm2_layers(arch: str, metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """LFM2's layers: one with KV heads attends, one without is a short convolution
+    (shortconv.l_cache its kernel)."""
     kv = config["num_key_value_heads"]
     kv = list(kv) if isinstance(kv, list) else [kv] * config["num_hidden_layers"]
     config["num_key_value_heads"] = max(kv)
     config["layer_types"] = ["full_attention" if n else "conv" for n in kv]
-    config["conv_L_cache"] = metadata["lfm2.shortconv.l_cache"]
-    config["block_auto_adjust_ff_dim"] = False
+    config["conv_L_cache"] = metadata[f"{arch}.shortconv.l_cache"]
     config["norm_eps"] = config.pop("rms_norm_eps")
+
+
+def _lfm2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """LFM2: its layers; feed_forward_length is the MLP's width as it runs."""
+    _lfm2_layers("lfm2", metadata, config)
+    config["block_auto_adjust_ff_dim"] = False
+
+
+_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def _lfm2moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """LFM2-MoE: LFM2's layers, the first leading_dense_block_count with dense MLPs of
+    feed_forward_length, then mixtures as llama.cpp computes them (see the module docstring)."""
+    _lfm2_layers("lfm2moe", metadata, config)
+    gating = metadata.get("lfm2moe.expert_gating_func")
+    if gating != _SIGMOID_GATING:
+        raise ValueError(
+            f"a GGUF lfm2moe file's lfm2moe.expert_gating_func is {gating!r}: conveyor runs "
+            f"LFM2-MoE's sigmoid scores ({_SIGMOID_GATING}) only"
+        )
+    config["num_dense_layers"] = metadata["lfm2moe.leading_dense_block_count"]
+    config.update(norm_topk_prob=True, routed_scaling_factor=1.0)
 
 
 def _qwen35(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
@@ -354,6 +384,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "mixtral": _llama_like("llama"),
     "gpt-oss": _gpt_oss,
     "lfm2": _lfm2,
+    "lfm2moe": _lfm2moe,
     "qwen35": _qwen35("qwen35"),
     "qwen35moe": _qwen35("qwen35moe"),
 }

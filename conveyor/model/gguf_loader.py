@@ -98,16 +98,19 @@ _QWEN35_NAMES = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+# LFM2's (and LFM2-MoE's) norms' names, and its short convolutions.
+_LFM2_NAMES = {
+    "attn_norm": "operator_norm",
+    "ffn_norm": "ffn_norm",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.conv": "conv.conv",
+    "shortconv.out_proj": "conv.out_proj",
+}
 # Where an architecture means another module by the same GGUF name: Gemma's ffn_norm is the norm
 # before the MLP (Llama's ffn_norm is the same norm, which Llama names post_attention_layernorm).
 _ARCH_LAYER_NAMES = {
-    "lfm2": {  # its norms' names, and its short convolutions
-        "attn_norm": "operator_norm",
-        "ffn_norm": "ffn_norm",
-        "shortconv.in_proj": "conv.in_proj",
-        "shortconv.conv": "conv.conv",
-        "shortconv.out_proj": "conv.out_proj",
-    },
+    "lfm2": _LFM2_NAMES,
+    "lfm2moe": _LFM2_NAMES,  # and its mixtures' (the router ffn_gate_inp, exp_probs_b: _targets)
     "qwen35": _QWEN35_NAMES,
     "qwen35moe": _QWEN35_NAMES,
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
@@ -134,7 +137,8 @@ _QWEN35_TILED = {
     "ssm_out": (1, "value"),
 }
 # Global tensors an architecture names otherwise: LFM2's final norm is its token_embd_norm.
-_ARCH_GLOBAL_NAMES = {"lfm2": {"token_embd_norm.weight": "model.norm.weight"}}
+_LFM2_GLOBAL_NAMES = {"token_embd_norm.weight": "model.norm.weight"}
+_ARCH_GLOBAL_NAMES = {"lfm2": _LFM2_GLOBAL_NAMES, "lfm2moe": _LFM2_GLOBAL_NAMES}
 # GGUF tensors that only exist fused (Phi-3's Q, K and V); Phi-3's ffn_up is another one, gate
 # and up stacked, under the name other architectures give up alone (see _fused_parts).
 _FUSED = ("attn_qkv",)
@@ -517,6 +521,8 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
         return _expert_targets(info, match[1], _EXPERT_NAMES[match[2]], match[3])
     if match is not None and match[2] == "attn_sinks":
         return [_Target(f"model.layers.{match[1]}.self_attn.sinks", None)]
+    if match is not None and match[2] == "exp_probs_b":  # LFM2-MoE's choosing bias, a buffer
+        return [_Target(f"model.layers.{match[1]}.mlp.expert_bias", None)]
     if match is None or (match[2] not in names and match[2] not in _FUSED):
         # Failing beats dropping a weight silently and running a model with random parameters.
         raise ValueError(f"GGUF tensor {info.name!r} in {str(path)!r} has no Hugging Face name")

@@ -24,7 +24,12 @@ from conveyor import LLM, SamplingParams
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
-from conveyor.model.loader import _LFM2_NAMES, _gpt_oss_experts, _stacked_experts
+from conveyor.model.loader import (
+    _LFM2_EXPERT_NAMES,
+    _LFM2_NAMES,
+    _gpt_oss_experts,
+    _stacked_experts,
+)
 from conveyor.model.quant import from_gguf_blocks
 
 # The tiny checkpoint of each family (tests/tiny.py FAMILIES), with what llama.cpp's format does
@@ -49,6 +54,9 @@ GGUF_FAMILIES = {
     "qwen3_moe": dict(decoder_sparse_step=1),
     "gpt_oss": dict(swiglu_limit=7.0),
     "lfm2": {},  # short convolutions (shortconv.*), KV heads per layer, the MLP's width adjusted
+    # LFM2's layers, a dense MLP on layer 0 then 4 experts chosen by sigmoid scores plus a bias
+    # (exp_probs_b); llama.cpp scales the renormalised weights by nothing, its head is tied
+    "lfm2_moe": dict(routed_scaling_factor=1.0, tie_word_embeddings=True),
     # gated delta nets (ssm_*): value heads tiled (2 per key head), A_log as -exp(A_log), (1 + w)
     # norms stored as 1 + w, the attention's q_proj holding each head's gate rows
     "qwen3_5": {},
@@ -60,6 +68,7 @@ LLAMA_CPP_NAMES |= {
     "qwen3_5": "qwen35",
     "qwen3_5_moe": "qwen35moe",
     "qwen3_moe": "qwen3moe",
+    "lfm2_moe": "lfm2moe",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
 # Mixtral's checkpoint names of its MoE modules, and the names every loader gives them.
@@ -122,6 +131,11 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "lfm2":  # its names as the model reads them
         checkpoint = {renamed(name, _LFM2_NAMES): tensor for name, tensor in checkpoint.items()}
+    if converted.family == "lfm2_moe":  # and its stacked experts as each expert's
+        names = (*_LFM2_NAMES, *_LFM2_EXPERT_NAMES)
+        checkpoint = {renamed(name, names): tensor for name, tensor in checkpoint.items()}
+        cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+        checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "gpt_oss":  # its 3-D experts as each expert's, as loaded
         checkpoint = dict(_gpt_oss_experts(checkpoint.items(), lambda name: None))
     path = getattr(converted, qtype)
@@ -220,7 +234,9 @@ def test_q8_0_gguf_is_served_quantized_and_generates(converted: Converted):
     llm = LLM(str(converted.q8_0), **DEVICE_KWARGS)
     model = llm.engine.core.runner.model
     if config.parts.moe_layers:  # every expert's projections served in their Q8_0 blocks
-        experts = [e for layer in model.model.layers for e in layer.mlp.experts]
+        layers = model.model.layers  # LFM2-MoE's leading dense layers have no experts
+        moe = [layers[i].mlp for i, is_moe in enumerate(config.parts.moe_layers) if is_moe]
+        experts = [e for mlp in moe for e in mlp.experts]
         projections = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
         assert {type(p).__name__ for p in projections} == {"QuantLinear"}
         assert {p.format for p in projections} == {"q8"}
@@ -350,6 +366,34 @@ def test_rope_settings_conveyor_does_not_compute_are_refused_by_name(arch, keys,
     shapes = SHAPES | ({tensor: (64,)} if tensor else {})
     with pytest.raises(ValueError, match=message):
         hf_config_dict(metadata_of(arch, 2, **keys), shapes)
+
+
+def test_an_lfm2moe_file_chooses_its_experts_as_llama_cpp_does():
+    """LFM2-8B-A1B's metadata: dense MLPs on the leading blocks, sigmoid scores (gating func 2)
+    that choose with exp_probs_b where the file has it, renormalised and unscaled (llama.cpp's
+    build_moe_ffn for lfm2moe); another gating function is refused by name."""
+    keys = {
+        "attention.head_count_kv": [0, 0, 8, 0],
+        "shortconv.l_cache": 3,
+        "expert_count": 32,
+        "expert_used_count": 4,
+        "expert_feed_forward_length": 1792,
+        "leading_dense_block_count": 2,
+        "expert_gating_func": 2,
+    }
+    biased = SHAPES | {f"blk.{i}.exp_probs_b.bias": (32,) for i in (2, 3)}
+    config = hf_config_dict(metadata_of("lfm2moe", 4, **keys), biased)
+    assert (config["model_type"], config["architectures"]) == ("lfm2_moe", ["Lfm2MoeForCausalLM"])
+    assert config["layer_types"] == ["conv", "conv", "full_attention", "conv"]
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (32, 4)
+    assert (config["moe_intermediate_size"], config["intermediate_size"]) == (1792, 36864)
+    assert (config["num_dense_layers"], config["use_expert_bias"]) == (2, True)
+    assert (config["norm_topk_prob"], config["routed_scaling_factor"]) == (True, 1.0)
+    assert hf_config_dict(metadata_of("lfm2moe", 4, **keys), SHAPES)["use_expert_bias"] is False
+    for gating in (1, None):  # softmax, or not stated
+        stated = metadata_of("lfm2moe", 4, **keys | {"expert_gating_func": gating})
+        with pytest.raises(ValueError, match=f"expert_gating_func is {gating}"):
+            hf_config_dict(stated, biased)
 
 
 def test_a_qwen2vl_file_is_its_language_model_served_as_qwen2(tmp_path):
