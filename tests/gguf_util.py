@@ -49,6 +49,7 @@ GGUF_ARCHS = {
     "lfm2_moe": "lfm2moe",
     "qwen3_5_text": "qwen35",
     "qwen3_5_moe_text": "qwen35moe",
+    "qwen3_next": "qwen3next",
 }
 # The experts' tensors one per expert in a checkpoint, and their 3-D stack in a GGUF file
 # (llama.cpp's converters merge them); the routers llama.cpp keeps in F32.
@@ -57,6 +58,7 @@ F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
 PERMUTED_QK = ("llama", "granite", "smollm3")
 QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
+DELTA_NETS = (*QWEN35, "qwen3next")  # and Qwen3-Next: gated delta nets under the ssm keys
 LFM2 = ("lfm2", "lfm2moe")  # LFM2 and LFM2-MoE
 LFM2_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # LFM2-MoE's expert leaves
 NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")  # Gemma's converters store a norm weight w as 1 + w
@@ -150,7 +152,7 @@ def snap_to_float_gguf(hf_dir: Path) -> Path:
 def _plus_one(arch: str, name: str) -> bool:
     """Whether llama.cpp's converter stores this norm's weight w as 1 + w: Gemma's, and
     Qwen3.5's but its delta nets' (linear_attn.norm, a plain w)."""
-    if arch in QWEN35:
+    if arch in DELTA_NETS:
         return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
     return arch in NORM_PLUS_ONE and name.endswith("norm.weight")
 
@@ -269,7 +271,34 @@ def _qwen35_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_full_attention_interval(4)
     partial = _rope(config).get("partial_rotary_factor", 0.25)
     writer.add_rope_dimension_count(int(_head_dim(config) * partial))
-    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if config.model_type != "qwen3_next":  # Qwen3.5's multimodal RoPE
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
+
+
+def _qwen3next_tensors(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """What llama.cpp's Qwen3-Next converter does to a delta net's tensors: in_proj_qkvz (each
+    key head's q, k, v and z rows) split into attn_qkv (every q, every k, every v) and attn_gate
+    (the z rows), A_log as -exp(A_log), dt_bias as dt_proj.bias, the conv weight squeezed; the
+    value heads stay in transformers' order, in_proj_ba (ssm_ba) as it is."""
+    key_heads, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    per_key = config.linear_num_value_heads // key_heads * config.linear_value_head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, data in state.items():
+        if name.endswith(".in_proj_qkvz.weight"):
+            sizes = [dk, dk, per_key, per_key]
+            q, k, v, z = data.reshape(key_heads, sum(sizes), -1).split(sizes, dim=1)
+            prefix = name.removesuffix("in_proj_qkvz.weight")
+            out[f"{prefix}in_proj_qkv.weight"] = torch.cat([t.flatten(0, 1) for t in (q, k, v)])
+            out[f"{prefix}in_proj_z.weight"] = z.flatten(0, 1)
+        elif name.endswith(".A_log"):
+            out[name] = -torch.exp(data)
+        elif name.endswith(".dt_bias"):
+            out[name.removesuffix("dt_bias") + "dt_proj.bias"] = data
+        elif ".linear_attn.conv1d." in name:
+            out[name] = data.squeeze(1)
+        else:
+            out[name] = data
+    return out
 
 
 def _qwen35_tensor(hf_name: str, data: torch.Tensor, config) -> tuple[str, torch.Tensor]:
@@ -348,6 +377,7 @@ def _glm4_hparams(writer: gguf.GGUFWriter, config) -> None:
 _FAMILY_HPARAMS = {
     "qwen35": _qwen35_hparams,
     "qwen35moe": _qwen35_hparams,
+    "qwen3next": _qwen35_hparams,
     "lfm2moe": _lfm2moe_hparams,
     "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
@@ -390,7 +420,7 @@ def check_expressible(config, arch: str) -> None:
         expected["layer_types"] = [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in layers
         ]
-    if arch in QWEN35:  # llama.cpp's: attention every fourth layer
+    if arch in DELTA_NETS:  # llama.cpp's: attention every fourth layer
         expected["layer_types"] = [
             "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in layers
         ]
@@ -398,10 +428,10 @@ def check_expressible(config, arch: str) -> None:
         expected["tie_word_embeddings"] = True  # its lfm2moe has no output tensor
         expected["norm_topk_prob"] = True
         expected["routed_scaling_factor"] = 1.0
-    if arch in ("qwen2moe", "qwen3moe"):  # every layer a mixture; qwen3moe renormalises
-        expected["mlp_only_layers"] = []
+    if arch in ("qwen2moe", "qwen3moe", "qwen3next"):  # every layer a mixture; qwen2moe alone
+        expected["mlp_only_layers"] = []  # does not renormalise
         expected["decoder_sparse_step"] = 1
-        expected["norm_topk_prob"] = arch == "qwen3moe"
+        expected["norm_topk_prob"] = arch != "qwen2moe"
     for name, value in expected.items():
         if _setting(config, name) != value:
             raise ValueError(
@@ -476,6 +506,8 @@ def _add_tensors(
         for name, tensor in stated.items():
             kind = expert_qtype if name.endswith("_exps.weight") else qtype
             _add_tensor(writer, name, tensor.to(torch.float32).numpy(), kind)
+    if arch == "qwen3next":
+        state = _qwen3next_tensors(state, config)
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor
         if _plus_one(arch, hf_name):

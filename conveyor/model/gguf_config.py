@@ -20,7 +20,9 @@ Qwen3.5 (`qwen35`, and `qwen35moe` with its experts) states its gated delta nets
 ssm keys (conv_kernel, state_size: the key head dim, group_count: the key heads,
 time_step_rank: the value heads, inner_size), its attention layers by full_attention_interval,
 and counts its multi-token prediction layers in block_count (nextn_predict_layers of them,
-after the model's own).
+after the model's own). Qwen3-Next (`qwen3next`) states them so too; its converter splits
+in_proj_qkvz into attn_qkv and attn_gate, keeps in_proj_ba as ssm_ba, and keeps the value heads
+in transformers' order; every layer a mixture with a shared expert.
 
 LFM2 states its attention layers by a per-layer head_count_kv (0 on its short convolutions) and
 the MLP's width already adjusted (transformers' GGUF reader takes them so too). LFM2-MoE
@@ -60,6 +62,7 @@ FAMILIES = {
     "lfm2moe": ("lfm2_moe", "Lfm2MoeForCausalLM"),
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
     "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+    "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
 }
 # A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral with its llama converter).
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -387,4 +390,5 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "lfm2moe": _lfm2moe,
     "qwen35": _qwen35("qwen35"),
     "qwen35moe": _qwen35("qwen35moe"),
+    "qwen3next": _qwen35("qwen3next"),
 }

@@ -113,6 +113,7 @@ _ARCH_LAYER_NAMES = {
     "lfm2moe": _LFM2_NAMES,  # and its mixtures' (the router ffn_gate_inp, exp_probs_b: _targets)
     "qwen35": _QWEN35_NAMES,
     "qwen35moe": _QWEN35_NAMES,
+    "qwen3next": {**_QWEN35_NAMES, "ssm_ba": "linear_attn.in_proj_ba"},  # split by model/loader
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "glm4": {
@@ -121,6 +122,9 @@ _ARCH_LAYER_NAMES = {
     },
 }
 _QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
+# Gated delta nets under llama.cpp's ssm names: Qwen3.5's, and Qwen3-Next's, whose converter keeps
+# transformers' grouped value heads (no tiling) and its in_proj_ba as it is (ssm_ba).
+_DELTA_NETS = (*_QWEN35, "qwen3next")
 # Qwen3.5's parameters that are no module's weight: ssm_a holds -exp(A_log), ssm_dt the dt_bias.
 _QWEN35_PARAMETERS = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)")
 # Qwen3.5's tensors whose value heads llama.cpp's converter reorders where a key head serves
@@ -277,9 +281,11 @@ def _changed(info: _TensorInfo, layout: _Layout) -> bool:
     """Whether the tensor must be read as floats to be undone (not kept in its blocks): Qwen3.5's
     value heads reordered across a row's blocks or in its rows, and its attention's query rows,
     which hold each head's gate rows too."""
-    if layout.architecture not in _QWEN35 or not info.name.startswith("blk."):
+    if layout.architecture not in _DELTA_NETS or not info.name.startswith("blk."):
         return False
     kind = info.name.split(".")[2]
+    if layout.architecture == "qwen3next":  # its ssm_ba: each key head's b, then a rows
+        return kind in ("attn_q", "ssm_ba")
     key_heads, value_heads = layout.linear[:2] if layout.linear else (1, 1)
     return kind == "attn_q" or (kind in _QWEN35_TILED and value_heads != key_heads)
 
@@ -296,7 +302,7 @@ def _float_weight(
         weight = _unpermute_rows(weight, heads)
     if layout.architecture in _NORM_PLUS_ONE and info.name.endswith("norm.weight"):
         weight = weight - 1.0
-    if layout.architecture in _QWEN35:
+    if layout.architecture in _DELTA_NETS:
         weight = _qwen35_float(weight, info, layout)
     if info.name.endswith(".shortconv.conv.weight"):  # (channels, kernel): nn.Conv1d's is 3-D
         weight = weight.unsqueeze(1)
@@ -315,7 +321,8 @@ def _qwen35_float(weight: torch.Tensor, info: _TensorInfo, layout: _Layout) -> t
     if kind == "ssm_a":
         weight = torch.log(-weight)
     key_heads, value_heads, key_dim, value_dim = layout.linear
-    if kind in _QWEN35_TILED and value_heads != key_heads:
+    tiled = layout.architecture in _QWEN35  # Qwen3-Next's converter keeps them grouped
+    if tiled and kind in _QWEN35_TILED and value_heads != key_heads:
         dim, size = _QWEN35_TILED[kind]
         size = value_dim if size == "value" else size
         start = 2 * key_heads * key_dim if kind in ("attn_qkv", "ssm_conv1d") else 0
@@ -496,7 +503,7 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
     num_layers = metadata[f"{architecture}.block_count"]
     num_layers -= metadata.get(f"{architecture}.nextn_predict_layers", 0)
     linear = None
-    if architecture in _QWEN35:
+    if architecture in _DELTA_NETS:
         value_heads = metadata[f"{architecture}.ssm.time_step_rank"]
         linear = (
             metadata[f"{architecture}.ssm.group_count"],
@@ -509,7 +516,7 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
 
 def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Target]:
     """The HF tensors a GGUF tensor holds: one, or the parts of a fused one (Phi-3's)."""
-    if layout.architecture in _QWEN35 and (param := _QWEN35_PARAMETERS.fullmatch(info.name)):
+    if layout.architecture in _DELTA_NETS and (param := _QWEN35_PARAMETERS.fullmatch(info.name)):
         name = "A_log" if param[2] == "ssm_a" else "dt_bias"
         return [_Target(f"model.layers.{param[1]}.linear_attn.{name}", None)]
     global_names = {**_GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(layout.architecture, {})}
@@ -559,7 +566,7 @@ def _expert_targets(info: _TensorInfo, layer: str, projection: str, param: str) 
 def _fused_parts(kind: str, info: _TensorInfo, layout: _Layout) -> list[tuple[str, int]] | None:
     """(GGUF name, rows) of each part of a fused tensor, in order; None: not fused. Phi-3's and
     GLM-4's ffn_up is gate and up stacked (their gate_up_proj), other architectures' is up."""
-    if kind == "attn_qkv" and layout.architecture not in _QWEN35:  # their delta nets' q/k/v
+    if kind == "attn_qkv" and layout.architecture not in _DELTA_NETS:  # their delta nets' q/k/v
         kv_rows = layout.num_kv_heads * layout.head_dim
         return [
             ("attn_q", layout.num_heads * layout.head_dim),

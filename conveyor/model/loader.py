@@ -99,6 +99,8 @@ def iter_weights(
         weights = iter_gguf_weights(cfg.path, cfg.dtype, keep_raw)
         if cfg.parts.attn_gate:  # Qwen3.5's query and gate rows (read as floats)
             weights = _gated_queries(weights, cfg)
+        if cfg.parts.family == "qwen3_next":  # its ssm_ba's b and a rows (read as floats)
+            weights = _grouped_projections(weights, cfg)
         if cfg.rotary_rows is not None:  # before the cut: a fused qkv_proj is whole
             weights = _rotary_rows(weights, cfg)
         for name, tensor in weights:

@@ -28,6 +28,7 @@ from conveyor.model.loader import (
     _LFM2_EXPERT_NAMES,
     _LFM2_NAMES,
     _gpt_oss_experts,
+    _grouped_projections,
     _stacked_experts,
 )
 from conveyor.model.quant import from_gguf_blocks
@@ -61,6 +62,9 @@ GGUF_FAMILIES = {
     # norms stored as 1 + w, the attention's q_proj holding each head's gate rows
     "qwen3_5": {},
     "qwen3_5_moe": {},  # and a mixture of 4 experts with a shared one on every layer
+    # Qwen3.5-MoE's layers, in_proj_qkvz split into attn_qkv / attn_gate, in_proj_ba kept
+    # (ssm_ba), the value heads in transformers' order; llama.cpp makes every layer a mixture
+    "qwen3_next": dict(decoder_sparse_step=1),
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -69,6 +73,7 @@ LLAMA_CPP_NAMES |= {
     "qwen3_5_moe": "qwen35moe",
     "qwen3_moe": "qwen3moe",
     "lfm2_moe": "lfm2moe",
+    "qwen3_next": "qwen3next",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
 # Mixtral's checkpoint names of its MoE modules, and the names every loader gives them.
@@ -141,6 +146,10 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
     path = getattr(converted, qtype)
     ours = dict(iter_gguf_weights(path, torch.float64))
     assert len(ours) == len(list(iter_gguf_weights(path, torch.float64)))
+    if converted.family == "qwen3_next":  # both as the model reads them: in_proj_qkv, _z, _b, _a
+        cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+        checkpoint = dict(_grouped_projections(checkpoint.items(), cfg))
+        ours = dict(_grouped_projections(ours.items(), cfg))
     ours = fused_like_checkpoint(ours, set(checkpoint))
     tied = {"lm_head.weight"} if "lm_head.weight" not in ours else set()
     assert set(ours) == set(checkpoint) - tied
