@@ -50,6 +50,8 @@ GGUF_ARCHS = {
     "qwen3_5_text": "qwen35",
     "qwen3_5_moe_text": "qwen35moe",
     "qwen3_next": "qwen3next",
+    "ernie4_5": "ernie4_5",
+    "exaone4": "exaone4",
 }
 # The experts' tensors one per expert in a checkpoint, and their 3-D stack in a GGUF file
 # (llama.cpp's converters merge them); the routers llama.cpp keeps in F32.
@@ -260,6 +262,13 @@ def _lfm2moe_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
+def _exaone4_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's EXAONE 4 converter: the window, and which layers slide, when it has one."""
+    if config.sliding_window is not None:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+
+
 def _qwen35_hparams(writer: gguf.GGUFWriter, config) -> None:
     """llama.cpp's Qwen3.5: its gated delta nets' sizes under the ssm keys, the attention
     interval, the rotary dims, the (text-irrelevant) multimodal RoPE sections."""
@@ -379,6 +388,7 @@ _FAMILY_HPARAMS = {
     "qwen35moe": _qwen35_hparams,
     "qwen3next": _qwen35_hparams,
     "lfm2moe": _lfm2moe_hparams,
+    "exaone4": _exaone4_hparams,
     "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,

@@ -24,6 +24,11 @@ after the model's own). Qwen3-Next (`qwen3next`) states them so too; its convert
 in_proj_qkvz into attn_qkv and attn_gate, keeps in_proj_ba as ssm_ba, and keeps the value heads
 in transformers' order; every layer a mixture with a shared expert.
 
+ERNIE 4.5 (`ernie4_5`) is stored as transformers holds it (its interleaved rotary pairs
+unpermuted). EXAONE 4 (`exaone4`) states its window and which layers slide
+(sliding_window_pattern); llama.cpp gives a 64-layer file that states none a 4096 window with
+every fourth layer global, and so does this.
+
 LFM2 states its attention layers by a per-layer head_count_kv (0 on its short convolutions) and
 the MLP's width already adjusted (transformers' GGUF reader takes them so too). LFM2-MoE
 (`lfm2moe`) has LFM2's layers, dense MLPs on the first leading_dense_block_count and mixtures
@@ -63,6 +68,8 @@ FAMILIES = {
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
     "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
+    "exaone4": ("exaone4", "Exaone4ForCausalLM"),
 }
 # A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral with its llama converter).
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -126,6 +133,8 @@ def hf_config_dict(
         _longrope(metadata, config, rope_factors)
     if arch == "glm4":  # q/k/v biases, stated by their tensors
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if arch == "ernie4_5":  # biased projections (refused by model/families), by their tensors
+        config["use_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if config.get("num_experts"):
         _experts(arch, config, tensor_shapes)
     return config
@@ -298,6 +307,28 @@ def _gpt_oss(metadata: dict[str, Any], config: dict[str, Any]) -> None:
         config["rope_parameters"].update(truncate=False, beta_fast=32.0, beta_slow=1.0)
 
 
+_EXAONE4_32B_LAYERS = 64  # llama.cpp's EXAONE 4.0 32B: a 4096 window, every fourth layer global
+
+
+def _exaone4(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """EXAONE 4: sliding layers where the file states a window (the converter writes its
+    pattern with it), llama.cpp's 32B defaults where a 64-layer file states none; else every
+    layer global (and every one turns by RoPE, as transformers' EXAONE 4 without a window)."""
+    num_layers = config["num_hidden_layers"]
+    big = num_layers == _EXAONE4_32B_LAYERS
+    window = metadata.get("exaone4.attention.sliding_window") or (4096 if big else None)
+    pattern = metadata.get("exaone4.attention.sliding_window_pattern")
+    if window and isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    elif window:
+        sliding = [(i + 1) % (pattern if isinstance(pattern, int) and pattern else 4) != 0
+                   for i in range(num_layers)]  # fmt: skip
+    else:
+        sliding = [False] * num_layers
+    config["sliding_window"] = window
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
 def _llama_like(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     return lambda metadata, config: _rotary_fraction(metadata, arch, config)
 
@@ -391,4 +422,6 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "qwen35": _qwen35("qwen35"),
     "qwen35moe": _qwen35("qwen35moe"),
     "qwen3next": _qwen35("qwen3next"),
+    "ernie4_5": _llama_like("ernie4_5"),
+    "exaone4": _exaone4,
 }

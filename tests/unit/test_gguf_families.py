@@ -65,6 +65,8 @@ GGUF_FAMILIES = {
     # Qwen3.5-MoE's layers, in_proj_qkvz split into attn_qkv / attn_gate, in_proj_ba kept
     # (ssm_ba), the value heads in transformers' order; llama.cpp makes every layer a mixture
     "qwen3_next": dict(decoder_sparse_step=1),
+    "ernie4_5": {},  # interleaved rotary pairs, stored unpermuted
+    "exaone4": {},  # output norms, q/k norms, a sliding layer (RoPE) then a global one (none)
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -403,6 +405,20 @@ def test_an_lfm2moe_file_chooses_its_experts_as_llama_cpp_does():
         stated = metadata_of("lfm2moe", 4, **keys | {"expert_gating_func": gating})
         with pytest.raises(ValueError, match=f"expert_gating_func is {gating}"):
             hf_config_dict(stated, biased)
+
+
+def test_an_exaone4_files_sliding_layers_are_llama_cpps():
+    """EXAONE 4: the stated window and pattern; a 64-layer file (the 32B) that states none gets
+    llama.cpp's 4096 window with every fourth layer global; any other, every layer global."""
+    stated = metadata_of("exaone4", 4, **{"attention.sliding_window_pattern": [1, 1, 1, 0]})
+    config = hf_config_dict(stated, SHAPES)
+    assert (config["sliding_window"], [t[0] for t in config["layer_types"]]) == (4096, list("sssf"))
+    for layers, window in ((64, 4096), (30, None)):
+        keys = {"attention.sliding_window": None}
+        config = hf_config_dict(metadata_of("exaone4", layers, **keys), SHAPES)
+        assert config["sliding_window"] == window
+        types = [t[0] for t in config["layer_types"]]
+        assert types == (list("sssf") * 16 if window else ["f"] * layers)
 
 
 def test_a_qwen2vl_file_is_its_language_model_served_as_qwen2(tmp_path):
