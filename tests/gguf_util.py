@@ -544,7 +544,7 @@ def _add_tensors(
             raise ValueError(f"llama.cpp has no {arch} tensor name for {hf_name}")
         kind = expert_qtype if data.dim() == 3 else qtype
         _add_tensor(writer, name, data.numpy(), F32 if name.endswith(F32_TENSORS) else kind)
-    if arch == "llama" and _rope(config).get("rope_type") == "llama3":
+    if _rope(config).get("rope_type") == "llama3":  # llama.cpp's LlamaModel, Exaone4Model, ...
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     if arch == "phi3" and _rope(config).get("rope_type") == "longrope":  # Phi-3.5's factors
         for which in ("long", "short"):

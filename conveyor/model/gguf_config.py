@@ -37,8 +37,11 @@ exp_probs_b bias where the file has it; llama.cpp's build_moe_ffn renormalises t
 weights and scales them by nothing, so norm_topk_prob and a routed_scaling_factor of 1.
 
 Phi-3's longrope (Phi-3.5, Phi-4-mini) is stored as two tensors, rope_factors_long / _short,
-which become the config's long_factor / short_factor. A setting the file states and conveyor
-does not compute (llama3 `rope_freqs`, a rope scaling type) is refused by name, never dropped.
+which become the config's long_factor / short_factor. llama3 scaling (Llama 3.1-3.3, EXAONE 4)
+is stored as one tensor too, rope_freqs: a divisor per frequency, which llama3_rope turns back
+into the llama3 parameters that give those divisors (for every family, Llama's four included).
+A setting the file states and conveyor does not compute (rope_freqs that no llama3 parameters
+give, a rope scaling type) is refused by name, never dropped.
 """
 
 from __future__ import annotations
@@ -109,9 +112,9 @@ def hf_config_dict(
     rope_factors: dict[str, list[float]] | None = None,
 ) -> dict[str, Any]:
     """The config.json fields of a GGUF file of one of FAMILIES, from its key-values and the
-    (torch order) shapes of its tensors by GGUF name; rope_factors: the values of a Phi-3
-    file's rope_factors_long / _short tensors by name (its longrope factors), where it has
-    them."""
+    (torch order) shapes of its tensors by GGUF name; rope_factors: the values of the file's
+    rope factor tensors by name (a Phi-3 file's rope_factors_long / _short, llama3's
+    rope_freqs), where it has them."""
     arch = metadata["general.architecture"]
     if arch not in FAMILIES and not is_mixtral(metadata):
         raise ValueError(f"GGUF architecture {arch!r} has no config mapping here")
@@ -131,6 +134,10 @@ def hf_config_dict(
     _FAMILY_FIELDS["mixtral" if is_mixtral(metadata) else arch](metadata, config)
     if LONGROPE_TENSORS[0] in tensor_shapes:
         _longrope(metadata, config, rope_factors)
+    if LLAMA3_TENSOR in tensor_shapes:
+        if rope_factors is None or LLAMA3_TENSOR not in rope_factors:
+            raise ValueError(f"a GGUF {arch} file's {LLAMA3_TENSOR} was not read")
+        _set_llama3(config, rope_factors[LLAMA3_TENSOR], metadata, arch)
     if arch == "glm4":  # q/k/v biases, stated by their tensors
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "ernie4_5":  # biased projections (refused by model/families), by their tensors
@@ -173,11 +180,91 @@ def _experts(arch: str, config: dict[str, Any], tensor_shapes: dict) -> None:
 
 # Phi-3's longrope factors, as llama.cpp's converter stores them (float32, one per pair of dims)
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# llama3 scaling's divisors, one per pair of dims (float32)
+LLAMA3_TENSOR = "rope_freqs.weight"
+# Meta's llama3 band edges and original context (Llama 3.1-3.3; EXAONE 4 took them too)
+_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LLAMA3_ORIGINAL = 8192
+
+
+def llama3_rope(
+    divisors: list[float], theta: float, rotary_dim: int, original: int | None = None
+) -> dict[str, Any]:
+    """transformers' llama3 rope_parameters whose per-frequency divisors are a file's rope_freqs
+    (llama.cpp's converter computes them from the same parameters, in float32). The divisors
+    fix the scaling factor (the low band's), the band edges' wavelengths and the line between
+    them, not the original context by itself: any original length with matching low and high
+    factors gives the same frequencies. Tried: Meta's band factors with the file's original
+    context (else 8192), then the line through the middle band's divisors; ValueError if
+    neither gives every divisor within float32 rounding."""
+    import numpy as np
+
+    got = np.asarray(divisors, dtype=np.float64)
+    if got.shape != (rotary_dim // 2,) or not np.all(np.isfinite(got)) or got.min() < 1.0:
+        raise ValueError(
+            f"rope_freqs holds {got.size} divisors, expected {rotary_dim // 2} finite ones >= 1"
+        )
+    factor = float(got.max())
+    original = int(original or _LLAMA3_ORIGINAL)
+    candidates = [dict(_LLAMA3_DEFAULTS)]
+    wavelen = 2 * math.pi / _float32_freqs(theta, rotary_dim)
+    middle = (got > 1.0) & (got < factor)
+    if factor > 1.0 and middle.sum() >= 2:  # smooth = a / wavelen - b on the middle band
+        smooth = (1 / got[middle] - 1 / factor) / (1 - 1 / factor)
+        a, minus_b = np.polyfit(1 / wavelen[middle], smooth, 1)
+        if a > 0:
+            low = float(-minus_b * original / a)
+            candidates.append({"low_freq_factor": low, "high_freq_factor": low + original / a})
+    for bands in candidates:
+        params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **bands}
+        params["original_max_position_embeddings"] = original
+        if np.allclose(_llama3_divisors(params, rotary_dim), got, rtol=2e-6, atol=0):
+            return params
+    raise ValueError(
+        "a GGUF file's rope_freqs are no llama3 scaling conveyor can state (per-frequency "
+        "divisors other than llama3's); refused rather than served with another RoPE"
+    )
+
+
+def _float32_freqs(theta: float, head_dim: int):
+    """The base frequencies as llama.cpp's converter computes them: in float32."""
+    import numpy as np
+
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    return (1.0 / (np.float32(theta) ** exponents).astype(np.float32)).astype(np.float64)
+
+
+def _llama3_divisors(params: dict[str, Any], head_dim: int):
+    """llama3's divisor of each frequency (transformers' and llama.cpp's formula)."""
+    import numpy as np
+
+    factor, original = params["factor"], params["original_max_position_embeddings"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    wavelen = 2 * math.pi / _float32_freqs(params["rope_theta"], head_dim)
+    smooth = (original / wavelen - low) / (high - low)
+    middle = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, middle)
+    )
+
+
+def _set_llama3(
+    config: dict[str, Any], divisors: list[float], metadata: dict[str, Any], arch: str
+) -> None:
+    """The rope_parameters (global ones, where a family has two) as the file's rope_freqs."""
+    params = config["rope_parameters"]
+    params = params.get("full_attention", params)
+    if params["rope_type"] != "default":
+        raise ValueError(f"a GGUF {arch} file states rope_freqs and {params['rope_type']} scaling")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rotary = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    params.update(llama3_rope(divisors, params["rope_theta"], rotary, original))
 
 
 def _refuse_extra_tensors(arch: str, tensor_names: set[str]) -> None:
     """Tensors that carry RoPE settings a config cannot say here; see the module docstring."""
-    refused = [("rope_freqs.weight", "llama3 rope scaling (rope_freqs)")]
+    refused = []
     if arch != "phi3":
         refused.append((LONGROPE_TENSORS[0], "longrope scaling (rope_factors_long / _short)"))
     for name, what in refused:

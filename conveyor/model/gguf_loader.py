@@ -40,7 +40,14 @@ import gguf
 import numpy as np
 
 from conveyor.model.families import projection_of
-from conveyor.model.gguf_config import FAMILIES, LONGROPE_TENSORS, hf_config_dict, is_mixtral
+from conveyor.model.gguf_config import (
+    FAMILIES,
+    LLAMA3_TENSOR,
+    LONGROPE_TENSORS,
+    hf_config_dict,
+    is_mixtral,
+    llama3_rope,
+)
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the server's front end reads
     import torch  # headers (is_quantized_gguf) without it (engine/core_proc.py)
@@ -148,7 +155,7 @@ _ARCH_GLOBAL_NAMES = {"lfm2": _LFM2_GLOBAL_NAMES, "lfm2moe": _LFM2_GLOBAL_NAMES}
 _FUSED = ("attn_qkv",)
 
 # Tensors llama.cpp writes that HF models keep no parameter for. `rope_freqs` holds the llama3
-# rope-scaling factors, which the model derives from its config's rope parameters instead,
+# rope-scaling divisors, which the config states as llama3 parameters (gguf_config.llama3_rope),
 # `rope_factors_long / _short` Phi-3's longrope factors, which its config holds (gguf_config);
 # `attn_rot_embd` is the rotary inv_freq buffer that old converters stored per layer.
 _SKIPPED = re.compile(
@@ -612,6 +619,10 @@ def gguf_metadata(path: str | Path) -> dict[str, Any]:
     return _header(path).metadata
 
 
+# Bumped when what a cached folder holds for the same file changes (2: llama3 rope_freqs read).
+_FOLDER_VERSION = 2
+
+
 def gguf_hf_folder(path: str | Path) -> Path:
     """A Hugging Face style folder (config.json + tokenizer files) for a GGUF file.
 
@@ -622,7 +633,8 @@ def gguf_hf_folder(path: str | Path) -> Path:
     path = Path(path).resolve()
     architecture = gguf_architecture(path)
     stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    stamp = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{_FOLDER_VERSION}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     folder = _cache_root() / "gguf" / f"{path.stem}-{key}"
     if (folder / "config.json").exists():
         return folder
@@ -659,15 +671,33 @@ def _hf_config_and_tokenizer(path: Path, architecture: str) -> tuple[Any, Any]:
         return config, tokenizer
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     # transformers keeps Qwen3Config's default head_dim instead of reading key_length.
-    key_length = gguf_metadata(path).get(f"{architecture}.attention.key_length")
+    metadata = gguf_metadata(path)
+    key_length = metadata.get(f"{architecture}.attention.key_length")
     if architecture == "qwen3" and key_length:
         config.head_dim = key_length
+    divisors = _rope_factors(path, _header(path)).get(LLAMA3_TENSOR)
+    if divisors is not None:  # llama3 scaling, which transformers' reader drops (gguf_config)
+        _llama3_config(config, divisors, metadata, architecture)
     return config, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
+def _llama3_config(config: Any, divisors: list[float], metadata: dict, architecture: str) -> None:
+    params = dict(config.rope_parameters or {})
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"a GGUF {architecture} file states rope_freqs and {params['rope_type']} scaling"
+        )
+    head_dim = getattr(config, "head_dim", None)
+    head_dim = head_dim or config.hidden_size // config.num_attention_heads
+    original = metadata.get(f"{architecture}.rope.scaling.original_context_length")
+    params.update(llama3_rope(divisors, params["rope_theta"], head_dim, original))
+    config.rope_parameters = params
+
+
 def _rope_factors(path: Path, header: _Header) -> dict[str, list[float]]:
-    """The values of the file's longrope factor tensors (Phi-3's), by name."""
-    infos = [t for t in header.tensors if t.name in LONGROPE_TENSORS]
+    """The values of the file's rope factor tensors (Phi-3's longrope ones, llama3's
+    rope_freqs), by name."""
+    infos = [t for t in header.tensors if t.name in (*LONGROPE_TENSORS, LLAMA3_TENSOR)]
     if not infos:
         return {}
     with _map(path) as buffer:

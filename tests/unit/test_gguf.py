@@ -9,10 +9,14 @@ from typing import NamedTuple
 import gguf
 import pytest
 import torch
-from gguf_util import write_bare_gguf, write_gguf
-from tiny import build_tokenizer
+from conftest import DEVICE_KWARGS, random_prompts
+from gguf_util import llama3_rope_factors, snap_to_float_gguf, write_bare_gguf, write_gguf
+from tiny import build_tokenizer, make_tiny_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from conveyor import LLM, SamplingParams
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_config import LLAMA3_TENSOR, llama3_rope
 from conveyor.model.gguf_loader import SUPPORTED_ARCHITECTURES, gguf_architecture, iter_gguf_weights
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -100,6 +104,50 @@ def test_llama3_rope_freqs_tensor_is_skipped(hf_dirs, tmp_path):
     names = set(load_ours(path))
     assert not any("rope" in name for name in names)
     assert "lm_head.weight" in names  # the tiny llama has an untied head
+
+
+def test_a_llama3_files_rope_freqs_turn_as_its_checkpoints_scaling(tmp_path):
+    """llama.cpp stores llama3 scaling (Llama 3.1-3.3) as rope_freqs, one divisor per
+    frequency, which transformers' GGUF reader drops: the file's RoPE is its checkpoint's again
+    (the llama3 parameters that give those divisors), and so are its greedy tokens in float64."""
+    hf_dir = snap_to_float_gguf(make_tiny_checkpoint(tmp_path / "hf", "llama"))
+    assert AutoConfig.from_pretrained(hf_dir).rope_parameters["rope_type"] == "llama3"
+    path = write_gguf(hf_dir, tmp_path / "tiny-llama3-F32.gguf")
+    assert LLAMA3_TENSOR in [t.name for t in gguf.GGUFReader(path).tensors]
+    ours, theirs = (ModelConfig.from_hf(str(p), dtype="float64") for p in (path, hf_dir))
+    assert ours.rope_inv_freq == pytest.approx(theirs.rope_inv_freq, rel=1e-7)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+    prompts = [{"prompt_token_ids": t} for t in random_prompts(4, 256, seed=3, max_len=60)]
+    runs = []
+    for source in (hf_dir, path):
+        llm = LLM(str(source), dtype="float64", **DEVICE_KWARGS)
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+    for a, b in zip(*runs, strict=True):
+        assert a.token_ids == b.token_ids
+        for got, want, token in zip(b.logprobs, a.logprobs, b.token_ids, strict=True):
+            assert abs(got[token].logprob - want[token].logprob) < 1e-6
+
+
+def test_rope_freqs_are_llama3_parameters_or_refused(hf_dirs):
+    """Meta's bands, other bands (recovered from the middle band's divisors, the same
+    frequencies), and divisors no llama3 parameters give (refused)."""
+    config = AutoConfig.from_pretrained(hf_dirs["llama"])  # factor 8, bands 1 and 4, 64 original
+    divisors = llama3_rope_factors(config).tolist()
+    params = llama3_rope(divisors, 10000.0, 32, original=64)
+    assert (params["rope_type"], params["factor"], params["low_freq_factor"]) == ("llama3", 8, 1)
+    assert (params["high_freq_factor"], params["original_max_position_embeddings"]) == (4, 64)
+    scaled = llama3_rope(divisors, 10000.0, 32)  # another original length: bands scaled with it
+    assert scaled["low_freq_factor"] == pytest.approx(8192 / 64)
+    assert scaled["high_freq_factor"] == pytest.approx(4 * 8192 / 64)
+    config.rope_parameters = dict(config.rope_parameters, low_freq_factor=0.5, high_freq_factor=8)
+    other = llama3_rope_factors(config).tolist()
+    assert sum(1.0 < d < 8.0 for d in other) >= 2  # a middle band to fit
+    params = llama3_rope(other, 10000.0, 32)
+    config.rope_parameters = params
+    assert llama3_rope_factors(config).tolist() == pytest.approx(other, rel=1e-6)
+    for broken in ([1.0] * 15 + [3.0], divisors[:-1], [d * 1.01 for d in divisors], [0.5] * 16):
+        with pytest.raises(ValueError, match="rope_freqs"):
+            llama3_rope(broken, 10000.0, 32)
 
 
 def test_weights_are_cast_to_requested_dtype(hf_dirs, tmp_path):

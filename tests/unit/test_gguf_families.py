@@ -369,7 +369,6 @@ def test_sliding_layers_follow_llama_cpp_unless_the_file_states_a_pattern():
     ("arch", "keys", "tensor", "message"),
     [
         ("smollm3", {}, "rope_factors_long.weight", "longrope"),
-        ("smollm3", {}, "rope_freqs.weight", "llama3 rope scaling"),
         ("granite", {"rope.scaling.type": "su"}, None, "rope.scaling.type 'su'"),
     ],
 )
@@ -405,6 +404,27 @@ def test_an_lfm2moe_file_chooses_its_experts_as_llama_cpp_does():
         stated = metadata_of("lfm2moe", 4, **keys | {"expert_gating_func": gating})
         with pytest.raises(ValueError, match=f"expert_gating_func is {gating}"):
             hf_config_dict(stated, biased)
+
+
+def test_an_exaone4_file_with_llama3_scaling_turns_as_its_checkpoint(tmp_path):
+    """EXAONE 4.0 scales its RoPE as llama3 does, which llama.cpp stores as rope_freqs: read
+    back into the config, the file's tokens are its checkpoint's in float64."""
+    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=16.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=64)  # fmt: skip
+    hf_dir = tmp_path / "hf"
+    snap_to_float_gguf(make_tiny_checkpoint(hf_dir, "exaone4", rope_parameters=rope))
+    path = write_gguf(hf_dir, tmp_path / "tiny-exaone4-llama3-F32.gguf", "F32")
+    assert "rope_freqs.weight" in [t.name for t in gguf.GGUFReader(path).tensors]
+    ours, theirs = (ModelConfig.from_hf(str(p), dtype="float64") for p in (path, hf_dir))
+    assert ours.rope_inv_freq == pytest.approx(theirs.rope_inv_freq, rel=1e-7)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompts = [{"prompt_token_ids": t} for t in random_prompts(3, 384, seed=7, max_len=40)]
+    outputs = [
+        [o.outputs[0].token_ids for o in LLM(str(p), dtype="float64", **DEVICE_KWARGS).generate(
+            prompts, params)]
+        for p in (hf_dir, path)
+    ]  # fmt: skip
+    assert outputs[0] == outputs[1]
 
 
 def test_an_exaone4_files_sliding_layers_are_llama_cpps():
