@@ -300,6 +300,12 @@ def _longrope(
         params["attention_factor"] = float(stated)
 
 
+def rope_parameters(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The file's RoPE base and linear or yarn scaling as rope_parameters (Llama's four
+    architectures, whose config transformers reads without the scaling keys, take it so)."""
+    return _rope(metadata, arch)
+
+
 def _rope(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
     """rope_parameters of the (global) layers: base, and llama.cpp's linear or yarn scaling."""
     params: dict[str, Any] = {

@@ -47,6 +47,7 @@ from conveyor.model.gguf_config import (
     hf_config_dict,
     is_mixtral,
     llama3_rope,
+    rope_parameters,
 )
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the server's front end reads
@@ -675,6 +676,9 @@ def _hf_config_and_tokenizer(path: Path, architecture: str) -> tuple[Any, Any]:
     key_length = metadata.get(f"{architecture}.attention.key_length")
     if architecture == "qwen3" and key_length:
         config.head_dim = key_length
+    stated = rope_parameters(metadata, architecture)  # linear / yarn, which its reader drops
+    if stated["rope_type"] != "default":
+        config.rope_parameters = dict(config.rope_parameters or {}) | stated
     divisors = _rope_factors(path, _header(path)).get(LLAMA3_TENSOR)
     if divisors is not None:  # llama3 scaling, which transformers' reader drops (gguf_config)
         _llama3_config(config, divisors, metadata, architecture)

@@ -128,6 +128,32 @@ def test_a_llama3_files_rope_freqs_turn_as_its_checkpoints_scaling(tmp_path):
             assert abs(got[token].logprob - want[token].logprob) < 1e-6
 
 
+@pytest.mark.parametrize(
+    ("arch", "rope"),
+    [
+        ("qwen3", dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+        ("qwen2", dict(rope_type="linear", factor=2.0)),
+    ],
+)
+def test_a_files_stated_rope_scaling_is_its_checkpoints(arch, rope, tmp_path):
+    """rope.scaling.type / factor / original_context_length, which transformers' GGUF reader
+    drops for Llama's four architectures (a Qwen3 -128K file's yarn): the file's RoPE and its
+    greedy tokens in float64 are its checkpoint's."""
+    rope = dict(rope, rope_theta=10000.0)
+    hf_dir = snap_to_float_gguf(make_tiny_checkpoint(tmp_path / "hf", arch, rope_parameters=rope))
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{arch}-scaled-F32.gguf")
+    ours, theirs = (ModelConfig.from_hf(str(p), dtype="float64") for p in (path, hf_dir))
+    assert theirs.rope_scaling != 1.0 or rope["rope_type"] == "linear"
+    assert (ours.rope_inv_freq, ours.rope_scaling) == (theirs.rope_inv_freq, theirs.rope_scaling)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = [{"prompt_token_ids": t} for t in random_prompts(3, 256, seed=4, max_len=60)]
+    outputs = []
+    for source in (hf_dir, path):
+        llm = LLM(str(source), dtype="float64", **DEVICE_KWARGS)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+
+
 def test_rope_freqs_are_llama3_parameters_or_refused(hf_dirs):
     """Meta's bands, other bands (recovered from the middle band's divisors, the same
     frequencies), and divisors no llama3 parameters give (refused)."""
