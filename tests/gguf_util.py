@@ -39,6 +39,7 @@ GGUF_ARCHS = {
     "phi3": "phi3",
     "glm4": "glm4",
     "olmo2": "olmo2",
+    "olmo3": "olmo2",  # llama.cpp's Olmo2Model converts OLMo 3, with its window
     "granite": "granite",
     "smollm3": "smollm3",
     "qwen2_moe": "qwen2moe",
@@ -262,6 +263,18 @@ def _lfm2moe_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
+def _olmo3_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's OLMo 3 (as olmo2): the window, which layers slide, the sliding layers' base
+    where it is not the global one (llama.cpp reads freq_base_swa)."""
+    if config.model_type != "olmo3":
+        return
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    local = config.rope_parameters["sliding_attention"]
+    if local["rope_theta"] != _rope(config)["rope_theta"]:
+        writer.add_rope_freq_base_swa(local["rope_theta"])
+
+
 def _exaone4_hparams(writer: gguf.GGUFWriter, config) -> None:
     """llama.cpp's EXAONE 4 converter: the window, and which layers slide, when it has one."""
     if config.sliding_window is not None:
@@ -389,6 +402,7 @@ _FAMILY_HPARAMS = {
     "qwen3next": _qwen35_hparams,
     "lfm2moe": _lfm2moe_hparams,
     "exaone4": _exaone4_hparams,
+    "olmo2": _olmo3_hparams,
     "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,

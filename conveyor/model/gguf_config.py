@@ -24,6 +24,9 @@ after the model's own). Qwen3-Next (`qwen3next`) states them so too; its convert
 in_proj_qkvz into attn_qkv and attn_gate, keeps in_proj_ba as ssm_ba, and keeps the value heads
 in transformers' order; every layer a mixture with a shared expert.
 
+OLMo 3 is converted as `olmo2` with a sliding window: sliding layers by plain RoPE, the full
+ones by the (yarn-scaled) global RoPE, as llama.cpp's olmo2 graph runs them.
+
 ERNIE 4.5 (`ernie4_5`) is stored as transformers holds it (its interleaved rotary pairs
 unpermuted). EXAONE 4 (`exaone4`) states its window and which layers slide
 (sliding_window_pattern); llama.cpp gives a 64-layer file that states none a 4096 window with
@@ -323,6 +326,8 @@ def _rope(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
         if scaling == "yarn":
             key = f"{arch}.rope.scaling.original_context_length"
             params["original_max_position_embeddings"] = metadata.get(key)
+            if (attn := metadata.get(f"{arch}.rope.scaling.attn_factor")) is not None:
+                params["attention_factor"] = attn
     return params
 
 
@@ -422,6 +427,30 @@ def _exaone4(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
+def _olmo2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """OLMo 2, or OLMo 3 where the file states a window (llama.cpp converts OLMo 3 as olmo2):
+    its sliding layers as the stated pattern (a list, or a period: every period-th layer full,
+    4 if none is stated), turning by plain RoPE of freq_base_swa (else the global base), the
+    full ones by the global RoPE with its (yarn) scaling, as llama.cpp's olmo2 graph does."""
+    _rotary_fraction(metadata, "olmo2", config)
+    window = metadata.get("olmo2.attention.sliding_window")
+    if not window:
+        return
+    config.update(model_type="olmo3", architectures=["Olmo3ForCausalLM"], sliding_window=window)
+    layers = config["num_hidden_layers"]
+    pattern = metadata.get("olmo2.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = pattern if isinstance(pattern, int) and pattern > 0 else 4
+        sliding = [i % period < period - 1 for i in range(layers)]  # llama.cpp's set_swa_pattern
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    full = config["rope_parameters"]
+    base = metadata.get("olmo2.rope.freq_base_swa", full["rope_theta"])
+    local = {"rope_type": "default", "rope_theta": base}
+    config["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+
+
 def _llama_like(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     return lambda metadata, config: _rotary_fraction(metadata, arch, config)
 
@@ -503,7 +532,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "phi3": _phi3,
     "qwen2vl": lambda metadata, config: config.update(use_sliding_window=False),
     "glm4": _llama_like("glm4"),  # its rotary half of each head: rope.dimension_count
-    "olmo2": _llama_like("olmo2"),
+    "olmo2": _olmo2,
     "granite": _llama_like("granite"),
     "smollm3": _smollm3,
     "qwen2moe": _llama_like("qwen2moe"),

@@ -67,6 +67,8 @@ GGUF_FAMILIES = {
     "qwen3_next": dict(decoder_sparse_step=1),
     "ernie4_5": {},  # interleaved rotary pairs, stored unpermuted
     "exaone4": {},  # output norms, q/k norms, a sliding layer (RoPE) then a global one (none)
+    # OLMo 2's layer as llama.cpp's olmo2: a sliding layer (plain RoPE), a full one (yarn)
+    "olmo3": {},
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -76,6 +78,7 @@ LLAMA_CPP_NAMES |= {
     "qwen3_moe": "qwen3moe",
     "lfm2_moe": "lfm2moe",
     "qwen3_next": "qwen3next",
+    "olmo3": "olmo2",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
 # Mixtral's checkpoint names of its MoE modules, and the names every loader gives them.
