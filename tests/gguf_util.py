@@ -41,6 +41,7 @@ GGUF_ARCHS = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # llama.cpp's Olmo2Model converts OLMo 3, with its window
     "granite": "granite",
+    "granitemoe": "granitemoe",
     "smollm3": "smollm3",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
@@ -53,13 +54,15 @@ GGUF_ARCHS = {
     "qwen3_next": "qwen3next",
     "ernie4_5": "ernie4_5",
     "exaone4": "exaone4",
+    "seed_oss": "seed_oss",
+    "olmoe": "olmoe",
 }
 # The experts' tensors one per expert in a checkpoint, and their 3-D stack in a GGUF file
 # (llama.cpp's converters merge them); the routers llama.cpp keeps in F32.
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
-PERMUTED_QK = ("llama", "granite", "smollm3")
+PERMUTED_QK = ("llama", "granite", "granitemoe", "smollm3")
 QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
 DELTA_NETS = (*QWEN35, "qwen3next")  # and Qwen3-Next: gated delta nets under the ssm keys
 LFM2 = ("lfm2", "lfm2moe")  # LFM2 and LFM2-MoE
@@ -408,6 +411,7 @@ _FAMILY_HPARAMS = {
     "gemma3": _gemma3_hparams,
     "phi3": _phi3_hparams,
     "granite": _granite_hparams,
+    "granitemoe": _granite_hparams,
 }
 
 
@@ -448,6 +452,10 @@ def check_expressible(config, arch: str) -> None:
         expected["layer_types"] = [
             "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in layers
         ]
+    if arch == "olmoe":  # llama.cpp's OlmoeModel writes 1e-5, its olmoe never renormalises
+        expected["rms_norm_eps"] = 1e-5
+        expected["norm_topk_prob"] = False
+        expected["tie_word_embeddings"] = False  # its olmoe needs an output tensor
     if arch == "lfm2moe":  # llama.cpp renormalises the chosen weights and scales them by 1
         expected["tie_word_embeddings"] = True  # its lfm2moe has no output tensor
         expected["norm_topk_prob"] = True
@@ -604,6 +612,12 @@ def _merged_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             gate, up = tensor.chunk(2, dim=1)
             merged[f"{name.removesuffix('gate_up_proj')}gate_proj.weight"] = gate
             merged[f"{name.removesuffix('gate_up_proj')}up_proj.weight"] = up
+            continue
+        if name.endswith(".block_sparse_moe.input_linear.weight"):  # Granite MoE's gate and up
+            gate, up = tensor.chunk(2, dim=1)
+            prefix = name.removesuffix("block_sparse_moe.input_linear.weight")
+            merged[f"{prefix}mlp.experts.gate_proj.weight"] = gate
+            merged[f"{prefix}mlp.experts.up_proj.weight"] = up
             continue
         if name.endswith((".mlp.experts.down_proj", ".feed_forward.experts.down_proj")):
             merged[f"{name}.weight"] = tensor

@@ -11,7 +11,8 @@ hidden / heads for the 27B models: 46 or 62 layers), SmolLM3's RoPE-less layers 
 fourth). A file that states one of these (`attention.sliding_window_pattern`,
 `rope.freq_base_swa`) is taken at its word.
 
-The mixtures of experts: `qwen2moe`, `qwen3moe`, and `llama` with `expert_count` (Mixtral).
+The mixtures of experts: `qwen2moe`, `qwen3moe`, `olmoe`, `granitemoe` (Granite's multipliers,
+its Q/K rows permuted as Granite's), and `llama` with `expert_count` (Mixtral).
 llama.cpp makes every layer a mixture in these, renormalises the top-k weights of `qwen3moe`
 and of Mixtral but not of `qwen2moe` (its build_moe_ffn's norm_w), and gates `qwen2moe`'s
 shared expert by a sigmoid; the configs say the same to transformers.
@@ -76,6 +77,9 @@ FAMILIES = {
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "exaone4": ("exaone4", "Exaone4ForCausalLM"),
+    "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
 }
 # A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral with its llama converter).
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -145,6 +149,9 @@ def hf_config_dict(
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "ernie4_5":  # biased projections (refused by model/families), by their tensors
         config["use_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if arch == "seed_oss":  # q/k/v biases and o_proj's, by their tensors
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+        config["attention_out_bias"] = "blk.0.attn_output.bias" in tensor_shapes
     if config.get("num_experts"):
         _experts(arch, config, tensor_shapes)
     return config
@@ -164,6 +171,14 @@ def _experts(arch: str, config: dict[str, Any], tensor_shapes: dict) -> None:
         config["num_local_experts"] = config.pop("num_experts")
         config.pop("moe_intermediate_size", None)
         config["sliding_window"] = None
+        return
+    if config["model_type"] == "granitemoe":  # experts of feed_forward_length
+        config["num_local_experts"] = config.pop("num_experts")
+        config.pop("moe_intermediate_size", None)
+        return
+    if config["model_type"] == "olmoe":  # experts of feed_forward_length, not renormalised
+        config.pop("moe_intermediate_size", None)  # (llama.cpp's olmoe: build_moe_ffn, no norm_w)
+        config["norm_topk_prob"] = False
         return
     if config["model_type"] == "lfm2_moe":  # its choosing bias, stated by its tensors
         config["use_expert_bias"] = any(n.endswith(".exp_probs_b.bias") for n in tensor_shapes)
@@ -546,4 +561,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "qwen3next": _qwen35("qwen3next"),
     "ernie4_5": _llama_like("ernie4_5"),
     "exaone4": _exaone4,
+    "seed_oss": _llama_like("seed_oss"),
+    "olmoe": _llama_like("olmoe"),
+    "granitemoe": _llama_like("granitemoe"),
 }

@@ -25,6 +25,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
 from conveyor.model.loader import (
+    _GRANITE_MOE_NAMES,
     _LFM2_EXPERT_NAMES,
     _LFM2_NAMES,
     _gpt_oss_experts,
@@ -69,6 +70,9 @@ GGUF_FAMILIES = {
     "exaone4": {},  # output norms, q/k norms, a sliding layer (RoPE) then a global one (none)
     # OLMo 2's layer as llama.cpp's olmo2: a sliding layer (plain RoPE), a full one (yarn)
     "olmo3": {},
+    "seed_oss": {},  # q/k/v and o_proj biases; its pre-MLP norm is llama.cpp's attn post norm
+    "olmoe": dict(rms_norm_eps=1e-5, tie_word_embeddings=False),  # 6 experts, not renormalised
+    "granitemoe": {},  # Granite's multipliers and permuted Q/K; input_linear split into gate, up
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -141,8 +145,9 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "lfm2":  # its names as the model reads them
         checkpoint = {renamed(name, _LFM2_NAMES): tensor for name, tensor in checkpoint.items()}
-    if converted.family == "lfm2_moe":  # and its stacked experts as each expert's
+    if converted.family in ("lfm2_moe", "granitemoe"):  # and its stacked experts as each one's
         names = (*_LFM2_NAMES, *_LFM2_EXPERT_NAMES)
+        names = _GRANITE_MOE_NAMES if converted.family == "granitemoe" else names
         checkpoint = {renamed(name, names): tensor for name, tensor in checkpoint.items()}
         cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
