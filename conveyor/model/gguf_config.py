@@ -232,7 +232,8 @@ def llama3_rope(
         a, minus_b = np.polyfit(1 / wavelen[middle], smooth, 1)
         if a > 0:
             low = float(-minus_b * original / a)
-            candidates.append({"low_freq_factor": low, "high_freq_factor": low + original / a})
+            high = low + float(original / a)
+            candidates.append({"low_freq_factor": low, "high_freq_factor": high})
     for bands in candidates:
         params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **bands}
         params["original_max_position_embeddings"] = original
