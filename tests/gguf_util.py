@@ -138,6 +138,15 @@ def _add_mtp_layers(writer, state, config, arch: str, qtype, count: int) -> None
             _add_tensor(writer, f"blk.{i}.nextn.{name}.weight", data, qtype)
 
 
+def transformers_config(path: Path, checkpoint: Path):
+    """transformers' config of a GGUF file written here from `checkpoint`, with the RoPE
+    scaling its GGUF reader drops (llama.cpp's rope_freqs and rope.scaling keys, which conveyor
+    reads) restated from the checkpoint: the reference a test compares a GGUF file's run with."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.rope_parameters = AutoConfig.from_pretrained(checkpoint).rope_parameters
+    return config
+
+
 def snap_to_float_gguf(hf_dir: Path) -> Path:
     """Rewrites the checkpoint's weights as the values its F32 and F16 GGUF files load back:
     matrices in float16's values, norms and biases in float32's (llama.cpp keeps 1-D tensors in

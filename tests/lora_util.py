@@ -25,13 +25,13 @@ ADAPTERS = {
 
 
 def make_adapter(
-    base: Path, out: Path, seed: int = 0, gguf_file: str | None = None, **lora_config
+    base: Path, out: Path, seed: int = 0, gguf_file: str | None = None, config=None, **lora_config
 ) -> Path:
     """A PEFT adapter with random A and B (init_lora_weights=False: the delta is not zero),
     saved by save_pretrained into `out`."""
     from peft import LoraConfig, get_peft_model
 
-    model = _base_model(base, gguf_file)
+    model = _base_model(base, gguf_file, config)
     torch.manual_seed(seed)
     config = LoraConfig(init_lora_weights=False, **lora_config)
     peft_model = get_peft_model(model, config)
@@ -39,16 +39,19 @@ def make_adapter(
     return out
 
 
-def peft_model(base: Path, adapter: Path | None, gguf_file: str | None = None):
-    """transformers' float64 model of `base` with the adapter applied by peft (None: bare)."""
+def peft_model(base: Path, adapter: Path | None, gguf_file: str | None = None, config=None):
+    """transformers' float64 model of `base` (with `config` where given: a GGUF file's, see
+    gguf_util.transformers_config) with the adapter applied by peft (None: bare)."""
     from peft import PeftModel
 
-    model = _base_model(base, gguf_file)
+    model = _base_model(base, gguf_file, config)
     if adapter is None:
         return model
     return PeftModel.from_pretrained(model, str(adapter)).eval()
 
 
-def _base_model(base: Path, gguf_file: str | None):
+def _base_model(base: Path, gguf_file: str | None, config=None):
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if config is not None:
+        kwargs["config"] = config
     return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64, **kwargs)

@@ -127,13 +127,14 @@ def _joined_mid_flight(trace) -> bool:
 
 @pytest.fixture(scope="module", params=["F32", "Q8_0"])
 def gguf_case(request, tiny_checkpoint, tmp_path_factory):
-    from gguf_util import write_gguf
+    from gguf_util import transformers_config, write_gguf
 
     path = write_gguf(
         tiny_checkpoint("llama"), tmp_path_factory.mktemp("gguf") / "tiny.gguf", request.param
     )
+    config = transformers_config(path, tiny_checkpoint("llama"))  # its llama3 RoPE too
     ref_model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float64
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float64
     )
     prompts = random_prompts(NUM_PROMPTS, ref_model.config.vocab_size, seed=2)
     reference = hf_greedy(ref_model, prompts, MAX_TOKENS)

@@ -144,20 +144,21 @@ def test_structured_output_under_an_adapter(case):
 @pytest.fixture(scope="module")
 def gguf_case(tiny_checkpoint, tmp_path_factory):
     """The tiny llama as a Q8_0 GGUF, and an adapter made on it."""
-    from gguf_util import write_gguf
+    from gguf_util import transformers_config, write_gguf
 
     path = write_gguf(tiny_checkpoint("llama"), tmp_path_factory.mktemp("gguf") / "t.gguf", "Q8_0")
+    config = transformers_config(path, tiny_checkpoint("llama"))  # its llama3 RoPE too
     adapter = make_adapter(path.parent, tmp_path_factory.mktemp("gguf-lora"), seed=7,
-                           gguf_file=path.name, **ADAPTERS["all"])  # fmt: skip
+                           gguf_file=path.name, config=config, **ADAPTERS["all"])  # fmt: skip
     prompts = random_prompts(4, 384, seed=6, max_len=30)
     lora = LoRARequest("all", 1, str(adapter))
-    models = [peft_model(path.parent, a, gguf_file=path.name) for a in (adapter, None)]
+    models = [peft_model(path.parent, a, path.name, config) for a in (adapter, None)]
     reference, base_reference = (hf_greedy(m, prompts, MAX_TOKENS) for m in models)
-    return path, prompts, lora, reference, base_reference
+    return path, prompts, lora, reference, base_reference, config
 
 
 def test_adapter_on_a_dequantized_gguf_matches_peft(gguf_case):
-    path, prompts, lora, reference, base_reference = gguf_case
+    path, prompts, lora, reference, base_reference, _ = gguf_case
     llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS, enable_lora=True, max_lora_rank=8,
               max_num_batched_tokens=16)  # fmt: skip
     loras = [lora, None, lora, None]
@@ -176,13 +177,13 @@ def test_adapter_on_a_quantized_base_keeps_it_quantized(gguf_case):
 
     if DEVICE_KWARGS["device"] != "cpu" or not quant.kernels_available():
         pytest.skip("the quantized CPU kernels do not run here")
-    path, prompts, lora, reference, _ = gguf_case
+    path, prompts, lora, reference, _, config = gguf_case
     llm = LLM(str(path), dtype="float32", enable_lora=True, max_lora_rank=8)
     assert isinstance(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, QuantLinear)
     sequences = [p + r[0] for p, r in zip(prompts, reference, strict=True)]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate(sequences, params, use_tqdm=False, lora_request=lora)
-    models = [peft_model(path.parent, a, gguf_file=path.name) for a in (lora.lora_path, None)]
+    models = [peft_model(path.parent, a, path.name, config) for a in (lora.lora_path, None)]
     for out, seq in zip(outputs, sequences, strict=True):
         got = torch.tensor(
             [pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]

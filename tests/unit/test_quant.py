@@ -337,10 +337,11 @@ def test_the_prompt_route_follows_the_cpu_and_its_switches(switches, quantized_g
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_quantization_none_of_a_q4_1_gguf_matches_transformers(quantized_gguf):
+def test_quantization_none_of_a_q4_1_gguf_matches_transformers(quantized_gguf, tiny_checkpoint):
     path = quantized_gguf("Q4_1")
+    config = gguf_util.transformers_config(path, tiny_checkpoint("llama"))  # its llama3 RoPE too
     ref_model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float64
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float64
     )
     prompts = random_prompts(4, ref_model.config.vocab_size, seed=5, max_len=20)
     reference = hf_greedy(ref_model, prompts, 6)
