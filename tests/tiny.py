@@ -156,6 +156,13 @@ FAMILIES = {
         num_experts_per_tok=2, intermediate_size=32, attention_multiplier=0.2,
         embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0,
     ),
+    "granitemoehybrid": dict(  # Granite 4.0 without Mamba2 layers: Granite's multipliers, its
+        # MLP the shared_mlp (input_linear gate then up)
+        architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid",
+        layer_types=["attention", "attention"], num_local_experts=0,
+        shared_intermediate_size=48, position_embedding_type="rope", attention_multiplier=0.2,
+        embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0,
+    ),
     "olmoe": dict(  # OLMo's q/k norms over all heads; every layer 6 experts, top-2
         architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=6,
         num_experts_per_tok=2, norm_topk_prob=False,

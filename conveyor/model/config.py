@@ -482,6 +482,8 @@ def _mlp_width(hf) -> int:
     adjusts it (2/3 of it, times block_ffn_dim_multiplier, rounded up to block_multiple_of);
     0 for Qwen3.5-MoE, which has no dense MLP nor a size for one."""
     width = int(getattr(hf, "intermediate_size", None) or 0)
+    if getattr(hf, "model_type", None) == "granitemoehybrid":  # its MLP is the shared_mlp
+        return int(hf.shared_intermediate_size)
     if getattr(hf, "block_auto_adjust_ff_dim", False):
         width = int(2 * width / 3)
         if hf.block_ffn_dim_multiplier is not None:

@@ -279,6 +279,28 @@ def _granite(hf, head_dim: int, local_rope: Callable) -> dict:
     )
 
 
+# Granite 4.0's Mamba2 layers (transformers' name, and the released configs')
+_MAMBA_LAYERS = ("linear_attention", "mamba")
+
+
+def _granite_hybrid(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Granite 4.0 (GraniteMoeHybrid) without Mamba2 layers nor experts (Granite-4.0-micro,
+    -1B, -350M): Granite's layer, its MLP the shared_mlp (shared_intermediate_size), RoPE where
+    position_embedding_type is "rope", none otherwise. Its -H models are refused by name."""
+    types = list(getattr(hf, "layer_types", None) or ())
+    if any(t in _MAMBA_LAYERS for t in types):
+        raise ValueError(
+            "unsupported Mamba2 layers (layer_types) of a GraniteMoeHybrid model (Granite 4.0-H): "
+            "its attention-only releases (Granite-4.0-micro, -1B, -350M) are served"
+        )
+    if int(getattr(hf, "num_local_experts", 0) or 0) > 0:
+        raise ValueError(
+            "unsupported mixture of experts beside the shared MLP of a GraniteMoeHybrid model"
+        )
+    rope = getattr(hf, "position_embedding_type", None) == "rope"
+    return dict(_granite(hf, head_dim, local_rope), ropes=() if rope else (-1,) * len(types))
+
+
 def _qwen3_5(hf, head_dim: int, local_rope: Callable) -> dict:
     """Qwen3.5: three gated delta nets to one attention layer (layer_types), norms scaling by
     1 + w, per-head q/k norms, attention gated by its q_proj's second half per head."""
@@ -440,6 +462,7 @@ _BUILDERS = {
     ),
     "granite": _granite,
     "granitemoe": _granite,
+    "granitemoehybrid": _granite_hybrid,
     "smollm3": _smollm3,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,

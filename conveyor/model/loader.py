@@ -114,6 +114,7 @@ def iter_weights(
         else:
             rename = {
                 "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES,
+                "granitemoehybrid": _GRANITE_HYBRID_NAMES,
                 "lfm2_moe": (*_LFM2_NAMES, *_LFM2_EXPERT_NAMES),
             }.get(family)  # fmt: skip
             skip = _NOT_READ.get(family)
@@ -125,7 +126,7 @@ def iter_weights(
                 weights = _stacked_experts(weights, cfg, cut_of)
             else:
                 weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, skip)
-        if shard.size > 1 and family == "phi3":
+        if shard.size > 1 and family in ("phi3", "granitemoehybrid"):  # fused gate_up_proj
             weights = _unfused(weights, cfg, cut_of)
         if cfg.parts.attn_gate:  # before the rows turn: q_proj's gate rows are no query's
             weights = _gated_queries(weights, cfg)
@@ -253,6 +254,11 @@ _GRANITE_MOE_NAMES = (
     (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
     (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
     (".block_sparse_moe.router.layer.", ".mlp.gate."),
+)
+# Granite 4.0's (attention-only GraniteMoeHybrid) MLP: input_linear is gate then up.
+_GRANITE_HYBRID_NAMES = (
+    (".shared_mlp.input_linear.", ".mlp.gate_up_proj."),
+    (".shared_mlp.output_linear.", ".mlp.down_proj."),
 )
 # Checkpoints that keep each layer's experts as two 3-D tensors (experts.gate_up_proj, gate
 # rows then up rows, and experts.down_proj), in x @ W form (as released) or nn.Linear's.

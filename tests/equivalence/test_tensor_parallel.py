@@ -36,6 +36,9 @@ CASES = {
     # Phi-3: q/k/v and gate/up fused in the checkpoint (each rank cuts its share of each part),
     # a sliding window on every layer (blocks freed as they leave it).
     "phi3-fused": ("phi3", {}),
+    # Granite 4.0 (attention-only GraniteMoeHybrid): its shared_mlp's input_linear is gate and
+    # up fused, cut per part as Phi-3's; Granite's multipliers.
+    "granite4-fused": ("granitemoehybrid", {}),
     # Qwen2-MoE: each of 6 experts and the shared expert split like a dense MLP (columns of
     # gate/up, rows of down), the router and the shared expert's gate replicated, one dense
     # layer next to the mixture.

@@ -1,7 +1,8 @@
 """A checkpoint conveyor cannot compute exactly is refused at load with the setting's name,
 never loaded and computed wrong: an unknown architecture (the error lists the families), a
 RoPE that depends on the sequence length (dynamic NTK), partial rotary dims beside q/k norms,
-another activation, biased MLPs, Gemma 3's bidirectional attention. A RoPE that changes past
+another activation, biased MLPs, Gemma 3's bidirectional attention, Granite 4.0-H's Mamba2
+layers. A RoPE that changes past
 a length (longrope, Ministral 3's query scale) serves within it, and past it as stated."""
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def test_the_mixtures_of_experts_are_supported():
         ("olmo2", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ("granitemoehybrid", {"layer_types": ["attention", "mamba"]}, "Mamba2 layers"),
+        ("granitemoehybrid", {"num_local_experts": 4}, "mixture of experts"),
     ],
-    ids=["dynamic-rope", "activation", "mlp-bias", "bidirectional"],
+    ids=["dynamic-rope", "activation", "mlp-bias", "bidirectional", "granite-4-h", "granite-moe"],
 )  # fmt: skip
 def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
     path = edited(make_tiny_checkpoint(tmp_path, family), **fields)
