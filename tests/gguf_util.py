@@ -42,6 +42,9 @@ GGUF_ARCHS = {
     "olmo3": "olmo2",  # llama.cpp's Olmo2Model converts OLMo 3, with its window
     "granite": "granite",
     "granitemoe": "granitemoe",
+    # llama.cpp's GraniteHybridModel writes Granite 4.0 without Mamba2 layers nor experts as
+    # granite: its shared_mlp as the MLP
+    "granitemoehybrid": "granite",
     "smollm3": "smollm3",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
@@ -621,6 +624,15 @@ def _merged_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             gate, up = tensor.chunk(2, dim=1)
             merged[f"{name.removesuffix('gate_up_proj')}gate_proj.weight"] = gate
             merged[f"{name.removesuffix('gate_up_proj')}up_proj.weight"] = up
+            continue
+        if name.endswith(".shared_mlp.input_linear.weight"):  # Granite 4.0's MLP: gate, then up
+            gate, up = tensor.chunk(2, dim=0)
+            prefix = name.removesuffix("shared_mlp.input_linear.weight")
+            merged[f"{prefix}mlp.gate_proj.weight"] = gate
+            merged[f"{prefix}mlp.up_proj.weight"] = up
+            continue
+        if name.endswith(".shared_mlp.output_linear.weight"):
+            merged[name.replace(".shared_mlp.output_linear.", ".mlp.down_proj.")] = tensor
             continue
         if name.endswith(".block_sparse_moe.input_linear.weight"):  # Granite MoE's gate and up
             gate, up = tensor.chunk(2, dim=1)

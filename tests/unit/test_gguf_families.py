@@ -25,6 +25,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
 from conveyor.model.loader import (
+    _GRANITE_HYBRID_NAMES,
     _GRANITE_MOE_NAMES,
     _LFM2_EXPERT_NAMES,
     _LFM2_NAMES,
@@ -73,6 +74,9 @@ GGUF_FAMILIES = {
     "seed_oss": {},  # q/k/v and o_proj biases; its pre-MLP norm is llama.cpp's attn post norm
     "olmoe": dict(rms_norm_eps=1e-5, tie_word_embeddings=False),  # 6 experts, not renormalised
     "granitemoe": {},  # Granite's multipliers and permuted Q/K; input_linear split into gate, up
+    # Granite 4.0 without Mamba2 layers, which llama.cpp writes as granite (its MLP's width the
+    # feed_forward_length: the released configs' intermediate_size is the shared MLP's)
+    "granitemoehybrid": dict(intermediate_size=48),
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -83,6 +87,7 @@ LLAMA_CPP_NAMES |= {
     "lfm2_moe": "lfm2moe",
     "qwen3_next": "qwen3next",
     "olmo3": "olmo2",
+    "granitemoehybrid": "granite",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
 # Mixtral's checkpoint names of its MoE modules, and the names every loader gives them.
@@ -143,6 +148,8 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
     if converted.family == "qwen3_5_moe":  # its stacked experts as each expert's, as loaded
         cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
+    if converted.family == "granitemoehybrid":  # its shared_mlp as the fused gate_up_proj
+        checkpoint = {renamed(n, _GRANITE_HYBRID_NAMES): t for n, t in checkpoint.items()}
     if converted.family == "lfm2":  # its names as the model reads them
         checkpoint = {renamed(name, _LFM2_NAMES): tensor for name, tensor in checkpoint.items()}
     if converted.family in ("lfm2_moe", "granitemoe"):  # and its stacked experts as each one's
@@ -180,7 +187,9 @@ def renamed(name: str, names=MIXTRAL_NAMES) -> str:
 def test_config_from_metadata_equals_checkpoint_config(converted: Converted):
     ours = ModelConfig.from_hf(str(converted.f32), dtype="float64")
     theirs = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
-    for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size"):
+    # llama.cpp writes Granite 4.0 without Mamba2 layers as Granite 3, the same layer
+    assert ours.architecture == {"granitemoehybrid": "granite"}.get(*[theirs.architecture] * 2)
+    for field in ("vocab_size", "hidden_size", "intermediate_size"):
         assert getattr(ours, field) == getattr(theirs, field), field
     for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings"):
         assert getattr(ours, field) == getattr(theirs, field), field
@@ -191,7 +200,10 @@ def test_config_from_metadata_equals_checkpoint_config(converted: Converted):
     )
     assert ours.rope_inv_freq == pytest.approx(theirs.rope_inv_freq, rel=1e-6)
     assert ours.rope_scaling == pytest.approx(theirs.rope_scaling, rel=1e-6)
-    assert_close_dicts(ours.parts.to_dict(), theirs.parts.to_dict())
+    theirs_parts = theirs.parts.to_dict()
+    if theirs.architecture == "granitemoehybrid":  # the same layer, under Granite 3's name
+        theirs_parts["family"] = "granite"
+    assert_close_dicts(ours.parts.to_dict(), theirs_parts)
 
 
 def test_a_phi3_files_longrope_factors_turn_as_its_checkpoints(tmp_path):
