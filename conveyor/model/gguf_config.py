@@ -137,14 +137,14 @@ def hf_config_dict(
     config["tie_word_embeddings"] = "output.weight" not in tensor_shapes
     for field, name in _TOKEN_IDS.items():
         config[field] = metadata.get(f"tokenizer.ggml.{name}_token_id")
-    config["rope_parameters"] = _rope(metadata, arch)
+    config["rope_parameters"] = rope_parameters(metadata, arch)
     _FAMILY_FIELDS["mixtral" if is_mixtral(metadata) else arch](metadata, config)
     if LONGROPE_TENSORS[0] in tensor_shapes:
         _longrope(metadata, config, rope_factors)
     if LLAMA3_TENSOR in tensor_shapes:
         if rope_factors is None or LLAMA3_TENSOR not in rope_factors:
             raise ValueError(f"a GGUF {arch} file's {LLAMA3_TENSOR} was not read")
-        _set_llama3(config, rope_factors[LLAMA3_TENSOR], metadata, arch)
+        set_llama3(config, rope_factors[LLAMA3_TENSOR], metadata, arch)
     if arch == "glm4":  # q/k/v biases, stated by their tensors
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "ernie4_5":  # biased projections (refused by model/families), by their tensors
@@ -267,10 +267,12 @@ def _llama3_divisors(params: dict[str, Any], head_dim: int):
     )
 
 
-def _set_llama3(
+def set_llama3(
     config: dict[str, Any], divisors: list[float], metadata: dict[str, Any], arch: str
 ) -> None:
-    """The rope_parameters (global ones, where a family has two) as the file's rope_freqs."""
+    """The config's rope_parameters (the global ones, where a family has two) as the file's
+    rope_freqs say: `config` holds rope_parameters, hidden_size, num_attention_heads and
+    head_dim where it has one."""
     params = config["rope_parameters"]
     params = params.get("full_attention", params)
     if params["rope_type"] != "default":
@@ -320,13 +322,9 @@ def _longrope(
 
 
 def rope_parameters(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The file's RoPE base and linear or yarn scaling as rope_parameters (Llama's four
-    architectures, whose config transformers reads without the scaling keys, take it so)."""
-    return _rope(metadata, arch)
-
-
-def _rope(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
-    """rope_parameters of the (global) layers: base, and llama.cpp's linear or yarn scaling."""
+    """rope_parameters of the (global) layers: base, and llama.cpp's linear or yarn scaling
+    (Llama's four architectures, whose config transformers reads without the scaling keys,
+    take them from here too)."""
     params: dict[str, Any] = {
         "rope_type": "default",
         "rope_theta": metadata.get(f"{arch}.rope.freq_base", 10000.0),
@@ -359,10 +357,8 @@ def _layer_types(metadata: dict[str, Any], arch: str, is_sliding: Callable[[int]
     """Per layer "sliding_attention" or "full_attention": the file's pattern, else llama.cpp's."""
     num_layers = metadata[f"{arch}.block_count"]
     pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        flags = [bool(p) for p in pattern]
-    elif isinstance(pattern, int) and pattern > 0:  # llama.cpp's set_swa_pattern(n)
-        flags = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    if isinstance(pattern, list) or (isinstance(pattern, int) and pattern > 0):
+        flags = _sliding_flags(pattern, num_layers)
     else:
         flags = [is_sliding(i) for i in range(num_layers)]
     if not metadata.get(f"{arch}.attention.sliding_window"):
@@ -421,6 +417,15 @@ def _gpt_oss(metadata: dict[str, Any], config: dict[str, Any]) -> None:
         config["rope_parameters"].update(truncate=False, beta_fast=32.0, beta_slow=1.0)
 
 
+def _sliding_flags(pattern: Any, num_layers: int, period: int = 4) -> list[bool]:
+    """Which layers slide, from a file's sliding_window_pattern: a flag per layer, or a period
+    (llama.cpp's set_swa_pattern(n): every n-th layer full), `period` where it states none."""
+    if isinstance(pattern, list):
+        return [bool(p) for p in pattern]
+    n = pattern if isinstance(pattern, int) and pattern > 0 else period
+    return [(i + 1) % n != 0 for i in range(num_layers)]
+
+
 _EXAONE4_32B_LAYERS = 64  # llama.cpp's EXAONE 4.0 32B: a 4096 window, every fourth layer global
 
 
@@ -432,13 +437,7 @@ def _exaone4(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     big = num_layers == _EXAONE4_32B_LAYERS
     window = metadata.get("exaone4.attention.sliding_window") or (4096 if big else None)
     pattern = metadata.get("exaone4.attention.sliding_window_pattern")
-    if window and isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    elif window:
-        sliding = [(i + 1) % (pattern if isinstance(pattern, int) and pattern else 4) != 0
-                   for i in range(num_layers)]  # fmt: skip
-    else:
-        sliding = [False] * num_layers
+    sliding = _sliding_flags(pattern, num_layers) if window else [False] * num_layers
     config["sliding_window"] = window
     config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
 
@@ -453,13 +452,8 @@ def _olmo2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     if not window:
         return
     config.update(model_type="olmo3", architectures=["Olmo3ForCausalLM"], sliding_window=window)
-    layers = config["num_hidden_layers"]
     pattern = metadata.get("olmo2.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:
-        period = pattern if isinstance(pattern, int) and pattern > 0 else 4
-        sliding = [i % period < period - 1 for i in range(layers)]  # llama.cpp's set_swa_pattern
+    sliding = _sliding_flags(pattern, config["num_hidden_layers"])
     config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     full = config["rope_parameters"]
     base = metadata.get("olmo2.rope.freq_base_swa", full["rope_theta"])

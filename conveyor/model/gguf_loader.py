@@ -46,8 +46,8 @@ from conveyor.model.gguf_config import (
     LONGROPE_TENSORS,
     hf_config_dict,
     is_mixtral,
-    llama3_rope,
     rope_parameters,
+    set_llama3,
 )
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the server's front end reads
@@ -681,21 +681,15 @@ def _hf_config_and_tokenizer(path: Path, architecture: str) -> tuple[Any, Any]:
         config.rope_parameters = dict(config.rope_parameters or {}) | stated
     divisors = _rope_factors(path, _header(path)).get(LLAMA3_TENSOR)
     if divisors is not None:  # llama3 scaling, which transformers' reader drops (gguf_config)
-        _llama3_config(config, divisors, metadata, architecture)
+        fields = {
+            "rope_parameters": {"rope_type": "default", **(config.rope_parameters or {})},
+            "head_dim": getattr(config, "head_dim", None),
+            "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads,
+        }
+        set_llama3(fields, divisors, metadata, architecture)
+        config.rope_parameters = fields["rope_parameters"]
     return config, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-def _llama3_config(config: Any, divisors: list[float], metadata: dict, architecture: str) -> None:
-    params = dict(config.rope_parameters or {})
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"a GGUF {architecture} file states rope_freqs and {params['rope_type']} scaling"
-        )
-    head_dim = getattr(config, "head_dim", None)
-    head_dim = head_dim or config.hidden_size // config.num_attention_heads
-    original = metadata.get(f"{architecture}.rope.scaling.original_context_length")
-    params.update(llama3_rope(divisors, params["rope_theta"], head_dim, original))
-    config.rope_parameters = params
 
 
 def _rope_factors(path: Path, header: _Header) -> dict[str, list[float]]:
