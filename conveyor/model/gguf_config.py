@@ -224,19 +224,22 @@ def llama3_rope(
         )
     factor = float(got.max())
     original = int(original or _LLAMA3_ORIGINAL)
-    candidates = [dict(_LLAMA3_DEFAULTS)]
+    candidates = [(original, _LLAMA3_DEFAULTS)]
     wavelen = 2 * math.pi / _float32_freqs(theta, rotary_dim)
     middle = (got > 1.0) & (got < factor)
     if factor > 1.0 and middle.sum() >= 2:  # smooth = a / wavelen - b on the middle band
         smooth = (1 / got[middle] - 1 / factor) / (1 - 1 / factor)
         a, minus_b = np.polyfit(1 / wavelen[middle], smooth, 1)
-        if a > 0:
-            low = float(-minus_b * original / a)
-            high = low + float(original / a)
-            candidates.append({"low_freq_factor": low, "high_freq_factor": high})
-    for bands in candidates:
+        # the original length that makes the low factor 1 (Meta's), where one does
+        fitted = round(a / -minus_b) if minus_b < 0 and a > 0 else original
+        for length in {fitted, original}:
+            if a > 0:
+                low = float(-minus_b * length / a)
+                bands = {"low_freq_factor": low, "high_freq_factor": low + float(length / a)}
+                candidates.append((length, bands))
+    for length, bands in candidates:
         params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **bands}
-        params["original_max_position_embeddings"] = original
+        params["original_max_position_embeddings"] = length
         if np.allclose(_llama3_divisors(params, rotary_dim), got, rtol=2e-6, atol=0):
             return params
     raise ValueError(

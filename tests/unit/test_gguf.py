@@ -162,9 +162,9 @@ def test_rope_freqs_are_llama3_parameters_or_refused(hf_dirs):
     params = llama3_rope(divisors, 10000.0, 32, original=64)
     assert (params["rope_type"], params["factor"], params["low_freq_factor"]) == ("llama3", 8, 1)
     assert (params["high_freq_factor"], params["original_max_position_embeddings"]) == (4, 64)
-    scaled = llama3_rope(divisors, 10000.0, 32)  # another original length: bands scaled with it
-    assert scaled["low_freq_factor"] == pytest.approx(8192 / 64)
-    assert scaled["high_freq_factor"] == pytest.approx(4 * 8192 / 64)
+    fitted = llama3_rope(divisors, 10000.0, 32)  # no original length stated: the line's
+    assert fitted["original_max_position_embeddings"] == 64  # the one that makes low 1
+    assert (fitted["low_freq_factor"], fitted["high_freq_factor"]) == pytest.approx((1, 4))
     config.rope_parameters = dict(config.rope_parameters, low_freq_factor=0.5, high_freq_factor=8)
     other = llama3_rope_factors(config).tolist()
     assert sum(1.0 < d < 8.0 for d in other) >= 2  # a middle band to fit
