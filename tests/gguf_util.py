@@ -42,6 +42,7 @@ GGUF_ARCHS = {
     "olmo3": "olmo2",  # llama.cpp's Olmo2Model converts OLMo 3, with its window
     "granite": "granite",
     "granitemoe": "granitemoe",
+    "ministral3": "mistral3",
     # llama.cpp's GraniteHybridModel writes Granite 4.0 without Mamba2 layers nor experts as
     # granite: its shared_mlp as the MLP
     "granitemoehybrid": "granite",
@@ -65,7 +66,7 @@ GGUF_ARCHS = {
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
-PERMUTED_QK = ("llama", "granite", "granitemoe", "smollm3")
+PERMUTED_QK = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
 QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
 DELTA_NETS = (*QWEN35, "qwen3next")  # and Qwen3-Next: gated delta nets under the ssm keys
 LFM2 = ("lfm2", "lfm2moe")  # LFM2 and LFM2-MoE
@@ -278,6 +279,14 @@ def _lfm2moe_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
+def _mistral3_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's Ministral3Model: yarn's mscale_all_dim as its log multiplier, the query
+    scale's beta as the attention temperature scale."""
+    rope = _rope(config)
+    writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+    writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+
+
 def _olmo3_hparams(writer: gguf.GGUFWriter, config) -> None:
     """llama.cpp's OLMo 3 (as olmo2): the window, which layers slide, the sliding layers' base
     where it is not the global one (llama.cpp reads freq_base_swa)."""
@@ -418,6 +427,7 @@ _FAMILY_HPARAMS = {
     "lfm2moe": _lfm2moe_hparams,
     "exaone4": _exaone4_hparams,
     "olmo2": _olmo3_hparams,
+    "mistral3": _mistral3_hparams,
     "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,
@@ -464,6 +474,8 @@ def check_expressible(config, arch: str) -> None:
         expected["layer_types"] = [
             "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in layers
         ]
+    if arch == "mistral3":  # one yarn log multiplier for both of transformers' mscales
+        expected["mscale"] = _rope(config)["mscale_all_dim"]
     if arch == "olmoe":  # llama.cpp's OlmoeModel writes 1e-5, its olmoe never renormalises
         expected["rms_norm_eps"] = 1e-5
         expected["norm_topk_prob"] = False
@@ -487,6 +499,8 @@ def _setting(config, name: str):
     params = getattr(config, "rope_parameters", None) or {}
     if name == "rope_theta":
         return _rope(config)["rope_theta"]
+    if name == "mscale":
+        return _rope(config).get("mscale")
     if name == "local rope_theta":
         return params["sliding_attention"]["rope_theta"]
     if name == "rope_scaling":

@@ -28,6 +28,9 @@ in transformers' order; every layer a mixture with a shared expert.
 OLMo 3 is converted as `olmo2` with a sliding window: sliding layers by plain RoPE, the full
 ones by the (yarn-scaled) global RoPE, as llama.cpp's olmo2 graph runs them.
 
+Ministral 3 is `mistral3`: its yarn with one yarn_log_multiplier for transformers' mscale
+and mscale_all_dim, and its query scale (llama_4_scaling_beta) as attention.temperature_scale.
+
 ERNIE 4.5 (`ernie4_5`) is stored as transformers holds it (its interleaved rotary pairs
 unpermuted). EXAONE 4 (`exaone4`) states its window and which layers slide
 (sliding_window_pattern); llama.cpp gives a 64-layer file that states none a 4096 window with
@@ -80,6 +83,8 @@ FAMILIES = {
     "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
+    # Ministral 3 (its yarn and query scale), else a Mistral (_mistral3)
+    "mistral3": ("ministral3", "Ministral3ForCausalLM"),
 }
 # A `llama` file with experts is Mixtral's (llama.cpp converts Mixtral with its llama converter).
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -445,6 +450,25 @@ def _exaone4(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
+def _mistral3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """Ministral 3, which llama.cpp converts as mistral3 (from Ministral3's llama converter: Q/K
+    permuted): its yarn, whose mscale and mscale_all_dim llama.cpp keeps as one
+    yarn_log_multiplier, the yarn betas where stated, and llama_4_scaling_beta as the attention's
+    temperature_scale. Without yarn, a Mistral."""
+    params = config["rope_parameters"]
+    if params["rope_type"] != "yarn":
+        config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+        config["sliding_window"] = None
+        return
+    log_mul = metadata.get("mistral3.rope.scaling.yarn_log_multiplier", 1.0)
+    params.update(mscale=log_mul, mscale_all_dim=log_mul)
+    for beta in ("beta_fast", "beta_slow"):
+        if (value := metadata.get(f"mistral3.rope.scaling.yarn_{beta}")) is not None:
+            params[beta] = value
+    if (scale := metadata.get("mistral3.attention.temperature_scale")) is not None:
+        params["llama_4_scaling_beta"] = scale
+
+
 def _olmo2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     """OLMo 2, or OLMo 3 where the file states a window (llama.cpp converts OLMo 3 as olmo2):
     its sliding layers as the stated pattern (a list, or a period: every period-th layer full,
@@ -562,4 +586,5 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "seed_oss": _llama_like("seed_oss"),
     "olmoe": _llama_like("olmoe"),
     "granitemoe": _llama_like("granitemoe"),
+    "mistral3": _mistral3,
 }

@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the server's fron
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *FAMILIES)
 # Architectures whose llama.cpp converter derives from its llama one, which permutes Q/K rows.
-_PERMUTED_QK = ("llama", "granite", "granitemoe", "smollm3")
+_PERMUTED_QK = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
 # Gemma's norms scale by 1 + w; llama.cpp stores 1 + w.
 _NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 

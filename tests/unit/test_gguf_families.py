@@ -77,6 +77,7 @@ GGUF_FAMILIES = {
     # Granite 4.0 without Mamba2 layers, which llama.cpp writes as granite (its MLP's width the
     # feed_forward_length: the released configs' intermediate_size is the shared MLP's)
     "granitemoehybrid": dict(intermediate_size=48),
+    "ministral3": {},  # yarn (one log multiplier), the query scale's beta, permuted Q/K
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -88,6 +89,7 @@ LLAMA_CPP_NAMES |= {
     "qwen3_next": "qwen3next",
     "olmo3": "olmo2",
     "granitemoehybrid": "granite",
+    "ministral3": "mistral3",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
 # Mixtral's checkpoint names of its MoE modules, and the names every loader gives them.
@@ -445,6 +447,21 @@ def test_an_exaone4_file_with_llama3_scaling_turns_as_its_checkpoint(tmp_path):
         for p in (hf_dir, path)
     ]  # fmt: skip
     assert outputs[0] == outputs[1]
+
+
+def test_a_mistral3_file_without_yarn_is_a_mistral():
+    """llama.cpp's mistral3 is Ministral 3 with its yarn (and query scale), else a Mistral."""
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 16.0,
+            "rope.scaling.original_context_length": 16384, "rope.scaling.yarn_log_multiplier": 1.0,
+            "attention.temperature_scale": 0.1}  # fmt: skip
+    config = hf_config_dict(metadata_of("mistral3", 2, **yarn), SHAPES)
+    params = config["rope_parameters"]
+    assert (config["model_type"], params["rope_type"]) == ("ministral3", "yarn")
+    assert (params["factor"], params["mscale"], params["mscale_all_dim"]) == (16, 1, 1)
+    assert params["llama_4_scaling_beta"] == pytest.approx(0.1)
+    plain = hf_config_dict(metadata_of("mistral3", 2), SHAPES)
+    assert (plain["model_type"], plain["architectures"]) == ("mistral", ["MistralForCausalLM"])
+    assert plain["rope_parameters"]["rope_type"] == "default" and plain["sliding_window"] is None
 
 
 def test_an_exaone4_files_sliding_layers_are_llama_cpps():
