@@ -67,6 +67,10 @@ FAMILIES = {
     # A Qwen2-VL / Qwen2.5-VL's language model, as llama.cpp converts it: Qwen2's tensors (its
     # multimodal RoPE sections are one position on text)
     "qwen2vl": ("qwen2", "Qwen2ForCausalLM"),
+    # A Qwen3-VL's (and Qwen3-VL-MoE's) language model: Qwen3's (Qwen3-MoE's) tensors; its
+    # interleaved multimodal RoPE is one position on text, its deepstack layers take images only
+    "qwen3vl": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3vlmoe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "granite": ("granite", "GraniteForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
@@ -568,6 +572,8 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "gemma3": _gemma3,
     "phi3": _phi3,
     "qwen2vl": lambda metadata, config: config.update(use_sliding_window=False),
+    "qwen3vl": _llama_like("qwen3vl"),
+    "qwen3vlmoe": _llama_like("qwen3vlmoe"),
     "glm4": _llama_like("glm4"),  # its rotary half of each head: rope.dimension_count
     "olmo2": _olmo2,
     "granite": _llama_like("granite"),

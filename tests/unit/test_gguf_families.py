@@ -478,12 +478,19 @@ def test_an_exaone4_files_sliding_layers_are_llama_cpps():
         assert types == (list("sssf") * 16 if window else ["f"] * layers)
 
 
-def test_a_qwen2vl_file_is_its_language_model_served_as_qwen2(tmp_path):
+@pytest.mark.parametrize(
+    ("family", "arch", "fields"),
+    [("qwen2", "qwen2vl", {}), ("qwen3", "qwen3vl", {}),
+     ("qwen3_moe", "qwen3vlmoe", dict(decoder_sparse_step=1))],
+)  # fmt: skip
+def test_a_vl_file_is_its_language_model_served_as_its_text_family(tmp_path, family, arch, fields):
     """llama.cpp converts a Qwen2-VL / Qwen2.5-VL's language model under its own architecture
-    name, `qwen2vl`, with Qwen2's tensors: served as Qwen2, the same tokens as the checkpoint."""
-    hf_dir = snap_to_float_gguf(make_tiny_checkpoint(tmp_path / "hf", "qwen2"))
-    path = write_gguf(hf_dir, tmp_path / "qwen2vl.gguf", "F32", arch="qwen2vl")
-    assert gguf_architecture(path) == "qwen2vl"
+    name, `qwen2vl`, with Qwen2's tensors, and a Qwen3-VL's (-MoE's) as `qwen3vl`
+    (`qwen3vlmoe`) with Qwen3's (Qwen3-MoE's): served as the text family, the same tokens as
+    the checkpoint."""
+    hf_dir = snap_to_float_gguf(make_tiny_checkpoint(tmp_path / "hf", family, **fields))
+    path = write_gguf(hf_dir, tmp_path / f"{arch}.gguf", "F32", arch=arch)
+    assert gguf_architecture(path) == arch
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
     prompts = random_prompts(4, 384, seed=7, max_len=30)
     runs = []
