@@ -620,7 +620,8 @@ def gguf_metadata(path: str | Path) -> dict[str, Any]:
     return _header(path).metadata
 
 
-# Bumped when what a cached folder holds for the same file changes (2: llama3 rope_freqs read).
+# Bumped when what a cached folder holds for the same file changes (2: llama3 rope_freqs and
+# the rope.scaling keys of Llama's four read into the config).
 _FOLDER_VERSION = 2
 
 
