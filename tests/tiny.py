@@ -271,6 +271,17 @@ HYBRIDS = {
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         decoder_sparse_step=2, **_QWEN3_5_TEXT,
     ),
+    "granite4-h": dict(  # Granite 4.0-H-Tiny's shape: Mamba2 layers 0, 1 and 3 (8 heads of 16
+        # in 2 groups, a state of 16), attention on layer 2 without RoPE, Granite's multipliers;
+        # every MLP 4 experts (top-2) and the ungated shared_mlp
+        architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid",
+        layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=48, position_embedding_type="nope",
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2,
+        attention_multiplier=0.2, embedding_multiplier=6.0, residual_multiplier=0.4,
+        logits_scaling=3.0,
+    ),
     "qwen3_5-vlm": dict(  # Qwen3.5's releases: the language model inside a VLM
         model_type="qwen3_5",
         text_config=dict(model_type="qwen3_5_text", **_QWEN3_5_TEXT),
@@ -374,6 +385,8 @@ def make_tiny_checkpoint(
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(0.2 * torch.randn_like(param))
+                if ".mamba." in name and name.rpartition(".")[2] in ("A_log", "D", "dt_bias"):
+                    param.add_(0.3 * torch.randn_like(param))  # per head: each head's own
             for name, buffer in model.named_buffers():  # LFM2-MoE's: it chooses the experts
                 if name.endswith("expert_bias"):
                     buffer.copy_(0.1 * torch.randn_like(buffer))

@@ -71,7 +71,7 @@ class EngineConfig:
             enforce_eager = True  # no decode steps to replay
         if model_config.parts.recurrent:
             cache_config = _hybrid_cache(args, cache_config)
-            enforce_eager = True  # the delta nets' per-sequence loops: no graphs to replay
+            enforce_eager = True  # the recurrent layers' per-sequence loops: no graphs to replay
         return cls(
             model_config,
             cache_config,

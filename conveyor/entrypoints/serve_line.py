@@ -402,8 +402,8 @@ _ACCEPTED: tuple[tuple[tuple[str, ...], dict, str], ...] = (
     (
         ("--mamba-ssm-cache-dtype", "--mamba-cache-dtype"),
         {"choices": ("auto", "float32"), "metavar": "{auto,float32}"},
-        "a hybrid model's recurrent states (Qwen3.5's delta nets, LFM2's convolutions) are "
-        "kept in float32 (float64 for a float64 model); 16-bit states are not offered",
+        "a hybrid model's recurrent states (Qwen3.5's delta nets, LFM2's convolutions, Mamba2 "
+        "layers) are kept in float32 (float64 for a float64 model); 16-bit states are not offered",
     ),
     (
         ("--mamba-block-size",),

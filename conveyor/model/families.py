@@ -117,6 +117,7 @@ class Parts:
     float32_route_weights: bool = False
     moe_intermediate_size: int = 0  # each expert's
     shared_expert_size: int = 0  # Qwen2-MoE's always-on expert, behind a sigmoid gate; 0 none
+    shared_expert_gate: bool = True  # False: added ungated (Granite 4.0's shared_mlp)
     # GPT-OSS: experts (and router) with biases, the clamped SwiGLU (act "swiglu_clamp":
     # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)),
     # attention sinks (a learned per-head logit in every softmax), a biased o_proj.
@@ -146,6 +147,11 @@ class Parts:
     linear_heads: tuple[int, int] = (0, 0)
     linear_dims: tuple[int, int] = (0, 0)
     linear_conv: int = 0
+    # "mamba2" (Granite 4.0-H's Mamba2 layers): (heads, head_dim, groups, state size), the
+    # convolution's bias, dt's clamp (transformers' time_step_limit)
+    mamba_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
+    mamba_conv_bias: bool = False
+    mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
     attn_gate: bool = False  # attention's output times sigmoid(gate rows of q_proj's)
 
     def window(self, layer: int) -> int:
@@ -281,24 +287,47 @@ def _granite(hf, head_dim: int, local_rope: Callable) -> dict:
 
 # Granite 4.0's Mamba2 layers (transformers' name, and the released configs')
 _MAMBA_LAYERS = ("linear_attention", "mamba")
+_ATTENTION_LAYERS = ("full_attention", "attention")
 
 
 def _granite_hybrid(hf, head_dim: int, local_rope: Callable) -> dict:
-    """Granite 4.0 (GraniteMoeHybrid) without Mamba2 layers nor experts (Granite-4.0-micro,
-    -1B, -350M): Granite's layer, its MLP the shared_mlp (shared_intermediate_size), RoPE where
-    position_embedding_type is "rope", none otherwise. Its -H models are refused by name."""
+    """Granite 4.0 (GraniteMoeHybrid): Granite's layer, its MLP the shared_mlp
+    (shared_intermediate_size; beside a mixture of experts, _granite_hybrid_moe, added ungated),
+    RoPE where position_embedding_type is "rope", none otherwise; the -H models' Mamba2 layers
+    (layer_types) in place of attention (model/recurrent.py)."""
     types = list(getattr(hf, "layer_types", None) or ())
-    if any(t in _MAMBA_LAYERS for t in types):
-        raise ValueError(
-            "unsupported Mamba2 layers (layer_types) of a GraniteMoeHybrid model (Granite 4.0-H): "
-            "its attention-only releases (Granite-4.0-micro, -1B, -350M) are served"
-        )
-    if int(getattr(hf, "num_local_experts", 0) or 0) > 0:
-        raise ValueError(
-            "unsupported mixture of experts beside the shared MLP of a GraniteMoeHybrid model"
-        )
+    if set(types) - set(_MAMBA_LAYERS) - set(_ATTENTION_LAYERS):
+        raise ValueError(f"unsupported layer_types {sorted(set(types))} for GraniteMoeHybrid")
     rope = getattr(hf, "position_embedding_type", None) == "rope"
-    return dict(_granite(hf, head_dim, local_rope), ropes=() if rope else (-1,) * len(types))
+    extra = dict(_granite(hf, head_dim, local_rope), ropes=() if rope else (-1,) * len(types))
+    if any(t in _MAMBA_LAYERS for t in types):
+        extra.update(_mamba2(hf, [t in _MAMBA_LAYERS for t in types]))
+    return extra
+
+
+def _mamba2(hf, layers: list[bool]) -> dict:
+    """The Mamba2 layers of a hybrid (transformers' mamba_* settings)."""
+    if getattr(hf, "mamba_proj_bias", False):
+        raise ValueError("unsupported mamba_proj_bias (biased Mamba2 projections)")
+    heads, head_dim = int(hf.mamba_n_heads), int(hf.mamba_d_head)
+    groups, size = int(hf.mamba_n_groups), int(hf.mamba_d_state)
+    if heads % groups or heads * head_dim != int(hf.mamba_expand * hf.hidden_size):
+        raise ValueError(
+            f"Mamba2 sizes: {heads} heads of {head_dim} in {groups} groups do not make "
+            f"mamba_expand * hidden_size"
+        )
+    kernel = int(hf.mamba_d_conv)
+    if not 2 <= kernel <= 8:
+        raise ValueError(f"unsupported mamba_d_conv {kernel} (2 to 8)")
+    limit = tuple(getattr(hf, "time_step_limit", None) or (0.0, float("inf")))
+    return dict(
+        linear_kind="mamba2",
+        linear_layers=tuple(layers),
+        linear_conv=kernel,
+        mamba_shape=(heads, head_dim, groups, size),
+        mamba_conv_bias=bool(getattr(hf, "mamba_conv_bias", True)),
+        mamba_dt_limit=(float(limit[0]), float(limit[1])),
+    )
 
 
 def _qwen3_5(hf, head_dim: int, local_rope: Callable) -> dict:
@@ -417,6 +446,18 @@ def _granitemoe_moe(hf, num_layers: int) -> dict:
     )
 
 
+def _granite_hybrid_moe(hf, num_layers: int) -> dict:
+    """Granite 4.0's experts (num_local_experts, 0: none): Granite MoE's mixture on every layer,
+    its shared_mlp added ungated."""
+    if not int(getattr(hf, "num_local_experts", 0) or 0):
+        return {}
+    return dict(
+        _granitemoe_moe(hf, num_layers),
+        shared_expert_size=int(hf.shared_intermediate_size),
+        shared_expert_gate=False,
+    )
+
+
 def _lfm2_moe(hf, num_layers: int) -> dict:
     """LFM2-MoE: dense MLPs on its first num_dense_layers, a mixture on the others."""
     dense = int(hf.num_dense_layers)
@@ -439,6 +480,7 @@ _MOE = {
     # Qwen3.5-MoE: a mixture with a shared expert on every layer, its top-k always renormalised
     "qwen3_5_moe": lambda hf, num_layers: dict(_qwen_moe(hf, num_layers), norm_topk_prob=True),
     "granitemoe": _granitemoe_moe,
+    "granitemoehybrid": _granite_hybrid_moe,
     "olmoe": _olmoe_moe,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,

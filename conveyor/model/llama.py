@@ -257,6 +257,8 @@ def _compiled_moe(mlp: MoEMLP, ops: ModuleType):
     act = mlp.experts[0].act
     if act not in _EXPERT_ACTIVATIONS or mlp.router not in _ROUTERS:
         return None
+    if mlp.shared_expert is not None and mlp.shared_expert_gate is None:
+        return None  # Granite 4.0's ungated shared MLP: the modules (a hybrid's run so anyway)
     router = _projection(mlp.gate, ops)
     gate_up = [_projection(e.gate_up_proj, ops) for e in mlp.experts]
     down = [_projection(e.down_proj, ops) for e in mlp.experts]

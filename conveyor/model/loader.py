@@ -114,14 +114,20 @@ def iter_weights(
         else:
             rename = {
                 "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES,
-                "granitemoehybrid": _GRANITE_HYBRID_NAMES,
+                "granitemoehybrid": (
+                    _GRANITE_HYBRID_MOE_NAMES if any(cfg.parts.moe_layers)
+                    else _GRANITE_HYBRID_NAMES
+                ),
                 "lfm2_moe": (*_LFM2_NAMES, *_LFM2_EXPERT_NAMES),
             }.get(family)  # fmt: skip
             skip = _NOT_READ.get(family)
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
                 rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL + (skip or ())
             grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
-            if cfg.text_of in _STACKED_EXPERTS or family in _STACKED_FAMILIES:  # split, cut
+            stacked = family in _STACKED_FAMILIES or (
+                family == "granitemoehybrid" and any(cfg.parts.moe_layers)
+            )
+            if cfg.text_of in _STACKED_EXPERTS or stacked:  # split, then cut
                 weights = iter_safetensors(cfg.path, cfg.dtype, None, rename, grouped, skip)
                 weights = _stacked_experts(weights, cfg, cut_of)
             else:
@@ -260,6 +266,12 @@ _GRANITE_HYBRID_NAMES = (
     (".shared_mlp.input_linear.", ".mlp.gate_up_proj."),
     (".shared_mlp.output_linear.", ".mlp.down_proj."),
 )
+# Granite 4.0 with experts (-H-Tiny, -H-Small): Granite MoE's, its shared_mlp the shared expert.
+_GRANITE_HYBRID_MOE_NAMES = (
+    (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
+    (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."),
+    *_GRANITE_MOE_NAMES,
+)
 # Checkpoints that keep each layer's experts as two 3-D tensors (experts.gate_up_proj, gate
 # rows then up rows, and experts.down_proj), in x @ W form (as released) or nn.Linear's.
 _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
@@ -341,12 +353,14 @@ def _unfused(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, torch.Ten
         cfg.intermediate_size,
     )
     sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [inner, inner]}
+    shared = cfg.parts.shared_expert_size
     for name, tensor in weights:
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-        if module not in _FUSED:
+        if module not in _FUSED or ".mlp.experts." in name:
             yield name, tensor
             continue
-        for part, piece in zip(_FUSED[module], tensor.split(sizes[module]), strict=True):
+        split = [shared, shared] if ".shared_expert." in name else sizes[module]
+        for part, piece in zip(_FUSED[module], tensor.split(split), strict=True):
             part_name = name.replace(f".{module}.", f".{part}.")
             cut = cut_of(part_name)
             yield part_name, piece.contiguous() if cut is None else _cut(piece, cut).clone()

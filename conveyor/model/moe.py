@@ -91,8 +91,9 @@ class ExpertGroup(NamedTuple):
 
 
 class MoEMLP(nn.Module):
-    """Router + experts (+ Qwen2-MoE's gated shared expert); parameter names follow
-    transformers' checkpoints (mlp.gate, mlp.experts.N.*, mlp.shared_expert*)."""
+    """Router + experts (+ Qwen2-MoE's gated shared expert, or Granite 4.0's ungated one);
+    parameter names follow transformers' checkpoints (mlp.gate, mlp.experts.N.*,
+    mlp.shared_expert*)."""
 
     def __init__(self, cfg, tp: TPGroup) -> None:
         super().__init__()
@@ -121,11 +122,12 @@ class MoEMLP(nn.Module):
         self.experts = nn.ModuleList(
             Expert(cfg.hidden_size, size, parts, bias) for _ in range(parts.num_experts)
         )
-        self.shared_expert = None
+        self.shared_expert = self.shared_expert_gate = None
         if parts.shared_expert_size:
             shared = tp.shard.part(parts.shared_expert_size)[1]
             self.shared_expert = Expert(cfg.hidden_size, shared, parts)
-            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+            if parts.shared_expert_gate:
+                self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 
     def route(self, x: torch.Tensor) -> Routes:
         """Each row's top_k experts and their weights, as transformers' TopKRouter."""
@@ -167,7 +169,9 @@ class MoEMLP(nn.Module):
             weight = routes.weights[group.rows, group.slots].unsqueeze(1)  # (n, 1)
             # each row at most once per expert: one add per row, in ascending expert id
             out.index_add_(0, group.rows, (h * weight).to(x.dtype))
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is None:
+            out = out + self.shared_expert(x)  # Granite 4.0's shared_mlp, after the experts'
+        elif self.shared_expert is not None:
             shared = self.shared_expert(x)
             gate = self.shared_expert_gate(x)  # (T, 1)
             ops = row_ops(out)

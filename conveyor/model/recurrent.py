@@ -17,6 +17,11 @@ for a float64 model; transformers' runs float32) in compiled ops on the CPU
 sequence and head on its own thread, its sums in one order) or their PyTorch twins
 (causal_conv_reference, delta_rule_reference: CUDA), so a token's values are the same bits
 however its prompt was chunked and whatever else the step holds.
+
+Mamba2 (Granite 4.0-H's `mamba` layers, Mamba2Mixer) takes the same two recurrences' shape: the
+convolution (with a bias) over x, B and C, then per head a (head_dim, state) matrix S that each
+token decays by exp(dt A) and adds (dt x) B^T to, read as S C + D x; the heads' outputs gated by
+silu(z) and RMS-normed per group (kernels/layer/mamba.cpp, its twin mamba2_reference).
 """
 
 from __future__ import annotations
@@ -77,6 +82,10 @@ def state_shapes(cfg, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]
     parts = cfg.parts
     if parts.linear_kind == "short_conv":
         return (num_slots, cfg.hidden_size, parts.linear_conv - 1), (num_slots, 0)
+    if parts.linear_kind == "mamba2":
+        heads, head_dim, groups, size = parts.mamba_shape
+        conv_dim = heads * head_dim + 2 * groups * size
+        return (num_slots, conv_dim, parts.linear_conv - 1), (num_slots, heads, head_dim, size)
     (key_heads, value_heads), (key_dim, value_dim) = parts.linear_heads, parts.linear_dims
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
     conv = (num_slots, conv_dim, parts.linear_conv - 1)
@@ -87,6 +96,8 @@ def recurrent_mixer(cfg, index: int) -> tuple[str, nn.Module]:
     """A hybrid's recurrent layer in place of attention, and its checkpoint name."""
     if cfg.parts.linear_kind == "short_conv":
         return "conv", ShortConv(cfg)
+    if cfg.parts.linear_kind == "mamba2":
+        return "mamba", Mamba2Mixer(cfg)
     return "linear_attn", GatedDeltaNet(cfg, index)
 
 
@@ -183,6 +194,88 @@ class GatedDeltaNet(nn.Module):
             args = (conv[begin:end, None], a[begin:end, None], b[begin:end, None])
             out[begin:end] = rule(state.ssm, slot, *args, z[begin:end, None], *fixed)[:, 0]
         return self.out_proj(out.to(dtype).reshape(num_tokens, -1))
+
+
+class Mamba2Mixer(nn.Module):
+    """Granite 4.0-H's `mamba` layer (transformers' names: in_proj to z, x B C and dt; conv1d
+    with its bias; dt_bias, A_log, D; norm, the gated RMSNorm per group; out_proj)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        parts = cfg.parts
+        self.heads, self.head_dim, self.groups, self.state_size = parts.mamba_shape
+        inner = self.heads * self.head_dim
+        self.conv_dim = inner + 2 * self.groups * self.state_size
+        self.sizes = [inner, self.conv_dim, self.heads]
+        self.in_proj = Linear(cfg.hidden_size, sum(self.sizes))
+        self.conv1d = nn.Module()  # holds the checkpoint's conv1d.weight (conv_dim, 1, K), bias
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, parts.linear_conv))
+        if parts.mamba_conv_bias:
+            self.conv1d.bias = nn.Parameter(torch.zeros(self.conv_dim))
+        else:  # zeros the checkpoint does not hold: x + 0 is x
+            self.conv1d.register_buffer("bias", torch.zeros(self.conv_dim))
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GatedRMSNorm(inner, cfg.rms_norm_eps)
+        self.out_proj = Linear(inner, cfg.hidden_size)
+        self.dt_limit = parts.mamba_dt_limit
+
+    def forward(self, x: torch.Tensor, state: RecurrentState, rows: RecurrentRows, ops=None):
+        """ops: the compiled ops (causal_conv, mamba2_mix) on the CPU; None: their twins."""
+        sdt = state.ssm.dtype
+        z, xbc, dt = (t.to(sdt) for t in self.in_proj(x).split(self.sizes, dim=-1))
+        conv_op = causal_conv_reference if ops is None else ops.causal_conv
+        mix = mamba2_reference if ops is None else ops.mamba2_mix
+        _start_fresh(state, rows)
+        weight = self.conv1d.weight[:, 0, :].to(sdt)  # (conv_dim, K)
+        conv = conv_op(state.conv, rows.all_slots, rows.starts, xbc, weight)  # (T, conv_dim)
+        fixed = (self.A_log, self.dt_bias, self.D, self.norm.weight)
+        out = mix(
+            state.ssm, rows.all_slots, rows.starts, conv, self.conv1d.bias.to(sdt), dt, z,
+            *(t.to(sdt) for t in fixed), self.norm.eps, self.groups, *self.dt_limit,
+        )  # fmt: skip
+        return self.out_proj(out.to(x.dtype))
+
+
+def mamba2_reference(
+    state: torch.Tensor,  # (slots, H, P, N): updated in place
+    slots: torch.Tensor,  # (S,)
+    starts: list[int],  # (S + 1,) the sequences' rows
+    conv: torch.Tensor,  # (T, H P + 2 G N): x, B, C after the convolution, before its bias
+    conv_bias: torch.Tensor,
+    dt: torch.Tensor,  # (T, H) before dt_bias and softplus
+    z: torch.Tensor,  # (T, H P): the output gate's
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    groups: int,
+    dt_min: float,
+    dt_max: float,
+) -> torch.Tensor:
+    """kernels/layer/mamba.cpp's mamba2_mix in PyTorch (the CUDA path, and the twin its test
+    compares with): (T, H P) outputs, gated and normed."""
+    heads, head_dim, size = state.shape[1:]
+    inner = heads * head_dim
+    act = F.silu(conv + conv_bias)
+    x = act[:, :inner].reshape(-1, heads, head_dim)
+    per_group = heads // groups  # each group's B and C serve `per_group` consecutive heads
+    B = act[:, inner : inner + groups * size].reshape(-1, groups, size)
+    C = act[:, inner + groups * size :].reshape(-1, groups, size)
+    B, C = B.repeat_interleave(per_group, dim=1), C.repeat_interleave(per_group, dim=1)
+    dt = F.softplus(dt + dt_bias).clamp(dt_min, dt_max)  # (T, H)
+    decay = torch.exp(dt * -torch.exp(A_log))
+    y = torch.empty(conv.shape[0], heads, head_dim, dtype=state.dtype, device=state.device)
+    for s, slot in enumerate(slots.tolist()):
+        S = state[slot]  # (H, P, N), a view: updated in place
+        for t in range(starts[s], starts[s + 1]):
+            S.mul_(decay[t][:, None, None]).add_((x[t] * dt[t][:, None])[..., None] * B[t][:, None])
+            y[t] = (S * C[t][:, None]).sum(-1) + D[:, None] * x[t]
+    gated = (y.reshape(-1, inner) * F.silu(z)).reshape(-1, groups, inner // groups)
+    normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.reshape(-1, inner) * norm_weight
 
 
 def causal_conv_reference(

@@ -1,10 +1,11 @@
 """Hybrid models (recurrent layers beside attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, LFM2,
-LFM2-MoE; model/recurrent.py) against transformers in float64 on tiny random checkpoints: greedy
-tokens equal its generate, logprobs agree, all prompts in one step, chunked at an odd budget
-with arrivals while others decode, and preempted in a small cache (a recompute starts its state
-from zeros); each sequence holds one state slot while it runs. Tokens and logprobs are the
-same bits alone or batched, whatever the chunking (float32). Speculation is refused and prefix
-caching is off (a cached prefix's blocks carry no recurrent state)."""
+LFM2-MoE, Granite 4.0-H's Mamba2 layers with experts; model/recurrent.py) against transformers
+in float64 on tiny random checkpoints: greedy tokens equal its generate, logprobs agree, all
+prompts in one step, chunked at an odd budget with arrivals while others decode, and preempted
+in a small cache (a recompute starts its state from zeros); each sequence holds one state slot
+while it runs. Tokens and logprobs are the same bits alone or batched, whatever the chunking
+(float32). Speculation is refused and prefix caching is off (a cached prefix's blocks carry no
+recurrent state)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,15 @@ def _case(name: str, tmp_path_factory):
 
 @pytest.fixture(
     scope="module",
-    params=["qwen3_5", "qwen3_5_moe", "qwen3_5-vlm", "qwen3_next", "lfm2", "lfm2_moe"],
+    params=[
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5-vlm",
+        "qwen3_next",
+        "lfm2",
+        "lfm2_moe",
+        "granite4-h",
+    ],
 )
 def hybrid(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)
@@ -98,7 +107,10 @@ def qwen3_5(tmp_path_factory):
     return _case("qwen3_5", tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe"])
+@pytest.fixture(
+    scope="module",
+    params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "granite4-h"],
+)
 def layers(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)
 
@@ -201,7 +213,7 @@ def test_state_slots_share_the_cache_memory_and_bound_the_running_requests(qwen3
     assert_reference(done, reference)
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("case", ["qwen3_5", "lfm2", "granite4-h"])
 def test_the_pytorch_twins_give_transformers_tokens(case, tmp_path_factory, monkeypatch):
     """The recurrent layers' PyTorch twins (the path off the CPU, CUDA's: delta_rule_reference,
     causal_conv_reference), run here in place of the compiled ops, chunked at an odd budget."""

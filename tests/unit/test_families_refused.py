@@ -1,8 +1,8 @@
 """A checkpoint conveyor cannot compute exactly is refused at load with the setting's name,
 never loaded and computed wrong: an unknown architecture (the error lists the families), a
 RoPE that depends on the sequence length (dynamic NTK), partial rotary dims beside q/k norms,
-another activation, biased MLPs, Gemma 3's bidirectional attention, Granite 4.0-H's Mamba2
-layers. A RoPE that changes past
+another activation, biased MLPs, Gemma 3's bidirectional attention, biased Mamba2 projections
+and a layer type Granite 4.0 does not have. A RoPE that changes past
 a length (longrope, Ministral 3's query scale) serves within it, and past it as stated."""
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def test_the_mixtures_of_experts_are_supported():
         ("olmo2", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-        ("granitemoehybrid", {"layer_types": ["attention", "mamba"]}, "Mamba2 layers"),
-        ("granitemoehybrid", {"num_local_experts": 4}, "mixture of experts"),
+        ("granite4-h", {"mamba_proj_bias": True}, "mamba_proj_bias"),
+        ("granitemoehybrid", {"layer_types": ["attention", "sliding_attention"]}, "layer_types"),
     ],
-    ids=["dynamic-rope", "activation", "mlp-bias", "bidirectional", "granite-4-h", "granite-moe"],
+    ids=["dynamic-rope", "activation", "mlp-bias", "bidirectional", "mamba-proj-bias",
+         "granite-layer-type"],
 )  # fmt: skip
 def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
     path = edited(make_tiny_checkpoint(tmp_path, family), **fields)

@@ -49,6 +49,7 @@ SOURCES = (
     "gemm/quant_gemm.cpp",
     "layer/decoder_layer.cpp",
     "layer/deltanet.cpp",
+    "layer/mamba.cpp",
     "gemm/panel_gemm.cpp",
     "lora/lora_gemm.cpp",
     "gemm/amx_gemm.cpp",

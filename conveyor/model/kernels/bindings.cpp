@@ -69,6 +69,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a delta net's causal depthwise convolution over a step's rows, sequence by sequence "
         "(each one's kept inputs updated in place)", py::arg("state"), py::arg("slots"),
         py::arg("starts"), py::arg("x"), py::arg("weight"));
+  m.def("mamba2_mix", &layer::mamba2_mix,
+        "a Mamba2 layer's SSM over a step's sequences after its convolution (state slots "
+        "updated in place): (T, H P) outputs gated by silu(z) and RMS-normed per group",
+        py::arg("state"), py::arg("slots"), py::arg("starts"), py::arg("conv"),
+        py::arg("conv_bias"), py::arg("dt"), py::arg("z"), py::arg("A_log"), py::arg("dt_bias"),
+        py::arg("D"), py::arg("norm_weight"), py::arg("eps"), py::arg("groups"),
+        py::arg("dt_min"), py::arg("dt_max"));
   m.def("sigmoid_mul", &layer::sigmoid_mul, "x * sigmoid(gate) row by row (float32)",
         py::arg("x"), py::arg("gate"));
   namespace q = gemm::quant;

@@ -199,6 +199,13 @@ at::Tensor causal_conv(at::Tensor& state, const at::Tensor& slots,
                        const std::vector<int64_t>& starts, const at::Tensor& x,
                        const at::Tensor& weight);
 at::Tensor sigmoid_mul(const at::Tensor& x, const at::Tensor& gate);
+// layer/mamba.cpp
+at::Tensor mamba2_mix(at::Tensor& state, const at::Tensor& slots,
+                      const std::vector<int64_t>& starts, const at::Tensor& conv,
+                      const at::Tensor& conv_bias, const at::Tensor& dt, const at::Tensor& z,
+                      const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& D,
+                      const at::Tensor& norm_weight, double eps, int64_t groups, double dt_min,
+                      double dt_max);
 }  // namespace layer
 
 }  // namespace conveyor
