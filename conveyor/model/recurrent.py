@@ -126,7 +126,8 @@ class ShortConv(nn.Module):
         _start_fresh(state, rows)
         conv_op = causal_conv_reference if ops is None else ops.causal_conv
         weight = self.conv.weight[:, 0, :].to(sdt)
-        conv = conv_op(state.conv, rows.all_slots, rows.starts, (b * h).to(sdt), weight)
+        bx = (b * h).to(sdt).contiguous()  # (a projection may give column-major rows)
+        conv = conv_op(state.conv, rows.all_slots, rows.starts, bx, weight)
         return self.out_proj(c * conv.to(x.dtype))
 
 
@@ -177,7 +178,8 @@ class GatedDeltaNet(nn.Module):
         )  # fmt: skip
         _start_fresh(state, rows)
         weight = self.conv1d.weight[:, 0, :].to(sdt)  # (conv_dim, K)
-        conv = conv_op(state.conv, rows.all_slots, rows.starts, mixed, weight)  # (T, conv_dim)
+        # (T, conv_dim); the ops read unit-stride rows, a projection may give column-major ones
+        conv = conv_op(state.conv, rows.all_slots, rows.starts, mixed.contiguous(), weight)
         z = z.reshape(num_tokens, heads, dim)
         if rows.single.numel() == num_tokens:  # every row a sequence's one: no gathers
             args = (conv[None], a[None], b[None], z[None])
@@ -224,7 +226,8 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, state: RecurrentState, rows: RecurrentRows, ops=None):
         """ops: the compiled ops (causal_conv, mamba2_mix) on the CPU; None: their twins."""
         sdt = state.ssm.dtype
-        z, xbc, dt = (t.to(sdt) for t in self.in_proj(x).split(self.sizes, dim=-1))
+        # (a projection may give its rows column-major: the ops read unit-stride rows)
+        z, xbc, dt = (t.to(sdt).contiguous() for t in self.in_proj(x).split(self.sizes, dim=-1))
         conv_op = causal_conv_reference if ops is None else ops.causal_conv
         mix = mamba2_reference if ops is None else ops.mamba2_mix
         _start_fresh(state, rows)

@@ -232,6 +232,22 @@ def test_the_pytorch_twins_give_transformers_tokens(case, tmp_path_factory, monk
     assert calls  # the twins ran
 
 
+@pytest.mark.parametrize("case", ["qwen3_5", "lfm2", "granite4-h"])
+def test_column_major_projection_outputs_feed_the_recurrent_layers(
+    case, tmp_path_factory, monkeypatch
+):
+    """Off the panels (batch_invariant off, or a bfloat16 model) a projection may run as (W @
+    x^T)^T, its rows column-major, where this machine measured that form fastest: the
+    recurrent layers' ops read unit-stride rows, so they take a contiguous copy (a bfloat16
+    Qwen3.5 stopped its engine with 'rows of unit stride' on such a machine)."""
+    import conveyor.model.layers as layers
+
+    path, prompts, reference = _case(case, tmp_path_factory)
+    monkeypatch.setattr(layers, "matmul_form", lambda x: "transposed")
+    engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, batch_invariant=False)
+    assert_reference(run(engine, requests(prompts), arrive_every=2), reference)
+
+
 def test_aborted_requests_give_their_slots_back(qwen3_5):
     """Requests aborted while prefilling and while decoding free their state slots at once; the
     others finish with transformers' tokens, and an idle engine holds no slot."""
