@@ -132,7 +132,10 @@ def iter_weights(
                 weights = _stacked_experts(weights, cfg, cut_of)
             else:
                 weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, skip)
-        if shard.size > 1 and family in ("phi3", "granitemoehybrid"):  # fused gate_up_proj
+        # Fused q/k/v or gate/up tensors, split where a rank cuts them or quantized modules
+        # take them by their parts (QuantPlan: each part's blocks).
+        fused = family in ("phi3", "granitemoehybrid", "glm", "glm4")
+        if fused and (shard.size > 1 or plan is not None):
             weights = _unfused(weights, cfg, cut_of)
         if cfg.parts.attn_gate:  # before the rows turn: q_proj's gate rows are no query's
             weights = _gated_queries(weights, cfg)

@@ -367,6 +367,46 @@ def test_int8_quantizes_a_float_checkpoint(tiny_checkpoint):
     assert isinstance(qkv, QuantLinear) and qkv.format == "q8" and qkv.bias is not None
 
 
+# Checkpoints whose projections are stored fused (Phi-3's qkv_proj and gate_up_proj, Granite
+# 4.0's shared_mlp.input_linear, beside experts in the -H one) or as one matrix where a delta
+# net's has four parts (LFM2's and Mamba2's in_proj).
+FUSED_OR_SINGLE = {
+    "phi3": "model.layers.0.mlp.gate_up_proj",
+    "granitemoehybrid": "model.layers.0.shared_mlp.input_linear",
+    "lfm2": "model.layers.0.conv.in_proj",
+    "granite4-h": "model.layers.0.mamba.in_proj",
+}
+
+
+@pytest.mark.parametrize("family", list(FUSED_OR_SINGLE))
+def test_int8_quantizes_every_projection_of_fused_and_recurrent_families(family, tmp_path):
+    """Every projection in int8 blocks, each block within half a step of the checkpoint's
+    rows (these refused to load: 'checkpoint has a tensor this model does not use')."""
+    from safetensors.torch import load_file
+    from tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / family, family)
+    llm = LLM(str(path), dtype="float32", quantization="int8", num_blocks=16)
+    model = llm.engine.runner.model
+    leaves = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj", "out_proj")
+    projections = {n: m for n, m in model.named_modules() if n.endswith(leaves)}
+    whole_blocks = [m for m in projections.values() if _in_features(m) % 32 == 0]
+    assert whole_blocks and {type(m).__name__ for m in whole_blocks} == {"QuantLinear"}
+    stored = FUSED_OR_SINGLE[family]
+    want = load_file(path / "model.safetensors")[f"{stored}.weight"].float()
+    got = projections[stored.replace("shared_mlp.input_linear", "mlp.gate_up_proj")]
+    blocks = want.reshape(want.shape[0], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127  # each block's int8 step
+    error = (got.weight_blocks.dequantize().reshape(blocks.shape) - blocks).abs()
+    assert (error <= step * 0.5 + 1e-3 * step + 1e-6).all()
+    outputs = llm.generate(random_prompts(2, 384, seed=4, max_len=20), GREEDY, use_tqdm=False)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [GREEDY.max_tokens] * 2
+
+
+def _in_features(module) -> int:
+    return module.in_features if isinstance(module, QuantLinear) else module.weight.shape[1]
+
+
 def test_tied_lm_head_shares_the_embedding_blocks(tmp_path):
     from tiny import make_tiny_checkpoint
 
