@@ -44,7 +44,7 @@ GGUF_ARCHS = {
     "granitemoe": "granitemoe",
     "ministral3": "mistral3",
     # llama.cpp's GraniteHybridModel writes Granite 4.0 without Mamba2 layers nor experts as
-    # granite: its shared_mlp as the MLP
+    # granite: its shared_mlp as the MLP; with Mamba2 layers as granitehybrid (gguf_arch)
     "granitemoehybrid": "granite",
     "smollm3": "smollm3",
     "qwen2_moe": "qwen2moe",
@@ -66,7 +66,7 @@ GGUF_ARCHS = {
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
-PERMUTED_QK = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
+PERMUTED_QK = ("llama", "granite", "granitemoe", "granitehybrid", "smollm3", "mistral3")
 QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
 DELTA_NETS = (*QWEN35, "qwen3next")  # and Qwen3-Next: gated delta nets under the ssm keys
 LFM2 = ("lfm2", "lfm2moe")  # LFM2 and LFM2-MoE
@@ -103,7 +103,7 @@ def write_gguf(
         raise ValueError(f"qtype must be one of {sorted(QTYPES)}, got {qtype!r}")
     config = AutoConfig.from_pretrained(hf_dir)
     raw_config = json.loads((Path(hf_dir) / "config.json").read_text())
-    arch = arch or GGUF_ARCHS[config.model_type]
+    arch = arch or gguf_arch(config)
     writer = gguf.GGUFWriter(out_path, arch)
     # Not "mistral": transformers 5.23 maps a llama file named exactly so to Mistral, then fails.
     writer.add_name(f"tiny-{config.model_type}")
@@ -121,6 +121,18 @@ def write_gguf(
         _add_mtp_layers(writer, state, config, arch, QTYPES[qtype], mtp_layers)
     _finish(writer)
     return out_path
+
+
+def gguf_arch(config) -> str:
+    """llama.cpp's architecture for a checkpoint's config: its model type's, but Granite 4.0
+    with Mamba2 layers, which is granitehybrid."""
+    if config.model_type == "granitemoehybrid" and _mamba_layers(config):
+        return "granitehybrid"
+    return GGUF_ARCHS[config.model_type]
+
+
+def _mamba_layers(config) -> list[int]:
+    return [i for i, t in enumerate(config.layer_types) if t in ("mamba", "linear_attention")]
 
 
 def _add_mtp_layers(writer, state, config, arch: str, qtype, count: int) -> None:
@@ -156,7 +168,7 @@ def snap_to_float_gguf(hf_dir: Path) -> Path:
     matrices in float16's values, norms and biases in float32's (llama.cpp keeps 1-D tensors in
     F32), Gemma's norms such that float32 (1 + w) - 1 is w again; so that the GGUF files and
     the checkpoint hold the same model, bit for bit."""
-    arch = GGUF_ARCHS[AutoConfig.from_pretrained(hf_dir).model_type]
+    arch = gguf_arch(AutoConfig.from_pretrained(hf_dir))
     for shard in sorted(Path(hf_dir).glob("*.safetensors")):
         state = load_file(shard)
         for name, tensor in state.items():
@@ -218,7 +230,9 @@ def _head_dim(config) -> int:
 
 def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -> None:
     check_expressible(config, arch)
-    writer.add_context_length(config.max_position_embeddings)
+    # llama.cpp's GraniteHybridModel: an "arbitrary" context where no RoPE turns
+    hybrid = arch == "granitehybrid"
+    writer.add_context_length(2**20 if hybrid else config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(_mlp_width(config, arch))
     writer.add_head_count(config.num_attention_heads)
@@ -226,6 +240,10 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
         kv = [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types]
         writer.add_head_count_kv(kv)
         writer.add_shortconv_l_cache(config.conv_L_cache)
+    elif hybrid:  # and Granite 4.0-H's, none on a Mamba2 layer
+        mamba = _mamba_layers(config)
+        layers = range(config.num_hidden_layers)
+        writer.add_head_count_kv([0 if i in mamba else config.num_key_value_heads for i in layers])
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
     rope = _rope(config)
@@ -415,6 +433,49 @@ def _granite_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_logit_scale(config.logits_scaling)
 
 
+def _granitehybrid_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's GraniteHybridModel: Granite's multipliers, the Mamba2 sizes under the ssm
+    keys (time_step_rank: the heads), no RoPE (rope.scaling.finetuned: Bamba's alone), the
+    shared MLP's width."""
+    _granite_hparams(writer, config)
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+
+
+def _granitehybrid_tensors(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """What llama.cpp's Mamba2 converter changes: A_log to -exp(A_log), A and D to (heads, 1),
+    the gated norm's weight to (groups, inner / groups), the convolution's weight squeezed,
+    dt_bias named as dt_proj.bias; with experts, the shared_mlp as the shared expert's gate,
+    up (its input_linear split) and down."""
+    experts = bool(getattr(config, "num_local_experts", 0))
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mamba.A_log"):
+            tensor = (-torch.exp(tensor)).reshape(-1, 1)
+        elif name.endswith(".mamba.D"):
+            tensor = tensor.reshape(-1, 1)
+        elif name.endswith(".mamba.norm.weight"):
+            tensor = tensor.reshape(config.mamba_n_groups, -1)
+        elif name.endswith(".mamba.conv1d.weight"):
+            tensor = tensor.squeeze(1)
+        elif name.endswith(".mamba.dt_bias"):
+            name = name.replace(".mamba.dt_bias", ".mamba.dt_proj.bias")
+        elif experts and name.endswith(".shared_mlp.input_linear.weight"):
+            gate, up = tensor.chunk(2, dim=0)
+            prefix = name.removesuffix("shared_mlp.input_linear.weight")
+            out[f"{prefix}mlp.shared_expert.gate_proj.weight"] = gate
+            name, tensor = f"{prefix}mlp.shared_expert.up_proj.weight", up
+        elif experts and name.endswith(".shared_mlp.output_linear.weight"):
+            name = name.replace(".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj.")
+        out[name] = tensor
+    return out
+
+
 def _glm4_hparams(writer: gguf.GGUFWriter, config) -> None:
     partial = _rope(config).get("partial_rotary_factor", 0.5)  # llama.cpp's n_rot
     writer.add_rope_dimension_count(int(_head_dim(config) * partial))
@@ -434,6 +495,7 @@ _FAMILY_HPARAMS = {
     "phi3": _phi3_hparams,
     "granite": _granite_hparams,
     "granitemoe": _granite_hparams,
+    "granitehybrid": _granitehybrid_hparams,
 }
 
 
@@ -474,6 +536,10 @@ def check_expressible(config, arch: str) -> None:
         expected["layer_types"] = [
             "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in layers
         ]
+    if arch == "granitehybrid":  # no RoPE (llama.cpp's use_rope), dt unclamped, bare projections
+        expected["position_embedding_type"] = "nope"
+        expected["time_step_limit"] = (0.0, float("inf"))
+        expected["mamba_proj_bias"] = False
     if arch == "mistral3":  # one yarn log multiplier for both of transformers' mscales
         expected["mscale"] = _rope(config)["mscale_all_dim"]
     if arch == "olmoe":  # llama.cpp's OlmoeModel writes 1e-5, its olmoe never renormalises
@@ -566,6 +632,8 @@ def _add_tensors(
             _add_tensor(writer, name, tensor.to(torch.float32).numpy(), kind)
     if arch == "qwen3next":
         state = _qwen3next_tensors(state, config)
+    if arch == "granitehybrid":
+        state = _granitehybrid_tensors(state, config)
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor
         if _plus_one(arch, hf_name):
@@ -591,7 +659,7 @@ def _add_tensors(
         if name is None:
             raise ValueError(f"llama.cpp has no {arch} tensor name for {hf_name}")
         kind = expert_qtype if data.dim() == 3 else qtype
-        _add_tensor(writer, name, data.numpy(), F32 if name.endswith(F32_TENSORS) else kind)
+        _add_tensor(writer, name, data.numpy(), F32 if _kept_f32(name) else kind)
     if _rope(config).get("rope_type") == "llama3":  # llama.cpp's LlamaModel, Exaone4Model, ...
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     if arch == "phi3" and _rope(config).get("rope_type") == "longrope":  # Phi-3.5's factors
@@ -601,6 +669,16 @@ def _add_tensors(
 
 
 F32 = gguf.GGMLQuantizationType.F32
+
+
+def _kept_f32(name: str) -> bool:
+    """llama.cpp's converters keep the routers, the SSM convolutions, norms and every tensor
+    not named `.weight` (Mamba2's A and D, 2-D there) in F32, whatever the file type."""
+    return (
+        name.endswith(F32_TENSORS)
+        or name.endswith(("_norm.weight", ".ssm_conv1d.weight"))
+        or not name.endswith((".weight", ".bias"))
+    )
 
 
 def _gpt_oss_experts(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:

@@ -13,6 +13,10 @@ fourth). A file that states one of these (`attention.sliding_window_pattern`,
 
 The mixtures of experts: `qwen2moe`, `qwen3moe`, `olmoe`, `granitemoe` (Granite's multipliers,
 its Q/K rows permuted as Granite's), and `llama` with `expert_count` (Mixtral).
+
+Granite 4.0-H (`granitehybrid`) states its Mamba2 layers as a per-layer head_count_kv of 0 and
+their sizes by the ssm keys; its experts (-H-Tiny, -H-Small) as Granite MoE's, beside the shared
+MLP (expert_shared_feed_forward_length), added ungated.
 llama.cpp makes every layer a mixture in these, renormalises the top-k weights of `qwen3moe`
 and of Mixtral but not of `qwen2moe` (its build_moe_ffn's norm_w), and gates `qwen2moe`'s
 shared expert by a sigmoid; the configs say the same to transformers.
@@ -87,6 +91,8 @@ FAMILIES = {
     "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
+    # Granite 4.0-H (and its experts): Mamba2 layers beside attention (_granitehybrid)
+    "granitehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     # Ministral 3 (its yarn and query scale), else a Mistral (_mistral3)
     "mistral3": ("ministral3", "Ministral3ForCausalLM"),
 }
@@ -158,6 +164,8 @@ def hf_config_dict(
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "ernie4_5":  # biased projections (refused by model/families), by their tensors
         config["use_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if arch == "granitehybrid":  # the Mamba2 convolution's bias, stated by its tensors
+        config["mamba_conv_bias"] = any(n.endswith(".ssm_conv1d.bias") for n in tensor_shapes)
     if arch == "seed_oss":  # q/k/v biases and o_proj's, by their tensors
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
         config["attention_out_bias"] = "blk.0.attn_output.bias" in tensor_shapes
@@ -181,7 +189,7 @@ def _experts(arch: str, config: dict[str, Any], tensor_shapes: dict) -> None:
         config.pop("moe_intermediate_size", None)
         config["sliding_window"] = None
         return
-    if config["model_type"] == "granitemoe":  # experts of feed_forward_length
+    if config["model_type"] in ("granitemoe", "granitemoehybrid"):  # of feed_forward_length
         config["num_local_experts"] = config.pop("num_experts")
         config.pop("moe_intermediate_size", None)
         return
@@ -539,6 +547,41 @@ def _lfm2moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config.update(norm_topk_prob=True, routed_scaling_factor=1.0)
 
 
+# llama.cpp's GraniteHybridModel writes this context length where the model turns no RoPE
+# ("arbitrary"); a config says the released models' 128K instead.
+_UNBOUNDED_CONTEXT, _GRANITE_4_CONTEXT = 2**20, 131072
+
+
+def _granitehybrid(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """Granite 4.0-H: a layer with KV heads (a per-layer head_count_kv) attends, one without is
+    a Mamba2 layer, its sizes the ssm keys (time_step_rank: the heads, inner_size: heads x
+    head_dim, group_count, state_size, conv_kernel); RoPE only where rope.scaling.finetuned
+    says so (llama.cpp's use_rope: Bamba's); the shared MLP's width the
+    expert_shared_feed_forward_length, or the feed_forward_length without experts."""
+    arch = "granitehybrid"
+    kv = config["num_key_value_heads"]
+    kv = list(kv) if isinstance(kv, list) else [kv] * config["num_hidden_layers"]
+    config["num_key_value_heads"] = max(kv)
+    config["layer_types"] = ["attention" if n else "mamba" for n in kv]
+    heads, inner = metadata[f"{arch}.ssm.time_step_rank"], metadata[f"{arch}.ssm.inner_size"]
+    config.update(
+        mamba_n_heads=heads,
+        mamba_d_head=inner // heads,
+        mamba_n_groups=metadata[f"{arch}.ssm.group_count"],
+        mamba_d_state=metadata[f"{arch}.ssm.state_size"],
+        mamba_d_conv=metadata[f"{arch}.ssm.conv_kernel"],
+        mamba_expand=inner // config["hidden_size"],
+        mamba_proj_bias=False,
+    )
+    rope = bool(metadata.get(f"{arch}.rope.scaling.finetuned", False))
+    config["position_embedding_type"] = "rope" if rope else "nope"
+    if not rope and config.get("max_position_embeddings") == _UNBOUNDED_CONTEXT:
+        config["max_position_embeddings"] = _GRANITE_4_CONTEXT
+    shared = config.pop("shared_expert_intermediate_size", None)
+    config["shared_intermediate_size"] = shared or config["intermediate_size"]
+    config.setdefault("num_local_experts", 0)
+
+
 def _qwen35(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     """Qwen3.5's fields: its gated delta nets' sizes from the ssm keys, every interval-th layer
     attention, partial rotary (rope.dimension_count of key_length), the MTP layers left out."""
@@ -592,5 +635,6 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "seed_oss": _llama_like("seed_oss"),
     "olmoe": _llama_like("olmoe"),
     "granitemoe": _llama_like("granitemoe"),
+    "granitehybrid": _granitehybrid,
     "mistral3": _mistral3,
 }

@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the server's fron
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *FAMILIES)
 # Architectures whose llama.cpp converter derives from its llama one, which permutes Q/K rows.
-_PERMUTED_QK = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
+_PERMUTED_QK = ("llama", "granite", "granitemoe", "granitehybrid", "smollm3", "mistral3")
 # Gemma's norms scale by 1 + w; llama.cpp stores 1 + w.
 _NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 
@@ -114,6 +114,18 @@ _LFM2_NAMES = {
     "shortconv.conv": "conv.conv",
     "shortconv.out_proj": "conv.out_proj",
 }
+# Granite 4.0-H's Mamba2 layers (model/recurrent.py Mamba2Mixer; ssm_a, ssm_d and ssm_dt: see
+# _targets).
+_MAMBA2_NAMES = {
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_norm": "mamba.norm",
+    "ssm_out": "mamba.out_proj",
+}
+# Mamba2's parameters that are no module's weight: ssm_a holds -exp(A_log) as (heads, 1), ssm_d
+# the D (heads, 1), ssm_dt the dt_bias.
+_MAMBA2_PARAMETERS = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_d|ssm_dt\.bias)")
+_MAMBA2_PARAMETER_NAMES = {"ssm_a": "A_log", "ssm_d": "D", "ssm_dt.bias": "dt_bias"}
 # Where an architecture means another module by the same GGUF name: Gemma's ffn_norm is the norm
 # before the MLP (Llama's ffn_norm is the same norm, which Llama names post_attention_layernorm).
 _ARCH_LAYER_NAMES = {
@@ -122,6 +134,7 @@ _ARCH_LAYER_NAMES = {
     "qwen35": _QWEN35_NAMES,
     "qwen35moe": _QWEN35_NAMES,
     "qwen3next": {**_QWEN35_NAMES, "ssm_ba": "linear_attn.in_proj_ba"},  # split by model/loader
+    "granitehybrid": _MAMBA2_NAMES,
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "glm4": {
@@ -313,6 +326,24 @@ def _float_weight(
     if layout.architecture in _DELTA_NETS:
         weight = _qwen35_float(weight, info, layout)
     if info.name.endswith(".shortconv.conv.weight"):  # (channels, kernel): nn.Conv1d's is 3-D
+        weight = weight.unsqueeze(1)
+    if layout.architecture == "granitehybrid":
+        weight = _mamba2_float(weight, info)
+    return weight
+
+
+def _mamba2_float(weight: torch.Tensor, info: _TensorInfo) -> torch.Tensor:
+    """What llama.cpp's Mamba2 converter changed, undone: A_log stored as -exp(A_log), A and D
+    as (heads, 1), the gated norm's weight as (groups, inner / groups), the convolution's
+    weight squeezed to (channels, kernel)."""
+    import torch
+
+    kind = info.name.split(".")[2] if info.name.startswith("blk.") else ""
+    if kind == "ssm_a":
+        weight = torch.log(-weight)
+    if kind in ("ssm_a", "ssm_d", "ssm_norm"):
+        weight = weight.reshape(-1)
+    if info.name.endswith(".ssm_conv1d.weight"):  # nn.Conv1d's (channels, 1, kernel)
         weight = weight.unsqueeze(1)
     return weight
 
@@ -527,6 +558,11 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
     if layout.architecture in _DELTA_NETS and (param := _QWEN35_PARAMETERS.fullmatch(info.name)):
         name = "A_log" if param[2] == "ssm_a" else "dt_bias"
         return [_Target(f"model.layers.{param[1]}.linear_attn.{name}", None)]
+    if layout.architecture == "granitehybrid" and (
+        param := _MAMBA2_PARAMETERS.fullmatch(info.name)
+    ):
+        name = _MAMBA2_PARAMETER_NAMES[param[2]]
+        return [_Target(f"model.layers.{param[1]}.mamba.{name}", None)]
     global_names = {**_GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(layout.architecture, {})}
     if info.name in global_names:
         return [_Target(global_names[info.name], None)]

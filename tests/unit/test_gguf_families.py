@@ -25,6 +25,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
 from conveyor.model.loader import (
+    _GRANITE_HYBRID_MOE_NAMES,
     _GRANITE_HYBRID_NAMES,
     _GRANITE_MOE_NAMES,
     _LFM2_EXPERT_NAMES,
@@ -78,6 +79,10 @@ GGUF_FAMILIES = {
     # feed_forward_length: the released configs' intermediate_size is the shared MLP's)
     "granitemoehybrid": dict(intermediate_size=48),
     "ministral3": {},  # yarn (one log multiplier), the query scale's beta, permuted Q/K
+    # Granite 4.0-H as llama.cpp's granitehybrid: Mamba2 layers (ssm_*: A_log as -exp(A_log),
+    # A, D and the gated norm reshaped, the convolution squeezed), attention without RoPE, its
+    # experts and the shared MLP as the shared expert; an "arbitrary" 2^20 context
+    "granite4-h": {},
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -89,6 +94,7 @@ LLAMA_CPP_NAMES |= {
     "qwen3_next": "qwen3next",
     "olmo3": "olmo2",
     "granitemoehybrid": "granite",
+    "granite4-h": "granitehybrid",
     "ministral3": "mistral3",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
@@ -152,6 +158,10 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "granitemoehybrid":  # its shared_mlp as the fused gate_up_proj
         checkpoint = {renamed(n, _GRANITE_HYBRID_NAMES): t for n, t in checkpoint.items()}
+    if converted.family == "granite4-h":  # the shared expert's and experts' names, as loaded
+        checkpoint = {renamed(n, _GRANITE_HYBRID_MOE_NAMES): t for n, t in checkpoint.items()}
+        cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+        checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "lfm2":  # its names as the model reads them
         checkpoint = {renamed(name, _LFM2_NAMES): tensor for name, tensor in checkpoint.items()}
     if converted.family in ("lfm2_moe", "granitemoe"):  # and its stacked experts as each one's
@@ -190,20 +200,23 @@ def test_config_from_metadata_equals_checkpoint_config(converted: Converted):
     ours = ModelConfig.from_hf(str(converted.f32), dtype="float64")
     theirs = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
     # llama.cpp writes Granite 4.0 without Mamba2 layers as Granite 3, the same layer
-    assert ours.architecture == {"granitemoehybrid": "granite"}.get(*[theirs.architecture] * 2)
+    renamed_as = {"granitemoehybrid": "granite"} if converted.family == "granitemoehybrid" else {}
+    assert ours.architecture == renamed_as.get(*[theirs.architecture] * 2)
     for field in ("vocab_size", "hidden_size", "intermediate_size"):
         assert getattr(ours, field) == getattr(theirs, field), field
     for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings"):
         assert getattr(ours, field) == getattr(theirs, field), field
+    # llama.cpp's granitehybrid states an "arbitrary" 2^20 context: the released models' 128K
+    max_len = 131072 if converted.family == "granite4-h" else theirs.max_model_len
     assert (ours.qkv_bias, ours.qk_norm, ours.max_model_len) == (
         theirs.qkv_bias,
         theirs.qk_norm,
-        theirs.max_model_len,
+        max_len,
     )
     assert ours.rope_inv_freq == pytest.approx(theirs.rope_inv_freq, rel=1e-6)
     assert ours.rope_scaling == pytest.approx(theirs.rope_scaling, rel=1e-6)
     theirs_parts = theirs.parts.to_dict()
-    if theirs.architecture == "granitemoehybrid":  # the same layer, under Granite 3's name
+    if converted.family == "granitemoehybrid":  # the same layer, under Granite 3's name
         theirs_parts["family"] = "granite"
     assert_close_dicts(ours.parts.to_dict(), theirs_parts)
 
