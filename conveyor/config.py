@@ -40,7 +40,8 @@ SUPPORTED_ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # its attention-only releases
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "NemotronHForCausalLM": "nemotron_h",
     "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",

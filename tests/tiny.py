@@ -282,6 +282,14 @@ HYBRIDS = {
         attention_multiplier=0.2, embedding_multiplier=6.0, residual_multiplier=0.4,
         logits_scaling=3.0,
     ),
+    "nemotron_h": dict(  # Nemotron-H's blocks "M-*MM-": a Mamba2 block and its MLP, attention
+        # (no RoPE) and two Mamba2 blocks without one, a last one with its MLP; relu(x)^2 MLPs
+        architectures=["NemotronHForCausalLM"], model_type="nemotron_h",
+        layer_types=["linear_attention", "mlp", "full_attention", "linear_attention",
+                     "linear_attention", "mlp"],
+        head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+        conv_kernel=4, layer_norm_epsilon=1e-5, time_step_min=0.001,
+    ),
     "qwen3_5-vlm": dict(  # Qwen3.5's releases: the language model inside a VLM
         model_type="qwen3_5",
         text_config=dict(model_type="qwen3_5_text", **_QWEN3_5_TEXT),
@@ -346,7 +354,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     if arch == "qwen2":
         kwargs.update(tie_word_embeddings=True)
     if arch in HYBRIDS:  # three delta nets, then attention
-        kwargs.update(num_hidden_layers=4)
+        kwargs.update(num_hidden_layers=len(kwargs.get("layer_types") or range(4)))
     kwargs.update(overrides)
     model_type = kwargs.pop("model_type")
     if "text_config" in kwargs:  # a multimodal checkpoint: the sizes are its language model's
@@ -385,7 +393,8 @@ def make_tiny_checkpoint(
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(0.2 * torch.randn_like(param))
-                if ".mamba." in name and name.rpartition(".")[2] in ("A_log", "D", "dt_bias"):
+                mamba = ".mamba." in name or ".mixer." in name  # Granite's, Nemotron-H's
+                if mamba and name.rpartition(".")[2] in ("A_log", "D", "dt_bias"):
                     param.add_(0.3 * torch.randn_like(param))  # per head: each head's own
             for name, buffer in model.named_buffers():  # LFM2-MoE's: it chooses the experts
                 if name.endswith("expert_bias"):

@@ -23,7 +23,7 @@ from conveyor.config import (
     quantization_config,
     resolve_model_path,
 )
-from conveyor.model.families import Parts, architecture, parts_of
+from conveyor.model.families import Parts, architecture, num_decoder_layers, parts_of
 
 if TYPE_CHECKING:
     import torch
@@ -440,7 +440,8 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
     rows = rotary_rows(hf, int(head_dim), arch in INTERLEAVED_ROPE)
-    parts = parts_of(hf, arch, int(hf.num_hidden_layers), int(head_dim), _local_rope)
+    num_layers = num_decoder_layers(hf, arch)
+    parts = parts_of(hf, arch, num_layers, int(head_dim), _local_rope)
     if not parts.o_bias and any(n.endswith(".o_proj.bias") for n in stored):
         # attention_bias gives the o_proj a bias in some families (Llama, Granite, OLMo 2,
         # InternLM3), not in others (Qwen2, Mistral): the checkpoint says which.
@@ -451,11 +452,11 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "vocab_size": int(hf.vocab_size),
         "hidden_size": int(hf.hidden_size),
         "intermediate_size": _mlp_width(hf),
-        "num_layers": int(hf.num_hidden_layers),
+        "num_layers": num_layers,
         "num_heads": int(hf.num_attention_heads),
         "num_kv_heads": int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
         "head_dim": int(head_dim),
-        "rms_norm_eps": float(hf.norm_eps if arch in ("lfm2", "lfm2_moe") else hf.rms_norm_eps),
+        "rms_norm_eps": _norm_eps(hf, arch),
         "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
         "qkv_bias": arch == "qwen2"
         or bool(getattr(hf, "qkv_bias", False))  # Qwen2-MoE's
@@ -475,6 +476,14 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "pooling": _decoder_pooling(folder),
         "classifier": classifier,
     }
+
+
+def _norm_eps(hf, arch: str) -> float:
+    if arch in ("lfm2", "lfm2_moe"):
+        return float(hf.norm_eps)
+    if arch == "nemotron_h":
+        return float(hf.layer_norm_epsilon)
+    return float(hf.rms_norm_eps)
 
 
 def _mlp_width(hf) -> int:

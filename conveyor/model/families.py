@@ -79,6 +79,9 @@ def projection_of(hf_name: str) -> tuple[str, int, str] | None:
 
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# An MLP without gate: up, then relu(x)^2, then down (Nemotron-H's). Its up projection is the
+# activated one, held where a gated MLP holds its gate: a one-part gate_up_proj.
+UNGATED_ACTIVATIONS = ("relu2",)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Parts:
     family: str = "llama"
     norms: tuple[tuple[str, str], ...] = LLAMA_NORMS
     norm_offset: bool = False  # Gemma: the norm scales by 1 + w, multiplied in float32
+    norm_float32_scale: bool = False  # Nemotron-H: w multiplied in float32, then the cast
     qk_norm: str = ""  # "" none, "head" per head (Qwen3, Gemma 3), "full" all heads (OLMo 2)
     act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
     windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 full attention
@@ -153,6 +157,8 @@ class Parts:
     mamba_conv_bias: bool = False
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
     attn_gate: bool = False  # attention's output times sigmoid(gate rows of q_proj's)
+    # per layer: False where the layer has no MLP (Nemotron-H's blocks: nemotron_h_layers)
+    mlp_layers: tuple[bool, ...] = ()
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -162,6 +168,9 @@ class Parts:
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def has_mlp(self, layer: int) -> bool:
+        return not self.mlp_layers or self.mlp_layers[layer]
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]
@@ -327,6 +336,73 @@ def _mamba2(hf, layers: list[bool]) -> dict:
         mamba_shape=(heads, head_dim, groups, size),
         mamba_conv_bias=bool(getattr(hf, "mamba_conv_bias", True)),
         mamba_dt_limit=(float(limit[0]), float(limit[1])),
+    )
+
+
+_NEMOTRON_MIXERS = ("linear_attention", "full_attention")
+_NEMOTRON_MLPS = ("mlp", "moe")
+
+
+def nemotron_h_layers(types: list[str]) -> list[tuple[int, int | None]]:
+    """Nemotron-H's blocks (each a norm and one mixer: Mamba2, attention, or an MLP) as decoder
+    layers: (a Mamba2 or attention block, the MLP block right after it or None), by block
+    index. Every released pattern puts a mixer before each MLP block."""
+    layers: list[tuple[int, int | None]] = []
+    for i, kind in enumerate(types):
+        if kind in _NEMOTRON_MIXERS:
+            layers.append((i, None))
+        elif kind in _NEMOTRON_MLPS and layers and layers[-1][1] is None:
+            layers[-1] = (layers[-1][0], i)
+        else:
+            raise ValueError(
+                f"unsupported layer_types for nemotron_h: block {i} ({kind!r}) is not a Mamba2 "
+                f"or attention block, nor an MLP right after one"
+            )
+    return layers
+
+
+def num_decoder_layers(hf, family: str) -> int:
+    """The model's decoder layers: num_hidden_layers, or Nemotron-H's blocks paired up."""
+    if family == "nemotron_h":
+        return len(nemotron_h_layers(list(hf.layer_types)))
+    return int(hf.num_hidden_layers)
+
+
+def _nemotron_h(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Nemotron-H (Nemotron-H-4B/8B/47B, NVIDIA Nemotron Nano 2): its blocks paired into layers
+    (nemotron_h_layers), Mamba2 layers beside attention without RoPE, ungated relu(x)^2 MLPs,
+    norms that multiply by w in float32; the Mamba2 time step clamped below at time_step_min
+    (transformers' time_step_limit for it)."""
+    types = list(hf.layer_types)
+    if "moe" in types:
+        raise ValueError(
+            "unsupported mixture-of-experts blocks (layer_types 'moe') of a Nemotron-H model "
+            "(Nemotron 3): its dense releases (Nemotron-H, Nemotron Nano 2) are served"
+        )
+    for name, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if getattr(hf, name, want) != want:
+            raise ValueError(f"unsupported {name} {getattr(hf, name)!r} for nemotron_h")
+    if getattr(hf, "use_bias", False) or getattr(hf, "mamba_proj_bias", False):
+        raise ValueError("unsupported use_bias for nemotron_h (biased Mamba2 projections)")
+    layers = nemotron_h_layers(types)
+    heads, head_dim_m = int(hf.mamba_num_heads), int(hf.mamba_head_dim)
+    groups, size = int(hf.n_groups), int(hf.ssm_state_size)
+    if heads % groups:
+        raise ValueError(f"Mamba2 sizes: {heads} heads in {groups} groups")
+    kernel = int(hf.conv_kernel)
+    if not 2 <= kernel <= 8:
+        raise ValueError(f"unsupported conv_kernel {kernel} (2 to 8)")
+    return dict(
+        act="relu2",
+        norm_float32_scale=True,
+        ropes=(-1,) * len(layers),
+        mlp_layers=tuple(mlp is not None for _, mlp in layers),
+        linear_kind="mamba2",
+        linear_layers=tuple(types[mixer] == "linear_attention" for mixer, _ in layers),
+        linear_conv=kernel,
+        mamba_shape=(heads, head_dim_m, groups, size),
+        mamba_conv_bias=bool(hf.use_conv_bias),
+        mamba_dt_limit=(float(hf.time_step_min), float("inf")),
     )
 
 
@@ -511,6 +587,7 @@ _BUILDERS = {
     "qwen3_next": _qwen3_5,  # Qwen3.5's layers (its delta nets' projections stored interleaved)
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2,
+    "nemotron_h": _nemotron_h,
 }
 
 
@@ -526,6 +603,8 @@ def _refuse_unsupported(hf, family: str) -> None:
     if family not in ("gemma", "gemma2", "gemma3"):
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} for {family}; supported: 'silu'")
+    if family == "nemotron_h" and getattr(hf, "sliding_window", None):
+        raise ValueError("unsupported sliding_window for nemotron_h")
     if family == "gemma3" and getattr(hf, "use_bidirectional_attention", False):
         raise ValueError("unsupported use_bidirectional_attention for gemma3 (causal only)")
     if getattr(hf, "mlp_bias", False):

@@ -20,19 +20,23 @@ from conveyor.paths import write_atomic
 class RMSNorm(nn.Module):
     """RMSNorm as transformers computes it: normalized in float32 (also for float64 models), then
     scaled by w in the model dtype (Llama), or with offset by 1 + w in float32 before the cast
-    (Gemma's norms, whose checkpoints store w - 1)."""
+    (Gemma's norms, whose checkpoints store w - 1), or by w in float32 before it (Nemotron-H's)."""
 
-    def __init__(self, hidden_size: int, eps: float, offset: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, offset: bool = False, float32_scale: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.offset = offset
+        # w multiplied in float32 before the cast (Nemotron-H's norms), without the offset
+        self.float32_scale = float32_scale or offset
         self._scale: tuple[int, torch.Tensor] | None = None  # (weight version, 1 + w)
 
     def scale_weight(self) -> torch.Tensor:
-        """What the normalized rows are multiplied by: w, or 1 + w in float32 (computed once
-        per value of w)."""
-        if not self.offset:
+        """What the normalized rows are multiplied by: w, or 1 + w in float32, or w in float32
+        (computed once per value of w)."""
+        if not self.float32_scale:
             return self.weight
         version = self.weight._version
         if (
@@ -40,7 +44,8 @@ class RMSNorm(nn.Module):
             or self._scale[0] != version
             or self._scale[1].device != self.weight.device
         ):
-            self._scale = (version, 1.0 + self.weight.detach().float())
+            weight = self.weight.detach().float()
+            self._scale = (version, 1.0 + weight if self.offset else weight)
         return self._scale[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +57,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
+        if self.float32_scale:
             return (h * self.scale_weight()).to(dtype)
         return self.weight * h.to(dtype)
 

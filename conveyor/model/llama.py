@@ -27,7 +27,7 @@ from conveyor.distributed.parallel import TPGroup
 from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionKind, AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
-from conveyor.model.families import PROJECTION_SHARDS, Parts
+from conveyor.model.families import PROJECTION_SHARDS, UNGATED_ACTIVATIONS, Parts
 from conveyor.model.layers import (
     MATMUL_BUCKETS,
     Linear,
@@ -105,11 +105,16 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp = tp
         size = tp.shard.part(cfg.intermediate_size)[1]
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=False)
-        self.down_proj = Linear(size, cfg.hidden_size)
         self.act = cfg.parts.act
+        # an ungated MLP's up projection is the activated one: a one-part gate_up_proj
+        parts = [size] if self.act in UNGATED_ACTIVATIONS else [size, size]
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, parts, bias=False)
+        self.down_proj = Linear(size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "relu2":  # Nemotron-H's: relu(x)^2 (exact per value: max, one product)
+            up = self.gate_up_proj(x)
+            return self.tp.all_reduce(self.down_proj(torch.relu_(up).square_()))
         gate_up = self.gate_up_proj(x)
         ops = row_ops(gate_up)
         if ops is not None and self.act == "silu":  # the compiled layers' row loop
@@ -134,6 +139,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         parts = cfg.parts
         self.roles: dict[str, str] = dict(parts.norms)
+        if not parts.has_mlp(index):  # no MLP: no norms around one
+            self.roles = {r: n for r, n in self.roles.items() if not r.startswith("mlp_")}
         for name in self.roles.values():
             self.add_module(name, _norm(parts, cfg.hidden_size, cfg.rms_norm_eps))
         # a hybrid's recurrent layer (model/recurrent.py), under its checkpoint name, or attention
@@ -144,6 +151,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             self.self_attn = LlamaAttention(cfg, tp, index)
         self.mlp = MoEMLP(cfg, tp) if parts.is_moe(index) else LlamaMLP(cfg, tp)
+        if not parts.has_mlp(index):  # a Nemotron-H mixer block with no MLP block after it
+            self.mlp = None
         self.residual_scale = parts.residual_scale
 
     def norm(self, role: str) -> RMSNorm | None:
@@ -158,6 +167,8 @@ class LlamaDecoderLayer(nn.Module):
             h = self.self_attn(h, ropes, rotaries, kv_cache, meta)
         h = self._normed("attn_out", h)
         x = x + self._scaled(h)
+        if self.mlp is None:
+            return x
         h = self._normed("mlp_out", self.mlp(self._normed("mlp_in", x)))
         return x + self._scaled(h)
 
@@ -173,7 +184,9 @@ class LlamaDecoderLayer(nn.Module):
         arithmetic in one call), or None when a projection has no compiled form there (the
         model then runs its modules). A mixture of experts runs as the compiled MoE
         (_compiled_moe); a recurrent layer or a gated attention has none."""
-        if self.linear or self.self_attn.gated:
+        if self.linear or self.self_attn.gated or self.mlp is None:
+            return None
+        if getattr(self.mlp, "act", None) in UNGATED_ACTIVATIONS:
             return None
         attn, mlp = self.self_attn, self.mlp
         qkv, o = _projection(attn.qkv_proj, ops), _projection(attn.o_proj, ops)
@@ -218,7 +231,7 @@ _ROLES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
 
 def _norm(parts: Parts, size: int, eps: float) -> RMSNorm:
-    return RMSNorm(size, eps, offset=parts.norm_offset)
+    return RMSNorm(size, eps, offset=parts.norm_offset, float32_scale=parts.norm_float32_scale)
 
 
 def _kernel_weight(norm: RMSNorm | None) -> torch.Tensor | None:

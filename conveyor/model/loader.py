@@ -5,6 +5,7 @@ several safetensors files) or a single GGUF file (dequantized with the gguf pack
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,8 @@ def iter_weights(
         fused = family in ("phi3", "granitemoehybrid", "glm", "glm4")
         if fused and (shard.size > 1 or plan is not None):
             weights = _unfused(weights, cfg, cut_of)
+        if family == "nemotron_h":
+            weights = _nemotron_h_blocks(weights, cfg)
         if cfg.parts.attn_gate:  # before the rows turn: q_proj's gate rows are no query's
             weights = _gated_queries(weights, cfg)
         if family == "qwen3_next":
@@ -341,6 +344,47 @@ def _gpt_oss_experts(weights, cut_of) -> Iterator[tuple[str, torch.Tensor]]:
                 part_name = f"{prefix}.{expert}.{part}.{param}"
                 cut = cut_of(part_name)
                 yield part_name, piece.contiguous() if cut is None else _cut(piece, cut).clone()
+
+
+_NEMOTRON_H_BLOCK = re.compile(r"(?:backbone|model)\.layers\.(\d+)\.(norm|mixer)\.(.+)")
+_NEMOTRON_H_GLOBAL = {
+    "embeddings.weight": "model.embed_tokens.weight",
+    "norm_f.weight": "model.norm.weight",
+}
+
+
+def _nemotron_h_blocks(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Nemotron-H's blocks (`backbone.layers.B.norm` and `.mixer`, as released, or `model.` as
+    transformers names them) under the decoder layers they pair into (families.
+    nemotron_h_layers): a Mamba2 or attention block's norm is its layer's input_layernorm and
+    its mixer the layer's `mamba` or `self_attn`; the MLP block after it gives the layer's
+    post_attention_layernorm and `mlp`, its up_proj the one-part gate_up_proj's (held as
+    gate_proj). The embeddings and final norm under Llama's names."""
+    parts = cfg.parts
+    blocks: dict[int, tuple[int, str]] = {}  # block -> (layer, its role there)
+    block = 0
+    for layer in range(cfg.num_layers):
+        blocks[block] = (layer, "mamba" if parts.is_linear(layer) else "self_attn")
+        block += 1
+        if parts.has_mlp(layer):
+            blocks[block] = (layer, "mlp")
+            block += 1
+    for name, tensor in weights:
+        prefix, _, rest = name.partition(".")
+        if prefix in ("backbone", "model") and rest in _NEMOTRON_H_GLOBAL:
+            yield _NEMOTRON_H_GLOBAL[rest], tensor
+            continue
+        match = _NEMOTRON_H_BLOCK.fullmatch(name)
+        if match is None or int(match[1]) not in blocks:
+            yield name, tensor  # lm_head, or a tensor the model then names as unused
+            continue
+        layer, role = blocks[int(match[1])]
+        if match[2] == "norm":
+            norm = "post_attention_layernorm" if role == "mlp" else "input_layernorm"
+            yield f"model.layers.{layer}.{norm}.{match[3]}", tensor
+            continue
+        leaf = match[3].replace("up_proj.", "gate_proj.") if role == "mlp" else match[3]
+        yield f"model.layers.{layer}.{role}.{leaf}", tensor
 
 
 # Phi-3's checkpoint tensors that hold several projections, and the names of their parts.

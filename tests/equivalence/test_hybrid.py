@@ -1,5 +1,6 @@
 """Hybrid models (recurrent layers beside attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, LFM2,
-LFM2-MoE, Granite 4.0-H's Mamba2 layers with experts; model/recurrent.py) against transformers
+LFM2-MoE, Granite 4.0-H's Mamba2 layers with experts, Nemotron-H's blocks; model/recurrent.py)
+against transformers
 in float64 on tiny random checkpoints: greedy tokens equal its generate, logprobs agree, all
 prompts in one step, chunked at an odd budget with arrivals while others decode, and preempted
 in a small cache (a recompute starts its state from zeros); each sequence holds one state slot
@@ -61,14 +62,66 @@ def float64_delta_rule(
     return out.transpose(1, 2).contiguous(), state if output_final_state else None
 
 
+def float64_mamba2_scan(
+    hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs,
+):  # fmt: skip
+    """transformers' mamba2_chunk_scan token by token in the inputs' dtype (float64 here; its
+    own runs float32): (batch, length, heads, head_dim) outputs, the final state."""
+    batch, length, heads, head_dim = hidden_states.shape
+    per_group = heads // B.shape[2]
+    B, C = B.repeat_interleave(per_group, dim=2), C.repeat_interleave(per_group, dim=2)
+    dt = dt + dt_bias if dt_bias is not None else dt
+    dt = torch.nn.functional.softplus(dt) if dt_softplus else dt
+    dt = dt.clamp(dt_limit[0], dt_limit[1])  # (batch, length, heads)
+    state = initial_states
+    if state is None:
+        state = torch.zeros(batch, heads, head_dim, B.shape[-1], dtype=hidden_states.dtype)
+    state = state.to(hidden_states.dtype)
+    out = torch.empty_like(hidden_states)
+    for t in range(length):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]  # (batch, heads, 1, 1)
+        x = hidden_states[:, t] * dt[:, t, :, None]
+        state = state * decay + x[..., None] * B[:, t, :, None, :]
+        out[:, t] = (state * C[:, t, :, None, :]).sum(-1) + D[:, None] * hidden_states[:, t]
+    return (out, state) if return_final_states else out
+
+
+def float64_mamba2_step(
+    state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs
+):
+    """transformers' mamba2_selective_state_update in float64, its time step clamped as its
+    chunk scan clamps it (the layer's time_step_limit)."""
+    limit = kwargs.get("dt_limit") or _MAMBA_DT_LIMIT.get("value", (0.0, float("inf")))
+    heads = hidden_states.shape[1]
+    out, final = float64_mamba2_scan(
+        hidden_states[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], C[:, None], 1,
+        D=D[:, 0], dt_bias=dt_bias[:, 0], initial_states=state, dt_softplus=dt_softplus,
+        dt_limit=limit, return_final_states=True,
+    )  # fmt: skip
+    state.copy_(final.to(state.dtype))
+    assert out.shape[2] == heads
+    return out[:, 0]
+
+
+_MAMBA_DT_LIMIT: dict = {}
+_MAMBA2_MODULES = ("granitemoehybrid", "nemotron_h")
+
+
 @contextlib.contextmanager
 def exact_delta_rule():
-    """transformers' delta-net models computing their rule with float64_delta_rule."""
+    """transformers' delta-net and Mamba2 models computing their recurrences in float64
+    (float64_delta_rule, float64_mamba2_scan / _step)."""
     with contextlib.ExitStack() as stack:
         for name in _DELTA_NET_MODULES:
             module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
             for rule in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
                 stack.enter_context(mock.patch.object(module, rule, float64_delta_rule))
+        for name in _MAMBA2_MODULES:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            stack.enter_context(mock.patch.object(module, "mamba2_chunk_scan", float64_mamba2_scan))
+            step = float64_mamba2_step
+            stack.enter_context(mock.patch.object(module, "mamba2_selective_state_update", step))
         yield
 
 
@@ -80,6 +133,11 @@ def _case(name: str, tmp_path_factory):
             path, dtype=torch.float64, experts_implementation="eager"
         )
         prompts = random_prompts(8, config.get_text_config().vocab_size, seed=3, max_len=40)
+        _MAMBA_DT_LIMIT["value"] = (  # Nemotron-H's layers clamp dt from time_step_min
+            (config.time_step_min, float("inf"))
+            if config.model_type == "nemotron_h"
+            else tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
+        )
         with exact_delta_rule():
             reference = hf_greedy(reference_model, prompts, MAX_TOKENS)
         _CASES[name] = str(path), prompts, reference
@@ -96,6 +154,7 @@ def _case(name: str, tmp_path_factory):
         "lfm2",
         "lfm2_moe",
         "granite4-h",
+        "nemotron_h",
     ],
 )
 def hybrid(request, tmp_path_factory):
@@ -109,7 +168,7 @@ def qwen3_5(tmp_path_factory):
 
 @pytest.fixture(
     scope="module",
-    params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "granite4-h"],
+    params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "granite4-h", "nemotron_h"],
 )
 def layers(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)
