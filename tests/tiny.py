@@ -290,6 +290,16 @@ HYBRIDS = {
         head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
         conv_kernel=4, layer_norm_epsilon=1e-5, time_step_min=0.001,
     ),
+    "nemotron_h-moe": dict(  # Nemotron 3 Nano's blocks "M*EME": mixtures of 8 ungated experts
+        # (top-2 of the 2 best of 4 groups, by sigmoid scores plus a bias) and a shared expert
+        architectures=["NemotronHForCausalLM"], model_type="nemotron_h",
+        layer_types=["linear_attention", "full_attention", "moe", "linear_attention", "moe",
+                     "linear_attention"],
+        head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+        conv_kernel=4, layer_norm_epsilon=1e-5, time_step_min=0.001, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, norm_topk_prob=True,
+    ),
     "qwen3_5-vlm": dict(  # Qwen3.5's releases: the language model inside a VLM
         model_type="qwen3_5",
         text_config=dict(model_type="qwen3_5_text", **_QWEN3_5_TEXT),
@@ -397,7 +407,7 @@ def make_tiny_checkpoint(
                 if mamba and name.rpartition(".")[2] in ("A_log", "D", "dt_bias"):
                     param.add_(0.3 * torch.randn_like(param))  # per head: each head's own
             for name, buffer in model.named_buffers():  # LFM2-MoE's: it chooses the experts
-                if name.endswith("expert_bias"):
+                if name.endswith(("expert_bias", "e_score_correction_bias")):
                     buffer.copy_(0.1 * torch.randn_like(buffer))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)

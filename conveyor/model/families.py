@@ -112,6 +112,7 @@ class Parts:
     # routed_scaling
     router: str = ""
     router_bias: bool = False
+    router_groups: tuple[int, int] = (1, 1)  # sigmoid_group_topk's (n_group, topk_group)
     routed_scaling: float = 1.0
     num_experts: int = 0
     top_k: int = 0
@@ -369,16 +370,12 @@ def num_decoder_layers(hf, family: str) -> int:
 
 
 def _nemotron_h(hf, head_dim: int, local_rope: Callable) -> dict:
-    """Nemotron-H (Nemotron-H-4B/8B/47B, NVIDIA Nemotron Nano 2): its blocks paired into layers
-    (nemotron_h_layers), Mamba2 layers beside attention without RoPE, ungated relu(x)^2 MLPs,
-    norms that multiply by w in float32; the Mamba2 time step clamped below at time_step_min
-    (transformers' time_step_limit for it)."""
+    """Nemotron-H (Nemotron-H-4B/8B/47B, NVIDIA Nemotron Nano 2, Nemotron 3 Nano): its blocks
+    paired into layers (nemotron_h_layers), Mamba2 layers beside attention without RoPE,
+    ungated relu(x)^2 MLPs (or mixtures of them: _nemotron_h_moe), norms that multiply by w in
+    float32; the Mamba2 time step clamped below at time_step_min (transformers'
+    time_step_limit for it)."""
     types = list(hf.layer_types)
-    if "moe" in types:
-        raise ValueError(
-            "unsupported mixture-of-experts blocks (layer_types 'moe') of a Nemotron-H model "
-            "(Nemotron 3): its dense releases (Nemotron-H, Nemotron Nano 2) are served"
-        )
     for name, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if getattr(hf, name, want) != want:
             raise ValueError(f"unsupported {name} {getattr(hf, name)!r} for nemotron_h")
@@ -403,6 +400,38 @@ def _nemotron_h(hf, head_dim: int, local_rope: Callable) -> dict:
         mamba_shape=(heads, head_dim_m, groups, size),
         mamba_conv_bias=bool(hf.use_conv_bias),
         mamba_dt_limit=(float(hf.time_step_min), float("inf")),
+    )
+
+
+def _nemotron_h_moe(hf, num_layers: int) -> dict:
+    """Nemotron 3's mixture blocks (layer_types "moe"): sigmoid scores of float32 logits, the
+    top-k among the topk_group best of n_group groups chosen with e_score_correction_bias,
+    weighed by the scores (float32), renormalised, times routed_scaling_factor; ungated
+    relu(x)^2 experts and one ungated shared expert."""
+    types = list(hf.layer_types)
+    if "moe" not in types:
+        return {}
+    if getattr(hf, "moe_latent_size", None) is not None:
+        raise ValueError("unsupported moe_latent_size for nemotron_h (latent expert projections)")
+    if int(getattr(hf, "n_shared_experts", 1)) != 1:
+        raise ValueError(f"unsupported n_shared_experts {hf.n_shared_experts} for nemotron_h")
+    experts, groups = int(hf.n_routed_experts), int(hf.n_group)
+    if experts % groups or not 1 <= int(hf.topk_group) <= groups:
+        raise ValueError(f"Nemotron-H router: {experts} experts in {groups} groups, topk_group")
+    layers = nemotron_h_layers(types)
+    return dict(
+        moe_layers=tuple(mlp is not None and types[mlp] == "moe" for _, mlp in layers),
+        router="sigmoid_group_topk",
+        router_bias=True,
+        router_groups=(groups, int(hf.topk_group)),
+        routed_scaling=float(hf.routed_scaling_factor),
+        num_experts=experts,
+        top_k=int(hf.num_experts_per_tok),
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        float32_route_weights=True,
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+        shared_expert_size=int(hf.moe_shared_expert_intermediate_size),
+        shared_expert_gate=False,
     )
 
 
@@ -557,6 +586,7 @@ _MOE = {
     "qwen3_5_moe": lambda hf, num_layers: dict(_qwen_moe(hf, num_layers), norm_topk_prob=True),
     "granitemoe": _granitemoe_moe,
     "granitemoehybrid": _granite_hybrid_moe,
+    "nemotron_h": _nemotron_h_moe,
     "olmoe": _olmoe_moe,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,

@@ -351,6 +351,13 @@ _NEMOTRON_H_GLOBAL = {
     "embeddings.weight": "model.embed_tokens.weight",
     "norm_f.weight": "model.norm.weight",
 }
+# An MLP block's names -> the layer's MLP's: ungated, its up_proj held as gate_proj (a one-part
+# gate_up_proj); Nemotron 3's shared expert and its router's choosing bias.
+_NEMOTRON_H_MLP_NAMES = (
+    ("up_proj.", "gate_proj."),
+    ("shared_experts.", "shared_expert."),
+    ("gate.e_score_correction_bias", "expert_bias"),
+)
 
 
 def _nemotron_h_blocks(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
@@ -383,7 +390,10 @@ def _nemotron_h_blocks(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
             norm = "post_attention_layernorm" if role == "mlp" else "input_layernorm"
             yield f"model.layers.{layer}.{norm}.{match[3]}", tensor
             continue
-        leaf = match[3].replace("up_proj.", "gate_proj.") if role == "mlp" else match[3]
+        leaf = match[3]
+        if role == "mlp":
+            for old, new in _NEMOTRON_H_MLP_NAMES:
+                leaf = leaf.replace(old, new)
         yield f"model.layers.{layer}.{role}.{leaf}", tensor
 
 

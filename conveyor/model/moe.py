@@ -49,7 +49,8 @@ class Expert(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, parts, bias: bool = False):
         super().__init__()
-        sizes = [intermediate_size, intermediate_size]
+        # an ungated expert's up projection is the activated one: a one-part gate_up_proj
+        sizes = [intermediate_size] * (1 if parts.act == "relu2" else 2)
         self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
         down = MergedLinear(intermediate_size, [hidden_size], bias=True) if bias else None
         self.down_proj = down or Linear(intermediate_size, hidden_size)
@@ -58,6 +59,8 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.act == "relu2":  # Nemotron-H's ungated experts: relu(x @ up^T)^2 @ down^T
+            return self.down_proj(torch.relu_(gate_up).square_())
         ops = row_ops(gate_up)
         # The compiled layers' loops, row by row (see row_ops).
         if ops is not None and self.act == "silu":
@@ -76,7 +79,13 @@ class Expert(nn.Module):
         return self.down_proj(gate.mul_(up))
 
 
-ROUTERS = ("softmax_topk", "topk_softmax", "topk_softmax_float32", "sigmoid_topk")
+ROUTERS = (
+    "softmax_topk",
+    "topk_softmax",
+    "topk_softmax_float32",
+    "sigmoid_topk",
+    "sigmoid_group_topk",
+)
 
 
 class Routes(NamedTuple):
@@ -106,6 +115,7 @@ class MoEMLP(nn.Module):
         self.norm_topk_prob = parts.norm_topk_prob
         self.float32_route_weights = parts.float32_route_weights
         self.routed_scaling = parts.routed_scaling
+        self.groups = parts.router_groups  # sigmoid_group_topk's (groups, groups chosen)
         # LFM2-MoE: a per-expert bias added to the scores to choose (float32, as stored)
         self.expert_bias = (
             nn.Parameter(torch.zeros(parts.num_experts, dtype=torch.float32))
@@ -131,9 +141,13 @@ class MoEMLP(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routes:
         """Each row's top_k experts and their weights, as transformers' TopKRouter."""
+        if self.router == "sigmoid_group_topk" and x.dtype != torch.float32:
+            # Nemotron-H's router: its logits in float32 whatever the model's dtype
+            logits = nn.functional.linear(x.float(), self.gate.weight.float())
+            return self._sigmoid_routes(logits, x.dtype)
         logits = self.gate(x)  # (T, E)
-        if self.router == "sigmoid_topk":
-            return self._sigmoid_routes(logits)
+        if self.router in ("sigmoid_topk", "sigmoid_group_topk"):
+            return self._sigmoid_routes(logits, x.dtype)
         if self.router == "topk_softmax":
             top, expert_ids = torch.topk(logits, self.top_k, dim=-1)  # (T, k)
             return Routes(torch.softmax(top, dim=1, dtype=top.dtype), expert_ids)
@@ -147,19 +161,37 @@ class MoEMLP(nn.Module):
         weights = top if self.float32_route_weights else top.to(logits.dtype)
         return Routes(weights, expert_ids)
 
-    def _sigmoid_routes(self, logits: torch.Tensor) -> Routes:
-        """LFM2-MoE's: top_k of the sigmoid scores (plus expert_bias), weighed by the scores."""
+    def _sigmoid_routes(self, logits: torch.Tensor, dtype: torch.dtype) -> Routes:
+        """LFM2-MoE's: top_k of the sigmoid scores (plus expert_bias), weighed by the scores;
+        Nemotron-H's (sigmoid_group_topk): the same in float32 among the topk_group groups of
+        experts whose two best scores (plus bias) add up highest, renormalised (+ 1e-20), the
+        weights kept float32."""
         ops = row_ops(logits)
         if ops is not None:  # row by row (see row_ops)
             scores = ops.sigmoid_mul(torch.ones_like(logits), logits)
         else:
             scores = logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        grouped = self.router == "sigmoid_group_topk"
+        if grouped and self.groups[0] > 1:
+            choice = self._best_groups(choice)
         expert_ids = torch.topk(choice, self.top_k, dim=-1).indices  # (T, k)
-        weights = torch.gather(scores, 1, expert_ids).to(logits.dtype)
+        weights = torch.gather(scores, 1, expert_ids)
+        weights = weights if grouped else weights.to(dtype)
         if self.norm_topk_prob:
-            weights = weights / (_row_sums(weights) + 1e-6)
+            weights = weights / (_row_sums(weights) + (1e-20 if grouped else 1e-6))
         return Routes(weights * self.routed_scaling, expert_ids)
+
+    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The choice scores with the experts outside each row's topk_group best groups (a
+        group's score: its two best experts' added) at -inf."""
+        groups, chosen = self.groups
+        by_group = choice.view(choice.shape[0], groups, -1)
+        best_two = by_group.topk(2, dim=-1).values
+        group_scores = best_two[..., 0] + best_two[..., 1]
+        keep = torch.topk(group_scores, chosen, dim=-1).indices  # (T, chosen)
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return by_group.masked_fill(~mask[..., None], float("-inf")).view_as(choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = self.route(x)

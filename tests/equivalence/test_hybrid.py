@@ -1,12 +1,12 @@
 """Hybrid models (recurrent layers beside attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, LFM2,
-LFM2-MoE, Granite 4.0-H's Mamba2 layers with experts, Nemotron-H's blocks; model/recurrent.py)
-against transformers
-in float64 on tiny random checkpoints: greedy tokens equal its generate, logprobs agree, all
-prompts in one step, chunked at an odd budget with arrivals while others decode, and preempted
-in a small cache (a recompute starts its state from zeros); each sequence holds one state slot
-while it runs. Tokens and logprobs are the same bits alone or batched, whatever the chunking
-(float32). Speculation is refused and prefix caching is off (a cached prefix's blocks carry no
-recurrent state)."""
+LFM2-MoE, Granite 4.0-H's Mamba2 layers with experts, Nemotron-H's blocks, dense and with
+experts; model/recurrent.py) against transformers in float64 on tiny random checkpoints (their
+recurrences in float64: transformers runs its delta rule and Mamba2 scans in float32): greedy
+tokens equal its generate, logprobs agree, all prompts in one step, chunked at an odd budget
+with arrivals while others decode, and preempted in a small cache (a recompute starts its state
+from zeros); each sequence holds one state slot while it runs. Tokens and logprobs are the same
+bits alone or batched, whatever the chunking (float32). Speculation is refused and prefix
+caching is off (a cached prefix's blocks carry no recurrent state)."""
 
 from __future__ import annotations
 
@@ -155,6 +155,7 @@ def _case(name: str, tmp_path_factory):
         "lfm2_moe",
         "granite4-h",
         "nemotron_h",
+        "nemotron_h-moe",
     ],
 )
 def hybrid(request, tmp_path_factory):
@@ -168,7 +169,15 @@ def qwen3_5(tmp_path_factory):
 
 @pytest.fixture(
     scope="module",
-    params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "granite4-h", "nemotron_h"],
+    params=[
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "lfm2",
+        "lfm2_moe",
+        "granite4-h",
+        "nemotron_h-moe",
+    ],
 )
 def layers(request, tmp_path_factory):
     return _case(request.param, tmp_path_factory)

@@ -47,12 +47,12 @@ def test_the_mixtures_of_experts_are_supported():
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("granite4-h", {"mamba_proj_bias": True}, "mamba_proj_bias"),
         ("granitemoehybrid", {"layer_types": ["attention", "sliding_attention"]}, "layer_types"),
-        ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]}, "experts blocks"),
+        ("nemotron_h-moe", {"moe_latent_size": 32}, "moe_latent_size"),
         ("nemotron_h", {"layers_block_type": ["mlp", "linear_attention"]}, "block 0 .'mlp'."),
         ("nemotron_h", {"sliding_window": 64}, "sliding_window"),
     ],
     ids=["dynamic-rope", "activation", "mlp-bias", "bidirectional", "mamba-proj-bias",
-         "granite-layer-type", "nemotron-moe", "nemotron-mlp-first",
+         "granite-layer-type", "nemotron-latent-moe", "nemotron-mlp-first",
          "nemotron-window"],
 )  # fmt: skip
 def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
