@@ -345,3 +345,24 @@ def test_aborted_requests_give_their_slots_back(qwen3_5):
     assert engine.scheduler.state_slots == {}
     assert sorted(engine.scheduler._free_slots) == [0, 1, 2]
     assert_reference({k: v for k, v in done.items() if not k.startswith("gone")}, reference)
+
+
+def test_a_nemotron_h_config_as_released_reads_as_the_same_model(tmp_path):
+    """The released configs state the blocks as hybrid_override_pattern ("M" Mamba2, "*"
+    attention, "-" MLP, "E" mixture) and name them num_hidden_layers long: the same layers."""
+    import json
+
+    from tiny import make_tiny_checkpoint
+
+    from conveyor.model.config import ModelConfig
+
+    path = make_tiny_checkpoint(tmp_path / "nemotron", "nemotron_h-moe")
+    saved = ModelConfig.from_hf(str(path), dtype="float64")
+    config = json.loads((path / "config.json").read_text())
+    symbols = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    pattern = "".join(symbols[t] for t in config.pop("layers_block_type"))
+    config.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
+    (path / "config.json").write_text(json.dumps(config))
+    released = ModelConfig.from_hf(str(path), dtype="float64")
+    assert pattern == "M*EMEM" and released.num_layers == saved.num_layers == 4
+    assert released.parts == saved.parts
