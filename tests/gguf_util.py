@@ -60,6 +60,7 @@ GGUF_ARCHS = {
     "exaone4": "exaone4",
     "seed_oss": "seed_oss",
     "olmoe": "olmoe",
+    "nemotron_h": "nemotron_h",  # nemotron_h_moe with mixture blocks (gguf_arch)
 }
 # The experts' tensors one per expert in a checkpoint, and their 3-D stack in a GGUF file
 # (llama.cpp's converters merge them); the routers llama.cpp keeps in F32.
@@ -67,6 +68,8 @@ EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
 PERMUTED_QK = ("llama", "granite", "granitemoe", "granitehybrid", "smollm3", "mistral3")
+PERMUTED_QK += ("nemotron_h", "nemotron_h_moe")  # GraniteHybridModel's, without RoPE too
+NEMOTRON_H = ("nemotron_h", "nemotron_h_moe")
 QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
 DELTA_NETS = (*QWEN35, "qwen3next")  # and Qwen3-Next: gated delta nets under the ssm keys
 LFM2 = ("lfm2", "lfm2moe")  # LFM2 and LFM2-MoE
@@ -128,6 +131,8 @@ def gguf_arch(config) -> str:
     with Mamba2 layers, which is granitehybrid."""
     if config.model_type == "granitemoehybrid" and _mamba_layers(config):
         return "granitehybrid"
+    if config.model_type == "nemotron_h" and "moe" in config.layer_types:
+        return "nemotron_h_moe"
     return GGUF_ARCHS[config.model_type]
 
 
@@ -231,15 +236,25 @@ def _head_dim(config) -> int:
 def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -> None:
     check_expressible(config, arch)
     # llama.cpp's GraniteHybridModel: an "arbitrary" context where no RoPE turns
-    hybrid = arch == "granitehybrid"
+    hybrid = arch in ("granitehybrid", *NEMOTRON_H)
     writer.add_context_length(2**20 if hybrid else config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(_mlp_width(config, arch))
+    if arch in NEMOTRON_H:  # per block: its MLP's width (an expert's), 0 elsewhere
+        width = (
+            config.moe_intermediate_size if arch == "nemotron_h_moe" else config.intermediate_size
+        )
+        mlp = ("mlp", "moe")
+        writer.add_feed_forward_length([width if t in mlp else 0 for t in config.layer_types])
+    else:
+        writer.add_feed_forward_length(_mlp_width(config, arch))
     writer.add_head_count(config.num_attention_heads)
     if arch in LFM2:  # llama.cpp's LFM2: KV heads per layer, none on a short convolution
         kv = [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types]
         writer.add_head_count_kv(kv)
         writer.add_shortconv_l_cache(config.conv_L_cache)
+    elif arch in NEMOTRON_H:  # Nemotron-H's: on its attention blocks only
+        kv = config.num_key_value_heads
+        writer.add_head_count_kv([kv if t == "full_attention" else 0 for t in config.layer_types])
     elif hybrid:  # and Granite 4.0-H's, none on a Mamba2 layer
         mamba = _mamba_layers(config)
         layers = range(config.num_hidden_layers)
@@ -249,7 +264,8 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     rope = _rope(config)
     if arch not in ("gemma", "gemma2"):  # GemmaModel and Gemma2Model write no base: 10000
         writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.norm_eps if arch in LFM2 else config.rms_norm_eps)
+    eps = config.layer_norm_epsilon if arch in NEMOTRON_H else None
+    writer.add_layer_norm_rms_eps(eps or (config.norm_eps if arch in LFM2 else config.rms_norm_eps))
     if raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE:
         writer.add_key_length(_head_dim(config))  # llama.cpp writes these when head_dim is stated
         writer.add_value_length(_head_dim(config))
@@ -263,7 +279,8 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     if rope_type == "yarn":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     _FAMILY_HPARAMS.get(arch, lambda writer, config: None)(writer, config)
-    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts and arch != "nemotron_h":  # (a dense Nemotron-H's config has expert defaults)
         _expert_hparams(writer, config)
 
 
@@ -447,6 +464,46 @@ def _granitehybrid_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
 
 
+def _nemotron_h_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's NemotronHModel: the Mamba2 sizes (inner_size heads x head_dim), no RoPE;
+    Nemotron 3's router (its groups; the groups chosen are not stated)."""
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_state_size(config.ssm_state_size)
+    writer.add_ssm_group_count(config.n_groups)
+    writer.add_ssm_inner_size(config.mamba_num_heads * config.mamba_head_dim)
+    writer.add_ssm_time_step_rank(config.mamba_num_heads)
+    writer.add_rope_scaling_finetuned(False)
+    if "moe" in config.layer_types:
+        writer.add_expert_shared_feed_forward_length(config.moe_shared_expert_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_group_count(config.n_group)
+
+
+def _nemotron_h_tensors(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """llama.cpp's NemotronHModel: Mamba2's tensors changed as Granite 4.0-H's are, the
+    router's bias named e_score_correction.bias, the experts under the names it stacks."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mixer.A_log"):
+            tensor = (-torch.exp(tensor)).reshape(-1, 1)
+        elif name.endswith(".mixer.D"):
+            tensor = tensor.reshape(-1, 1)
+        elif name.endswith(".mixer.norm.weight"):
+            tensor = tensor.reshape(config.n_groups, -1)
+        elif name.endswith(".mixer.conv1d.weight"):
+            tensor = tensor.squeeze(1)
+        elif name.endswith(".mixer.dt_bias"):
+            name = name.replace(".mixer.dt_bias", ".mixer.dt_proj.bias")
+        elif name.endswith(".gate.e_score_correction_bias"):
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        elif match := re.fullmatch(r"backbone\.layers\.(\d+)\.mixer\.(experts\..*)", name):
+            name = f"model.layers.{match[1]}.mlp.{match[2]}"
+        out[name] = tensor
+    return out
+
+
 def _granitehybrid_tensors(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """What llama.cpp's Mamba2 converter changes: A_log to -exp(A_log), A and D to (heads, 1),
     the gated norm's weight to (groups, inner / groups), the convolution's weight squeezed,
@@ -496,6 +553,8 @@ _FAMILY_HPARAMS = {
     "granite": _granite_hparams,
     "granitemoe": _granite_hparams,
     "granitehybrid": _granitehybrid_hparams,
+    "nemotron_h": _nemotron_h_hparams,
+    "nemotron_h_moe": _nemotron_h_hparams,
 }
 
 
@@ -540,6 +599,10 @@ def check_expressible(config, arch: str) -> None:
         expected["position_embedding_type"] = "nope"
         expected["time_step_limit"] = (0.0, float("inf"))
         expected["mamba_proj_bias"] = False
+    if arch in NEMOTRON_H:  # llama.cpp clamps no time step; it states no groups chosen
+        expected["time_step_min"] = 0.001  # (transformers' default, which conveyor then takes)
+        if arch == "nemotron_h_moe":
+            expected["topk_group"] = config.n_group
     if arch == "mistral3":  # one yarn log multiplier for both of transformers' mscales
         expected["mscale"] = _rope(config)["mscale_all_dim"]
     if arch == "olmoe":  # llama.cpp's OlmoeModel writes 1e-5, its olmoe never renormalises
@@ -634,6 +697,8 @@ def _add_tensors(
         state = _qwen3next_tensors(state, config)
     if arch == "granitehybrid":
         state = _granitehybrid_tensors(state, config)
+    if arch in NEMOTRON_H:
+        state = _nemotron_h_tensors(state, config)
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor
         if _plus_one(arch, hf_name):

@@ -14,6 +14,11 @@ fourth). A file that states one of these (`attention.sliding_window_pattern`,
 The mixtures of experts: `qwen2moe`, `qwen3moe`, `olmoe`, `granitemoe` (Granite's multipliers,
 its Q/K rows permuted as Granite's), and `llama` with `expert_count` (Mixtral).
 
+Nemotron-H (`nemotron_h`, and Nemotron 3 as `nemotron_h_moe`) keeps its blocks as llama.cpp's
+layers: a per-block head_count_kv marks attention, a per-block feed_forward_length an MLP (a
+mixture), the others are Mamba2 (gguf_loader pairs them into decoder layers as model/families
+does).
+
 Granite 4.0-H (`granitehybrid`) states its Mamba2 layers as a per-layer head_count_kv of 0 and
 their sizes by the ssm keys; its experts (-H-Tiny, -H-Small) as Granite MoE's, beside the shared
 MLP (expert_shared_feed_forward_length), added ungated.
@@ -93,6 +98,9 @@ FAMILIES = {
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
     # Granite 4.0-H (and its experts): Mamba2 layers beside attention (_granitehybrid)
     "granitehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    # Nemotron-H, and Nemotron 3 with its mixtures: blocks as llama.cpp's layers (_nemotron_h)
+    "nemotron_h": ("nemotron_h", "NemotronHForCausalLM"),
+    "nemotron_h_moe": ("nemotron_h", "NemotronHForCausalLM"),
     # Ministral 3 (its yarn and query scale), else a Mistral (_mistral3)
     "mistral3": ("ministral3", "Ministral3ForCausalLM"),
 }
@@ -166,6 +174,8 @@ def hf_config_dict(
         config["use_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "granitehybrid":  # the Mamba2 convolution's bias, stated by its tensors
         config["mamba_conv_bias"] = any(n.endswith(".ssm_conv1d.bias") for n in tensor_shapes)
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        config["use_conv_bias"] = any(n.endswith(".ssm_conv1d.bias") for n in tensor_shapes)
     if arch == "seed_oss":  # q/k/v biases and o_proj's, by their tensors
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
         config["attention_out_bias"] = "blk.0.attn_output.bias" in tensor_shapes
@@ -582,6 +592,52 @@ def _granitehybrid(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config.setdefault("num_local_experts", 0)
 
 
+def _nemotron_h(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    """Nemotron-H's fields: its blocks' types from the per-block head_count_kv and
+    feed_forward_length (gguf_loader.nemotron_h_block_types), its Mamba2 sizes from the ssm
+    keys, no RoPE; Nemotron 3's mixtures (nemotron_h_moe) from the expert keys, its groups
+    all chosen where the file states no expert_group_used_count (llama.cpp then limits none);
+    the MTP blocks left out."""
+
+    def fields(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+        from conveyor.model.gguf_loader import nemotron_h_block_types
+
+        blocks = config.pop("num_hidden_layers") - metadata.get(f"{arch}.nextn_predict_layers", 0)
+        types = nemotron_h_block_types(metadata, arch, blocks)
+        kv = config["num_key_value_heads"]
+        config["num_key_value_heads"] = max(kv) if isinstance(kv, list) else kv
+        ff = config.pop("intermediate_size", 0)
+        heads, inner = metadata[f"{arch}.ssm.time_step_rank"], metadata[f"{arch}.ssm.inner_size"]
+        config.update(
+            layers_block_type=types,
+            intermediate_size=max(ff) if isinstance(ff, list) else ff,
+            mamba_num_heads=heads,
+            mamba_head_dim=inner // heads,
+            n_groups=metadata[f"{arch}.ssm.group_count"],
+            ssm_state_size=metadata[f"{arch}.ssm.state_size"],
+            conv_kernel=metadata[f"{arch}.ssm.conv_kernel"],
+            layer_norm_epsilon=config.pop("rms_norm_eps"),
+            mlp_hidden_act="relu2",
+        )
+        if config.get("max_position_embeddings") == _UNBOUNDED_CONTEXT:
+            config["max_position_embeddings"] = _GRANITE_4_CONTEXT
+        if arch == "nemotron_h_moe":
+            groups = metadata.get(f"{arch}.expert_group_count") or 1
+            config.update(
+                n_routed_experts=config.pop("num_experts"),
+                moe_shared_expert_intermediate_size=config.pop("shared_expert_intermediate_size"),
+                n_shared_experts=metadata.get(f"{arch}.expert_shared_count", 1),
+                norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", False)),
+                routed_scaling_factor=metadata.get(f"{arch}.expert_weights_scale", 1.0),
+                n_group=groups,
+                topk_group=metadata.get(f"{arch}.expert_group_used_count") or groups,
+            )
+        else:
+            config.pop("num_experts", None)
+
+    return fields
+
+
 def _qwen35(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     """Qwen3.5's fields: its gated delta nets' sizes from the ssm keys, every interval-th layer
     attention, partial rotary (rope.dimension_count of key_length), the MTP layers left out."""
@@ -636,5 +692,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "olmoe": _llama_like("olmoe"),
     "granitemoe": _llama_like("granitemoe"),
     "granitehybrid": _granitehybrid,
+    "nemotron_h": _nemotron_h("nemotron_h"),
+    "nemotron_h_moe": _nemotron_h("nemotron_h_moe"),
     "mistral3": _mistral3,
 }

@@ -55,7 +55,19 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the server's fron
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *FAMILIES)
 # Architectures whose llama.cpp converter derives from its llama one, which permutes Q/K rows.
-_PERMUTED_QK = ("llama", "granite", "granitemoe", "granitehybrid", "smollm3", "mistral3")
+_PERMUTED_QK = (
+    "llama",
+    "granite",
+    "granitemoe",
+    "granitehybrid",
+    "nemotron_h",
+    "nemotron_h_moe",
+    "smollm3",
+    "mistral3",
+)
+# Nemotron-H's files keep its blocks as llama.cpp's layers (blk.B): paired into decoder layers
+# here as model/families.nemotron_h_layers pairs them (_nemotron_h_targets).
+_NEMOTRON_H = ("nemotron_h", "nemotron_h_moe")
 # Gemma's norms scale by 1 + w; llama.cpp stores 1 + w.
 _NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 
@@ -230,6 +242,8 @@ class _Layout(NamedTuple):
     num_layers: int  # the model's: blocks past it are Qwen3.5's multi-token prediction layers
     # Qwen3.5's gated delta nets: key heads, value heads, key and value head dims
     linear: tuple[int, int, int, int] | None = None
+    # Nemotron-H's blocks: block -> (its decoder layer, its role there: mamba, self_attn, mlp)
+    blocks: dict[int, tuple[int, str]] | None = None
 
 
 class _Target(NamedTuple):
@@ -327,7 +341,7 @@ def _float_weight(
         weight = _qwen35_float(weight, info, layout)
     if info.name.endswith(".shortconv.conv.weight"):  # (channels, kernel): nn.Conv1d's is 3-D
         weight = weight.unsqueeze(1)
-    if layout.architecture == "granitehybrid":
+    if layout.architecture in ("granitehybrid", *_NEMOTRON_H):
         weight = _mamba2_float(weight, info)
     return weight
 
@@ -550,7 +564,88 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
             metadata[f"{architecture}.ssm.state_size"],
             metadata[f"{architecture}.ssm.inner_size"] // value_heads,
         )
-    return _Layout(architecture, num_heads, num_kv_heads, head_dim, num_layers, linear)
+    blocks = None
+    if architecture in _NEMOTRON_H:
+        blocks = _nemotron_h_blocks(metadata, architecture, num_layers)
+    return _Layout(architecture, num_heads, num_kv_heads, head_dim, num_layers, linear, blocks)
+
+
+def nemotron_h_block_types(metadata: dict[str, Any], arch: str, num_blocks: int) -> list[str]:
+    """Each block's transformers layer type, from llama.cpp's per-block arrays: KV heads make
+    it attention, a feed_forward_length an MLP (a mixture in nemotron_h_moe), else Mamba2."""
+
+    def per_block(key: str) -> list[int]:
+        value = metadata.get(f"{arch}.{key}", 0)
+        return list(value) if isinstance(value, list) else [value] * num_blocks
+
+    kv, ff = per_block("attention.head_count_kv"), per_block("feed_forward_length")
+    mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
+    return [
+        "full_attention" if kv[i] else mlp if ff[i] else "linear_attention"
+        for i in range(num_blocks)
+    ]
+
+
+def _nemotron_h_blocks(
+    metadata: dict[str, Any], arch: str, num_blocks: int
+) -> dict[int, tuple[int, str]]:
+    from conveyor.model.families import nemotron_h_layers
+
+    types = nemotron_h_block_types(metadata, arch, num_blocks)
+    blocks = {}
+    for layer, (mixer, mlp) in enumerate(nemotron_h_layers(types)):
+        blocks[mixer] = (layer, "mamba" if types[mixer] == "linear_attention" else "self_attn")
+        if mlp is not None:
+            blocks[mlp] = (layer, "mlp")
+    return blocks
+
+
+# Nemotron-H's GGUF names in a block -> the module of its role (mamba, self_attn, mlp) there;
+# its ungated MLP's up projection held as gate_proj (model/llama.py LlamaMLP).
+_NEMOTRON_H_NAMES = {
+    "ssm_in": "in_proj",
+    "ssm_conv1d": "conv1d",
+    "ssm_norm": "norm",
+    "ssm_out": "out_proj",
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "ffn_up": "gate_proj",
+    "ffn_down": "down_proj",
+    "ffn_gate_inp": "gate",
+    "ffn_up_shexp": "shared_expert.gate_proj",
+    "ffn_down_shexp": "shared_expert.down_proj",
+}
+_NEMOTRON_H_EXPERTS = {"ffn_up_exps": "gate_proj", "ffn_down_exps": "down_proj"}
+
+
+def _nemotron_h_targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Target]:
+    """The HF tensors of a Nemotron-H file's tensor, under the decoder layers its blocks pair
+    into (its block norm the layer's input_layernorm, or post_attention_layernorm for an MLP
+    block)."""
+    if info.name in _GLOBAL_NAMES:
+        return [_Target(_GLOBAL_NAMES[info.name], None)]
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?", info.name)
+    if match is None or int(match[1]) not in layout.blocks:
+        raise ValueError(f"GGUF tensor {info.name!r} in {str(path)!r} has no Hugging Face name")
+    layer, role = layout.blocks[int(match[1])]
+    kind, param = match[2], match[3]
+    prefix = f"model.layers.{layer}"
+    if kind == "attn_norm":
+        norm = "post_attention_layernorm" if role == "mlp" else "input_layernorm"
+        return [_Target(f"{prefix}.{norm}.{param}", None)]
+    if kind in _MAMBA2_PARAMETER_NAMES or f"{kind}.{param}" in _MAMBA2_PARAMETER_NAMES:
+        name = _MAMBA2_PARAMETER_NAMES.get(kind) or _MAMBA2_PARAMETER_NAMES[f"{kind}.{param}"]
+        return [_Target(f"{prefix}.mamba.{name}", None)]
+    if kind == "exp_probs_b":  # the router's choosing bias (e_score_correction_bias)
+        return [_Target(f"{prefix}.mlp.expert_bias", None)]
+    if kind in _NEMOTRON_H_EXPERTS:
+        experts = _expert_targets(info, str(layer), _NEMOTRON_H_EXPERTS[kind], param)
+        return experts
+    if kind not in _NEMOTRON_H_NAMES:
+        raise ValueError(f"GGUF tensor {info.name!r} in {str(path)!r} has no Hugging Face name")
+    return [_Target(f"{prefix}.{role}.{_NEMOTRON_H_NAMES[kind]}.{param}", None)]
 
 
 def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Target]:
@@ -558,6 +653,8 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
     if layout.architecture in _DELTA_NETS and (param := _QWEN35_PARAMETERS.fullmatch(info.name)):
         name = "A_log" if param[2] == "ssm_a" else "dt_bias"
         return [_Target(f"model.layers.{param[1]}.linear_attn.{name}", None)]
+    if layout.architecture in _NEMOTRON_H:
+        return _nemotron_h_targets(info, layout, path)
     if layout.architecture == "granitehybrid" and (
         param := _MAMBA2_PARAMETERS.fullmatch(info.name)
     ):

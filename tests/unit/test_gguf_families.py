@@ -32,6 +32,7 @@ from conveyor.model.loader import (
     _LFM2_NAMES,
     _gpt_oss_experts,
     _grouped_projections,
+    _nemotron_h_blocks,
     _stacked_experts,
 )
 from conveyor.model.quant import from_gguf_blocks
@@ -83,6 +84,11 @@ GGUF_FAMILIES = {
     # A, D and the gated norm reshaped, the convolution squeezed), attention without RoPE, its
     # experts and the shared MLP as the shared expert; an "arbitrary" 2^20 context
     "granite4-h": {},
+    # Nemotron-H as llama.cpp's nemotron_h: its blocks as layers (per-block head_count_kv and
+    # feed_forward_length), Mamba2 as Granite 4.0-H's, permuted Q/K without RoPE; Nemotron 3's
+    # mixtures as nemotron_h_moe, which states its groups but not how many are chosen (all)
+    "nemotron_h": {},
+    "nemotron_h-moe": dict(topk_group=4),
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -95,6 +101,7 @@ LLAMA_CPP_NAMES |= {
     "olmo3": "olmo2",
     "granitemoehybrid": "granite",
     "granite4-h": "granitehybrid",
+    "nemotron_h-moe": "nemotron_h_moe",
     "ministral3": "mistral3",
     "gpt_oss": "gpt-oss",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
@@ -158,6 +165,9 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "granitemoehybrid":  # its shared_mlp as the fused gate_up_proj
         checkpoint = {renamed(n, _GRANITE_HYBRID_NAMES): t for n, t in checkpoint.items()}
+    if converted.family.startswith("nemotron_h"):  # its blocks as the layers they pair into
+        cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+        checkpoint = dict(_nemotron_h_blocks(checkpoint.items(), cfg))
     if converted.family == "granite4-h":  # the shared expert's and experts' names, as loaded
         checkpoint = {renamed(n, _GRANITE_HYBRID_MOE_NAMES): t for n, t in checkpoint.items()}
         cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
@@ -202,12 +212,16 @@ def test_config_from_metadata_equals_checkpoint_config(converted: Converted):
     # llama.cpp writes Granite 4.0 without Mamba2 layers as Granite 3, the same layer
     renamed_as = {"granitemoehybrid": "granite"} if converted.family == "granitemoehybrid" else {}
     assert ours.architecture == renamed_as.get(*[theirs.architecture] * 2)
-    for field in ("vocab_size", "hidden_size", "intermediate_size"):
+    fields = ("vocab_size", "hidden_size", "intermediate_size")
+    if converted.family == "nemotron_h-moe":  # no dense MLP: its file states experts' widths
+        fields = fields[:2]
+    for field in fields:
         assert getattr(ours, field) == getattr(theirs, field), field
     for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings"):
         assert getattr(ours, field) == getattr(theirs, field), field
     # llama.cpp's granitehybrid states an "arbitrary" 2^20 context: the released models' 128K
-    max_len = 131072 if converted.family == "granite4-h" else theirs.max_model_len
+    unbounded = converted.family in ("granite4-h", "nemotron_h", "nemotron_h-moe")
+    max_len = 131072 if unbounded else theirs.max_model_len
     assert (ours.qkv_bias, ours.qk_norm, ours.max_model_len) == (
         theirs.qkv_bias,
         theirs.qk_norm,
