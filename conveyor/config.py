@@ -17,6 +17,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "InternLM3ForCausalLM": "llama",
+    "ArceeForCausalLM": "arcee",
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "ministral",
     "Ministral3ForCausalLM": "ministral3",

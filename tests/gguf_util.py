@@ -41,6 +41,7 @@ GGUF_ARCHS = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # llama.cpp's Olmo2Model converts OLMo 3, with its window
     "granite": "granite",
+    "arcee": "arcee",
     "granitemoe": "granitemoe",
     "ministral3": "mistral3",
     # llama.cpp's GraniteHybridModel writes Granite 4.0 without Mamba2 layers nor experts as
@@ -69,6 +70,7 @@ F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # llama.cpp's LlamaModel and the converters built on it permute Q/K rows.
 PERMUTED_QK = ("llama", "granite", "granitemoe", "granitehybrid", "smollm3", "mistral3")
 PERMUTED_QK += ("nemotron_h", "nemotron_h_moe")  # GraniteHybridModel's, without RoPE too
+PERMUTED_QK += ("arcee",)
 NEMOTRON_H = ("nemotron_h", "nemotron_h_moe")
 QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
 DELTA_NETS = (*QWEN35, "qwen3next")  # and Qwen3-Next: gated delta nets under the ssm keys

@@ -156,6 +156,10 @@ FAMILIES = {
         num_experts_per_tok=2, intermediate_size=32, attention_multiplier=0.2,
         embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0,
     ),
+    "arcee": dict(  # AFM-4.5B: Llama's layer with an ungated relu(x)^2 MLP, yarn RoPE
+        architectures=["ArceeForCausalLM"], model_type="arcee", rope_scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=128),
+    ),
     "granitemoehybrid": dict(  # Granite 4.0 without Mamba2 layers: Granite's multipliers, its
         # MLP the shared_mlp (input_linear gate then up)
         architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid",

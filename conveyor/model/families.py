@@ -618,6 +618,8 @@ _BUILDERS = {
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2,
     "nemotron_h": _nemotron_h,
+    # Arcee (AFM-4.5B): Llama's layer with an ungated relu(x)^2 MLP
+    "arcee": lambda hf, head_dim, local_rope: dict(act="relu2"),
 }
 
 
@@ -630,9 +632,12 @@ def _activation(name: str) -> str:
 def _refuse_unsupported(hf, family: str) -> None:
     """Settings inside a supported family that conveyor does not compute: refused by name."""
     act = getattr(hf, "hidden_act", None) or "silu"
+    supported = "relu2" if family == "arcee" else "silu"
     if family not in ("gemma", "gemma2", "gemma3"):
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} for {family}; supported: 'silu'")
+        if act != supported:
+            raise ValueError(
+                f"unsupported hidden_act {act!r} for {family}; supported: {supported!r}"
+            )
     if family == "nemotron_h" and getattr(hf, "sliding_window", None):
         raise ValueError("unsupported sliding_window for nemotron_h")
     if family == "gemma3" and getattr(hf, "use_bidirectional_attention", False):

@@ -82,6 +82,7 @@ FAMILIES = {
     "qwen3vlmoe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "granite": ("granite", "GraniteForCausalLM"),
+    "arcee": ("arcee", "ArceeForCausalLM"),  # Llama's layer, an ungated relu(x)^2 MLP
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -676,6 +677,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "glm4": _llama_like("glm4"),  # its rotary half of each head: rope.dimension_count
     "olmo2": _olmo2,
     "granite": _llama_like("granite"),
+    "arcee": _llama_like("arcee"),
     "smollm3": _smollm3,
     "qwen2moe": _llama_like("qwen2moe"),
     "qwen3moe": _llama_like("qwen3moe"),

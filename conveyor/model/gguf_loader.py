@@ -57,6 +57,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *FAMILIES)
 # Architectures whose llama.cpp converter derives from its llama one, which permutes Q/K rows.
 _PERMUTED_QK = (
     "llama",
+    "arcee",
     "granite",
     "granitemoe",
     "granitehybrid",
@@ -147,6 +148,7 @@ _ARCH_LAYER_NAMES = {
     "qwen35moe": _QWEN35_NAMES,
     "qwen3next": {**_QWEN35_NAMES, "ssm_ba": "linear_attn.in_proj_ba"},  # split by model/loader
     "granitehybrid": _MAMBA2_NAMES,
+    "arcee": {"ffn_up": "mlp.gate_proj"},  # its ungated MLP's up: a one-part gate_up_proj
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "glm4": {

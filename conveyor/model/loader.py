@@ -115,6 +115,7 @@ def iter_weights(
         else:
             rename = {
                 "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES,
+                "arcee": _UNGATED_MLP_NAMES,
                 "granitemoehybrid": (
                     _GRANITE_HYBRID_MOE_NAMES if any(cfg.parts.moe_layers)
                     else _GRANITE_HYBRID_NAMES
@@ -272,6 +273,8 @@ _GRANITE_HYBRID_NAMES = (
     (".shared_mlp.input_linear.", ".mlp.gate_up_proj."),
     (".shared_mlp.output_linear.", ".mlp.down_proj."),
 )
+# An ungated MLP's up projection (Arcee's), held as gate_proj: a one-part gate_up_proj.
+_UNGATED_MLP_NAMES = ((".mlp.up_proj.", ".mlp.gate_proj."),)
 # Granite 4.0 with experts (-H-Tiny, -H-Small): Granite MoE's, its shared_mlp the shared expert.
 _GRANITE_HYBRID_MOE_NAMES = (
     (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),

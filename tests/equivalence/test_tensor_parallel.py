@@ -43,6 +43,8 @@ CASES = {
     # gate/up, rows of down), the router and the shared expert's gate replicated, one dense
     # layer next to the mixture.
     "qwen2-moe": ("qwen2_moe", {}),
+    # Arcee: an ungated relu(x)^2 MLP (its up projection cut by columns as a gate), yarn RoPE.
+    "arcee-ungated": ("arcee", {}),
 }
 
 

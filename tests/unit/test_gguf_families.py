@@ -30,6 +30,7 @@ from conveyor.model.loader import (
     _GRANITE_MOE_NAMES,
     _LFM2_EXPERT_NAMES,
     _LFM2_NAMES,
+    _UNGATED_MLP_NAMES,
     _gpt_oss_experts,
     _grouped_projections,
     _nemotron_h_blocks,
@@ -88,6 +89,7 @@ GGUF_FAMILIES = {
     # feed_forward_length), Mamba2 as Granite 4.0-H's, permuted Q/K without RoPE; Nemotron 3's
     # mixtures as nemotron_h_moe, which states its groups but not how many are chosen (all)
     "nemotron_h": {},
+    "arcee": {},  # llama.cpp's ArceeModel: a LlamaModel (permuted Q/K, yarn keys), ffn_up alone
     "nemotron_h-moe": dict(topk_group=4),
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
@@ -165,6 +167,8 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "granitemoehybrid":  # its shared_mlp as the fused gate_up_proj
         checkpoint = {renamed(n, _GRANITE_HYBRID_NAMES): t for n, t in checkpoint.items()}
+    if converted.family == "arcee":  # its ungated up_proj as the one-part gate_up_proj's
+        checkpoint = {renamed(n, _UNGATED_MLP_NAMES): t for n, t in checkpoint.items()}
     if converted.family.startswith("nemotron_h"):  # its blocks as the layers they pair into
         cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
         checkpoint = dict(_nemotron_h_blocks(checkpoint.items(), cfg))
