@@ -156,6 +156,14 @@ FAMILIES = {
         num_experts_per_tok=2, intermediate_size=32, attention_multiplier=0.2,
         embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0,
     ),
+    "glm4_moe": dict(  # GLM-4.5: half of each head turned (rotate-half), q/k/v biases, q/k
+        # norms; layer 0 dense, then 8 experts (top-2 of the 2 best of 4 groups, sigmoid scores
+        # plus a bias) and a shared expert
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", head_dim=16,
+        attention_bias=True, use_qk_norm=True, first_k_dense_replace=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+        n_shared_experts=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+    ),
     "arcee": dict(  # AFM-4.5B: Llama's layer with an ungated relu(x)^2 MLP, yarn RoPE
         architectures=["ArceeForCausalLM"], model_type="arcee", rope_scaling=dict(
             rope_type="yarn", factor=4.0, original_max_position_embeddings=128),

@@ -563,6 +563,31 @@ def _granite_hybrid_moe(hf, num_layers: int) -> dict:
     )
 
 
+def _glm4_moe(hf, num_layers: int) -> dict:
+    """GLM-4.5 / 4.6 / 4.7: dense MLPs on the first first_k_dense_replace layers, then
+    mixtures routed as Nemotron 3's (sigmoid scores of float32 logits, the top-k among the
+    topk_group best of n_group groups chosen with e_score_correction_bias, renormalised, times
+    routed_scaling_factor) with an ungated shared expert of n_shared_experts experts' width."""
+    dense = int(hf.first_k_dense_replace)
+    experts, groups = int(hf.n_routed_experts), int(hf.n_group)
+    if experts % groups or not 1 <= int(hf.topk_group) <= groups:
+        raise ValueError(f"GLM-4 MoE router: {experts} experts in {groups} groups, topk_group")
+    return dict(
+        moe_layers=tuple(i >= dense for i in range(num_layers)),
+        router="sigmoid_group_topk",
+        router_bias=True,
+        router_groups=(groups, int(hf.topk_group)),
+        routed_scaling=float(hf.routed_scaling_factor),
+        num_experts=experts,
+        top_k=int(hf.num_experts_per_tok),
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        float32_route_weights=True,
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+        shared_expert_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts),
+        shared_expert_gate=False,
+    )
+
+
 def _lfm2_moe(hf, num_layers: int) -> dict:
     """LFM2-MoE: dense MLPs on its first num_dense_layers, a mixture on the others."""
     dense = int(hf.num_dense_layers)
@@ -587,6 +612,7 @@ _MOE = {
     "granitemoe": _granitemoe_moe,
     "granitemoehybrid": _granite_hybrid_moe,
     "nemotron_h": _nemotron_h_moe,
+    "glm4_moe": _glm4_moe,
     "olmoe": _olmoe_moe,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
@@ -601,6 +627,11 @@ _BUILDERS = {
     "gemma3": _gemma3,
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
     "glm4": lambda hf, head_dim, local_rope: dict(norms=GLM4_NORMS),
+    # GLM-4.5's attention: partial rotary (rotate-half on its first dims), q/k/v biases, per-head
+    # q/k norms where use_qk_norm
+    "glm4_moe": lambda hf, head_dim, local_rope: dict(
+        qk_norm="head" if getattr(hf, "use_qk_norm", False) else ""
+    ),
     "exaone4": _exaone4,
     "olmoe": lambda hf, head_dim, local_rope: dict(qk_norm="full"),
     "olmo3": _olmo3,

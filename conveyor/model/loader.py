@@ -116,6 +116,7 @@ def iter_weights(
             rename = {
                 "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES,
                 "arcee": _UNGATED_MLP_NAMES,
+                "glm4_moe": _GLM4_MOE_NAMES,
                 "granitemoehybrid": (
                     _GRANITE_HYBRID_MOE_NAMES if any(cfg.parts.moe_layers)
                     else _GRANITE_HYBRID_NAMES
@@ -273,6 +274,11 @@ _GRANITE_HYBRID_NAMES = (
     (".shared_mlp.input_linear.", ".mlp.gate_up_proj."),
     (".shared_mlp.output_linear.", ".mlp.down_proj."),
 )
+# GLM-4.5's shared expert and its router's choosing bias under the MoE MLP's names.
+_GLM4_MOE_NAMES = (
+    (".mlp.shared_experts.", ".mlp.shared_expert."),
+    (".mlp.gate.e_score_correction_bias", ".mlp.expert_bias"),
+)
 # An ungated MLP's up projection (Arcee's), held as gate_proj: a one-part gate_up_proj.
 _UNGATED_MLP_NAMES = ((".mlp.up_proj.", ".mlp.gate_proj."),)
 # Granite 4.0 with experts (-H-Tiny, -H-Small): Granite MoE's, its shared_mlp the shared expert.
@@ -286,7 +292,7 @@ _GRANITE_HYBRID_MOE_NAMES = (
 _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
 # Families whose experts transformers 5 saves stacked (a checkpoint of one expert per module
 # reads as it is too).
-_STACKED_FAMILIES = ("granitemoe", "qwen3_5_moe", "lfm2_moe")
+_STACKED_FAMILIES = ("granitemoe", "qwen3_5_moe", "lfm2_moe", "glm4_moe")
 
 
 def _stacked_experts(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, Any]]:
