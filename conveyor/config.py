@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "SeedOssForCausalLM": "seed_oss",
     "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",

@@ -164,6 +164,12 @@ FAMILIES = {
         num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
         n_shared_experts=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
     ),
+    "ernie4_5_moe": dict(  # ERNIE 4.5 MoE: interleaved rotary pairs; layers 1 of 2 a mixture
+        # of 6 experts (top-2 by softmax plus a bias) beside a shared expert, layer 0 dense
+        architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe", moe_num_experts=6,
+        moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1,
+        tie_word_embeddings=True,
+    ),
     "arcee": dict(  # AFM-4.5B: Llama's layer with an ungated relu(x)^2 MLP, yarn RoPE
         architectures=["ArceeForCausalLM"], model_type="arcee", rope_scaling=dict(
             rope_type="yarn", factor=4.0, original_max_position_embeddings=128),
@@ -419,8 +425,11 @@ def make_tiny_checkpoint(
                 if mamba and name.rpartition(".")[2] in ("A_log", "D", "dt_bias"):
                     param.add_(0.3 * torch.randn_like(param))  # per head: each head's own
             for name, buffer in model.named_buffers():  # LFM2-MoE's: it chooses the experts
-                if name.endswith(("expert_bias", "e_score_correction_bias")):
+                if name.endswith(("expert_bias", "e_score_correction_bias")):  # buffers, or
                     buffer.copy_(0.1 * torch.randn_like(buffer))
+            for name, param in model.named_parameters():  # ERNIE 4.5's, a frozen parameter
+                if name.endswith("e_score_correction_bias"):
+                    param.copy_(0.1 * torch.randn_like(param))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)

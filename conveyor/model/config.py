@@ -320,7 +320,7 @@ MULTIMODAL_TEXT_ONLY = (
     "Qwen3_5MoeForConditionalGeneration",
 )
 # Families whose RoPE turns pairs of adjacent dims (2i, 2i + 1), GPT-J's way (rotary_rows).
-INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")
+INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "ernie4_5_moe")
 # Text model types with no causal-LM class of their own -> the family's class they compute as.
 _TEXT_MODEL_CLASSES = {
     "qwen2_vl_text": "Qwen2ForCausalLM",

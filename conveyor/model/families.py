@@ -113,6 +113,9 @@ class Parts:
     router: str = ""
     router_bias: bool = False
     router_groups: tuple[int, int] = (1, 1)  # sigmoid_group_topk's (n_group, topk_group)
+    # "softmax_bias_topk" (ERNIE 4.5): softmax of float32 logits, top_k of it plus router_bias,
+    # the k weights divided by their sum, at least router_norm_min, in the model dtype
+    router_norm_min: float = 0.0
     routed_scaling: float = 1.0
     num_experts: int = 0
     top_k: int = 0
@@ -588,6 +591,30 @@ def _glm4_moe(hf, num_layers: int) -> dict:
     )
 
 
+def _ernie4_5_moe(hf, num_layers: int) -> dict:
+    """ERNIE 4.5's mixtures (ERNIE-4.5-21B-A3B, -300B-A47B): on every moe_layer_interval-th layer
+    from moe_layer_start_index to moe_layer_end_index, dense MLPs elsewhere; softmax of float32
+    logits, the top-k chosen with the e_score_correction_bias added, weighed by the softmax,
+    divided by their sum (at least moe_norm_min); an ungated shared expert of
+    moe_num_shared_experts experts' width."""
+    start, end = int(hf.moe_layer_start_index), int(hf.moe_layer_end_index)
+    interval = int(hf.moe_layer_interval)
+    layers = tuple((i + 1) % interval == 0 and start <= i <= end for i in range(num_layers))
+    shared = int(getattr(hf, "moe_num_shared_experts", 0) or 0)
+    return dict(
+        moe_layers=layers if any(layers) else (),
+        router="softmax_bias_topk",
+        router_bias=True,
+        router_norm_min=float(hf.moe_norm_min),
+        num_experts=int(hf.moe_num_experts),
+        top_k=int(hf.moe_k),
+        norm_topk_prob=True,
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+        shared_expert_size=int(hf.moe_intermediate_size) * shared,
+        shared_expert_gate=False,
+    )
+
+
 def _lfm2_moe(hf, num_layers: int) -> dict:
     """LFM2-MoE: dense MLPs on its first num_dense_layers, a mixture on the others."""
     dense = int(hf.num_dense_layers)
@@ -613,6 +640,7 @@ _MOE = {
     "granitemoehybrid": _granite_hybrid_moe,
     "nemotron_h": _nemotron_h_moe,
     "glm4_moe": _glm4_moe,
+    "ernie4_5_moe": _ernie4_5_moe,
     "olmoe": _olmoe_moe,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
@@ -677,5 +705,5 @@ def _refuse_unsupported(hf, family: str) -> None:
         raise ValueError(f"unsupported mlp_bias for {family}")
     if getattr(hf, "clip_qkv", None) is not None:
         raise ValueError(f"unsupported clip_qkv for {family} (q, k and v clamped)")
-    if family == "ernie4_5" and getattr(hf, "use_bias", False):
-        raise ValueError("unsupported use_bias for ernie4_5 (biased projections and MLP)")
+    if family in ("ernie4_5", "ernie4_5_moe") and getattr(hf, "use_bias", False):
+        raise ValueError(f"unsupported use_bias for {family} (biased projections and MLP)")

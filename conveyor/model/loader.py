@@ -117,6 +117,7 @@ def iter_weights(
                 "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES,
                 "arcee": _UNGATED_MLP_NAMES,
                 "glm4_moe": _GLM4_MOE_NAMES,
+                "ernie4_5_moe": _ERNIE_MOE_NAMES,
                 "granitemoehybrid": (
                     _GRANITE_HYBRID_MOE_NAMES if any(cfg.parts.moe_layers)
                     else _GRANITE_HYBRID_NAMES
@@ -142,6 +143,8 @@ def iter_weights(
             weights = _unfused(weights, cfg, cut_of)
         if family == "nemotron_h":
             weights = _nemotron_h_blocks(weights, cfg)
+        if family == "ernie4_5_moe":  # its choosing bias stored (1, experts)
+            weights = ((n, t.reshape(-1) if n.endswith(".expert_bias") else t) for n, t in weights)
         if cfg.parts.attn_gate:  # before the rows turn: q_proj's gate rows are no query's
             weights = _gated_queries(weights, cfg)
         if family == "qwen3_next":
@@ -154,6 +157,7 @@ def iter_weights(
 # Stored tensors a family's model does not read: Qwen3.5's multi-token prediction layer (a
 # proposer vLLM can run; conveyor's speculation is n-gram or a draft model).
 _NOT_READ = {"qwen3_5": ("mtp.",), "qwen3_5_moe": ("mtp.",), "qwen3_next": ("mtp.",)}
+_NOT_READ["ernie4_5_moe"] = ("model.mtp_",)  # ERNIE 4.5's mtp_block, mtp_emb_norm, ...
 
 
 def _gated_queries(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
@@ -279,6 +283,13 @@ _GLM4_MOE_NAMES = (
     (".mlp.shared_experts.", ".mlp.shared_expert."),
     (".mlp.gate.e_score_correction_bias", ".mlp.expert_bias"),
 )
+# ERNIE 4.5's shared expert and its router's choosing bias (moe_statics, (1, experts) as
+# released; under the gate as transformers names it in memory).
+_ERNIE_MOE_NAMES = (
+    (".mlp.shared_experts.", ".mlp.shared_expert."),
+    (".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.expert_bias"),
+    (".mlp.moe_statics.e_score_correction_bias", ".mlp.expert_bias"),
+)
 # An ungated MLP's up projection (Arcee's), held as gate_proj: a one-part gate_up_proj.
 _UNGATED_MLP_NAMES = ((".mlp.up_proj.", ".mlp.gate_proj."),)
 # Granite 4.0 with experts (-H-Tiny, -H-Small): Granite MoE's, its shared_mlp the shared expert.
@@ -292,7 +303,7 @@ _GRANITE_HYBRID_MOE_NAMES = (
 _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
 # Families whose experts transformers 5 saves stacked (a checkpoint of one expert per module
 # reads as it is too).
-_STACKED_FAMILIES = ("granitemoe", "qwen3_5_moe", "lfm2_moe", "glm4_moe")
+_STACKED_FAMILIES = ("granitemoe", "qwen3_5_moe", "lfm2_moe", "glm4_moe", "ernie4_5_moe")
 
 
 def _stacked_experts(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, Any]]:

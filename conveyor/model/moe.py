@@ -85,6 +85,7 @@ ROUTERS = (
     "topk_softmax_float32",
     "sigmoid_topk",
     "sigmoid_group_topk",
+    "softmax_bias_topk",
 )
 
 
@@ -116,6 +117,7 @@ class MoEMLP(nn.Module):
         self.float32_route_weights = parts.float32_route_weights
         self.routed_scaling = parts.routed_scaling
         self.groups = parts.router_groups  # sigmoid_group_topk's (groups, groups chosen)
+        self.norm_min = parts.router_norm_min  # softmax_bias_topk's
         # LFM2-MoE: a per-expert bias added to the scores to choose (float32, as stored)
         self.expert_bias = (
             nn.Parameter(torch.zeros(parts.num_experts, dtype=torch.float32))
@@ -141,11 +143,19 @@ class MoEMLP(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routes:
         """Each row's top_k experts and their weights, as transformers' TopKRouter."""
-        if self.router == "sigmoid_group_topk" and x.dtype != torch.float32:
-            # Nemotron-H's router: its logits in float32 whatever the model's dtype
+        float32_logits = self.router in ("sigmoid_group_topk", "softmax_bias_topk")
+        if float32_logits and x.dtype != torch.float32:
+            # Nemotron-H's, GLM-4.5's and ERNIE 4.5's routers: logits in float32 whatever the
+            # model's dtype
             logits = nn.functional.linear(x.float(), self.gate.weight.float())
-            return self._sigmoid_routes(logits, x.dtype)
-        logits = self.gate(x)  # (T, E)
+        else:
+            logits = self.gate(x)  # (T, E)
+        if self.router == "softmax_bias_topk":  # ERNIE 4.5's
+            probs = torch.softmax(logits.float(), dim=-1)
+            expert_ids = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
+            top = torch.gather(probs, 1, expert_ids)
+            top = top / _row_sums(top).clamp(min=self.norm_min)
+            return Routes(top.to(x.dtype), expert_ids)
         if self.router in ("sigmoid_topk", "sigmoid_group_topk"):
             return self._sigmoid_routes(logits, x.dtype)
         if self.router == "topk_softmax":

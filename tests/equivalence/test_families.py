@@ -7,6 +7,7 @@ that preempts, shared prefixes that hit the prefix cache, and n-gram speculation
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ MAX_STEPS = 2000
 # for a float64 model; GLM-4.5's router computes its logits in float32 (a float32 matmul, whose
 # sums transformers and conveyor order by their own row counts: ~1e-6 in logprob); the others'
 # references are float64 throughout (sdpa).
-TOLERANCE = {"gemma2": 2e-5, "ernie4_5": 2e-5, "glm4_moe": 5e-6}
+TOLERANCE = {"gemma2": 2e-5, "ernie4_5": 2e-5, "ernie4_5_moe": 2e-5, "glm4_moe": 5e-6}
 
 
 # Multimodal checkpoints whose language model is a family the battery runs whole: its layers
@@ -218,3 +219,21 @@ def test_past_longrope_original_length_the_long_factors_turn_every_position(tmp_
     assert_reference("phi4-mini", done, reference)
     short = hf_greedy(reference_model, short_prompts, MAX_TOKENS)  # the factors count
     assert [tokens for tokens, _ in short] != [tokens for tokens, _ in reference[3:]]
+
+
+def test_ernie4_5_moe_multi_token_prediction_tensors_are_not_read(tmp_path_factory, tmp_path):
+    """ERNIE 4.5's releases carry its multi-token prediction block beside the model's
+    (model.mtp_block.*, mtp_emb_norm, ...): never read, the model the same."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    name, original, prompts, reference = _case("ernie4_5_moe", tmp_path_factory)
+    path = str(shutil.copytree(original, tmp_path / "with-mtp"))
+    shard = Path(path) / "model.safetensors"
+    weights = load_file(shard)
+    weights["model.mtp_block.0.mlp.gate_proj.weight"] = torch.zeros(32, 64, dtype=torch.float64)
+    weights["model.mtp_emb_norm.0.weight"] = torch.ones(64, dtype=torch.float64)
+    save_file(weights, shard, metadata={"format": "pt"})
+    engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS)
+    assert_reference(name, run(engine, requests(prompts[:3])), reference[:3])
