@@ -58,6 +58,7 @@ GGUF_ARCHS = {
     "qwen3_5_moe_text": "qwen35moe",
     "qwen3_next": "qwen3next",
     "ernie4_5": "ernie4_5",
+    "ernie4_5_moe": "ernie4_5-moe",
     "exaone4": "exaone4",
     "seed_oss": "seed_oss",
     "olmoe": "olmoe",
@@ -466,6 +467,16 @@ def _granitehybrid_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
 
 
+def _ernie4_5_moe_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's Ernie4_5MoeModel: where the mixtures start and their step, the shared
+    experts' count, and a shared width it derives as intermediate_size / KV heads."""
+    writer.add_interleave_moe_layer_step(config.moe_layer_interval)
+    writer.add_leading_dense_block_count(config.moe_layer_start_index)
+    writer.add_expert_shared_count(config.moe_num_shared_experts)
+    width = config.intermediate_size // config.num_key_value_heads
+    writer.add_expert_shared_feed_forward_length(width)
+
+
 def _nemotron_h_hparams(writer: gguf.GGUFWriter, config) -> None:
     """llama.cpp's NemotronHModel: the Mamba2 sizes (inner_size heads x head_dim), no RoPE;
     Nemotron 3's router (its groups; the groups chosen are not stated)."""
@@ -484,8 +495,8 @@ def _nemotron_h_hparams(writer: gguf.GGUFWriter, config) -> None:
 
 
 def _nemotron_h_tensors(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """llama.cpp's NemotronHModel: Mamba2's tensors changed as Granite 4.0-H's are, the
-    router's bias named e_score_correction.bias, the experts under the names it stacks."""
+    """llama.cpp's NemotronHModel: Mamba2's tensors changed as Granite 4.0-H's are, the experts
+    under the names it stacks."""
     out = {}
     for name, tensor in state.items():
         if name.endswith(".mixer.A_log"):
@@ -498,8 +509,6 @@ def _nemotron_h_tensors(state: dict[str, torch.Tensor], config) -> dict[str, tor
             tensor = tensor.squeeze(1)
         elif name.endswith(".mixer.dt_bias"):
             name = name.replace(".mixer.dt_bias", ".mixer.dt_proj.bias")
-        elif name.endswith(".gate.e_score_correction_bias"):
-            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         elif match := re.fullmatch(r"backbone\.layers\.(\d+)\.mixer\.(experts\..*)", name):
             name = f"model.layers.{match[1]}.mlp.{match[2]}"
         out[name] = tensor
@@ -555,6 +564,7 @@ _FAMILY_HPARAMS = {
     "granite": _granite_hparams,
     "granitemoe": _granite_hparams,
     "granitehybrid": _granitehybrid_hparams,
+    "ernie4_5-moe": _ernie4_5_moe_hparams,
     "nemotron_h": _nemotron_h_hparams,
     "nemotron_h_moe": _nemotron_h_hparams,
 }
@@ -601,6 +611,8 @@ def check_expressible(config, arch: str) -> None:
         expected["position_embedding_type"] = "nope"
         expected["time_step_limit"] = (0.0, float("inf"))
         expected["mamba_proj_bias"] = False
+    if arch == "ernie4_5-moe":  # mixtures up to the last layer; llama.cpp clamps the weights'
+        expected["moe_layer_end_index"] = config.num_hidden_layers - 1  # sum at 6.1e-5, not 1e-12
     if arch in NEMOTRON_H:  # llama.cpp clamps no time step; it states no groups chosen
         expected["time_step_min"] = 0.001  # (transformers' default, which conveyor then takes)
         if arch == "nemotron_h_moe":
@@ -707,6 +719,8 @@ def _add_tensors(
             data = data + 1  # in the checkpoint's dtype, then cast, as llama.cpp does
         if arch in QWEN35:
             hf_name, data = _qwen35_tensor(hf_name, data, config)
+        # a router's choosing bias: exp_probs_b.bias (llama.cpp's converters name it so)
+        hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
         data = data.to(torch.float32)
         if arch in PERMUTED_QK and ".q_proj." in hf_name:
             data = permute(data, config.num_attention_heads, config.num_attention_heads)

@@ -93,6 +93,7 @@ FAMILIES = {
     "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
+    "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "exaone4": ("exaone4", "Exaone4ForCausalLM"),
     "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
@@ -171,7 +172,7 @@ def hf_config_dict(
         set_llama3(config, rope_factors[LLAMA3_TENSOR], metadata, arch)
     if arch == "glm4":  # q/k/v biases, stated by their tensors
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
-    if arch == "ernie4_5":  # biased projections (refused by model/families), by their tensors
+    if arch in ("ernie4_5", "ernie4_5-moe"):  # biased projections (refused), by their tensors
         config["use_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "granitehybrid":  # the Mamba2 convolution's bias, stated by its tensors
         config["mamba_conv_bias"] = any(n.endswith(".ssm_conv1d.bias") for n in tensor_shapes)
@@ -639,6 +640,22 @@ def _nemotron_h(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     return fields
 
 
+def _ernie4_5_moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """ERNIE 4.5 MoE: its mixtures from leading_dense_block_count on, every
+    interleave_moe_layer_step-th layer, to the last; expert_shared_count shared experts of
+    expert_feed_forward_length each (llama.cpp's shared width key is derived, not read)."""
+    arch = "ernie4_5-moe"
+    config.update(
+        moe_num_experts=config.pop("num_experts"),
+        moe_k=config.pop("num_experts_per_tok"),
+        moe_num_shared_experts=metadata.get(f"{arch}.expert_shared_count", 0),
+        moe_layer_start_index=metadata.get(f"{arch}.leading_dense_block_count", 1),
+        moe_layer_interval=metadata.get(f"{arch}.interleave_moe_layer_step", 1),
+        moe_layer_end_index=-1,
+    )
+    config.pop("shared_expert_intermediate_size", None)
+
+
 def _qwen35(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     """Qwen3.5's fields: its gated delta nets' sizes from the ssm keys, every interval-th layer
     attention, partial rotary (rope.dimension_count of key_length), the MTP layers left out."""
@@ -689,6 +706,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "qwen35moe": _qwen35("qwen35moe"),
     "qwen3next": _qwen35("qwen3next"),
     "ernie4_5": _llama_like("ernie4_5"),
+    "ernie4_5-moe": _ernie4_5_moe,
     "exaone4": _exaone4,
     "seed_oss": _llama_like("seed_oss"),
     "olmoe": _llama_like("olmoe"),

@@ -104,6 +104,8 @@ def iter_weights(
             weights = _grouped_projections(weights, cfg)
         if cfg.rotary_rows is not None:  # before the cut: a fused qkv_proj is whole
             weights = _rotary_rows(weights, cfg)
+        if cfg.parts.family == "ernie4_5_moe":
+            weights = _flat_expert_bias(weights)
         for name, tensor in weights:
             cut = shard.slice_of(name, cfg)
             yield name, tensor if cut is None else _cut(tensor, cut).clone()
@@ -143,8 +145,8 @@ def iter_weights(
             weights = _unfused(weights, cfg, cut_of)
         if family == "nemotron_h":
             weights = _nemotron_h_blocks(weights, cfg)
-        if family == "ernie4_5_moe":  # its choosing bias stored (1, experts)
-            weights = ((n, t.reshape(-1) if n.endswith(".expert_bias") else t) for n, t in weights)
+        if family == "ernie4_5_moe":
+            weights = _flat_expert_bias(weights)
         if cfg.parts.attn_gate:  # before the rows turn: q_proj's gate rows are no query's
             weights = _gated_queries(weights, cfg)
         if family == "qwen3_next":
@@ -152,6 +154,12 @@ def iter_weights(
         if cfg.rotary_rows is not None:
             weights = _rotary_rows(weights, cfg)
         yield from weights
+
+
+def _flat_expert_bias(weights) -> Iterator[tuple[str, Any]]:
+    """ERNIE 4.5's choosing bias, stored (1, experts), as the router's (experts,)."""
+    for name, tensor in weights:
+        yield name, tensor.reshape(-1) if name.endswith(".mlp.expert_bias") else tensor
 
 
 # Stored tensors a family's model does not read: Qwen3.5's multi-token prediction layer (a

@@ -25,12 +25,14 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
 from conveyor.model.loader import (
+    _ERNIE_MOE_NAMES,
     _GRANITE_HYBRID_MOE_NAMES,
     _GRANITE_HYBRID_NAMES,
     _GRANITE_MOE_NAMES,
     _LFM2_EXPERT_NAMES,
     _LFM2_NAMES,
     _UNGATED_MLP_NAMES,
+    _flat_expert_bias,
     _gpt_oss_experts,
     _grouped_projections,
     _nemotron_h_blocks,
@@ -89,6 +91,8 @@ GGUF_FAMILIES = {
     # feed_forward_length), Mamba2 as Granite 4.0-H's, permuted Q/K without RoPE; Nemotron 3's
     # mixtures as nemotron_h_moe, which states its groups but not how many are chosen (all)
     "nemotron_h": {},
+    # ERNIE 4.5 MoE: a dense layer, then mixtures with a shared expert and a choosing bias
+    "ernie4_5_moe": {},
     "arcee": {},  # llama.cpp's ArceeModel: a LlamaModel (permuted Q/K, yarn keys), ffn_up alone
     "nemotron_h-moe": dict(topk_group=4),
 }
@@ -103,6 +107,7 @@ LLAMA_CPP_NAMES |= {
     "olmo3": "olmo2",
     "granitemoehybrid": "granite",
     "granite4-h": "granitehybrid",
+    "ernie4_5_moe": "ernie4_5-moe",
     "nemotron_h-moe": "nemotron_h_moe",
     "ministral3": "mistral3",
     "gpt_oss": "gpt-oss",
@@ -167,6 +172,9 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "granitemoehybrid":  # its shared_mlp as the fused gate_up_proj
         checkpoint = {renamed(n, _GRANITE_HYBRID_NAMES): t for n, t in checkpoint.items()}
+    if converted.family == "ernie4_5_moe":  # its shared expert and bias as the model names them
+        checkpoint = {renamed(n, _ERNIE_MOE_NAMES): t for n, t in checkpoint.items()}
+        checkpoint = dict(_flat_expert_bias(checkpoint.items()))
     if converted.family == "arcee":  # its ungated up_proj as the one-part gate_up_proj's
         checkpoint = {renamed(n, _UNGATED_MLP_NAMES): t for n, t in checkpoint.items()}
     if converted.family.startswith("nemotron_h"):  # its blocks as the layers they pair into
@@ -193,6 +201,8 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
         checkpoint = dict(_grouped_projections(checkpoint.items(), cfg))
         ours = dict(_grouped_projections(ours.items(), cfg))
+    if converted.family == "ernie4_5_moe":  # its bias as the loader flattens it
+        ours = dict(_flat_expert_bias(ours.items()))
     ours = fused_like_checkpoint(ours, set(checkpoint))
     tied = {"lm_head.weight"} if "lm_head.weight" not in ours else set()
     assert set(ours) == set(checkpoint) - tied
