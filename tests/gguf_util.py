@@ -59,6 +59,7 @@ GGUF_ARCHS = {
     "qwen3_next": "qwen3next",
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5-moe",
+    "glm4_moe": "glm4moe",
     "exaone4": "exaone4",
     "seed_oss": "seed_oss",
     "olmoe": "olmoe",
@@ -467,6 +468,18 @@ def _granitehybrid_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
 
 
+def _glm4moe_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's Glm4MoeModel: the rotary part of each head, the experts' keys (sigmoid
+    gating, scale, renormalisation, leading dense layers, shared experts by count)."""
+    partial = _rope(config).get("partial_rotary_factor", 0.5)
+    writer.add_rope_dimension_count(int(_head_dim(config) * partial))
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+
+
 def _ernie4_5_moe_hparams(writer: gguf.GGUFWriter, config) -> None:
     """llama.cpp's Ernie4_5MoeModel: where the mixtures start and their step, the shared
     experts' count, and a shared width it derives as intermediate_size / KV heads."""
@@ -565,6 +578,7 @@ _FAMILY_HPARAMS = {
     "granitemoe": _granite_hparams,
     "granitehybrid": _granitehybrid_hparams,
     "ernie4_5-moe": _ernie4_5_moe_hparams,
+    "glm4moe": _glm4moe_hparams,
     "nemotron_h": _nemotron_h_hparams,
     "nemotron_h_moe": _nemotron_h_hparams,
 }
@@ -611,6 +625,9 @@ def check_expressible(config, arch: str) -> None:
         expected["position_embedding_type"] = "nope"
         expected["time_step_limit"] = (0.0, float("inf"))
         expected["mamba_proj_bias"] = False
+    if arch == "glm4moe":  # llama.cpp's files state no groups: one, all chosen
+        expected["n_group"] = 1
+        expected["topk_group"] = 1
     if arch == "ernie4_5-moe":  # mixtures up to the last layer; llama.cpp clamps the weights'
         expected["moe_layer_end_index"] = config.num_hidden_layers - 1  # sum at 6.1e-5, not 1e-12
     if arch in NEMOTRON_H:  # llama.cpp clamps no time step; it states no groups chosen

@@ -94,6 +94,7 @@ FAMILIES = {
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
+    "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),  # GLM-4.5 / 4.6 / 4.7
     "exaone4": ("exaone4", "Exaone4ForCausalLM"),
     "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
@@ -174,6 +175,9 @@ def hf_config_dict(
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch in ("ernie4_5", "ernie4_5-moe"):  # biased projections (refused), by their tensors
         config["use_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if arch == "glm4moe":  # q/k/v biases and q/k norms, by their tensors
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+        config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensor_shapes
     if arch == "granitehybrid":  # the Mamba2 convolution's bias, stated by its tensors
         config["mamba_conv_bias"] = any(n.endswith(".ssm_conv1d.bias") for n in tensor_shapes)
     if arch in ("nemotron_h", "nemotron_h_moe"):
@@ -640,6 +644,34 @@ def _nemotron_h(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     return fields
 
 
+def _glm4moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """GLM-4.5: its rotary part of each head (rope.dimension_count), dense layers before
+    leading_dense_block_count, mixtures after with sigmoid gating (another is refused), their
+    groups from expert_group_count (llama.cpp's files state none: one), all chosen where the
+    file states no expert_group_used_count; the MTP layers left out."""
+    arch = "glm4moe"
+    gating = metadata.get(f"{arch}.expert_gating_func", _SIGMOID_GATING)
+    if gating != _SIGMOID_GATING:
+        raise ValueError(
+            f"a GGUF glm4moe file's glm4moe.expert_gating_func is {gating!r}: GLM-4.5 routes by "
+            f"sigmoid scores ({_SIGMOID_GATING})"
+        )
+    config["num_hidden_layers"] -= metadata.get(f"{arch}.nextn_predict_layers", 0)
+    _rotary_fraction(metadata, arch, config)
+    groups = metadata.get(f"{arch}.expert_group_count") or 1
+    config.update(
+        n_routed_experts=config.pop("num_experts"),
+        n_shared_experts=metadata.get(f"{arch}.expert_shared_count", 1),
+        first_k_dense_replace=metadata.get(f"{arch}.leading_dense_block_count", 0),
+        routed_scaling_factor=metadata.get(f"{arch}.expert_weights_scale", 1.0),
+        norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", False)),
+        n_group=groups,
+        topk_group=metadata.get(f"{arch}.expert_group_used_count") or groups,
+        num_nextn_predict_layers=0,
+    )
+    config.pop("shared_expert_intermediate_size", None)
+
+
 def _ernie4_5_moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     """ERNIE 4.5 MoE: its mixtures from leading_dense_block_count on, every
     interleave_moe_layer_step-th layer, to the last; expert_shared_count shared experts of
@@ -707,6 +739,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "qwen3next": _qwen35("qwen3next"),
     "ernie4_5": _llama_like("ernie4_5"),
     "ernie4_5-moe": _ernie4_5_moe,
+    "glm4moe": _glm4moe,
     "exaone4": _exaone4,
     "seed_oss": _llama_like("seed_oss"),
     "olmoe": _llama_like("olmoe"),

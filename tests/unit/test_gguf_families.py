@@ -26,6 +26,7 @@ from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
 from conveyor.model.loader import (
     _ERNIE_MOE_NAMES,
+    _GLM4_MOE_NAMES,
     _GRANITE_HYBRID_MOE_NAMES,
     _GRANITE_HYBRID_NAMES,
     _GRANITE_MOE_NAMES,
@@ -93,6 +94,8 @@ GGUF_FAMILIES = {
     "nemotron_h": {},
     # ERNIE 4.5 MoE: a dense layer, then mixtures with a shared expert and a choosing bias
     "ernie4_5_moe": {},
+    # GLM-4.5: a dense layer, then mixtures routed by sigmoid scores with a bias (one group)
+    "glm4_moe": dict(n_group=1, topk_group=1),
     "arcee": {},  # llama.cpp's ArceeModel: a LlamaModel (permuted Q/K, yarn keys), ffn_up alone
     "nemotron_h-moe": dict(topk_group=4),
 }
@@ -108,6 +111,7 @@ LLAMA_CPP_NAMES |= {
     "granitemoehybrid": "granite",
     "granite4-h": "granitehybrid",
     "ernie4_5_moe": "ernie4_5-moe",
+    "glm4_moe": "glm4moe",
     "nemotron_h-moe": "nemotron_h_moe",
     "ministral3": "mistral3",
     "gpt_oss": "gpt-oss",
@@ -172,6 +176,10 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "granitemoehybrid":  # its shared_mlp as the fused gate_up_proj
         checkpoint = {renamed(n, _GRANITE_HYBRID_NAMES): t for n, t in checkpoint.items()}
+    if converted.family == "glm4_moe":  # its shared expert, bias and experts as loaded
+        checkpoint = {renamed(n, _GLM4_MOE_NAMES): t for n, t in checkpoint.items()}
+        cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+        checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "ernie4_5_moe":  # its shared expert and bias as the model names them
         checkpoint = {renamed(n, _ERNIE_MOE_NAMES): t for n, t in checkpoint.items()}
         checkpoint = dict(_flat_expert_bias(checkpoint.items()))
@@ -558,16 +566,19 @@ def test_transformers_reads_the_lfm2_file_as_its_checkpoint(tmp_path):
         assert torch.equal(state[name].to(tensor.dtype), tensor), name
 
 
-def test_a_qwen35_files_multi_token_prediction_layers_are_not_read(tmp_path):
-    """llama.cpp appends Qwen3.5's MTP layers as blocks after the model's (block_count counts
-    them, nextn_predict_layers says how many): the model is the first blocks, its tokens the
-    same as from the file without them."""
+@pytest.mark.parametrize("family", ["qwen3_5", "glm4_moe"])
+def test_a_files_multi_token_prediction_layers_are_not_read(tmp_path, family):
+    """llama.cpp appends Qwen3.5's and GLM-4.5's MTP layers as blocks after the model's
+    (block_count counts them, nextn_predict_layers says how many): the model is the first
+    blocks, its tokens the same as from the file without them."""
     hf_dir = tmp_path / "hf"
-    snap_to_float_gguf(make_tiny_checkpoint(hf_dir, "qwen3_5"))
-    plain = write_gguf(hf_dir, tmp_path / "tiny-qwen3_5-F32.gguf", "F32")
-    mtp = write_gguf(hf_dir, tmp_path / "tiny-qwen3_5-mtp-F32.gguf", "F32", mtp_layers=1)
-    assert gguf.GGUFReader(mtp).get_tensor(-1).name == "blk.4.nextn.shared_head_norm.weight"
-    assert ModelConfig.from_hf(str(mtp), dtype="float64").num_layers == 4
+    snap_to_float_gguf(make_tiny_checkpoint(hf_dir, family, **GGUF_FAMILIES[family]))
+    plain = write_gguf(hf_dir, tmp_path / f"tiny-{family}-F32.gguf", "F32")
+    mtp = write_gguf(hf_dir, tmp_path / f"tiny-{family}-mtp-F32.gguf", "F32", mtp_layers=1)
+    layers = ModelConfig.from_hf(str(hf_dir), dtype="float64").num_layers
+    last = gguf.GGUFReader(mtp).get_tensor(-1).name
+    assert last == f"blk.{layers}.nextn.shared_head_norm.weight"
+    assert ModelConfig.from_hf(str(mtp), dtype="float64").num_layers == layers
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     prompts = random_prompts(3, 384, seed=4, max_len=30)
     outputs = [
