@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
+    "BambaForCausalLM": "bamba",
     "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",

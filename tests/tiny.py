@@ -300,6 +300,12 @@ HYBRIDS = {
         attention_multiplier=0.2, embedding_multiplier=6.0, residual_multiplier=0.4,
         logits_scaling=3.0,
     ),
+    "bamba": dict(  # Bamba: Mamba2 layers 0, 1 and 3 (8 heads of 16 in 2 groups), attention on
+        # layer 2 turning half of each head; Llama's MLP
+        architectures=["BambaForCausalLM"], model_type="bamba", attn_layer_indices=[2],
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2,
+    ),
     "nemotron_h": dict(  # Nemotron-H's blocks "M-*MM-": a Mamba2 block and its MLP, attention
         # (no RoPE) and two Mamba2 blocks without one, a last one with its MLP; relu(x)^2 MLPs
         architectures=["NemotronHForCausalLM"], model_type="nemotron_h",

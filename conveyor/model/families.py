@@ -318,6 +318,17 @@ def _granite_hybrid(hf, head_dim: int, local_rope: Callable) -> dict:
     return extra
 
 
+BAMBA_NORMS = (("attn_in", "input_layernorm"), ("mlp_in", "pre_ff_layernorm"))
+
+
+def _bamba(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Bamba (Bamba-9B): Granite 4.0-H's Mamba2 layers beside attention on attn_layer_indices,
+    which turns half of each head by RoPE; Llama's MLP (feed_forward), its norm before it
+    pre_ff_layernorm."""
+    types = list(hf.layers_block_type)
+    return dict(norms=BAMBA_NORMS, **_mamba2(hf, [t == "linear_attention" for t in types]))
+
+
 def _mamba2(hf, layers: list[bool]) -> dict:
     """The Mamba2 layers of a hybrid (transformers' mamba_* settings)."""
     if getattr(hf, "mamba_proj_bias", False):
@@ -677,6 +688,7 @@ _BUILDERS = {
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2,
     "nemotron_h": _nemotron_h,
+    "bamba": _bamba,
     # Arcee (AFM-4.5B): Llama's layer with an ungated relu(x)^2 MLP
     "arcee": lambda hf, head_dim, local_rope: dict(act="relu2"),
 }

@@ -571,8 +571,8 @@ _UNBOUNDED_CONTEXT, _GRANITE_4_CONTEXT = 2**20, 131072
 def _granitehybrid(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     """Granite 4.0-H: a layer with KV heads (a per-layer head_count_kv) attends, one without is
     a Mamba2 layer, its sizes the ssm keys (time_step_rank: the heads, inner_size: heads x
-    head_dim, group_count, state_size, conv_kernel); RoPE only where rope.scaling.finetuned
-    says so (llama.cpp's use_rope: Bamba's); the shared MLP's width the
+    head_dim, group_count, state_size, conv_kernel); no RoPE (llama.cpp's Bamba files, which
+    state rope.scaling.finetuned, are refused); the shared MLP's width the
     expert_shared_feed_forward_length, or the feed_forward_length without experts."""
     arch = "granitehybrid"
     kv = config["num_key_value_heads"]
@@ -589,9 +589,13 @@ def _granitehybrid(metadata: dict[str, Any], config: dict[str, Any]) -> None:
         mamba_expand=inner // config["hidden_size"],
         mamba_proj_bias=False,
     )
-    rope = bool(metadata.get(f"{arch}.rope.scaling.finetuned", False))
-    config["position_embedding_type"] = "rope" if rope else "nope"
-    if not rope and config.get("max_position_embeddings") == _UNBOUNDED_CONTEXT:
+    if metadata.get(f"{arch}.rope.scaling.finetuned", False):  # llama.cpp's Bamba files
+        raise ValueError(
+            "a GGUF granitehybrid file with RoPE (rope.scaling.finetuned: Bamba) is not "
+            "supported; its checkpoint (BambaForCausalLM) is"
+        )
+    config["position_embedding_type"] = "nope"
+    if config.get("max_position_embeddings") == _UNBOUNDED_CONTEXT:
         config["max_position_embeddings"] = _GRANITE_4_CONTEXT
     shared = config.pop("shared_expert_intermediate_size", None)
     config["shared_intermediate_size"] = shared or config["intermediate_size"]

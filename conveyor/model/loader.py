@@ -118,6 +118,7 @@ def iter_weights(
             rename = {
                 "mixtral": _MIXTRAL_NAMES, "granitemoe": _GRANITE_MOE_NAMES, "lfm2": _LFM2_NAMES,
                 "arcee": _UNGATED_MLP_NAMES,
+                "bamba": _BAMBA_NAMES,
                 "glm4_moe": _GLM4_MOE_NAMES,
                 "ernie4_5_moe": _ERNIE_MOE_NAMES,
                 "granitemoehybrid": (
@@ -298,6 +299,8 @@ _ERNIE_MOE_NAMES = (
     (".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.expert_bias"),
     (".mlp.moe_statics.e_score_correction_bias", ".mlp.expert_bias"),
 )
+# Bamba's MLP and final norm under Llama's names.
+_BAMBA_NAMES = ((".feed_forward.", ".mlp."), ("model.final_layernorm.", "model.norm."))
 # An ungated MLP's up projection (Arcee's), held as gate_proj: a one-part gate_up_proj.
 _UNGATED_MLP_NAMES = ((".mlp.up_proj.", ".mlp.gate_proj."),)
 # Granite 4.0 with experts (-H-Tiny, -H-Small): Granite MoE's, its shared_mlp the shared expert.

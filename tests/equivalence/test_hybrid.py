@@ -1,11 +1,11 @@
 """Hybrid models (recurrent layers beside attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, LFM2,
 LFM2-MoE, Granite 4.0-H's Mamba2 layers with experts, Nemotron-H's blocks, dense and with
-experts; model/recurrent.py) against transformers in float64 on tiny random checkpoints (their
-recurrences in float64: transformers runs its delta rule and Mamba2 scans in float32): greedy
-tokens equal its generate, logprobs agree, all prompts in one step, chunked at an odd budget
-with arrivals while others decode, and preempted in a small cache (a recompute starts its state
-from zeros); each sequence holds one state slot while it runs. Tokens and logprobs are the same
-bits alone or batched, whatever the chunking (float32). Speculation is refused and prefix
+experts, Bamba; model/recurrent.py) against transformers in float64 on tiny random checkpoints
+(their recurrences in float64: transformers runs its delta rule and Mamba2 scans in float32):
+greedy tokens equal its generate, logprobs agree, all prompts in one step, chunked at an odd
+budget with arrivals while others decode, and preempted in a small cache (a recompute starts its
+state from zeros); each sequence holds one state slot while it runs. Tokens and logprobs are the
+same bits alone or batched, whatever the chunking (float32). Speculation is refused and prefix
 caching is off (a cached prefix's blocks carry no recurrent state)."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def float64_mamba2_step(
 
 
 _MAMBA_DT_LIMIT: dict = {}
-_MAMBA2_MODULES = ("granitemoehybrid", "nemotron_h")
+_MAMBA2_MODULES = ("granitemoehybrid", "nemotron_h", "bamba")
 
 
 @contextlib.contextmanager
@@ -156,6 +156,7 @@ def _case(name: str, tmp_path_factory):
         "granite4-h",
         "nemotron_h",
         "nemotron_h-moe",
+        "bamba",
     ],
 )
 def hybrid(request, tmp_path_factory):

@@ -587,3 +587,18 @@ def test_a_files_multi_token_prediction_layers_are_not_read(tmp_path, family):
         for p in (plain, mtp)
     ]  # fmt: skip
     assert outputs[0] == outputs[1]
+
+
+def test_a_granitehybrid_file_with_rope_bambas_is_refused_by_name(tmp_path):
+    """llama.cpp writes Bamba as granitehybrid with RoPE (rope.scaling.finetuned), its rotary
+    half of each head permuted as a whole head's: not read as Granite 4.0-H, refused."""
+    from conveyor.model.gguf_loader import _header
+
+    hf_dir = snap_to_float_gguf(make_tiny_checkpoint(tmp_path / "hf", "granite4-h"))
+    path = write_gguf(hf_dir, tmp_path / "tiny-granite4-h.gguf", "F32")
+    header = _header(path)
+    shapes = {info.name: info.shape for info in header.tensors}
+    assert hf_config_dict(header.metadata, shapes)["position_embedding_type"] == "nope"
+    metadata = {**header.metadata, "granitehybrid.rope.scaling.finetuned": True}
+    with pytest.raises(ValueError, match="Bamba"):
+        hf_config_dict(metadata, shapes)
