@@ -602,16 +602,30 @@ def _granitehybrid(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     config.setdefault("num_local_experts", 0)
 
 
+def nemotron_h_block_types(metadata: dict[str, Any], arch: str, num_blocks: int) -> list[str]:
+    """Each block's transformers layer type, from llama.cpp's per-block arrays: KV heads make
+    it attention, a feed_forward_length an MLP (a mixture in nemotron_h_moe), else Mamba2."""
+
+    def per_block(key: str) -> list[int]:
+        value = metadata.get(f"{arch}.{key}", 0)
+        return list(value) if isinstance(value, list) else [value] * num_blocks
+
+    kv, ff = per_block("attention.head_count_kv"), per_block("feed_forward_length")
+    mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
+    return [
+        "full_attention" if kv[i] else mlp if ff[i] else "linear_attention"
+        for i in range(num_blocks)
+    ]
+
+
 def _nemotron_h(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     """Nemotron-H's fields: its blocks' types from the per-block head_count_kv and
-    feed_forward_length (gguf_loader.nemotron_h_block_types), its Mamba2 sizes from the ssm
+    feed_forward_length (nemotron_h_block_types), its Mamba2 sizes from the ssm
     keys, no RoPE; Nemotron 3's mixtures (nemotron_h_moe) from the expert keys, its groups
     all chosen where the file states no expert_group_used_count (llama.cpp then limits none);
     the MTP blocks left out."""
 
     def fields(metadata: dict[str, Any], config: dict[str, Any]) -> None:
-        from conveyor.model.gguf_loader import nemotron_h_block_types
-
         blocks = config.pop("num_hidden_layers") - metadata.get(f"{arch}.nextn_predict_layers", 0)
         types = nemotron_h_block_types(metadata, arch, blocks)
         kv = config["num_key_value_heads"]

@@ -46,6 +46,7 @@ from conveyor.model.gguf_config import (
     LONGROPE_TENSORS,
     hf_config_dict,
     is_mixtral,
+    nemotron_h_block_types,
     rope_parameters,
     set_llama3,
 )
@@ -570,22 +571,6 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
     if architecture in _NEMOTRON_H:
         blocks = _nemotron_h_blocks(metadata, architecture, num_layers)
     return _Layout(architecture, num_heads, num_kv_heads, head_dim, num_layers, linear, blocks)
-
-
-def nemotron_h_block_types(metadata: dict[str, Any], arch: str, num_blocks: int) -> list[str]:
-    """Each block's transformers layer type, from llama.cpp's per-block arrays: KV heads make
-    it attention, a feed_forward_length an MLP (a mixture in nemotron_h_moe), else Mamba2."""
-
-    def per_block(key: str) -> list[int]:
-        value = metadata.get(f"{arch}.{key}", 0)
-        return list(value) if isinstance(value, list) else [value] * num_blocks
-
-    kv, ff = per_block("attention.head_count_kv"), per_block("feed_forward_length")
-    mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
-    return [
-        "full_attention" if kv[i] else mlp if ff[i] else "linear_attention"
-        for i in range(num_blocks)
-    ]
 
 
 def _nemotron_h_blocks(
