@@ -260,7 +260,14 @@ def _projection(module: nn.Module, ops: ModuleType):
 
 # The compiled MoE's routers and expert activations (kernels/layer/decoder_layer.cpp: Router,
 # ExpertActivation).
-_ROUTERS = {"softmax_topk": 0, "topk_softmax": 1, "topk_softmax_float32": 2}
+_ROUTERS = {
+    "softmax_topk": 0,
+    "topk_softmax": 1,
+    "topk_softmax_float32": 2,
+    "sigmoid_group_topk": 3,
+    "softmax_bias_topk": 4,
+}
+_BIASED_ROUTERS = ("sigmoid_group_topk", "softmax_bias_topk")
 _EXPERT_ACTIVATIONS = {"silu": 0, "swiglu_clamp": 1}
 
 
@@ -270,8 +277,9 @@ def _compiled_moe(mlp: MoEMLP, ops: ModuleType):
     act = mlp.experts[0].act
     if act not in _EXPERT_ACTIVATIONS or mlp.router not in _ROUTERS:
         return None
-    if mlp.shared_expert is not None and mlp.shared_expert_gate is None:
-        return None  # Granite 4.0's ungated shared MLP: the modules (a hybrid's run so anyway)
+    biased = mlp.router in _BIASED_ROUTERS
+    if biased and mlp.gate.weight.dtype != torch.float32:
+        return None  # a float64 model's: its router's logits are float32 in the module
     router = _projection(mlp.gate, ops)
     gate_up = [_projection(e.gate_up_proj, ops) for e in mlp.experts]
     down = [_projection(e.down_proj, ops) for e in mlp.experts]
@@ -280,8 +288,9 @@ def _compiled_moe(mlp: MoEMLP, ops: ModuleType):
         shared = {
             "shared_gate_up": _projection(mlp.shared_expert.gate_up_proj, ops),
             "shared_down": _projection(mlp.shared_expert.down_proj, ops),
-            "shared_gate": _projection(mlp.shared_expert_gate, ops),
         }
+        if mlp.shared_expert_gate is not None:  # Qwen2-MoE's sigmoid gate; others add it ungated
+            shared["shared_gate"] = _projection(mlp.shared_expert_gate, ops)
     if router is None or None in gate_up or None in down or None in shared.values():
         return None
     expert = mlp.experts[0]
@@ -291,6 +300,9 @@ def _compiled_moe(mlp: MoEMLP, ops: ModuleType):
         float32_route_weights=mlp.float32_route_weights,
         activation=_EXPERT_ACTIVATIONS[act], alpha=expert.alpha or 0.0,
         limit=expert.limit or 0.0, **shared,
+        router_bias=mlp.expert_bias.detach() if biased else None,
+        groups=mlp.groups[0], groups_chosen=mlp.groups[1],
+        routed_scaling=mlp.routed_scaling, norm_min=mlp.norm_min,
     )  # fmt: skip
 
 

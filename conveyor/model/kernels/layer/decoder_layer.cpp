@@ -335,15 +335,28 @@ enum ExpertActivation : int64_t { kExpertSilu = 0, kSwigluClamp = 1 };
 // "moe/experts", the bytes a step reads (python -m benchmarks moe).
 std::atomic<int64_t> expert_runs{0};
 // kTopkSoftmaxFloat (Granite's MoE): the logits in float32 first, the weights back in the
-// model dtype.
-enum Router : int64_t { kSoftmaxTopk = 0, kTopkSoftmax = 1, kTopkSoftmaxFloat = 2 };
+// model dtype. kSigmoidGroupTopk (GLM-4.5, Nemotron 3): sigmoid scores (row by row, as
+// sigmoid_mul), the top-k of them plus a choosing bias among the best groups, weighed by the
+// scores, renormalised (+ 1e-20), scaled; kSoftmaxBiasTopk (ERNIE 4.5): the top-k of the
+// softmax plus a choosing bias, weighed by the softmax, divided by their sum (at least
+// norm_min). Both for float32 models (a float64 one runs the modules: its router's logits are
+// float32 there).
+enum Router : int64_t {
+  kSoftmaxTopk = 0,
+  kTopkSoftmax = 1,
+  kTopkSoftmaxFloat = 2,
+  kSigmoidGroupTopk = 3,
+  kSoftmaxBiasTopk = 4
+};
 
 class MoE {
  public:
   MoE(Projection router, std::vector<Projection> gate_up, std::vector<Projection> down,
       int64_t router_kind, int64_t top_k, bool norm_topk_prob, bool float32_route_weights,
       int64_t activation, double alpha, double limit, std::optional<Projection> shared_gate_up,
-      std::optional<Projection> shared_down, std::optional<Projection> shared_gate)
+      std::optional<Projection> shared_down, std::optional<Projection> shared_gate,
+      std::optional<at::Tensor> router_bias, int64_t groups, int64_t groups_chosen,
+      double routed_scaling, double norm_min)
       : router_(std::move(router)),
         gate_up_(std::move(gate_up)),
         down_(std::move(down)),
@@ -356,7 +369,12 @@ class MoE {
         limit_(limit),
         shared_gate_up_(std::move(shared_gate_up)),
         shared_down_(std::move(shared_down)),
-        shared_gate_(std::move(shared_gate)) {
+        shared_gate_(std::move(shared_gate)),
+        router_bias_(std::move(router_bias)),
+        groups_(groups),
+        groups_chosen_(groups_chosen),
+        routed_scaling_(routed_scaling),
+        norm_min_(norm_min) {
     const int64_t experts = static_cast<int64_t>(gate_up_.size());
     TORCH_CHECK(experts > 0 && down_.size() == gate_up_.size() &&
                     router_.out_features() == experts && top_k > 0 && top_k <= experts,
@@ -366,13 +384,19 @@ class MoE {
       TORCH_CHECK(gate_up_[e].in_features() == hidden && down_[e].out_features() == hidden &&
                       2 * down_[e].in_features() == gate_up_[e].out_features(),
                   "MoE: expert ", e, "'s weight shapes do not fit together");
-    TORCH_CHECK(router_kind >= kSoftmaxTopk && router_kind <= kTopkSoftmaxFloat,
-                "MoE: router 0 (softmax_topk), 1 (topk_softmax) or 2 (topk_softmax_float32)");
+    TORCH_CHECK(router_kind >= kSoftmaxTopk && router_kind <= kSoftmaxBiasTopk,
+                "MoE: router 0 (softmax_topk), 1 (topk_softmax), 2 (topk_softmax_float32), 3 "
+                "(sigmoid_group_topk) or 4 (softmax_bias_topk)");
+    if (router_kind >= kSigmoidGroupTopk)
+      TORCH_CHECK(router_bias_.has_value() && router_bias_->numel() == experts &&
+                      router_bias_->scalar_type() == at::kFloat && groups_ > 0 &&
+                      experts % groups_ == 0 && groups_chosen_ > 0 && groups_chosen_ <= groups_,
+                  "MoE: a biased router's float32 bias (experts,) and groups dividing them");
     TORCH_CHECK(activation == kExpertSilu || activation == kSwigluClamp,
                 "MoE: activation 0 (silu) or 1 (swiglu_clamp)");
     TORCH_CHECK(shared_gate_up_.has_value() == shared_down_.has_value() &&
-                    shared_gate_up_.has_value() == shared_gate_.has_value(),
-                "MoE: a shared expert has gate_up, down and its gate");
+                    (shared_gate_up_.has_value() || !shared_gate_.has_value()),
+                "MoE: a shared expert has gate_up and down (and its gate, where it is gated)");
   }
 
   int64_t hidden() const { return router_.in_features(); }
@@ -415,6 +439,13 @@ class MoE {
   // (weights (T, top_k), expert ids (T, top_k) int64), as MoEMLP.route.
   std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& h, MatmulForm form) const {
     const at::Tensor logits = router_(h, form);  // (T, E)
+    if (router_kind_ == kSigmoidGroupTopk) return sigmoid_routes(logits);
+    if (router_kind_ == kSoftmaxBiasTopk) {
+      const at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
+      const at::Tensor ids = std::get<1>(at::topk(probs + *router_bias_, top_k_, -1));
+      const at::Tensor top = probs.gather(1, ids);
+      return {(top / row_sums(top).clamp_min(norm_min_)).to(logits.scalar_type()), ids};
+    }
     if (router_kind_ == kTopkSoftmax) {
       auto [top, ids] = at::topk(logits, top_k_, -1);
       return {at::softmax(top, 1, top.scalar_type()), ids};
@@ -431,6 +462,33 @@ class MoE {
       top = top / total;
     }
     return {float32_route_weights_ ? top : top.to(logits.scalar_type()), ids};
+  }
+
+  // (T, 1): each row's k weights added left to right (moe.py: _row_sums).
+  at::Tensor row_sums(const at::Tensor& top) const {
+    at::Tensor total = top.narrow(1, 0, 1).clone();
+    for (int64_t j = 1; j < top_k_; ++j) total.add_(top.narrow(1, j, 1));
+    return total;
+  }
+
+  // MoEMLP._sigmoid_routes of sigmoid_group_topk, float32 logits (T, E).
+  std::tuple<at::Tensor, at::Tensor> sigmoid_routes(const at::Tensor& logits) const {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat, "MoE: sigmoid_group_topk on float32 rows");
+    const at::Tensor scores = sigmoid_mul(at::ones_like(logits), logits);
+    at::Tensor choice = scores + *router_bias_;
+    if (groups_ > 1) {  // the experts outside the groups_chosen best groups at -inf
+      const at::Tensor by_group = choice.view({choice.size(0), groups_, -1});
+      const at::Tensor best_two = std::get<0>(by_group.topk(2, -1));
+      const at::Tensor group_scores = best_two.select(-1, 0) + best_two.select(-1, 1);
+      const at::Tensor keep = std::get<1>(at::topk(group_scores, groups_chosen_, -1));
+      const at::Tensor mask = at::zeros_like(group_scores, at::kBool).scatter_(1, keep, true);
+      choice = by_group.masked_fill(mask.unsqueeze(-1).logical_not(), -INFINITY)
+                   .view_as(choice);
+    }
+    const at::Tensor ids = std::get<1>(at::topk(choice, top_k_, -1));
+    at::Tensor weights = scores.gather(1, ids);
+    if (norm_topk_prob_) weights = weights / (row_sums(weights) + 1e-20);
+    return {weights * routed_scaling_, ids};
   }
 
   // Each group's expert output (its rows' gathered h through gate_up, the activation, down).
@@ -523,11 +581,13 @@ class MoE {
     return out;
   }
 
-  // out + sigmoid(h Wgate^T) * shared_expert(h): Qwen2-MoE's always-on expert.
+  // out + sigmoid(h Wgate^T) * shared_expert(h): Qwen2-MoE's always-on expert; out +
+  // shared_expert(h) where it has no gate (GLM-4.5's, ERNIE 4.5's).
   at::Tensor add_shared(at::Tensor out, const at::Tensor& h, MatmulForm form,
                         const std::vector<int64_t>& prompt_rows) const {
     const at::Tensor up = (*shared_gate_up_)(h, form, prompt_rows);
     const at::Tensor y = (*shared_down_)(activate(up, kExpertSilu), form, prompt_rows);
+    if (!shared_gate_) return out + y;
     const at::Tensor gate = (*shared_gate_)(h, form);  // (T, 1)
     if (out.scalar_type() != at::kFloat) return out + at::sigmoid(gate) * y;
     const at::Tensor g = gate.contiguous(), yc = y.contiguous();
@@ -544,6 +604,9 @@ class MoE {
   ExpertActivation activation_;
   double alpha_, limit_;
   std::optional<Projection> shared_gate_up_, shared_down_, shared_gate_;
+  std::optional<at::Tensor> router_bias_;
+  int64_t groups_, groups_chosen_;
+  double routed_scaling_, norm_min_;
 };
 
 // A step's LoRA deltas (lora/slots.py): per layer and projection, every resident slot's A^T
@@ -858,12 +921,15 @@ void bind_decoder_layer(pybind11::module& m) {
   py::class_<MoE>(m, "MoE")
       .def(py::init<Projection, std::vector<Projection>, std::vector<Projection>, int64_t,
                     int64_t, bool, bool, int64_t, double, double, MaybeProjection,
-                    MaybeProjection, MaybeProjection>(),
+                    MaybeProjection, MaybeProjection, Tensor, int64_t, int64_t, double,
+                    double>(),
            py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("router_kind"),
            py::arg("top_k"), py::arg("norm_topk_prob"), py::arg("float32_route_weights"),
            py::arg("activation") = 0, py::arg("alpha") = 0.0, py::arg("limit") = 0.0,
            py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
-           py::arg("shared_gate") = py::none())
+           py::arg("shared_gate") = py::none(), py::arg("router_bias") = py::none(),
+           py::arg("groups") = 1, py::arg("groups_chosen") = 1,
+           py::arg("routed_scaling") = 1.0, py::arg("norm_min") = 0.0)
       .def(
           "forward",
           [](const MoE& moe, const at::Tensor& h, int64_t form,
