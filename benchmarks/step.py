@@ -249,6 +249,8 @@ def fit_cases(engine, grid: list[Case], repeats: int) -> tuple[list[Case], list[
     """Cases whose requests fit the model's length and the KV budget; the rest with a reason."""
     fits, skipped = [], []
     block_size = engine.cache_config.block_size
+    # a hybrid's state slots (model/recurrent.py): at most that many sequences run at once
+    slots = getattr(engine.core, "num_state_slots", 0) if engine.model_config.parts.recurrent else 0
     for case in grid:
         prompt_len, max_tokens = _request_shape(engine, case, repeats)
         per_request = -(-(prompt_len + max_tokens) // block_size)
@@ -257,6 +259,11 @@ def fit_cases(engine, grid: list[Case], repeats: int) -> tuple[list[Case], list[
         elif case.batch * per_request > engine.num_blocks:
             reason = (
                 f"needs {case.batch * per_request} KV blocks, the budget holds {engine.num_blocks}"
+            )
+        elif slots and case.batch > slots:
+            reason = (
+                f"needs {case.batch} recurrent state slots, the budget holds {slots} "
+                f"(--kv-cache-memory)"
             )
         else:
             fits.append(case)
