@@ -156,3 +156,21 @@ def test_a_step_faster_than_its_floor_is_flagged_as_measured_under_interference(
     fast = dict(report["cases"][0], pct_of_floor=150.0)
     table = step.format_table(report | {"cases": [fast]})
     assert f"warning: {fast['case']} ran faster than the floor" in table
+
+
+def test_a_hybrids_batch_past_its_state_slots_is_skipped_with_the_reason(tmp_path):
+    """A hybrid seats as many sequences as its state slots: a decode case past them is skipped
+    with the reason (it used to wait for a pure decode step that never formed, then raise)."""
+    from tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "hybrid", "granite4-h")
+    out = tmp_path / "step.json"
+    argv = ["step", str(path), "--batches", "1,6", "--contexts", "16", "--prefill-chunks", "8"]
+    argv += ["--repeats", "2", "--warmup", "1", "--kv-cache-memory", "256KiB"]
+    argv += ["--output", str(out), "--num-threads", "1", "--disable-tqdm"]
+    table = run_lab(argv)
+    report = json.loads(out.read_text())
+    assert [s["case"] for s in report["skipped"]] == ["decode b=6 ctx=16"]
+    assert "recurrent state slots" in report["skipped"][0]["reason"]
+    assert {case["case"] for case in report["cases"]} == {"decode b=1 ctx=16", "prefill 8"}
+    assert "skipped decode b=6 ctx=16" in table
