@@ -459,13 +459,21 @@ def _granitehybrid_hparams(writer: gguf.GGUFWriter, config) -> None:
     keys (time_step_rank: the heads), no RoPE (rope.scaling.finetuned: Bamba's alone), the
     shared MLP's width."""
     _granite_hparams(writer, config)
-    writer.add_ssm_conv_kernel(config.mamba_d_conv)
-    writer.add_ssm_state_size(config.mamba_d_state)
-    writer.add_ssm_group_count(config.mamba_n_groups)
-    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
-    writer.add_ssm_time_step_rank(config.mamba_n_heads)
-    writer.add_rope_scaling_finetuned(False)
+    heads, head_dim = config.mamba_n_heads, config.mamba_expand * config.hidden_size
+    head_dim //= heads
+    sizes = (config.mamba_d_conv, config.mamba_d_state, config.mamba_n_groups, heads, head_dim)
+    _mamba2_hparams(writer, *sizes)
     writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+
+
+def _mamba2_hparams(writer, kernel: int, state: int, groups: int, heads: int, head_dim: int):
+    """A Mamba2 model's sizes under llama.cpp's ssm keys (time_step_rank: the heads), no RoPE."""
+    writer.add_ssm_conv_kernel(kernel)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_group_count(groups)
+    writer.add_ssm_inner_size(heads * head_dim)
+    writer.add_ssm_time_step_rank(heads)
+    writer.add_rope_scaling_finetuned(False)
 
 
 def _glm4moe_hparams(writer: gguf.GGUFWriter, config) -> None:
@@ -493,12 +501,8 @@ def _ernie4_5_moe_hparams(writer: gguf.GGUFWriter, config) -> None:
 def _nemotron_h_hparams(writer: gguf.GGUFWriter, config) -> None:
     """llama.cpp's NemotronHModel: the Mamba2 sizes (inner_size heads x head_dim), no RoPE;
     Nemotron 3's router (its groups; the groups chosen are not stated)."""
-    writer.add_ssm_conv_kernel(config.conv_kernel)
-    writer.add_ssm_state_size(config.ssm_state_size)
-    writer.add_ssm_group_count(config.n_groups)
-    writer.add_ssm_inner_size(config.mamba_num_heads * config.mamba_head_dim)
-    writer.add_ssm_time_step_rank(config.mamba_num_heads)
-    writer.add_rope_scaling_finetuned(False)
+    sizes = (config.conv_kernel, config.ssm_state_size, config.n_groups)
+    _mamba2_hparams(writer, *sizes, config.mamba_num_heads, config.mamba_head_dim)
     if "moe" in config.layer_types:
         writer.add_expert_shared_feed_forward_length(config.moe_shared_expert_intermediate_size)
         writer.add_expert_shared_count(config.n_shared_experts)
@@ -512,20 +516,30 @@ def _nemotron_h_tensors(state: dict[str, torch.Tensor], config) -> dict[str, tor
     under the names it stacks."""
     out = {}
     for name, tensor in state.items():
-        if name.endswith(".mixer.A_log"):
-            tensor = (-torch.exp(tensor)).reshape(-1, 1)
-        elif name.endswith(".mixer.D"):
-            tensor = tensor.reshape(-1, 1)
-        elif name.endswith(".mixer.norm.weight"):
-            tensor = tensor.reshape(config.n_groups, -1)
-        elif name.endswith(".mixer.conv1d.weight"):
-            tensor = tensor.squeeze(1)
-        elif name.endswith(".mixer.dt_bias"):
-            name = name.replace(".mixer.dt_bias", ".mixer.dt_proj.bias")
-        elif match := re.fullmatch(r"backbone\.layers\.(\d+)\.mixer\.(experts\..*)", name):
+        if match := re.fullmatch(r"backbone\.layers\.(\d+)\.mixer\.(experts\..*)", name):
             name = f"model.layers.{match[1]}.mlp.{match[2]}"
+        else:
+            name, tensor = _mamba2_tensor(name, tensor, ".mixer.", config.n_groups)
         out[name] = tensor
     return out
+
+
+def _mamba2_tensor(name: str, tensor: torch.Tensor, module: str, groups: int):
+    """A Mamba2 layer's tensor (under `module`) as llama.cpp's Mamba2 converter writes it:
+    A_log as -exp(A_log), A and D as (heads, 1), the gated norm's weight as (groups, inner /
+    groups), the convolution's weight squeezed, dt_bias named dt_proj.bias; others as they
+    are."""
+    if name.endswith(f"{module}A_log"):
+        return name, (-torch.exp(tensor)).reshape(-1, 1)
+    if name.endswith(f"{module}D"):
+        return name, tensor.reshape(-1, 1)
+    if name.endswith(f"{module}norm.weight"):
+        return name, tensor.reshape(groups, -1)
+    if name.endswith(f"{module}conv1d.weight"):
+        return name, tensor.squeeze(1)
+    if name.endswith(f"{module}dt_bias"):
+        return name.replace(f"{module}dt_bias", f"{module}dt_proj.bias"), tensor
+    return name, tensor
 
 
 def _granitehybrid_tensors(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
@@ -536,17 +550,8 @@ def _granitehybrid_tensors(state: dict[str, torch.Tensor], config) -> dict[str, 
     experts = bool(getattr(config, "num_local_experts", 0))
     out = {}
     for name, tensor in state.items():
-        if name.endswith(".mamba.A_log"):
-            tensor = (-torch.exp(tensor)).reshape(-1, 1)
-        elif name.endswith(".mamba.D"):
-            tensor = tensor.reshape(-1, 1)
-        elif name.endswith(".mamba.norm.weight"):
-            tensor = tensor.reshape(config.mamba_n_groups, -1)
-        elif name.endswith(".mamba.conv1d.weight"):
-            tensor = tensor.squeeze(1)
-        elif name.endswith(".mamba.dt_bias"):
-            name = name.replace(".mamba.dt_bias", ".mamba.dt_proj.bias")
-        elif experts and name.endswith(".shared_mlp.input_linear.weight"):
+        name, tensor = _mamba2_tensor(name, tensor, ".mamba.", config.mamba_n_groups)
+        if experts and name.endswith(".shared_mlp.input_linear.weight"):
             gate, up = tensor.chunk(2, dim=0)
             prefix = name.removesuffix("shared_mlp.input_linear.weight")
             out[f"{prefix}mlp.shared_expert.gate_proj.weight"] = gate

@@ -429,12 +429,24 @@ def _nemotron_h_moe(hf, num_layers: int) -> dict:
         raise ValueError("unsupported moe_latent_size for nemotron_h (latent expert projections)")
     if int(getattr(hf, "n_shared_experts", 1)) != 1:
         raise ValueError(f"unsupported n_shared_experts {hf.n_shared_experts} for nemotron_h")
+    layers = nemotron_h_layers(types)
+    return _grouped_sigmoid_mixture(
+        hf,
+        tuple(mlp is not None and types[mlp] == "moe" for _, mlp in layers),
+        int(hf.moe_shared_expert_intermediate_size),
+    )
+
+
+def _grouped_sigmoid_mixture(hf, layers: tuple[bool, ...], shared_size: int) -> dict:
+    """The mixtures Nemotron 3 and GLM-4.5 share (their transformers TopkRouter): sigmoid scores
+    of float32 logits, the top-k among the topk_group best of n_group groups chosen with
+    e_score_correction_bias, weighed by the scores (float32), renormalised where
+    norm_topk_prob, times routed_scaling_factor; an ungated shared expert of shared_size."""
     experts, groups = int(hf.n_routed_experts), int(hf.n_group)
     if experts % groups or not 1 <= int(hf.topk_group) <= groups:
-        raise ValueError(f"Nemotron-H router: {experts} experts in {groups} groups, topk_group")
-    layers = nemotron_h_layers(types)
+        raise ValueError(f"MoE router: {experts} experts in {groups} groups, topk_group")
     return dict(
-        moe_layers=tuple(mlp is not None and types[mlp] == "moe" for _, mlp in layers),
+        moe_layers=layers,
         router="sigmoid_group_topk",
         router_bias=True,
         router_groups=(groups, int(hf.topk_group)),
@@ -444,7 +456,7 @@ def _nemotron_h_moe(hf, num_layers: int) -> dict:
         norm_topk_prob=bool(hf.norm_topk_prob),
         float32_route_weights=True,
         moe_intermediate_size=int(hf.moe_intermediate_size),
-        shared_expert_size=int(hf.moe_shared_expert_intermediate_size),
+        shared_expert_size=shared_size,
         shared_expert_gate=False,
     )
 
@@ -583,23 +595,8 @@ def _glm4_moe(hf, num_layers: int) -> dict:
     topk_group best of n_group groups chosen with e_score_correction_bias, renormalised, times
     routed_scaling_factor) with an ungated shared expert of n_shared_experts experts' width."""
     dense = int(hf.first_k_dense_replace)
-    experts, groups = int(hf.n_routed_experts), int(hf.n_group)
-    if experts % groups or not 1 <= int(hf.topk_group) <= groups:
-        raise ValueError(f"GLM-4 MoE router: {experts} experts in {groups} groups, topk_group")
-    return dict(
-        moe_layers=tuple(i >= dense for i in range(num_layers)),
-        router="sigmoid_group_topk",
-        router_bias=True,
-        router_groups=(groups, int(hf.topk_group)),
-        routed_scaling=float(hf.routed_scaling_factor),
-        num_experts=experts,
-        top_k=int(hf.num_experts_per_tok),
-        norm_topk_prob=bool(hf.norm_topk_prob),
-        float32_route_weights=True,
-        moe_intermediate_size=int(hf.moe_intermediate_size),
-        shared_expert_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts),
-        shared_expert_gate=False,
-    )
+    shared = int(hf.moe_intermediate_size) * int(hf.n_shared_experts)
+    return _grouped_sigmoid_mixture(hf, tuple(i >= dense for i in range(num_layers)), shared)
 
 
 def _ernie4_5_moe(hf, num_layers: int) -> dict:
