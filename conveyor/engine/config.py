@@ -64,6 +64,11 @@ class EngineConfig:
                 "enable_lora: LoRA adapters on a mixture-of-experts model are not supported "
                 "(its experts' projections have no adapter slots)"
             )
+        if lora_config is not None and model_config.parts.act == "relu2":
+            raise ValueError(
+                "enable_lora: LoRA adapters on an ungated MLP (Arcee's relu^2) are not supported "
+                "(the adapter slots hold a gate and an up projection)"
+            )
         scheduler_config, enforce_eager = args.scheduler_config(), args.enforce_eager
         cache_config = args.cache_config()
         if model_config.is_encoder:

@@ -128,7 +128,7 @@ class LlamaMLP(nn.Module):
 
 
 # The compiled layer's activations (kernels/layer/decoder_layer.cpp: Activation).
-_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "relu2": 2}
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -183,10 +183,9 @@ class LlamaDecoderLayer(nn.Module):
         """This layer as the compiled ops' DecoderLayer (kernels/layer/decoder_layer.cpp: the same
         arithmetic in one call), or None when a projection has no compiled form there (the
         model then runs its modules). A mixture of experts runs as the compiled MoE
-        (_compiled_moe); a recurrent layer or a gated attention has none."""
+        (_compiled_moe); a recurrent layer, a gated attention or a layer without MLP (Nemotron-H's)
+        has none."""
         if self.linear or self.self_attn.gated or self.mlp is None:
-            return None
-        if getattr(self.mlp, "act", None) in UNGATED_ACTIVATIONS:
             return None
         attn, mlp = self.self_attn, self.mlp
         qkv, o = _projection(attn.qkv_proj, ops), _projection(attn.o_proj, ops)

@@ -99,3 +99,12 @@ def test_lora_on_a_mixture_of_experts_is_refused(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "qwen3_moe")
     with pytest.raises(ValueError, match="LoRA adapters on a mixture-of-experts"):
         LLM(str(path), dtype="float64", enable_lora=True)
+
+
+def test_lora_on_an_ungated_mlp_is_refused_by_name(tmp_path):
+    """Arcee's MLP has no gate: the adapter slots (a gate and an up part) do not fit it."""
+    from conveyor import LLMEngine
+
+    path = make_tiny_checkpoint(tmp_path, "arcee")
+    with pytest.raises(ValueError, match="ungated MLP"):
+        LLMEngine(str(path), dtype="float32", enable_lora=True)

@@ -649,7 +649,8 @@ struct Attention {
   double softcap;  // 0: none
   int64_t rope;    // the step's rotary table; -1: none
 };
-enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+// kRelu2: an ungated MLP (Arcee's): relu(x)^2 of gate_up's one part (T, I), exact per value.
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kRelu2 = 2 };
 
 inline at::Tensor optional_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight.defined() ? rms_norm(x, weight, eps) : x;
@@ -691,17 +692,17 @@ class DecoderLayer {
                 "DecoderLayer: weight shapes do not fit together");
     TORCH_CHECK(moe_ ? !gate_up_ && !down_ && moe_->hidden() == hidden : gate_up_ && down_,
                 "DecoderLayer: a dense MLP (gate_up, down) or a mixture of experts (moe)");
-    TORCH_CHECK(moe_ || (gate_up_->in_features() == hidden &&
-                         gate_up_->out_features() % 2 == 0 && down_->out_features() == hidden &&
-                         2 * down_->in_features() == gate_up_->out_features()),
+    const int64_t parts = activation == kRelu2 ? 1 : 2;  // an ungated MLP's gate_up: up alone
+    TORCH_CHECK(moe_ || (gate_up_->in_features() == hidden && down_->out_features() == hidden &&
+                         parts * down_->in_features() == gate_up_->out_features()),
                 "DecoderLayer: MLP weight shapes do not fit together");
     TORCH_CHECK(!sinks_ || sinks_->size(0) == num_heads, "DecoderLayer: a sink per head");
     TORCH_CHECK(q_norm_.defined() == k_norm_.defined() &&
                     (!q_norm_.defined() || q_norm_.size(0) == head_dim ||
                      (q_norm_.size(0) == q_size && k_norm_.size(0) == kv_size)),
                 "DecoderLayer: q/k norms per head (head_dim) or of all heads (q, kv sizes)");
-    TORCH_CHECK(activation == kSilu || activation == kGeluTanh,
-                "DecoderLayer: activation 0 (silu) or 1 (gelu_tanh)");
+    TORCH_CHECK(activation == kSilu || activation == kGeluTanh || activation == kRelu2,
+                "DecoderLayer: activation 0 (silu), 1 (gelu_tanh) or 2 (relu2)");
     TORCH_CHECK(window >= 0 && softcap >= 0 && rope >= -1, "DecoderLayer: bad attention kind");
   }
 
@@ -763,9 +764,15 @@ class DecoderLayer {
       clock.lap(kProjections);
     } else {
       at::Tensor gate_up = (*gate_up_)(h, step.form, step.prompt_rows);  // (T, 2 I)
-      add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1) / 2, gate_up.size(1)});
+      if (activation_ == kRelu2)  // (T, I): up alone
+        add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1)});
+      else
+        add_lora(gate_up, h, step, index, 2, {0, gate_up.size(1) / 2, gate_up.size(1)});
       clock.lap(kProjections);
-      act = activation_ == kGeluTanh ? gelu_mul(gate_up) : silu_mul(gate_up);
+      if (activation_ == kRelu2)
+        act = at::relu(gate_up).square_();
+      else
+        act = activation_ == kGeluTanh ? gelu_mul(gate_up) : silu_mul(gate_up);
       clock.lap(kOther);
     }
     at::Tensor down = (*down_)(act, step.form, step.prompt_rows);
