@@ -33,12 +33,11 @@ serve: $(WARM)
 demo: $(WARM)
 	$(VENV)/bin/conveyor generate $(ARGS)
 
-# Three workers by default, a test module each at a time (module fixtures such as a server are
-# built once): server starts, imports and waits leave the cores idle part of the time (with two
-# workers on 2 cores 1.57 cores were busy: 565 s; with three 527 s, on a Zen 4, 2026-12-07).
+# Two workers by default, a test module each at a time (module fixtures such as a server are
+# built once): server starts and imports leave a single pytest process a third idle on 2 cores.
 # Tests marked `serial` assert on wall-clock gaps, which a neighbouring worker's load would
 # stretch: they run afterwards, alone.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 # Only the files that hold serial tests are collected for that phase (collecting all ~110
 # modules to deselect all but 5 tests took ~8 s).
 SERIAL_FILES = $(shell grep -rl --include='test_*.py' 'mark.serial' tests)
