@@ -150,9 +150,9 @@ class LlamaDecoderLayer(nn.Module):
             self.add_module(self.mixer, mixer)
         else:
             self.self_attn = LlamaAttention(cfg, tp, index)
-        self.mlp = MoEMLP(cfg, tp) if parts.is_moe(index) else LlamaMLP(cfg, tp)
-        if not parts.has_mlp(index):  # a Nemotron-H mixer block with no MLP block after it
-            self.mlp = None
+        self.mlp: nn.Module | None = None  # a Nemotron-H mixer block with no MLP block after it
+        if parts.has_mlp(index):
+            self.mlp = MoEMLP(cfg, tp) if parts.is_moe(index) else LlamaMLP(cfg, tp)
         self.residual_scale = parts.residual_scale
 
     def norm(self, role: str) -> RMSNorm | None:
