@@ -164,6 +164,43 @@ FAMILIES = {
         num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
         n_shared_experts=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
     ),
+    "deepseek_v2": dict(  # DeepSeek-V2-Lite's shape: multi-head latent attention with a
+        # plain q_proj, RoPE on adjacent pairs (complex numbers), yarn with mscale_all_dim (the
+        # scores' scale); layer 0 dense, then 8 experts (softmax top-2, scaled) and 2 shared
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=2, routed_scaling_factor=1.5,
+        topk_method="greedy",
+        rope_scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=128,
+            beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707,
+        ),
+    ),
+    "deepseek_v2-groups": dict(  # DeepSeek-V2's group-limited router: the top-2 among the
+        # experts of the 2 groups (of 4) whose best expert scores highest; a q_lora_rank
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=24,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        first_k_dense_replace=0, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.0,
+        topk_method="group_limited_greedy",
+    ),
+    "deepseek_v3": dict(  # DeepSeek-V3 / Kimi K2's shape: q_lora_rank (q_a_proj, its norm,
+        # q_b_proj), interleaved RoPE; layer 0 dense, then GLM-4.5's grouped sigmoid router
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=24,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5,
+        rope_interleave=True,
+    ),
+    "glm4_moe_lite": dict(  # GLM-4.7-Flash: DeepSeek-V3's layers, rotate-half RoPE (no
+        # interleave), mlp_layer_types
+        architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=1.8,
+        rope_interleave=False, mlp_layer_types=["sparse", "dense"],
+    ),
     "ernie4_5_moe": dict(  # ERNIE 4.5 MoE: interleaved rotary pairs; layers 1 of 2 a mixture
         # of 6 experts (top-2 by softmax plus a bias) beside a shared expert, layer 0 dense
         architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe", moe_num_experts=6,
@@ -387,6 +424,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         kwargs.update(head_dim=16, tie_word_embeddings=True)
     if arch == "qwen2":
         kwargs.update(tie_word_embeddings=True)
+    if "kv_lora_rank" in kwargs:  # latent attention: every head reads the one latent
+        kwargs.update(num_key_value_heads=kwargs["num_attention_heads"])
     if arch in HYBRIDS:  # three delta nets, then attention
         kwargs.update(num_hidden_layers=len(kwargs.get("layer_types") or range(4)))
     kwargs.update(overrides)

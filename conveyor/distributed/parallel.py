@@ -105,6 +105,12 @@ def check_tensor_parallel(cfg, size: int) -> None:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
+    parts = getattr(cfg, "parts", None)
+    if parts is not None and parts.mla:
+        raise ValueError(
+            f"{parts.family}: multi-head latent attention does not split over tensor-parallel "
+            "ranks (its latent and rope key are every head's)"
+        )
     problems = []
     if cfg.num_heads % size:
         problems.append(f"its {cfg.num_heads} attention heads")
@@ -113,7 +119,6 @@ def check_tensor_parallel(cfg, size: int) -> None:
         problems.append(f"its {kv} key/value heads (nor does {size} divide by them)")
     if cfg.intermediate_size % size:
         problems.append(f"its MLP's intermediate size {cfg.intermediate_size}")
-    parts = getattr(cfg, "parts", None)
     for what, inner in (
         ("experts'", "moe_intermediate_size"),
         ("shared expert's", "shared_expert_size"),

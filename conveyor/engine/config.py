@@ -59,6 +59,11 @@ class EngineConfig:
             check_tokenizer(model_config)
         check_tensor_parallel(model_config, tp_size)
         lora_config = args.lora_config()
+        if lora_config is not None and model_config.parts.mla:
+            raise ValueError(
+                "enable_lora: LoRA adapters on multi-head latent attention (DeepSeek's) are not "
+                "supported (its latent projections have no adapter slots)"
+            )
         if lora_config is not None and any(model_config.parts.moe_layers):
             raise ValueError(
                 "enable_lora: LoRA adapters on a mixture-of-experts model are not supported "

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,13 @@ from conveyor.config import (
     quantization_config,
     resolve_model_path,
 )
-from conveyor.model.families import Parts, architecture, num_decoder_layers, parts_of
+from conveyor.model.families import (
+    MLA_FAMILIES,
+    Parts,
+    architecture,
+    num_decoder_layers,
+    parts_of,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -438,10 +445,18 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         hf.tie_word_embeddings = True
     arch = architecture(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    rope_inv_freq, rope_scaling = rope_frequencies(hf, head_dim)
-    rows = rotary_rows(hf, int(head_dim), arch in INTERLEAVED_ROPE)
+    num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+    mla = arch in MLA_FAMILIES
+    rope_dim = int(hf.qk_rope_head_dim) if mla else head_dim
+    rope_inv_freq, rope_scaling = rope_frequencies(hf, rope_dim)
+    rows = None if mla else rotary_rows(hf, int(head_dim), arch in INTERLEAVED_ROPE)
     num_layers = num_decoder_layers(hf, arch)
     parts = parts_of(hf, arch, num_layers, int(head_dim), _local_rope)
+    if mla:
+        # The cache holds one "kv head" per token: the normed latent and the rope key
+        # (model/mla.py); the scores' scale is the queries' (q_nope + q_rope) dims'.
+        head_dim, num_kv_heads = int(hf.kv_lora_rank) + rope_dim, 1
+        parts = dataclasses.replace(parts, attn_scale=mla_scale(hf))
     if not parts.o_bias and any(n.endswith(".o_proj.bias") for n in stored):
         # attention_bias gives the o_proj a bias in some families (Llama, Granite, OLMo 2,
         # InternLM3), not in others (Qwen2, Mistral): the checkpoint says which.
@@ -454,7 +469,7 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         "intermediate_size": _mlp_width(hf),
         "num_layers": num_layers,
         "num_heads": int(hf.num_attention_heads),
-        "num_kv_heads": int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
+        "num_kv_heads": num_kv_heads,
         "head_dim": int(head_dim),
         "rms_norm_eps": _norm_eps(hf, arch),
         "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
@@ -855,6 +870,20 @@ def rope_position_limit(hf) -> tuple[int, str] | None:
     else:
         return None
     return int(original), why.format(int(original)) + ", which conveyor does not compute"
+
+
+def mla_scale(hf) -> float:
+    """Multi-head latent attention's scale of the scores, as transformers' yarn_apply_mscale:
+    (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times yarn's mscale(factor,
+    mscale_all_dim) squared under a scaled RoPE that names mscale_all_dim."""
+    scale = (int(hf.qk_nope_head_dim) + int(hf.qk_rope_head_dim)) ** (-0.5)
+    params = getattr(hf, "rope_parameters", None) or {}
+    all_dim = params.get("mscale_all_dim", 0)
+    if params.get("rope_type", "default") != "default" and all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
 
 
 def rotary_dim(hf, head_dim: int) -> int:

@@ -58,6 +58,11 @@ PROJECTION_SHARDS = {
     "down_proj": ("down_proj", 0),
     # Qwen3.5's attention: the gate rows of its q_proj (loader: _gated_queries splits them off)
     "q_gate_proj": ("qkv_proj", 3),
+    # multi-head latent attention's two projections of the hidden rows (q_proj's place, or
+    # q_a_proj's before its norm and q_b_proj; and the latent kv with the shared rope key)
+    "q_a_proj": ("qkv_proj", 0),
+    "kv_a_proj_with_mqa": ("qkv_proj", 1),
+    "q_b_proj": ("q_b_proj", 0),
     # a gated delta net's projections (model/recurrent.py): q/k/v, z, b and a in one matmul
     "in_proj_qkv": ("in_proj", 0),
     "in_proj_z": ("in_proj", 1),
@@ -78,6 +83,8 @@ def projection_of(hf_name: str) -> tuple[str, int, str] | None:
     return f"{parent}.{merged}", shard, param
 
 
+# The families whose attention is multi-head latent attention (model/mla.py).
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # An MLP without gate: up, then relu(x)^2, then down (Nemotron-H's). Its up projection is the
 # activated one, held where a gated MLP holds its gate: a one-part gate_up_proj.
@@ -163,6 +170,12 @@ class Parts:
     attn_gate: bool = False  # attention's output times sigmoid(gate rows of q_proj's)
     # per layer: False where the layer has no MLP (Nemotron-H's blocks: nemotron_h_layers)
     mlp_layers: tuple[bool, ...] = ()
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash: model/mla.py):
+    # (q_lora_rank, 0 for a plain q_proj; kv_lora_rank; qk_nope_head_dim; qk_rope_head_dim;
+    # v_head_dim); empty: none. mla_rope_interleaved: RoPE turns adjacent pairs (2i, 2i + 1)
+    # of the rope dims (the q and k rows are reordered at load: model/loader.py).
+    mla: tuple[int, ...] = ()
+    mla_rope_interleaved: bool = False
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -599,6 +612,54 @@ def _glm4_moe(hf, num_layers: int) -> dict:
     return _grouped_sigmoid_mixture(hf, tuple(i >= dense for i in range(num_layers)), shared)
 
 
+def _deepseek_v2_moe(hf, num_layers: int) -> dict:
+    """DeepSeek-V2 (-Lite, -Chat): dense MLPs on the first first_k_dense_replace layers, then
+    mixtures routed by the softmax of float32 logits, the top-k ("greedy"), or the top-k
+    among the topk_group groups whose best expert scores highest ("group_limited_greedy"),
+    times routed_scaling_factor, not renormalised; an ungated shared expert of n_shared_experts
+    experts' width."""
+    method = getattr(hf, "topk_method", None) or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"unsupported topk_method {method!r} for deepseek_v2")
+    experts = int(hf.n_routed_experts)
+    groups = (int(hf.n_group), int(hf.topk_group)) if method != "greedy" else (1, 1)
+    if experts % groups[0] or not 1 <= groups[1] <= groups[0]:
+        raise ValueError(f"MoE router: {experts} experts in {groups[0]} groups, topk_group")
+    dense = int(hf.first_k_dense_replace)
+    return dict(
+        moe_layers=tuple(i >= dense for i in range(num_layers)),
+        router="softmax_group_topk",
+        router_groups=groups,
+        routed_scaling=float(hf.routed_scaling_factor),
+        num_experts=experts,
+        top_k=int(hf.num_experts_per_tok),
+        float32_route_weights=True,
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+        shared_expert_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts or 0),
+        shared_expert_gate=False,
+    )
+
+
+def _glm4_moe_lite_moe(hf, num_layers: int) -> dict:
+    """GLM-4.7-Flash: GLM-4.5's mixtures on the layers mlp_layer_types calls sparse."""
+    types = list(hf.mlp_layer_types)
+    if set(types) - {"dense", "sparse"} or len(types) != num_layers:
+        raise ValueError(f"unsupported mlp_layer_types {types} for glm4_moe_lite")
+    shared = int(hf.moe_intermediate_size) * int(hf.n_shared_experts)
+    return _grouped_sigmoid_mixture(hf, tuple(t == "sparse" for t in types), shared)
+
+
+def _mla(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Multi-head latent attention's shapes (model/mla.py). DeepSeek-V2 turns adjacent pairs
+    of the rope dims (as complex numbers); V3 and GLM-4.7-Flash where rope_interleave."""
+    q_lora = int(getattr(hf, "q_lora_rank", None) or 0)
+    shape = (q_lora, int(hf.kv_lora_rank), int(hf.qk_nope_head_dim), int(hf.qk_rope_head_dim))
+    if shape[3] % 2 or min(shape[1:]) <= 0 or int(hf.v_head_dim) <= 0:
+        raise ValueError(f"unsupported multi-head latent attention shape {shape}")
+    interleaved = hf.model_type == "deepseek_v2" or bool(getattr(hf, "rope_interleave", True))
+    return dict(mla=(*shape, int(hf.v_head_dim)), mla_rope_interleaved=interleaved)
+
+
 def _ernie4_5_moe(hf, num_layers: int) -> dict:
     """ERNIE 4.5's mixtures (ERNIE-4.5-21B-A3B, -300B-A47B): on every moe_layer_interval-th layer
     from moe_layer_start_index to moe_layer_end_index, dense MLPs elsewhere; softmax of float32
@@ -648,6 +709,9 @@ _MOE = {
     "granitemoehybrid": _granite_hybrid_moe,
     "nemotron_h": _nemotron_h_moe,
     "glm4_moe": _glm4_moe,
+    "deepseek_v3": _glm4_moe,  # the same mixtures (Kimi K2, Moonlight: DeepSeek-V3's layers)
+    "glm4_moe_lite": _glm4_moe_lite_moe,
+    "deepseek_v2": _deepseek_v2_moe,
     "ernie4_5_moe": _ernie4_5_moe,
     "olmoe": _olmoe_moe,
     "qwen2_moe": _qwen_moe,
@@ -686,6 +750,9 @@ _BUILDERS = {
     "lfm2_moe": _lfm2,
     "nemotron_h": _nemotron_h,
     "bamba": _bamba,
+    "deepseek_v2": _mla,
+    "deepseek_v3": _mla,
+    "glm4_moe_lite": _mla,
     # Arcee (AFM-4.5B): Llama's layer with an ungated relu(x)^2 MLP
     "arcee": lambda hf, head_dim, local_rope: dict(act="relu2"),
 }
@@ -714,5 +781,7 @@ def _refuse_unsupported(hf, family: str) -> None:
         raise ValueError(f"unsupported mlp_bias for {family}")
     if getattr(hf, "clip_qkv", None) is not None:
         raise ValueError(f"unsupported clip_qkv for {family} (q, k and v clamped)")
+    if family in MLA_FAMILIES and getattr(hf, "attention_bias", False):
+        raise ValueError(f"unsupported attention_bias for {family} (biased latent projections)")
     if family in ("ernie4_5", "ernie4_5_moe") and getattr(hf, "use_bias", False):
         raise ValueError(f"unsupported use_bias for {family} (biased projections and MLP)")

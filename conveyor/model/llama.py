@@ -36,6 +36,7 @@ from conveyor.model.layers import (
     RotaryEmbedding,
     matmul_form,
 )
+from conveyor.model.mla import MLAAttention
 from conveyor.model.moe import MoEMLP, cpu_ops, row_ops
 from conveyor.model.quant import QuantLinear
 from conveyor.model.recurrent import recurrent_mixer
@@ -148,6 +149,8 @@ class LlamaDecoderLayer(nn.Module):
         if self.linear:
             self.mixer, mixer = recurrent_mixer(cfg, index)
             self.add_module(self.mixer, mixer)
+        elif parts.mla:  # DeepSeek's multi-head latent attention (model/mla.py)
+            self.self_attn = MLAAttention(cfg, tp, index)
         else:
             self.self_attn = LlamaAttention(cfg, tp, index)
         self.mlp: nn.Module | None = None  # a Nemotron-H mixer block with no MLP block after it
@@ -183,9 +186,11 @@ class LlamaDecoderLayer(nn.Module):
         """This layer as the compiled ops' DecoderLayer (kernels/layer/decoder_layer.cpp: the same
         arithmetic in one call), or None when a projection has no compiled form there (the
         model then runs its modules). A mixture of experts runs as the compiled MoE
-        (_compiled_moe); a recurrent layer, a gated attention or a layer without MLP (Nemotron-H's)
-        has none."""
-        if self.linear or self.self_attn.gated or self.mlp is None:
+        (_compiled_moe); a recurrent layer, a gated or latent attention or a layer without MLP
+        (Nemotron-H's) has none."""
+        if self.linear or self.mlp is None or not isinstance(self.self_attn, LlamaAttention):
+            return None
+        if self.self_attn.gated:
             return None
         attn, mlp = self.self_attn, self.mlp
         qkv, o = _projection(attn.qkv_proj, ops), _projection(attn.o_proj, ops)

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from conveyor.distributed.parallel import TPGroup, TPShard
 from conveyor.model.config import ModelConfig
+from conveyor.model.families import MLA_FAMILIES
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.quant import QuantPlan, plan_quantization
 from conveyor.model.quant.prequantized import Dequantizer, GroupedInts
@@ -120,6 +121,8 @@ def iter_weights(
                 "arcee": _UNGATED_MLP_NAMES,
                 "bamba": _BAMBA_NAMES,
                 "glm4_moe": _GLM4_MOE_NAMES,
+                # DeepSeek's and GLM-4.7-Flash's shared experts and router bias: GLM-4.5's names
+                **dict.fromkeys(MLA_FAMILIES, _GLM4_MOE_NAMES),
                 "ernie4_5_moe": _ERNIE_MOE_NAMES,
                 "granitemoehybrid": (
                     _GRANITE_HYBRID_MOE_NAMES if any(cfg.parts.moe_layers)
@@ -154,7 +157,30 @@ def iter_weights(
             weights = _grouped_projections(weights, cfg)
         if cfg.rotary_rows is not None:
             weights = _rotary_rows(weights, cfg)
+        if cfg.parts.mla_rope_interleaved:
+            weights = _mla_rope_rows(weights, cfg)
         yield from weights
+
+
+def _mla_rope_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Multi-head latent attention's rope rows (each head's last qk_rope_head_dim rows of q_proj
+    or q_b_proj, the rope key's of kv_a_proj_with_mqa) with the even dims first, then the odd
+    ones: RoPE on adjacent pairs (2i, 2i + 1) becomes the default one on pairs (i, i + d / 2),
+    and q_pe . k_pe adds the same products in another order (model/config.py rotary_rows)."""
+    _, rank, nope, rope, _ = cfg.parts.mla
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    for name, tensor in weights:
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        if module in ("q_proj", "q_b_proj"):
+            heads = tensor.shape[0] // (nope + rope)
+            rows = torch.arange(tensor.shape[0]).view(heads, nope + rope)
+            rows[:, nope:] = rows[:, nope:][:, order]
+            tensor = _float_rows(tensor, cfg)[rows.flatten()]
+        elif module == "kv_a_proj_with_mqa":
+            rows = torch.arange(tensor.shape[0])
+            rows[rank:] = rows[rank:][order]
+            tensor = _float_rows(tensor, cfg)[rows]
+        yield name, tensor
 
 
 def _flat_expert_bias(weights) -> Iterator[tuple[str, Any]]:
@@ -314,7 +340,9 @@ _GRANITE_HYBRID_MOE_NAMES = (
 _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
 # Families whose experts transformers 5 saves stacked (a checkpoint of one expert per module
 # reads as it is too).
-_STACKED_FAMILIES = ("granitemoe", "qwen3_5_moe", "lfm2_moe", "glm4_moe", "ernie4_5_moe")
+_STACKED_FAMILIES = (
+    "granitemoe", "qwen3_5_moe", "lfm2_moe", "glm4_moe", "ernie4_5_moe", *MLA_FAMILIES,
+)  # fmt: skip
 
 
 def _stacked_experts(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, Any]]:

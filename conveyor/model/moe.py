@@ -86,7 +86,13 @@ ROUTERS = (
     "sigmoid_topk",
     "sigmoid_group_topk",
     "softmax_bias_topk",
+    "softmax_group_topk",
 )
+
+
+# Routers whose logits are float32 whatever the model's dtype (transformers casts the rows and
+# the gate's weight): Nemotron-H's, GLM-4.5's, ERNIE 4.5's, DeepSeek's.
+FLOAT32_LOGITS = ("sigmoid_group_topk", "softmax_bias_topk", "softmax_group_topk")
 
 
 class Routes(NamedTuple):
@@ -143,10 +149,8 @@ class MoEMLP(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routes:
         """Each row's top_k experts and their weights, as transformers' TopKRouter."""
-        float32_logits = self.router in ("sigmoid_group_topk", "softmax_bias_topk")
+        float32_logits = self.router in FLOAT32_LOGITS
         if float32_logits and x.dtype != torch.float32:
-            # Nemotron-H's, GLM-4.5's and ERNIE 4.5's routers: logits in float32 whatever the
-            # model's dtype
             logits = nn.functional.linear(x.float(), self.gate.weight.float())
         else:
             logits = self.gate(x)  # (T, E)
@@ -158,6 +162,11 @@ class MoEMLP(nn.Module):
             return Routes(top.to(x.dtype), expert_ids)
         if self.router in ("sigmoid_topk", "sigmoid_group_topk"):
             return self._sigmoid_routes(logits, x.dtype)
+        if self.router == "softmax_group_topk":  # DeepSeek-V2's
+            probs = torch.softmax(logits, dim=-1)
+            choice = probs if self.groups[0] == 1 else self._best_groups(probs, "max", 0.0)
+            top, expert_ids = torch.topk(choice, self.top_k, dim=-1)
+            return Routes(top * self.routed_scaling, expert_ids)
         if self.router == "topk_softmax":
             top, expert_ids = torch.topk(logits, self.top_k, dim=-1)  # (T, k)
             return Routes(torch.softmax(top, dim=1, dtype=top.dtype), expert_ids)
@@ -184,7 +193,7 @@ class MoEMLP(nn.Module):
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         grouped = self.router == "sigmoid_group_topk"
         if grouped and self.groups[0] > 1:
-            choice = self._best_groups(choice)
+            choice = self._best_groups(choice, "best_two", float("-inf"))
         expert_ids = torch.topk(choice, self.top_k, dim=-1).indices  # (T, k)
         weights = torch.gather(scores, 1, expert_ids)
         weights = weights if grouped else weights.to(dtype)
@@ -192,16 +201,20 @@ class MoEMLP(nn.Module):
             weights = weights / (_row_sums(weights) + (1e-20 if grouped else 1e-6))
         return Routes(weights * self.routed_scaling, expert_ids)
 
-    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """The choice scores with the experts outside each row's topk_group best groups (a
-        group's score: its two best experts' added) at -inf."""
+    def _best_groups(self, choice: torch.Tensor, score: str, outside: float) -> torch.Tensor:
+        """The choice scores with the experts outside each row's topk_group best groups at
+        `outside`; a group's score: its two best experts' added ("best_two": DeepSeek-V3's,
+        GLM-4.5's, Nemotron 3's) or its best one's ("max": DeepSeek-V2's)."""
         groups, chosen = self.groups
         by_group = choice.view(choice.shape[0], groups, -1)
-        best_two = by_group.topk(2, dim=-1).values
-        group_scores = best_two[..., 0] + best_two[..., 1]
+        if score == "max":
+            group_scores = by_group.max(dim=-1).values
+        else:
+            best_two = by_group.topk(2, dim=-1).values
+            group_scores = best_two[..., 0] + best_two[..., 1]
         keep = torch.topk(group_scores, chosen, dim=-1).indices  # (T, chosen)
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        return by_group.masked_fill(~mask[..., None], float("-inf")).view_as(choice)
+        return by_group.masked_fill(~mask[..., None], outside).view_as(choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = self.route(x)

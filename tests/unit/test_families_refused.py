@@ -50,10 +50,14 @@ def test_the_mixtures_of_experts_are_supported():
         ("nemotron_h-moe", {"moe_latent_size": 32}, "moe_latent_size"),
         ("nemotron_h", {"layers_block_type": ["mlp", "linear_attention"]}, "block 0 .'mlp'."),
         ("nemotron_h", {"sliding_window": 64}, "sliding_window"),
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+        ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
+        ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "moe"]}, "mlp_layer_types"),
     ],
     ids=["dynamic-rope", "activation", "mlp-bias", "bidirectional", "mamba-proj-bias",
          "granite-layer-type", "nemotron-latent-moe", "nemotron-mlp-first",
-         "nemotron-window"],
+         "nemotron-window", "deepseek-v2-router", "deepseek-biased-latents",
+         "glm-lite-mlp-type"],
 )  # fmt: skip
 def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
     path = edited(make_tiny_checkpoint(tmp_path, family), **fields)
@@ -108,3 +112,21 @@ def test_lora_on_an_ungated_mlp_is_refused_by_name(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "arcee")
     with pytest.raises(ValueError, match="ungated MLP"):
         LLMEngine(str(path), dtype="float32", enable_lora=True)
+
+
+def test_latent_attention_is_refused_over_tensor_parallel_ranks(tmp_path):
+    """Multi-head latent attention's heads do not split (yet): refused by name, not cut as a
+    Llama's q_proj would be."""
+    from conveyor import LLM
+
+    path = make_tiny_checkpoint(tmp_path, "deepseek_v3")
+    with pytest.raises(ValueError, match="latent attention does not split over tensor-parallel"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=2)
+
+
+def test_lora_on_latent_attention_is_refused_by_name(tmp_path):
+    from conveyor import LLM
+
+    path = make_tiny_checkpoint(tmp_path, "deepseek_v3", first_k_dense_replace=2)
+    with pytest.raises(ValueError, match="LoRA adapters on multi-head latent attention"):
+        LLM(str(path), dtype="float32", enable_lora=True)

@@ -375,6 +375,8 @@ FUSED_OR_SINGLE = {
     "granitemoehybrid": "model.layers.0.shared_mlp.input_linear",
     "lfm2": "model.layers.0.conv.in_proj",
     "granite4-h": "model.layers.0.mamba.in_proj",
+    # latent attention: q_a_proj and kv_a_proj_with_mqa in one qkv_proj, q_b_proj its own
+    "glm4_moe_lite": "model.layers.0.self_attn.q_b_proj",
 }
 
 
@@ -388,7 +390,7 @@ def test_int8_quantizes_every_projection_of_fused_and_recurrent_families(family,
     path = make_tiny_checkpoint(tmp_path / family, family)
     llm = LLM(str(path), dtype="float32", quantization="int8", num_blocks=16)
     model = llm.engine.runner.model
-    leaves = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj", "out_proj")
+    leaves = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj", "out_proj", "q_b_proj")
     projections = {n: m for n, m in model.named_modules() if n.endswith(leaves)}
     whole_blocks = [m for m in projections.values() if _in_features(m) % 32 == 0]
     assert whole_blocks and {type(m).__name__ for m in whole_blocks} == {"QuantLinear"}

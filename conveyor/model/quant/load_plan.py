@@ -147,6 +147,8 @@ def plan_quantization(cfg, model: nn.Module) -> QuantPlan | None:
         parent = name.rpartition(".")[0]
         names = [f"{parent}.{p}.weight" for p, (m, _) in _SHARDS.items() if m == leaf]
         names = names[: len(getattr(module, "out_sizes", names))]  # qkv_proj: a gate or none
+        if getattr(module, "part_names", None):  # a latent attention's: its own two parts
+            names = [f"{parent}.{part}.weight" for part in module.part_names]
         if not hasattr(module, "out_sizes"):  # one matrix under its own name (LFM2's and
             names = [f"{name}.weight"]  # Mamba2's in_proj, where a delta net's has four parts)
         if quantized(names):
