@@ -60,6 +60,8 @@ GGUF_ARCHS = {
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5-moe",
     "glm4_moe": "glm4moe",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
     "exaone4": "exaone4",
     "seed_oss": "seed_oss",
     "olmoe": "olmoe",
@@ -263,6 +265,8 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
         mamba = _mamba_layers(config)
         layers = range(config.num_hidden_layers)
         writer.add_head_count_kv([0 if i in mamba else config.num_key_value_heads for i in layers])
+    elif arch == "deepseek2":  # latent attention as llama.cpp's MQA: one KV head
+        writer.add_head_count_kv(1)
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
     rope = _rope(config)
@@ -270,7 +274,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
         writer.add_rope_freq_base(rope["rope_theta"])
     eps = config.layer_norm_epsilon if arch in NEMOTRON_H else None
     writer.add_layer_norm_rms_eps(eps or (config.norm_eps if arch in LFM2 else config.rms_norm_eps))
-    if raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE:
+    if arch != "deepseek2" and (raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE):
         writer.add_key_length(_head_dim(config))  # llama.cpp writes these when head_dim is stated
         writer.add_value_length(_head_dim(config))
     if arch in PERMUTED_QK:
@@ -488,6 +492,33 @@ def _glm4moe_hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_expert_weights_norm(config.norm_topk_prob)
 
 
+def _deepseek2_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's DeepseekV2Model: latent attention's sizes (the cache's key and value lengths,
+    the heads' as key_length_mla / value_length_mla), the rope dims, yarn's mscale_all_dim as
+    0.1 times it, the experts' keys; sigmoid gating and its groups for V3 (a V2 file states no
+    gating: llama.cpp's softmax)."""
+    if config.q_lora_rank:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    writer.add_kv_lora_rank(rank)
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + rope)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_rope_dimension_count(rope)
+    if (mscale_all_dim := _rope(config).get("mscale_all_dim")) is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if config.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    if config.model_type == "deepseek_v3":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+
+
 def _ernie4_5_moe_hparams(writer: gguf.GGUFWriter, config) -> None:
     """llama.cpp's Ernie4_5MoeModel: where the mixtures start and their step, the shared
     experts' count, and a shared width it derives as intermediate_size / KV heads."""
@@ -584,6 +615,7 @@ _FAMILY_HPARAMS = {
     "granitehybrid": _granitehybrid_hparams,
     "ernie4_5-moe": _ernie4_5_moe_hparams,
     "glm4moe": _glm4moe_hparams,
+    "deepseek2": _deepseek2_hparams,
     "nemotron_h": _nemotron_h_hparams,
     "nemotron_h_moe": _nemotron_h_hparams,
 }
@@ -633,6 +665,12 @@ def check_expressible(config, arch: str) -> None:
     if arch == "glm4moe":  # llama.cpp's files state no groups: one, all chosen
         expected["n_group"] = 1
         expected["topk_group"] = 1
+    if arch == "deepseek2":  # adjacent rope pairs; V2's softmax router has no groups there
+        expected["rope_interleave"] = True
+        if "mscale_all_dim" in _rope(config):  # one yarn log multiplier for both mscales
+            expected["mscale"] = _rope(config)["mscale_all_dim"]
+        if config.model_type == "deepseek_v2":
+            expected["topk_method"] = "greedy"
     if arch == "ernie4_5-moe":  # mixtures up to the last layer; llama.cpp clamps the weights'
         expected["moe_layer_end_index"] = config.num_hidden_layers - 1  # sum at 6.1e-5, not 1e-12
     if arch in NEMOTRON_H:  # llama.cpp clamps no time step; it states no groups chosen
@@ -666,6 +704,8 @@ def _setting(config, name: str):
         return _rope(config)["rope_theta"]
     if name == "mscale":
         return _rope(config).get("mscale")
+    if name == "rope_interleave" and config.model_type == "deepseek_v2":
+        return True  # V2 always turns adjacent pairs
     if name == "local rope_theta":
         return params["sliding_attention"]["rope_theta"]
     if name == "rope_scaling":
@@ -735,6 +775,8 @@ def _add_tensors(
         state = _granitehybrid_tensors(state, config)
     if arch in NEMOTRON_H:
         state = _nemotron_h_tensors(state, config)
+    if arch == "deepseek2":
+        state = _deepseek2_tensors(state, config)
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor
         if _plus_one(arch, hf_name):
@@ -782,6 +824,22 @@ def _kept_f32(name: str) -> bool:
         or name.endswith(("_norm.weight", ".ssm_conv1d.weight"))
         or not name.endswith((".weight", ".bias"))
     )
+
+
+def _deepseek2_tensors(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """llama.cpp's DeepseekV2Model: each kv_b_proj split per head into k_b_proj (its key rows,
+    transposed: (heads, kv_lora_rank, qk_nope)) and v_b_proj ((heads, v, kv_lora_rank))."""
+    heads, nope = config.num_attention_heads, config.qk_nope_head_dim
+    out = {}
+    for name, tensor in state.items():
+        if not name.endswith(".kv_b_proj.weight"):
+            out[name] = tensor
+            continue
+        per_head = tensor.view(heads, nope + config.v_head_dim, tensor.shape[-1])
+        keys, values = per_head.split([nope, config.v_head_dim], dim=1)
+        out[name.replace("kv_b_proj", "k_b_proj")] = keys.transpose(1, 2).contiguous()
+        out[name.replace("kv_b_proj", "v_b_proj")] = values.contiguous()
+    return out
 
 
 def _gpt_oss_experts(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:

@@ -37,6 +37,9 @@ in transformers' order; every layer a mixture with a shared expert.
 OLMo 3 is converted as `olmo2` with a sliding window: sliding layers by plain RoPE, the full
 ones by the (yarn-scaled) global RoPE, as llama.cpp's olmo2 graph runs them.
 
+DeepSeek-V2 / V3 (and Kimi K2, Moonlight, GLM-4.7-Flash) are `deepseek2`: latent attention's
+sizes under its attention keys, kv_b_proj split into attn_k_b / attn_v_b (_deepseek2).
+
 Ministral 3 is `mistral3`: its yarn with one yarn_log_multiplier for transformers' mscale
 and mscale_all_dim, and its query scale (llama_4_scaling_beta) as attention.temperature_scale.
 
@@ -95,6 +98,9 @@ FAMILIES = {
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),  # GLM-4.5 / 4.6 / 4.7
+    # DeepSeek-V3 (Kimi K2, Moonlight, GLM-4.7-Flash) by sigmoid gating, else DeepSeek-V2
+    # (_deepseek2)
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "exaone4": ("exaone4", "Exaone4ForCausalLM"),
     "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
@@ -547,6 +553,64 @@ def _lfm2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
 
 
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+_SOFTMAX_GATING = 1  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def _deepseek2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
+    """DeepSeek-V2 / V3 as llama.cpp's deepseek2: latent attention's sizes (kv_lora_rank, the
+    per-head key_length_mla and value_length_mla; files older than those keys state the heads'
+    key_length and value_length instead), RoPE on adjacent pairs of rope.dimension_count dims
+    (llama.cpp's converter keeps transformers' interleaved rows), yarn's mscale_all_dim as ten
+    times yarn_log_multiplier (one value for transformers' mscale and mscale_all_dim), dense
+    layers before leading_dense_block_count, then mixtures: by sigmoid scores (V3; its groups
+    where expert_group_count states them) or by softmax (V2's greedy, and what llama.cpp takes
+    for a file that states no gating); the MTP layers left out."""
+    arch = "deepseek2"
+    gating = metadata.get(f"{arch}.expert_gating_func", _SOFTMAX_GATING)
+    if gating not in (_SOFTMAX_GATING, _SIGMOID_GATING):
+        raise ValueError(
+            f"a GGUF deepseek2 file's deepseek2.expert_gating_func is {gating!r}: DeepSeek routes "
+            f"by softmax ({_SOFTMAX_GATING}) or sigmoid ({_SIGMOID_GATING}) scores"
+        )
+    if gating == _SOFTMAX_GATING:
+        config.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
+        config["topk_method"] = "greedy"
+    config["num_hidden_layers"] -= metadata.get(f"{arch}.nextn_predict_layers", 0)
+    rope = metadata[f"{arch}.rope.dimension_count"]
+    key = metadata.get(f"{arch}.attention.key_length_mla")
+    value = metadata.get(f"{arch}.attention.value_length_mla")
+    if key is None:  # a file from before llama.cpp's absorbed MLA: the heads' own lengths
+        key, value = config["head_dim"], metadata[f"{arch}.attention.value_length"]
+    config.pop("head_dim", None)
+    heads = config["num_attention_heads"]
+    groups = metadata.get(f"{arch}.expert_group_count") or 1
+    config.update(
+        q_lora_rank=metadata.get(f"{arch}.attention.q_lora_rank") or None,
+        kv_lora_rank=metadata[f"{arch}.attention.kv_lora_rank"],
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=key - rope,
+        v_head_dim=value,
+        num_key_value_heads=heads,
+        rope_interleave=True,
+        n_routed_experts=config.pop("num_experts"),
+        n_shared_experts=metadata.get(f"{arch}.expert_shared_count", 0),
+        first_k_dense_replace=metadata.get(f"{arch}.leading_dense_block_count", 0),
+        routed_scaling_factor=metadata.get(f"{arch}.expert_weights_scale", 1.0),
+        norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", False)),
+        n_group=groups,
+        topk_group=metadata.get(f"{arch}.expert_group_used_count") or groups,
+        num_nextn_predict_layers=0,
+        attention_bias=False,
+    )
+    params = config["rope_parameters"]
+    if params["rope_type"] == "yarn":
+        # llama.cpp's converter writes 0.1 * mscale_all_dim (its TAG_DEEPSEEK2_YARN_LOG_MUL_FIX)
+        log_mul = metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1)
+        params.update(mscale=log_mul * 10, mscale_all_dim=log_mul * 10)
+        for beta in ("beta_fast", "beta_slow"):
+            if (stated := metadata.get(f"{arch}.rope.scaling.yarn_{beta}")) is not None:
+                params[beta] = stated
+    config.pop("shared_expert_intermediate_size", None)
 
 
 def _lfm2moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
@@ -758,6 +822,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "ernie4_5": _llama_like("ernie4_5"),
     "ernie4_5-moe": _ernie4_5_moe,
     "glm4moe": _glm4moe,
+    "deepseek2": _deepseek2,
     "exaone4": _exaone4,
     "seed_oss": _llama_like("seed_oss"),
     "olmoe": _llama_like("olmoe"),

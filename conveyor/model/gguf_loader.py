@@ -156,6 +156,19 @@ _ARCH_LAYER_NAMES = {
         "post_attention_norm": "post_self_attn_layernorm",
         "post_ffw_norm": "post_mlp_layernorm",
     },
+    # DeepSeek-V2 / V3's latent attention (model/mla.py); attn_k_b and attn_v_b (kv_b_proj
+    # split per head, k_b transposed, as llama.cpp's converter writes it since 2025) are joined
+    # back by model/loader.py
+    "deepseek2": {
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.k_b_proj",
+        "attn_v_b": "self_attn.v_b_proj",
+    },
 }
 _QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5 and Qwen3.5-MoE
 # Gated delta nets under llama.cpp's ssm names: Qwen3.5's, and Qwen3-Next's, whose converter keeps

@@ -107,6 +107,10 @@ def iter_weights(
             weights = _rotary_rows(weights, cfg)
         if cfg.parts.family == "ernie4_5_moe":
             weights = _flat_expert_bias(weights)
+        if cfg.parts.mla:
+            weights = _latent_heads(weights, cfg)
+        if cfg.parts.mla_rope_interleaved:
+            weights = _mla_rope_rows(weights, cfg)
         for name, tensor in weights:
             cut = shard.slice_of(name, cfg)
             yield name, tensor if cut is None else _cut(tensor, cut).clone()
@@ -175,12 +179,48 @@ def _mla_rope_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
             heads = tensor.shape[0] // (nope + rope)
             rows = torch.arange(tensor.shape[0]).view(heads, nope + rope)
             rows[:, nope:] = rows[:, nope:][:, order]
-            tensor = _float_rows(tensor, cfg)[rows.flatten()]
+            tensor = _taken_rows(tensor, rows.flatten(), cfg)
         elif module == "kv_a_proj_with_mqa":
             rows = torch.arange(tensor.shape[0])
             rows[rank:] = rows[rank:][order]
-            tensor = _float_rows(tensor, cfg)[rows]
+            tensor = _taken_rows(tensor, rows, cfg)
         yield name, tensor
+
+
+def _taken_rows(tensor, rows: torch.Tensor, cfg: ModelConfig):
+    """The tensor's rows in `rows`' order: a GGUF tensor kept in its blocks takes them as it
+    loads (RawTensor.row_order), any other one at once."""
+    from conveyor.model.gguf_loader import RawTensor
+
+    if isinstance(tensor, RawTensor):
+        taken = rows if tensor.row_order is None else tensor.row_order[rows]
+        return tensor._replace(row_order=taken)
+    return _float_rows(tensor, cfg)[rows]
+
+
+def _latent_heads(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """A GGUF file's k_b_proj (heads, kv_lora_rank, qk_nope: each head's key rows, transposed)
+    and v_b_proj (heads, v, kv_lora_rank), as llama.cpp's converter splits kv_b_proj, joined
+    back into kv_b_proj (each head's key rows, then its value rows)."""
+    _, rank, nope, _, v_dim = cfg.parts.mla
+    heads = cfg.num_heads
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, param = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        if leaf not in ("k_b_proj", "v_b_proj"):
+            yield name, tensor
+            continue
+        parts = halves.setdefault(prefix, {})
+        parts[leaf] = tensor
+        if len(parts) == 2:
+            keys = parts["k_b_proj"].reshape(heads, rank, nope).transpose(1, 2)
+            values = parts["v_b_proj"].reshape(heads, v_dim, rank)
+            joined = torch.cat([keys, values], dim=1).reshape(heads * (nope + v_dim), rank)
+            yield f"{prefix}.kv_b_proj.{param}", joined.contiguous()
+            del halves[prefix]
+    if halves:
+        raise ValueError(f"a latent attention's k_b_proj or v_b_proj alone in {sorted(halves)}")
 
 
 def _flat_expert_bias(weights) -> Iterator[tuple[str, Any]]:

@@ -36,6 +36,7 @@ from conveyor.model.loader import (
     _flat_expert_bias,
     _gpt_oss_experts,
     _grouped_projections,
+    _latent_heads,
     _nemotron_h_blocks,
     _stacked_experts,
 )
@@ -98,6 +99,10 @@ GGUF_FAMILIES = {
     "glm4_moe": dict(n_group=1, topk_group=1),
     "arcee": {},  # llama.cpp's ArceeModel: a LlamaModel (permuted Q/K, yarn keys), ffn_up alone
     "nemotron_h-moe": dict(topk_group=4),
+    # DeepSeek-V2 (softmax router, yarn) and V3 (q_lora_rank, grouped sigmoid router) as
+    # llama.cpp's deepseek2: one KV head of the latent and rope key, kv_b_proj split per head
+    "deepseek_v2": {},
+    "deepseek_v3": {},
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -112,6 +117,8 @@ LLAMA_CPP_NAMES |= {
     "granite4-h": "granitehybrid",
     "ernie4_5_moe": "ernie4_5-moe",
     "glm4_moe": "glm4moe",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
     "nemotron_h-moe": "nemotron_h_moe",
     "ministral3": "mistral3",
     "gpt_oss": "gpt-oss",
@@ -176,6 +183,8 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "granitemoehybrid":  # its shared_mlp as the fused gate_up_proj
         checkpoint = {renamed(n, _GRANITE_HYBRID_NAMES): t for n, t in checkpoint.items()}
+    if converted.family.startswith("deepseek"):  # GLM-4.5's names; kv_b joined, as loaded
+        checkpoint = {renamed(n, _GLM4_MOE_NAMES): t for n, t in checkpoint.items()}
     if converted.family == "glm4_moe":  # its shared expert, bias and experts as loaded
         checkpoint = {renamed(n, _GLM4_MOE_NAMES): t for n, t in checkpoint.items()}
         cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
@@ -211,6 +220,9 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         ours = dict(_grouped_projections(ours.items(), cfg))
     if converted.family == "ernie4_5_moe":  # its bias as the loader flattens it
         ours = dict(_flat_expert_bias(ours.items()))
+    if converted.family.startswith("deepseek"):  # attn_k_b and attn_v_b: one kv_b_proj again
+        cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+        ours = dict(_latent_heads(ours.items(), cfg))
     ours = fused_like_checkpoint(ours, set(checkpoint))
     tied = {"lm_head.weight"} if "lm_head.weight" not in ours else set()
     assert set(ours) == set(checkpoint) - tied
