@@ -268,7 +268,11 @@ CONVEYOR_OUT_OF_LINE void pv_rows(const T* __restrict p, int bs, const C* __rest
                                   T* __restrict acc, int n, const C* next = nullptr) {
   constexpr int L = kLanes<T>;
   constexpr int NV = D / L;
-  constexpr int NC = NV < 8 ? NV : 8;
+  // Up to 8 vectors of a row at a time, a divisor of NV (latent attention's 576 float32
+  // values are 36 vectors: 6 at a time). Each value's sum over the keys is the same chain
+  // whatever the grouping.
+  constexpr int NC = NV % 8 == 0 ? 8 : NV % 6 == 0 ? 6 : NV % 4 == 0 ? 4 : NV < 8 ? NV : 1;
+  static_assert(NV % NC == 0, "pv_rows: groups of whole vectors");
   for (int c0 = 0; c0 < NV; c0 += NC) {
     Vec<T> a[RP][NC];
     for (int r = 0; r < RP; ++r)
@@ -812,6 +816,9 @@ void dispatch_shape(const Inputs& in, int64_t num_seqs, const T* qp, const C* kc
   CONVEYOR_CASE(16, 128)
   CONVEYOR_CASE(32, 64)
   CONVEYOR_CASE(32, 128)
+  // latent attention (model/mla.py): kv_lora_rank 512 + 64 rope dims, DeepSeek-V2 / V3's
+  CONVEYOR_CASE(16, 576)
+  CONVEYOR_CASE(32, 576)
 #undef CONVEYOR_CASE
   attention_impl<T, C, 0, 0>(in, num_seqs, qp, kc, vc, out, sh);
 }
