@@ -231,6 +231,7 @@ def _server_app(args: argparse.Namespace, settings: EngineArgs, started):
         load_tracking=args.enable_server_load_tracking,
         middleware=args.middleware,
         max_queued=args.max_num_queued_reqs,
+        model_arg=settings.model,
     )
     name = app.state.metrics.model_name
     base = f"{'https' if ssl_settings(args) else 'http'}://{args.host}:{args.port}"

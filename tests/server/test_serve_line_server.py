@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -263,6 +264,26 @@ def test_a_model_named_by_its_hub_id_serves_from_the_cache_under_that_name(
         assert proc.stop() == 0
     with pytest.raises(RuntimeError, match="not a local path nor in the Hugging Face cache"):
         ServerProcess(["tiny-org/absent", "--download-dir", str(cache)], tmp_path / "absent.log")
+
+
+def test_a_model_served_from_a_path_also_answers_to_that_path(tiny_checkpoint, tmp_path):
+    """`conveyor serve /path/to/checkpoint`: listed and reported under the folder's name, and a
+    request naming the model as vLLM names it, the path as the serve line gave it, is served
+    too (a client moved from vLLM sends that); any other name is a 404."""
+    path = str(tiny_checkpoint("llama"))
+    proc = ServerProcess([path, "--dtype", "float32", "--kv-cache-memory", "32MiB"],
+                         tmp_path / "server.log")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0)
+        (card,) = client.models.list().data
+        assert card.id == Path(path).name
+        for name in (card.id, path):
+            reply = client.completions.create(model=name, prompt="Hi", max_tokens=2)
+            assert (reply.model, reply.usage.completion_tokens) == (card.id, 2)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=f"{path}-other", prompt="Hi", max_tokens=2)
+    finally:
+        assert proc.stop() == 0
 
 
 def test_each_output_is_logged_as_it_finishes(server, client):

@@ -119,6 +119,7 @@ def build_app(
     load_tracking: bool = False,
     middleware: list[str] | None = None,
     max_queued: int | None = None,
+    model_arg: str | None = None,
 ) -> FastAPI:
     """`engine`: an EngineClient (engine/client.py: the engine-core process, data-parallel
     replicas of it, an in-process AsyncEngine), or an LLMEngine or a function that builds one,
@@ -144,6 +145,10 @@ def build_app(
     embedding_pooling = embedding_pooling or async_engine.model_config.default_pooling
     # vLLM's several served names: a request may name any; responses and metrics the first.
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+    # Without served names, a request may also name the model as the serve line did (a path,
+    # say): vLLM's name for it, which clients moved from vLLM send. Listed and reported under
+    # the file's or folder's name.
+    path_name = model_arg if not names and model_arg else None
     names = names or [default_model_name(async_engine.model_config)]
     model_name = names[0]
     metrics = EngineMetrics(
@@ -171,9 +176,8 @@ def build_app(
         defaults or ServerDefaults(),
     )
     serving.request_logger = request_logger
-    loras = serving.loras = ServedLoRAs(
-        async_engine, model_name, lora_allowed_dir, tuple(names[1:])
-    )
+    accepted = (*names[1:], *([path_name] if path_name and path_name != model_name else []))
+    loras = serving.loras = ServedLoRAs(async_engine, model_name, lora_allowed_dir, accepted)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -215,7 +219,7 @@ def build_app(
 
     def check_model(name: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 if unknown."""
-        if name is None or name in names:
+        if name is None or name in names or name == path_name:
             return None
         lora = loras.get(name)
         if lora is None:
