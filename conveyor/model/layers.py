@@ -294,9 +294,11 @@ def panel_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor | None:
 
 
 def pack_panels(model: nn.Module) -> int:
-    """Packs every dense projection (Linear, MergedLinear) and block projection
-    (quant.QuantLinear) of a CPU model for the batch-invariant kernels; returns how many.
+    """Packs every dense projection (Linear, MergedLinear), block projection
+    (quant.QuantLinear) and latent attention's per-head matrices (mla.LatentHeads) of a CPU
+    model for the batch-invariant kernels; returns how many.
     Nothing without the compiled kernels (the modules then run their other routes)."""
+    from conveyor.model.mla import LatentHeads
     from conveyor.model.quant import QuantLinear
 
     ops = _ops()
@@ -312,6 +314,11 @@ def pack_panels(model: nn.Module) -> int:
         elif isinstance(module, QuantLinear) and module.qs.device.type == "cpu":
             module.pack_panels(ops)
             count += 1
+        elif isinstance(module, LatentHeads):  # latent attention's per-head matrices
+            weight = module.weight.detach()
+            if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
+                module.pack_panels(ops)
+                count += 1
     return count
 
 

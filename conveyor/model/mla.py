@@ -42,54 +42,47 @@ LATENT_NORM_EPS = 1e-6
 class LatentHeads(nn.Module):
     """kv_b_proj: (heads * (qk_nope + v), kv_lora_rank), each head's key rows W_k then its value
     rows W_v, as stored; used absorbed (absorb: q_nope -> W_k^T q_nope, expand: a latent output
-    -> W_v of it)."""
+    -> W_v of it), per head."""
 
     def __init__(self, heads: int, nope: int, v_dim: int, rank: int) -> None:
         super().__init__()
         self.heads, self.nope, self.v_dim, self.rank = heads, nope, v_dim, rank
         self.weight = nn.Parameter(torch.empty(heads * (nope + v_dim), rank))
-        self._per_head: tuple | None = None  # (weight version, device, k parts, v parts)
+        # Per head, W_k^T (rank, nope) then W_v (v, rank) packed for the batch-invariant panel
+        # kernels (pack_panels, at load; the memory report counts them as kernel copies).
+        self.panels: list[torch.Tensor] | None = None
+
+    def pack_panels(self, ops) -> None:
+        weight = self._per_head()
+        keys = weight[:, : self.nope].transpose(1, 2)  # (H, rank, nope)
+        values = weight[:, self.nope :]  # (H, v, rank)
+        self.panels = [ops.pack_dense(m.contiguous()) for m in (*keys, *values)]
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:  # (T, H, nope) -> (T, H, rank)
-        keys, _ = self._parts()
-        return _per_head(q_nope, keys)
+        if self._packed_for(q_nope):
+            return self._panel_heads(q_nope, self.panels[: self.heads], self.rank)
+        return torch.einsum("thn,hnr->thr", q_nope, self._per_head()[:, : self.nope])
 
     def expand(self, latent: torch.Tensor) -> torch.Tensor:  # (T, H, rank) -> (T, H, v)
-        _, values = self._parts()
-        return _per_head(latent, values)
+        if self._packed_for(latent):
+            return self._panel_heads(latent, self.panels[self.heads :], self.v_dim)
+        return torch.einsum("thr,hvr->thv", latent, self._per_head()[:, self.nope :])
 
-    def _parts(self):
-        """Per head: W_k^T (rank, nope) and W_v (v, rank) as Linear modules (packed for the
-        panel kernels on a CPU with the compiled ops), or as (H, out, in) stacks elsewhere;
-        made once per value of the weight."""
-        weight = self.weight.detach()
-        version = (weight._version, weight.device, weight.dtype)
-        if self._per_head is None or self._per_head[0] != version:
-            heads = weight.view(self.heads, self.nope + self.v_dim, self.rank)
-            keys = heads[:, : self.nope].transpose(1, 2).contiguous()  # (H, rank, nope)
-            values = heads[:, self.nope :].contiguous()  # (H, v, rank)
-            ops = kernels.load() if weight.device.type == "cpu" else None
-            if ops is not None and weight.dtype in (torch.float32, torch.float64):
-                keys, values = _packed(keys, ops), _packed(values, ops)
-            self._per_head = (version, keys, values)
-        return self._per_head[1:]
+    def _per_head(self) -> torch.Tensor:  # (H, nope + v, rank), a view
+        return self.weight.detach().view(self.heads, self.nope + self.v_dim, self.rank)
 
+    def _packed_for(self, x: torch.Tensor) -> bool:
+        return (
+            self.panels is not None and x.device.type == "cpu" and x.dtype == self.panels[0].dtype
+        )
 
-def _packed(stack: torch.Tensor, ops) -> list[Linear]:
-    modules = []
-    for matrix in stack:
-        module = Linear(matrix.shape[1], matrix.shape[0])
-        module.weight = nn.Parameter(matrix, requires_grad=False)
-        module.panels = ops.pack_dense(matrix)
-        modules.append(module)
-    return modules
-
-
-def _per_head(x: torch.Tensor, parts) -> torch.Tensor:
-    """x (T, H, in) -> (T, H, out): head h's rows times its matrix (out, in), transposed."""
-    if isinstance(parts, list):  # the panel kernels, one head at a time
-        return torch.stack([part(x[:, h].contiguous()) for h, part in enumerate(parts)], dim=1)
-    return torch.einsum("thi,hoi->tho", x, parts.to(x.dtype))
+    @staticmethod
+    def _panel_heads(x: torch.Tensor, panels: list[torch.Tensor], out: int) -> torch.Tensor:
+        """Head h's rows of x times its packed matrix, one head at a time on the panel kernels
+        (every output value one chain over its inputs, whatever the row count)."""
+        ops = kernels.load()
+        rows = [ops.dense_linear(x[:, h].contiguous(), p, out) for h, p in enumerate(panels)]
+        return torch.stack(rows, dim=1)
 
 
 class MLAAttention(nn.Module):
