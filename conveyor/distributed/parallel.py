@@ -12,9 +12,11 @@ The Llama family splits Megatron-style across N ranks:
                           the logits of its rows, and an all-gather hands the sampler all of them.
 
 Norms, rotary tables and biases of the row-parallel projections (none in this family) are
-replicated. With fewer key/value heads than ranks (MQA, or GQA with N > its KV heads), each KV
-head is replicated on the N / num_kv_heads ranks whose query heads read it, as in vLLM.
-Each rank's KV cache holds only its own KV heads.
+replicated. Latent attention (model/mla.py) splits by query heads too: q_proj / q_b_proj and
+kv_b_proj by their heads' rows, o_proj by their columns; its latent projections, and the latent
+cache they fill, are every rank's (as vLLM's MLA). With fewer key/value heads than ranks (MQA,
+or GQA with N > its KV heads), each KV head is replicated on the N / num_kv_heads ranks whose
+query heads read it, as in vLLM. Each rank's KV cache holds only its own KV heads.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class TPShard:
             return None
         leaf = name.rsplit(".", 2)
         module, param = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
+        parts = getattr(cfg, "parts", None)
+        if parts is not None and parts.mla and module in _LATENT_HEADS:
+            return self._latent_slice(module, param, cfg)
         d = cfg.head_dim
         if module == "q_proj":
             first, count = self.heads(cfg.num_heads)
@@ -88,6 +93,23 @@ class TPShard:
             return 0, first, stop, rows
         return None
 
+    def _latent_slice(self, module: str, param: str, cfg) -> tuple[int, int, int, int] | None:
+        """Latent attention (model/mla.py): a rank holds its heads' rows of q_proj / q_b_proj
+        and kv_b_proj and their columns of o_proj; the latent projections (q_a_proj,
+        kv_a_proj_with_mqa) and their norms are every rank's, and so is the latent cache."""
+        _, _, nope, rope, v_dim = cfg.parts.mla
+        per_head = {"q_proj": nope + rope, "q_b_proj": nope + rope, "kv_b_proj": nope + v_dim}
+        first, count = self.heads(cfg.num_heads)
+        if module == "o_proj":
+            return None if param != "weight" else (1, first * v_dim, (first + count) * v_dim,
+                                                    count * v_dim)  # fmt: skip
+        d = per_head[module]
+        return 0, first * d, (first + count) * d, count * d
+
+
+# Latent attention's tensors cut by head (TPShard._latent_slice).
+_LATENT_HEADS = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")
+
 
 def _intermediate_size(name: str, cfg) -> int:
     """The intermediate size of the MLP a gate/up/down tensor belongs to: a dense layer's, an
@@ -106,11 +128,6 @@ def check_tensor_parallel(cfg, size: int) -> None:
     if size == 1:
         return
     parts = getattr(cfg, "parts", None)
-    if parts is not None and parts.mla:
-        raise ValueError(
-            f"{parts.family}: multi-head latent attention does not split over tensor-parallel "
-            "ranks (its latent and rope key are every head's)"
-        )
     problems = []
     if cfg.num_heads % size:
         problems.append(f"its {cfg.num_heads} attention heads")

@@ -93,17 +93,16 @@ class MLAAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(
-                f"{cfg.parts.family}: multi-head latent attention does not split over "
-                "tensor-parallel ranks"
-            )
         parts = cfg.parts
         q_lora, rank, nope, rope, v_dim = parts.mla
-        heads = cfg.num_heads
+        # With tensor parallelism a rank's heads (distributed/parallel.py: _latent_slice); the
+        # latent and its projections are every rank's.
+        self.tp = tp
+        heads = tp.shard.heads(cfg.num_heads)[1]
         self.num_heads, self.q_lora, self.rank, self.nope, self.rope_dim = (
             heads, q_lora, rank, nope, rope,
         )  # fmt: skip
+        self.num_kv_heads = 1  # the latent: one "KV head" that every head reads
         q_size = heads * (nope + rope)
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_lora or q_size, rank + rope], bias=False)
         # its checkpoint tensors by part (for the quantized modules: quant/load_plan.py)
@@ -134,4 +133,4 @@ class MLAAttention(nn.Module):
         value = nn.functional.pad(c, (0, self.rope_dim)).unsqueeze(1)  # (T, 1, rank + rope)
         out = paged_attention(query, key, value, kv_cache, meta, self.kind)  # (T, H, rank + rope)
         out = self.kv_b_proj.expand(out[..., : self.rank])  # (T, H, v)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))

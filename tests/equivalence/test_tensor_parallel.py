@@ -48,6 +48,11 @@ CASES = {
     # GLM-4.5: q/k/v biases, partial rotary beside q/k norms, a dense layer then a mixture
     # routed by groups, its ungated shared expert split like a dense MLP.
     "glm4-moe": ("glm4_moe", {}),
+    # DeepSeek-V2 / V3's latent attention: each rank its heads' rows of q_proj (V2) or q_b_proj
+    # (V3) and kv_b_proj, their columns of o_proj; the latent projections and the latent cache
+    # every rank's; RoPE on adjacent pairs; the mixtures split like GLM-4.5's.
+    "deepseek-v2-latent": ("deepseek_v2", {}),
+    "deepseek-v3-latent": ("deepseek_v3", {}),
 }
 
 
@@ -91,8 +96,10 @@ def test_two_ranks_match_transformers(case, monkeypatch):
             assert [e.down_proj.weight.shape[1] for e in mlp.experts] == [16] * 6  # 32 / 2
             assert mlp.shared_expert.down_proj.weight.shape[1] == 24  # 48 / 2
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        # GLM-4.5's float32 router logits: see tests/equivalence/test_families.py TOLERANCE
-        assert_matches_reference(outputs, reference, 5e-6 if name == "glm4-moe" else LOGPROB_TOL)
+        # GLM-4.5's and DeepSeek's float32 router logits (and V2's float32 RoPE): see
+        # tests/equivalence/test_families.py TOLERANCE
+        float32 = name == "glm4-moe" or name.startswith("deepseek")
+        assert_matches_reference(outputs, reference, 2e-5 if float32 else LOGPROB_TOL)
         if name == "gqa":  # the last use of this engine: a rank dies mid-collective wait
             _kill_rank_and_expect_an_error(llm)
     finally:

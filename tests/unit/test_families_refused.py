@@ -114,16 +114,6 @@ def test_lora_on_an_ungated_mlp_is_refused_by_name(tmp_path):
         LLMEngine(str(path), dtype="float32", enable_lora=True)
 
 
-def test_latent_attention_is_refused_over_tensor_parallel_ranks(tmp_path):
-    """Multi-head latent attention's heads do not split (yet): refused by name, not cut as a
-    Llama's q_proj would be."""
-    from conveyor import LLM
-
-    path = make_tiny_checkpoint(tmp_path, "deepseek_v3")
-    with pytest.raises(ValueError, match="latent attention does not split over tensor-parallel"):
-        LLM(str(path), dtype="float32", tensor_parallel_size=2)
-
-
 def test_lora_on_latent_attention_is_refused_by_name(tmp_path):
     from conveyor import LLM
 
