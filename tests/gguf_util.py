@@ -100,6 +100,7 @@ def write_gguf(
     experts: str | None = None,
     arch: str | None = None,
     mtp_layers: int = 0,
+    legacy_mla: bool = False,
 ) -> Path:
     """Converts the checkpoint in `hf_dir` to a GGUF at `out_path`, 2-D weights as `qtype`;
     the experts' 3-D weights as `experts` when given (llama.cpp's GPT-OSS files: "MXFP4");
@@ -107,10 +108,12 @@ def write_gguf(
     tensors under another architecture name), else the model type's. mtp_layers: Qwen3.5's
     multi-token prediction layers after the model's, as llama.cpp's converter appends them
     (block_count counts them, nextn_predict_layers says how many; here copies of the last
-    layer and its nextn tensors)."""
+    layer and its nextn tensors). legacy_mla: a deepseek2 file as llama.cpp wrote them before
+    its absorbed MLA (2025-04): the heads' key and value lengths, attn_kv_b whole."""
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {sorted(QTYPES)}, got {qtype!r}")
     config = AutoConfig.from_pretrained(hf_dir)
+    config.gguf_legacy_mla = legacy_mla  # read by the deepseek2 writers below
     raw_config = json.loads((Path(hf_dir) / "config.json").read_text())
     arch = arch or gguf_arch(config)
     writer = gguf.GGUFWriter(out_path, arch)
@@ -265,8 +268,9 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
         mamba = _mamba_layers(config)
         layers = range(config.num_hidden_layers)
         writer.add_head_count_kv([0 if i in mamba else config.num_key_value_heads for i in layers])
-    elif arch == "deepseek2":  # latent attention as llama.cpp's MQA: one KV head
-        writer.add_head_count_kv(1)
+    elif arch == "deepseek2":  # latent attention as llama.cpp's MQA: one KV head (before its
+        # absorbed MLA: every head's own)
+        writer.add_head_count_kv(config.num_attention_heads if config.gguf_legacy_mla else 1)
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
     rope = _rope(config)
@@ -501,10 +505,14 @@ def _deepseek2_hparams(writer: gguf.GGUFWriter, config) -> None:
         writer.add_q_lora_rank(config.q_lora_rank)
     rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
     writer.add_kv_lora_rank(rank)
-    writer.add_key_length(rank + rope)
-    writer.add_value_length(rank)
-    writer.add_key_length_mla(config.qk_nope_head_dim + rope)
-    writer.add_value_length_mla(config.v_head_dim)
+    if config.gguf_legacy_mla:  # the heads' own lengths, no _mla keys
+        writer.add_key_length(config.qk_nope_head_dim + rope)
+        writer.add_value_length(config.v_head_dim)
+    else:
+        writer.add_key_length(rank + rope)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(config.qk_nope_head_dim + rope)
+        writer.add_value_length_mla(config.v_head_dim)
     writer.add_rope_dimension_count(rope)
     if (mscale_all_dim := _rope(config).get("mscale_all_dim")) is not None:
         writer.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)
@@ -775,7 +783,7 @@ def _add_tensors(
         state = _granitehybrid_tensors(state, config)
     if arch in NEMOTRON_H:
         state = _nemotron_h_tensors(state, config)
-    if arch == "deepseek2":
+    if arch == "deepseek2" and not config.gguf_legacy_mla:
         state = _deepseek2_tensors(state, config)
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor

@@ -614,3 +614,24 @@ def test_a_granitehybrid_file_with_rope_bambas_is_refused_by_name(tmp_path):
     metadata = {**header.metadata, "granitehybrid.rope.scaling.finetuned": True}
     with pytest.raises(ValueError, match="Bamba"):
         hf_config_dict(metadata, shapes)
+
+
+def test_a_deepseek2_file_from_before_absorbed_mla_gives_the_checkpoints_tokens(tmp_path):
+    """llama.cpp's deepseek2 files written before its absorbed MLA (most DeepSeek-V2-Lite GGUFs
+    of 2024): every head's key and value lengths, each head a KV head, attn_kv_b whole; read as
+    the same model, float64 tokens equal the checkpoint's."""
+    hf_dir = snap_to_float_gguf(make_tiny_checkpoint(tmp_path / "hf", "deepseek_v3"))
+    path = write_gguf(hf_dir, tmp_path / "legacy.gguf", "F32", legacy_mla=True)
+    names = {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+    assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names
+    ours, theirs = (ModelConfig.from_hf(str(p), dtype="float64") for p in (path, hf_dir))
+    assert (ours.head_dim, ours.num_kv_heads, ours.parts.mla) == (
+        theirs.head_dim, theirs.num_kv_heads, theirs.parts.mla,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompts = random_prompts(4, 384, seed=5, max_len=40)
+    runs = []
+    for source in (hf_dir, path):
+        llm = LLM(str(source), dtype="float64", **DEVICE_KWARGS)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
