@@ -582,25 +582,16 @@ def _deepseek2(metadata: dict[str, Any], config: dict[str, Any]) -> None:
     if key is None:  # a file from before llama.cpp's absorbed MLA: the heads' own lengths
         key, value = config["head_dim"], metadata[f"{arch}.attention.value_length"]
     config.pop("head_dim", None)
-    heads = config["num_attention_heads"]
-    groups = metadata.get(f"{arch}.expert_group_count") or 1
     config.update(
         q_lora_rank=metadata.get(f"{arch}.attention.q_lora_rank") or None,
         kv_lora_rank=metadata[f"{arch}.attention.kv_lora_rank"],
         qk_rope_head_dim=rope,
         qk_nope_head_dim=key - rope,
         v_head_dim=value,
-        num_key_value_heads=heads,
+        num_key_value_heads=config["num_attention_heads"],
         rope_interleave=True,
-        n_routed_experts=config.pop("num_experts"),
-        n_shared_experts=metadata.get(f"{arch}.expert_shared_count", 0),
-        first_k_dense_replace=metadata.get(f"{arch}.leading_dense_block_count", 0),
-        routed_scaling_factor=metadata.get(f"{arch}.expert_weights_scale", 1.0),
-        norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", False)),
-        n_group=groups,
-        topk_group=metadata.get(f"{arch}.expert_group_used_count") or groups,
-        num_nextn_predict_layers=0,
         attention_bias=False,
+        **_grouped_mixture(metadata, arch, config, shared=0),
     )
     params = config["rope_parameters"]
     if params["rope_type"] == "yarn":
@@ -740,10 +731,20 @@ def _glm4moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
         )
     config["num_hidden_layers"] -= metadata.get(f"{arch}.nextn_predict_layers", 0)
     _rotary_fraction(metadata, arch, config)
+    config.update(_grouped_mixture(metadata, arch, config, shared=1))
+    config.pop("shared_expert_intermediate_size", None)
+
+
+def _grouped_mixture(
+    metadata: dict[str, Any], arch: str, config: dict[str, Any], shared: int
+) -> dict[str, Any]:
+    """GLM-4.5's and DeepSeek's mixture fields: the experts, `shared` shared ones where the file
+    states no count, the leading dense layers, the weights' scale and renormalisation, the
+    groups (expert_group_count; all chosen where expert_group_used_count is not stated)."""
     groups = metadata.get(f"{arch}.expert_group_count") or 1
-    config.update(
+    return dict(
         n_routed_experts=config.pop("num_experts"),
-        n_shared_experts=metadata.get(f"{arch}.expert_shared_count", 1),
+        n_shared_experts=metadata.get(f"{arch}.expert_shared_count", shared),
         first_k_dense_replace=metadata.get(f"{arch}.leading_dense_block_count", 0),
         routed_scaling_factor=metadata.get(f"{arch}.expert_weights_scale", 1.0),
         norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", False)),
@@ -751,7 +752,6 @@ def _glm4moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
         topk_group=metadata.get(f"{arch}.expert_group_used_count") or groups,
         num_nextn_predict_layers=0,
     )
-    config.pop("shared_expert_intermediate_size", None)
 
 
 def _ernie4_5_moe(metadata: dict[str, Any], config: dict[str, Any]) -> None:
