@@ -14,8 +14,8 @@ and values of one width; the padded columns come out zero and are dropped), then
 o_proj. That is the paged attention every other family runs (model/attention.py: its compiled
 kernel, its reference twin), with num_kv_heads 1 and head_dim kv_lora_rank +
 qk_rope_head_dim: a DeepSeek-V2-Lite token takes 2 x 576 values per layer where expanded heads
-would take 16 x 2 x 192 (the latent is stored twice, as key and as value: vLLM's MLA backends
-store it once). Mathematically transformers' result; in float64 its greedy tokens
+would take 16 x (192 + 128) (the latent is stored twice, as key and as value: vLLM's MLA
+backends store it once). Mathematically transformers' result; in float64 its greedy tokens
 (tests/equivalence/test_families.py).
 
 The per-head absorptions (W_k^T, W_v: kv_b_proj's rows) run on the batch-invariant panel
