@@ -185,7 +185,7 @@ FAMILIES = {
         topk_group=2, moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.0,
         topk_method="group_limited_greedy",
     ),
-    "deepseek_v3": dict(  # DeepSeek-V3 / Kimi K2's shape: q_lora_rank (q_a_proj, its norm,
+    "deepseek_v3": dict(  # DeepSeek-V3's shape: q_lora_rank (q_a_proj, its norm,
         # q_b_proj), interleaved RoPE; layer 0 dense, then GLM-4.5's grouped sigmoid router
         architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=24,
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,

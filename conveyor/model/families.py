@@ -170,7 +170,7 @@ class Parts:
     attn_gate: bool = False  # attention's output times sigmoid(gate rows of q_proj's)
     # per layer: False where the layer has no MLP (Nemotron-H's blocks: nemotron_h_layers)
     mlp_layers: tuple[bool, ...] = ()
-    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash: model/mla.py):
+    # Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash: model/mla.py):
     # (q_lora_rank, 0 for a plain q_proj; kv_lora_rank; qk_nope_head_dim; qk_rope_head_dim;
     # v_head_dim); empty: none. mla_rope_interleaved: RoPE turns adjacent pairs (2i, 2i + 1)
     # of the rope dims (the q and k rows are reordered at load: model/loader.py).
@@ -709,7 +709,7 @@ _MOE = {
     "granitemoehybrid": _granite_hybrid_moe,
     "nemotron_h": _nemotron_h_moe,
     "glm4_moe": _glm4_moe,
-    "deepseek_v3": _glm4_moe,  # the same mixtures (Kimi K2, Moonlight: DeepSeek-V3's layers)
+    "deepseek_v3": _glm4_moe,  # the same mixtures
     "glm4_moe_lite": _glm4_moe_lite_moe,
     "deepseek_v2": _deepseek_v2_moe,
     "ernie4_5_moe": _ernie4_5_moe,

@@ -37,7 +37,7 @@ in transformers' order; every layer a mixture with a shared expert.
 OLMo 3 is converted as `olmo2` with a sliding window: sliding layers by plain RoPE, the full
 ones by the (yarn-scaled) global RoPE, as llama.cpp's olmo2 graph runs them.
 
-DeepSeek-V2 / V3 (and Kimi K2, Moonlight, GLM-4.7-Flash) are `deepseek2`: latent attention's
+DeepSeek-V2 / V3 (and GLM-4.7-Flash) are `deepseek2`: latent attention's
 sizes under its attention keys, kv_b_proj split into attn_k_b / attn_v_b (_deepseek2).
 
 Ministral 3 is `mistral3`: its yarn with one yarn_log_multiplier for transformers' mscale
@@ -98,7 +98,7 @@ FAMILIES = {
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),  # GLM-4.5 / 4.6 / 4.7
-    # DeepSeek-V3 (Kimi K2, Moonlight, GLM-4.7-Flash) by sigmoid gating, else DeepSeek-V2
+    # DeepSeek-V3 (and GLM-4.7-Flash) by sigmoid gating, else DeepSeek-V2
     # (_deepseek2)
     "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "exaone4": ("exaone4", "Exaone4ForCausalLM"),

@@ -1,6 +1,6 @@
-"""Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2, Moonlight, GLM-4.7-Flash), computed
-on the latent: what the cache keeps per token is one normed latent row c (kv_lora_rank) and
-one rope key k_pe (qk_rope_head_dim) shared by every head, not each head's keys and values.
+"""Multi-head latent attention (DeepSeek-V2 / V3, GLM-4.7-Flash), computed on the latent: what
+the cache keeps per token is one normed latent row c (kv_lora_rank) and one rope key k_pe
+(qk_rope_head_dim) shared by every head, not each head's keys and values.
 
 transformers expands the latents into each head's key [W_k c, k_pe] and value W_v c
 (kv_b_proj's rows) and attends over those. The same scores and outputs, on the latent:
