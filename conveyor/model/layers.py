@@ -298,7 +298,6 @@ def pack_panels(model: nn.Module) -> int:
     (quant.QuantLinear) and latent attention's per-head matrices (mla.LatentHeads) of a CPU
     model for the batch-invariant kernels; returns how many.
     Nothing without the compiled kernels (the modules then run their other routes)."""
-    from conveyor.model.mla import LatentHeads
     from conveyor.model.quant import QuantLinear
 
     ops = _ops()
@@ -311,14 +310,12 @@ def pack_panels(model: nn.Module) -> int:
             if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
                 module.panels = ops.pack_dense(weight)
                 count += 1
-        elif isinstance(module, QuantLinear) and module.qs.device.type == "cpu":
-            module.pack_panels(ops)
-            count += 1
-        elif isinstance(module, LatentHeads):  # latent attention's per-head matrices
-            weight = module.weight.detach()
-            if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
+        elif isinstance(module, QuantLinear):
+            if module.qs.device.type == "cpu":
                 module.pack_panels(ops)
                 count += 1
+        elif hasattr(module, "pack_panels"):  # latent attention's heads (mla.LatentHeads)
+            count += module.pack_panels(ops)
     return count
 
 

@@ -52,11 +52,16 @@ class LatentHeads(nn.Module):
         # kernels (pack_panels, at load; the memory report counts them as kernel copies).
         self.panels: list[torch.Tensor] | None = None
 
-    def pack_panels(self, ops) -> None:
+    def pack_panels(self, ops) -> bool:
+        """Packs the heads' matrices of a float32 / float64 CPU weight (layers.pack_panels);
+        whether it did."""
         weight = self._per_head()
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
+            return False
         keys = weight[:, : self.nope].transpose(1, 2)  # (H, rank, nope)
         values = weight[:, self.nope :]  # (H, v, rank)
         self.panels = [ops.pack_dense(m.contiguous()) for m in (*keys, *values)]
+        return True
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:  # (T, H, nope) -> (T, H, rank)
         if self._packed_for(q_nope):
