@@ -7,7 +7,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -454,9 +453,8 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
     parts = parts_of(hf, arch, num_layers, int(head_dim), _local_rope)
     if mla:
         # The cache holds one "kv head" per token: the normed latent and the rope key
-        # (model/mla.py); the scores' scale is the queries' (q_nope + q_rope) dims'.
+        # (model/mla.py).
         head_dim, num_kv_heads = int(hf.kv_lora_rank) + rope_dim, 1
-        parts = dataclasses.replace(parts, attn_scale=mla_scale(hf))
     if not parts.o_bias and any(n.endswith(".o_proj.bias") for n in stored):
         # attention_bias gives the o_proj a bias in some families (Llama, Granite, OLMo 2,
         # InternLM3), not in others (Qwen2, Mistral): the checkpoint says which.
@@ -870,20 +868,6 @@ def rope_position_limit(hf) -> tuple[int, str] | None:
     else:
         return None
     return int(original), why.format(int(original)) + ", which conveyor does not compute"
-
-
-def mla_scale(hf) -> float:
-    """Multi-head latent attention's scale of the scores, as transformers' yarn_apply_mscale:
-    (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times yarn's mscale(factor,
-    mscale_all_dim) squared under a scaled RoPE that names mscale_all_dim."""
-    scale = (int(hf.qk_nope_head_dim) + int(hf.qk_rope_head_dim)) ** (-0.5)
-    params = getattr(hf, "rope_parameters", None) or {}
-    all_dim = params.get("mscale_all_dim", 0)
-    if params.get("rope_type", "default") != "default" and all_dim:
-        factor = params["factor"]
-        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
-        scale = scale * mscale * mscale
-    return scale
 
 
 def rotary_dim(hf, head_dim: int) -> int:

@@ -20,6 +20,7 @@ rotary_rows).
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -657,7 +658,25 @@ def _mla(hf, head_dim: int, local_rope: Callable) -> dict:
     if shape[3] % 2 or min(shape[1:]) <= 0 or int(hf.v_head_dim) <= 0:
         raise ValueError(f"unsupported multi-head latent attention shape {shape}")
     interleaved = hf.model_type == "deepseek_v2" or bool(getattr(hf, "rope_interleave", True))
-    return dict(mla=(*shape, int(hf.v_head_dim)), mla_rope_interleaved=interleaved)
+    return dict(
+        mla=(*shape, int(hf.v_head_dim)),
+        mla_rope_interleaved=interleaved,
+        attn_scale=_mla_scale(hf),
+    )
+
+
+def _mla_scale(hf) -> float:
+    """Multi-head latent attention's scale of the scores, as transformers' yarn_apply_mscale:
+    (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times yarn's mscale(factor,
+    mscale_all_dim) squared under a scaled RoPE that names mscale_all_dim."""
+    scale = (int(hf.qk_nope_head_dim) + int(hf.qk_rope_head_dim)) ** (-0.5)
+    params = getattr(hf, "rope_parameters", None) or {}
+    all_dim = params.get("mscale_all_dim", 0)
+    if params.get("rope_type", "default") != "default" and all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
 
 
 def _ernie4_5_moe(hf, num_layers: int) -> dict:

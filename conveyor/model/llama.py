@@ -188,9 +188,8 @@ class LlamaDecoderLayer(nn.Module):
         model then runs its modules). A mixture of experts runs as the compiled MoE
         (_compiled_moe); a recurrent layer, a gated or latent attention or a layer without MLP
         (Nemotron-H's) has none."""
-        if self.linear or self.mlp is None or not isinstance(self.self_attn, LlamaAttention):
-            return None
-        if self.self_attn.gated:
+        attn = getattr(self, "self_attn", None)
+        if self.linear or self.mlp is None or not isinstance(attn, LlamaAttention) or attn.gated:
             return None
         attn, mlp = self.self_attn, self.mlp
         qkv, o = _projection(attn.qkv_proj, ops), _projection(attn.o_proj, ops)
