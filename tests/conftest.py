@@ -57,7 +57,12 @@ if DEVICE != "cpu":
 def pytest_configure(config):
     """Once per session, before any worker starts (the controller, or a run without workers):
     the matmul forms measured and kept where none are for this build (model/layers.py), at
-    the thread counts of the tests' engines (2) and servers (torch's default). Kept by the
+    the thread counts of the tests' engines (2) and servers (torch's default), and of the
+    engines that split those between ranks or replicas (tensor parallelism and data
+    parallelism over 2: engine/config.py, engine/data_parallel.py) or are given one thread:
+    without the one-thread forms, every tensor-parallel rank and data-parallel replica on a
+    2-core machine measured for itself (~2.4 s of CPU a start: test_tensor_parallel.py 46 ->
+    ~22 s alone, a Zen 4). Kept by the
     kernel sources' hash, they are missing after a kernel change until the next set-up, and
     each of the suite's ~100 engines and servers then measured for itself: ~1.5-3.5 s of CPU
     a start, on cores the other worker shares (the parallel phase 724-730 s against 614 s
@@ -66,7 +71,7 @@ def pytest_configure(config):
         return
     from conveyor.model.layers import keep_measured_forms
 
-    for threads in sorted({2, SERVER_THREADS}):
+    for threads in sorted({1, 2, SERVER_THREADS, max(1, SERVER_THREADS // 2)}):
         torch.set_num_threads(threads)
         for dtype in (torch.float32, torch.float64):
             with contextlib.suppress(OSError):  # a read-only cache: each measures for itself
