@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
     "Phi3ForCausalLM": "phi3",
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
@@ -57,7 +58,7 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
 }
 # RoPE variants whose inverse frequencies are fixed at load time (no sequence-length dependence).
-STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
 # The names a dtype may be given by (model/config.py maps them to torch dtypes).
 DTYPE_NAMES = ("float32", "float", "bfloat16", "float16", "half", "float64", "double")
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")

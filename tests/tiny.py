@@ -79,6 +79,35 @@ FAMILIES = {
         query_pre_attn_scalar=16, sliding_window=8, rope_local_base_freq=100.0,
         layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
     ),
+    "gemma4": dict(  # Gemma 4 E2B / E4B's layer: its full layers' wider heads and fewer KV
+        # heads with a quarter of each turned ("proportional" RoPE), weightless value norms,
+        # unscaled scores; the last two layers reading the first two's caches, their MLPs
+        # twice as wide; per-layer inputs; a scalar per layer; soft-capped logits
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", head_dim=16,
+        global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=False,
+        num_hidden_layers=4, sliding_window=6, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=384,
+        final_logit_softcapping=30.0, tie_word_embeddings=True,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=100.0),
+            full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                rope_theta=10000.0),
+        ),
+    ),
+    "gemma4-moe": dict(  # Gemma 4 26B-A4B's: experts beside the MLP, the full layers' values
+        # their keys' projection (attention_k_eq_v), no per-layer inputs or shared caches
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", head_dim=16,
+        global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=24, tie_word_embeddings=True,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=100.0),
+            full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                rope_theta=10000.0),
+        ),
+    ),
     "phi3": dict(
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=11,
         original_max_position_embeddings=512,
@@ -426,6 +455,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         kwargs.update(tie_word_embeddings=True)
     if "kv_lora_rank" in kwargs:  # latent attention: every head reads the one latent
         kwargs.update(num_key_value_heads=kwargs["num_attention_heads"])
+    if "num_hidden_layers" in FAMILIES.get(arch, {}):  # a family's own layer count
+        kwargs.update(num_hidden_layers=FAMILIES[arch]["num_hidden_layers"])
     if arch in HYBRIDS:  # three delta nets, then attention
         kwargs.update(num_hidden_layers=len(kwargs.get("layer_types") or range(4)))
     kwargs.update(overrides)

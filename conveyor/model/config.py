@@ -438,6 +438,10 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
     wrapper = next((n for n in hf.architectures or () if n in MULTIMODAL_TEXT_ONLY), None)
     if wrapper is not None:
         hf = _language_model(hf, stored)
+    if vars(hf).get("_heterogeneity_spec") is not None:
+        # A config whose layers differ (Gemma 4's head dims): its global values are the
+        # model's defaults; the family's builder reads each layer's (Parts.layer_heads).
+        hf.allow_global_per_layer_attribute_access = True
     classifier = _sequence_classifier(hf, folder, stored)
     if classifier is not None and "token_ids" not in classifier:
         # The head is the score's: an lm_head, stored or not, is never read (tied: none kept).

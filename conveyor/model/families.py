@@ -177,6 +177,27 @@ class Parts:
     # of the rope dims (the q and k rows are reordered at load: model/loader.py).
     mla: tuple[int, ...] = ()
     mla_rope_interleaved: bool = False
+    # Gemma 4 (model/gemma4.py). Per layer (head_dim, num_kv_heads) where some layer's differ
+    # from the model's (its full-attention layers' wider heads); empty: every layer's are.
+    layer_heads: tuple[tuple[int, int], ...] = ()
+    # per layer: the layer whose keys and values it attends, its own index or, for a layer
+    # that shares an earlier one's cache (num_kv_shared_layers), that layer's; empty: its own
+    kv_sources: tuple[int, ...] = ()
+    value_is_key: tuple[bool, ...] = ()  # per layer: the value is the key projection's output
+    v_norm: bool = False  # the values RMS-normalised per head, without a weight
+    # Per-layer inputs: (each layer's width, the vocabulary of their embedding); (0, 0): none
+    per_layer_input: tuple[int, int] = (0, 0)
+    mlp_sizes: tuple[int, ...] = ()  # per layer: the MLP's width where it varies (double-wide)
+    moe_beside_mlp: bool = False  # a mixture of experts whose output is added to the MLP's
+    layer_scalar: bool = False  # a stored scalar multiplies each layer's output
+
+    def heads(self, layer: int, default: tuple[int, int]) -> tuple[int, int]:
+        """(head_dim, num_kv_heads) of a layer's attention; `default`: the model's."""
+        return self.layer_heads[layer] if self.layer_heads else default
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache this layer's attention reads (and writes, if its own)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -280,6 +301,67 @@ def _gemma3(hf, head_dim: int, local_rope: Callable) -> dict:
         qk_norm="head",
         ropes=tuple(1 if t == "sliding_attention" else 0 for t in types),
         local_rope_inv_freq=local_rope(hf, head_dim),
+    )
+
+
+def _gemma4(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Gemma 4: Gemma 3's sandwich of norms (w, not 1 + w, multiplied in float32) around
+    attention with q, k and weightless v norms and unscaled scores (the norms keep them
+    bounded); its full layers' own head_dim, KV heads, RoPE ("proportional": a quarter of each
+    head turned) and, with attention_k_eq_v, values that are the keys' projection; the last
+    num_kv_shared_layers reading the cache of the last earlier layer of their kind; per-layer
+    inputs (PLE) added after the MLP; a mixture of experts beside the MLP; a scalar per layer."""
+    types = list(hf.layer_types)
+    count = len(types)
+    modes = hf.kv_sharing_modes
+    first_shared = count - int(getattr(hf, "num_kv_shared_layers", 0) or 0)
+    producer = {t: max(i for i in range(first_shared) if types[i] == t) for t in set(types)}
+    sources = tuple(i if modes[i] != "reuse" else producer[types[i]] for i in range(count))
+    layer = [hf.per_layer_config[i] for i in range(count)]
+    heads = tuple((int(c.head_dim), int(c.num_key_value_heads)) for c in layer)
+    full = [t == "full_attention" for t in types]
+    wide = bool(getattr(hf, "use_double_wide_mlp", False))
+    inner = int(hf.intermediate_size)
+    per_layer = int(getattr(hf, "hidden_size_per_layer_input", 0) or 0)
+    if getattr(hf, "use_bidirectional_attention", None) == "all":
+        raise ValueError("unsupported use_bidirectional_attention 'all' for gemma4 (causal only)")
+    if getattr(hf, "attention_bias", False):
+        raise ValueError("unsupported attention_bias for gemma4")
+    return dict(
+        _gemma1(hf, head_dim, local_rope),
+        embed_scale=hf.hidden_size**0.5,  # rounded to the model dtype (model/llama.py)
+        norm_offset=False,
+        norm_float32_scale=True,
+        norms=SANDWICH_NORMS,
+        attn_scale=1.0,
+        final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        qk_norm="head",
+        v_norm=True,
+        ropes=tuple(0 if f else 1 for f in full),
+        local_rope_inv_freq=local_rope(hf, head_dim),
+        layer_heads=heads if len(set(heads)) > 1 else (),
+        kv_sources=sources if sources != tuple(range(count)) else (),
+        value_is_key=tuple(f and bool(hf.attention_k_eq_v) for f in full),
+        per_layer_input=(per_layer, int(hf.vocab_size_per_layer_input)) if per_layer else (0, 0),
+        mlp_sizes=tuple(inner * (2 if wide and m == "reuse" else 1) for m in modes),
+        layer_scalar=True,
+    )
+
+
+def _gemma4_moe(hf, num_layers: int) -> dict:
+    """Gemma 4's mixture, beside every layer's MLP: a softmax of float32 logits (of the
+    layer's input RMS-normalised, times a stored scale and hidden_size ** -0.5), top-k
+    renormalised, each weight times its expert's stored scale."""
+    if not getattr(hf, "enable_moe_block", False):
+        return {}
+    return dict(
+        moe_beside_mlp=True,
+        router="softmax_topk",
+        norm_topk_prob=True,
+        float32_route_weights=True,
+        num_experts=int(hf.num_experts),
+        top_k=int(hf.top_k_experts),
+        moe_intermediate_size=int(hf.moe_intermediate_size),
     )
 
 
@@ -728,6 +810,7 @@ _MOE = {
     "granitemoehybrid": _granite_hybrid_moe,
     "nemotron_h": _nemotron_h_moe,
     "glm4_moe": _glm4_moe,
+    "gemma4": _gemma4_moe,
     "deepseek_v3": _glm4_moe,  # the same mixtures
     "glm4_moe_lite": _glm4_moe_lite_moe,
     "deepseek_v2": _deepseek_v2_moe,
@@ -744,6 +827,7 @@ _BUILDERS = {
     "gemma": _gemma1,
     "gemma2": _gemma,
     "gemma3": _gemma3,
+    "gemma4": _gemma4,
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
     "glm4": lambda hf, head_dim, local_rope: dict(norms=GLM4_NORMS),
     # GLM-4.5's attention: partial rotary (rotate-half on its first dims), q/k/v biases, per-head
@@ -787,7 +871,7 @@ def _refuse_unsupported(hf, family: str) -> None:
     """Settings inside a supported family that conveyor does not compute: refused by name."""
     act = getattr(hf, "hidden_act", None) or "silu"
     supported = "relu2" if family == "arcee" else "silu"
-    if family not in ("gemma", "gemma2", "gemma3"):
+    if family not in ("gemma", "gemma2", "gemma3", "gemma4"):
         if act != supported:
             raise ValueError(
                 f"unsupported hidden_act {act!r} for {family}; supported: {supported!r}"

@@ -28,6 +28,12 @@ from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionKind, AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
 from conveyor.model.families import PROJECTION_SHARDS, UNGATED_ACTIVATIONS, Parts
+from conveyor.model.gemma4 import (
+    Gemma4DecoderLayer,
+    StepState,
+    add_per_layer_inputs,
+    per_layer_inputs,
+)
 from conveyor.model.layers import (
     MATMUL_BUCKETS,
     Linear,
@@ -102,10 +108,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, width: int = 0) -> None:
+        """width: the intermediate size where it is not the model's (Gemma 4's wide layers)."""
         super().__init__()
         self.tp = tp
-        size = tp.shard.part(cfg.intermediate_size)[1]
+        size = tp.shard.part(width or cfg.intermediate_size)[1]
         self.act = cfg.parts.act
         # an ungated MLP's up projection is the activated one: a one-part gate_up_proj
         parts = [size] if self.act in UNGATED_ACTIVATIONS else [size, size]
@@ -321,8 +328,17 @@ class LlamaModel(nn.Module):
         # one imports torch._dynamo, ~2 s of a start).
         shape = (tp.shard.vocab(cfg.vocab_size)[2], cfg.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(_decoder_layer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg.parts, cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.parts.per_layer_input[0]:  # Gemma 4's
+            add_per_layer_inputs(self, cfg)
+
+
+def _decoder_layer(cfg: ModelConfig, tp: TPGroup, index: int) -> nn.Module:
+    if cfg.parts.family != "gemma4":
+        return LlamaDecoderLayer(cfg, tp, index)
+    width = cfg.parts.mlp_sizes[index] if cfg.parts.mlp_sizes else 0
+    return Gemma4DecoderLayer(cfg, tp, index, LlamaMLP(cfg, tp, width))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -379,6 +395,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self._embed(input_ids)  # (T, hidden)
+        if self.config.parts.family == "gemma4":
+            return self._gemma4_layers(x, input_ids, positions, kv_caches, meta)
         if self.config.parts.embed_scale != 1.0:
             x = x * self.config.parts.embed_scale
         # once per step, for every layer
@@ -395,6 +413,21 @@ class LlamaForCausalLM(nn.Module):
             return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, ropes, self.rotaries, kv_cache, meta)
+        return self.model.norm(x)
+
+    def _gemma4_layers(self, x, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """Gemma 4's layers (model/gemma4.py), which hand on per-layer inputs and keys and
+        values: as modules, no compiled form."""
+        # sqrt(hidden_size) in the model dtype, as transformers holds it (its buffer is made in
+        # the dtype the model is built in)
+        x = x * torch.tensor(self.config.parts.embed_scale, dtype=x.dtype)
+        ropes = [RopeRows(*rotary.rows(positions)) for rotary in self.rotaries]
+        per_layer = None
+        if self.config.parts.per_layer_input[0]:
+            per_layer = per_layer_inputs(self.model, self.config, input_ids, x)
+        state = StepState(per_layer, {})
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, ropes, self.rotaries, kv_cache, meta, state)
         return self.model.norm(x)
 
     def _compiled_form(self, x: torch.Tensor, meta: AttentionMetadata) -> int | None:

@@ -133,10 +133,12 @@ def iter_weights(
                     else _GRANITE_HYBRID_NAMES
                 ),
                 "lfm2_moe": (*_LFM2_NAMES, *_LFM2_EXPERT_NAMES),
+                "gemma4": _GEMMA4_MOE_NAMES,
             }.get(family)  # fmt: skip
             skip = _NOT_READ.get(family)
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
-                rename, skip = _LANGUAGE_MODEL_NAMES, _NOT_LANGUAGE_MODEL + (skip or ())
+                rename = _LANGUAGE_MODEL_NAMES + (rename or ())
+                skip = _NOT_LANGUAGE_MODEL + (skip or ())
             grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
             stacked = family in _STACKED_FAMILIES or (
                 family == "granitemoehybrid" and any(cfg.parts.moe_layers)
@@ -163,7 +165,24 @@ def iter_weights(
             weights = _rotary_rows(weights, cfg)
         if cfg.parts.mla_rope_interleaved:
             weights = _mla_rope_rows(weights, cfg)
+        if cfg.parts.kv_sources:
+            weights = _unshared(weights, cfg)
         yield from weights
+
+
+def _unshared(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Without the key and value tensors some checkpoints keep for a layer that reads another
+    layer's cache (Gemma 4's num_kv_shared_layers: transformers does not read them either)."""
+    for name, tensor in weights:
+        layer = _LAYER.match(name)
+        shared = layer is not None and cfg.parts.kv_source(int(layer[1])) != int(layer[1])
+        if shared and name.rpartition(".self_attn.")[2].split(".")[0] in _KEY_VALUE_MODULES:
+            continue
+        yield name, tensor
+
+
+_KEY_VALUE_MODULES = ("k_proj", "v_proj", "k_norm", "v_norm")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _mla_rope_rows(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
@@ -375,13 +394,22 @@ _GRANITE_HYBRID_MOE_NAMES = (
     (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."),
     *_GRANITE_MOE_NAMES,
 )
+# Gemma 4's mixture beside the MLP (model/gemma4.py: the layer's `moe`, a MoEMLP): its
+# router's projection, scales and stacked experts.
+_GEMMA4_MOE_NAMES = (
+    (".router.proj.", ".moe.gate."),
+    (".router.scale", ".moe.router_scale"),
+    (".router.per_expert_scale", ".moe.per_expert_scale"),
+    (".experts.", ".moe.experts."),
+)
 # Checkpoints that keep each layer's experts as two 3-D tensors (experts.gate_up_proj, gate
 # rows then up rows, and experts.down_proj), in x @ W form (as released) or nn.Linear's.
 _STACKED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
 # Families whose experts transformers 5 saves stacked (a checkpoint of one expert per module
 # reads as it is too).
 _STACKED_FAMILIES = (
-    "granitemoe", "qwen3_5_moe", "lfm2_moe", "glm4_moe", "ernie4_5_moe", *MLA_FAMILIES,
+    "granitemoe", "qwen3_5_moe", "lfm2_moe", "glm4_moe", "ernie4_5_moe", "gemma4",
+    *MLA_FAMILIES,
 )  # fmt: skip
 
 
@@ -401,7 +429,7 @@ def _stacked_experts(weights, cfg: ModelConfig, cut_of) -> Iterator[tuple[str, A
     }
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
-        if not prefix.endswith(".mlp.experts") or leaf not in forms:
+        if not prefix.endswith((".mlp.experts", ".moe.experts")) or leaf not in forms:
             cut = cut_of(name)
             yield name, tensor if cut is None else _cut(tensor, cut).clone()
             continue
@@ -540,6 +568,9 @@ _NOT_LANGUAGE_MODEL = (
     "model.vision_tower.",
     "model.multi_modal_projector.",
     "model.visual.",
+    "model.audio_tower.",  # Gemma 4's audio encoder and the two towers' embedders
+    "model.embed_vision.",
+    "model.embed_audio.",
 )
 _LANGUAGE_MODEL_NAMES = (
     ("model.language_model.", "model."),

@@ -216,8 +216,9 @@ class MoEMLP(nn.Module):
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         return by_group.masked_fill(~mask[..., None], outside).view_as(choice)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routes = self.route(x)
+    def forward(self, x: torch.Tensor, routes: Routes | None = None) -> torch.Tensor:
+        """routes: the rows' experts where another input chose them (Gemma 4's); else x's."""
+        routes = self.route(x) if routes is None else routes
         out = torch.zeros_like(x)  # (T, hidden)
         for group in expert_groups(routes.expert_ids, len(self.experts)):
             h = self.experts[group.expert_id](x[group.rows])  # (n, hidden)

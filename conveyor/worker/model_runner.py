@@ -106,9 +106,19 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Of every attention layer (a hybrid's recurrent layers keep no KV)."""
-        layers = self.cfg.num_layers - sum(self.cfg.parts.linear_layers)
-        per_token = 2 * layers * self.num_kv_heads * self.cfg.head_dim
+        per_token = sum(2 * heads * dim for dim, heads in self._cache_heads().values())
         return per_token * self.block_size * self.kv_dtype.itemsize
+
+    def _cache_heads(self) -> dict[int, tuple[int, int]]:
+        """(head_dim, this rank's KV heads) of each layer that keeps a KV cache of its own (not
+        a recurrent layer, nor one that reads another layer's: Parts.kv_source)."""
+        parts, default = self.cfg.parts, (self.cfg.head_dim, self.cfg.num_kv_heads)
+        heads = {}
+        for i in range(self.cfg.num_layers):
+            if not parts.is_linear(i) and parts.kv_source(i) == i:
+                dim, kv_heads = parts.heads(i, default)
+                heads[i] = dim, self.tp.shard.kv_heads(kv_heads)[1]
+        return heads
 
     def state_bytes_per_slot(self) -> int:
         """A hybrid's recurrent state of one sequence: every recurrent layer's (0 for another)."""
@@ -123,14 +133,17 @@ class ModelRunner:
         num_state_slots slots per recurrent layer."""
         self.num_state_slots = num_state_slots
         # One contiguous (block, kv head) tile per block and head: see model/attention.py.
-        tile = self.block_size * self.cfg.head_dim
         # One block more, zeroed and never written: the null block that a sliding-window
         # request's table holds where its blocks left the window (core/kv_cache_manager.py);
         # and one more for the padded rows of CUDA graphs, last (cuda_graphs).
         scratch = self.graph_mode is not None
-        shape = (2, num_blocks + 1 + scratch, self.num_kv_heads, tile)
-        self.kv_caches = [
-            self._new_state() if self.cfg.parts.is_linear(i) else self._new_cache(shape)
+        caches = {
+            i: self._new_cache((2, num_blocks + 1 + scratch, heads, self.block_size * dim))
+            for i, (dim, heads) in self._cache_heads().items()
+        }
+        parts = self.cfg.parts
+        self.kv_caches = [  # a layer that reads another's cache holds that layer's tensor
+            self._new_state() if parts.is_linear(i) else caches[parts.kv_source(i)]
             for i in range(self.cfg.num_layers)
         ]
         self._populated = 0
@@ -150,15 +163,27 @@ class ModelRunner:
         layer's keys and values from block 0 up, the order in which blocks are first taken.
         Whether it did one (False: those pages are in, the cache is not on the CPU, or the
         kernel cannot: steps then fault pages in as they first write them)."""
-        caches = [c for c in self.kv_caches if isinstance(c, torch.Tensor) and c.is_cpu]
+        unique = {id(c): c for c in self.kv_caches if isinstance(c, torch.Tensor)}.values()
+        caches = [c for c in unique if c.is_cpu]
         if not caches or self._populated < 0:
             return False
-        half = caches[0].nbytes // 2  # (2, blocks, ...): the keys, then the values
-        region, pair = divmod(self._populated, 2 * len(caches))
-        start = region * allocator.HUGE_PAGE
-        if start >= min(half, blocks * (half // caches[0].shape[1])):
-            return False
-        cache, base = caches[pair // 2], half * (pair % 2)
+
+        def limit(cache: torch.Tensor) -> int:  # the bytes of its keys under `blocks` blocks
+            half = cache.nbytes // 2  # (2, blocks, ...): the keys, then the values
+            return min(half, blocks * (half // cache.shape[1]))
+
+        # Layers' caches may differ in size (Gemma 4's): a smaller one is passed over once done.
+        while True:
+            region, pair = divmod(self._populated, 2 * len(caches))
+            start = region * allocator.HUGE_PAGE
+            if all(start >= limit(c) for c in caches):
+                return False
+            cache = caches[pair // 2]
+            if start < limit(cache):
+                break
+            self._populated += 1
+        half = cache.nbytes // 2
+        base = half * (pair % 2)
         if not allocator.populate(cache, base + start, min(allocator.HUGE_PAGE, half - start)):
             self._populated = -1
             return False

@@ -530,34 +530,45 @@ def test_a_mixture_of_experts_is_batch_invariant(request, monkeypatch, name):
         assert routes.overlapping_and_disjoint() == (True, True)
 
 
-# ---- multi-head latent attention -----------------------------------------------------------
+# ---- layers that run as modules: latent attention, Gemma 4 ----------------------------------
 
 
 @pytest.fixture(scope="module")
-def deepseek_v3(tmp_path_factory) -> str:
-    """A tiny DeepSeek-V3 (tests/tiny.py FAMILIES): latent attention (q_lora_rank, the latent
-    and rope key cached, each head's query absorbed per head), a dense layer, then a mixture."""
+def module_families(tmp_path_factory) -> dict:
+    """Tiny checkpoints (tests/tiny.py FAMILIES) whose layers have no compiled form:
+    DeepSeek-V3's latent attention (q_lora_rank, the latent and rope key cached, each head's
+    query absorbed per head, a dense layer then a mixture); Gemma 4's per-layer heads, shared
+    caches and per-layer inputs; Gemma 4's experts beside the MLP and values from the keys."""
     from tiny import make_tiny_checkpoint
 
-    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3"))
+    paths = {}
+
+    def path(name: str) -> str:
+        if name not in paths:
+            paths[name] = str(make_tiny_checkpoint(tmp_path_factory.mktemp(name), name))
+        return paths[name]
+
+    return path
 
 
-def test_latent_attention_is_batch_invariant(deepseek_v3):
-    """DeepSeek-V3's latent attention in float32: each request alone against batched in chunks
-    of 32, from the warm prefix cache and preempted in a small cache, compared with ==."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma4", "gemma4-moe"])
+def test_module_run_layers_are_batch_invariant(module_families, family):
+    """In float32: each request alone against batched in chunks of 32, from the warm prefix
+    cache and preempted in a small cache, compared with ==."""
+    path = module_families(family)
     prompts = PROMPTS[:6] + PROMPTS[12:15] + PROMPTS[-1:]
-    with LLM(deepseek_v3, dtype="float32", enable_prefix_caching=False) as llm:
-        assert llm.engine.model_config.parts.mla
+    with LLM(path, dtype="float32", enable_prefix_caching=False) as llm:
+        assert llm.engine.model_config.parts.family == family.split("-")[0]
         want = [signature(llm.generate([p], greedy(), use_tqdm=False)[0]) for p in prompts]
 
     def check(outputs, what: str) -> None:
         found = [first_difference(signature(o), w) for o, w in zip(outputs, want, strict=True)]
-        assert found == [None] * len(want), f"{what}: {found}"
+        assert found == [None] * len(want), f"{family}, {what}: {found}"
 
-    with LLM(deepseek_v3, dtype="float32", max_num_batched_tokens=32) as llm:
+    with LLM(path, dtype="float32", max_num_batched_tokens=32) as llm:
         check(llm.generate(prompts, greedy(), use_tqdm=False), "batched, budget 32")
         check(llm.generate(prompts, greedy(), use_tqdm=False), "again, from the prefix cache")
         assert llm.engine.get_stats().scheduler.prefix_cache_hits > 0
-    with LLM(deepseek_v3, dtype="float32", num_blocks=7, max_num_batched_tokens=48) as llm:
+    with LLM(path, dtype="float32", num_blocks=7, max_num_batched_tokens=48) as llm:
         check(llm.generate(prompts, greedy(), use_tqdm=False), "preempted")
         assert llm.engine.get_stats().scheduler.num_preemptions_total > 0
