@@ -269,6 +269,24 @@ FAMILIES = {
         ),
         vision_config=dict(model_type="siglip_vision_model", image_size=28, patch_size=14),
     ),
+    "gemma4-vlm": dict(  # Gemma 4's releases: its language model's every part read under
+        # the multimodal checkpoint's names (shared caches, per-layer inputs, experts)
+        model_type="gemma4", audio_config=None,
+        text_config=dict(
+            model_type="gemma4_text", head_dim=16, global_head_dim=32,
+            num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=4,
+            sliding_window=6, num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=384,
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=100.0),
+                full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                    rope_theta=10000.0),
+            ),
+        ),
+        vision_config=dict(model_type="gemma4_vision", patch_size=14, head_dim=16),
+    ),
     "mistral3-vlm": dict(
         model_type="mistral3", tie_word_embeddings=False,
         text_config=dict(model_type="mistral", sliding_window=None, tie_word_embeddings=False),

@@ -64,6 +64,11 @@ class EngineConfig:
                 "enable_lora: LoRA adapters on multi-head latent attention (DeepSeek's) are not "
                 "supported (its latent projections have no adapter slots)"
             )
+        if lora_config is not None and model_config.parts.family == "gemma4":
+            raise ValueError(
+                "enable_lora: LoRA adapters on Gemma 4 are not supported (its layers' heads "
+                "differ in size and its shared-cache layers have no key or value projection)"
+            )
         if lora_config is not None and any(model_config.parts.moe_layers):
             raise ValueError(
                 "enable_lora: LoRA adapters on a mixture-of-experts model are not supported "

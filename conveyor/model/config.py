@@ -316,6 +316,7 @@ def hf_config(folder: Path, hf_overrides: dict[str, Any] | None = None):
 # position on its three axes: on text it is the 1-D RoPE of their text model's family.
 MULTIMODAL_TEXT_ONLY = (
     "Gemma3ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",

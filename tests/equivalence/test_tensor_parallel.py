@@ -178,7 +178,11 @@ def test_a_shared_memory_wait_ends_when_a_peer_is_gone_or_late():
 
 @pytest.mark.parametrize(
     ("family", "reason"),
-    [("olmo2", "q/k norms over all heads"), ("gpt_oss", "biased row-parallel projections")],
+    [
+        ("olmo2", "q/k norms over all heads"),
+        ("gpt_oss", "biased row-parallel projections"),
+        ("gemma4", "Gemma 4's per-layer heads"),
+    ],
 )
 def test_a_family_that_does_not_split_yet_is_refused_with_the_reason(tmp_path, family, reason):
     path = make_tiny_checkpoint(tmp_path, family)

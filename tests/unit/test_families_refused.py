@@ -120,3 +120,11 @@ def test_lora_on_latent_attention_is_refused_by_name(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "deepseek_v3", first_k_dense_replace=2)
     with pytest.raises(ValueError, match="LoRA adapters on multi-head latent attention"):
         LLM(str(path), dtype="float32", enable_lora=True)
+
+
+def test_lora_on_gemma4_is_refused_by_name(tmp_path):
+    from conveyor import LLM
+
+    path = make_tiny_checkpoint(tmp_path, "gemma4")
+    with pytest.raises(ValueError, match="LoRA adapters on Gemma 4"):
+        LLM(str(path), dtype="float32", enable_lora=True)
