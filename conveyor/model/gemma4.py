@@ -212,7 +212,9 @@ def per_layer_inputs(model: nn.Module, cfg: ModelConfig, input_ids, embeds) -> t
     of the step's tokens and their (scaled) embeddings."""
     width = cfg.parts.per_layer_input[0]
     shape = (input_ids.shape[0], cfg.num_layers, width)
-    tokens = model.embed_tokens_per_layer(input_ids)
+    # The rows in the table's dtype (mapped from the checkpoint's file as stored: loader.py),
+    # then the model's: the values of a table converted whole.
+    tokens = model.embed_tokens_per_layer(input_ids).to(embeds.dtype)
     scale = torch.tensor(width**0.5, dtype=tokens.dtype)  # in the model dtype, as the embedding's
     tokens = (tokens * scale).reshape(shape)
     projected = model.per_layer_model_projection(embeds) * cfg.hidden_size**-0.5

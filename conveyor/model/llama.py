@@ -506,9 +506,10 @@ class LlamaForCausalLM(nn.Module):
             return None  # (monotonic, but a soft-cap can round two logits into a tie)
         return argmax(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded=()) -> None:
+        """loaded: parameters already in place (a table mapped from the file: loader.py)."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
+        loaded = set(loaded)
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue  # derived buffers some checkpoints carry

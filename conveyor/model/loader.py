@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from conveyor.distributed.parallel import TPGroup, TPShard
@@ -44,8 +47,10 @@ def load_model(
     plan = plan_quantization(cfg, model)
     if plan is not None and shard.size > 1:
         raise ValueError("quantized weights do not split over tensor-parallel ranks")
+    # Gemma 4's per-layer embedding read from its file's pages as tokens use them (CPU)
+    table = _per_layer_table(cfg) if device.type == "cpu" else None
     if device.type == "cpu":  # before any storage: a model too large for memory says so
-        _check_fits(cfg, model, plan)
+        _check_fits(cfg, model, plan, mapped=() if table is None else (PER_LAYER_MODULE,))
     if plan is not None:  # quantized modules never get float storage
         plan.strip(model)
     # Real storage on the target device, in the model's dtype; weights are then copied in by
@@ -63,7 +68,12 @@ def load_model(
         leave=False,
         disable=None,
     )
-    model.load_weights(weights if plan is None else plan.take(weights))
+    mapped = ()
+    if table is not None:
+        model.get_submodule(PER_LAYER_MODULE).weight = nn.Parameter(table, requires_grad=False)
+        mapped = (f"{PER_LAYER_MODULE}.weight",)
+        weights = ((n, t) for n, t in weights if n not in mapped)
+    model.load_weights(weights if plan is None else plan.take(weights), loaded=mapped)
     if plan is not None:
         plan.install(model)
     if cfg.batch_invariant and device.type == "cpu":
@@ -78,12 +88,78 @@ def load_model(
     return model.eval()
 
 
-def _check_fits(cfg: ModelConfig, model: LlamaForCausalLM, plan: QuantPlan | None) -> None:
+# Gemma 4's per-layer input embedding: num_layers x 256 values for each of 262,144 tokens (2.3 G
+# parameters in gemma-4-E2B, more than the rest of the model), of which a step reads its
+# tokens' rows.
+PER_LAYER_MODULE = "model.embed_tokens_per_layer"
+
+
+def _per_layer_table(cfg: ModelConfig) -> torch.Tensor | None:
+    """Gemma 4's per-layer embedding mapped from the checkpoint's file in its stored dtype
+    (model/gemma4.py converts the rows a step reads: the values of a converted table's): its
+    pages are read as tokens first use them, and shared with the page cache. None where it is
+    not a plain safetensors tensor of its shape (a GGUF, a quantized checkpoint): then it is
+    loaded as the others are."""
+    width, vocab = cfg.parts.per_layer_input
+    if not width or cfg.is_gguf:
+        return None
+    stored = f"{PER_LAYER_MODULE}.weight"
+    if cfg.text_of is not None:
+        stored = stored.replace("model.", "model.language_model.", 1)
+    table = map_safetensor(cfg.path, stored)
+    if table is None or tuple(table.shape) != (vocab, cfg.num_layers * width):
+        return None
+    return table
+
+
+def map_safetensor(folder: Path, name: str) -> torch.Tensor | None:
+    """The stored tensor `name` of a safetensors checkpoint as a read-only memory map of its
+    bytes (no copy: pages are read as they are touched); None where it is not stored."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        file = json.loads(index.read_text())["weight_map"].get(name)
+        files = [folder / file] if file else []
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        entry = header.get(name)
+        if entry is None:
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return None
+        start, stop = entry["data_offsets"]
+        offset = 8 + length + start
+        raw = np.memmap(file, dtype=np.uint8, mode="r", offset=offset, shape=(stop - start,))
+        with warnings.catch_warnings():  # read-only: nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(raw)
+        return flat.view(dtype).view(entry["shape"])
+    return None
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+def _check_fits(
+    cfg: ModelConfig, model: LlamaForCausalLM, plan: QuantPlan | None, mapped=()
+) -> None:
+    """mapped: modules whose weights are mapped from the checkpoint's file (page cache)."""
     from conveyor.model import memory
     from conveyor.model.prompt_route import available_memory
 
     quantized = () if plan is None else plan.specs
-    need = memory.estimate(model, quantized, cfg.quantization, cfg.dtype, cfg.batch_invariant)
+    need = memory.estimate(
+        model, quantized, cfg.quantization, cfg.dtype, cfg.batch_invariant, mapped=mapped
+    )
     memory.check_fits(need, available_memory(), cfg.path.name)
 
 

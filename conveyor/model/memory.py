@@ -101,11 +101,19 @@ Q8_BYTES, Q4_BYTES = 34 / 32, 20 / 32
 
 
 def estimate(
-    model: nn.Module, quantized: Iterable[str], mode: str, dtype: torch.dtype, packed: bool
+    model: nn.Module,
+    quantized: Iterable[str],
+    mode: str,
+    dtype: torch.dtype,
+    packed: bool,
+    mapped: Iterable[str] = (),
 ) -> WeightMemory:
     """What a model built on the meta device will take once loaded: its tensors in `dtype`
     (quantized: the modules named in `quantized`, in blocks, `mode` "int8" or "gguf"), and with
-    `packed` (batch-invariant on the CPU) a copy of every projection in the panels."""
+    `packed` (batch-invariant on the CPU) a copy of every projection in the panels; the
+    modules named in `mapped` read from the checkpoint's file mapping (the page cache's
+    memory, given back under pressure) count nothing."""
+    mapped = set(mapped)
     quantized = set(quantized)
     per_param = Q8_BYTES if mode == "int8" else Q4_BYTES
     expert_modules = set(_expert_modules(model))
@@ -115,6 +123,8 @@ def estimate(
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         tensors = [t for t in tensors if id(t) not in seen]
         seen.update(map(id, tensors))
+        if name in mapped:
+            continue
         if name in quantized:
             own = int(module.weight.numel() * per_param) if tensors else 0
         else:
