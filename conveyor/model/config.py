@@ -441,8 +441,12 @@ def _read_facts(folder: Path, hf_overrides: dict[str, Any] | None = None) -> dic
         hf = _language_model(hf, stored)
     if vars(hf).get("_heterogeneity_spec") is not None:
         # A config whose layers differ (Gemma 4's head dims): its global values are the
-        # model's defaults; the family's builder reads each layer's (Parts.layer_heads).
+        # model's defaults; the family's builder reads each layer's (Parts.layer_heads), so
+        # transformers' warning about reading them globally says nothing to a user.
         hf.allow_global_per_layer_attribute_access = True
+        logging.getLogger("transformers.integrations.heterogeneity.configuration_utils").setLevel(
+            logging.ERROR
+        )
     classifier = _sequence_classifier(hf, folder, stored)
     if classifier is not None and "token_ids" not in classifier:
         # The head is the score's: an lm_head, stored or not, is never read (tied: none kept).
