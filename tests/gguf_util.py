@@ -3,7 +3,8 @@
 Only what a loader needs to rebuild config, tokenizer and weights from the file, plus the
 llama.cpp details a loader must undo (Q/K row permutation, llama3 `rope_freqs`, quantization,
 Gemma's norms stored as 1 + w, Phi-3's fused attn_qkv and gate+up ffn_up and its longrope
-factors as tensors), under llama.cpp's
+factors as tensors, Gemma 4's proportional RoPE as rope_freqs, its scales and fused experts),
+under llama.cpp's
 architecture names, metadata keys and tensor names (gguf.get_tensor_name_map).
 
 What llama.cpp does not store but fixes in its code (Gemma's sliding layers and query scale,
@@ -36,6 +37,7 @@ GGUF_ARCHS = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "gemma4_text": "gemma4",
     "phi3": "phi3",
     "glm4": "glm4",
     "olmo2": "olmo2",
@@ -254,7 +256,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
         )
         mlp = ("mlp", "moe")
         writer.add_feed_forward_length([width if t in mlp else 0 for t in config.layer_types])
-    else:
+    elif arch != "gemma4":  # its widths per layer (_gemma4_hparams)
         writer.add_feed_forward_length(_mlp_width(config, arch))
     writer.add_head_count(config.num_attention_heads)
     if arch in LFM2:  # llama.cpp's LFM2: KV heads per layer, none on a short convolution
@@ -271,14 +273,15 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
     elif arch == "deepseek2":  # latent attention as llama.cpp's MQA: one KV head (before its
         # absorbed MLA: every head's own)
         writer.add_head_count_kv(config.num_attention_heads if config.gguf_legacy_mla else 1)
-    else:
+    elif arch != "gemma4":  # its KV heads per layer (_gemma4_hparams)
         writer.add_head_count_kv(config.num_key_value_heads)
     rope = _rope(config)
     if arch not in ("gemma", "gemma2"):  # GemmaModel and Gemma2Model write no base: 10000
         writer.add_rope_freq_base(rope["rope_theta"])
     eps = config.layer_norm_epsilon if arch in NEMOTRON_H else None
     writer.add_layer_norm_rms_eps(eps or (config.norm_eps if arch in LFM2 else config.rms_norm_eps))
-    if arch != "deepseek2" and (raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE):
+    stated = raw_config.get("head_dim") is not None or arch in NORM_PLUS_ONE
+    if arch not in ("deepseek2", "gemma4") and stated:
         writer.add_key_length(_head_dim(config))  # llama.cpp writes these when head_dim is stated
         writer.add_value_length(_head_dim(config))
     if arch in PERMUTED_QK:
@@ -292,7 +295,8 @@ def _add_hparams(writer: gguf.GGUFWriter, config, raw_config: dict, arch: str) -
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     _FAMILY_HPARAMS.get(arch, lambda writer, config: None)(writer, config)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    if experts and arch != "nemotron_h":  # (a dense Nemotron-H's config has expert defaults)
+    # (a dense Nemotron-H's config has expert defaults; Gemma 4 states its own)
+    if experts and arch not in ("nemotron_h", "gemma4"):
         _expert_hparams(writer, config)
 
 
@@ -440,6 +444,102 @@ def _gemma3_hparams(writer: gguf.GGUFWriter, config) -> None:
     if config.final_logit_softcapping:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_sliding_window(config.sliding_window)
+
+
+def _gemma4_heads(config) -> list[tuple[int, int]]:
+    """Each layer's (head_dim, num_key_value_heads)."""
+    layers = config.per_layer_config
+    return [(layers[i].head_dim, layers[i].num_key_value_heads) for i in range(len(layers))]
+
+
+def _gemma4_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's Gemma4Model: each kind's head size (key_length: the full layers',
+    key_length_swa: the sliding ones'), KV heads per layer where the kinds' differ, the MLP's
+    width per layer with use_double_wide_mlp, the shared layers, the per-layer inputs' width,
+    which layers slide, the soft-cap, the sliding layers' RoPE base, each kind's rotary dims
+    (the full layers' whole heads: rope_freqs says which pairs turn), the experts'."""
+    types, heads = config.layer_types, _gemma4_heads(config)
+    full, local = heads[types.index("full_attention")], heads[types.index("sliding_attention")]
+    writer.add_key_length(full[0])
+    writer.add_value_length(full[0])
+    writer.add_key_length_swa(local[0])
+    writer.add_value_length_swa(local[0])
+    kv = [n for _, n in heads]
+    writer.add_head_count_kv(kv if len(set(kv)) > 1 else kv[0])
+    own = config.num_hidden_layers - config.num_kv_shared_layers
+    width = config.intermediate_size
+    if config.use_double_wide_mlp:
+        writer.add_feed_forward_length([width * (1 + (i >= own)) for i in range(len(types))])
+    else:
+        writer.add_feed_forward_length(width)
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(full[0])
+    writer.add_rope_dimension_count_swa(local[0])
+    if config.enable_moe_block:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.top_k_experts)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+
+def gemma4_rope_freqs(config) -> np.ndarray:
+    """llama.cpp's Gemma4Model.generate_extra_tensors: the full layers' proportional RoPE as
+    divisors of whole-head frequencies, 1 on the turned pairs, 1e30 on the others."""
+    full = config.rope_parameters["full_attention"]
+    head_dim = _gemma4_heads(config)[config.layer_types.index("full_attention")][0]
+    turned = int(head_dim * full["partial_rotary_factor"] / 2)
+    return np.array([1.0] * turned + [1e30] * (head_dim // 2 - turned), dtype=np.float32)
+
+
+# Gemma 4's checkpoint names llama.cpp's Gemma4Model writes under its own names (experts'
+# 3-D tensors as they are, the scales as tensors of the router and the experts).
+_GEMMA4_STATED = {
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+
+
+def _gemma4_tensors(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """The tensors of _GEMMA4_STATED by GGUF name, apart from the others."""
+    rest, stated = {}, {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"model\.layers\.(\d+)\.([\w.]+)", name)
+        if match is None or match[2] not in _GEMMA4_STATED:
+            rest[name] = tensor
+        else:
+            stated[f"blk.{match[1]}.{_GEMMA4_STATED[match[2]]}"] = tensor
+    return rest, stated
+
+
+def _check_gemma4(config) -> None:
+    """What llama.cpp's gemma4 fixes or its converter writes one way: one head shape per kind
+    of layer, proportional RoPE on the full layers and plain RoPE on whole sliding heads, a
+    final soft-cap (30 where a file states none), the shared layers reading the last two
+    layers that compute keys (n - 2 the sliding ones, n - 1 the full ones)."""
+    types, heads = config.layer_types, _gemma4_heads(config)
+    for kind in set(types):
+        if len({h for h, t in zip(heads, types, strict=True) if t == kind}) > 1:
+            raise ValueError(f"llama.cpp's gemma4 GGUF has one head shape for its {kind} layers")
+    rope = config.rope_parameters
+    if rope["full_attention"]["rope_type"] != "proportional":
+        raise ValueError("llama.cpp's Gemma4Model converts proportional full-layer RoPE only")
+    if rope["sliding_attention"].get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("conveyor reads a gemma4 GGUF's sliding layers turning whole heads")
+    if not config.final_logit_softcapping:
+        raise ValueError("llama.cpp's gemma4 GGUF cannot state final_logit_softcapping=None")
+    own = config.num_hidden_layers - config.num_kv_shared_layers
+    modes = config.kv_sharing_modes
+    for i in range(own, config.num_hidden_layers):
+        theirs = own - (2 if types[i] == "sliding_attention" else 1)
+        if modes[i] == "reuse" and (types[theirs] != types[i] or modes[theirs] != "store"):
+            raise ValueError(f"llama.cpp's gemma4 reads another cache for layer {i}")
 
 
 def _phi3_hparams(writer: gguf.GGUFWriter, config) -> None:
@@ -617,6 +717,7 @@ _FAMILY_HPARAMS = {
     "glm4": _glm4_hparams,
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,
+    "gemma4": _gemma4_hparams,
     "phi3": _phi3_hparams,
     "granite": _granite_hparams,
     "granitemoe": _granite_hparams,
@@ -652,6 +753,8 @@ def check_expressible(config, arch: str) -> None:
             "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in layers
         ]
         expected["local rope_theta"] = 10000.0
+    if arch == "gemma4":
+        _check_gemma4(config)
     if arch == "smollm3":
         expected["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in layers]
     if arch == "phi3" and _rope(config).get("rope_type") != "longrope":
@@ -785,6 +888,12 @@ def _add_tensors(
         state = _nemotron_h_tensors(state, config)
     if arch == "deepseek2" and not config.gguf_legacy_mla:
         state = _deepseek2_tensors(state, config)
+    if arch == "gemma4":
+        state, stated = _gemma4_tensors(state)
+        for name, tensor in stated.items():
+            kind = expert_qtype if tensor.dim() == 3 else qtype
+            _add_tensor(writer, name, tensor.to(torch.float32).numpy(), kind)
+        writer.add_tensor("rope_freqs.weight", gemma4_rope_freqs(config))
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor
         if _plus_one(arch, hf_name):

@@ -55,6 +55,12 @@ after them, chosen by sigmoid scores (expert_gating_func 2; another is refused) 
 exp_probs_b bias where the file has it; llama.cpp's build_moe_ffn renormalises the chosen
 weights and scales them by nothing, so norm_topk_prob and a routed_scaling_factor of 1.
 
+Gemma 4 (`gemma4`) states its layers by keys and tensors alike (_gemma4): which layers slide
+(one flag each), each kind's head size (key_length / key_length_swa), the shared caches
+(shared_kv_layers), the values its keys where a full layer has no attn_v, its full layers'
+proportional RoPE as a rope_freqs tensor (1 on the turned pairs, 1e30 on the others: not
+llama3's divisors), its experts beside every MLP; its norms are stored as w (no 1 added).
+
 Phi-3's longrope (Phi-3.5, Phi-4-mini) is stored as two tensors, rope_factors_long / _short,
 which become the config's long_factor / short_factor. llama3 scaling (Llama 3.1-3.3, EXAONE 4)
 is stored as one tensor too, rope_freqs: a divisor per frequency, which llama3_rope turns back
@@ -74,6 +80,8 @@ FAMILIES = {
     "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    # Gemma 4's language model (and its experts): its layers stated by its tensors too (_gemma4)
+    "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),
     # A Qwen2-VL / Qwen2.5-VL's language model, as llama.cpp converts it: Qwen2's tensors (its
@@ -170,6 +178,9 @@ def hf_config_dict(
     for field, name in _TOKEN_IDS.items():
         config[field] = metadata.get(f"tokenizer.ggml.{name}_token_id")
     config["rope_parameters"] = rope_parameters(metadata, arch)
+    if arch == "gemma4":  # its rope_freqs are its full layers' unturned dims, not llama3's
+        _gemma4(metadata, config, tensor_shapes, (rope_factors or {}).get(LLAMA3_TENSOR))
+        return config
     _FAMILY_FIELDS["mixtral" if is_mixtral(metadata) else arch](metadata, config)
     if LONGROPE_TENSORS[0] in tensor_shapes:
         _longrope(metadata, config, rope_factors)
@@ -439,6 +450,179 @@ def _gemma3(metadata: dict[str, Any], config: dict[str, Any]) -> None:
         "full_attention": config["rope_parameters"],
         "sliding_attention": local,
     }
+
+
+# llama.cpp's final soft-cap where a gemma4 file states none (llama_hparams' default), and the
+# divisor its converter stores in rope_freqs for a full layer's dim that does not turn.
+_GEMMA4_FINAL_SOFTCAP = 30.0
+_UNTURNED_DIVISOR = 1e30
+
+
+def _gemma4(
+    metadata: dict[str, Any],
+    config: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    rope_freqs: list[float] | None,
+) -> None:
+    """Gemma 4 as llama.cpp's gemma4 runs it: which layers slide (sliding_window_pattern, one
+    flag per layer), each kind's head size (key_length: the full layers', key_length_swa: the
+    sliding ones') and a per-layer head_count_kv, the keys as values where a full layer has no
+    attn_v (attention_k_eq_v), the last shared_kv_layers reading earlier caches, the MLP's width
+    per layer (double-wide on the shared layers), per-layer inputs, experts beside every MLP,
+    the full layers' "proportional" RoPE (rope_freqs: 1 on the turned pairs, 1e30 on the
+    others) and the sliding ones' (freq_base_swa). What transformers' Gemma 4 cannot state the
+    same way is refused by name (see the helpers)."""
+    arch, num_layers = "gemma4", config["num_hidden_layers"]
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != num_layers:
+        raise ValueError(
+            f"a GGUF gemma4 file's {arch}.attention.sliding_window_pattern is {pattern!r}: "
+            f"llama.cpp's gemma4 needs one flag per layer ({num_layers})"
+        )
+    sliding = [bool(flag) for flag in pattern]
+    if sliding[-1]:  # transformers' Gemma 4 makes its last layer a full one
+        raise ValueError("a GGUF gemma4 file whose last layer slides is not Gemma 4's")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    config["sliding_window"] = metadata[f"{arch}.attention.sliding_window"]
+    shared = metadata.get(f"{arch}.attention.shared_kv_layers", 0)
+    _gemma4_kv_sources(sliding, shared)
+    config["num_kv_shared_layers"] = shared
+    own = num_layers - shared  # the layers that compute keys and values
+    _gemma4_heads(metadata, config, sliding)
+    config["attention_k_eq_v"] = _gemma4_values_are_keys(tensor_shapes, sliding, own)
+    _gemma4_mlp(config, own)
+    width = metadata.get(f"{arch}.embedding_length_per_layer_input", 0)
+    config["hidden_size_per_layer_input"] = width
+    if width:
+        config["vocab_size_per_layer_input"] = tensor_shapes["per_layer_token_embd.weight"][0]
+    _gemma4_experts(config, tensor_shapes)
+    config["rope_parameters"] = _gemma4_rope(metadata, config, rope_freqs)
+    config.setdefault("final_logit_softcapping", _GEMMA4_FINAL_SOFTCAP)
+    config.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False)
+
+
+def _gemma4_kv_sources(sliding: list[bool], shared: int) -> None:
+    """llama.cpp's shared layers read layer n - 2 (sliding) or n - 1 (full) of the n that
+    compute keys and values; transformers' read the last of those of their kind. Refused where
+    the two differ."""
+    own = len(sliding) - shared
+    if shared and own < 1:
+        raise ValueError(f"a GGUF gemma4 file shares the caches of all {len(sliding)} layers")
+    for layer in range(own, len(sliding)):
+        theirs = own - (2 if sliding[layer] else 1)
+        kind = [i for i in range(own) if sliding[i] == sliding[layer]]
+        if not kind or kind[-1] != theirs:
+            raise ValueError(
+                f"a GGUF gemma4 file's layer {layer} reads layer {theirs}'s cache in llama.cpp, "
+                "not the last earlier layer of its kind's (as transformers' Gemma 4 does)"
+            )
+
+
+def _gemma4_heads(metadata: dict[str, Any], config: dict[str, Any], sliding: list[bool]) -> None:
+    """The sliding layers' head size and KV heads as the config's own, each other layer's in
+    per_layer_config."""
+    arch = "gemma4"
+    full, local = (metadata[f"{arch}.attention.key_length{k}"] for k in ("", "_swa"))
+    for key, size in (("value_length", full), ("value_length_swa", local)):
+        if metadata.get(f"{arch}.attention.{key}", size) != size:
+            raise ValueError(f"a GGUF gemma4 file's {arch}.attention.{key} is not its key length")
+    kv = config["num_key_value_heads"]
+    kv = list(kv) if isinstance(kv, list) else [kv] * len(sliding)
+    heads = [(local if s else full, n) for s, n in zip(sliding, kv, strict=True)]
+    base = heads[sliding.index(True)] if any(sliding) else heads[0]
+    config["head_dim"], config["num_key_value_heads"] = base
+    config["per_layer_config"] = {
+        i: {"head_dim": dim, "num_key_value_heads": n}
+        for i, (dim, n) in enumerate(heads)
+        if (dim, n) != base
+    }
+
+
+def _gemma4_values_are_keys(tensor_shapes: dict, sliding: list[bool], own: int) -> bool:
+    """attention_k_eq_v: llama.cpp takes the keys as values on a layer without attn_v;
+    transformers on every full layer with attention_k_eq_v, on no sliding one."""
+    without = [i for i in range(own) if f"blk.{i}.attn_v.weight" not in tensor_shapes]
+    full = [i for i in range(own) if not sliding[i]]
+    if without and without != full:
+        raise ValueError(
+            f"a GGUF gemma4 file without attn_v on layers {without}: Gemma 4 takes its keys as "
+            f"values on every full-attention layer (attention_k_eq_v: {full}) or on none"
+        )
+    return bool(without)
+
+
+def _gemma4_mlp(config: dict[str, Any], own: int) -> None:
+    """feed_forward_length per layer: one width, twice it on the shared layers
+    (use_double_wide_mlp)."""
+    widths = config["intermediate_size"]
+    widths = list(widths) if isinstance(widths, list) else [widths] * config["num_hidden_layers"]
+    base, rest = widths[0], set(widths[own:])
+    if set(widths[:own]) != {base} or len(rest) > 1 or rest - {base, 2 * base}:
+        raise ValueError(
+            f"a GGUF gemma4 file's feed_forward_length {widths}: Gemma 4's MLPs have one width, "
+            "twice it on the shared layers (use_double_wide_mlp)"
+        )
+    config["intermediate_size"] = base
+    config["use_double_wide_mlp"] = rest == {2 * base}
+
+
+def _gemma4_experts(config: dict[str, Any], tensor_shapes: dict) -> None:
+    """Experts beside every layer's MLP (enable_moe_block), routed by softmax and renormalised
+    top-k weights as llama.cpp's gemma4 graph routes them (it reads no gating key)."""
+    experts = config.pop("num_experts", None)
+    top_k = config.pop("num_experts_per_tok", None)
+    if not experts:
+        config.pop("moe_intermediate_size", None)
+        config["enable_moe_block"] = False
+        return
+    layers = config["num_hidden_layers"]
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes]
+    if len(routed) != layers:
+        raise ValueError(
+            f"a GGUF gemma4 file with experts on layers {routed} of {layers}: Gemma 4 has "
+            "them beside every layer's MLP"
+        )
+    config.update(enable_moe_block=True, num_experts=experts, top_k_experts=top_k)
+
+
+def _gemma4_rope(
+    metadata: dict[str, Any], config: dict[str, Any], rope_freqs: list[float] | None
+) -> dict[str, Any]:
+    """The sliding layers turn every dim by freq_base_swa (llama.cpp's default 10000); the full
+    ones the pairs whose rope_freqs divisor is 1, as transformers' "proportional" RoPE with
+    partial_rotary_factor = 2 x those pairs / head size (the others' 1e30 turns them by ~0)."""
+    arch = "gemma4"
+    if metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
+        raise ValueError(f"unsupported {arch}.rope.scaling.type for Gemma 4's proportional RoPE")
+    full = (config.get("per_layer_config") or {}).get(config["layer_types"].index("full_attention"))
+    full_dim, local_dim = (full or {}).get("head_dim", config["head_dim"]), config["head_dim"]
+    for key, dim in (("dimension_count", full_dim), ("dimension_count_swa", local_dim)):
+        if metadata.get(f"{arch}.rope.{key}", dim) != dim:
+            raise ValueError(
+                f"a GGUF gemma4 file's {arch}.rope.{key} is not its head size ({dim}): "
+                "conveyor runs Gemma 4's RoPE over whole heads (the full layers' pairs by "
+                "rope_freqs)"
+            )
+    turned = full_dim // 2
+    if rope_freqs is not None:
+        turned = sum(1 for f in rope_freqs if f == 1.0)
+        stated = [1.0] * turned + [_UNTURNED_DIVISOR] * (full_dim // 2 - turned)
+        if len(rope_freqs) != full_dim // 2 or any(
+            f != want and not (want > 1.0 and f >= want)
+            for f, want in zip(rope_freqs, stated, strict=True)
+        ):
+            raise ValueError(
+                "a GGUF gemma4 file's rope_freqs are not Gemma 4's proportional RoPE (divisors "
+                f"1, then >= {_UNTURNED_DIVISOR:g}, {full_dim // 2} of them); refused rather "
+                "than served with another RoPE"
+            )
+    proportional = {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 2 * turned / full_dim,
+        "rope_theta": metadata.get(f"{arch}.rope.freq_base", 10000.0),
+    }
+    local = {"rope_type": "default", "rope_theta": metadata.get(f"{arch}.rope.freq_base_swa", 1e4)}
+    return {"full_attention": proportional, "sliding_attention": local}
 
 
 def _phi3(metadata: dict[str, Any], config: dict[str, Any]) -> None:

@@ -152,6 +152,18 @@ _ARCH_LAYER_NAMES = {
     "arcee": {"ffn_up": "mlp.gate_proj"},  # its ungated MLP's up: a one-part gate_up_proj
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    # Gemma 4 (model/gemma4.py): its router and experts beside the MLP under the layer's `moe`
+    # (and _GEMMA4_PARAMETERS), its per-layer input's gate, projection and norm
+    "gemma4": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+        "post_ffw_norm_1": "post_feedforward_layernorm_1",
+        "post_ffw_norm_2": "post_feedforward_layernorm_2",
+        "ffn_gate_inp": "moe.gate",
+        "inp_gate": "per_layer_input_gate",
+        "proj": "per_layer_projection",
+        "post_norm": "post_per_layer_input_norm",
+    },
     "glm4": {
         "post_attention_norm": "post_self_attn_layernorm",
         "post_ffw_norm": "post_mlp_layernorm",
@@ -191,7 +203,28 @@ _QWEN35_TILED = {
 }
 # Global tensors an architecture names otherwise: LFM2's final norm is its token_embd_norm.
 _LFM2_GLOBAL_NAMES = {"token_embd_norm.weight": "model.norm.weight"}
-_ARCH_GLOBAL_NAMES = {"lfm2": _LFM2_GLOBAL_NAMES, "lfm2moe": _LFM2_GLOBAL_NAMES}
+_ARCH_GLOBAL_NAMES = {
+    "lfm2": _LFM2_GLOBAL_NAMES,
+    "lfm2moe": _LFM2_GLOBAL_NAMES,
+    "gemma4": {  # its per-layer inputs' embedding, projection and norm
+        "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+        "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+        "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+    },
+}
+# Gemma 4's parameters that are no module's weight: the layer's output scalar, the router's
+# scale of its input and each expert's scale of its output (llama.cpp's ffn_down_exps.scale).
+_GEMMA4_PARAMETERS = re.compile(
+    r"blk\.(\d+)\.(layer_output_scale\.weight|ffn_gate_inp\.scale|ffn_down_exps\.scale)"
+)
+_GEMMA4_PARAMETER_NAMES = {
+    "layer_output_scale.weight": "layer_scalar",
+    "ffn_gate_inp.scale": "moe.router_scale",
+    "ffn_down_exps.scale": "moe.per_expert_scale",
+}
+# Gemma 4's keys and their norm, which the layers that read an earlier layer's cache do not
+# compute (a converted checkpoint may hold them; transformers does not read them either).
+_GEMMA4_KEY_VALUE = ("attn_k", "attn_v", "attn_k_norm")
 # GGUF tensors that only exist fused (Phi-3's Q, K and V); Phi-3's ffn_up is another one, gate
 # and up stacked, under the name other architectures give up alone (see _fused_parts).
 _FUSED = ("attn_qkv",)
@@ -260,6 +293,8 @@ class _Layout(NamedTuple):
     linear: tuple[int, int, int, int] | None = None
     # Nemotron-H's blocks: block -> (its decoder layer, its role there: mamba, self_attn, mlp)
     blocks: dict[int, tuple[int, str]] | None = None
+    # Gemma 4: the first layer that reads an earlier layer's cache (num_layers: none does)
+    first_shared: int | None = None
 
 
 class _Target(NamedTuple):
@@ -321,11 +356,15 @@ def gguf_tensor_types(path: str | Path) -> dict[str, str]:
 
 
 def _skipped(info: _TensorInfo, layout: _Layout) -> bool:
-    """Tensors no HF parameter holds (_SKIPPED), and the blocks past the model's layers."""
+    """Tensors no HF parameter holds (_SKIPPED), the blocks past the model's layers, and the
+    keys of Gemma 4's layers that read an earlier layer's cache."""
     if _SKIPPED.fullmatch(info.name):
         return True
-    block = re.match(r"blk\.(\d+)\.", info.name)
-    return block is not None and int(block[1]) >= layout.num_layers
+    block = re.match(r"blk\.(\d+)\.([^.]+)", info.name)
+    if block is None:
+        return False
+    shared = layout.architecture == "gemma4" and int(block[1]) >= layout.first_shared
+    return int(block[1]) >= layout.num_layers or (shared and block[2] in _GEMMA4_KEY_VALUE)
 
 
 def _changed(info: _TensorInfo, layout: _Layout) -> bool:
@@ -583,7 +622,10 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
     blocks = None
     if architecture in _NEMOTRON_H:
         blocks = _nemotron_h_blocks(metadata, architecture, num_layers)
-    return _Layout(architecture, num_heads, num_kv_heads, head_dim, num_layers, linear, blocks)
+    first_shared = num_layers - metadata.get(f"{architecture}.attention.shared_kv_layers", 0)
+    return _Layout(
+        architecture, num_heads, num_kv_heads, head_dim, num_layers, linear, blocks, first_shared
+    )
 
 
 def _nemotron_h_blocks(
@@ -641,7 +683,7 @@ def _nemotron_h_targets(info: _TensorInfo, layout: _Layout, path: str | Path) ->
     if kind == "exp_probs_b":  # the router's choosing bias (e_score_correction_bias)
         return [_Target(f"{prefix}.mlp.expert_bias", None)]
     if kind in _NEMOTRON_H_EXPERTS:
-        experts = _expert_targets(info, str(layer), _NEMOTRON_H_EXPERTS[kind], param)
+        experts = _expert_targets(info, str(layer), (_NEMOTRON_H_EXPERTS[kind],), param)
         return experts
     if kind not in _NEMOTRON_H_NAMES:
         raise ValueError(f"GGUF tensor {info.name!r} in {str(path)!r} has no Hugging Face name")
@@ -660,13 +702,18 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
     ):
         name = _MAMBA2_PARAMETER_NAMES[param[2]]
         return [_Target(f"model.layers.{param[1]}.mamba.{name}", None)]
+    if layout.architecture == "gemma4" and (param := _GEMMA4_PARAMETERS.fullmatch(info.name)):
+        return [_Target(f"model.layers.{param[1]}.{_GEMMA4_PARAMETER_NAMES[param[2]]}", None)]
     global_names = {**_GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(layout.architecture, {})}
     if info.name in global_names:
         return [_Target(global_names[info.name], None)]
     match = _LAYER_TENSOR.fullmatch(info.name)
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(layout.architecture, {})}
+    module = "moe.experts" if layout.architecture == "gemma4" else "mlp.experts"
     if match is not None and match[2] in _EXPERT_NAMES:
-        return _expert_targets(info, match[1], _EXPERT_NAMES[match[2]], match[3])
+        return _expert_targets(info, match[1], (_EXPERT_NAMES[match[2]],), match[3], module)
+    if match is not None and match[2] == "ffn_gate_up_exps":  # each expert's gate, then up rows
+        return _expert_targets(info, match[1], ("gate_proj", "up_proj"), match[3], module)
     if match is not None and match[2] == "attn_sinks":
         return [_Target(f"model.layers.{match[1]}.self_attn.sinks", None)]
     if match is not None and match[2] == "exp_probs_b":  # LFM2-MoE's choosing bias, a buffer
@@ -689,18 +736,25 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
     return targets
 
 
-def _expert_targets(info: _TensorInfo, layer: str, projection: str, param: str) -> list:
-    """Each expert's tensor of an experts' tensor: its rows of a 3-D weight (experts, rows,
-    columns; read as the matrix of every expert's rows), its row of a 2-D bias (GPT-OSS's)."""
-    module = f"model.layers.{layer}.mlp.experts"
+def _expert_targets(
+    info: _TensorInfo, layer: str, parts: tuple[str, ...], param: str, module: str = "mlp.experts"
+) -> list:
+    """Each expert's tensors of an experts' tensor: its rows of a 3-D weight (experts, rows,
+    columns; read as the matrix of every expert's rows), split evenly among `parts` in order
+    where it holds several (Gemma 4's ffn_gate_up_exps: gate, then up), its row of a 2-D bias
+    (GPT-OSS's)."""
     experts = info.shape[0]
-    rows = info.shape[1] if len(info.shape) == 3 else None
+    if len(info.shape) != 3:
+        return [_Target(f"model.layers.{layer}.{module}.{e}.{parts[0]}.{param}", e)
+                for e in range(experts)]  # fmt: skip
+    rows = info.shape[1] // len(parts)
     return [
         _Target(
-            f"{module}.{e}.{projection}.{param}",
-            e if rows is None else slice(e * rows, (e + 1) * rows),
+            f"model.layers.{layer}.{module}.{e}.{part}.{param}",
+            slice((e * len(parts) + k) * rows, (e * len(parts) + k + 1) * rows),
         )
         for e in range(experts)
+        for k, part in enumerate(parts)
     ]
 
 

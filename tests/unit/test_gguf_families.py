@@ -26,6 +26,7 @@ from conveyor.model.gguf_config import hf_config_dict
 from conveyor.model.gguf_loader import gguf_architecture, gguf_tensor_types, iter_gguf_weights
 from conveyor.model.loader import (
     _ERNIE_MOE_NAMES,
+    _GEMMA4_MOE_NAMES,
     _GLM4_MOE_NAMES,
     _GRANITE_HYBRID_MOE_NAMES,
     _GRANITE_HYBRID_NAMES,
@@ -103,6 +104,15 @@ GGUF_FAMILIES = {
     # llama.cpp's deepseek2: one KV head of the latent and rope key, kv_b_proj split per head
     "deepseek_v2": {},
     "deepseek_v3": {},
+    # Gemma 4 as llama.cpp's gemma4: per-kind head sizes (key_length, key_length_swa) and KV
+    # heads, the full layers' proportional RoPE as rope_freqs (1e30 on unturned pairs), norms
+    # stored as w (not 1 + w), two layers reading earlier caches (shared_kv_layers) with
+    # double-wide MLPs (feed_forward_length per layer), per-layer inputs, layer_output_scale
+    "gemma4": {},
+    # and its experts beside the MLP: ffn_gate_up_exps (each expert's gate, then up rows), the
+    # router's ffn_gate_inp.scale and ffn_down_exps.scale; the keys as values without attn_v;
+    # a final soft-cap, which llama.cpp applies at 30 where a file states none
+    "gemma4-moe": dict(final_logit_softcapping=30.0),
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
@@ -122,6 +132,7 @@ LLAMA_CPP_NAMES |= {
     "nemotron_h-moe": "nemotron_h_moe",
     "ministral3": "mistral3",
     "gpt_oss": "gpt-oss",
+    "gemma4-moe": "gemma4",
 }  # HF gemma3_text is llama.cpp's gemma3, ...
 # Mixtral's checkpoint names of its MoE modules, and the names every loader gives them.
 MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."))
@@ -149,10 +160,25 @@ MXFP4 = gguf.GGMLQuantizationType.MXFP4
 def converted(request, tmp_path_factory) -> Converted:
     family = request.param
     hf_dir = tmp_path_factory.mktemp(f"hf-{family}")
-    snap_to_float_gguf(make_tiny_checkpoint(hf_dir, family, **GGUF_FAMILIES[family]))
+    make_tiny_checkpoint(hf_dir, family, **GGUF_FAMILIES[family])
+    if family.startswith("gemma4"):
+        scale_gemma4_scalars(hf_dir)
+    snap_to_float_gguf(hf_dir)
     out = tmp_path_factory.mktemp(f"gguf-{family}")
     files = [write_gguf(hf_dir, out / f"tiny-{family}-{q}.gguf", q) for q in ("F32", "F16", "Q8_0")]
     return Converted(family, hf_dir, *files)
+
+
+def scale_gemma4_scalars(hf_dir: Path) -> None:
+    """Gemma 4's layer scalars and router scales away from their initial 1: each one counts."""
+    shard = hf_dir / "model.safetensors"
+    state = load_file(shard)
+    generator = torch.Generator().manual_seed(2)
+    for name, tensor in state.items():
+        if name.endswith(("layer_scalar", "router.scale", "router.per_expert_scale")):
+            noise = torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype)
+            state[name] = tensor * (0.5 + noise)
+    save_file(state, shard, metadata={"format": "pt"})
 
 
 def fused_like_checkpoint(ours: dict[str, torch.Tensor], names: set[str]) -> dict:
@@ -185,6 +211,10 @@ def test_float_gguf_weights_equal_checkpoint_by_name(converted: Converted, qtype
         checkpoint = {renamed(n, _GRANITE_HYBRID_NAMES): t for n, t in checkpoint.items()}
     if converted.family.startswith("deepseek"):  # GLM-4.5's names; kv_b joined, as loaded
         checkpoint = {renamed(n, _GLM4_MOE_NAMES): t for n, t in checkpoint.items()}
+    if converted.family == "gemma4-moe":  # its router and experts as the layer's `moe`
+        checkpoint = {renamed(n, _GEMMA4_MOE_NAMES): t for n, t in checkpoint.items()}
+        cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
+        checkpoint = dict(_stacked_experts(checkpoint.items(), cfg, lambda name: None))
     if converted.family == "glm4_moe":  # its shared expert, bias and experts as loaded
         checkpoint = {renamed(n, _GLM4_MOE_NAMES): t for n, t in checkpoint.items()}
         cfg = ModelConfig.from_hf(str(converted.hf_dir), dtype="float64")
@@ -334,6 +364,10 @@ def test_q8_0_gguf_is_served_quantized_and_generates(converted: Converted):
         projections = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
         assert {type(p).__name__ for p in projections} == {"QuantLinear"}
         assert {p.format for p in projections} == {"q8"}
+    if config.parts.moe_beside_mlp:  # Gemma 4's experts' gate and up rows in their Q8_0 blocks
+        experts = [e for layer in model.model.layers for e in layer.moe.experts]
+        projections = {(type(e.gate_up_proj).__name__, e.gate_up_proj.format) for e in experts}
+        assert projections == {("QuantLinear", "q8")}
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(random_prompts(3, 384, seed=6, max_len=40), params, use_tqdm=False)
     assert [len(out.outputs[0].token_ids) for out in outputs] == [MAX_TOKENS] * 3
@@ -630,6 +664,105 @@ def test_a_deepseek2_file_from_before_absorbed_mla_gives_the_checkpoints_tokens(
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     prompts = random_prompts(4, 384, seed=5, max_len=40)
+    runs = []
+    for source in (hf_dir, path):
+        llm = LLM(str(source), dtype="float64", **DEVICE_KWARGS)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
+def gemma4_metadata(num_layers: int = 10, shared: int = 5, **keys) -> dict:
+    """An E2B-like gemma4 file's keys: every fifth layer full (key_length 512), the others
+    sliding (key_length_swa 256), the last `shared` layers reading earlier caches."""
+    gemma4 = {
+        "attention.key_length": 512,
+        "attention.key_length_swa": 256,
+        "attention.head_count_kv": 2,
+        "attention.sliding_window_pattern": [(i + 1) % 5 != 0 for i in range(num_layers)],
+        "attention.shared_kv_layers": shared,
+        "rope.freq_base": 1e6,
+        "rope.freq_base_swa": 1e4,
+        "rope.dimension_count": 512,
+        "rope.dimension_count_swa": 256,
+        "embedding_length_per_layer_input": 0,
+        "feed_forward_length": 6144,
+    }
+    return metadata_of("gemma4", num_layers, **(gemma4 | keys))
+
+
+def gemma4_shapes(num_layers: int = 10, shared: int = 5, without_v: tuple = ()) -> dict:
+    own = [i for i in range(num_layers - shared) if i not in without_v]
+    return SHAPES | {f"blk.{i}.attn_v.weight": (1024, 4608) for i in own}
+
+
+PROPORTIONAL = {"rope_freqs.weight": [1.0] * 64 + [1e30] * 192}  # a quarter of 512 turned
+
+
+def test_a_gemma4_files_layers_are_llama_cpps():
+    """Gemma 4's metadata as llama.cpp's converter writes it: which layers slide, each kind's
+    head size, the shared layers, the full layers' proportional RoPE as rope_freqs (1 on the
+    turned pairs, 1e30 on the others), and the soft-cap llama.cpp applies where none is
+    stated; transformers' config of it shares the caches as llama.cpp does."""
+    from transformers import AutoConfig
+
+    config = hf_config_dict(gemma4_metadata(), gemma4_shapes(), PROPORTIONAL)
+    assert (config["model_type"], config["architectures"]) == ("gemma4_text", ["Gemma4ForCausalLM"])
+    assert [t[0] for t in config["layer_types"]] == list("ssssf") * 2
+    assert (config["head_dim"], config["num_key_value_heads"]) == (256, 2)
+    assert config["per_layer_config"] == {i: {"head_dim": 512, "num_key_value_heads": 2}
+                                          for i in (4, 9)}  # fmt: skip
+    full, local = (config["rope_parameters"][k] for k in ("full_attention", "sliding_attention"))
+    assert (full["rope_type"], full["partial_rotary_factor"], full["rope_theta"]) == (
+        "proportional", 0.25, 1e6,
+    )  # fmt: skip
+    assert (local["rope_type"], local["rope_theta"]) == ("default", 1e4)
+    assert config["final_logit_softcapping"] == 30.0
+    assert (config["attention_k_eq_v"], config["enable_moe_block"]) == (False, False)
+    assert (config["intermediate_size"], config["use_double_wide_mlp"]) == (6144, False)
+    hf = AutoConfig.for_model(**config)
+    assert hf.kv_sharing_modes[5:] == ["reuse"] * 5 and hf.kv_sharing_modes[3:5] == ["store"] * 2
+    wide = gemma4_metadata(**{"feed_forward_length": [6144] * 5 + [12288] * 5})
+    assert hf_config_dict(wide, gemma4_shapes(), PROPORTIONAL)["use_double_wide_mlp"] is True
+
+
+@pytest.mark.parametrize(
+    ("keys", "shapes", "rope_freqs", "message"),
+    [
+        ({}, {}, [1.0] * 64 + [2.0] * 192, "rope_freqs"),  # divisors no proportional RoPE has
+        ({}, {"without_v": (4, 1)}, None, "attn_v"),  # a sliding layer's values its keys
+        ({"attention.shared_kv_layers": 3}, {"shared": 3}, None, "cache"),  # n - 1 slides
+        ({"attention.sliding_window_pattern": 5}, {}, None, "sliding_window_pattern"),
+        ({"rope.dimension_count_swa": 128}, {}, None, "dimension_count_swa"),
+        ({"feed_forward_length": [6144] * 4 + [12288] * 6}, {}, None, "feed_forward_length"),
+    ],
+)
+def test_what_a_gemma4_file_states_otherwise_than_gemma4_is_refused_by_name(
+    keys, shapes, rope_freqs, message
+):
+    factors = {"rope_freqs.weight": rope_freqs} if rope_freqs else PROPORTIONAL
+    with pytest.raises(ValueError, match=message):
+        hf_config_dict(gemma4_metadata(**keys), gemma4_shapes(**shapes), factors)
+
+
+def test_a_gemma4_files_keys_of_shared_layers_are_not_read(tmp_path):
+    """A checkpoint may hold keys and values for the layers that read an earlier layer's
+    cache, which the converter writes and neither llama.cpp nor transformers reads: the file
+    is served as the one without them, the checkpoint's tokens in float64."""
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "gemma4")
+    shard = hf_dir / "model.safetensors"
+    state = load_file(shard)
+    for name in ("k_proj", "v_proj", "k_norm"):  # layer 1's (full, like layer 3) again
+        state[f"model.layers.3.self_attn.{name}.weight"] = state[
+            f"model.layers.1.self_attn.{name}.weight"
+        ].clone()
+    save_file(state, shard, metadata={"format": "pt"})
+    snap_to_float_gguf(hf_dir)
+    path = write_gguf(hf_dir, tmp_path / "tiny-gemma4-F32.gguf", "F32")
+    assert "blk.3.attn_k.weight" in {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+    names = set(gguf_tensor_types(path))
+    assert not any(name.startswith("model.layers.3.self_attn.k") for name in names)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompts = random_prompts(3, 384, seed=4, max_len=30)
     runs = []
     for source in (hf_dir, path):
         llm = LLM(str(source), dtype="float64", **DEVICE_KWARGS)
