@@ -50,6 +50,7 @@ _THINK = ("<think>", "</think>")
 REASONING_MARKERS: dict[str, tuple[str, ...]] = {
     "deepseek_r1": _THINK,
     "deepseek_v3": _THINK,
+    "gemma4": ("<|channel>", "<channel|>", "<|tool_call>"),
     "granite": (),
     "mistral": ("[THINK]", "[/THINK]"),
     "openai_gptoss": _HARMONY,
@@ -60,6 +61,7 @@ _DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
 _DEEPSEEK_CALLS += ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
 TOOL_MARKERS: dict[str, tuple[str, ...]] = {
     "deepseek_v3": _DEEPSEEK_CALLS,
+    "gemma4": ("<|tool_call>", "<tool_call|>", '<|"|>'),
     "granite": ("<|tool_call|>", "<tool_call>", "</tool_call>"),
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>",),

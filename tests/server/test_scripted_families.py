@@ -93,16 +93,35 @@ FAMILIES = {
     "pythonic": Family("think", f"<think>{THOUGHT}</think>\n", THOUGHT, ("<think>", "</think>")),
     "qwen3_coder": QWEN3,
     "qwen3_xml": QWEN3,
+    # Gemma 4: its channel, call and string-delimiter markers special tokens, as in its
+    # tokenizer; the reasoning's `thought\n` label is no reasoning
+    "gemma4": Family(
+        "gemma4",
+        f"<|channel>thought\n{THOUGHT}<channel|>",
+        THOUGHT,
+        specials=("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>'),
+    ),
+}
+_Q = '<|"|>'
+# Replies of families that only these tests serve (family_replies.TWO_CALL_REPLIES' form)
+OWN_REPLIES = {
+    "gemma4": (
+        f"Sure.<|tool_call>call:get_weather{{city:{_Q}Paris{_Q}}}<tool_call|>"
+        "<|tool_call>call:get_time{where:{days:[1,2],note:None}}<tool_call|>",
+        "Sure.",
+    ),
 }
 
 
 def raw_reply(family: str) -> str:
-    return FAMILIES[family].thinking + TWO_CALL_REPLIES[family][0]
+    return FAMILIES[family].thinking + (OWN_REPLIES.get(family) or TWO_CALL_REPLIES[family])[0]
 
 
 def text_of(family: str) -> str | None:
     """The text before the calls."""
-    return "Sure." if family == "openai" else TWO_CALL_REPLIES[family][1]
+    if family == "openai":
+        return "Sure."
+    return (OWN_REPLIES.get(family) or TWO_CALL_REPLIES[family])[1]
 
 
 class Served(NamedTuple):

@@ -22,7 +22,7 @@ from conveyor.entrypoints.parsers.tools.forced import (
 )
 from conveyor.structured.params import StructuredOutputs
 
-SPECIALS = (*MARKER_SPECIALS, "<|tool_call|>")
+SPECIALS = (*MARKER_SPECIALS, "<|tool_call|>", "<|tool_call>", "<tool_call|>", '<|"|>')
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
 CALLS = [{"city": "Paris"}, {"city": "Rome"}]
@@ -45,6 +45,8 @@ def text_of(family: str, calls: list[dict]) -> str:
             "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{}<|call|>"
         )
         return "<|start|>assistant".join(one.format(json.dumps(a)) for a in calls)
+    if family == "gemma4":
+        return "".join(_gemma4_call(a) for a in calls)
     if family == "deepseek_v3":
         one = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
         body = "".join(one.format(json.dumps(a)) for a in calls)
@@ -68,6 +70,19 @@ def _xml_call(arguments: dict, name: str = "get_weather") -> str:
     return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
 
 
+def _gemma4_call(arguments: dict, name: str = "get_weather") -> str:
+    """A Gemma 4 call, its keys in the order given (the template sorts them)."""
+
+    def value(v):
+        if isinstance(v, str):
+            return f'<|"|>{v}<|"|>'
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{k}:{value(x)}" for k, x in v.items()) + "}"
+        return {True: "true", False: "false"}.get(v, v) if isinstance(v, bool) else str(v)
+
+    return f"<|tool_call>call:{name}{value(arguments)}<tool_call|>"
+
+
 # Families that write the same text (one parser under two names).
 TWINS = {"pythonic": "llama4_pythonic", "qwen3_coder": "qwen3_xml"}
 TWINS |= {b: a for a, b in TWINS.items()}
@@ -78,6 +93,16 @@ def tokenizer():
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS)})
     return tokenizer
+
+
+def special_marker(tokenizer):
+    """A marker as the grammar's terminal: the special token where the tokenizer has one."""
+
+    def marker(text):
+        special = text in SPECIALS
+        return lark_marker(text, tokenizer.convert_tokens_to_ids(text) if special else None)
+
+    return marker
 
 
 def fits(tokenizer, grammar: str, text: str) -> bool:
@@ -124,11 +149,12 @@ TYPED = {
 }
 
 
-@pytest.mark.parametrize("family", ["pythonic", "qwen3_coder"])
+@pytest.mark.parametrize("family", ["pythonic", "qwen3_coder", "gemma4"])
 def test_typed_arguments_are_written_in_schema_order_required_ones_always(tokenizer, family):
+    """Gemma 4's order is its template's, sorted (TYPED's properties are listed sorted)."""
     tools = [{"type": "function", "function": {"name": "forecast", "parameters": TYPED}}]
-    grammar = forced_grammar(family, tools, False, lambda text: json.dumps(text))
-    call = _python_call if family == "pythonic" else _xml_call
+    grammar = forced_grammar(family, tools, False, special_marker(tokenizer))
+    call = {"pythonic": _python_call, "qwen3_coder": _xml_call, "gemma4": _gemma4_call}[family]
 
     def text(arguments: dict) -> str:
         one = call(arguments, "forecast")
@@ -145,6 +171,7 @@ def test_typed_arguments_are_written_in_schema_order_required_ones_always(tokeni
         {"days": 3, "city": "Oslo"},  # out of the schema's order
         {"city": "Oslo", "days": "three"},  # a string for an integer
         {"city": "Oslo", "days": 3, "unit": "K"},  # not in the enum
+        {"city": "Oslo", "days": 3.5},  # a number for an integer
     ]
     for arguments in refused:
         assert not fits(tokenizer, grammar, text(arguments)), arguments
@@ -190,3 +217,17 @@ def test_an_answers_grammar_is_written_in_harmonys_final_channel(tokenizer, cons
     assert fits(tokenizer, grammar, "<|channel|>final<|message|>" + good)
     assert not fits(tokenizer, grammar, "<|channel|>final<|message|>" + bad)
     assert not fits(tokenizer, grammar, good)  # the header is the answer's start
+
+
+@pytest.mark.parametrize("value", ["a < b", "x}<tool_call", "{not: a, key}", 'say "hi"\n'])
+def test_a_gemma4_string_argument_is_any_text_but_its_delimiter(tokenizer, value):
+    grammar = forced_grammar("gemma4", TOOLS, False, special_marker(tokenizer))
+    text = _gemma4_call({"city": value})
+    assert fits(tokenizer, grammar, text)
+    parser = tool_parser("gemma4", {"get_weather": PARAMETERS}, 16)
+    parsed = joined(parser.feed(text) + parser.finish())
+    assert [(n, json.loads(a)) for n, a in parsed.calls] == [("get_weather", {"city": value})]
+    for marker in ('<|"|>', "<tool_call|>", "<channel|>"):  # would end the string or call
+        assert not fits(tokenizer, grammar, _gemma4_call({"city": f"Paris{marker}Rome"}))
+        plain = forced_grammar("gemma4", TOOLS, False, json.dumps)  # the markers as text
+        assert not fits(build_tokenizer(), plain, _gemma4_call({"city": f"Paris{marker}Rome"}))

@@ -32,6 +32,7 @@ W = '{"city": "Paris"}'
 NESTED = '{"city": "Paris", "when": {"days": [1, 2, {"x": null}]}}'
 DS = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
 DS_SEP, DS_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+Q = '<|"|>'  # Gemma 4's string delimiter
 
 # (reasoning parser, tool parser, raw reply) -> (reasoning, content, [(name, arguments)])
 CASES = [
@@ -158,6 +159,32 @@ CASES = [
         f'<|tool_call|>[{{"name": "get_weather", "arguments": {W}}}]',
         (None, None, [("get_weather", W)]),
     ),
+    ("gemma4", None, "<|channel>thought\nI ponder.<channel|>Paris.", ("I ponder.", "Paris.", [])),
+    ("gemma4", None, "Paris.", (None, "Paris.", [])),
+    ("gemma4", None, "<|channel>thought<channel|>Hi", (None, "Hi", [])),  # the label alone
+    ("gemma4", None, "<|channel>thou<channel|>Hi", ("thou", "Hi", [])),
+    ("gemma4", None, "<|channel>thought\nunclosed", ("unclosed", None, [])),
+    ("gemma4", None, "A<channel|>B<|channel>thought\nC", ("C", "AB", [])),
+    (
+        "gemma4",
+        "gemma4",
+        f"<|channel>thought\nneed weather<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}"
+        "<tool_call|><|tool_call>call:add{a:1,b:2.5}<tool_call|>",
+        ("need weather", None, [("get_weather", W), ("add", '{"a": 1, "b": 2.5}')]),
+    ),
+    (
+        None,
+        "gemma4",
+        f"Sure.<|tool_call>call:get_weather{{city:{Q}Paris{Q},when:{{days:[1,2,{{x:null}}]}}}}"
+        "<tool_call|>Done.",
+        (None, "Sure.Done.", [("get_weather", NESTED)]),
+    ),
+    (
+        None,
+        "gemma4",
+        "<|tool_call>call:nope{a:1}<tool_call|>",
+        (None, "<|tool_call>call:nope{a:1}<tool_call|>", []),
+    ),
 ]
 
 
@@ -244,6 +271,20 @@ FRAGMENTS = [
     "|",
     ";",
     '"',
+    "<|channel>",
+    "<channel|>",
+    "thought\n",
+    "<|tool_call>",
+    "<tool_call|>",
+    Q,
+    "call:add{",
+    "call:get_weather{",
+    "a:",
+    "city:",
+    "1.5",
+    ",",
+    ":",
+    "true",
 ]
 
 
@@ -327,6 +368,8 @@ def test_deep_or_huge_replies_are_content_in_linear_time():
 def test_the_template_names_the_parsers_only_when_unambiguous():
     qwen = "{{'<|im_start|>'}}<think></think><tool_call></tool_call>"
     assert vars_of(Parsers.of(ParserNames(), qwen)) == ("qwen3", "hermes")
+    gemma4 = "{{'<|channel>thought\\n' + t + '<channel|>'}}{{'<|tool_call>call:'}}'}<tool_call|>'"
+    assert vars_of(Parsers.of(ParserNames(), gemma4)) == ("gemma4", "gemma4")
     assert vars_of(Parsers.of(ParserNames(), "<think>[THINK]")) == (None, None)
     assert vars_of(Parsers.of(ParserNames("think", "mistral"), qwen)) == ("think", "mistral")
     assert vars_of(Parsers.of(ParserNames(), None)) == (None, None)
@@ -459,3 +502,64 @@ def test_pythonic_calls_stream_each_keyword_once_its_value_ends_over_any_cuts(
     events = argument_deltas(parser(None, tool), text)
     # fed a character at a time: each key once its `=` is read, each value once it ends
     assert len([kind for kind, _ in events if kind is ToolArgsDelta]) == 6 + 4
+
+
+GEMMA4_ARGUMENTS = (
+    f'city:{Q}Pa, ris}}: {{x}} [1]\\ "q"\n{Q},days:[1, 2.5,{Q}a,b{Q},[],{{}}],'
+    f"when:{{ok:true,no:false,none:None,nil:nil,word:soon,neg:-3}},empty:,rest:1}}"
+)
+GEMMA4_EXPECTED = {
+    "city": 'Pa, ris}: {x} [1]\\ "q"\n',
+    "days": [1, 2.5, "a,b", [], {}],
+    "when": {"ok": True, "no": False, "none": None, "nil": None, "word": "soon", "neg": -3},
+}  # `empty:,` is a value that never starts: vLLM reads no further in its object
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_gemma4_arguments_stream_as_json_that_joins_to_the_whole_reading(data):
+    """Gemma 4's `key:<|"|>text<|"|>` arguments become the JSON vLLM's reading dumps: a
+    string as it comes, other values once they end; the pieces join to the whole's, over any
+    cuts (the delimiter cut too)."""
+    text = f"Let me see.<|tool_call>call:get_weather{{{GEMMA4_ARGUMENTS}<tool_call|>"
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=40))
+    parsed = streamed(parser(None, "gemma4"), text, cuts)
+    assert normal(parsed) == (None, "Let me see.", [("get_weather", GEMMA4_EXPECTED)])
+    assert parsed == parser(None, "gemma4").parse(text)
+    events = argument_deltas(parser(None, "gemma4"), text)
+    pieces = [piece for kind, piece in events if kind is ToolArgsDelta]
+    assert len(pieces) > 40  # the string a character at a time, each value once it ends
+    assert json.loads("".join(pieces)) == GEMMA4_EXPECTED
+
+
+def test_a_gemma4_call_cut_short_is_still_a_json_object():
+    head = f"<|tool_call>call:get_weather{{city:{Q}Par"
+    for cut, expected in [
+        (head, {"city": "Par"}),
+        (head + f"is{Q},when:{{days:[1,", {"city": "Paris", "when": {"days": [1]}}),
+        (head + f"is{Q},days:", {"city": "Paris", "days": ""}),
+        (head + f"is{Q},da", {"city": "Paris"}),
+        (head + f"is{Q},n:4", {"city": "Paris", "n": 4}),
+        (head[:-3] + "<|", {"city": "<|"}),  # a delimiter begun, not ended: its text
+    ]:
+        assert normal(parser(None, "gemma4").parse(cut))[2] == [("get_weather", expected)], cut
+
+
+def test_gemma4_hostile_arguments_are_json_in_linear_time_and_never_raise():
+    reply = parser("gemma4", "gemma4")
+    events = reply.feed("<|channel>thought\nhm<|tool_call>call:add{a:")
+    for _ in range(20_000):
+        events += reply.feed("{b:[")  # 40,000 containers deep: written as text past the bound
+    events += reply.feed(f"{Q}" + "}" * 10 + "garbage:" * 1000)
+    parsed = joined(events + reply.finish())
+    ((name, arguments),) = parsed.calls
+    assert name == "add" and parsed.reasoning == "hm"
+    value = json.loads(arguments)["a"]
+    for _ in range(7):  # to the 16th container (the depth bound), the arguments' own first
+        value = value["b"][0]
+    assert isinstance(value["b"], str) and value["b"].startswith("[{b:[{b:[")
+    reply = parser(None, "gemma4")
+    events = reply.feed(f"<|tool_call>call:add{{a:{Q}")
+    for _ in range(50_000):
+        events += reply.feed("}<tool_call" + "<|")  # never the delimiter, never the end
+    assert json.loads(joined(events + reply.finish()).calls[0][1])["a"].startswith("}<tool_call<|")

@@ -17,6 +17,7 @@ from __future__ import annotations
 REASONING_PARSERS: tuple[str, ...] = (
     "deepseek_r1",
     "deepseek_v3",
+    "gemma4",
     "granite",
     "mistral",
     "openai_gptoss",
@@ -25,6 +26,7 @@ REASONING_PARSERS: tuple[str, ...] = (
 )
 TOOL_CALL_PARSERS: tuple[str, ...] = (
     "deepseek_v3",
+    "gemma4",
     "granite",
     "hermes",
     "llama3_json",

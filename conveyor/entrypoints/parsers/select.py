@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 # Qwen3-Coder template writes <tool_call> too, a DeepSeek-R1 one <think> too).
 _REASONING_SIGNS: list[tuple[tuple[str, ...], str]] = [
     (("<|channel|>", "<|message|>"), "openai_gptoss"),
+    (("<|channel>", "<channel|>"), "gemma4"),
     (("<think>", "<｜Assistant｜>"), "deepseek_r1"),
     (("<think>", "<|im_start|>"), "qwen3"),
     (("[THINK]",), "mistral"),
@@ -23,6 +24,7 @@ _REASONING_SIGNS: list[tuple[tuple[str, ...], str]] = [
 ]
 _TOOL_SIGNS: list[tuple[tuple[str, ...], str]] = [
     (("<|channel|>", "to=functions"), "openai"),
+    (("<|tool_call>", "<tool_call|>"), "gemma4"),
     (("<tool_call>", "<function="), "qwen3_coder"),
     (("<｜tool▁calls▁begin｜>",), "deepseek_v3"),
     (("<|python_start|>",), "llama4_pythonic"),

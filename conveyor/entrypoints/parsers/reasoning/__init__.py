@@ -7,6 +7,7 @@ same whatever its cuts. `reasoning_parser(name, ...)` makes one for a request.
 
 from __future__ import annotations
 
+from conveyor.entrypoints.parsers.reasoning.gemma4 import Gemma4Reasoning
 from conveyor.entrypoints.parsers.reasoning.harmony import HarmonyReasoning
 from conveyor.entrypoints.parsers.reasoning.markers import (
     GRANITE,
@@ -16,7 +17,7 @@ from conveyor.entrypoints.parsers.reasoning.markers import (
     Markers,
 )
 
-ReasoningParser = MarkedReasoning | HarmonyReasoning
+ReasoningParser = MarkedReasoning | HarmonyReasoning | Gemma4Reasoning
 
 
 def reasoning_parser(
@@ -28,6 +29,8 @@ def reasoning_parser(
     kwargs = template_kwargs or {}
     if name == "openai_gptoss":
         return HarmonyReasoning()
+    if name == "gemma4":
+        return Gemma4Reasoning(prompt_opens_reasoning)
     if name == "deepseek_v3" and not (kwargs.get("thinking") or kwargs.get("enable_thinking")):
         return None
     markers: Markers = {"granite": GRANITE, "mistral": MISTRAL}.get(name, THINK)

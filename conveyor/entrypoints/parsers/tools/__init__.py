@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from conveyor.entrypoints.parsers.tools import json_formats, other_formats
+from conveyor.entrypoints.parsers.tools import gemma4, json_formats, other_formats
 from conveyor.entrypoints.parsers.tools.stream import ToolContext, ToolFormat, ToolStream
 
-FORMATS: dict[str, ToolFormat] = json_formats.FORMATS | other_formats.FORMATS
+FORMATS: dict[str, ToolFormat] = json_formats.FORMATS | other_formats.FORMATS | gemma4.FORMATS
 
 
 def tool_parser(name: str, tools: dict[str, dict], max_depth: int) -> ToolStream:

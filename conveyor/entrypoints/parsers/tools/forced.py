@@ -17,6 +17,9 @@ reads calls, so the model writes what it was trained to write and the parser rea
                  </tool_call>), any other as its schema's JSON
     openai       <|channel|>commentary to=functions.F <|constrain|>json<|message|>{...}<|call|>
                  (harmony), each further call after <|start|>assistant
+    gemma4       <|tool_call>call:F{a:<|"|>x<|"|>,b:1}<tool_call|>, repeated -- keys in sorted
+                 order as Gemma 4's template writes them, required ones always; a string
+                 between <|"|> (without one), other values bare (None for null) or nested
 
 With GPT-OSS's reasoning parser (harmony), an answer's own grammar (a response_format, a
 JSON schema, regex or choice of structured_outputs) is written in the final channel:
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 
 from conveyor.structured.backend import strict_schema
@@ -48,6 +52,7 @@ _SYNTAX: dict[str, tuple[str, str, bool]] = {
     "granite": ("<|tool_call|>", "arguments", True),
 }
 _OTHERS = ("deepseek_v3", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml", "openai")
+_OTHERS += ("gemma4",)
 FORCED_FAMILIES = frozenset(_SYNTAX) | frozenset(_OTHERS)
 _DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>")
 _DEEPSEEK += ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
@@ -168,6 +173,69 @@ def _harmony_grammar(tools: list[dict], parallel: bool, marker: Callable[[str], 
     return f"start: call{more}\ncall: {channel} one {call_end}\none: {' | '.join(named)}\n"
 
 
+def _gemma4_grammar(tools: list[dict], parallel: bool, marker: Callable[[str], str]) -> str:
+    """Gemma 4's calls: each tool's arguments in sorted order, typed by its schema."""
+    open_call, close_call, quote = (
+        marker(text) for text in ("<|tool_call>", "<tool_call|>", '<|"|>')
+    )
+    rules = [f"g_q: {quote}", *_GEMMA4_VALUES]
+    calls = []
+    for i, tool in enumerate(tools):
+        name = _checked(tool["function"]["name"], _gemma4_name, "letters, digits, _ . or -")
+        keywords = [
+            (key, f"{json.dumps(key + ':')} {_gemma4_value(schema)}")
+            for key, schema in sorted(_properties(tool))
+            if _checked(key, _gemma4_key, "without blanks or :,{}[]<>")
+        ]
+        rules += _in_order(f"t{i}", keywords, _required(tool), '","')
+        calls.append(f'{json.dumps("call:" + name + "{")} t{i}_a0 "}}"')
+    more = " call*" if parallel else ""
+    head = f"start: call{more}\ncall: {open_call} one {close_call}\none: {' | '.join(calls)}\n"
+    return head + "\n".join(rules) + "\n"
+
+
+# Gemma 4's values as its template writes them (format_argument): a string between <|"|>
+# (g_q: the delimiter) without the delimiter, the call's end or a channel marker in it;
+# numbers as the parser types them (a float has a `.`; no exponent); true / false / None;
+# objects with bare keys; arrays.
+_GEMMA4_VALUES = [
+    r'G_TEXT: /(.|\n)*/ & ~/(.|\n)*(<\|"\|>|<tool_call\|>|<\|channel>|<channel\|>)(.|\n)*/',
+    r"G_INT: /-?(0|[1-9][0-9]*)/",
+    r"G_NUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?/",
+    r"G_KEY: /[A-Za-z_][A-Za-z0-9_]*/",
+    "g_str: g_q G_TEXT g_q",
+    'g_bool: "true" | "false"',
+    'g_value: g_str | G_NUM | g_bool | "None" | "[" (g_value ("," g_value)*)? "]"',
+    '    | "{" (G_KEY ":" g_value ("," G_KEY ":" g_value)*)? "}"',
+]
+
+
+def _gemma4_value(schema: dict) -> str:
+    """A value's Lark expression by its schema's type (an enum: one of its values)."""
+    if "enum" in schema:
+        return "(" + " | ".join(_gemma4_literal(v) for v in schema["enum"]) + ")"
+    kind = schema.get("type")
+    simple = {"string": "g_str", "integer": "G_INT", "number": "G_NUM", "boolean": "g_bool"}
+    simple["null"] = '"None"'
+    return simple.get(kind, "g_value") if isinstance(kind, str) else "g_value"
+
+
+def _gemma4_literal(value) -> str:
+    if isinstance(value, str):
+        return f"g_q {json.dumps(value, ensure_ascii=False)} g_q"
+    if isinstance(value, bool) or value is None:
+        return json.dumps({True: "true", False: "false", None: "None"}[value])
+    return json.dumps(json.dumps(value, ensure_ascii=False))
+
+
+def _gemma4_name(name: str) -> bool:
+    return re.fullmatch(r"[\w.\-]{1,128}", name) is not None
+
+
+def _gemma4_key(key: str) -> bool:
+    return bool(key) and not any(c in key for c in ":,{}[]<>") and not any(c.isspace() for c in key)
+
+
 def harmony_final(constraint: StructuredOutputs, marker: Callable[[str], str]) -> str:
     """The Lark grammar of an answer in harmony's final channel whose text fits constraint
     (a json, json_object, regex or choice one)."""
@@ -198,6 +266,7 @@ _OTHER_GRAMMARS = {
     "qwen3_coder": _qwen3_xml_grammar,
     "qwen3_xml": _qwen3_xml_grammar,
     "openai": _harmony_grammar,
+    "gemma4": _gemma4_grammar,
 }
 
 # Python literals as the pythonic parser reads them (ast.literal_eval): strings whose escapes
