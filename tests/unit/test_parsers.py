@@ -558,6 +558,8 @@ def test_gemma4_hostile_arguments_are_json_in_linear_time_and_never_raise():
     for _ in range(7):  # to the 16th container (the depth bound), the arguments' own first
         value = value["b"][0]
     assert isinstance(value["b"], str) and value["b"].startswith("[{b:[{b:[")
+    after_end = f"<|tool_call>call:add{{a:1}}{Q}x{Q}}}<tool_call|>ok"  # text after its `}`
+    assert parser(None, "gemma4").parse(after_end)[1:] == ("ok", [("add", '{"a": 1}')])
     reply = parser(None, "gemma4")
     events = reply.feed(f"<|tool_call>call:add{{a:{Q}")
     for _ in range(50_000):

@@ -107,7 +107,10 @@ class Gemma4Arguments:
             self._atom(char, out)
 
     def _atom(self, atom: str, out: list[str]) -> None:
-        """One character, or the string delimiter, read in the innermost container."""
+        """One character, or the string delimiter, read in the innermost container (none
+        once the arguments' own `}` is read: the rest is not read)."""
+        if self._done:
+            return
         frame = self._stack[-1]
         state = frame.state
         if state == _STRING:
