@@ -47,10 +47,13 @@ def load_model(
     plan = plan_quantization(cfg, model)
     if plan is not None and shard.size > 1:
         raise ValueError("quantized weights do not split over tensor-parallel ranks")
-    # Gemma 4's per-layer embedding read from its file's pages as tokens use them (CPU)
+    # Gemma 4's per-layer embedding read from its file's pages as tokens use them (CPU): a
+    # safetensors tensor mapped in its dtype, a GGUF's blocks dequantized row by row
     table = _per_layer_table(cfg) if device.type == "cpu" else None
+    rows = device.type == "cpu" and cfg.is_gguf and bool(cfg.parts.per_layer_input[0])
+    mapped = (f"{PER_LAYER_MODULE}.weight",) if table is not None or rows else ()
     if device.type == "cpu":  # before any storage: a model too large for memory says so
-        _check_fits(cfg, model, plan, mapped=() if table is None else (PER_LAYER_MODULE,))
+        _check_fits(cfg, model, plan, mapped=(PER_LAYER_MODULE,) if mapped else ())
     if plan is not None:  # quantized modules never get float storage
         plan.strip(model)
     # Real storage on the target device, in the model's dtype; weights are then copied in by
@@ -62,17 +65,16 @@ def load_model(
     if cfg.tie_word_embeddings and (plan is None or "lm_head" not in plan.specs):
         model.lm_head.weight = model.model.embed_tokens.weight  # _apply() made two tensors
     weights = tqdm(
-        iter_weights(cfg, plan, shard),
+        iter_weights(cfg, plan, shard, mapped),
         desc=f"Loading {cfg.path.name}",
         unit=" tensors",
         leave=False,
         disable=None,
     )
-    mapped = ()
     if table is not None:
         model.get_submodule(PER_LAYER_MODULE).weight = nn.Parameter(table, requires_grad=False)
-        mapped = (f"{PER_LAYER_MODULE}.weight",)
-        weights = ((n, t) for n, t in weights if n not in mapped)
+    if rows:
+        weights = _gguf_rows(model, weights)
     model.load_weights(weights if plan is None else plan.take(weights), loaded=mapped)
     if plan is not None:
         plan.install(model)
@@ -94,6 +96,19 @@ def load_model(
 PER_LAYER_MODULE = "model.embed_tokens_per_layer"
 
 
+def _gguf_rows(model: LlamaForCausalLM, weights) -> Iterator[tuple[str, Any]]:
+    """The weights but a GGUF's per-layer embedding, which comes in its blocks (iter_weights:
+    `mapped`) and becomes a table whose rows are dequantized as a step reads them."""
+    from conveyor.model.gemma4 import BlockRows
+
+    name = f"{PER_LAYER_MODULE}.weight"
+    for weight_name, tensor in weights:
+        if weight_name == name:
+            model.model.embed_tokens_per_layer = BlockRows(tensor.qtype, tensor.data)
+            continue
+        yield weight_name, tensor
+
+
 def _per_layer_table(cfg: ModelConfig) -> torch.Tensor | None:
     """Gemma 4's per-layer embedding mapped from the checkpoint's file in its stored dtype
     (model/gemma4.py converts the rows a step reads: the values of a converted table's): its
@@ -103,13 +118,16 @@ def _per_layer_table(cfg: ModelConfig) -> torch.Tensor | None:
     width, vocab = cfg.parts.per_layer_input
     if not width or cfg.is_gguf:
         return None
-    stored = f"{PER_LAYER_MODULE}.weight"
-    if cfg.text_of is not None:
-        stored = stored.replace("model.", "model.language_model.", 1)
-    table = map_safetensor(cfg.path, stored)
+    table = map_safetensor(cfg.path, _stored_name(cfg, f"{PER_LAYER_MODULE}.weight"))
     if table is None or tuple(table.shape) != (vocab, cfg.num_layers * width):
         return None
     return table
+
+
+def _stored_name(cfg: ModelConfig, name: str) -> str:
+    """A text model's weight name as its checkpoint stores it (a multimodal one's under its
+    language model)."""
+    return name.replace("model.", "model.language_model.", 1) if cfg.text_of else name
 
 
 def map_safetensor(folder: Path, name: str) -> torch.Tensor | None:
@@ -164,16 +182,21 @@ def _check_fits(
 
 
 def iter_weights(
-    cfg: ModelConfig, plan: QuantPlan | None = None, shard: TPShard | None = None
+    cfg: ModelConfig, plan: QuantPlan | None = None, shard: TPShard | None = None, mapped=()
 ) -> Iterator[tuple[str, Any]]:
     """(name, tensor) of every checkpoint weight; with a shard of size > 1, only this rank's
     slice of each split tensor. safetensors files are read slice by slice; a GGUF tensor is
-    dequantized whole from its memory map, then cut."""
+    dequantized whole from its memory map, then cut. `mapped`: weights read from the file's
+    map as a step needs them (Gemma 4's per-layer embedding: load_model), not read here; a
+    GGUF's come in their blocks (RawTensor)."""
     shard = shard or TPShard()
     if cfg.is_gguf:
         from conveyor.model.gguf_loader import iter_gguf_weights
 
         keep_raw = None if plan is None else plan.keep_raw
+        if mapped:
+            planned = keep_raw
+            keep_raw = lambda name: name in mapped or bool(planned and planned(name))  # noqa: E731
         weights = iter_gguf_weights(cfg.path, cfg.dtype, keep_raw)
         if cfg.parts.attn_gate:  # Qwen3.5's query and gate rows (read as floats)
             weights = _gated_queries(weights, cfg)
@@ -215,6 +238,8 @@ def iter_weights(
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
                 rename = _LANGUAGE_MODEL_NAMES + (rename or ())
                 skip = _NOT_LANGUAGE_MODEL + (skip or ())
+            if mapped:  # by their stored names (a multimodal checkpoint's language model's)
+                skip = (skip or ()) + tuple(_stored_name(cfg, name) for name in mapped)
             grouped = None if plan is None or shard.size > 1 else plan.keep_grouped
             stacked = family in _STACKED_FAMILIES or (
                 family == "granitemoehybrid" and any(cfg.parts.moe_layers)

@@ -49,3 +49,27 @@ def test_gemma4_per_layer_table_is_read_from_the_checkpoint_file_as_stored(tmp_p
                 [p[t].logprob for p, t in zip(out.logprobs, out.token_ids, strict=True)],
             )
     assert answers[True] == answers[False]
+
+
+def test_a_gguf_per_layer_table_stays_in_its_blocks_and_reads_the_rows_of_the_whole(tmp_path):
+    """A GGUF's per-layer embedding (Q6_K in llama.cpp's gemma-4-E2B files: 1.9 GB, 9.4 GB as
+    float32) is kept in its blocks, mapped from the file: the rows a step reads are the rows
+    of the tensor dequantized whole."""
+    import gguf
+    from gguf_util import write_gguf
+
+    from conveyor.model.gemma4 import BlockRows
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "gemma4")
+    path = write_gguf(hf_dir, tmp_path / "tiny-gemma4-Q8_0.gguf", "Q8_0")
+    reader = gguf.GGUFReader(path)
+    stored = next(t for t in reader.tensors if t.name == "per_layer_token_embd.weight")
+    whole = gguf.quants.dequantize(stored.data, stored.tensor_type)
+    with LLM(str(path)) as llm:
+        table = llm.engine.core.runner.model.model.embed_tokens_per_layer
+        assert isinstance(table, BlockRows), type(table)
+        assert table.qtype == gguf.GGMLQuantizationType.Q8_0
+        ids = torch.tensor([7, 3, 300, 7, 0])
+        assert torch.equal(table(ids), torch.from_numpy(whole[ids.numpy()]).float())
+        out = llm.generate([[5, 17, 33]], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
