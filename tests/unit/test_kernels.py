@@ -83,8 +83,9 @@ def test_decode_rows_match_reference(ops, dtype, num_heads, num_kv_heads, head_d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
-    "block_size,head_dim", [(16, 64), (16, 128), (32, 128), (8, 32), (32, 576)]
-)  # 576: latent attention's (kv_lora_rank 512 + 64 rope dims: model/mla.py)
+    "block_size,head_dim",
+    [(16, 64), (16, 128), (32, 128), (8, 32), (16, 256), (32, 512), (32, 576)],
+)  # 256 / 512: Gemma's; 576: latent attention's (kv_lora_rank 512 + 64 rope dims: model/mla.py)
 def test_mixed_decode_and_prefill_chunks_match_reference(ops, dtype, block_size, head_dim):
     seqs = [
         (0, 37),  # a whole prompt in one chunk

@@ -816,6 +816,11 @@ void dispatch_shape(const Inputs& in, int64_t num_seqs, const T* qp, const C* kc
   CONVEYOR_CASE(16, 128)
   CONVEYOR_CASE(32, 64)
   CONVEYOR_CASE(32, 128)
+  // Gemma 2 / 3's heads, and Gemma 4's sliding (256) and full (512) layers'
+  CONVEYOR_CASE(16, 256)
+  CONVEYOR_CASE(32, 256)
+  CONVEYOR_CASE(16, 512)
+  CONVEYOR_CASE(32, 512)
   // latent attention (model/mla.py): kv_lora_rank 512 + 64 rope dims, DeepSeek-V2 / V3's
   CONVEYOR_CASE(16, 576)
   CONVEYOR_CASE(32, 576)
