@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from conveyor.engine.streams import RequestStream
+from conveyor.entrypoints import parsers
 from conveyor.entrypoints.parsers import ParserNames
 from conveyor.entrypoints.parsers.events import (
     ContentDelta,
@@ -41,37 +42,6 @@ from conveyor.structured.params import StructuredOutputs
 from conveyor.structured.tools import parse_required
 
 DEFAULT_TOOL_PARSER = "hermes"  # conveyor's reading before parsers had names
-
-# The marker texts each parser reads. A family's tokenizer may make them special tokens,
-# which the detokenizer's skip_special_tokens removes before a parser could see them.
-_HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>")
-_HARMONY += ("<|return|>",)
-_THINK = ("<think>", "</think>")
-REASONING_MARKERS: dict[str, tuple[str, ...]] = {
-    "deepseek_r1": _THINK,
-    "deepseek_v3": _THINK,
-    "gemma4": ("<|channel>", "<channel|>", "<|tool_call>"),
-    "granite": (),
-    "mistral": ("[THINK]", "[/THINK]"),
-    "openai_gptoss": _HARMONY,
-    "qwen3": _THINK,
-    "think": _THINK,
-}
-_DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>")
-_DEEPSEEK_CALLS += ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
-TOOL_MARKERS: dict[str, tuple[str, ...]] = {
-    "deepseek_v3": _DEEPSEEK_CALLS,
-    "gemma4": ("<|tool_call>", "<tool_call|>", '<|"|>'),
-    "granite": ("<|tool_call|>", "<tool_call>", "</tool_call>"),
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "llama3_json": ("<|python_tag|>",),
-    "llama4_pythonic": ("<|python_start|>", "<|python_end|>"),
-    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
-    "openai": _HARMONY,
-    "pythonic": (),
-    "qwen3_coder": ("<tool_call>", "</tool_call>"),
-    "qwen3_xml": ("<tool_call>", "</tool_call>"),
-}
 
 
 class Usage(NamedTuple):
@@ -511,9 +481,9 @@ class Parsers:
         names = self.names
         found: tuple[str, ...] = ()
         if reasoning and names.reasoning is not None:
-            found += REASONING_MARKERS[names.reasoning]
+            found += parsers.REASONING_MARKERS[names.reasoning]
         if tools:
-            found += TOOL_MARKERS[names.tool_call or DEFAULT_TOOL_PARSER]
+            found += parsers.TOOL_MARKERS[names.tool_call or DEFAULT_TOOL_PARSER]
         return frozenset(found)
 
     def hidden(

@@ -565,3 +565,12 @@ def test_gemma4_hostile_arguments_are_json_in_linear_time_and_never_raise():
     for _ in range(50_000):
         events += reply.feed("}<tool_call" + "<|")  # never the delimiter, never the end
     assert json.loads(joined(events + reply.finish()).calls[0][1])["a"].startswith("}<tool_call<|")
+
+
+def test_every_parser_name_has_its_marker_texts():
+    """A name without an entry failed each of its requests with a 500 (a KeyError in the
+    pipeline), as a new parser's name did before its entry was added."""
+    from conveyor.entrypoints import parsers
+
+    assert set(parsers.REASONING_MARKERS) == set(parsers.REASONING_PARSERS)
+    assert set(parsers.TOOL_MARKERS) == set(parsers.TOOL_CALL_PARSERS)

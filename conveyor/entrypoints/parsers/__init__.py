@@ -39,6 +39,39 @@ TOOL_CALL_PARSERS: tuple[str, ...] = (
 )
 
 
+# The marker texts each parser reads, an entry per name above (a name without one failed every
+# request with a 500). A family's tokenizer may make them special tokens, which the
+# detokenizer's skip_special_tokens removes before a parser could see them.
+_HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>")
+_HARMONY += ("<|return|>",)
+_THINK = ("<think>", "</think>")
+REASONING_MARKERS: dict[str, tuple[str, ...]] = {
+    "deepseek_r1": _THINK,
+    "deepseek_v3": _THINK,
+    "gemma4": ("<|channel>", "<channel|>", "<|tool_call>"),
+    "granite": (),
+    "mistral": ("[THINK]", "[/THINK]"),
+    "openai_gptoss": _HARMONY,
+    "qwen3": _THINK,
+    "think": _THINK,
+}
+_DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>")
+_DEEPSEEK_CALLS += ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+TOOL_MARKERS: dict[str, tuple[str, ...]] = {
+    "deepseek_v3": _DEEPSEEK_CALLS,
+    "gemma4": ("<|tool_call>", "<tool_call|>", '<|"|>'),
+    "granite": ("<|tool_call|>", "<tool_call>", "</tool_call>"),
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": ("<|python_tag|>",),
+    "llama4_pythonic": ("<|python_start|>", "<|python_end|>"),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "openai": _HARMONY,
+    "pythonic": (),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+    "qwen3_xml": ("<tool_call>", "</tool_call>"),
+}
+
+
 def check_name(kind: str, name: str | None, names: tuple[str, ...]) -> str | None:
     """name itself when it is one of names (or None); else a ValueError listing the valid ones."""
     if name is None or name in names:
