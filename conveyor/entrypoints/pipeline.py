@@ -512,7 +512,7 @@ class Parsers:
         starts after marked reasoning does not)."""
         reasoning = None
         if self.names.reasoning is not None:
-            opened = not constrained and _opens_reasoning(prompt_text_tail)
+            opened = not constrained and _opens_reasoning(prompt_text_tail, self.names.reasoning)
             reasoning = reasoning_parser(self.names.reasoning, opened, template_kwargs)
             if constrained and self.names.reasoning in ("deepseek_r1", "deepseek_v3"):
                 reasoning = None  # these read reasoning the prompt opened even unmarked
@@ -557,6 +557,11 @@ def special_texts(tokenizer) -> frozenset[str]:
     return frozenset(specials | set(getattr(tokenizer, "all_special_tokens", ())))
 
 
-def _opens_reasoning(tail: str) -> bool:
-    """Whether a prompt ends inside a <think> block its template opened."""
-    return tail.rfind("<think>") > tail.rfind("</think>")
+def _opens_reasoning(tail: str, parser: str | None = None) -> bool:
+    """Whether a prompt ends inside a reasoning block its template opened: a <think> block, or
+    Gemma 4's channel block."""
+    opener, closer = _REASONING_BLOCKS.get(parser, ("<think>", "</think>"))
+    return tail.rfind(opener) > tail.rfind(closer)
+
+
+_REASONING_BLOCKS = {"gemma4": ("<|channel>", "<channel|>")}

@@ -348,6 +348,12 @@ def test_a_prompt_that_opens_the_reasoning_makes_the_reply_start_in_it():
     assert reply.parse("hm</think>Paris.")[:2] == ("hm", "Paris.")
     constrained = Parsers(ParserNames("qwen3")).for_request(None, 16, "<think>\n", True)
     assert constrained.parse('{"a": 1}')[:2] == (None, '{"a": 1}')
+    # Gemma 4's channel block: opened by the prompt, or opened and closed there
+    gemma4 = Parsers(ParserNames("gemma4"))
+    opened = gemma4.for_request(None, 16, "<|turn>model\n<|channel>thought\n")
+    assert opened.parse("hm<channel|>Paris.")[:2] == ("hm", "Paris.")
+    closed = gemma4.for_request(None, 16, "<|turn>model\n<|channel>thought\n<channel|>")
+    assert closed.parse("Paris.")[:2] == (None, "Paris.")
 
 
 def test_deep_or_huge_replies_are_content_in_linear_time():
