@@ -13,6 +13,7 @@ An entry is plain JSON, written atomically; one that cannot be read is resolved 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from conveyor.paths import cache_dir, write_atomic
 
-FORMAT = 8  # bump when what an entry holds changes
+FORMAT = 9  # bump when what an entry holds changes (the code that resolves it counts too)
 # Weights and other large files are not what transformers resolves a config or tokenizer from.
 WEIGHT_SUFFIXES = frozenset(
     {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz"}
@@ -31,8 +32,10 @@ MAX_HASHED_BYTES = 64 << 20  # a larger file counts by its size and modification
 
 
 def folder_digest(folder: Path) -> str:
-    """A hash of the folder's non-weight files (names and bytes) and the transformers version."""
-    digest = hashlib.sha256(f"{FORMAT}|{_transformers_version()}".encode())
+    """A hash of the folder's non-weight files (names and bytes), the transformers version and
+    the source of the modules that resolve them: an entry made by other code (an older
+    conveyor's, or a working copy's before an edit) is never read back."""
+    digest = hashlib.sha256(f"{FORMAT}|{_transformers_version()}|{_code_digest()}".encode())
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if not entry.is_file() or Path(entry.name).suffix in WEIGHT_SUFFIXES:
             continue
@@ -62,6 +65,19 @@ def cached(kind: str, folder: Path, compute: Callable[[], dict]) -> dict:
     except OSError:
         pass  # a read-only cache only costs the next start the same time
     return value
+
+
+# The modules whose code decides what an entry holds (a family's Parts, a GGUF's config).
+RESOLVING_MODULES = ("config.py", "model/config.py", "model/families.py", "model/gguf_config.py")
+
+
+@functools.cache
+def _code_digest() -> str:
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for name in RESOLVING_MODULES:
+        digest.update((package / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _root() -> Path:

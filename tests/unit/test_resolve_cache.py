@@ -149,3 +149,20 @@ def test_a_start_that_reads_them_back_imports_no_config_class(tiny_checkpoint, c
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=os.environ.copy())
+
+
+def test_an_entry_made_by_other_code_is_resolved_again(tiny_checkpoint, cache, monkeypatch):
+    """The code that resolves a config counts in its key: an older conveyor's entry (or a
+    working copy's before an edit to model/config.py) is not read back as this code's."""
+    from conveyor.model import resolve_cache
+
+    path = tiny_checkpoint("llama")
+    ModelConfig.from_hf(str(path), dtype="float32")
+    assert len(entries(cache, "model")) == 1
+    resolve_cache._code_digest.cache_clear()
+    monkeypatch.setattr(resolve_cache, "RESOLVING_MODULES", ("model/llama.py",))
+    try:
+        ModelConfig.from_hf(str(path), dtype="float32")
+    finally:
+        resolve_cache._code_digest.cache_clear()
+    assert len(entries(cache, "model")) == 2
