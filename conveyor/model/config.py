@@ -357,8 +357,10 @@ def _language_model(hf, stored: list[str]):
     text.tie_word_embeddings = not any(name.endswith("lm_head.weight") for name in stored)
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(hf, "dtype", None)
-    if getattr(text, "eos_token_id", None) is None:
-        text.eos_token_id = getattr(hf, "eos_token_id", None)
+    if getattr(hf, "eos_token_id", None) is not None:
+        # the multimodal model's, as its generate stops (Gemma 4's [1, 106]: the end of a
+        # turn too, where its text config names only 1)
+        text.eos_token_id = hf.eos_token_id
     return text
 
 

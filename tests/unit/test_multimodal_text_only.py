@@ -1,5 +1,5 @@
 """Multimodal checkpoints served text-only (model/config.py MULTIMODAL_TEXT_ONLY: Gemma 3 from
-4B up, Mistral Small 3.1 / 3.2, LLaVA, Qwen2.5-VL, Qwen3-VL): the language model inside is
+4B up, Gemma 4, Mistral Small 3.1 / 3.2, LLaVA, Qwen2.5-VL, Qwen3-VL): the language model inside is
 read under the text model's names and computed as its family (tests/equivalence/
 test_families.py: equal to transformers' multimodal model on text in float64), the vision
 tower and projector are never read, the processor's chat template (chat_template.json) is the
@@ -25,7 +25,8 @@ TEMPLATE = (
 
 
 @pytest.mark.parametrize(
-    "arch", ["gemma3-vlm", "mistral3-vlm", "llava", "qwen2_5-vl", "qwen3-vl", "qwen3-vl-moe"]
+    "arch",
+    ["gemma3-vlm", "gemma4-vlm", "mistral3-vlm", "llava", "qwen2_5-vl", "qwen3-vl", "qwen3-vl-moe"],
 )
 def test_the_vision_tower_is_not_read_and_the_processors_template_is_taken(tmp_path, arch):
     path = make_tiny_checkpoint(tmp_path / arch, arch)
@@ -86,3 +87,16 @@ def test_stacked_experts_read_in_either_form(tmp_path):
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append([out.outputs[0].token_ids for out in got])
     assert runs == [expected, expected]
+
+
+def test_a_multimodal_configs_end_of_sequence_ids_are_those_its_generate_stops_at(tmp_path):
+    """Gemma 4's releases name [1, 106] (the end of a turn too) in the multimodal config and 1
+    alone in its text config: transformers' generate of the multimodal model stops at both."""
+    path = make_tiny_checkpoint(tmp_path / "gemma4-vlm", "gemma4-vlm")
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = [2, 106]
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").unlink(missing_ok=True)
+    assert AutoConfig.from_pretrained(path).get_text_config().eos_token_id == 2
+    with LLM(str(path), dtype="float32") as llm:
+        assert set(llm.engine.model_config.eos_token_ids) == {2, 106}
