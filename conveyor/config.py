@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
+    "Gemma3nForCausalLM": "gemma3n",
     "Phi3ForCausalLM": "phi3",
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",

@@ -108,6 +108,22 @@ FAMILIES = {
                                 rope_theta=10000.0),
         ),
     ),
+    "gemma3n": dict(  # Gemma 3n E2B / E4B's layer on AltUp's streams (three here, the
+        # active one not the first): Laurel beside attention, the gaussian top-k on the first
+        # two layers' MLP gates, MLP widths per layer (one not whole vectors), the last two
+        # layers reading the first two's caches, per-layer inputs from a table shorter than
+        # the vocabulary (later tokens read its row 0); soft-capped logits
+        architectures=["Gemma3nForCausalLM"], model_type="gemma3n_text", head_dim=16,
+        num_hidden_layers=4, intermediate_size=[128, 100, 128, 100], sliding_window=6,
+        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.95, 0.6, 0.0, 0.0], altup_num_inputs=3,
+        altup_active_idx=1, laurel_rank=8, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=300, final_logit_softcapping=30.0, tie_word_embeddings=True,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=100.0),
+            full_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     "phi3": dict(
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=11,
         original_max_position_embeddings=512,
@@ -473,8 +489,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         kwargs.update(tie_word_embeddings=True)
     if "kv_lora_rank" in kwargs:  # latent attention: every head reads the one latent
         kwargs.update(num_key_value_heads=kwargs["num_attention_heads"])
-    if "num_hidden_layers" in FAMILIES.get(arch, {}):  # a family's own layer count
-        kwargs.update(num_hidden_layers=FAMILIES[arch]["num_hidden_layers"])
+    for key in ("num_hidden_layers", "intermediate_size"):  # a family's own count, widths
+        if key in FAMILIES.get(arch, {}):
+            kwargs[key] = FAMILIES[arch][key]
     if arch in HYBRIDS:  # three delta nets, then attention
         kwargs.update(num_hidden_layers=len(kwargs.get("layer_types") or range(4)))
     kwargs.update(overrides)
@@ -513,7 +530,7 @@ def make_tiny_checkpoint(
     if arch in FAMILIES or arch in HYBRIDS:  # norms away from 1 (Gemma's 0): each one counts
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "norm" in name:
+                if "norm" in name or name.endswith("correct_output_scale"):  # Gemma 3n's: 0
                     param.add_(0.2 * torch.randn_like(param))
                 mamba = ".mamba." in name or ".mixer." in name  # Granite's, Nemotron-H's
                 if mamba and name.rpartition(".")[2] in ("A_log", "D", "dt_bias"):

@@ -148,6 +148,8 @@ def check_tensor_parallel(cfg, size: int) -> None:
         problems.append("its q/k norms over all heads at once")
     if parts is not None and parts.family == "gemma4":
         problems.append("Gemma 4's per-layer heads, shared caches and per-layer inputs")
+    if parts is not None and parts.family == "gemma3n":
+        problems.append("Gemma 3n's AltUp streams, shared caches and per-layer inputs")
     if problems:
         raise ValueError(
             f"tensor_parallel_size={size} does not divide {' or '.join(problems)}; "

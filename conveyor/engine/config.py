@@ -69,6 +69,11 @@ class EngineConfig:
                 "enable_lora: LoRA adapters on Gemma 4 are not supported (its layers' heads "
                 "differ in size and its shared-cache layers have no key or value projection)"
             )
+        if lora_config is not None and model_config.parts.family == "gemma3n":
+            raise ValueError(
+                "enable_lora: LoRA adapters on Gemma 3n are not supported (its layers run on "
+                "AltUp's streams and its shared-cache layers have no key or value projection)"
+            )
         if lora_config is not None and any(model_config.parts.moe_layers):
             raise ValueError(
                 "enable_lora: LoRA adapters on a mixture-of-experts model are not supported "

@@ -513,8 +513,10 @@ def _norm_eps(hf, arch: str) -> float:
 def _mlp_width(hf) -> int:
     """The dense MLP's width: intermediate_size, or LFM2's adjusted from it as transformers
     adjusts it (2/3 of it, times block_ffn_dim_multiplier, rounded up to block_multiple_of);
-    0 for Qwen3.5-MoE, which has no dense MLP nor a size for one."""
-    width = int(getattr(hf, "intermediate_size", None) or 0)
+    0 for Qwen3.5-MoE, which has no dense MLP nor a size for one; the widest of per-layer
+    widths (Gemma 3n's list: Parts.mlp_sizes)."""
+    width = getattr(hf, "intermediate_size", None) or 0
+    width = max(width) if isinstance(width, list | tuple) else int(width)
     if getattr(hf, "model_type", None) == "granitemoehybrid":  # its MLP is the shared_mlp
         return int(hf.shared_intermediate_size)
     if getattr(hf, "block_auto_adjust_ff_dim", False):

@@ -190,6 +190,13 @@ class Parts:
     mlp_sizes: tuple[int, ...] = ()  # per layer: the MLP's width where it varies (double-wide)
     moe_beside_mlp: bool = False  # a mixture of experts whose output is added to the MLP's
     layer_scalar: bool = False  # a stored scalar multiplies each layer's output
+    # Gemma 3n (model/gemma3n.py): AltUp's (parallel streams, the one the layer computes on);
+    # its correct_output_scale applied to that stream; Laurel's rank; per layer the gate's
+    # gaussian top-k sparsity, 0 none (empty: none on any layer)
+    altup: tuple[int, int] = (0, 0)
+    altup_correct_scale: bool = False
+    laurel_rank: int = 0
+    activation_sparsity: tuple[float, ...] = ()
 
     def heads(self, layer: int, default: tuple[int, int]) -> tuple[int, int]:
         """(head_dim, num_kv_heads) of a layer's attention; `default`: the model's."""
@@ -314,9 +321,7 @@ def _gemma4(hf, head_dim: int, local_rope: Callable) -> dict:
     types = list(hf.layer_types)
     count = len(types)
     modes = hf.kv_sharing_modes
-    first_shared = count - int(getattr(hf, "num_kv_shared_layers", 0) or 0)
-    producer = {t: max(i for i in range(first_shared) if types[i] == t) for t in set(types)}
-    sources = tuple(i if modes[i] != "reuse" else producer[types[i]] for i in range(count))
+    sources = _kv_sources(hf)
     layer = [hf.per_layer_config[i] for i in range(count)]
     heads = tuple((int(c.head_dim), int(c.num_key_value_heads)) for c in layer)
     full = [t == "full_attention" for t in types]
@@ -340,11 +345,63 @@ def _gemma4(hf, head_dim: int, local_rope: Callable) -> dict:
         ropes=tuple(0 if f else 1 for f in full),
         local_rope_inv_freq=local_rope(hf, head_dim),
         layer_heads=heads if len(set(heads)) > 1 else (),
-        kv_sources=sources if sources != tuple(range(count)) else (),
+        kv_sources=sources,
         value_is_key=tuple(f and bool(hf.attention_k_eq_v) for f in full),
         per_layer_input=(per_layer, int(hf.vocab_size_per_layer_input)) if per_layer else (0, 0),
         mlp_sizes=tuple(inner * (2 if wide and m == "reuse" else 1) for m in modes),
         layer_scalar=True,
+    )
+
+
+def _kv_sources(hf) -> tuple[int, ...]:
+    """Per layer the layer whose cache it reads (Gemma 3n's and 4's kv_sharing_modes): the
+    last num_kv_shared_layers read the last earlier layer of their kind; empty: none does."""
+    types = list(hf.layer_types)
+    count, modes = len(types), hf.kv_sharing_modes
+    first_shared = count - int(getattr(hf, "num_kv_shared_layers", 0) or 0)
+    producer = {t: max(i for i in range(first_shared) if types[i] == t) for t in set(types)}
+    sources = tuple(i if modes[i] != "reuse" else producer[types[i]] for i in range(count))
+    return sources if sources != tuple(range(count)) else ()
+
+
+def _gemma3n(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Gemma 3n: Gemma 4's attention (q, k and weightless v norms, unscaled scores, the last
+    num_kv_shared_layers reading earlier caches) with one head size, Gemma 3's RoPE per kind of
+    layer; AltUp's parallel streams around each layer, Laurel's low-rank residual beside
+    attention, a gaussian top-k on the first layers' MLP gates, per-layer inputs (always);
+    soft-capped logits."""
+    widths = [int(w) for w in hf.intermediate_size]
+    sparsity = tuple(float(s) for s in hf.activation_sparsity_pattern)
+    per_layer = int(hf.hidden_size_per_layer_input or 0)
+    for name, bad in (
+        ("attention_bias", bool(getattr(hf, "attention_bias", False))),
+        ("use_bidirectional_attention", bool(getattr(hf, "use_bidirectional_attention", 0))),
+        ("hidden_size_per_layer_input 0", per_layer <= 0),
+        ("altup_active_idx", not 0 <= int(hf.altup_active_idx) < int(hf.altup_num_inputs)),
+    ):
+        if bad:
+            raise ValueError(f"unsupported {name} for gemma3n")
+    if any(not 0 <= s < 1 for s in sparsity):
+        raise ValueError(f"unsupported activation_sparsity_pattern {list(sparsity)} for gemma3n")
+    return dict(
+        _gemma1(hf, head_dim, local_rope),
+        embed_scale=hf.hidden_size**0.5,  # rounded to the model dtype (model/llama.py)
+        norm_offset=False,
+        norm_float32_scale=True,
+        norms=SANDWICH_NORMS,
+        attn_scale=1.0,
+        final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        qk_norm="head",
+        v_norm=True,
+        ropes=tuple(1 if t == "sliding_attention" else 0 for t in hf.layer_types),
+        local_rope_inv_freq=local_rope(hf, head_dim),
+        kv_sources=_kv_sources(hf),
+        per_layer_input=(per_layer, int(hf.vocab_size_per_layer_input)),
+        mlp_sizes=tuple(widths) if len(set(widths)) > 1 else (),
+        altup=(int(hf.altup_num_inputs), int(hf.altup_active_idx)),
+        altup_correct_scale=bool(hf.altup_correct_scale),
+        laurel_rank=int(hf.laurel_rank),
+        activation_sparsity=sparsity if any(sparsity) else (),
     )
 
 
@@ -828,6 +885,7 @@ _BUILDERS = {
     "gemma2": _gemma,
     "gemma3": _gemma3,
     "gemma4": _gemma4,
+    "gemma3n": _gemma3n,
     "olmo2": lambda hf, head_dim, local_rope: dict(norms=OUTPUT_NORMS, qk_norm="full"),
     "glm4": lambda hf, head_dim, local_rope: dict(norms=GLM4_NORMS),
     # GLM-4.5's attention: partial rotary (rotate-half on its first dims), q/k/v biases, per-head
@@ -871,7 +929,7 @@ def _refuse_unsupported(hf, family: str) -> None:
     """Settings inside a supported family that conveyor does not compute: refused by name."""
     act = getattr(hf, "hidden_act", None) or "silu"
     supported = "relu2" if family == "arcee" else "silu"
-    if family not in ("gemma", "gemma2", "gemma3", "gemma4"):
+    if family not in ("gemma", "gemma2", "gemma3", "gemma4", "gemma3n"):
         if act != supported:
             raise ValueError(
                 f"unsupported hidden_act {act!r} for {family}; supported: {supported!r}"

@@ -179,24 +179,30 @@ class Gemma4DecoderLayer(nn.Module):
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(experts)
         x = x + self.post_feedforward_layernorm(h)
         if self.per_layer:
-            gate = _activation(self.act, self.per_layer_input_gate(x))
+            gate = activation(self.act, self.per_layer_input_gate(x))
             h = self.per_layer_projection(gate * state.per_layer[:, self.index])
             x = x + self.post_per_layer_input_norm(h)
         return x * self.layer_scalar
 
 
-def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    """act(x) of a (T, W) matrix, each row's values the same bits whatever T: ATen computes a
-    contiguous tensor's last elements (past its last whole pair of vectors) with the scalar
-    function, whose bits may differ from the vector one's, so rows are padded to a multiple
-    of 64 values (every row whole vectors) where W is not."""
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """act(x) of a (T, W) matrix (gelu_tanh or silu), each row's values the same bits whatever
+    T (whole_vectors)."""
+    if name == "gelu_tanh":
+        return whole_vectors(lambda h: nn.functional.gelu(h, approximate="tanh"), x)
+    return whole_vectors(nn.functional.silu, x)
+
+
+def whole_vectors(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x), an elementwise function of a (T, W) matrix, each row's values the same bits
+    whatever T: ATen computes a contiguous tensor's last elements (past its last whole pair of
+    vectors) with the scalar function, whose bits may differ from the vector one's, so rows
+    are padded to a multiple of 64 values (every row whole vectors) where W is not."""
     width = x.shape[-1]
     pad = -width % 64
     if pad:
         x = nn.functional.pad(x, (0, pad))
-    out = (
-        nn.functional.gelu(x, approximate="tanh") if name == "gelu_tanh" else nn.functional.silu(x)
-    )
+    out = fn(x)
     return out[:, :width] if pad else out
 
 

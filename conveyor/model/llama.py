@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from conveyor.distributed.parallel import TPGroup
+from conveyor.model import gemma3n
 from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionKind, AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
@@ -330,11 +331,15 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(_decoder_layer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg.parts, cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.parts.per_layer_input[0]:  # Gemma 4's
+        if cfg.parts.per_layer_input[0]:  # Gemma 4's and 3n's
             add_per_layer_inputs(self, cfg)
+        if cfg.parts.altup[0]:  # Gemma 3n's
+            gemma3n.add_altup_projections(self, cfg)
 
 
 def _decoder_layer(cfg: ModelConfig, tp: TPGroup, index: int) -> nn.Module:
+    if cfg.parts.family == "gemma3n":
+        return gemma3n.Gemma3nDecoderLayer(cfg, tp, index)
     if cfg.parts.family != "gemma4":
         return LlamaDecoderLayer(cfg, tp, index)
     width = cfg.parts.mlp_sizes[index] if cfg.parts.mlp_sizes else 0
@@ -397,6 +402,8 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids)  # (T, hidden)
         if self.config.parts.family == "gemma4":
             return self._gemma4_layers(x, input_ids, positions, kv_caches, meta)
+        if self.config.parts.family == "gemma3n":
+            return self._gemma3n_layers(x, input_ids, positions, kv_caches, meta)
         if self.config.parts.embed_scale != 1.0:
             x = x * self.config.parts.embed_scale
         # once per step, for every layer
@@ -429,6 +436,18 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, ropes, self.rotaries, kv_cache, meta, state)
         return self.model.norm(x)
+
+    def _gemma3n_layers(self, x, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """Gemma 3n's layers (model/gemma3n.py) over AltUp's streams, which hand on per-layer
+        inputs and keys and values as Gemma 4's do: as modules, no compiled form."""
+        x = x * torch.tensor(self.config.parts.embed_scale, dtype=x.dtype)  # as Gemma 4's
+        ropes = [RopeRows(*rotary.rows(positions)) for rotary in self.rotaries]
+        per_layer = gemma3n.per_layer_inputs(self.model, self.config, input_ids, x)
+        state = StepState(per_layer, {})
+        streams = gemma3n.spread(self.model, x)  # (S, T, hidden)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            streams = layer(streams, ropes, self.rotaries, kv_cache, meta, state)
+        return self.model.norm(gemma3n.merge(self.model, streams))
 
     def _compiled_form(self, x: torch.Tensor, meta: AttentionMetadata) -> int | None:
         """How the layers' projections run when the step's layers run as one compiled call

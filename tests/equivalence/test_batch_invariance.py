@@ -535,7 +535,7 @@ def test_a_mixture_of_experts_is_batch_invariant(request, monkeypatch, name):
         assert routes.overlapping_and_disjoint() == (True, True)
 
 
-# ---- layers that run as modules: latent attention, Gemma 4 ----------------------------------
+# ---- layers that run as modules: latent attention, Gemma 4 and 3n --------------------------
 
 
 @pytest.fixture(scope="module")
@@ -543,7 +543,8 @@ def module_families(tmp_path_factory) -> dict:
     """Tiny checkpoints (tests/tiny.py FAMILIES) whose layers have no compiled form:
     DeepSeek-V3's latent attention (q_lora_rank, the latent and rope key cached, each head's
     query absorbed per head, a dense layer then a mixture); Gemma 4's per-layer heads, shared
-    caches and per-layer inputs; Gemma 4's experts beside the MLP and values from the keys."""
+    caches and per-layer inputs; Gemma 4's experts beside the MLP and values from the keys;
+    Gemma 3n's AltUp streams, Laurel and gaussian top-k gates."""
     from tiny import make_tiny_checkpoint
 
     paths = {}
@@ -556,7 +557,7 @@ def module_families(tmp_path_factory) -> dict:
     return path
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "gemma4", "gemma4-moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma4", "gemma4-moe", "gemma3n"])
 def test_module_run_layers_are_batch_invariant(module_families, family):
     """In float32: each request alone against batched in chunks of 32, from the warm prefix
     cache and preempted in a small cache, compared with ==."""

@@ -182,6 +182,7 @@ def test_a_shared_memory_wait_ends_when_a_peer_is_gone_or_late():
         ("olmo2", "q/k norms over all heads"),
         ("gpt_oss", "biased row-parallel projections"),
         ("gemma4", "Gemma 4's per-layer heads"),
+        ("gemma3n", "Gemma 3n's AltUp streams"),
     ],
 )
 def test_a_family_that_does_not_split_yet_is_refused_with_the_reason(tmp_path, family, reason):

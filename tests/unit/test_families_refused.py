@@ -53,11 +53,13 @@ def test_the_mixtures_of_experts_are_supported():
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
         ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
         ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "moe"]}, "mlp_layer_types"),
+        ("gemma3n", {"attention_bias": True}, "attention_bias for gemma3n"),
+        ("gemma3n", {"altup_active_idx": 3}, "altup_active_idx"),
     ],
     ids=["dynamic-rope", "activation", "mlp-bias", "bidirectional", "mamba-proj-bias",
          "granite-layer-type", "nemotron-latent-moe", "nemotron-mlp-first",
          "nemotron-window", "deepseek-v2-router", "deepseek-biased-latents",
-         "glm-lite-mlp-type"],
+         "glm-lite-mlp-type", "gemma3n-biased-attention", "gemma3n-active-stream"],
 )  # fmt: skip
 def test_a_setting_the_family_does_not_compute_is_refused_by_name(tmp_path, family, fields, named):
     path = edited(make_tiny_checkpoint(tmp_path, family), **fields)
@@ -127,4 +129,12 @@ def test_lora_on_gemma4_is_refused_by_name(tmp_path):
 
     path = make_tiny_checkpoint(tmp_path, "gemma4")
     with pytest.raises(ValueError, match="LoRA adapters on Gemma 4"):
+        LLM(str(path), dtype="float32", enable_lora=True)
+
+
+def test_lora_on_gemma3n_is_refused_by_name(tmp_path):
+    from conveyor import LLM
+
+    path = make_tiny_checkpoint(tmp_path, "gemma3n")
+    with pytest.raises(ValueError, match="LoRA adapters on Gemma 3n"):
         LLM(str(path), dtype="float32", enable_lora=True)
