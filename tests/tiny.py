@@ -40,6 +40,24 @@ ARCHS = {
 }
 
 
+# Gemma 3n E2B / E4B's layer on AltUp's streams (three here, the active one not the first):
+# Laurel beside attention, the gaussian top-k on the first two layers' MLP gates, MLP widths
+# per layer (one not whole vectors), the last two layers reading the first two's caches,
+# per-layer inputs from a table shorter than the vocabulary (later tokens read its row 0);
+# soft-capped logits
+GEMMA3N_TEXT = dict(
+    head_dim=16, num_hidden_layers=4, intermediate_size=[128, 100, 128, 100], sliding_window=6,
+    num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
+    activation_sparsity_pattern=[0.95, 0.6, 0.0, 0.0], altup_num_inputs=3, altup_active_idx=1,
+    laurel_rank=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=300,
+    final_logit_softcapping=30.0, tie_word_embeddings=True,
+    rope_parameters=dict(
+        sliding_attention=dict(rope_type="default", rope_theta=100.0),
+        full_attention=dict(rope_type="default", rope_theta=10000.0),
+    ),
+)  # fmt: skip
+
+
 # The families beyond Llama's four (model/families.py), each with the mechanisms it brings set
 # small enough that the tests' prompts (up to 70 tokens) run past every window.
 FAMILIES = {
@@ -108,22 +126,8 @@ FAMILIES = {
                                 rope_theta=10000.0),
         ),
     ),
-    "gemma3n": dict(  # Gemma 3n E2B / E4B's layer on AltUp's streams (three here, the
-        # active one not the first): Laurel beside attention, the gaussian top-k on the first
-        # two layers' MLP gates, MLP widths per layer (one not whole vectors), the last two
-        # layers reading the first two's caches, per-layer inputs from a table shorter than
-        # the vocabulary (later tokens read its row 0); soft-capped logits
-        architectures=["Gemma3nForCausalLM"], model_type="gemma3n_text", head_dim=16,
-        num_hidden_layers=4, intermediate_size=[128, 100, 128, 100], sliding_window=6,
-        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
-        activation_sparsity_pattern=[0.95, 0.6, 0.0, 0.0], altup_num_inputs=3,
-        altup_active_idx=1, laurel_rank=8, hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=300, final_logit_softcapping=30.0, tie_word_embeddings=True,
-        rope_parameters=dict(
-            sliding_attention=dict(rope_type="default", rope_theta=100.0),
-            full_attention=dict(rope_type="default", rope_theta=10000.0),
-        ),
-    ),
+    "gemma3n": dict(architectures=["Gemma3nForCausalLM"], model_type="gemma3n_text",
+                    **GEMMA3N_TEXT),
     "phi3": dict(
         architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=11,
         original_max_position_embeddings=512,
@@ -302,6 +306,11 @@ FAMILIES = {
             ),
         ),
         vision_config=dict(model_type="gemma4_vision", patch_size=14, head_dim=16),
+    ),
+    # gemma-3n-E2B / -E4B as released: no vision config given (transformers' default: its
+    # tower is timm's, never built here, see Gemma3nRelease)
+    "gemma3n-vlm": dict(
+        model_type="gemma3n", text_config=dict(model_type="gemma3n_text", **GEMMA3N_TEXT)
     ),
     "mistral3-vlm": dict(
         model_type="mistral3", tie_word_embeddings=False,
@@ -503,16 +512,59 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             if k in kwargs
         }
         outer["text_config"] = {**kwargs, **outer["text_config"]}
-        outer["vision_config"] = {**TINY_VISION, **outer["vision_config"]}
+        if "vision_config" in outer:
+            outer["vision_config"] = {**TINY_VISION, **outer["vision_config"]}
         for key in ("tie_word_embeddings", "eos_token_id", "pad_token_id"):
             outer[key] = outer["text_config"][key]
         return AutoConfig.for_model(model_type, **outer)
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+class Gemma3nRelease:
+    """Gemma3nForConditionalGeneration (gemma-3n-E2B, -E4B as released) as a tiny checkpoint:
+    its vision tower is timm's, not installed here, so transformers cannot build the whole
+    model. Its language model (Gemma3nForCausalLM, its lm_head tied to the embedding as the
+    release's) is saved under the release's names beside stand-ins for the towers' and their
+    embedders' tensors, and transformers' Gemma3nForCausalLM reads it back from them (its
+    model.language_model. as model.): the reference."""
+
+    @staticmethod
+    def from_config(config, dtype):
+        return AutoModelForCausalLM.from_config(_tied_text(config), dtype=dtype)
+
+    @staticmethod
+    def from_pretrained(path, **kwargs):
+        config = _tied_text(AutoConfig.from_pretrained(path))
+        return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+
+    @staticmethod
+    def save(model, config, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        state = {
+            name.replace("model.", "model.language_model.", 1): tensor.contiguous()
+            for name, tensor in model.state_dict().items()
+            if name != "lm_head.weight"
+        }
+        for tower in ("vision_tower.timm_model", "audio_tower", "embed_vision", "embed_audio"):
+            state[f"model.{tower}.stand_in.weight"] = torch.ones(4, 4, dtype=torch.float64)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        config.architectures = ["Gemma3nForConditionalGeneration"]
+        config.save_pretrained(path)
+
+
+def _tied_text(config):
+    text = config.text_config
+    text.tie_word_embeddings = True
+    return text
+
+
 def auto_class(config):
     """transformers' class for a tiny config: a causal LM, or an image-text-to-text model for
-    a multimodal one (Gemma 3's is both)."""
+    a multimodal one (Gemma 3's is both); Gemma 3n's release: Gemma3nRelease."""
+    if getattr(config, "model_type", None) == "gemma3n":
+        return Gemma3nRelease
     if hasattr(config, "text_config"):
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
@@ -526,7 +578,8 @@ def make_tiny_checkpoint(
     vocab_size = overrides.pop("vocab_size", len(tokenizer))  # more: a padded vocabulary
     config = tiny_config(arch, vocab_size, **overrides)
     torch.manual_seed(seed)
-    model = auto_class(config).from_config(config, dtype=torch.float64)
+    kind = auto_class(config)
+    model = kind.from_config(config, dtype=torch.float64)
     if arch in FAMILIES or arch in HYBRIDS:  # norms away from 1 (Gemma's 0): each one counts
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -542,7 +595,10 @@ def make_tiny_checkpoint(
                 if name.endswith("e_score_correction_bias"):
                     param.copy_(0.1 * torch.randn_like(param))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kwargs)
+    if kind is Gemma3nRelease:
+        Gemma3nRelease.save(model, config, path)
+    else:
+        model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)
     return path
 

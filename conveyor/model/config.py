@@ -317,6 +317,7 @@ def hf_config(folder: Path, hf_overrides: dict[str, Any] | None = None):
 MULTIMODAL_TEXT_ONLY = (
     "Gemma3ForConditionalGeneration",
     "Gemma4ForConditionalGeneration",
+    "Gemma3nForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",

@@ -35,8 +35,8 @@ TOLERANCE.update(dict.fromkeys(MLA, 2e-5))
 # Multimodal checkpoints whose language model is a family the battery runs whole: its layers
 # are that family's, only their reading differs, so one step against transformers suffices.
 READ_ONLY_VARIANTS = (
-    "gemma3-vlm", "gemma4-vlm", "mistral3-vlm", "llava", "qwen2-vl", "qwen2_5-vl", "qwen3-vl",
-    "qwen3-vl-moe",
+    "gemma3-vlm", "gemma4-vlm", "gemma3n-vlm", "mistral3-vlm", "llava", "qwen2-vl",
+    "qwen2_5-vl", "qwen3-vl", "qwen3-vl-moe",
 )  # fmt: skip
 _CASES: dict = {}
 
