@@ -48,7 +48,11 @@ def _norm(size: int, eps: float) -> RMSNorm:
 def row_mean(x: torch.Tensor) -> torch.Tensor:
     """(..., 1): each row's mean, its values added pairwise by elementwise adds (one order
     whatever the rows: ATen's reduction over the last dim may split a row by the tensor's
-    size); the row zero-padded to a power of two."""
+    size); the row zero-padded to a power of two. A 16-bit row is added in float32 (as ATen
+    accumulates it), the mean rounded to its dtype."""
+    dtype = x.dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        return row_mean(x.float()).to(dtype)
     width = x.shape[-1]
     size = 1 << (width - 1).bit_length()
     if size != width:
