@@ -214,10 +214,11 @@ def add_altup_projections(model: nn.Module, cfg: ModelConfig) -> None:
 
 def per_layer_inputs(model: nn.Module, cfg: ModelConfig, input_ids, embeds) -> torch.Tensor:
     """Gemma 4's (model/gemma4.py), a token past the per-layer table (an image's or audio's)
-    reading its row 0, as transformers' get_per_layer_inputs."""
+    reading its row 0, as transformers' get_per_layer_inputs, the scales rounded to the model
+    dtype (its buffers')."""
     vocab = cfg.parts.per_layer_input[1]
     ids = torch.where(input_ids < vocab, input_ids, torch.zeros_like(input_ids))
-    return gemma4.per_layer_inputs(model, cfg, ids, embeds)
+    return gemma4.per_layer_inputs(model, cfg, ids, embeds, rounded_scales=True)
 
 
 def spread(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -231,9 +231,13 @@ def add_per_layer_inputs(model: nn.Module, cfg: ModelConfig) -> None:
     model.per_layer_projection_norm = _norm(width, cfg.rms_norm_eps)
 
 
-def per_layer_inputs(model: nn.Module, cfg: ModelConfig, input_ids, embeds) -> torch.Tensor:
+def per_layer_inputs(
+    model: nn.Module, cfg: ModelConfig, input_ids, embeds, rounded_scales: bool = False
+) -> torch.Tensor:
     """(T, num_layers, width): transformers' get_per_layer_inputs and project_per_layer_inputs
-    of the step's tokens and their (scaled) embeddings."""
+    of the step's tokens and their (scaled) embeddings. rounded_scales: the projection's and
+    the sum's scales rounded to the model dtype first (Gemma 3n keeps them as tensors; Gemma
+    4 as Python floats, which a 16-bit product takes unrounded)."""
     width = cfg.parts.per_layer_input[0]
     shape = (input_ids.shape[0], cfg.num_layers, width)
     # The rows in the table's dtype (mapped from the checkpoint's file as stored: loader.py),
@@ -241,6 +245,9 @@ def per_layer_inputs(model: nn.Module, cfg: ModelConfig, input_ids, embeds) -> t
     tokens = model.embed_tokens_per_layer(input_ids).to(embeds.dtype)
     scale = torch.tensor(width**0.5, dtype=tokens.dtype)  # in the model dtype, as the embedding's
     tokens = (tokens * scale).reshape(shape)
-    projected = model.per_layer_model_projection(embeds) * cfg.hidden_size**-0.5
+    first, second = cfg.hidden_size**-0.5, 2.0**-0.5
+    if rounded_scales:
+        first, second = (torch.tensor(s, dtype=embeds.dtype) for s in (first, second))
+    projected = model.per_layer_model_projection(embeds) * first
     projected = model.per_layer_projection_norm(projected.reshape(shape))
-    return (projected + tokens) * 2.0**-0.5
+    return (projected + tokens) * second
