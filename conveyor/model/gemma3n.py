@@ -63,6 +63,12 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
     return x / width
 
 
+def _accumulated(dtype: torch.dtype) -> torch.dtype:
+    """Where sums of a 16-bit model's values are added (as ATen's matmuls and reductions add
+    them, rounding once): float32; another dtype's own."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def _rms(x: torch.Tensor) -> torch.Tensor:
     """(..., 1): each row's root mean square, at least sqrt(1e-5) (AltUp's magnitudes)."""
     return torch.sqrt(row_mean(x * x).clamp(min=1e-5))
@@ -86,10 +92,17 @@ class Gemma3nMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.gate_up_proj.out_sizes, dim=-1)
         if self.std_multiplier is not None:
-            mean = row_mean(gate)
-            std = torch.sqrt(row_mean((gate - mean).square()))  # the population's
-            gate = torch.relu(gate - (mean + std * self.std_multiplier))
+            gate = torch.relu(gate - self._cutoff(gate))
         return self.down_proj(gemma4.activation(self.act, gate) * up)
+
+    def _cutoff(self, gate: torch.Tensor) -> torch.Tensor:
+        """(T, 1): each row's mean plus its (population) standard deviation times the
+        multiplier, each computed wide and rounded to the model dtype, as transformers'."""
+        wide = gate.to(_accumulated(gate.dtype))
+        mean = row_mean(wide)
+        std = torch.sqrt(row_mean((wide - mean).square()))
+        multiplier = torch.tensor(self.std_multiplier, dtype=gate.dtype, device=gate.device)
+        return mean.to(gate.dtype) + std.to(gate.dtype) * multiplier
 
 
 def _normal_quantile(p: float) -> float:
@@ -133,16 +146,19 @@ class AltUp(nn.Module):
         return whole_vectors(torch.tanh, routed.float()).to(x.dtype)
 
     def predict(self, streams: torch.Tensor) -> torch.Tensor:
-        """Stream j: sum over i of coefficient (j, i) times stream i, plus stream j."""
+        """Stream j: sum over i of coefficient (j, i) times stream i (added wide, as
+        transformers' matmul adds them), plus stream j."""
         num_tokens, count = streams.shape[1], self.num_streams
         coefs = self.prediction_coefs(self.modalities(streams[self.active]))
-        coefs = coefs.reshape(num_tokens, count, count)  # (T, j, i)
+        wide = _accumulated(streams.dtype)
+        coefs = coefs.reshape(num_tokens, count, count).to(wide)  # (T, j, i)
+        terms = streams.to(wide)
         out = []
         for j in range(count):
-            total = streams[0] * coefs[:, j, :1]
+            total = terms[0] * coefs[:, j, :1]
             for i in range(1, count):
-                total = total + streams[i] * coefs[:, j, i : i + 1]
-            out.append(total + streams[j])
+                total = total + terms[i] * coefs[:, j, i : i + 1]
+            out.append(total.to(streams.dtype) + streams[j])
         return torch.stack(out)
 
     def correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
@@ -235,8 +251,9 @@ def merge(model: nn.Module, streams: torch.Tensor) -> torch.Tensor:
     """(T, hidden): stream 0 and each other one projected back at stream 0's magnitude, their
     mean (before the final norm)."""
     target = torch.sqrt(row_mean(streams[0] * streams[0]))
-    total = streams[0]
+    wide = _accumulated(streams.dtype)  # as ATen's mean adds them
+    total = streams[0].to(wide)
     for i, projection in enumerate(model.altup_unembed_projections, start=1):
         h = projection(streams[i])
-        total = total + h * target / _rms(h)
-    return total / streams.shape[0]
+        total = total + (h * target / _rms(h)).to(wide)
+    return (total / streams.shape[0]).to(streams.dtype)
