@@ -59,31 +59,9 @@ class EngineConfig:
             check_tokenizer(model_config)
         check_tensor_parallel(model_config, tp_size)
         lora_config = args.lora_config()
-        if lora_config is not None and model_config.parts.mla:
-            raise ValueError(
-                "enable_lora: LoRA adapters on multi-head latent attention (DeepSeek's) are not "
-                "supported (its latent projections have no adapter slots)"
-            )
-        if lora_config is not None and model_config.parts.family == "gemma4":
-            raise ValueError(
-                "enable_lora: LoRA adapters on Gemma 4 are not supported (its layers' heads "
-                "differ in size and its shared-cache layers have no key or value projection)"
-            )
-        if lora_config is not None and model_config.parts.family == "gemma3n":
-            raise ValueError(
-                "enable_lora: LoRA adapters on Gemma 3n are not supported (its layers run on "
-                "AltUp's streams and its shared-cache layers have no key or value projection)"
-            )
-        if lora_config is not None and any(model_config.parts.moe_layers):
-            raise ValueError(
-                "enable_lora: LoRA adapters on a mixture-of-experts model are not supported "
-                "(its experts' projections have no adapter slots)"
-            )
-        if lora_config is not None and model_config.parts.act == "relu2":
-            raise ValueError(
-                "enable_lora: LoRA adapters on an ungated MLP (Arcee's relu^2) are not supported "
-                "(the adapter slots hold a gate and an up projection)"
-            )
+        refused = _lora_refusal(model_config.parts)
+        if lora_config is not None and refused:
+            raise ValueError(f"enable_lora: LoRA adapters on {refused}")
         scheduler_config, enforce_eager = args.scheduler_config(), args.enforce_eager
         cache_config = args.cache_config()
         if model_config.is_encoder:
@@ -110,6 +88,36 @@ class EngineConfig:
             args.kernel_isa,
             args.download_dir,
         )
+
+
+def _lora_refusal(parts) -> str | None:
+    """What a model's layers are that LoRA adapters cannot go on, and why; None: they can."""
+    if parts.mla:
+        return (
+            "multi-head latent attention (DeepSeek's) are not supported (its latent "
+            "projections have no adapter slots)"
+        )
+    if parts.family == "gemma4":
+        return (
+            "Gemma 4 are not supported (its layers' heads differ in size and its shared-cache "
+            "layers have no key or value projection)"
+        )
+    if parts.family == "gemma3n":
+        return (
+            "Gemma 3n are not supported (its layers run on AltUp's streams and its shared-cache "
+            "layers have no key or value projection)"
+        )
+    if any(parts.moe_layers):
+        return (
+            "a mixture-of-experts model are not supported (its experts' projections have no "
+            "adapter slots)"
+        )
+    if parts.act == "relu2":
+        return (
+            "an ungated MLP (Arcee's relu^2) are not supported (the adapter slots hold a gate "
+            "and an up projection)"
+        )
+    return None
 
 
 def _hybrid_cache(args: EngineArgs, cache: CacheConfig) -> CacheConfig:

@@ -311,6 +311,26 @@ def _gemma3(hf, head_dim: int, local_rope: Callable) -> dict:
     )
 
 
+def _gemma_sandwich(hf, head_dim: int, local_rope: Callable) -> dict:
+    """Gemma 3n's and 4's layer: Gemma 3's sandwich of norms (w, not 1 + w, multiplied in
+    float32) around attention with q, k and weightless v norms and unscaled scores, the sliding
+    layers turned by their own RoPE, soft-capped logits, the embedding scaled by sqrt(hidden)
+    rounded to the model dtype (model/llama.py)."""
+    return dict(
+        _gemma1(hf, head_dim, local_rope),
+        embed_scale=hf.hidden_size**0.5,
+        norm_offset=False,
+        norm_float32_scale=True,
+        norms=SANDWICH_NORMS,
+        attn_scale=1.0,
+        final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        qk_norm="head",
+        v_norm=True,
+        ropes=tuple(1 if t == "sliding_attention" else 0 for t in hf.layer_types),
+        local_rope_inv_freq=local_rope(hf, head_dim),
+    )
+
+
 def _gemma4(hf, head_dim: int, local_rope: Callable) -> dict:
     """Gemma 4: Gemma 3's sandwich of norms (w, not 1 + w, multiplied in float32) around
     attention with q, k and weightless v norms and unscaled scores (the norms keep them
@@ -333,17 +353,7 @@ def _gemma4(hf, head_dim: int, local_rope: Callable) -> dict:
     if getattr(hf, "attention_bias", False):
         raise ValueError("unsupported attention_bias for gemma4")
     return dict(
-        _gemma1(hf, head_dim, local_rope),
-        embed_scale=hf.hidden_size**0.5,  # rounded to the model dtype (model/llama.py)
-        norm_offset=False,
-        norm_float32_scale=True,
-        norms=SANDWICH_NORMS,
-        attn_scale=1.0,
-        final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
-        qk_norm="head",
-        v_norm=True,
-        ropes=tuple(0 if f else 1 for f in full),
-        local_rope_inv_freq=local_rope(hf, head_dim),
+        _gemma_sandwich(hf, head_dim, local_rope),
         layer_heads=heads if len(set(heads)) > 1 else (),
         kv_sources=sources,
         value_is_key=tuple(f and bool(hf.attention_k_eq_v) for f in full),
@@ -384,17 +394,7 @@ def _gemma3n(hf, head_dim: int, local_rope: Callable) -> dict:
     if any(not 0 <= s < 1 for s in sparsity):
         raise ValueError(f"unsupported activation_sparsity_pattern {list(sparsity)} for gemma3n")
     return dict(
-        _gemma1(hf, head_dim, local_rope),
-        embed_scale=hf.hidden_size**0.5,  # rounded to the model dtype (model/llama.py)
-        norm_offset=False,
-        norm_float32_scale=True,
-        norms=SANDWICH_NORMS,
-        attn_scale=1.0,
-        final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
-        qk_norm="head",
-        v_norm=True,
-        ropes=tuple(1 if t == "sliding_attention" else 0 for t in hf.layer_types),
-        local_rope_inv_freq=local_rope(hf, head_dim),
+        _gemma_sandwich(hf, head_dim, local_rope),
         kv_sources=_kv_sources(hf),
         per_layer_input=(per_layer, int(hf.vocab_size_per_layer_input)),
         mlp_sizes=tuple(widths) if len(set(widths)) > 1 else (),

@@ -36,6 +36,7 @@ from torch import nn
 from conveyor.distributed.parallel import TPGroup
 from conveyor.model import gemma4
 from conveyor.model.config import ModelConfig
+from conveyor.model.families import SANDWICH_NORMS
 from conveyor.model.gemma4 import Gemma4Attention, StepState, whole_vectors
 from conveyor.model.layers import Linear, MergedLinear, RMSNorm
 
@@ -180,13 +181,7 @@ class Gemma3nDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.index = index
-        for name in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-            "post_per_layer_input_norm",
-        ):
+        for name in (*(n for _, n in SANDWICH_NORMS), "post_per_layer_input_norm"):
             self.add_module(name, _norm(hidden, eps))
         self.self_attn = Gemma4Attention(cfg, tp, index)
         self.mlp = Gemma3nMLP(cfg, index)

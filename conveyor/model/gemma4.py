@@ -38,6 +38,7 @@ from torch import nn
 from conveyor.distributed.parallel import TPGroup
 from conveyor.model.attention import AttentionKind, paged_attention
 from conveyor.model.config import ModelConfig
+from conveyor.model.families import SANDWICH_NORMS
 from conveyor.model.layers import Linear, MergedLinear, RMSNorm
 from conveyor.model.moe import MoEMLP, Routes, cpu_ops
 
@@ -140,12 +141,7 @@ class Gemma4DecoderLayer(nn.Module):
         super().__init__()
         parts, hidden, eps = cfg.parts, cfg.hidden_size, cfg.rms_norm_eps
         self.index = index
-        for name in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
+        for _, name in SANDWICH_NORMS:
             self.add_module(name, _norm(hidden, eps))
         self.self_attn = Gemma4Attention(cfg, tp, index)
         self.mlp = mlp
