@@ -3,8 +3,8 @@
 Only what a loader needs to rebuild config, tokenizer and weights from the file, plus the
 llama.cpp details a loader must undo (Q/K row permutation, llama3 `rope_freqs`, quantization,
 Gemma's norms stored as 1 + w, Phi-3's fused attn_qkv and gate+up ffn_up and its longrope
-factors as tensors, Gemma 4's proportional RoPE as rope_freqs, its scales and fused experts),
-under llama.cpp's
+factors as tensors, Gemma 4's proportional RoPE as rope_freqs, its scales and fused experts,
+Gemma 3n's AltUp projections stacked and its sparsity as normal quantiles), under llama.cpp's
 architecture names, metadata keys and tensor names (gguf.get_tensor_name_map).
 
 What llama.cpp does not store but fixes in its code (Gemma's sliding layers and query scale,
@@ -38,6 +38,7 @@ GGUF_ARCHS = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",
+    "gemma3n_text": "gemma3n",
     "phi3": "phi3",
     "glm4": "glm4",
     "olmo2": "olmo2",
@@ -542,6 +543,46 @@ def _check_gemma4(config) -> None:
             raise ValueError(f"llama.cpp's gemma4 reads another cache for layer {i}")
 
 
+def _gemma3n_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's Gemma3NModel: Gemma 3's keys, then AltUp's streams, the per-layer inputs'
+    width, the shared layers, each layer's sparsity as the normal quantile (float32 icdf) its
+    gate's cut-off multiplies, and which layers slide."""
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_altup_active_idx(config.altup_active_idx)
+    writer.add_altup_num_inputs(config.altup_num_inputs)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    normal = torch.distributions.normal.Normal(0, 1)
+    writer.add_activation_sparsity_scale(
+        [normal.icdf(torch.tensor(s, dtype=torch.float32)).item()
+         for s in config.activation_sparsity_pattern]
+    )  # fmt: skip
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+
+
+def _gemma3n_tensors(state: dict[str, torch.Tensor], config) -> tuple[dict, dict]:
+    """Gemma3NModel's own: the AltUp projections stacked (altup_proj, altup_unembd_proj), the
+    embeddings padded with zero rows to vocab_size, correct_output_scale as `.weight`."""
+    rest, stated = {}, {}
+    for kind, name in (("altup_projections", "altup_proj"),
+                       ("altup_unembed_projections", "altup_unembd_proj")):  # fmt: skip
+        count = config.altup_num_inputs - 1
+        parts = [state.pop(f"model.{kind}.{i}.weight") for i in range(count)]
+        stated[f"{name}.weight"] = torch.stack(parts)
+    for name, tensor in state.items():
+        if name.endswith("embed_tokens_per_layer.weight") or name.endswith("embed_tokens.weight"):
+            padding = config.vocab_size - tensor.shape[0]
+            tensor = torch.cat([tensor, tensor.new_zeros(padding, tensor.shape[1])])
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.altup\.correct_output_scale", name)
+        if layer:
+            stated[f"blk.{layer[1]}.altup_correct_scale.weight"] = tensor
+        else:
+            rest[name] = tensor
+    return rest, stated
+
+
 def _phi3_hparams(writer: gguf.GGUFWriter, config) -> None:
     original = config.original_max_position_embeddings
     writer.add_rope_scaling_orig_ctx_len(original)
@@ -718,6 +759,7 @@ _FAMILY_HPARAMS = {
     "gemma2": _gemma2_hparams,
     "gemma3": _gemma3_hparams,
     "gemma4": _gemma4_hparams,
+    "gemma3n": _gemma3n_hparams,
     "phi3": _phi3_hparams,
     "granite": _granite_hparams,
     "granitemoe": _granite_hparams,
@@ -755,6 +797,10 @@ def check_expressible(config, arch: str) -> None:
         expected["local rope_theta"] = 10000.0
     if arch == "gemma4":
         _check_gemma4(config)
+    if arch == "gemma3n":  # Gemma3NModel asserts four streams; llama.cpp fixes these
+        expected["altup_num_inputs"] = 4
+        expected["local rope_theta"] = 10000.0
+        expected["altup_correct_scale"] = True
     if arch == "smollm3":
         expected["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in layers]
     if arch == "phi3" and _rope(config).get("rope_type") != "longrope":
@@ -894,6 +940,10 @@ def _add_tensors(
             kind = expert_qtype if tensor.dim() == 3 else qtype
             _add_tensor(writer, name, tensor.to(torch.float32).numpy(), kind)
         writer.add_tensor("rope_freqs.weight", gemma4_rope_freqs(config))
+    if arch == "gemma3n":
+        state, stated = _gemma3n_tensors(state, config)
+        for name, tensor in stated.items():
+            _add_tensor(writer, name, tensor.to(torch.float32).numpy(), qtype)
     for hf_name, tensor in _merged_experts(state).items():
         data = tensor
         if _plus_one(arch, hf_name):

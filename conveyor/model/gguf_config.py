@@ -61,6 +61,13 @@ Gemma 4 (`gemma4`) states its layers by keys and tensors alike (_gemma4): which 
 proportional RoPE as a rope_freqs tensor (1 on the turned pairs, 1e30 on the others: not
 llama3's divisors), its experts beside every MLP; its norms are stored as w (no 1 added).
 
+Gemma 3n (`gemma3n`, _gemma3n): AltUp's streams (altup.num_inputs, altup.active_idx), Laurel's
+rank by its tensors, the per-layer inputs (their vocabulary: per_layer_token_embd's rows but
+the zero rows its converter pads the table with up to the vocabulary), each layer's gate
+sparsity as the normal quantile its converter stores (activation_sparsity_scale, turned back
+into the sparsity whose float32 quantile it is), the sliding layers' RoPE base 10000
+(llama.cpp's, unwritten); its norms are stored as w.
+
 Phi-3's longrope (Phi-3.5, Phi-4-mini) is stored as two tensors, rope_factors_long / _short,
 which become the config's long_factor / short_factor. llama3 scaling (Llama 3.1-3.3, EXAONE 4)
 is stored as one tensor too, rope_freqs: a divisor per frequency, which llama3_rope turns back
@@ -80,6 +87,8 @@ FAMILIES = {
     "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    # Gemma 3n's language model (AltUp, Laurel, per-layer inputs: _gemma3n)
+    "gemma3n": ("gemma3n_text", "Gemma3nForCausalLM"),
     # Gemma 4's language model (and its experts): its layers stated by its tensors too (_gemma4)
     "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
@@ -157,11 +166,13 @@ def hf_config_dict(
     metadata: dict[str, Any],
     tensor_shapes: dict[str, tuple[int, ...]],
     rope_factors: dict[str, list[float]] | None = None,
+    per_layer_vocab: int | None = None,
 ) -> dict[str, Any]:
     """The config.json fields of a GGUF file of one of FAMILIES, from its key-values and the
     (torch order) shapes of its tensors by GGUF name; rope_factors: the values of the file's
     rope factor tensors by name (a Phi-3 file's rope_factors_long / _short, llama3's
-    rope_freqs), where it has them."""
+    rope_freqs), where it has them; per_layer_vocab: a gemma3n file's per-layer vocabulary,
+    its per_layer_token_embd's rows but the converter's zero padding (default: all of them)."""
     arch = metadata["general.architecture"]
     if arch not in FAMILIES and not is_mixtral(metadata):
         raise ValueError(f"GGUF architecture {arch!r} has no config mapping here")
@@ -180,6 +191,9 @@ def hf_config_dict(
     config["rope_parameters"] = rope_parameters(metadata, arch)
     if arch == "gemma4":  # its rope_freqs are its full layers' unturned dims, not llama3's
         _gemma4(metadata, config, tensor_shapes, (rope_factors or {}).get(LLAMA3_TENSOR))
+        return config
+    if arch == "gemma3n":  # Laurel's rank and the per-layer vocabulary by their tensors
+        _gemma3n(metadata, config, tensor_shapes, per_layer_vocab)
         return config
     _FAMILY_FIELDS["mixtral" if is_mixtral(metadata) else arch](metadata, config)
     if LONGROPE_TENSORS[0] in tensor_shapes:
@@ -623,6 +637,67 @@ def _gemma4_rope(
     }
     local = {"rope_type": "default", "rope_theta": metadata.get(f"{arch}.rope.freq_base_swa", 1e4)}
     return {"full_attention": proportional, "sliding_attention": local}
+
+
+def _gemma3n(
+    metadata: dict[str, Any],
+    config: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    per_layer_vocab: int | None,
+) -> None:
+    """Gemma 3n as llama.cpp's Gemma3NModel writes it (see the module docstring); its final
+    soft-cap 30 where the file states none (llama.cpp's default, and transformers')."""
+    arch, num_layers = "gemma3n", config["num_hidden_layers"]
+    widths = config["intermediate_size"]
+    config["intermediate_size"] = widths if isinstance(widths, list) else [widths] * num_layers
+    config["layer_types"] = _layer_types(metadata, arch, lambda i: (i + 1) % 5 != 0)
+    config["sliding_window"] = metadata[f"{arch}.attention.sliding_window"]
+    local = {"rope_type": "default", "rope_theta": 10000.0}  # llama.cpp's, whatever the file
+    full = config["rope_parameters"]
+    config["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    config["num_kv_shared_layers"] = metadata.get(f"{arch}.attention.shared_kv_layers", 0)
+    config["altup_num_inputs"] = metadata[f"{arch}.altup.num_inputs"]
+    config["altup_active_idx"] = metadata[f"{arch}.altup.active_idx"]
+    config["altup_correct_scale"] = True  # llama.cpp's gemma3n always scales the active stream
+    config["hidden_size_per_layer_input"] = metadata[f"{arch}.embedding_length_per_layer_input"]
+    rows = tensor_shapes["per_layer_token_embd.weight"][0]
+    config["vocab_size_per_layer_input"] = per_layer_vocab or rows
+    config["laurel_rank"] = tensor_shapes["blk.0.laurel_l.weight"][0]
+    scales = metadata.get(f"{arch}.activation_sparsity_scale", [])
+    if len(scales) != num_layers:
+        raise ValueError(
+            f"a GGUF gemma3n file's {arch}.activation_sparsity_scale has {len(scales)} values: "
+            f"Gemma 3n needs one per layer ({num_layers})"
+        )
+    config["activation_sparsity_pattern"] = [_sparsity_of(float(q)) for q in scales]
+    config.setdefault("final_logit_softcapping", 30.0)
+    config.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False)
+
+
+def _sparsity_of(quantile: float) -> float:
+    """The sparsity whose float32 normal quantile (icdf, as transformers and llama.cpp's
+    converter compute it) is `quantile` (-inf: 0, no sparsity); refused where none is."""
+    if quantile == -math.inf:
+        return 0.0
+    import torch  # (the config mapping needs it for this family alone)
+
+    normal = torch.distributions.normal.Normal(0, 1)
+    target = torch.tensor(quantile, dtype=torch.float32)
+
+    def gives(p: float) -> bool:
+        return 0 <= p < 1 and bool(normal.icdf(torch.tensor(p, dtype=torch.float32)) == target)
+
+    guess = normal.cdf(target)
+    for toward in (1.0, 0.0):  # the cdf's value, then its float32 neighbours either side
+        candidate = guess
+        for _ in range(8):
+            if gives(float(candidate)):  # the shortest decimal that gives it (a config's 0.95)
+                return next(p for d in range(1, 18) if gives(p := round(float(candidate), d)))
+            candidate = torch.nextafter(candidate, torch.tensor(toward))
+    raise ValueError(
+        f"a GGUF gemma3n file's activation_sparsity_scale {quantile!r} is no float32 normal "
+        "quantile of a sparsity in [0, 1)"
+    )
 
 
 def _phi3(metadata: dict[str, Any], config: dict[str, Any]) -> None:

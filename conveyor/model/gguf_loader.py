@@ -164,6 +164,22 @@ _ARCH_LAYER_NAMES = {
         "proj": "per_layer_projection",
         "post_norm": "post_per_layer_input_norm",
     },
+    # Gemma 3n (model/gemma3n.py): AltUp's coefficients, router and its norm, Laurel's low-rank
+    # residual, the per-layer input's gate, projection and norm (correct_output_scale:
+    # _GEMMA3N_SCALE)
+    "gemma3n": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "altup_correct_coef": "altup.correction_coefs",
+        "altup_predict_coef": "altup.prediction_coefs",
+        "altup_router": "altup.modality_router",
+        "altup_router_norm": "altup.router_norm",
+        "laurel_l": "laurel.linear_left",
+        "laurel_r": "laurel.linear_right",
+        "laurel_post_norm": "laurel.post_laurel_norm",
+        "inp_gate": "per_layer_input_gate",
+        "proj": "per_layer_projection",
+        "post_norm": "post_per_layer_input_norm",
+    },
     "glm4": {
         "post_attention_norm": "post_self_attn_layernorm",
         "post_ffw_norm": "post_mlp_layernorm",
@@ -203,15 +219,25 @@ _QWEN35_TILED = {
 }
 # Global tensors an architecture names otherwise: LFM2's final norm is its token_embd_norm.
 _LFM2_GLOBAL_NAMES = {"token_embd_norm.weight": "model.norm.weight"}
+_PER_LAYER_GLOBAL_NAMES = {  # Gemma 3n's and 4's per-layer inputs' embedding, projection, norm
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
 _ARCH_GLOBAL_NAMES = {
     "lfm2": _LFM2_GLOBAL_NAMES,
     "lfm2moe": _LFM2_GLOBAL_NAMES,
-    "gemma4": {  # its per-layer inputs' embedding, projection and norm
-        "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
-        "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
-        "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
-    },
+    "gemma4": _PER_LAYER_GLOBAL_NAMES,
+    "gemma3n": _PER_LAYER_GLOBAL_NAMES,
 }
+# Gemma 3n's AltUp projections, one per stream but the first, stacked by llama.cpp's converter
+# into one 3-D tensor (streams - 1, hidden, hidden): stream i + 1's matrix is its i-th.
+_GEMMA3N_STACKED = {
+    "altup_proj.weight": "model.altup_projections",
+    "altup_unembd_proj.weight": "model.altup_unembed_projections",
+}
+# Gemma 3n's correct_output_scale, a parameter no module's weight (written with `.weight`).
+_GEMMA3N_SCALE = re.compile(r"blk\.(\d+)\.altup_correct_scale\.weight")
 # Gemma 4's parameters that are no module's weight: the layer's output scalar, the router's
 # scale of its input and each expert's scale of its output (llama.cpp's ffn_down_exps.scale).
 _GEMMA4_PARAMETERS = re.compile(
@@ -225,6 +251,7 @@ _GEMMA4_PARAMETER_NAMES = {
 # Gemma 4's keys and their norm, which the layers that read an earlier layer's cache do not
 # compute (a converted checkpoint may hold them; transformers does not read them either).
 _GEMMA4_KEY_VALUE = ("attn_k", "attn_v", "attn_k_norm")
+_KV_SHARING = ("gemma4", "gemma3n")  # the architectures whose last layers read earlier caches
 # GGUF tensors that only exist fused (Phi-3's Q, K and V); Phi-3's ffn_up is another one, gate
 # and up stacked, under the name other architectures give up alone (see _fused_parts).
 _FUSED = ("attn_qkv",)
@@ -295,6 +322,8 @@ class _Layout(NamedTuple):
     blocks: dict[int, tuple[int, str]] | None = None
     # Gemma 4: the first layer that reads an earlier layer's cache (num_layers: none does)
     first_shared: int | None = None
+    # Gemma 3n: its per-layer table's rows but the converter's zero padding (_per_layer_vocab)
+    per_layer_vocab: int | None = None
 
 
 class _Target(NamedTuple):
@@ -357,13 +386,13 @@ def gguf_tensor_types(path: str | Path) -> dict[str, str]:
 
 def _skipped(info: _TensorInfo, layout: _Layout) -> bool:
     """Tensors no HF parameter holds (_SKIPPED), the blocks past the model's layers, and the
-    keys of Gemma 4's layers that read an earlier layer's cache."""
+    keys of Gemma 3n's and 4's layers that read an earlier layer's cache."""
     if _SKIPPED.fullmatch(info.name):
         return True
     block = re.match(r"blk\.(\d+)\.([^.]+)", info.name)
     if block is None:
         return False
-    shared = layout.architecture == "gemma4" and int(block[1]) >= layout.first_shared
+    shared = layout.architecture in _KV_SHARING and int(block[1]) >= layout.first_shared
     return int(block[1]) >= layout.num_layers or (shared and block[2] in _GEMMA4_KEY_VALUE)
 
 
@@ -623,8 +652,11 @@ def _layout(header: _Header, path: str | Path) -> _Layout:
     if architecture in _NEMOTRON_H:
         blocks = _nemotron_h_blocks(metadata, architecture, num_layers)
     first_shared = num_layers - metadata.get(f"{architecture}.attention.shared_kv_layers", 0)
+    per_layer_vocab = _per_layer_vocab(Path(path), header)
     return _Layout(
-        architecture, num_heads, num_kv_heads, head_dim, num_layers, linear, blocks, first_shared
+        architecture,
+        *(num_heads, num_kv_heads, head_dim, num_layers, linear, blocks, first_shared),
+        per_layer_vocab,
     )
 
 
@@ -704,6 +736,16 @@ def _targets(info: _TensorInfo, layout: _Layout, path: str | Path) -> list[_Targ
         return [_Target(f"model.layers.{param[1]}.mamba.{name}", None)]
     if layout.architecture == "gemma4" and (param := _GEMMA4_PARAMETERS.fullmatch(info.name)):
         return [_Target(f"model.layers.{param[1]}.{_GEMMA4_PARAMETER_NAMES[param[2]]}", None)]
+    if layout.architecture == "gemma3n" and (param := _GEMMA3N_SCALE.fullmatch(info.name)):
+        return [_Target(f"model.layers.{param[1]}.altup.correct_output_scale", None)]
+    if layout.per_layer_vocab is not None and info.name == "per_layer_token_embd.weight":
+        return [_Target(_PER_LAYER_GLOBAL_NAMES[info.name], slice(0, layout.per_layer_vocab))]
+    if layout.architecture == "gemma3n" and info.name in _GEMMA3N_STACKED:
+        rows = info.shape[1]
+        return [
+            _Target(f"{_GEMMA3N_STACKED[info.name]}.{i}.weight", slice(i * rows, (i + 1) * rows))
+            for i in range(info.shape[0])
+        ]
     global_names = {**_GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(layout.architecture, {})}
     if info.name in global_names:
         return [_Target(global_names[info.name], None)]
@@ -854,7 +896,9 @@ def _hf_config_and_tokenizer(path: Path, architecture: str) -> tuple[Any, Any]:
     if architecture in FAMILIES or is_mixtral(gguf_metadata(path)):
         header = _header(path)
         shapes = {t.name: t.shape for t in header.tensors}
-        fields = hf_config_dict(header.metadata, shapes, _rope_factors(path, header))
+        fields = hf_config_dict(
+            header.metadata, shapes, _rope_factors(path, header), _per_layer_vocab(path, header)
+        )
         config = AutoConfig.for_model(**fields)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
         return config, tokenizer
@@ -888,6 +932,26 @@ def _rope_factors(path: Path, header: _Header) -> dict[str, list[float]]:
         return {}
     with _map(path) as buffer:
         return {t.name: _dequantize(buffer, header.data_offset, t).tolist() for t in infos}
+
+
+def _per_layer_vocab(path: Path, header: _Header) -> int | None:
+    """A gemma3n file's per-layer vocabulary: per_layer_token_embd's rows but the zero rows
+    llama.cpp's converter pads it with up to the vocabulary (a trained row is never all zero);
+    transformers reads row 0 for the tokens past it, as the checkpoint's table has no row for
+    them. None for other files."""
+    info = next((t for t in header.tensors if t.name == "per_layer_token_embd.weight"), None)
+    if info is None or _architecture(header, path) != "gemma3n":
+        return None
+    rows = info.shape[0]
+    row_bytes = gguf.quants.quant_shape_to_byte_shape((1, info.shape[1]), info.qtype)[-1]
+    with _map(path) as buffer:
+        start = header.data_offset + info.offset
+        table = np.frombuffer(buffer, dtype=np.uint8, count=rows * row_bytes, offset=start)
+        table = table.reshape(rows, row_bytes)
+        while rows > 1 and not table[rows - 1].any():
+            rows -= 1
+        del table  # (no view of the map may outlive it)
+    return rows
 
 
 def _cache_root() -> Path:

@@ -113,6 +113,19 @@ GGUF_FAMILIES = {
     # router's ffn_gate_inp.scale and ffn_down_exps.scale; the keys as values without attn_v;
     # a final soft-cap, which llama.cpp applies at 30 where a file states none
     "gemma4-moe": dict(final_logit_softcapping=30.0),
+    # Gemma 3n as llama.cpp's gemma3n: AltUp's projections stacked (altup_proj,
+    # altup_unembd_proj; four streams, as its converter asserts), correct_output_scale as
+    # .weight, Laurel, per-layer inputs (their table padded with zero rows to the vocabulary:
+    # the prompts' tokens past its 300 read row 0, as transformers'), the gates' sparsity as
+    # float32 normal quantiles, norms stored as w, two layers reading earlier caches; its
+    # sliding RoPE base is llama.cpp's 10000
+    "gemma3n": dict(
+        altup_num_inputs=4,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="default", rope_theta=100000.0),
+        ),
+    ),  # fmt: skip
 }
 LLAMA_CPP_NAMES = {"gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 LLAMA_CPP_NAMES |= {"phi3-partial": "phi3", "phi4-mini": "phi3"}
