@@ -400,10 +400,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self._embed(input_ids)  # (T, hidden)
-        if self.config.parts.family == "gemma4":
-            return self._gemma4_layers(x, input_ids, positions, kv_caches, meta)
-        if self.config.parts.family == "gemma3n":
-            return self._gemma3n_layers(x, input_ids, positions, kv_caches, meta)
+        if self.config.parts.family in ("gemma4", "gemma3n"):
+            return self._gemma_layers(x, input_ids, positions, kv_caches, meta)
         if self.config.parts.embed_scale != 1.0:
             x = x * self.config.parts.embed_scale
         # once per step, for every layer
@@ -422,32 +420,23 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, ropes, self.rotaries, kv_cache, meta)
         return self.model.norm(x)
 
-    def _gemma4_layers(self, x, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        """Gemma 4's layers (model/gemma4.py), which hand on per-layer inputs and keys and
-        values: as modules, no compiled form."""
+    def _gemma_layers(self, x, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """Gemma 4's and 3n's layers (model/gemma4.py, model/gemma3n.py), which hand on per-layer
+        inputs and keys and values: as modules, no compiled form. Gemma 3n's run on AltUp's
+        streams, (S, T, hidden), spread from the embedding and merged at the end."""
+        cfg = self.config
         # sqrt(hidden_size) in the model dtype, as transformers holds it (its buffer is made in
         # the dtype the model is built in)
-        x = x * torch.tensor(self.config.parts.embed_scale, dtype=x.dtype)
+        x = x * torch.tensor(cfg.parts.embed_scale, dtype=x.dtype)
         ropes = [RopeRows(*rotary.rows(positions)) for rotary in self.rotaries]
-        per_layer = None
-        if self.config.parts.per_layer_input[0]:
-            per_layer = per_layer_inputs(self.model, self.config, input_ids, x)
+        altup = cfg.parts.family == "gemma3n"
+        inputs = gemma3n.per_layer_inputs if altup else per_layer_inputs
+        per_layer = inputs(self.model, cfg, input_ids, x) if cfg.parts.per_layer_input[0] else None
         state = StepState(per_layer, {})
+        h = gemma3n.spread(self.model, x) if altup else x
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, ropes, self.rotaries, kv_cache, meta, state)
-        return self.model.norm(x)
-
-    def _gemma3n_layers(self, x, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        """Gemma 3n's layers (model/gemma3n.py) over AltUp's streams, which hand on per-layer
-        inputs and keys and values as Gemma 4's do: as modules, no compiled form."""
-        x = x * torch.tensor(self.config.parts.embed_scale, dtype=x.dtype)  # as Gemma 4's
-        ropes = [RopeRows(*rotary.rows(positions)) for rotary in self.rotaries]
-        per_layer = gemma3n.per_layer_inputs(self.model, self.config, input_ids, x)
-        state = StepState(per_layer, {})
-        streams = gemma3n.spread(self.model, x)  # (S, T, hidden)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            streams = layer(streams, ropes, self.rotaries, kv_cache, meta, state)
-        return self.model.norm(gemma3n.merge(self.model, streams))
+            h = layer(h, ropes, self.rotaries, kv_cache, meta, state)
+        return self.model.norm(gemma3n.merge(self.model, h) if altup else h)
 
     def _compiled_form(self, x: torch.Tensor, meta: AttentionMetadata) -> int | None:
         """How the layers' projections run when the step's layers run as one compiled call

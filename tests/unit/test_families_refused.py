@@ -99,42 +99,22 @@ def test_ministral3_is_served_below_its_query_scaling_and_refused_past_it(tmp_pa
         ModelConfig.from_hf(str(path), max_model_len=129)
 
 
-def test_lora_on_a_mixture_of_experts_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("family", "overrides", "reason"),
+    [
+        ("qwen3_moe", {}, "a mixture-of-experts"),
+        # Arcee's MLP has no gate: the adapter slots (a gate and an up part) do not fit it
+        ("arcee", {}, "an ungated MLP"),
+        ("deepseek_v3", {"first_k_dense_replace": 2}, "multi-head latent attention"),
+        ("gemma4", {}, "Gemma 4"),
+        ("gemma3n", {}, "Gemma 3n"),
+    ],
+)
+def test_lora_on_layers_without_adapter_slots_is_refused_by_name(
+    tmp_path, family, overrides, reason
+):
     from conveyor import LLM
 
-    path = make_tiny_checkpoint(tmp_path, "qwen3_moe")
-    with pytest.raises(ValueError, match="LoRA adapters on a mixture-of-experts"):
-        LLM(str(path), dtype="float64", enable_lora=True)
-
-
-def test_lora_on_an_ungated_mlp_is_refused_by_name(tmp_path):
-    """Arcee's MLP has no gate: the adapter slots (a gate and an up part) do not fit it."""
-    from conveyor import LLMEngine
-
-    path = make_tiny_checkpoint(tmp_path, "arcee")
-    with pytest.raises(ValueError, match="ungated MLP"):
-        LLMEngine(str(path), dtype="float32", enable_lora=True)
-
-
-def test_lora_on_latent_attention_is_refused_by_name(tmp_path):
-    from conveyor import LLM
-
-    path = make_tiny_checkpoint(tmp_path, "deepseek_v3", first_k_dense_replace=2)
-    with pytest.raises(ValueError, match="LoRA adapters on multi-head latent attention"):
-        LLM(str(path), dtype="float32", enable_lora=True)
-
-
-def test_lora_on_gemma4_is_refused_by_name(tmp_path):
-    from conveyor import LLM
-
-    path = make_tiny_checkpoint(tmp_path, "gemma4")
-    with pytest.raises(ValueError, match="LoRA adapters on Gemma 4"):
-        LLM(str(path), dtype="float32", enable_lora=True)
-
-
-def test_lora_on_gemma3n_is_refused_by_name(tmp_path):
-    from conveyor import LLM
-
-    path = make_tiny_checkpoint(tmp_path, "gemma3n")
-    with pytest.raises(ValueError, match="LoRA adapters on Gemma 3n"):
+    path = make_tiny_checkpoint(tmp_path, family, **overrides)
+    with pytest.raises(ValueError, match=f"LoRA adapters on {reason}"):
         LLM(str(path), dtype="float32", enable_lora=True)
