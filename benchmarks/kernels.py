@@ -46,7 +46,7 @@ def make_step(
         table = pool[i * blocks_per_request : (i + 1) * blocks_per_request]
         tokens = [rng.randrange(3, 1000) for _ in range(num_new)]
         row = SamplingRow(greedy, None, [], [])
-        scheduled.append(ScheduledRequest(f"r{i}", tokens, context, table, row))
+        scheduled.append(ScheduledRequest(f"r{i}", tokens, context, [table], row))
     return SchedulerOutput(scheduled, num_requests * num_new)
 
 

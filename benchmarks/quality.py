@@ -175,7 +175,7 @@ def _runner(cfg, context: int, kv_cache_dtype: str = "auto"):
         raise ValueError(f"--context {context} exceeds the model's {cfg.max_model_len} tokens")
     runner = ModelRunner(cfg, torch.device("cpu"), block_size=16, seed=0,
                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-    runner.allocate_kv_cache(-(-context // 16))
+    runner.allocate_kv_cache(-(-context // 16) * len(runner.kv_groups.layers))
     return runner
 
 
@@ -211,7 +211,8 @@ def _logprobs(runner, chunk: list[int], prompt: bool = True) -> torch.Tensor:
     prompt: the chunk's tokens count as a prompt's, else as generated ones."""
     from conveyor.outputs import ScheduledRequest
 
-    blocks = list(range(-(-len(chunk) // runner.block_size)))
+    n = -(-len(chunk) // runner.block_size)  # blocks of each KV group's own (model/kv_groups.py)
+    blocks = [list(range(g * n, (g + 1) * n)) for g in range(len(runner.kv_groups.layers))]
     num_prompt = len(chunk) if prompt else 0
     request = ScheduledRequest("quality", chunk, 0, blocks, None, num_prompt_tokens=num_prompt)
     input_ids, positions, meta, _ = runner.tensors(runner.step_inputs([request]))

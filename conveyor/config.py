@@ -266,6 +266,9 @@ class CacheConfig:
     # CUDA: the share of the GPU's memory the server may hold (vLLM's); None: the KV cache
     # takes GPU_MEMORY_UTILIZATION of what is free once the model is loaded.
     gpu_memory_utilization: float | None = None
+    # KV groups for a model that mixes sliding and full attention (model/kv_groups.py); False:
+    # --disable-hybrid-kv-cache-manager, one table for every layer
+    hybrid_kv: bool = True
 
     def __post_init__(self) -> None:
         share = self.gpu_memory_utilization

@@ -253,6 +253,14 @@ class EngineArgs:
     enable_prefix_caching: bool = _setting(
         True, "engine", "reuse the KV blocks of prompts that share a prefix"
     )
+    disable_hybrid_kv_cache_manager: bool = _setting(
+        False,
+        "engine",
+        "one block table for every layer of a model that mixes sliding and full attention "
+        "(Gemma 2/3, GPT-OSS), which then holds every layer's KV of the whole context; by "
+        "default each kind has tables of its own and a sliding layer's blocks that left its "
+        "window go back to the pool (vLLM's)",
+    )
     enable_chunked_prefill: bool = _setting(
         True, "engine", "split long prompts over steps, mixed with decoding requests"
     )
@@ -431,6 +439,7 @@ class EngineArgs:
             self.enable_prefix_caching,
             self.kv_cache_dtype,
             self.gpu_memory_utilization,
+            not self.disable_hybrid_kv_cache_manager,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -70,12 +70,13 @@ class SamplingRow(NamedTuple):
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions starting at
-    `num_computed_tokens`, writing KV into the slots of `block_ids`."""
+    `num_computed_tokens`, writing KV into the slots of `block_ids` (model/kv_groups.py: one
+    table per KV group)."""
 
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    block_ids: list[int]  # the whole block table after this step's allocation
+    block_ids: list[list[int]]  # per KV group: the whole table after this step's allocation
     sampling: SamplingRow | None  # set when the chunk reaches the end: sample a token
     # Speculative decoding: tokens proposed after `token_ids`, computed and verified in this
     # step (their KV slots are allocated). None with num_drafts > 0: the runner's draft model
@@ -279,7 +280,7 @@ class StepInputs(NamedTuple):
     input_ids: np.ndarray  # (T,) the step's tokens, requests concatenated
     query_lens: np.ndarray  # (S,) tokens of each request in this step (drafts included)
     context_lens: np.ndarray  # (S,) tokens of each request already in the KV cache
-    block_tables: np.ndarray  # (S, W) padded with block 0
+    block_tables: np.ndarray  # (G, S, W): per KV group, padded with block 0
     logits_rows: np.ndarray  # rows whose logits the sampler needs (may be empty)
     # (S,) each request's leading rows that are prompt tokens (model/prompt_route.py), or None
     prompt_tokens: np.ndarray | None = None

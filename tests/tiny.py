@@ -97,6 +97,14 @@ FAMILIES = {
         query_pre_attn_scalar=16, sliding_window=8, rope_local_base_freq=100.0,
         layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
     ),
+    "gemma3-groups": dict(  # KV groups of two layers (model/kv_groups.py): the global layers
+        # 3 and 6, the sliding 0-1, 2-4 and 5 (its group's second slot empty)
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=16,
+        query_pre_attn_scalar=16, sliding_window=5, rope_local_base_freq=100.0,
+        num_hidden_layers=7, tie_word_embeddings=True,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2
+        + ["full_attention"],
+    ),
     "gemma4": dict(  # Gemma 4 E2B / E4B's layer: its full layers' wider heads and fewer KV
         # heads with a quarter of each turned ("proportional" RoPE), weightless value norms,
         # unscaled scores; the last two layers reading the first two's caches, their MLPs

@@ -40,6 +40,7 @@ from conveyor.lora.adapter import LoRAAdapter, LoRAShapes
 from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.request import LoRARequest, LoRAStats, module_requests
 from conveyor.model.config import ModelConfig, load_tokenizer
+from conveyor.model.kv_groups import blocks_held
 from conveyor.model.memory import weight_memory
 from conveyor.model.plan import PlanSettings
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
@@ -108,8 +109,9 @@ class EngineCore:
                 cache.block_size,
                 cache.enable_prefix_caching,
                 salt_generated=getattr(getattr(self.runner, "model", None), "prompt_route", False),
-                sliding_window=self._sliding_window(),
+                windows=self._kv_windows(),
             )
+            self._log_kv_capacity()
             max_loras = None if self.lora_config is None else self.lora_config.max_loras
             self.scheduler = Scheduler(
                 self.scheduler_config,
@@ -165,6 +167,7 @@ class EngineCore:
                 cache.kv_cache_dtype,
                 config.num_threads,
                 PlanSettings.from_env(config.kernel_isa),
+                hybrid_kv=self.draft_runner is None and cache.hybrid_kv,
             )
             self.tp_workers = TPWorkers(settings, config.tensor_parallel_size, self.device)
             tp, publish = self.tp_workers.group, self.tp_workers.publish
@@ -183,15 +186,31 @@ class EngineCore:
             loras=self.loras,
             graph_rows=0 if config.enforce_eager else self.scheduler_config.max_num_seqs,
             plan_settings=PlanSettings.from_env(config.kernel_isa),
+            hybrid_kv=self.draft_runner is None and cache.hybrid_kv,
         )
 
-    def _sliding_window(self) -> int:
-        """The window blocks may be freed by: every layer's when all slide (0 otherwise), and
-        no draft model, whose full attention reads the same block tables."""
-        windows = self.model_config.parts.windows
-        if not windows or not all(windows) or self.draft_runner is not None:
-            return 0
-        return min(windows)
+    def _kv_windows(self) -> tuple[int, ...]:
+        """Each KV group's window, by which its blocks may be freed (model/kv_groups.py); with a
+        draft model, whose full attention reads the same table, one group that keeps them."""
+        if self.draft_runner is not None:
+            return (0,)
+        return self.runner.kv_groups.windows
+
+    def _log_kv_capacity(self) -> None:
+        """The cache's blocks and how many requests of max_model_len tokens it holds at once
+        (vLLM's "maximum concurrency")."""
+        groups = getattr(self.runner, "kv_groups", None)
+        if groups is None or self.draft_runner is not None:
+            return
+        cache, max_len = self.cache_config, self.model_config.max_model_len
+        step = self.scheduler_config.max_num_batched_tokens
+        per_request = blocks_held(self._kv_windows(), max_len, cache.block_size, step)
+        logger.info(
+            "conveyor: KV cache %d blocks of %d tokens, %s; a %d-token request holds at most "
+            "%d blocks: maximum concurrency %.2fx",
+            self.num_blocks, cache.block_size, groups.describe(), max_len, per_request,
+            self.num_blocks / per_request,
+        )  # fmt: skip
 
     def _allocate_kv_cache(self) -> None:
         if self.tp_workers is not None:  # they started while this rank loaded
@@ -234,7 +253,7 @@ class EngineCore:
             self.grammars.unavailable,
             self.lora_config,
             self.kernel_plan,
-            self.kv_cache.sliding_window,
+            self.kv_cache.windows,
             self.memory,
         )
 
@@ -291,6 +310,7 @@ class EngineCore:
             config.seed,
             cache.kv_cache_dtype,
             plan_settings=plan,
+            hybrid_kv=False,  # it reads the target's first table (_kv_windows)
         )
 
     def _cache_sizes(self) -> tuple[int, int]:
@@ -347,9 +367,15 @@ class EngineCore:
         return per_block
 
     def _full_kv_bytes(self) -> int:
-        """The KV of every seat (max_num_seqs) at max_model_len tokens."""
-        seats = self.scheduler_config.max_num_seqs * self.model_config.max_model_len
-        return seats * self._bytes_per_block() // self.cache_config.block_size
+        """The KV of every seat (max_num_seqs) at max_model_len tokens (a sliding group's
+        blocks: its window's and a step's)."""
+        blocks = blocks_held(
+            self._kv_windows(),
+            self.model_config.max_model_len,
+            self.cache_config.block_size,
+            self.scheduler_config.max_num_batched_tokens,
+        )
+        return self.scheduler_config.max_num_seqs * blocks * self._bytes_per_block()
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -100,8 +100,9 @@ class CoreInfo:
     grammar_unavailable: str | None = None  # why structured output is off, if it is
     lora_config: LoRAConfig | None = None  # set when LoRA is on
     kernel_plan: dict[str, str] = field(default_factory=dict)  # model/plan.py: summary()
-    # Blocks that leave this window go back to the pool while a request runs (0: none).
-    sliding_window: int = 0
+    # Per KV group (model/kv_groups.py): its sliding window, blocks that leave it going back to
+    # the pool while a request runs (0: full attention).
+    kv_windows: tuple[int, ...] = (0,)
     # Bytes of memory this rank holds (memory_report): weights, kernel_copies, experts (of
     # both), kv_cache.
     memory: dict[str, int] = field(default_factory=dict)

@@ -13,6 +13,7 @@ from conveyor.engine.core_io import CoreInfo, CoreRequest
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.listing import listed
 from conveyor.lora.request import LoRARequest
+from conveyor.model.kv_groups import blocks_held
 from conveyor.outputs import OutputKind
 from conveyor.sampling_params import SamplingParams
 from conveyor.structured.backend import GrammarCompiler
@@ -346,12 +347,9 @@ class InputProcessor:
                 "context leaves for output"
             )
         block_size, num_blocks = self.info.cache_config.block_size, self.info.num_blocks
-        needed_blocks = -(-(num_prompt + max_tokens) // block_size)
-        if self.info.sliding_window:  # it holds at most its window and a step's tokens at once
-            step = self.info.scheduler_config.max_num_batched_tokens
-            needed_blocks = min(
-                needed_blocks, -(-(self.info.sliding_window + step) // block_size) + 2
-            )
+        # a sliding group's table holds at most its window and a step's tokens at once
+        step = self.info.scheduler_config.max_num_batched_tokens
+        needed_blocks = blocks_held(self.info.kv_windows, num_prompt + max_tokens, block_size, step)
         if needed_blocks > num_blocks:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs "

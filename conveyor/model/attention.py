@@ -79,6 +79,18 @@ class AttentionMetadata:
     prompt_rows: list[int] = field(default_factory=list)
     # A hybrid's recurrent layers: each sequence's state slot and rows (model/recurrent.py).
     recurrent: RecurrentRows | None = None
+    # KV groups (model/kv_groups.py), where the layers read more than one group's tables: each
+    # group's metadata (its slots and block tables; this one the first) and each layer's group.
+    # Empty: every layer reads this one.
+    groups: list[AttentionMetadata] = field(default_factory=list)
+    layer_groups: list[int] = field(default_factory=list)
+
+    def layer(self, index: int) -> AttentionMetadata:
+        """The metadata layer `index` attends with."""
+        return self.groups[self.layer_groups[index]] if self.groups else self
+
+    def every_group(self) -> list[AttentionMetadata]:
+        return self.groups or [self]
 
 
 def build_metadata(

@@ -409,15 +409,17 @@ class LlamaForCausalLM(nn.Module):
         form = self._compiled_form(x, meta)
         if form is not None:  # x updated in place, layer by layer
             lora = self.lora.compiled_arguments() if self.lora and self.lora.active else {}
+            groups = meta.every_group()  # KV groups: each layer's slots and tables
             meta.ops.decoder_layers(
                 self._compiled, x, kv_caches, [r.cos for r in ropes], [r.sin for r in ropes],
-                meta.slot_mapping, meta.block_size, meta.query_start, meta.seq_lens,
-                meta.block_tables, self.compiled_seconds, form, meta.split_keys,
-                prompt_rows=meta.prompt_rows if self.prompt_route else [], **lora,
+                [g.slot_mapping for g in groups], meta.block_size, meta.query_start,
+                meta.seq_lens, [g.block_tables for g in groups], self.compiled_seconds, form,
+                meta.split_keys, prompt_rows=meta.prompt_rows if self.prompt_route else [],
+                layer_groups=meta.layer_groups, **lora,
             )  # fmt: skip
             return self.model.norm(x)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, ropes, self.rotaries, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x = layer(x, ropes, self.rotaries, kv_cache, meta.layer(i))
         return self.model.norm(x)
 
     def _gemma_layers(self, x, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -434,8 +436,8 @@ class LlamaForCausalLM(nn.Module):
         per_layer = inputs(self.model, cfg, input_ids, x) if cfg.parts.per_layer_input[0] else None
         state = StepState(per_layer, {})
         h = gemma3n.spread(self.model, x) if altup else x
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, ropes, self.rotaries, kv_cache, meta, state)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            h = layer(h, ropes, self.rotaries, kv_cache, meta.layer(i), state)
         return self.model.norm(gemma3n.merge(self.model, h) if altup else h)
 
     def _compiled_form(self, x: torch.Tensor, meta: AttentionMetadata) -> int | None:

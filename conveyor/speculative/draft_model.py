@@ -75,7 +75,7 @@ class DraftModelProposer:
         input_ids = np.fromiter(
             chain.from_iterable(feeds[i] for i in which), np.int64, int(query_lens.sum())
         )
-        block_ids = [scheduled[i].block_ids for i in which]
+        block_ids = [scheduled[i].block_ids[:1] for i in which]  # one KV group with a draft
         positions, meta = runner.positions_and_metadata(query_lens, context_lens, block_ids)
         hidden = runner.model(
             runner.as_tensor(input_ids), runner.as_tensor(positions), runner.kv_caches, meta

@@ -16,7 +16,9 @@ Padding. Rows past the step's requests write their K and V into a scratch block 
 pool's blocks (ModelRunner allocates it with the cache, the scheduler never hands it out) and
 attend to that block alone; a padded table entry points at it too. So no padded row touches a
 request's blocks, and a request's row computes what it would alone, up to the matmul library's
-choice of kernel for the padded row count (tests/conftest.py: LOGPROB_TOL on CUDA).
+choice of kernel for the padded row count (tests/conftest.py: LOGPROB_TOL on CUDA). A model
+with KV groups (model/kv_groups.py) has a table and slots per group in the buffers, each layer
+reading its group's.
 
 CONVEYOR_CUDA_GRAPHS=eager runs the same padded buffers without capture, on any device: the
 tests compare it with the plain step on the CPU, and on CUDA it tells a capture bug from a
@@ -87,17 +89,23 @@ class DecodeGraphs:
         max_rows: int,
         max_model_len: int,
         capture: bool,
+        layer_groups: list[int] | None = None,
+        num_groups: int = 1,
     ) -> None:
-        """kv_caches: the layers' caches, each with the scratch block last (see the module)."""
+        """kv_caches: the layers' caches, each with the scratch block last (see the module);
+        layer_groups: each layer's KV group, of num_groups (None: one)."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.layer_groups, self.num_groups = layer_groups or [], num_groups
         self.scratch_block = kv_caches[0].shape[1] - 1
         self.rows = row_buckets(max_rows)
         self.widths = width_buckets(-(-max_model_len // block_size))
         device = kv_caches[0].device
         rows, width = self.rows[-1], self.widths[-1]
         # One int64 buffer for the step's inputs, filled by one host-to-device copy:
-        # ids, positions, slots, lengths (rows each), then the table (rows x width, row-major).
-        self.inputs = torch.zeros(4 * rows + rows * width, dtype=torch.int64, device=device)
+        # ids, positions, lengths (rows each), then per KV group its slots (rows) and its
+        # table (rows x width, row-major).
+        size = 3 * rows + num_groups * (rows + rows * width)
+        self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.host = torch.zeros_like(self.inputs, device="cpu")
         if device.type == "cuda":
             self.host = self.host.pin_memory()
@@ -137,39 +145,57 @@ class DecodeGraphs:
         """Table columns the step reads: its longest sequence's blocks, this token included."""
         return -(-(int(context_lens.max()) + 1) // self.block_size)
 
+    def _groups(self, buffer, rows: int, width: int):
+        """Per KV group: its slots (rows) and table (rows, width) in `buffer`."""
+        start, groups = 3 * rows, []
+        for _ in range(self.num_groups):
+            slots = buffer[start : start + rows]
+            table = buffer[start + rows : start + rows + rows * width]
+            groups.append((slots, table.reshape(rows, width)))
+            start += rows + rows * width
+        return groups
+
     def _fill(self, rows, width, input_ids, context_lens, tables) -> None:
-        """The step's inputs into the buffers, rows past its requests padded (scratch slot)."""
+        """The step's inputs into the buffers, rows past its requests padded (scratch slot).
+        tables: (G, S, W)."""
         num_rows, bs = len(input_ids), self.block_size
         host = self.host.numpy()
-        ids, positions, slots, lengths = (host[i * rows : (i + 1) * rows] for i in range(4))
-        table = host[4 * rows : 4 * rows + rows * width].reshape(rows, width)
+        ids, positions, lengths = (host[i * rows : (i + 1) * rows] for i in range(3))
         ids[:num_rows], ids[num_rows:] = input_ids, 0
         positions[:num_rows], positions[num_rows:] = context_lens, 0
         lengths[:num_rows], lengths[num_rows:] = context_lens + 1, 1
-        table[:] = self.scratch_block
-        used = min(width, tables.shape[1])
-        table[:num_rows, :used] = tables[:, :used]
-        blocks = table[np.arange(num_rows), context_lens // bs]
-        slots[:num_rows] = blocks * bs + context_lens % bs
-        slots[num_rows:] = self.scratch_block * bs
-        size = 4 * rows + rows * width
+        for (slots, table), group_tables in zip(
+            self._groups(host, rows, width), tables, strict=True
+        ):
+            table[:] = self.scratch_block
+            used = min(width, group_tables.shape[1])
+            table[:num_rows, :used] = group_tables[:, :used]
+            blocks = table[np.arange(num_rows), context_lens // bs]
+            slots[:num_rows] = blocks * bs + context_lens % bs
+            slots[num_rows:] = self.scratch_block * bs
+        size = 3 * rows + self.num_groups * (rows + rows * width)
         self.inputs[:size].copy_(self.host[:size], non_blocking=True)
 
     def _forward(self, rows: int, width: int) -> torch.Tensor:
         """The padded step on the buffers' first `rows` rows and `width` table columns."""
-        ids, positions, slots, lengths = (self.inputs[i * rows : (i + 1) * rows] for i in range(4))
-        table = self.inputs[4 * rows : 4 * rows + rows * width].view(rows, width)
+        ids, positions, lengths = (self.inputs[i * rows : (i + 1) * rows] for i in range(3))
         row_ids = self.row_ids[:rows]
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start=self.row_ids[: rows + 1],
-            seq_lens=lengths,
-            block_tables=table,
-            block_size=self.block_size,
-            ops=None,
-            reference=ReferencePlan(row_ids, table, lengths, []),
-            split_keys=False,
-        )
+        metas = [
+            AttentionMetadata(
+                slot_mapping=slots,
+                query_start=self.row_ids[: rows + 1],
+                seq_lens=lengths,
+                block_tables=table,
+                block_size=self.block_size,
+                ops=None,
+                reference=ReferencePlan(row_ids, table, lengths, []),
+                split_keys=False,
+            )
+            for slots, table in self._groups(self.inputs, rows, width)
+        ]
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.groups, meta.layer_groups = metas, self.layer_groups
         hidden = self.model(ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
@@ -193,4 +219,4 @@ class DecodeGraphs:
 
     def _pad(self, rows: int, width: int) -> None:
         empty = np.zeros(0, dtype=np.int64)
-        self._fill(rows, width, empty, empty, np.zeros((0, width), dtype=np.int64))
+        self._fill(rows, width, empty, empty, np.zeros((self.num_groups, 0, width), np.int64))

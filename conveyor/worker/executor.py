@@ -61,6 +61,7 @@ class WorkerSettings:
     kv_cache_dtype: str
     num_threads: int | None  # each rank's CPU threads; None: torch's default
     plan_settings: PlanSettings | None = None  # the kernel plan's (None: the environment's)
+    hybrid_kv: bool = True  # KV groups (model/kv_groups.py), as rank 0's runner has them
 
 
 @dataclass(frozen=True, slots=True)

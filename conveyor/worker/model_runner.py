@@ -29,6 +29,7 @@ from conveyor.model import kernels, prompt_route
 from conveyor.model import plan as kernel_plan
 from conveyor.model.attention import AttentionMetadata, build_metadata
 from conveyor.model.config import ModelConfig
+from conveyor.model.kv_groups import KVGroups, group_layers
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
 from conveyor.model.plan import CpuFeatures, KernelPlan, PlanSettings
@@ -63,13 +64,16 @@ class ModelRunner:
         loras: LoRARegistry | None = None,
         graph_rows: int = 0,
         plan_settings: PlanSettings | None = None,
+        hybrid_kv: bool = True,
     ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
         rank 0, sends each step's inputs to the other ranks before the forward; loras: the
         adapters in host memory, with LoRA on (never with tensor parallelism); graph_rows:
         decode steps of up to this many requests replay CUDA graphs (worker/cuda_graphs.py;
         0: every step eager, --enforce-eager); plan_settings: the kernel plan's (model/plan.py;
-        None: the environment's)."""
+        None: the environment's); hybrid_kv: layers of different attention (sliding, full)
+        in KV groups of their own (model/kv_groups.py; False: one table for every layer, which
+        a draft model reads too)."""
         self.cfg = cfg
         # A classifier of tokens' logits: a classify request's last row joins the logits rows
         # (every rank computes those); a score head needs none (model.classify).
@@ -90,6 +94,8 @@ class ModelRunner:
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list = []  # per layer: its KV blocks, or a hybrid's RecurrentState
+        self.kv_groups = self._kv_groups(hybrid_kv)
+        self.layer_groups = self._layer_groups()
         self._populated = 0  # pages populate_cache has faulted in; -1: it cannot here
         self.num_state_slots = 0  # a hybrid's (allocate_kv_cache)
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
@@ -105,9 +111,30 @@ class ModelRunner:
         self.last_timing: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def kv_bytes_per_block(self) -> int:
-        """Of every attention layer (a hybrid's recurrent layers keep no KV)."""
-        per_token = sum(2 * heads * dim for dim, heads in self._cache_heads().values())
+        """Of every attention layer (a hybrid's recurrent layers keep no KV); with KV groups, of
+        a group's (model/kv_groups.py: one block id is a page in each of its layers only)."""
+        heads = self._cache_heads()
+        if len(self.kv_groups.layers) > 1:
+            dim, kv_heads = next(iter(heads.values()))  # the same in every layer
+            per_token = 2 * kv_heads * dim * self.kv_groups.size
+        else:
+            per_token = sum(2 * kv_heads * dim for dim, kv_heads in heads.values())
         return per_token * self.block_size * self.kv_dtype.itemsize
+
+    def _kv_groups(self, separate: bool) -> KVGroups:
+        """The layers that keep a KV cache of their own, in groups by their attention."""
+        heads = self._cache_heads()
+        windows = {i: self.cfg.parts.window(i) for i in heads}
+        return group_layers(windows, heads, separate)
+
+    def _layer_groups(self) -> list[int]:
+        """Per layer: the KV group whose tables it reads (its cache's source's; 0 for a
+        recurrent layer)."""
+        parts, group_of = self.cfg.parts, self.kv_groups.group_of()
+        return [
+            0 if parts.is_linear(i) else group_of[parts.kv_source(i)]
+            for i in range(self.cfg.num_layers)
+        ]
 
     def _cache_heads(self) -> dict[int, tuple[int, int]]:
         """(head_dim, this rank's KV heads) of each layer that keeps a KV cache of its own (not
@@ -136,11 +163,19 @@ class ModelRunner:
         # One block more, zeroed and never written: the null block that a sliding-window
         # request's table holds where its blocks left the window (core/kv_cache_manager.py);
         # and one more for the padded rows of CUDA graphs, last (cuda_graphs).
+        # With KV groups, one cache per slot: layer j of every group keeps its pages there.
         scratch = self.graph_mode is not None
-        caches = {
-            i: self._new_cache((2, num_blocks + 1 + scratch, heads, self.block_size * dim))
-            for i, (dim, heads) in self._cache_heads().items()
-        }
+        heads = self._cache_heads()
+        if len(self.kv_groups.layers) > 1:
+            dim, kv_heads = next(iter(heads.values()))
+            shape = (2, num_blocks + 1 + scratch, kv_heads, self.block_size * dim)
+            slots = [self._new_cache(shape) for _ in range(self.kv_groups.size)]
+            caches = {i: slots[j] for i, j in self.kv_groups.slot_of().items()}
+        else:
+            caches = {
+                i: self._new_cache((2, num_blocks + 1 + scratch, kv_heads, self.block_size * dim))
+                for i, (dim, kv_heads) in heads.items()
+            }
         parts = self.cfg.parts
         self.kv_caches = [  # a layer that reads another's cache holds that layer's tensor
             self._new_state() if parts.is_linear(i) else caches[parts.kv_source(i)]
@@ -155,6 +190,8 @@ class ModelRunner:
                 self.graph_rows,
                 self.cfg.max_model_len,
                 capture=self.graph_mode == "capture",
+                layer_groups=self.layer_groups,
+                num_groups=len(self.kv_groups.layers),
             )
 
     def populate_cache(self, blocks: int) -> bool:
@@ -359,9 +396,11 @@ class ModelRunner:
             step.query_lens, step.context_lens, step.block_tables
         )
         if step.prompt_tokens is not None:
-            meta.prompt_rows = prompt_route.row_ranges(step.query_lens, step.prompt_tokens)
+            rows = prompt_route.row_ranges(step.query_lens, step.prompt_tokens)
+            for group in meta.every_group():
+                group.prompt_rows = rows
         if step.state_slots is not None:
-            meta.recurrent = recurrent_rows(
+            meta.recurrent = recurrent_rows(  # its layers read the first group's metadata
                 step.query_lens.tolist(),
                 step.context_lens.tolist(),
                 step.state_slots.tolist(),
@@ -389,7 +428,7 @@ class ModelRunner:
         else:
             token_ids = chain.from_iterable(s.token_ids for s in scheduled)
         input_ids = np.fromiter(token_ids, np.int64, num_tokens)
-        tables = pad_block_tables([s.block_ids for s in scheduled])
+        tables = pad_group_tables([s.block_ids for s in scheduled], len(self.kv_groups.layers))
         sampled = np.fromiter((s.sampling is not None for s in scheduled), bool, num_seqs)
         logits_rows = last_rows(np.cumsum(query_lens)[sampled], num_drafts[sampled] + 1)
         if any(s.prompt_targets for s in scheduled):  # prompt logprobs: after the sampled rows
@@ -416,22 +455,32 @@ class ModelRunner:
     def positions_and_metadata(
         self, query_lens: np.ndarray, context_lens: np.ndarray, block_tables
     ) -> tuple[np.ndarray, AttentionMetadata]:
-        """Every row's position, and the attention metadata all layers share. block_tables:
-        per request its block ids, or those already padded into an (S, W) array."""
+        """Every row's position, and the attention metadata the layers share (with KV groups,
+        one per group). block_tables: per request its block ids per group, or those already
+        padded into a (G, S, W) array."""
         tables = block_tables
         if not isinstance(tables, np.ndarray):
-            tables = pad_block_tables(tables)
-        positions, slots = positions_and_slots(query_lens, context_lens, tables, self.block_size)
-        meta = build_metadata(
-            query_lens,
-            context_lens,
-            tables,
-            slots,
-            self.block_size,
-            self.device,
-            self.attention_ops,
-            split_keys=not self.model.config.batch_invariant,
-        )
+            tables = pad_group_tables(tables, len(tables[0]) if tables else 1)
+        metas = []
+        for group_tables in tables:
+            positions, slots = positions_and_slots(
+                query_lens, context_lens, group_tables, self.block_size
+            )
+            metas.append(
+                build_metadata(
+                    query_lens,
+                    context_lens,
+                    group_tables,
+                    slots,
+                    self.block_size,
+                    self.device,
+                    self.attention_ops,
+                    split_keys=not self.model.config.batch_invariant,
+                )
+            )
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.groups, meta.layer_groups = metas, self.layer_groups
         return positions, meta
 
     def as_tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -508,6 +557,16 @@ def pad_block_tables(block_ids: list[list[int]]) -> np.ndarray:
     tables = np.zeros((len(block_ids), int(lens.max(initial=0))), dtype=np.int64)
     tables[np.arange(tables.shape[1]) < lens[:, None]] = flat  # row-major fill
     return tables
+
+
+def pad_group_tables(block_ids: list[list[list[int]]], num_groups: int) -> np.ndarray:
+    """block_ids: per request, its table per KV group -> (G, S, longest table) int64, padded
+    with block 0."""
+    if num_groups == 1:
+        return pad_block_tables([tables[0] for tables in block_ids])[None]
+    groups = [pad_block_tables([tables[g] for tables in block_ids]) for g in range(num_groups)]
+    width = max(t.shape[1] for t in groups)
+    return np.stack([np.pad(t, ((0, 0), (0, width - t.shape[1]))) for t in groups])
 
 
 def positions_and_slots(

@@ -118,6 +118,7 @@ def _build_runner(settings: RankSettings):
         own.kv_cache_dtype,
         tp=group,
         plan_settings=own.plan_settings,
+        hybrid_kv=own.hybrid_kv,
     )
 
 

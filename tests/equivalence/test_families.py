@@ -126,6 +126,7 @@ def test_preemption_prefix_hits_and_speculation_match_transformers(layer_family)
     # where a random model's greedy outputs repeat no n-gram at 24 blocks, fewer blocks (more
     # preemption, more of its outputs recomputed) give n-gram speculation its drafts.
     blocks = {"mistral-window": 10, "phi3": 10, "seed_oss": 16, "llama-bias": 16}
+    blocks["gemma3-groups"] = 32  # four tables per request (model/kv_groups.py)
     num_blocks = blocks.get(name, 24)
     engine = LLMEngine(
         path, dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=num_blocks,
@@ -154,7 +155,7 @@ def test_without_its_sliding_window_a_model_serves_up_to_its_window_with_its_tok
     engine = LLMEngine(
         str(path), dtype="float64", **DEVICE_KWARGS, block_size=4, disable_sliding_window=True
     )
-    assert engine.kv_cache.sliding_window == 0 and engine.max_model_len == 7
+    assert engine.kv_cache.windows == (0,) and engine.max_model_len == 7
     assert not any(engine.model_config.parts.windows)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     done = run(engine, [("short", prompt, params)])
@@ -166,7 +167,7 @@ def test_without_its_sliding_window_a_model_serves_up_to_its_window_with_its_tok
     gemma = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2")
     window = AutoConfig.from_pretrained(gemma).sliding_window
     capped = LLMEngine(str(gemma), dtype="float64", num_blocks=64, disable_sliding_window=True)
-    assert capped.max_model_len == window and capped.kv_cache.sliding_window == 0
+    assert capped.max_model_len == window and capped.kv_cache.windows == (0,)
 
 
 def test_a_windowed_request_holds_only_its_window_of_blocks(tmp_path):
@@ -181,7 +182,7 @@ def test_a_windowed_request_holds_only_its_window_of_blocks(tmp_path):
         str(path), dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=8,
         max_num_batched_tokens=8,
     )  # fmt: skip
-    assert engine.kv_cache.sliding_window == 7
+    assert engine.kv_cache.windows == (7,)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     engine.add_request("long", prompt, params)
     held, done = [], {}
@@ -189,13 +190,59 @@ def test_a_windowed_request_holds_only_its_window_of_blocks(tmp_path):
         for out in engine.step():
             done[out.request_id] = out.outputs[0]
         engine.check_integrity()
-        table = engine.kv_cache.req_to_blocks.get("long", [])
+        [table] = engine.kv_cache.req_to_blocks.get("long", [[]])
         held.append(sum(b is not engine.kv_cache.null_block for b in table))
     assert done["long"].token_ids == tokens
     assert max(held) <= -(-(7 + 8) // 4) + 1  # the window and one step's tokens
     assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
-    gemma = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2")  # a global layer: no freeing
-    assert LLMEngine(str(gemma), dtype="float64", num_blocks=64).kv_cache.sliding_window == 0
+
+
+def test_a_hybrid_holds_its_global_layers_context_and_its_local_layers_window(tmp_path):
+    """Gemma 2's sliding and global layers in KV groups of their own (model/kv_groups.py): a
+    block id is one layer's page, not both layers', and the local layer's blocks that left its
+    window go back to the pool while the request runs. So a cache of 20 blocks' bytes of the
+    one-table layout (both layers' pages: too small for a 90-token request and its 20 tokens)
+    serves it with transformers' tokens, and a second request on the same prompt hits its
+    prefix in both groups, the local one from the blocks inside the window."""
+    path = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2")
+    config = AutoConfig.from_pretrained(path)
+    reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    prompt = random_prompts(3, config.vocab_size, seed=5, max_len=90)[2]
+    assert len(prompt) > 80
+    again = prompt + [7, 8, 9]
+    expected = [tokens for tokens, _ in hf_greedy(reference_model, [prompt, again], 20)]
+    page = 2 * config.num_key_value_heads * config.head_dim * 4 * 8  # a layer's block, float64
+    engine = LLMEngine(
+        str(path), dtype="float64", **DEVICE_KWARGS, block_size=4, max_num_batched_tokens=8,
+        kv_cache_memory=20 * 2 * page,
+    )  # fmt: skip
+    window = config.sliding_window
+    assert engine.kv_cache.windows == (0, window) and engine.num_blocks == 40
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    done = {}
+    for request_id, tokens in (("first", prompt), ("again", again)):
+        engine.add_request(request_id, tokens, params)
+        held = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out.outputs[0]
+            engine.check_integrity()
+            tables = engine.kv_cache.req_to_blocks.get(request_id)
+            if tables is not None:
+                held.append([sum(b is not engine.kv_cache.null_block for b in t) for t in tables])
+        assert max(full for full, _ in held) == -(-(len(tokens) + 18) // 4)  # every token
+        assert max(local for _, local in held) <= -(-(window + 8) // 4) + 1
+    assert done["first"].token_ids == expected[0]
+    assert done["again"].token_ids == expected[1]
+    assert engine.get_stats().scheduler.prefix_cache_hits == len(prompt) // 4 * 4
+    assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
+    one_table = LLMEngine(
+        str(path), dtype="float64", **DEVICE_KWARGS, block_size=4, max_num_batched_tokens=8,
+        kv_cache_memory=20 * 2 * page, disable_hybrid_kv_cache_manager=True,
+    )  # fmt: skip
+    assert one_table.kv_cache.windows == (0,) and one_table.num_blocks == 20
+    with pytest.raises(ValueError, match="needs 28 KV blocks; the whole cache has 20"):
+        one_table.add_request("first", prompt, params)
 
 
 def test_past_longrope_original_length_the_long_factors_turn_every_position(tmp_path):

@@ -206,7 +206,7 @@ def test_allocated_kv_stays_under_one_spare_block_per_request(tiny_checkpoint):
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
-        for request_id, blocks in engine.kv_cache.req_to_blocks.items():
+        for request_id, [blocks] in engine.kv_cache.req_to_blocks.items():
             request = engine.scheduler.requests[request_id]
             # After a step every allocated slot holds computed KV, but for the last block's tail.
             assert len(blocks) == -(-request.num_computed_tokens // 4)

@@ -658,8 +658,8 @@ def test_compiled_decoder_layers_match_the_modules(
             ref_x = layer(ref_x, [rope], [rotary], cache, meta)
         compiled = [layer.compiled(ops) for layer, _ in layers]
         ops.decoder_layers(
-            compiled, x, caches, [rope.cos], [rope.sin], meta.slot_mapping, block_size,
-            meta.query_start, meta.seq_lens, meta.block_tables, None, _FORMS[form],
+            compiled, x, caches, [rope.cos], [rope.sin], [meta.slot_mapping], block_size,
+            meta.query_start, meta.seq_lens, [meta.block_tables], None, _FORMS[form],
         )  # fmt: skip
     if dtype == torch.float64:
         assert torch.equal(x, ref_x)
@@ -696,7 +696,7 @@ def test_compiled_layers_time_their_parts_and_refuse_bad_input(ops):
     x = torch.randn(1, 96)
     cache = torch.zeros(2, 2, 2, 16 * 64)
     cos, sin = rotary.rows(torch.tensor([0]))
-    meta = (torch.tensor([0]), 16, torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([[0]]))
+    meta = ([torch.tensor([0])], 16, torch.tensor([0, 1]), torch.tensor([1]), [torch.tensor([[0]])])
     seconds = torch.zeros(3, dtype=torch.float64)
     ops.decoder_layers([compiled], x, [cache], [cos], [sin], *meta, seconds)
     assert (seconds > 0).all(), "projections, attention and the rest each take some time"
@@ -706,6 +706,8 @@ def test_compiled_layers_time_their_parts_and_refuse_bad_input(ops):
         ops.decoder_layers([compiled], x, [cache], [cos], [sin], *meta, torch.zeros(2))
     with pytest.raises(RuntimeError, match="form 0"):
         ops.decoder_layers([compiled], x, [cache], [cos], [sin], *meta, None, 3)
+    with pytest.raises(RuntimeError, match="group out of range"):  # one KV group given
+        ops.decoder_layers([compiled], x, [cache], [cos], [sin], *meta, None, layer_groups=[1])
     dense = [ops.Projection(weight=torch.zeros(*shape)) for shape in ((10, 96), (96, 256))]
     with pytest.raises(RuntimeError, match="weight shapes"):
         ops.DecoderLayer(

@@ -466,7 +466,7 @@ def _assert_blocks_match_computed_tokens(engine: LLMEngine) -> None:
     scheduler allocates only what a step needs); a waiting one holds none."""
     block_size = engine.kv_cache.block_size
     for request in engine.scheduler.requests.values():
-        held = len(engine.kv_cache.req_to_blocks.get(request.request_id, ()))
+        held = len(engine.kv_cache.req_to_blocks.get(request.request_id, [[]])[0])
         if request.status == RequestStatus.RUNNING:
             assert held == -(-request.num_computed_tokens // block_size), request.request_id
         else:
@@ -616,7 +616,7 @@ def test_stats_count_running_waiting_preempted_and_kv_usage(model_path, caching)
         assert stats.num_preempted == statuses.count(RequestStatus.PREEMPTED)
         assert stats.num_waiting == stats.num_preempted + statuses.count(RequestStatus.WAITING)
         assert stats.num_running + stats.num_waiting == engine.get_num_unfinished_requests()
-        used = {b for blocks in engine.kv_cache.req_to_blocks.values() for b in blocks}
+        used = {b for tables in engine.kv_cache.req_to_blocks.values() for b in tables[0]}
         assert 0.0 <= stats.kv_cache_usage <= 1.0
         assert stats.kv_cache_usage == pytest.approx(len(used) / num_blocks)
         # A preempted request waits at least until the next step.
@@ -662,7 +662,7 @@ def test_abort_frees_blocks_at_once_and_yields_no_output(model_path, reference, 
         if state_of(victim) == state:
             break
     assert state_of(victim) == state, f"victim never reached {state}"
-    held = len(engine.kv_cache.req_to_blocks.get("victim", []))
+    held = len(engine.kv_cache.req_to_blocks.get("victim", [[]])[0])
     assert (held > 0) == (state in ("prefill", "decode"))
     num_free = engine.kv_cache.pool.num_free_blocks
     num_unfinished = engine.get_num_unfinished_requests()
@@ -726,7 +726,7 @@ def test_eviction_is_lru_with_a_freed_requests_tail_block_first():
     b = _request("b", [7, 8, 9, 10, 11, 12])
     _prefill(manager, a)
     _prefill(manager, b)
-    a_blocks, b_blocks = manager.req_to_blocks["a"], manager.req_to_blocks["b"]
+    [a_blocks], [b_blocks] = manager.req_to_blocks["a"], manager.req_to_blocks["b"]
     manager.free(a)
     manager.free(b)
     manager.check_integrity()
@@ -740,20 +740,20 @@ def test_eviction_is_lru_with_a_freed_requests_tail_block_first():
     # a's prefix survives its tail: a re-run of a hits its first two blocks, b hits all three.
     a_hits, _ = manager.get_computed_blocks(_request("a2", [1, 2, 3, 4, 5, 6, 0]))
     b_hits, _ = manager.get_computed_blocks(_request("b2", [7, 8, 9, 10, 11, 12, 0]))
-    assert a_hits == a_blocks[:2] and b_hits == b_blocks
+    assert a_hits == [a_blocks[:2]] and b_hits == [b_blocks]
 
 
 def test_cached_block_hit_is_pulled_off_the_free_queue_and_shared():
     manager = KVCacheManager(num_blocks=6, block_size=2, enable_caching=True)
     first = _request("first", [1, 2, 3, 4, 5])
     _prefill(manager, first)
-    prefix = manager.req_to_blocks["first"][:2]
+    prefix = manager.req_to_blocks["first"][0][:2]
     manager.free(first)
     assert all(b.ref_cnt == 0 and b.block_hash is not None for b in prefix)
     num_free = manager.pool.num_free_blocks
     second = _request("second", [1, 2, 3, 4, 9])
     hits, num_hit_tokens = manager.get_computed_blocks(second)
-    assert hits == prefix and num_hit_tokens == 4
+    assert hits == [prefix] and num_hit_tokens == 4
     manager.allocate_slots(second, 1, hits)
     assert all(b.ref_cnt == 1 for b in prefix)
     assert not set(_ids(prefix)) & set(_ids(manager.pool.free_queue))
@@ -786,9 +786,9 @@ def test_block_hash_keys_on_the_tokens_so_a_digest_collision_serves_no_wrong_kv(
     monkeypatch.setattr(BlockHash, "digest", property(lambda self: b"same"))
     manager = KVCacheManager(num_blocks=6, block_size=2, enable_caching=True)
     _prefill(manager, _request("x", [1, 2, 5, 6, 0]))
-    assert manager.get_computed_blocks(_request("y", [3, 4, 5, 6, 0])) == ([], 0)
+    assert manager.get_computed_blocks(_request("y", [3, 4, 5, 6, 0])) == ([[]], 0)
     hits, num = manager.get_computed_blocks(_request("z", [1, 2, 5, 6, 0]))
-    assert num == 4 and _ids(hits) == manager.block_ids("x")[:2]
+    assert num == 4 and _ids(hits[0]) == manager.block_ids("x")[0][:2]
 
 
 def test_request_preempted_for_a_higher_priority_one_is_not_resumed_in_the_same_step(
@@ -827,12 +827,12 @@ def test_blocks_without_a_hash_are_taken_again_before_never_used_ones():
     manager = KVCacheManager(num_blocks=10, block_size=2, enable_caching=False)
     a = _request("a", [1, 2, 3, 4, 5])  # 3 blocks
     _prefill(manager, a)
-    a_blocks = set(_ids(manager.req_to_blocks["a"]))
+    a_blocks = set(_ids(manager.req_to_blocks["a"][0]))
     manager.free(a)
     manager.check_integrity()
     b = _request("b", [6, 7, 8, 9, 10, 11, 12, 13])  # 4 blocks: a's 3, then a never-used one
     _prefill(manager, b)
-    taken = _ids(manager.req_to_blocks["b"])
+    taken = _ids(manager.req_to_blocks["b"][0])
     assert set(taken[:3]) == a_blocks and taken[3] not in a_blocks
     manager.check_integrity()
 
@@ -844,11 +844,12 @@ def test_a_freed_partial_block_is_taken_before_never_used_and_cached_ones():
     manager = KVCacheManager(num_blocks=8, block_size=2, enable_caching=True)
     a = _request("a", [1, 2, 3, 4, 5])  # 2 full blocks and a partial one
     _prefill(manager, a)
-    full, partial = manager.req_to_blocks["a"][:2], manager.req_to_blocks["a"][2]
+    [table] = manager.req_to_blocks["a"]
+    full, partial = table[:2], table[2]
     manager.free(a)
     manager.check_integrity()
     order = _ids(manager.pool.free_queue)
     assert order[0] == partial.block_id and order[-2:] == _ids(full[::-1])
     assert manager.pool.get_new_blocks(1) == [partial]
     hits, _ = manager.get_computed_blocks(_request("a2", [1, 2, 3, 4, 9]))
-    assert hits == full
+    assert hits == [full]

@@ -111,8 +111,8 @@ def test_step_shape_counts_a_drafted_decode_row_as_decode_and_a_chunk_as_prefill
     from conveyor.outputs import ScheduledRequest
 
     rows = [
-        ScheduledRequest("a", [5], 40, [], None, num_drafts=3),
-        ScheduledRequest("b", list(range(10)), 6, [], None),
+        ScheduledRequest("a", [5], 40, [[]], None, num_drafts=3),
+        ScheduledRequest("b", list(range(10)), 6, [[]], None),
     ]
     shape = step_shape(SchedulerOutput(rows, 14))
     assert shape == StepShape(4, 10, 4 * 40 + 10, 10 * 6 + 55)

@@ -871,14 +871,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // tensor that gets each category's time added (see Stopwatch), or None.
 void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& x,
                     std::vector<at::Tensor>& kv_caches, const std::vector<at::Tensor>& cos,
-                    const std::vector<at::Tensor>& sin, const at::Tensor& slot_mapping,
-                    int64_t block_size, const at::Tensor& query_start, const at::Tensor& seq_lens,
-                    const at::Tensor& block_tables,
+                    const std::vector<at::Tensor>& sin,
+                    const std::vector<at::Tensor>& slot_mappings, int64_t block_size,
+                    const at::Tensor& query_start, const at::Tensor& seq_lens,
+                    const std::vector<at::Tensor>& block_tables,
                     std::optional<at::Tensor> seconds, int64_t form, bool split_keys,
                     std::optional<std::vector<at::Tensor>> lora,
                     std::vector<int64_t> lora_slots, int64_t lora_num_slots,
-                    std::vector<int64_t> prompt_rows) {
+                    std::vector<int64_t> prompt_rows, std::vector<int64_t> layer_groups) {
   TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
+  // KV groups (model/kv_groups.py): a layer's slots and block tables are its group's; one
+  // group: every layer's
+  TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size(),
+              "decoder_layers: slot_mappings and block_tables, one of each per KV group");
+  TORCH_CHECK(layer_groups.empty() || layer_groups.size() == layers.size(),
+              "decoder_layers: layer_groups, one per layer (or none: one group)");
+  for (const int64_t g : layer_groups)
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(slot_mappings.size()),
+                "decoder_layers: a layer's group out of range");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "decoder_layers: x (T, hidden), contiguous, on the CPU");
   TORCH_CHECK(!seconds || (seconds->scalar_type() == at::kDouble && seconds->numel() == 3 &&
@@ -887,8 +897,8 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
   TORCH_CHECK(form >= kKernel && form <= kTransposed,
               "decoder_layers: form 0 (kernel), 1 (linear) or 2 (transposed)");
   TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "decoder_layers: cos, sin per table");
-  Step step{cos,      sin,          slot_mapping,
-            query_start, seq_lens, block_tables,
+  Step step{cos,      sin,          slot_mappings[0],
+            query_start, seq_lens, block_tables[0],
             block_size, static_cast<MatmulForm>(form), split_keys, LoRA{}};
   TORCH_CHECK(prompt_rows.size() % 2 == 0, "decoder_layers: prompt_rows are (begin, end) pairs");
   for (size_t i = 0; i < prompt_rows.size(); i += 2)
@@ -908,8 +918,13 @@ void decoder_layers(const std::vector<const DecoderLayer*>& layers, at::Tensor& 
     step.lora.ab = &ab;
   }
   Stopwatch clock(seconds ? seconds->data_ptr<double>() : nullptr);
-  for (size_t i = 0; i < layers.size(); ++i)
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!layer_groups.empty()) {
+      step.slot_mapping = slot_mappings[layer_groups[i]];
+      step.block_tables = block_tables[layer_groups[i]];
+    }
     layers[i]->forward(x, kv_caches[i], step, clock, i);
+  }
 }
 
 void bind_decoder_layer(pybind11::module& m) {
@@ -961,11 +976,12 @@ void bind_decoder_layer(pybind11::module& m) {
            py::arg("moe") = py::none(), py::arg("sinks") = py::none());
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a step, x in place (CPU)",
         py::arg("layers"), py::arg("x"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"),
-        py::arg("slot_mapping"), py::arg("block_size"), py::arg("query_start"),
+        py::arg("slot_mappings"), py::arg("block_size"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("block_tables"), py::arg("seconds"),
         py::arg("form") = 0, py::arg("split_keys") = true, py::arg("lora") = py::none(),
         py::arg("lora_slots") = std::vector<int64_t>{}, py::arg("lora_num_slots") = 0,
-        py::arg("prompt_rows") = std::vector<int64_t>{});
+        py::arg("prompt_rows") = std::vector<int64_t>{},
+        py::arg("layer_groups") = std::vector<int64_t>{});
 }
 
 }  // namespace conveyor::layer
