@@ -20,7 +20,7 @@ Everything that is the same for all layers is in AttentionMetadata, built once p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -106,20 +106,37 @@ def build_metadata(
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
     seq_lens = context_lens + query_lens
-    tables = _tensor(block_tables, device)
-    reference = None
-    if ops is None:
-        reference = _reference_plan(query_start, seq_lens, block_tables, tables, block_size)
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         slot_mapping=_tensor(slot_mapping, device),
         query_start=_tensor(query_start, device),
         seq_lens=_tensor(seq_lens, device),
-        block_tables=tables,
+        block_tables=_tensor(block_tables, device),
         block_size=block_size,
         ops=ops,
-        reference=reference,
+        reference=None,
         split_keys=split_keys,
     )
+    if ops is None:
+        meta.reference = _reference_plan(
+            query_start, seq_lens, block_tables, meta.block_tables, block_size
+        )
+    return meta
+
+
+def group_metadata(
+    meta: AttentionMetadata, block_tables: np.ndarray, slot_mapping: np.ndarray
+) -> AttentionMetadata:
+    """Another KV group's metadata for the step of `meta` (model/kv_groups.py): its own block
+    tables (S, W) and slots, the rest shared."""
+    tables = _tensor(block_tables, meta.block_tables.device)
+    reference = None
+    if meta.ops is None:
+        query_start, seq_lens = meta.query_start.cpu().numpy(), meta.seq_lens.cpu().numpy()
+        reference = _reference_plan(query_start, seq_lens, block_tables, tables, meta.block_size)
+    return replace(
+        meta, slot_mapping=_tensor(slot_mapping, tables.device), block_tables=tables,
+        reference=reference, groups=[], layer_groups=[],
+    )  # fmt: skip
 
 
 def _reference_plan(query_start, seq_lens, block_tables, tables, block_size) -> ReferencePlan:

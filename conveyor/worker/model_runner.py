@@ -27,7 +27,7 @@ from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.slots import LoRASlots
 from conveyor.model import kernels, prompt_route
 from conveyor.model import plan as kernel_plan
-from conveyor.model.attention import AttentionMetadata, build_metadata
+from conveyor.model.attention import AttentionMetadata, build_metadata, group_metadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.kv_groups import KVGroups, group_layers
 from conveyor.model.layers import matmul_forms
@@ -461,26 +461,27 @@ class ModelRunner:
         tables = block_tables
         if not isinstance(tables, np.ndarray):
             tables = pad_group_tables(tables, len(tables[0]) if tables else 1)
-        metas = []
-        for group_tables in tables:
-            positions, slots = positions_and_slots(
-                query_lens, context_lens, group_tables, self.block_size
+        bs = self.block_size
+        positions, slots = positions_and_slots(query_lens, context_lens, tables[0], bs)
+        meta = build_metadata(
+            query_lens,
+            context_lens,
+            tables[0],
+            slots,
+            bs,
+            self.device,
+            self.attention_ops,
+            split_keys=not self.model.config.batch_invariant,
+        )
+        if len(tables) > 1:  # the other groups' tables and slots, the rest shared
+            seq_of_row, blocks, offsets = (
+                np.repeat(np.arange(len(query_lens)), query_lens),
+                *divmod(positions, bs),
             )
-            metas.append(
-                build_metadata(
-                    query_lens,
-                    context_lens,
-                    group_tables,
-                    slots,
-                    self.block_size,
-                    self.device,
-                    self.attention_ops,
-                    split_keys=not self.model.config.batch_invariant,
-                )
-            )
-        meta = metas[0]
-        if len(metas) > 1:
-            meta.groups, meta.layer_groups = metas, self.layer_groups
+            meta.groups = [meta] + [
+                group_metadata(meta, t, t[seq_of_row, blocks] * bs + offsets) for t in tables[1:]
+            ]
+            meta.layer_groups = self.layer_groups
         return positions, meta
 
     def as_tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -564,9 +565,12 @@ def pad_group_tables(block_ids: list[list[list[int]]], num_groups: int) -> np.nd
     with block 0."""
     if num_groups == 1:
         return pad_block_tables([tables[0] for tables in block_ids])[None]
-    groups = [pad_block_tables([tables[g] for tables in block_ids]) for g in range(num_groups)]
-    width = max(t.shape[1] for t in groups)
-    return np.stack([np.pad(t, ((0, 0), (0, width - t.shape[1]))) for t in groups])
+    rows = [tables[g] for g in range(num_groups) for tables in block_ids]  # group-major
+    lens = np.fromiter(map(len, rows), np.int64, len(rows)).reshape(num_groups, len(block_ids))
+    flat = np.fromiter(chain.from_iterable(rows), np.int64, int(lens.sum()))
+    tables = np.zeros((num_groups, len(block_ids), int(lens.max(initial=0))), dtype=np.int64)
+    tables[np.arange(tables.shape[2]) < lens[:, :, None]] = flat  # row-major fill
+    return tables
 
 
 def positions_and_slots(

@@ -94,3 +94,18 @@ def test_graph_mode_setting(monkeypatch):
     monkeypatch.setenv("CONVEYOR_CUDA_GRAPHS", "sometimes")
     with pytest.raises(ValueError, match="CONVEYOR_CUDA_GRAPHS"):
         graph_mode(torch.device("cuda"))
+
+
+def test_padded_decode_steps_of_kv_groups_match_transformers(tiny_checkpoint):
+    """A model with KV groups (model/kv_groups.py: a Gemma 3 of two-layer groups, its window
+    of 5 shorter than every context): a table and slots per group in the buffers, each layer
+    reading its own group's, the sliding groups' tables led by null blocks."""
+    path = tiny_checkpoint("gemma3-groups")
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    prompts = random_prompts(6, ref_model.config.vocab_size, seed=4)
+    reference = hf_greedy(ref_model, prompts, MAX_TOKENS)
+    llm = LLM(str(path), dtype="float64", **DEVICE_KWARGS, max_num_seqs=6, block_size=4)
+    assert len(llm.engine.core.kv_cache.windows) == 4
+    outputs = llm.generate(prompts, GREEDY[0], use_tqdm=False)
+    assert_matches_reference(outputs, reference)
+    assert llm.engine.core.runner.graphs.replays == MAX_TOKENS - 1
