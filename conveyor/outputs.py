@@ -97,6 +97,11 @@ class ScheduledRequest:
     classify: bool = False
     # The LoRA adapter (its lora_int_id) the rows run with; 0: the base model.
     lora_id: int = 0
+    # A hybrid's recurrent state snapshots (core/state_snapshots.py): the slot whose state
+    # the request's own slot takes before the forward (a prefix hit), and the slot its state is
+    # copied into after it (its chunk ends at the prompt's last block boundary).
+    restore_state_from: int | None = None
+    save_state_to: int | None = None
     # The request's prompt length: rows at positions below it are prompt tokens (a model's
     # prompt route, model/prompt_route.py); None: every row counts as generated.
     num_prompt_tokens: int | None = None

@@ -31,12 +31,14 @@ So a Gemma 3 request of 32k tokens holds its global layers' 32k and its local la
 Prefix caching keys a group's blocks by the group and the block's tokens (and everything
 before them). A hit is the longest prefix of whole blocks that every group can serve: a full
 group the blocks of the prefix, a sliding group those inside the window of the first token to
-compute (the ones before it are null in its table), found from the right.
+compute (the ones before it are null in its table), found from the right; and a hybrid's
+recurrent layers a snapshot of their state at its end (core/state_snapshots.py).
 """
 
 from __future__ import annotations
 
 from conveyor.core.block_pool import BlockPool, KVBlock
+from conveyor.core.state_snapshots import StateSnapshots
 from conveyor.request import BlockHash, Request
 
 # Per group: a request's hits (null blocks before a sliding group's window), in table order.
@@ -51,8 +53,11 @@ class KVCacheManager:
         enable_caching: bool,
         salt_generated: bool = False,
         windows: tuple[int, ...] = (0,),
+        snapshots: StateSnapshots | None = None,
     ) -> None:
-        """windows: each KV group's sliding window (0: full attention; model/kv_groups.py)."""
+        """windows: each KV group's sliding window (0: full attention; model/kv_groups.py);
+        snapshots: a hybrid's recurrent state snapshots, with prefix caching on."""
+        self.snapshots = snapshots if enable_caching else None
         self.block_size = block_size
         self.windows = tuple(windows)
         self.null_block = KVBlock(num_blocks)  # outside the pool: never allocated or freed
@@ -107,6 +112,9 @@ class KVCacheManager:
             agreed = length
             for g, window in enumerate(self.windows):
                 length = self._longest_hit(found[g], window, length)
+            if self.snapshots is not None:  # and a recurrent state kept at its end
+                while length and self.snapshots.peek(hashes[length - 1]) is None:
+                    length -= 1
             if length == agreed:
                 break
         if not length:
@@ -116,6 +124,12 @@ class KVCacheManager:
             first = self._first_read(length * self.block_size, window)
             hits.append([self.null_block] * first + found[g][first:length])
         return hits, length * self.block_size
+
+    def snapshot_key(self, request: Request, num_tokens: int) -> BlockHash:
+        """The key of a recurrent state snapshot after the request's first num_tokens tokens
+        (a multiple of the block size): the hash of its last block."""
+        self._update_block_hashes(request)
+        return request.block_hashes[num_tokens // self.block_size - 1]
 
     def _first_read(self, position: int, window: int) -> int:
         """The first block the token at `position` reads (0 for full attention)."""
@@ -247,6 +261,8 @@ class KVCacheManager:
             parent = block_hash.digest
 
     def reset_prefix_cache(self) -> bool:
+        if self.snapshots is not None and not self.snapshots.clear():
+            return False
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
@@ -288,3 +304,5 @@ class KVCacheManager:
                     assert group_of[block.block_id] == group, "a block cached for another group"
         for block_hash, block in self.pool.cached.items():
             assert block.block_hash == block_hash, "cached block lost its hash"
+        if self.snapshots is not None:
+            self.snapshots.check_integrity()

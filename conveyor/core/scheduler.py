@@ -124,6 +124,11 @@ class Scheduler:
         self.draft_policy = DraftPolicy(speculative is None or speculative.adaptive)
         self.step_budget = None if config.max_step_ms is None else StepBudget(config.max_step_ms)
         self.kv_cache = kv_cache
+        # A hybrid's state snapshots (core/state_snapshots.py), with prefix caching on: this
+        # step's restores (request id -> snapshot slot) and the slots it saves into.
+        self.snapshots = kv_cache.snapshots if state_slots else None
+        self._restores: dict[str, int] = {}
+        self._saving: list[int] = []
         self.policy = config.policy
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(by_priority=config.policy == "priority")
@@ -207,6 +212,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new = self._prefill_cap(scheduled, request.num_computed_tokens, num_new)
+            num_new = self._snapshot_cap(request, request.num_computed_tokens, num_new)
             if num_new == 0:
                 continue  # the step's time is spent: its prompt goes on in the next step
             while self.kv_cache.allocate_slots(request, num_new) is None:
@@ -362,6 +368,8 @@ class Scheduler:
         if whole and num_new > budget:
             return None
         num_new = self._prefill_cap(scheduled, num_hit_tokens, min(num_new, budget), whole)
+        if not whole:
+            num_new = self._snapshot_cap(request, num_hit_tokens, num_new)
         if num_new == 0:
             return 0
         if self.kv_cache.allocate_slots(request, num_new, hits) is None:
@@ -377,7 +385,29 @@ class Scheduler:
         self.running.append(request)
         if self.state_slots is not None:
             self.state_slots[request.request_id] = self._free_slots.pop()
+            if num_hit_tokens and self.snapshots is not None:  # its state at the hit's end
+                key = self.kv_cache.snapshot_key(request, num_hit_tokens)
+                self._restores[request.request_id] = self.snapshots.take(key)
         return num_new
+
+    def _snapshot_boundary(self, request: Request) -> int:
+        """Where a hybrid's state is saved: the prompt's last block boundary before its end
+        (the longest prefix a later request repeating the prompt can hit), 0 for none."""
+        block_size = self.kv_cache.block_size
+        return (request.num_prompt_tokens - 1) // block_size * block_size
+
+    def _snapshot_cap(self, request: Request, start: int, num_new: int) -> int:
+        """With state snapshots, a chunk from `start` that would pass the snapshot boundary
+        ends there, unless that snapshot is kept already: the state at the boundary then
+        exists, to be saved after the step."""
+        if self.snapshots is None or num_new <= 1:
+            return num_new
+        boundary = self._snapshot_boundary(request)
+        if not start < boundary < start + num_new:
+            return num_new
+        if self.snapshots.has(self.kv_cache.snapshot_key(request, boundary)):
+            return num_new
+        return boundary - start
 
     def _priority_victim(self, request: Request) -> Request | None:
         """Priority policy: a running request of lower priority (larger value) that may be
@@ -435,6 +465,8 @@ class Scheduler:
             )
             if self.state_slots is not None:
                 item.state_slot = self.state_slots[request_id]
+                if self.snapshots is not None:
+                    self._snapshot_copies(item, request, start + num_new)
             if start < request.num_prompt_tokens:
                 _ask_prompt_rows(item, request)
             if num_drafts and not self._draft_by_model:
@@ -449,6 +481,17 @@ class Scheduler:
             finished_request_ids=finished_ids,
         )
 
+    def _snapshot_copies(self, item: ScheduledRequest, request: Request, end: int) -> None:
+        """A scheduled hybrid request's state copies: the snapshot its admission hit, and a
+        save when its chunk ends at the snapshot boundary."""
+        item.restore_state_from = self._restores.pop(request.request_id, None)
+        boundary = self._snapshot_boundary(request)
+        if boundary and end == boundary:
+            slot = self.snapshots.reserve(self.kv_cache.snapshot_key(request, boundary))
+            if slot is not None:
+                item.save_state_to = slot
+                self._saving.append(slot)
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
@@ -460,6 +503,9 @@ class Scheduler:
         from num_computed_tokens (their KV is overwritten later) before any full block is
         hashed into the prefix cache, so no unverified token is ever cached."""
         drafts, prompt_done = {}, []
+        if self._saving:  # the step saved these snapshots: hits may read them now
+            self.snapshots.commit(self._saving)
+            self._saving = []
         for item in scheduler_output.scheduled:
             request = self.requests[item.request_id]
             _take_prompt_rows(request, item, runner_output)

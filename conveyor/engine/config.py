@@ -4,15 +4,12 @@ core hands out, each component taking only its own."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from conveyor.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from conveyor.engine_args import EngineArgs
 from conveyor.model.config import ModelConfig, check_tokenizer
-
-logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # imported where an engine is built: resolve_model_config runs without it in
     import torch  # the server's front end (engine/core_proc.py)
@@ -121,11 +118,10 @@ def _lora_refusal(parts) -> str | None:
 
 
 def _hybrid_cache(args: EngineArgs, cache: CacheConfig) -> CacheConfig:
-    """A hybrid model's (recurrent layers, model/recurrent.py) cache: a sequence's recurrent
-    state exists only at the end of what it computed, so a prefix-cache hit (KV blocks without
-    the state at their end) cannot be continued: prefix caching is off. Drafts (whose rejected
-    tokens would have to be taken back out of the state), adapters and tensor parallelism are
-    refused."""
+    """A hybrid model's (recurrent layers, model/recurrent.py) cache: a prefix-cache hit
+    continues from a snapshot of the recurrent state at its end (core/state_snapshots.py).
+    Drafts (whose rejected tokens would have to be taken back out of the state), adapters and
+    tensor parallelism are refused."""
     if args.speculative_config is not None:
         raise ValueError(
             "speculative decoding is not supported for a hybrid model (recurrent layers: "
@@ -135,9 +131,7 @@ def _hybrid_cache(args: EngineArgs, cache: CacheConfig) -> CacheConfig:
         raise ValueError("enable_lora: a hybrid model's recurrent layers have no adapter slots")
     if args.tensor_parallel_size > 1:
         raise ValueError("tensor_parallel_size > 1 is not supported for a hybrid model")
-    if cache.enable_prefix_caching:
-        logger.info("conveyor: prefix caching off: a hybrid model's recurrent state is not cached")
-    return dataclasses.replace(cache, enable_prefix_caching=False)
+    return cache
 
 
 def _encoder_scheduling(

@@ -26,6 +26,7 @@ from conveyor.config import (
 )
 from conveyor.core.kv_cache_manager import KVCacheManager
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.state_snapshots import StateSnapshots
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core_io import CoreInfo, CoreOutput, CoreRequest, CoreStats
 from conveyor.engine.records import (
@@ -57,6 +58,9 @@ DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 GPU_MEMORY_UTILIZATION = 0.9
 # KV cache bytes an idle CPU engine faults in ahead of the blocks its load has taken (idle_work).
 POPULATE_AHEAD = 64 * 2**20
+# A hybrid's prefix-cache snapshots of its recurrent states take up to this share (1/4) of the
+# cache's memory left after the running requests' states (_cache_sizes).
+SNAPSHOT_SHARE = 4
 
 
 def cuda_kv_budget(free: int, total: int, share: float | None = None) -> int:
@@ -100,16 +104,17 @@ class EngineCore:
         try:
             self.runner = self._runner(config)
             logger.info("conveyor: %s", self.runner.plan.log_line())
-            self.num_blocks, self.num_state_slots = self._cache_sizes()
+            self.num_blocks, self.num_state_slots, self.num_snapshots = self._cache_sizes()
             self._allocate_kv_cache()
             self.memory = self.memory_report()
             cache = self.cache_config
             self.kv_cache = KVCacheManager(
                 self.num_blocks,
                 cache.block_size,
-                cache.enable_prefix_caching,
+                self._prefix_caching(),
                 salt_generated=getattr(getattr(self.runner, "model", None), "prompt_route", False),
                 windows=self._kv_windows(),
+                snapshots=self._state_snapshots(),
             )
             self._log_kv_capacity()
             max_loras = None if self.lora_config is None else self.lora_config.max_loras
@@ -132,7 +137,7 @@ class EngineCore:
         # prefix caching off, freed blocks are taken again first and the cache stays as small
         # as the load (core/block_pool.py): nothing is faulted in ahead.
         self._populating = (
-            cache.enable_prefix_caching
+            self.kv_cache.enable_caching
             and self.tp_workers is None
             and hasattr(self.runner, "populate_cache")
         )
@@ -218,7 +223,7 @@ class EngineCore:
             self.tp_workers.wait_ready()
             self.tp_workers.allocate(self.num_blocks)
         # may run out of memory
-        self.runner.allocate_kv_cache(self.num_blocks, self.num_state_slots)
+        self.runner.allocate_kv_cache(self.num_blocks, self.num_state_slots + self.num_snapshots)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.num_blocks)
 
@@ -267,8 +272,12 @@ class EngineCore:
         report = weights.as_dict() | {"kv_cache": self._bytes_per_block() * self.num_blocks}
         states = ""
         if self.model_config.parts.recurrent:  # a hybrid's recurrent states, every slot
-            report["recurrent_states"] = self.runner.state_bytes_per_slot() * self.num_state_slots
-            states = f", recurrent states {report['recurrent_states'] / 2**20:.1f} MiB"
+            num_slots = self.num_state_slots + self.num_snapshots
+            report["recurrent_states"] = self.runner.state_bytes_per_slot() * num_slots
+            states = (
+                f", recurrent states {report['recurrent_states'] / 2**20:.1f} MiB "
+                f"({self.num_state_slots} running, {self.num_snapshots} prefix-cache snapshots)"
+            )
         logger.info(
             "conveyor: memory: %s, KV cache %.1f MiB%s",
             weights.log_line(),
@@ -318,13 +327,18 @@ class EngineCore:
         one slot, so there are max_num_seqs of them where the cache's memory holds them beside
         the KV the seats can use (or beside half of it), else as many as that room holds (at
         least one): at most that many requests then run at once, the others wait (a state is
-        ~19 MiB for a Qwen3.5-0.8B shape in float32). The KV blocks take the rest."""
+        ~19 MiB for a Qwen3.5-0.8B shape in float32). With prefix caching, prefix-cache snapshots
+        of the states (core/state_snapshots.py) take up to 1/SNAPSHOT_SHARE of what is left, at
+        most one per running slot (with num_blocks given: one per slot). The KV blocks take the
+        rest."""
         slots = per_slot = 0
         if self.model_config.parts.recurrent:
             slots, per_slot = self.scheduler_config.max_num_seqs, self.runner.state_bytes_per_slot()
+        snapshot = bool(slots) and self.cache_config.enable_prefix_caching
         if self.cache_config.num_blocks is not None:
-            return self.cache_config.num_blocks, slots
+            return self.cache_config.num_blocks, slots, slots if snapshot else 0
         budget = self._cache_budget(slots * per_slot)
+        snapshots = 0
         if slots:
             kv_need = self._full_kv_bytes()
             room = max(budget // 2, budget - kv_need)
@@ -336,13 +350,32 @@ class EngineCore:
                     "%d requests run at once; --kv-cache-memory gives them more room",
                     slots, per_slot / 2**20, self.scheduler_config.max_num_seqs, slots,
                 )  # fmt: skip
+            if snapshot:
+                snapshots = min(slots, budget // SNAPSHOT_SHARE // per_slot)
+                budget -= snapshots * per_slot
         per_block = self._bytes_per_block()
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory of {budget} bytes holds no block of {per_block} bytes"
             )
-        return num_blocks, slots
+        return num_blocks, slots, snapshots
+
+    def _prefix_caching(self) -> bool:
+        """Whether prefix hits are looked up: as configured, and for a hybrid only with room
+        for its states' snapshots (its KV blocks alone cannot continue a prefix)."""
+        if not self.cache_config.enable_prefix_caching:
+            return False
+        if self.model_config.parts.recurrent and not self.num_snapshots:
+            logger.info("conveyor: prefix caching off: no room for a recurrent state snapshot")
+            return False
+        return True
+
+    def _state_snapshots(self) -> StateSnapshots | None:
+        """A hybrid's prefix-cache snapshots, in the state slots after the running ones."""
+        if not self.num_snapshots:
+            return None
+        return StateSnapshots(self.num_state_slots, self.num_snapshots)
 
     def _cache_budget(self, states: int) -> int:
         """Bytes for the KV cache and a hybrid's `states` (every slot's): --kv-cache-memory,

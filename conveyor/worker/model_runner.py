@@ -259,6 +259,7 @@ class ModelRunner:
         if self.publish is not None:
             self.publish(step)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
+        self._copy_states(sched.scheduled, restore=True)
         if self.graphs is not None and self.graphs.eligible(step):
             prepared = time.perf_counter()
             logits = self.graphs.run(step)
@@ -275,6 +276,7 @@ class ModelRunner:
                     greedy = self.model.greedy_tokens(selected)
                 if greedy is None:
                     logits = self.model.compute_logits(selected)
+        self._copy_states(sched.scheduled, restore=False)
         num_prompt_rows = sum(len(s.prompt_targets or ()) for s in sched.scheduled)
         if self._classify_logits:  # a classifier's tokens' logits rows come after those
             num_prompt_rows += sum(s.classify for s in sched.scheduled)
@@ -306,6 +308,25 @@ class ModelRunner:
         prompt_logprobs, pooled, failed = prompt_rows
         failed.update({request_ids[i]: reason for i, reason in failures.items()})
         return ModelRunnerOutput(request_ids, token_ids, logprobs, prompt_logprobs, pooled, failed)
+
+    def _copy_states(self, scheduled: list[ScheduledRequest], restore: bool) -> None:
+        """A hybrid's state snapshots (core/state_snapshots.py): before the forward, the
+        snapshots that prefix hits continue from into their requests' slots (restore); after
+        it, the slots whose chunks ended at a snapshot boundary into their snapshots."""
+        if restore:
+            pairs = [(s.restore_state_from, s.state_slot) for s in scheduled]
+        else:
+            pairs = [(s.state_slot, s.save_state_to) for s in scheduled]
+        pairs = [(src, dst) for src, dst in pairs if src is not None and dst is not None]
+        if not pairs:
+            return
+        src, dst = (
+            torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*pairs, strict=True)
+        )
+        for cache in self.kv_caches:
+            if isinstance(cache, RecurrentState):
+                for tensor in cache:
+                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     @staticmethod
     def _only_plain_greedy(scheduled: list[ScheduledRequest], sampled: list[int]) -> bool:

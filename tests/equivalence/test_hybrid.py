@@ -5,8 +5,10 @@ experts, Bamba; model/recurrent.py) against transformers in float64 on tiny rand
 greedy tokens equal its generate, logprobs agree, all prompts in one step, chunked at an odd
 budget with arrivals while others decode, and preempted in a small cache (a recompute starts its
 state from zeros); each sequence holds one state slot while it runs. Tokens and logprobs are the
-same bits alone or batched, whatever the chunking (float32). Speculation is refused and prefix
-caching is off (a cached prefix's blocks carry no recurrent state)."""
+same bits alone or batched, whatever the chunking (float32). Speculation is refused. A prefix
+hit continues from a snapshot of the recurrent state at its end (core/state_snapshots.py): a
+repeated prompt, and a prompt extended by its own answer (a chat's next turn), get transformers'
+tokens, and the same bits as computing the prefix."""
 
 from __future__ import annotations
 
@@ -192,8 +194,68 @@ def test_all_prompts_in_one_step_match_transformers(hybrid):
     path, prompts, reference = hybrid
     engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=4096)
     assert engine.model_config.parts.recurrent
-    assert not engine.kv_cache.enable_caching  # prefix caching off
+    assert engine.kv_cache.snapshots is not None  # prefix caching on, with state snapshots
     assert_reference(run(engine, requests(prompts)), reference)
+
+
+def _again(prompts, reference) -> tuple[list, dict]:
+    """Each prompt repeated, and extended by the first 3 tokens of its greedy answer (the next
+    turn of a chat): requests, and each one's expected tokens and logprobs (greedy: the
+    extension's are the answer's after those 3)."""
+    todo, expected = [], {}
+    for i, (prompt, (tokens, logprobs)) in enumerate(zip(prompts, reference, strict=True)):
+        for name, extra, skip in ((f"rep{i}", [], 0), (f"ext{i}", tokens[:3], 3)):
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS - skip, logprobs=0)
+            todo.append((name, prompt + extra, params))
+            expected[name] = tokens[skip:], logprobs[skip:]
+    return todo, expected
+
+
+def test_prefix_hits_continue_from_state_snapshots_with_transformers_tokens(hybrid):
+    """Blocks of 4: each prompt's state is saved at its last block boundary (its chunk ends
+    there); a repeated prompt and one extended by its answer's first tokens hit that prefix,
+    restore the state and compute the rest: transformers' tokens and logprobs."""
+    path, prompts, reference = hybrid
+    engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, block_size=4)
+    assert_reference(run(engine, requests(prompts)), reference)
+    snapshots = engine.kv_cache.snapshots
+    long_enough = sum(len(p) > 4 for p in prompts)  # a block boundary before the last token
+    assert len(snapshots.ready) == long_enough
+    todo, expected = _again(prompts, reference)
+    done = run(engine, todo)
+    for name, (tokens, logprobs) in expected.items():
+        got = done[name]
+        assert got.token_ids == tokens, f"{name}: tokens differ from transformers"
+        mine = [pos[t].logprob for pos, t in zip(got.logprobs, tokens, strict=True)]
+        worst = max(abs(a - b) for a, b in zip(mine, logprobs, strict=True))
+        assert worst < TOLERANCE, f"{name}: logprob differs by {worst}"
+    assert snapshots.hits >= 2 * long_enough  # every repeat and extension of such a prompt
+    assert engine.get_stats().scheduler.prefix_cache_hits > 0
+    engine.check_integrity()
+
+
+def test_a_prefix_hit_gives_the_same_bits_as_computing_it(layers):
+    """float32: the repeats and extensions after the prompts ran (hits, restored states)
+    against the same requests on an engine without prefix caching: every token and top-5
+    logprob the same bits."""
+    path, prompts, reference = layers
+
+    def logprobs(out):
+        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+    todo, _ = _again(prompts, reference)
+    todo = [(n, p, params.clone(logprobs=5)) for n, p, params in todo]
+    cached = LLMEngine(path, dtype="float32", **DEVICE_KWARGS, block_size=4)
+    run(cached, requests(prompts))
+    hot = run(cached, todo)
+    assert cached.kv_cache.snapshots.hits > 0
+    cold_engine = LLMEngine(
+        path, dtype="float32", **DEVICE_KWARGS, block_size=4, enable_prefix_caching=False
+    )
+    cold = run(cold_engine, todo)
+    for name, out in cold.items():
+        assert hot[name].token_ids == out.token_ids, f"{name}: tokens differ after a hit"
+        assert logprobs(hot[name]) == logprobs(out), f"{name}: logprobs differ after a hit"
 
 
 def test_odd_chunks_arrivals_and_preemption_match_transformers(qwen3_5):
