@@ -18,6 +18,11 @@ what a sliding window saves in KV blocks.
    layout needs for two of them:
    with KV groups and with one table, alternated --kv-rounds times: wall time, output tokens
    per second, preemptions, the most requests running at once.
+4. A hybrid's next turn. --turns-conversations chats of two turns on Qwen3.5 and LFM2 (their
+   recurrent layers: model/recurrent.py): a --turn-prompt-token prompt, its --turn-output-token
+   answer, then the next turn (the prompt, the answer and --turn-new more tokens), one request
+   at a time: the next turn's time to first token with prefix caching (a state snapshot at the
+   first prompt's end, core/state_snapshots.py) against without, alternated --kv-rounds times.
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hybrid-prompt", type=int, default=1024)
     parser.add_argument("--hybrid-output", type=int, default=256)
     parser.add_argument("--kv-rounds", type=int, default=2)
+    parser.add_argument("--turns-conversations", type=int, default=4)
+    parser.add_argument("--turn-prompt", type=int, default=2048)
+    parser.add_argument("--turn-output", type=int, default=64)
+    parser.add_argument("--turn-new", type=int, default=64)
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--save-result", action="store_true")
     parser.add_argument("--result-dir", default=None)
@@ -84,6 +93,7 @@ def main(args: argparse.Namespace) -> int:
         report = {"shape": _shape(args), "steps": _step_times(args, Path(tmp))}
         report["kv_memory"] = _kv_memory(args, Path(tmp))
         report["hybrid_serving"] = _hybrid_serving(args, Path(tmp))
+        report["next_turn"] = _next_turn(args, Path(tmp))
     _print(report, args)
     if args.save_result:
         out = Path(args.result_dir or ".") / f"families-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -260,6 +270,50 @@ def _hybrid_serving(args: argparse.Namespace, folder: Path) -> dict:
     return best
 
 
+def _next_turn(args: argparse.Namespace, folder: Path) -> dict:
+    """family -> {cached, uncached}: the mean time to first token of a chat's next turn (ms),
+    each the better of args.kv_rounds alternated rounds; and the prefix hits' tokens."""
+
+    report = {}
+    for family in ("qwen3_5", "lfm2"):
+        path, _ = _checkpoint(folder, family, _shape(args))
+        engines = {
+            "cached": _engine(path, max_num_batched_tokens=512),
+            "uncached": _engine(path, max_num_batched_tokens=512, enable_prefix_caching=False),
+        }
+        best: dict[str, float] = {}
+        for round_ in range(args.kv_rounds):
+            for name, engine in engines.items():
+                times = []
+                for c in range(args.turns_conversations):
+                    first = _tokens(args.turn_prompt, 100 * round_ + c, args)
+                    answer = _generate(engine, first, args.turn_output)[1]
+                    turn = first + answer + _tokens(args.turn_new, 999 + c, args)
+                    times.append(_generate(engine, turn, 1)[0])
+                mean = sum(times) / len(times)
+                best[name] = min(best.get(name, mean), mean)
+        hits = engines["cached"].get_stats().scheduler.prefix_cache_hits
+        report[family] = best | {"speedup": best["uncached"] / best["cached"], "hits": hits}
+    return report
+
+
+def _generate(engine, tokens: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """One request alone: ms to its first token, and its greedy tokens."""
+    from conveyor import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    request_id = f"t{time.monotonic_ns()}"
+    start, first, out = time.perf_counter(), None, []
+    engine.add_request(request_id, tokens, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if first is None and output.outputs[0].token_ids:
+                first = time.perf_counter()
+            if output.finished:
+                out = output.outputs[0].token_ids
+    return (first - start) * 1e3, list(out)
+
+
 def _print(report: dict, args: argparse.Namespace) -> None:
     steps = report["steps"]
     llama = steps.get("llama")
@@ -302,3 +356,12 @@ def _print(report: dict, args: argparse.Namespace) -> None:
             f"({row['num_blocks']} blocks)"
         )
     print(f"  KV groups: {serving['speedup']:.2f}x the one table's speed")
+    print(
+        f"a chat's next turn ({args.turn_prompt} + {args.turn_output} + {args.turn_new} tokens), "
+        "time to first token, prefix caching on / off:"
+    )
+    for family, row in report["next_turn"].items():
+        print(
+            f"  {family:<8} {row['cached']:8.1f} / {row['uncached']:8.1f} ms "
+            f"({row['speedup']:.2f}x; {row['hits']} tokens hit)"
+        )
