@@ -408,7 +408,8 @@ _ACCEPTED: tuple[tuple[tuple[str, ...], dict, str], ...] = (
     (
         ("--mamba-block-size",),
         {"type": int, "metavar": "N"},
-        "a hybrid model runs without prefix caching, so its states are never cached by block",
+        "a hybrid model's states are kept for prefix caching at the KV cache's block boundaries "
+        "(--block-size; core/state_snapshots.py), not on a grid of their own",
     ),
     (
         ("--async-scheduling",),
