@@ -129,6 +129,7 @@ class Scheduler:
         self.snapshots = kv_cache.snapshots if state_slots else None
         self._restores: dict[str, int] = {}
         self._saving: list[int] = []
+        self._output_snapshots: dict[str, object] = {}  # request id -> its output's last key
         self.policy = config.policy
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(by_priority=config.policy == "priority")
@@ -483,14 +484,24 @@ class Scheduler:
 
     def _snapshot_copies(self, item: ScheduledRequest, request: Request, end: int) -> None:
         """A scheduled hybrid request's state copies: the snapshot its admission hit, and a
-        save when its chunk ends at the snapshot boundary."""
+        save when its chunk ends at the prompt's snapshot boundary, or at a block boundary of
+        its output (which replaces the one before: a request keeps its output's last)."""
         item.restore_state_from = self._restores.pop(request.request_id, None)
         boundary = self._snapshot_boundary(request)
-        if boundary and end == boundary:
-            slot = self.snapshots.reserve(self.kv_cache.snapshot_key(request, boundary))
-            if slot is not None:
-                item.save_state_to = slot
-                self._saving.append(slot)
+        output = end > request.num_prompt_tokens and end % self.kv_cache.block_size == 0
+        if not (boundary and end == boundary) and not output:
+            return
+        key = self.kv_cache.snapshot_key(request, end)
+        slot = self.snapshots.reserve(key)
+        if slot is None:
+            return
+        item.save_state_to = slot
+        self._saving.append(slot)
+        if output:
+            previous = self._output_snapshots.get(request.request_id)
+            if previous is not None:
+                self.snapshots.release(previous)
+            self._output_snapshots[request.request_id] = key
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -587,6 +598,7 @@ class Scheduler:
             self.kv_cache.cache_blocks(request)
 
     def _free(self, request: Request) -> None:
+        self._output_snapshots.pop(request.request_id, None)  # its last one stays cached
         self.kv_cache.free(request)
         self._release_slot(request)
         self.static_batch.discard(request.request_id)

@@ -8,8 +8,10 @@ prefix's last block (its hash names every token before it).
 
 Where snapshots are taken: at the last block boundary before the end of each prompt (the
 scheduler ends a prompt chunk there, so the state at that point exists: one extra step for the
-prompt's last partial block), so a request that repeats a prompt, or extends it (the next turn
-of a chat, the same document with another question), starts from there. vLLM keeps them on a
+prompt's last partial block), so a request that repeats a prompt, or extends it (the same
+document with another question), starts from there; and at the block boundaries its output
+passes, one at a time (each replacing the request's last), so that the next turn of a chat,
+which repeats the answer, starts from the answer's last boundary. vLLM keeps them on a
 grid of its attention blocks, which it widens to the state's size (528 tokens for Qwen3.5-4B),
 and a prompt shorter than one of those hits nothing; here a block is 32 tokens on the CPU.
 
@@ -61,6 +63,13 @@ class StateSnapshots:
             return None
         self.pending[slot] = key
         return slot
+
+    def release(self, key: Hashable) -> None:
+        """Forgets a kept snapshot (a request's output snapshot that a later one replaces),
+        if it has not been evicted already."""
+        slot = self.ready.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
 
     def commit(self, slots: list[int]) -> None:
         """The step that saved into `slots` is done: their snapshots can be hit."""

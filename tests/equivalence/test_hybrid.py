@@ -199,12 +199,15 @@ def test_all_prompts_in_one_step_match_transformers(hybrid):
 
 
 def _again(prompts, reference) -> tuple[list, dict]:
-    """Each prompt repeated, and extended by the first 3 tokens of its greedy answer (the next
-    turn of a chat): requests, and each one's expected tokens and logprobs (greedy: the
-    extension's are the answer's after those 3)."""
+    """Each prompt repeated, extended by the first 3 tokens of its greedy answer, and by the
+    first 7 (all it computed: a chat's next turn repeats the answer): requests, and each one's
+    expected tokens and logprobs (greedy: an extension's are the answer's after it)."""
     todo, expected = [], {}
     for i, (prompt, (tokens, logprobs)) in enumerate(zip(prompts, reference, strict=True)):
-        for name, extra, skip in ((f"rep{i}", [], 0), (f"ext{i}", tokens[:3], 3)):
+        turns = ((f"rep{i}", [], 0), (f"ext{i}", tokens[:3], 3), (f"turn{i}", tokens[:7], 7))
+        for name, extra, skip in turns:
+            if len(tokens) <= skip:  # the answer ended (EOS) within what the turn repeats
+                continue
             params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS - skip, logprobs=0)
             todo.append((name, prompt + extra, params))
             expected[name] = tokens[skip:], logprobs[skip:]
@@ -213,16 +216,24 @@ def _again(prompts, reference) -> tuple[list, dict]:
 
 def test_prefix_hits_continue_from_state_snapshots_with_transformers_tokens(hybrid):
     """Blocks of 4: each prompt's state is saved at its last block boundary (its chunk ends
-    there); a repeated prompt and one extended by its answer's first tokens hit that prefix,
-    restore the state and compute the rest: transformers' tokens and logprobs."""
+    there) and at its answer's (the last boundary its output passed); a repeated prompt and
+    ones extended by its answer hit those prefixes, restore the state and compute the rest:
+    transformers' tokens and logprobs. An extension by the whole answer hits past the
+    prompt."""
     path, prompts, reference = hybrid
     engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, block_size=4)
     assert_reference(run(engine, requests(prompts)), reference)
     snapshots = engine.kv_cache.snapshots
     long_enough = sum(len(p) > 4 for p in prompts)  # a block boundary before the last token
-    assert len(snapshots.ready) == long_enough
+    # and one for the last boundary each answer passed (the 7 tokens of one of 8 pass one)
+    full_answers = sum(len(tokens) == MAX_TOKENS for tokens, _ in reference)
+    assert long_enough + full_answers <= len(snapshots.ready) <= long_enough + len(prompts)
     todo, expected = _again(prompts, reference)
-    done = run(engine, todo)
+    before = engine.get_stats().scheduler.prefix_cache_hits
+    done = run(engine, [t for t in todo if t[0].startswith("turn")])
+    past_prompt = engine.get_stats().scheduler.prefix_cache_hits - before
+    assert past_prompt > sum((len(p) - 1) // 4 * 4 for p in prompts)
+    done |= run(engine, [t for t in todo if not t[0].startswith("turn")])
     for name, (tokens, logprobs) in expected.items():
         got = done[name]
         assert got.token_ids == tokens, f"{name}: tokens differ from transformers"

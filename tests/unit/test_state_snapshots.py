@@ -26,6 +26,11 @@ def test_a_saved_snapshot_is_hit_only_after_its_step_and_the_least_recent_goes_f
     assert not snapshots.clear()  # "c" is being saved
     snapshots.commit([c])
     snapshots.check_integrity()
+    snapshots.release("c")  # a request's output snapshot, replaced by its next one
+    assert snapshots.peek("c") is None and snapshots.reserve("d") == c
+    snapshots.release("c")  # gone already: nothing
+    snapshots.commit([c])
+    snapshots.check_integrity()
     assert snapshots.clear() and snapshots.peek("a") is None
     snapshots.check_integrity()
 
