@@ -144,13 +144,11 @@ class KVCacheManager:
                 if found[i] is None:
                     return i
             return limit
-        run = 0  # found blocks just before `length`
-        ends = {}
+        runs = [0] * (limit + 1)  # runs[n]: how many found blocks end at block n (exclusive)
         for i in range(limit):
-            run = run + 1 if found[i] is not None else 0
-            ends[i + 1] = run
+            runs[i + 1] = runs[i] + 1 if found[i] is not None else 0
         for length in range(limit, 0, -1):
-            if ends[length] >= length - self._first_read(length * self.block_size, window):
+            if runs[length] >= length - self._first_read(length * self.block_size, window):
                 return length
         return 0
 
