@@ -10,7 +10,8 @@ what a sliding window saves in KV blocks.
    in alternation, --rounds times, and each step's time is the best of its rounds.
 2. KV memory. One long request (--long-prompt tokens, then --long-output): on a Mistral whose
    every layer slides (--window) against the same weights with full attention, and on a Gemma 3
-   (a global layer to five sliding ones) with its KV groups (model/kv_groups.py) against
+   (a global layer to five sliding ones) and a Gemma 4 (its global layers' pages twice the
+   sliding ones') with their KV groups (model/kv_groups.py) against
    --disable-hybrid-kv-cache-manager (one table for every layer): the most KV bytes the
    request held at once, and the ratio.
 3. Serving in a cache too small for the load. --hybrid-requests requests (--hybrid-prompt
@@ -46,6 +47,10 @@ FAMILIES = {
         "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", {
         "query_pre_attn_scalar": 64, "sliding_window": 256}),
+    # Gemma 4's E2B-like layer: global heads twice as wide, no per-layer inputs or shared caches
+    "gemma4": ("Gemma4ForCausalLM", "gemma4_text", {
+        "global_head_dim": 128, "sliding_window": 256, "hidden_size_per_layer_input": 0,
+        "final_logit_softcapping": 30.0}),
     "phi3": ("Phi3ForCausalLM", "phi3", {"original_max_position_embeddings": 4096}),
     "olmo2": ("Olmo2ForCausalLM", "olmo2", {}),
     "granite": ("GraniteForCausalLM", "granite", {
@@ -210,6 +215,8 @@ def _kv_memory(args: argparse.Namespace, folder: Path) -> dict:
         "full": ("mistral (window)", {"sliding_window": None}, {}),
         "groups": ("gemma3", {"sliding_window": args.window}, {}),
         "one table": ("gemma3", {"sliding_window": args.window}, _ONE_TABLE),
+        "gemma4 groups": ("gemma4", {"sliding_window": args.window}, {}),
+        "gemma4 one table": ("gemma4", {"sliding_window": args.window}, _ONE_TABLE),
     }
     result, paths = {}, {}
     for name, (family, overrides, settings) in runs.items():
@@ -223,6 +230,7 @@ def _kv_memory(args: argparse.Namespace, folder: Path) -> dict:
         result[name] = _peak_bytes(engine, "long")
     result["window ratio"] = result["window"] / result["full"]
     result["groups ratio"] = result["groups"] / result["one table"]
+    result["gemma4 ratio"] = result["gemma4 groups"] / result["gemma4 one table"]
     return result
 
 
@@ -340,7 +348,9 @@ def _print(report: dict, args: argparse.Namespace) -> None:
         f"the most KV it held: Mistral (every layer slides) {mib(kv['window'])} against "
         f"{mib(kv['full'])} with full attention ({kv['window ratio']:.3f}x); Gemma 3 with KV "
         f"groups {mib(kv['groups'])} against {mib(kv['one table'])} in one table "
-        f"({kv['groups ratio']:.3f}x)"
+        f"({kv['groups ratio']:.3f}x); Gemma 4 (global pages twice the local ones) "
+        f"{mib(kv['gemma4 groups'])} against {mib(kv['gemma4 one table'])} "
+        f"({kv['gemma4 ratio']:.3f}x)"
     )
     serving = report["hybrid_serving"]
     print(

@@ -16,11 +16,15 @@ A block id belongs to one group at a time (the pool is shared), and its page in 
 layer j of that group's, so the caches hold `group size` layers' pages per block id rather than
 every layer's. A kind of fewer than 1.25x the smallest kind's layers keeps its layers in one
 group (a few empty slots rather than a group of a layer or two).
+
+Pages of different sizes (Gemma 4: its global layers' heads are twice as wide, and fewer): a
+slot's cache is sized by the largest page, and a layer whose page is 1/k of it sees the cache
+as k times as many blocks of its own shape; its group's tables name block k * id, the first of
+the k that block id's page holds (`scales`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 
@@ -28,6 +32,11 @@ from dataclasses import dataclass
 class KVGroups:
     windows: tuple[int, ...]  # per group: its layers' sliding window (0: full attention)
     layers: tuple[tuple[int, ...], ...]  # per group: the layers that keep a cache of their own
+    # per group: the largest page's size over its layers' (1 where the pages are alike)
+    scales: tuple[int, ...] = ()
+
+    def scale(self, group: int) -> int:
+        return self.scales[group] if self.scales else 1
 
     @property
     def size(self) -> int:
@@ -57,20 +66,23 @@ class KVGroups:
         return f"{len(self.windows)} KV groups of {self.size} layers ({', '.join(parts)})"
 
 
-def group_layers(
-    windows: dict[int, int], pages: dict[int, Hashable], separate: bool = True
-) -> KVGroups:
+def group_layers(windows: dict[int, int], pages: dict[int, int], separate: bool = True) -> KVGroups:
     """The groups of the layers in `windows` (layer -> its window, 0: full attention), pages:
-    layer -> its page's shape. One group when the layers are of one kind, when their pages
-    differ in shape (a shared cache holds one shape: Gemma 4's global heads are twice its local
-    ones), or separate is False (a draft model reads the target's one table): its window the
-    largest layer's, where every layer slides (a block leaves it when it left every layer's),
-    else 0."""
+    layer -> its page's size (a token's K or V: heads x head_dim). Layers of one kind have a
+    group of their own where the kinds' pages are alike within each, and each divides the
+    largest. One group when the layers are of one kind, when the pages do not fit so, or when
+    separate is False (a draft model reads the target's one table): its window the largest
+    layer's, where every layer slides (a block leaves it when it left every layer's), else 0."""
     layers = tuple(sorted(windows))
     kinds: dict[int, list[int]] = {}
     for layer in layers:
         kinds.setdefault(windows[layer], []).append(layer)
-    if len(kinds) <= 1 or not separate or len({pages[layer] for layer in layers}) > 1:
+    largest = max(pages.values(), default=1)
+    fits = all(
+        len({pages[layer] for layer in members}) == 1 and largest % pages[members[0]] == 0
+        for members in kinds.values()
+    )
+    if len(kinds) <= 1 or not separate or not fits:
         window = max(windows.values()) if layers and all(windows.values()) else 0
         return KVGroups((window,), (layers,))
     counts = [len(members) for members in kinds.values()]
@@ -82,7 +94,8 @@ def group_layers(
         for window, members in sorted(kinds.items())  # full attention (0) first
         for i in range(0, len(members), size)
     ]
-    return KVGroups(tuple(w for w, _ in groups), tuple(m for _, m in groups))
+    scales = tuple(largest // pages[members[0]] for _, members in groups)
+    return KVGroups(tuple(w for w, _ in groups), tuple(m for _, m in groups), scales)
 
 
 def blocks_held(windows: tuple[int, ...], num_tokens: int, block_size: int, step: int) -> int:

@@ -103,7 +103,10 @@ class ModelRunner:
         self.plan = planned.settled(prompt_route.route_of(self.model), int8)
         self.plan = self.plan.with_attention(self.attention_ops is not None).apply(ops)
         # Decode graphs: one rank, no adapters; built with the cache (its scratch block).
-        mode = graph_mode(device) if graph_rows and self.tp.size == 1 and loras is None else None
+        # Not with KV groups whose pages differ (their tables scaled: model/kv_groups.py).
+        alike = max(self.kv_groups.scales, default=1) == 1
+        eligible = graph_rows and self.tp.size == 1 and loras is None and alike
+        mode = graph_mode(device) if eligible else None
         self.graph_mode, self.graph_rows = mode, graph_rows
         self.graphs: DecodeGraphs | None = None
         # Seconds of the last execute: (input preparation, model forward + logits, sampling).
@@ -114,9 +117,9 @@ class ModelRunner:
         """Of every attention layer (a hybrid's recurrent layers keep no KV); with KV groups, of
         a group's (model/kv_groups.py: one block id is a page in each of its layers only)."""
         heads = self._cache_heads()
-        if len(self.kv_groups.layers) > 1:
-            dim, kv_heads = next(iter(heads.values()))  # the same in every layer
-            per_token = 2 * kv_heads * dim * self.kv_groups.size
+        if len(self.kv_groups.layers) > 1:  # a slot's cache: the largest page per block id
+            largest = max(dim * kv_heads for dim, kv_heads in heads.values())
+            per_token = 2 * largest * self.kv_groups.size
         else:
             per_token = sum(2 * kv_heads * dim for dim, kv_heads in heads.values())
         return per_token * self.block_size * self.kv_dtype.itemsize
@@ -125,7 +128,8 @@ class ModelRunner:
         """The layers that keep a KV cache of their own, in groups by their attention."""
         heads = self._cache_heads()
         windows = {i: self.cfg.parts.window(i) for i in heads}
-        return group_layers(windows, heads, separate)
+        pages = {i: dim * kv_heads for i, (dim, kv_heads) in heads.items()}
+        return group_layers(windows, pages, separate)
 
     def _layer_groups(self) -> list[int]:
         """Per layer: the KV group whose tables it reads (its cache's source's; 0 for a
@@ -163,14 +167,23 @@ class ModelRunner:
         # One block more, zeroed and never written: the null block that a sliding-window
         # request's table holds where its blocks left the window (core/kv_cache_manager.py);
         # and one more for the padded rows of CUDA graphs, last (cuda_graphs).
-        # With KV groups, one cache per slot: layer j of every group keeps its pages there.
+        # With KV groups, one cache per slot: layer j of every group keeps its pages there, seen
+        # in its own shape, as `scale` times as many blocks where its page is smaller.
         scratch = self.graph_mode is not None
         heads = self._cache_heads()
-        if len(self.kv_groups.layers) > 1:
-            dim, kv_heads = next(iter(heads.values()))
-            shape = (2, num_blocks + 1 + scratch, kv_heads, self.block_size * dim)
-            slots = [self._new_cache(shape) for _ in range(self.kv_groups.size)]
-            caches = {i: slots[j] for i, j in self.kv_groups.slot_of().items()}
+        groups = self.kv_groups
+        if len(groups.layers) > 1:
+            rows = num_blocks + 1 + scratch
+            largest = max(dim * kv_heads for dim, kv_heads in heads.values())
+            slots = [
+                self._new_cache((2, rows, 1, self.block_size * largest)) for _ in range(groups.size)
+            ]
+            caches = {}
+            for g, members in enumerate(groups.layers):
+                for j, i in enumerate(members):
+                    dim, kv_heads = heads[i]
+                    shape = (2, groups.scale(g) * rows, kv_heads, self.block_size * dim)
+                    caches[i] = slots[j].view(shape)
         else:
             caches = {
                 i: self._new_cache((2, num_blocks + 1 + scratch, kv_heads, self.block_size * dim))
@@ -200,7 +213,8 @@ class ModelRunner:
         layer's keys and values from block 0 up, the order in which blocks are first taken.
         Whether it did one (False: those pages are in, the cache is not on the CPU, or the
         kernel cannot: steps then fault pages in as they first write them)."""
-        unique = {id(c): c for c in self.kv_caches if isinstance(c, torch.Tensor)}.values()
+        tensors = [c for c in self.kv_caches if isinstance(c, torch.Tensor)]
+        unique = {c.data_ptr(): c for c in tensors}.values()  # a slot's layers view one cache
         caches = [c for c in unique if c.is_cpu]
         if not caches or self._populated < 0:
             return False
@@ -482,6 +496,9 @@ class ModelRunner:
         tables = block_tables
         if not isinstance(tables, np.ndarray):
             tables = pad_group_tables(tables, len(tables[0]) if tables else 1)
+        if len(tables) > 1 and any(s != 1 for s in self.kv_groups.scales):
+            # a smaller page's group names the first of the blocks of its shape in each page
+            tables = tables * np.asarray(self.kv_groups.scales, dtype=np.int64)[:, None, None]
         bs = self.block_size
         positions, slots = positions_and_slots(query_lens, context_lens, tables[0], bs)
         meta = build_metadata(

@@ -14,7 +14,7 @@ from conveyor.model.kv_groups import KVGroups, blocks_held, group_layers
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
 
-PAGE = (16, 2)  # (head_dim, kv heads): every layer's alike unless a test says otherwise
+PAGE = 32  # a token's K (or V) in a layer: every layer's alike unless a test says otherwise
 
 
 def _grouping(windows: list[int], pages=None, separate: bool = True) -> KVGroups:
@@ -47,13 +47,25 @@ def test_kinds_of_near_equal_size_keep_one_group_each_and_the_rest_one_group():
     assert near.layers == (tuple(range(8)), tuple(range(8, 17))) and near.size == 9
     apart = _grouping([0] * 4 + [64] * 5)  # 5 = 1.25 x 4: the sliding kind in two groups
     assert apart.layers == ((0, 1, 2, 3), (4, 5, 6, 7), (8,)) and apart.size == 4
-    # one kind, pages that differ (Gemma 4's global heads), or a draft model's one table:
-    # one group, its window the largest where every layer slides
+    # one kind, pages that do not divide the largest, or a draft model's one table: one
+    # group, its window the largest where every layer slides
     assert _grouping([0, 0, 0]) == KVGroups((0,), ((0, 1, 2),))
     assert _grouping([4, 4]).windows == (4,)
-    assert _grouping([4, 8], pages=[(16, 2), (32, 1)]).windows == (8,)
-    assert _grouping([4, 0], pages=[(16, 2), (32, 1)]).windows == (0,)
+    assert _grouping([4, 8], pages=[32, 48]).windows == (8,)
+    assert _grouping([4, 0], pages=[32, 48]).windows == (0,)
+    assert _grouping([4, 0, 4, 0], pages=[32, 64, 48, 64]).windows == (0,)  # a kind unalike
     assert _grouping([4, 0], separate=False) == KVGroups((0,), ((0, 1),))
+
+
+def test_a_group_of_smaller_pages_sees_its_slots_as_more_blocks():
+    """Gemma 4 E2B: global layers of one 512-wide KV head, sliding ones of one 256-wide (and
+    the 31B's the other way round, 4 x 512 against 16 x 256): a slot's cache holds the largest
+    page, and the smaller pages' group names block `scale` x id."""
+    e2b = _grouping([512, 512, 512, 512, 0] * 3, pages=[256, 256, 256, 256, 512] * 3)
+    assert e2b.windows[0] == 0 and e2b.scales[0] == 1 and set(e2b.scales[1:]) == {2}
+    big = _grouping([1024, 0] * 2, pages=[16 * 256, 4 * 512] * 2)
+    assert big.windows == (0, 1024) and big.scales == (2, 1)
+    assert _grouping([4, 0]).scales == (1, 1)
 
 
 def test_blocks_held_is_a_full_groups_context_and_a_sliding_groups_window_and_step():
