@@ -97,6 +97,7 @@ class ModelRunner:
         self.kv_groups = self._kv_groups(hybrid_kv)
         self.layer_groups = self._layer_groups()
         self._populated = 0  # pages populate_cache has faulted in; -1: it cannot here
+        self._cache_tensors: list[torch.Tensor] = []  # the KV caches' own tensors (not views)
         self.num_state_slots = 0  # a hybrid's (allocate_kv_cache)
         self.attention_ops = select_attention_ops(device, cfg.dtype, self.kv_dtype, planned)
         int8 = any(getattr(m, "int8_weight", None) is not None for m in self.model.modules())
@@ -178,6 +179,7 @@ class ModelRunner:
             slots = [
                 self._new_cache((2, rows, 1, self.block_size * largest)) for _ in range(groups.size)
             ]
+            self._cache_tensors = slots
             caches = {}
             for g, members in enumerate(groups.layers):
                 for j, i in enumerate(members):
@@ -189,6 +191,8 @@ class ModelRunner:
                 i: self._new_cache((2, num_blocks + 1 + scratch, kv_heads, self.block_size * dim))
                 for i, (dim, kv_heads) in heads.items()
             }
+        if len(groups.layers) == 1:
+            self._cache_tensors = list(caches.values())
         parts = self.cfg.parts
         self.kv_caches = [  # a layer that reads another's cache holds that layer's tensor
             self._new_state() if parts.is_linear(i) else caches[parts.kv_source(i)]
@@ -213,9 +217,7 @@ class ModelRunner:
         layer's keys and values from block 0 up, the order in which blocks are first taken.
         Whether it did one (False: those pages are in, the cache is not on the CPU, or the
         kernel cannot: steps then fault pages in as they first write them)."""
-        tensors = [c for c in self.kv_caches if isinstance(c, torch.Tensor)]
-        unique = {c.data_ptr(): c for c in tensors}.values()  # a slot's layers view one cache
-        caches = [c for c in unique if c.is_cpu]
+        caches = [c for c in self._cache_tensors if c.is_cpu]  # (2, blocks, ...) each
         if not caches or self._populated < 0:
             return False
 
