@@ -329,6 +329,8 @@ class ModelRunner:
         """A hybrid's state snapshots (core/state_snapshots.py): before the forward, the
         snapshots that prefix hits continue from into their requests' slots (restore); after
         it, the slots whose chunks ended at a snapshot boundary into their snapshots."""
+        if not self.cfg.parts.recurrent:
+            return
         if restore:
             pairs = [(s.restore_state_from, s.state_slot) for s in scheduled]
         else:
