@@ -131,7 +131,8 @@ def _kernel_plan(engine) -> dict[str, str]:
 def _memory_line(engine) -> str:
     """What the model holds (the core's memory report, model/memory.py), where the engine
     tells it before the first request (its own process); "" otherwise."""
-    memory = getattr(getattr(engine, "info", None), "memory", None) or {}
+    info = getattr(engine, "info", None)
+    memory = getattr(info, "memory", None) or {}
     if "weights" not in memory:
         return ""
     mib = {k: v / 2**20 for k, v in memory.items()}
@@ -139,6 +140,23 @@ def _memory_line(engine) -> str:
     return (
         f"conveyor: memory: weights {mib['weights']:.1f} MiB + kernel copies "
         f"{mib['kernel_copies']:.1f} MiB{experts}, KV cache {mib.get('kv_cache', 0):.1f} MiB"
+        + _concurrency(info)
+    )
+
+
+def _concurrency(info) -> str:
+    """The KV cache's blocks, its KV groups, and how many requests of max_model_len tokens it
+    holds at once (vLLM's "maximum concurrency")."""
+    from conveyor.model.kv_groups import blocks_held
+
+    cache, windows = info.cache_config, info.kv_windows
+    max_len = info.model_config.max_model_len
+    step = info.scheduler_config.max_num_batched_tokens
+    per_request = blocks_held(windows, max_len, cache.block_size, step)
+    groups = f" in {len(windows)} KV groups" if len(windows) > 1 else ""
+    return (
+        f" ({info.num_blocks} blocks of {cache.block_size} tokens{groups}; maximum concurrency "
+        f"{info.num_blocks / per_request:.2f}x at {max_len} tokens)"
     )
 
 

@@ -113,7 +113,10 @@ def test_version_shows_the_kernel_plan_the_core_process_chose(server):
     assert line in lines
     # and what the model holds (model/memory.py), from the same core
     (memory,) = [text for text in lines if text.startswith("conveyor: memory: weights ")]
-    assert "kernel copies" in memory and memory.endswith(" MiB") and "KV cache" in memory
+    assert "kernel copies" in memory and "KV cache" in memory
+    # with the cache's blocks and how many requests of max_model_len it holds (vLLM's line)
+    assert " blocks of " in memory and "maximum concurrency" in memory, memory
+    assert memory.endswith(" tokens)"), memory
 
 
 def test_routes_other_than_the_probes_need_the_key(server):
