@@ -427,6 +427,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._restores.pop(request.request_id, None)  # admitted and preempted in one step
         self.kv_cache.free(request)
         self._release_slot(request)
         request.status = RequestStatus.PREEMPTED

@@ -179,7 +179,6 @@ class ModelRunner:
             slots = [
                 self._new_cache((2, rows, 1, self.block_size * largest)) for _ in range(groups.size)
             ]
-            self._cache_tensors = slots
             caches = {}
             for g, members in enumerate(groups.layers):
                 for j, i in enumerate(members):
@@ -191,8 +190,8 @@ class ModelRunner:
                 i: self._new_cache((2, num_blocks + 1 + scratch, kv_heads, self.block_size * dim))
                 for i, (dim, kv_heads) in heads.items()
             }
-        if len(groups.layers) == 1:
-            self._cache_tensors = list(caches.values())
+            slots = list(caches.values())
+        self._cache_tensors = slots
         parts = self.cfg.parts
         self.kv_caches = [  # a layer that reads another's cache holds that layer's tensor
             self._new_state() if parts.is_linear(i) else caches[parts.kv_source(i)]
