@@ -147,16 +147,16 @@ def _memory_line(engine) -> str:
 def _concurrency(info) -> str:
     """The KV cache's blocks, its KV groups, and how many requests of max_model_len tokens it
     holds at once (vLLM's "maximum concurrency")."""
-    from conveyor.model.kv_groups import blocks_held
+    from conveyor.model.kv_groups import max_concurrency
 
     cache, windows = info.cache_config, info.kv_windows
     max_len = info.model_config.max_model_len
     step = info.scheduler_config.max_num_batched_tokens
-    per_request = blocks_held(windows, max_len, cache.block_size, step)
+    concurrency = max_concurrency(windows, info.num_blocks, max_len, cache.block_size, step)
     groups = f" in {len(windows)} KV groups" if len(windows) > 1 else ""
     return (
         f" ({info.num_blocks} blocks of {cache.block_size} tokens{groups}; maximum concurrency "
-        f"{info.num_blocks / per_request:.2f}x at {max_len} tokens)"
+        f"{concurrency:.2f}x at {max_len} tokens)"
     )
 
 

@@ -41,7 +41,7 @@ from conveyor.lora.adapter import LoRAAdapter, LoRAShapes
 from conveyor.lora.registry import LoRARegistry
 from conveyor.lora.request import LoRARequest, LoRAStats, module_requests
 from conveyor.model.config import ModelConfig, load_tokenizer
-from conveyor.model.kv_groups import blocks_held
+from conveyor.model.kv_groups import blocks_held, max_concurrency
 from conveyor.model.memory import weight_memory
 from conveyor.model.plan import PlanSettings
 from conveyor.outputs import ModelRunnerOutput, PenaltyCounts, PositionLogprobs, SchedulerOutput
@@ -209,12 +209,12 @@ class EngineCore:
             return
         cache, max_len = self.cache_config, self.model_config.max_model_len
         step = self.scheduler_config.max_num_batched_tokens
-        per_request = blocks_held(self._kv_windows(), max_len, cache.block_size, step)
+        concurrency = max_concurrency(
+            self._kv_windows(), self.num_blocks, max_len, cache.block_size, step
+        )
         logger.info(
-            "conveyor: KV cache %d blocks of %d tokens, %s; a %d-token request holds at most "
-            "%d blocks: maximum concurrency %.2fx",
-            self.num_blocks, cache.block_size, groups.describe(), max_len, per_request,
-            self.num_blocks / per_request,
+            "conveyor: KV cache %d blocks of %d tokens, %s; maximum concurrency %.2fx at %d "
+            "tokens", self.num_blocks, cache.block_size, groups.describe(), concurrency, max_len,
         )  # fmt: skip
 
     def _allocate_kv_cache(self) -> None:

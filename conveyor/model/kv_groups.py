@@ -106,3 +106,11 @@ def blocks_held(windows: tuple[int, ...], num_tokens: int, block_size: int, step
     whole = -(-num_tokens // block_size)
     sliding = lambda window: min(whole, (window + step - 2) // block_size + 2)  # noqa: E731
     return sum(sliding(window) if window else whole for window in windows)
+
+
+def max_concurrency(
+    windows: tuple[int, ...], num_blocks: int, num_tokens: int, block_size: int, step: int
+) -> float:
+    """How many requests of num_tokens tokens a cache of num_blocks holds at once (vLLM's
+    "maximum concurrency"), each holding blocks_held."""
+    return num_blocks / blocks_held(windows, num_tokens, block_size, step)
