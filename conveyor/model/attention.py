@@ -124,14 +124,20 @@ def build_metadata(
 
 
 def group_metadata(
-    meta: AttentionMetadata, block_tables: np.ndarray, slot_mapping: np.ndarray
+    meta: AttentionMetadata,
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    block_tables: np.ndarray,
+    slot_mapping: np.ndarray,
 ) -> AttentionMetadata:
-    """Another KV group's metadata for the step of `meta` (model/kv_groups.py): its own block
-    tables (S, W) and slots, the rest shared."""
+    """Another KV group's metadata for the step of `meta` (built by build_metadata from the
+    same query_lens and context_lens; model/kv_groups.py): its own block tables (S, W) and
+    slots, the rest shared."""
     tables = _tensor(block_tables, meta.block_tables.device)
     reference = None
-    if meta.ops is None:
-        query_start, seq_lens = meta.query_start.cpu().numpy(), meta.seq_lens.cpu().numpy()
+    if meta.ops is None:  # the plan from the host's arrays: no copy back from the device
+        query_start = np.concatenate([[0], np.cumsum(query_lens)])
+        seq_lens = context_lens + query_lens
         reference = _reference_plan(query_start, seq_lens, block_tables, tables, meta.block_size)
     return replace(
         meta, slot_mapping=_tensor(slot_mapping, tables.device), block_tables=tables,

@@ -520,7 +520,10 @@ class ModelRunner:
                 *divmod(positions, bs),
             )
             meta.groups = [meta] + [
-                group_metadata(meta, t, t[seq_of_row, blocks] * bs + offsets) for t in tables[1:]
+                group_metadata(
+                    meta, query_lens, context_lens, t, t[seq_of_row, blocks] * bs + offsets
+                )
+                for t in tables[1:]
             ]
             meta.layer_groups = self.layer_groups
         return positions, meta
