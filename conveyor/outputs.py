@@ -102,6 +102,11 @@ class ScheduledRequest:
     # copied into after it (its chunk ends at the prompt's last block boundary).
     restore_state_from: int | None = None
     save_state_to: int | None = None
+    # Speculative decoding on a hybrid: the slots the state after the request's own tokens
+    # and after each draft but the last are copied into (one per draft), so that the state
+    # at the accepted drafts' end can be taken back into its slot (restore_state_from of its
+    # next step) when some are rejected.
+    draft_state_slots: list[int] | None = None
     # The request's prompt length: rows at positions below it are prompt tokens (a model's
     # prompt route, model/prompt_route.py); None: every row counts as generated.
     num_prompt_tokens: int | None = None
@@ -291,3 +296,6 @@ class StepInputs(NamedTuple):
     prompt_tokens: np.ndarray | None = None
     # (S,) each request's state slot, for a hybrid model's recurrent layers; None: no such layer
     state_slots: np.ndarray | None = None
+    # (T,) the slot each row's state is copied into after the row (-1: none): a hybrid's
+    # verification rows (ScheduledRequest.draft_state_slots); None: no such row
+    state_saves: np.ndarray | None = None

@@ -107,13 +107,17 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         max_loras: int | None = None,
         state_slots: int = 0,
+        draft_states_from: int = 0,
     ) -> None:
         """max_loras: with LoRA on, the most adapters the running batch may name at once;
         state_slots: a hybrid model's state slots (0: none), one per running request
         (ScheduledRequest.state_slot: taken at admission, given back at preemption or the end),
-        so no more requests than that run at once."""
+        so no more requests than that run at once; draft_states_from: with speculative
+        decoding, where the slots of the states after each draft begin (num_speculative_tokens
+        per running slot: _draft_state_slots)."""
         self.config = config
         self.num_state_slots = state_slots
+        self.draft_states_from = draft_states_from
         self.state_slots: dict[str, int] | None = {} if state_slots else None
         self._free_slots = list(range(state_slots))[::-1]
         self.max_loras = max_loras
@@ -124,8 +128,9 @@ class Scheduler:
         self.draft_policy = DraftPolicy(speculative is None or speculative.adaptive)
         self.step_budget = None if config.max_step_ms is None else StepBudget(config.max_step_ms)
         self.kv_cache = kv_cache
-        # A hybrid's state snapshots (core/state_snapshots.py), with prefix caching on: this
-        # step's restores (request id -> snapshot slot) and the slots it saves into.
+        # A hybrid's state snapshots (core/state_snapshots.py), with prefix caching on, and
+        # the slots it saves into this step; the restores of a request's next step (request id
+        # -> slot): the snapshot its prefix hit ends at, or its state at the accepted drafts' end.
         self.snapshots = kv_cache.snapshots if state_slots else None
         self._restores: dict[str, int] = {}
         self._saving: list[int] = []
@@ -467,6 +472,9 @@ class Scheduler:
             )
             if self.state_slots is not None:
                 item.state_slot = self.state_slots[request_id]
+                item.restore_state_from = self._restores.pop(request_id, None)
+                if num_drafts:
+                    item.draft_state_slots = self._draft_state_slots(item.state_slot, num_drafts)
                 if self.snapshots is not None:
                     self._snapshot_copies(item, request, start + num_new)
             if start < request.num_prompt_tokens:
@@ -483,11 +491,18 @@ class Scheduler:
             finished_request_ids=finished_ids,
         )
 
+    def _draft_state_slots(self, slot: int, num_drafts: int) -> list[int]:
+        """The slots a hybrid request in `slot` verifying num_drafts drafts keeps the states
+        after its own tokens and after each draft but the last in: its own
+        num_speculative_tokens slots after the running states and their snapshots."""
+        first = self.draft_states_from + slot * self.speculative.num_speculative_tokens
+        return list(range(first, first + num_drafts))
+
     def _snapshot_copies(self, item: ScheduledRequest, request: Request, end: int) -> None:
-        """A scheduled hybrid request's state copies: the snapshot its admission hit, and a
-        save when its chunk ends at the prompt's snapshot boundary, or at a block boundary of
-        its output (which replaces the one before: a request keeps its output's last)."""
-        item.restore_state_from = self._restores.pop(request.request_id, None)
+        """A scheduled hybrid request's snapshot save when its chunk ends at the prompt's
+        snapshot boundary, or at a block boundary of its output (which replaces the one before:
+        a request keeps its output's last). With drafts the chunk's end is that of its own
+        tokens: the runner saves the state kept there (draft_state_slots[0])."""
         boundary = self._snapshot_boundary(request)
         output = end > request.num_prompt_tokens and end % self.kv_cache.block_size == 0
         if not (boundary and end == boundary) and not output:
@@ -549,6 +564,10 @@ class Scheduler:
                     request.spec_counts, num_drafts, num_accepted
                 )
                 request.num_computed_tokens += num_accepted
+                if self.state_slots is not None and num_accepted < num_drafts:
+                    # a hybrid's state goes back to the accepted drafts' end before its next step
+                    slot = self._draft_state_slots(self.state_slots[request_id], num_drafts)
+                    self._restores[request_id] = slot[num_accepted]
             self._append_tokens(request, token_ids, logprobs, cache=num_drafts > 0)
             updated.append(request)
         for request in prompt_done:  # they sampled nothing: they end with their prompt
@@ -600,6 +619,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self._output_snapshots.pop(request.request_id, None)  # its last one stays cached
+        self._restores.pop(request.request_id, None)  # (drafts rejected in its last step)
         self.kv_cache.free(request)
         self._release_slot(request)
         self.static_batch.discard(request.request_id)

@@ -119,14 +119,9 @@ def _lora_refusal(parts) -> str | None:
 
 def _hybrid_cache(args: EngineArgs, cache: CacheConfig) -> CacheConfig:
     """A hybrid model's (recurrent layers, model/recurrent.py) cache: a prefix-cache hit
-    continues from a snapshot of the recurrent state at its end (core/state_snapshots.py).
-    Drafts (whose rejected tokens would have to be taken back out of the state), adapters and
-    tensor parallelism are refused."""
-    if args.speculative_config is not None:
-        raise ValueError(
-            "speculative decoding is not supported for a hybrid model (recurrent layers: "
-            "rejected drafts cannot be taken back out of a sequence's recurrent state)"
-        )
+    continues from a snapshot of the recurrent state at its end (core/state_snapshots.py);
+    rejected drafts are taken back by the state kept after the accepted ones
+    (ScheduledRequest.draft_state_slots). Adapters and tensor parallelism are refused."""
     if args.enable_lora:
         raise ValueError("enable_lora: a hybrid model's recurrent layers have no adapter slots")
     if args.tensor_parallel_size > 1:

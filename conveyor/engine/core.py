@@ -124,6 +124,7 @@ class EngineCore:
                 spec,
                 max_loras,
                 state_slots=self.num_state_slots,
+                draft_states_from=self.num_state_slots + self.num_snapshots,
             )
         except BaseException:  # the ranks started above end now, not when collected
             self.close()
@@ -223,7 +224,7 @@ class EngineCore:
             self.tp_workers.wait_ready()
             self.tp_workers.allocate(self.num_blocks)
         # may run out of memory
-        self.runner.allocate_kv_cache(self.num_blocks, self.num_state_slots + self.num_snapshots)
+        self.runner.allocate_kv_cache(self.num_blocks, self._num_all_state_slots())
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.num_blocks)
 
@@ -272,11 +273,14 @@ class EngineCore:
         report = weights.as_dict() | {"kv_cache": self._bytes_per_block() * self.num_blocks}
         states = ""
         if self.model_config.parts.recurrent:  # a hybrid's recurrent states, every slot
-            num_slots = self.num_state_slots + self.num_snapshots
+            num_slots = self._num_all_state_slots()
             report["recurrent_states"] = self.runner.state_bytes_per_slot() * num_slots
+            drafts = self.num_state_slots * self._drafts_per_slot()
             states = (
                 f", recurrent states {report['recurrent_states'] / 2**20:.1f} MiB "
-                f"({self.num_state_slots} running, {self.num_snapshots} prefix-cache snapshots)"
+                f"({self.num_state_slots} running, {self.num_snapshots} prefix-cache snapshots"
+                + (f", {drafts} after drafts" if drafts else "")
+                + ")"
             )
         logger.info(
             "conveyor: memory: %s, KV cache %.1f MiB%s",
@@ -305,6 +309,11 @@ class EngineCore:
             "auto",
             download_dir=config.download_dir,
         ).with_kernels_checked()
+        if draft.parts.recurrent:
+            raise ValueError(
+                "speculative_config: a draft model with recurrent layers (a hybrid) is not "
+                "supported; the target may be one"
+            )
         if draft.vocab_size != target.vocab_size:
             raise ValueError(
                 f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) "
@@ -322,7 +331,18 @@ class EngineCore:
             hybrid_kv=False,  # it reads the target's first table (_kv_windows)
         )
 
-    def _cache_sizes(self) -> tuple[int, int]:
+    def _drafts_per_slot(self) -> int:
+        """With speculative decoding on a hybrid, the states a running request keeps after
+        its own tokens and each draft but the last of a verification (num_speculative_tokens
+        slots each: the rejected drafts are taken back by restoring one)."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
+
+    def _num_all_state_slots(self) -> int:
+        """A hybrid's state slots: the running ones, the snapshots, the drafts' states."""
+        return self.num_state_slots * (1 + self._drafts_per_slot()) + self.num_snapshots
+
+    def _cache_sizes(self) -> tuple[int, int, int]:
         """KV blocks, and a hybrid model's state slots (0 for another). A running request holds
         one slot, so there are max_num_seqs of them where the cache's memory holds them beside
         the KV the seats can use (or beside half of it), else as many as that room holds (at
@@ -330,25 +350,27 @@ class EngineCore:
         ~19 MiB for a Qwen3.5-0.8B shape in float32). With prefix caching, prefix-cache snapshots
         of the states (core/state_snapshots.py) take up to 1/SNAPSHOT_SHARE of what is left, at
         most one per running slot (with num_blocks given: one per slot). The KV blocks take the
-        rest."""
+        rest. With speculative decoding a running request's slot is 1 + num_speculative_tokens
+        states (_drafts_per_slot)."""
         slots = per_slot = 0
         if self.model_config.parts.recurrent:
             slots, per_slot = self.scheduler_config.max_num_seqs, self.runner.state_bytes_per_slot()
+        per_seat = per_slot * (1 + self._drafts_per_slot())
         snapshot = bool(slots) and self.cache_config.enable_prefix_caching
         if self.cache_config.num_blocks is not None:
             return self.cache_config.num_blocks, slots, slots if snapshot else 0
-        budget = self._cache_budget(slots * per_slot)
+        budget = self._cache_budget(slots * per_seat)
         snapshots = 0
         if slots:
             kv_need = self._full_kv_bytes()
             room = max(budget // 2, budget - kv_need)
-            slots = max(1, min(slots, room // per_slot))
-            budget -= slots * per_slot
+            slots = max(1, min(slots, room // per_seat))
+            budget -= slots * per_seat
             if slots < self.scheduler_config.max_num_seqs:
                 logger.info(
                     "conveyor: %d recurrent state slots of %.1f MiB (max_num_seqs %d): at most "
                     "%d requests run at once; --kv-cache-memory gives them more room",
-                    slots, per_slot / 2**20, self.scheduler_config.max_num_seqs, slots,
+                    slots, per_seat / 2**20, self.scheduler_config.max_num_seqs, slots,
                 )  # fmt: skip
             if snapshot:
                 snapshots = min(slots, budget // SNAPSHOT_SHARE // per_slot)

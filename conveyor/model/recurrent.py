@@ -43,32 +43,110 @@ class RecurrentState(NamedTuple):
     ssm: torch.Tensor  # (slots, value_heads, key_dim, value_dim): the delta rule's matrices
 
 
+class Wave(NamedTuple):
+    """Row j of every verifying sequence that has one (speculative decoding on a hybrid): run
+    as one batch of one-row sequences, then the states after the rows that keep theirs copied
+    aside (the scheduler takes the one at the accepted drafts' end back)."""
+
+    rows: torch.Tensor  # (B,) the step's rows
+    slots: torch.Tensor  # (B,) their sequences' slots
+    starts: list[int]  # [0, 1, ..., B]
+    keep_from: torch.Tensor  # slots whose state after this wave is kept
+    keep_to: torch.Tensor  # in these slots
+
+    def keep(self, state: torch.Tensor) -> None:
+        if self.keep_to.numel():
+            state.index_copy_(0, self.keep_to, state.index_select(0, self.keep_from))
+
+
 @dataclass(slots=True)
 class RecurrentRows:
-    """The step's sequences as the recurrent layers read them (built once per step)."""
+    """The step's sequences as the recurrent layers read them (built once per step). A
+    sequence some of whose rows keep their states (`saves`: drafts being verified) runs in
+    `waves`, one row at a time; the others are the `plain` ones."""
 
     starts: list[int]  # (S + 1,) rows of sequence s are [starts[s], starts[s + 1])
     fresh_slots: list[int]  # the slots of the chunks at position 0: their states start at zeros
     all_slots: torch.Tensor  # (S,) each sequence's state slot
-    single: torch.Tensor  # the sequences of one row (decodes): their rows, run as one batch
+    single: torch.Tensor  # the plain sequences of one row (decodes): their rows, one batch
     single_slots: torch.Tensor  # and their slots
-    chunks: list[int]  # the other sequences, run one at a time
+    chunks: list[int]  # the other plain sequences, run one at a time
+    waves: list[Wave]  # empty: every sequence is plain
+    plain: torch.Tensor | None = None  # with waves: the plain sequences' rows
+    plain_slots: torch.Tensor | None = None  # and their slots
+    plain_starts: list[int] | None = None  # and where each begins among those rows
+
+    def run(self, state: torch.Tensor, call) -> torch.Tensor:
+        """Runs `call(slots, starts, rows)` (an op over sequences given by their slots and
+        the starts of their rows among `rows`, a slice or an index, updating `state`) over
+        every sequence, the plain ones at once and then the waves in order, keeping the
+        states the waves keep; its outputs by the step's row."""
+        if not self.waves:
+            return call(self.all_slots, self.starts, slice(None))
+        parts = []
+        if self.plain.numel():
+            parts.append((self.plain, call(self.plain_slots, self.plain_starts, self.plain)))
+        for wave in self.waves:
+            parts.append((wave.rows, call(wave.slots, wave.starts, wave.rows)))
+            wave.keep(state)
+        first = parts[0][1]
+        out = first.new_empty((self.starts[-1], *first.shape[1:]))
+        for rows, part in parts:
+            out[rows] = part
+        return out
 
 
-def recurrent_rows(query_lens: list[int], context_lens: list[int], slots: list[int], device):
-    """RecurrentRows of a step: query_lens, context_lens and slots per sequence."""
+def recurrent_rows(
+    query_lens: list[int],
+    context_lens: list[int],
+    slots: list[int],
+    device,
+    saves: list[int] | None = None,
+):
+    """RecurrentRows of a step: query_lens, context_lens and slots per sequence; saves: per
+    row, the slot its state is kept in after it (-1: none), or None."""
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    single = [s for s, n in enumerate(query_lens) if n == 1]
-    return RecurrentRows(
+    verifying = set()
+    if saves is not None:
+        verifying = {
+            s for s in range(len(query_lens)) if max(saves[starts[s] : starts[s + 1]]) >= 0
+        }
+    plain = [s for s in range(len(query_lens)) if s not in verifying]
+    single = [s for s in plain if query_lens[s] == 1]
+    tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    rows = RecurrentRows(
         starts=starts,
         fresh_slots=[slot for slot, c in zip(slots, context_lens, strict=True) if c == 0],
-        all_slots=torch.tensor(slots, dtype=torch.int64, device=device),
-        single=torch.tensor([starts[s] for s in single], dtype=torch.int64, device=device),
-        single_slots=torch.tensor([slots[s] for s in single], dtype=torch.int64, device=device),
-        chunks=[s for s, n in enumerate(query_lens) if n > 1],
+        all_slots=tensor(slots),
+        single=tensor([starts[s] for s in single]),
+        single_slots=tensor([slots[s] for s in single]),
+        chunks=[s for s in plain if query_lens[s] > 1],
+        waves=[],
     )
+    if not verifying:
+        return rows
+    plain_rows, plain_starts = [], [0]
+    for s in plain:
+        plain_rows.extend(range(starts[s], starts[s + 1]))
+        plain_starts.append(len(plain_rows))
+    rows.plain, rows.plain_slots = tensor(plain_rows), tensor([slots[s] for s in plain])
+    rows.plain_starts = plain_starts
+    ordered = sorted(verifying)
+    for j in range(max(query_lens[s] for s in ordered)):
+        members = [s for s in ordered if query_lens[s] > j]
+        kept = [s for s in members if saves[starts[s] + j] >= 0]
+        rows.waves.append(
+            Wave(
+                rows=tensor([starts[s] + j for s in members]),
+                slots=tensor([slots[s] for s in members]),
+                starts=list(range(len(members) + 1)),
+                keep_from=tensor([slots[s] for s in kept]),
+                keep_to=tensor([saves[starts[s] + j] for s in kept]),
+            )
+        )
+    return rows
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,7 +205,9 @@ class ShortConv(nn.Module):
         conv_op = causal_conv_reference if ops is None else ops.causal_conv
         weight = self.conv.weight[:, 0, :].to(sdt)
         bx = (b * h).to(sdt).contiguous()  # (a projection may give column-major rows)
-        conv = conv_op(state.conv, rows.all_slots, rows.starts, bx, weight)
+        conv = rows.run(
+            state.conv, lambda slots, starts, r: conv_op(state.conv, slots, starts, bx[r], weight)
+        )
         return self.out_proj(c * conv.to(x.dtype))
 
 
@@ -179,7 +259,11 @@ class GatedDeltaNet(nn.Module):
         _start_fresh(state, rows)
         weight = self.conv1d.weight[:, 0, :].to(sdt)  # (conv_dim, K)
         # (T, conv_dim); the ops read unit-stride rows, a projection may give column-major ones
-        conv = conv_op(state.conv, rows.all_slots, rows.starts, mixed.contiguous(), weight)
+        mixed = mixed.contiguous()
+        conv = rows.run(
+            state.conv,
+            lambda slots, starts, r: conv_op(state.conv, slots, starts, mixed[r], weight),
+        )
         z = z.reshape(num_tokens, heads, dim)
         if rows.single.numel() == num_tokens:  # every row a sequence's one: no gathers
             args = (conv[None], a[None], b[None], z[None])
@@ -195,6 +279,11 @@ class GatedDeltaNet(nn.Module):
             slot = rows.all_slots[s : s + 1]
             args = (conv[begin:end, None], a[begin:end, None], b[begin:end, None])
             out[begin:end] = rule(state.ssm, slot, *args, z[begin:end, None], *fixed)[:, 0]
+        for wave in rows.waves:  # verifying sequences, a row of each at a time
+            r = wave.rows
+            args = (conv[r][None], a[r][None], b[r][None], z[r][None])
+            out[r] = rule(state.ssm, wave.slots, *args, *fixed)[0]
+            wave.keep(state.ssm)
         return self.out_proj(out.to(dtype).reshape(num_tokens, -1))
 
 
@@ -232,11 +321,17 @@ class Mamba2Mixer(nn.Module):
         mix = mamba2_reference if ops is None else ops.mamba2_mix
         _start_fresh(state, rows)
         weight = self.conv1d.weight[:, 0, :].to(sdt)  # (conv_dim, K)
-        conv = conv_op(state.conv, rows.all_slots, rows.starts, xbc, weight)  # (T, conv_dim)
+        conv = rows.run(  # (T, conv_dim)
+            state.conv, lambda slots, starts, r: conv_op(state.conv, slots, starts, xbc[r], weight)
+        )
         fixed = (self.A_log, self.dt_bias, self.D, self.norm.weight)
-        out = mix(
-            state.ssm, rows.all_slots, rows.starts, conv, self.conv1d.bias.to(sdt), dt, z,
-            *(t.to(sdt) for t in fixed), self.norm.eps, self.groups, *self.dt_limit,
+        bias, fixed = self.conv1d.bias.to(sdt), [t.to(sdt) for t in fixed]
+        out = rows.run(
+            state.ssm,
+            lambda slots, starts, r: mix(
+                state.ssm, slots, starts, conv[r], bias, dt[r], z[r], *fixed, self.norm.eps,
+                self.groups, *self.dt_limit,
+            ),
         )  # fmt: skip
         return self.out_proj(out.to(x.dtype))
 

@@ -270,7 +270,8 @@ class ModelRunner:
         step = self.step_inputs(sched.scheduled, drafts)
         if self.cfg.parts.recurrent:  # the scheduler's state slots (core/scheduler.py)
             slots = np.fromiter((s.state_slot for s in sched.scheduled), np.int64)
-            step = step._replace(state_slots=slots)
+            saves = _state_saves(sched.scheduled, drafts)
+            step = step._replace(state_slots=slots, state_saves=saves)
         if self.publish is not None:
             self.publish(step)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sampling is not None]
@@ -332,8 +333,11 @@ class ModelRunner:
             return
         if restore:
             pairs = [(s.restore_state_from, s.state_slot) for s in scheduled]
-        else:
-            pairs = [(s.state_slot, s.save_state_to) for s in scheduled]
+        else:  # with drafts, the state after the request's own tokens was kept aside
+            pairs = [
+                (s.draft_state_slots[0] if s.draft_state_slots else s.state_slot, s.save_state_to)
+                for s in scheduled
+            ]
         pairs = [(src, dst) for src, dst in pairs if src is not None and dst is not None]
         if not pairs:
             return
@@ -443,6 +447,7 @@ class ModelRunner:
                 step.context_lens.tolist(),
                 step.state_slots.tolist(),
                 self.device,
+                None if step.state_saves is None else step.state_saves.tolist(),
             )
         tensor = self.as_tensor
         return tensor(step.input_ids), tensor(positions), meta, tensor(step.logits_rows)
@@ -630,6 +635,23 @@ def positions_and_slots(
 
 def _all_finite(values: torch.Tensor) -> bool:
     return bool(torch.isfinite(values).all())
+
+
+def _state_saves(scheduled: list[ScheduledRequest], drafts: list[list[int]]) -> np.ndarray | None:
+    """(T,) the slot each row's recurrent state is copied into after the row (-1: none): a
+    verifying hybrid request keeps its state after its own tokens and after each draft but
+    the last (ScheduledRequest.draft_state_slots); None where no row is one."""
+    if not any(s.draft_state_slots for s in scheduled):
+        return None
+    pairs = list(zip(scheduled, drafts, strict=True))
+    saves = np.full(sum(len(s.token_ids) + len(d) for s, d in pairs), -1)
+    row = 0
+    for s, d in pairs:
+        if s.draft_state_slots:
+            first = row + len(s.token_ids) - 1
+            saves[first : first + len(d)] = s.draft_state_slots[: len(d)]
+        row += len(s.token_ids) + len(d)
+    return saves
 
 
 def _greedy_failures(

@@ -5,7 +5,8 @@ experts, Bamba; model/recurrent.py) against transformers in float64 on tiny rand
 greedy tokens equal its generate, logprobs agree, all prompts in one step, chunked at an odd
 budget with arrivals while others decode, and preempted in a small cache (a recompute starts its
 state from zeros); each sequence holds one state slot while it runs. Tokens and logprobs are the
-same bits alone or batched, whatever the chunking (float32). Speculation is refused. A prefix
+same bits alone or batched, whatever the chunking (float32). Drafts (n-gram, a draft model) are
+verified, the rejected ones taken back out of the state. A prefix
 hit continues from a snapshot of the recurrent state at its end (core/state_snapshots.py): a
 repeated prompt, and a prompt extended by its own answer (a chat's next turn), get transformers'
 tokens, and the same bits as computing the prefix."""
@@ -27,6 +28,7 @@ from tiny import auto_class, make_tiny_checkpoint
 from transformers import AutoConfig
 
 from conveyor import LLMEngine, SamplingParams
+from conveyor.speculative.ngram import NgramProposer
 
 MAX_TOKENS = 8
 # transformers' gated delta rule runs float32 even for a float64 model (so its own answers are
@@ -311,15 +313,106 @@ def test_tokens_and_logprobs_are_the_same_bits_alone_and_batched(layers):
         assert logprobs(done[key]) == top, f"prompt {key}: logprobs differ batched"
 
 
-def test_speculation_is_refused_and_the_mtp_layer_not_read(qwen3_5, tmp_path):
-    """n-gram drafts would have to be taken back out of the state: refused by name; a
-    checkpoint's multi-token prediction layer (mtp.*, as Qwen3.5's releases carry) is not
-    read."""
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+
+
+def knowing_drafts(monkeypatch, answers: dict[tuple, list[int]], vocab_size: int) -> None:
+    """A random model's greedy answers repeat too little for n-gram lookup to draft what it
+    accepts: the proposer is replaced by one that knows each prompt's greedy answer and drafts
+    its next 3 tokens, every draft right after 0 mod 3 tokens of answer, the second wrong
+    after 1 (one accepted), the first wrong after 2 (none accepted)."""
+
+    def propose(self, token_ids):
+        for prompt, answer in answers.items():
+            if tuple(token_ids[: len(prompt)]) != prompt:
+                continue
+            done = token_ids[len(prompt) :]
+            if answer[: len(done)] != done:
+                return []
+            drafts = list(answer[len(done) : len(done) + 3])
+            wrong = {1: 1, 2: 0}.get(len(done) % 3)
+            if wrong is not None and wrong < len(drafts):
+                drafts[wrong] = (drafts[wrong] + 1) % vocab_size
+            return drafts
+        return []
+
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+
+
+def test_speculation_takes_rejected_drafts_back_out_of_the_state(hybrid, monkeypatch):
+    """Drafts verified every step (all, one or none of three accepted: knowing_drafts), blocks
+    of 4, chunks of 16: a verification keeps the state after the request's own token and after
+    each draft but the last, and a step after rejected drafts continues from the one at the
+    accepted drafts' end: transformers' tokens and logprobs."""
+    path, prompts, reference = hybrid
+    engine = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, block_size=4, max_num_batched_tokens=16,
+        speculative_config=NGRAM,
+    )  # fmt: skip
+    core = engine.core  # each running slot and 3 states after drafts
+    assert core.memory["recurrent_states"] == core.runner.state_bytes_per_slot() * (
+        4 * core.num_state_slots + core.num_snapshots
+    )
+    answers = {tuple(p): tokens for p, (tokens, _) in zip(prompts, reference, strict=True)}
+    knowing_drafts(monkeypatch, answers, engine.model_config.vocab_size)
+    assert_reference(run(engine, requests(prompts)), reference)
+    spec = engine.get_stats().spec
+    assert spec.accepted_per_position[0] > spec.accepted_per_position[1] > 0
+    assert spec.accepted_per_position[2] > 0
+    assert engine.scheduler._restores == {}
+    engine.check_integrity()
+
+
+def test_speculation_gives_the_same_bits_and_snapshots_as_without(layers, monkeypatch):
+    """float32: with drafts every step (knowing_drafts), each prompt's tokens and top-5
+    logprobs are the bits of an engine without speculation; the output snapshots taken in
+    verifications (the state after the request's own token, kept aside) give prefix hits of
+    a chat's next turn the same bits too."""
+    path, prompts, reference = layers
+
+    def logprobs(out):
+        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
+    todo = [(str(i), p, params) for i, p in enumerate(prompts)]
+    again, _ = _again(prompts, reference)
+    again = [(n, p, params.clone(logprobs=5)) for n, p, params in again]
+    kwargs = dict(dtype="float32", **DEVICE_KWARGS, block_size=4, max_num_batched_tokens=16)
+    plain = LLMEngine(path, **kwargs, enable_prefix_caching=False)
+    cold = run(plain, todo) | run(plain, again)
+    spec = LLMEngine(path, **kwargs, speculative_config=NGRAM)
+    answers = {tuple(p): cold[str(i)].token_ids for i, p in enumerate(prompts)}
+    knowing_drafts(monkeypatch, answers, spec.model_config.vocab_size)
+    hot = run(spec, todo)
+    hits = spec.kv_cache.snapshots.hits
+    hot |= run(spec, again)
+    assert spec.get_stats().spec.num_accepted_tokens > 0
+    assert spec.kv_cache.snapshots.hits > hits
+    for name, out in cold.items():
+        assert hot[name].token_ids == out.token_ids, f"{name}: tokens differ with speculation"
+        assert logprobs(hot[name]) == logprobs(out), f"{name}: logprobs differ with speculation"
+
+
+def test_a_draft_model_for_a_hybrid_preempted_in_a_small_cache(qwen3_5, tmp_path):
+    """A plain draft model (a tiny Llama of the same vocabulary) proposing for Qwen3.5, in a
+    cache small enough to preempt: transformers' tokens; a hybrid draft model is refused by
+    name; a checkpoint's multi-token prediction layer (mtp.*, as Qwen3.5's releases carry) is
+    not read."""
     path, prompts, reference = qwen3_5
-    with pytest.raises(ValueError, match="speculative decoding is not supported for a hybrid"):
+    draft = make_tiny_checkpoint(tmp_path / "draft", "llama", seed=5)
+    engine = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, block_size=4, num_blocks=24,
+        max_num_batched_tokens=16, max_num_seqs=4,
+        speculative_config={"model": str(draft), "num_speculative_tokens": 2, "adaptive": False},
+    )  # fmt: skip
+    assert_reference(run(engine, requests(prompts)), reference)
+    stats = engine.get_stats()
+    assert stats.scheduler.num_preemptions_total > 0 and stats.spec.num_draft_tokens > 0
+    assert engine.scheduler.state_slots == {}
+    with pytest.raises(ValueError, match="a draft model with recurrent layers"):
         LLMEngine(
-            path, dtype="float64", speculative_config={"method": "ngram",
-                                                       "num_speculative_tokens": 2},
+            path, dtype="float64", **DEVICE_KWARGS,
+            speculative_config={"model": path, "num_speculative_tokens": 2},
         )  # fmt: skip
     copy = shutil.copytree(path, tmp_path / "with-mtp")
     weights = load_file(copy / "model.safetensors")
@@ -358,7 +451,8 @@ def test_state_slots_share_the_cache_memory_and_bound_the_running_requests(qwen3
 @pytest.mark.parametrize("case", ["qwen3_5", "lfm2", "granite4-h"])
 def test_the_pytorch_twins_give_transformers_tokens(case, tmp_path_factory, monkeypatch):
     """The recurrent layers' PyTorch twins (the path off the CPU, CUDA's: delta_rule_reference,
-    causal_conv_reference), run here in place of the compiled ops, chunked at an odd budget."""
+    causal_conv_reference), run here in place of the compiled ops, chunked at an odd budget,
+    and verifying drafts."""
     import conveyor.model.llama as llama
     import conveyor.model.recurrent as recurrent
 
@@ -372,6 +466,11 @@ def test_the_pytorch_twins_give_transformers_tokens(case, tmp_path_factory, monk
     engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, max_num_batched_tokens=7)
     assert_reference(run(engine, requests(prompts), arrive_every=2), reference)
     assert calls  # the twins ran
+    spec = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, speculative_config=NGRAM)
+    answers = {tuple(p): tokens for p, (tokens, _) in zip(prompts, reference, strict=True)}
+    knowing_drafts(monkeypatch, answers, spec.model_config.vocab_size)
+    assert_reference(run(spec, requests(prompts)), reference)  # drafts taken back too
+    assert 0 < spec.get_stats().spec.acceptance_rate < 1
 
 
 @pytest.mark.parametrize("case", ["qwen3_5", "lfm2", "granite4-h"])
