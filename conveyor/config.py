@@ -362,15 +362,19 @@ def _check_max_step_ms(value: object) -> None:
         raise ValueError(f"max_step_ms must be > 0 milliseconds, got {value!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's model-specific names of a checkpoint's multi-token prediction layers (model/mtp.py)
+MTP_METHOD_NAMES = ("qwen3_next_mtp", "qwen3_5_mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, spelled as vLLM's `speculative_config`:
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-    "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH,
-    "num_speculative_tokens": k}. A "model" without a "method" means draft_model; ngram
+    "prompt_lookup_max": b}, {"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": k}, or {"method": "mtp", "num_speculative_tokens": k}: the
+    checkpoint's own multi-token prediction layer (model/mtp.py; vLLM's qwen3_next_mtp and
+    qwen3_5_mtp are its names too). A "model" without a "method" means draft_model; ngram
     lookup bounds default as in vLLM (both 5; one given sets the other). conveyor's own key,
     "adaptive" (default true), verifies only the drafts expected to pay at the step's load."""
 
@@ -399,6 +403,14 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             if not self.model:
                 raise ValueError("speculative_config: method 'draft_model' needs a 'model'")
+            return
+        if self.method == "mtp":  # a "model" must be the target's (engine/config.py)
+            given = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if getattr(self, n)]
+            if given:
+                raise ValueError(
+                    f"speculative_config: method 'mtp' reads the model's own layer: {given[0]} "
+                    "does not apply"
+                )
             return
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
@@ -432,6 +444,8 @@ class SpeculativeConfig:
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        if fields.get("method") in MTP_METHOD_NAMES:
+            fields["method"] = "mtp"
         if fields.get("method") is None:
             if not fields.get("model"):
                 raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")

@@ -102,6 +102,9 @@ class ScheduledRequest:
     # copied into after it (its chunk ends at the prompt's last block boundary).
     restore_state_from: int | None = None
     save_state_to: int | None = None
+    # A prompt chunk that does not reach the end of the tokens: the token after it (a
+    # multi-token prediction layer reads each row's next token: model/mtp.py)
+    next_token_id: int | None = None
     # Speculative decoding on a hybrid: the slots the state after the request's own tokens
     # and after each draft but the last are copied into (one per draft), so that the state
     # at the accepted drafts' end can be taken back into its slot (restore_state_from of its
@@ -163,6 +166,9 @@ class ModelRunnerOutput:
     # Requests that cannot go on: their rows had nothing to sample from, or were not finite
     # (request id -> why; sample/sampler.py). The scheduler ends them with that error.
     failures: dict[str, str] = field(default_factory=dict)
+    # Drafts for each sampling request's next step, proposed by the model's multi-token
+    # prediction layer (model/mtp.py); None: no such proposer.
+    spec_token_ids: dict[str, list[int]] | None = None
 
 
 class OutputKind(enum.Enum):

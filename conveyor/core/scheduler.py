@@ -123,6 +123,8 @@ class Scheduler:
         self.max_loras = max_loras
         self.speculative = speculative
         self._draft_by_model = speculative is not None and speculative.method == "draft_model"
+        # the model's multi-token prediction layer reads each row's next token (model/mtp.py)
+        self._next_tokens = speculative is not None and speculative.method == "mtp"
         self._drafts: dict[str, int] = {}  # this step's drafts per request
         self.spec_stats = SpecDecodingStats.empty(speculative)
         self.draft_policy = DraftPolicy(speculative is None or speculative.adaptive)
@@ -483,6 +485,8 @@ class Scheduler:
                 item.draft_token_ids = request.spec_token_ids[:num_drafts]
             if self._draft_by_model and samples and num_new == 1 and start > 0:
                 item.prev_token_id = request.all_token_ids[start - 1]
+            if self._next_tokens and start + num_new < request.num_tokens:
+                item.next_token_id = request.all_token_ids[start + num_new]
             out.append(item)
         return SchedulerOutput(
             scheduled=out,

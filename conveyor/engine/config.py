@@ -67,6 +67,14 @@ class EngineConfig:
         if model_config.parts.recurrent:
             cache_config = _hybrid_cache(args, cache_config)
             enforce_eager = True  # the recurrent layers' per-sequence loops: no graphs to replay
+        spec = args.speculative_config
+        if spec is not None and spec.method == "mtp":
+            from conveyor.model.mtp import with_mtp
+
+            model_config = with_mtp(model_config, spec.model)
+            enforce_eager = True  # it reads every step's hidden states: no graphs to replay
+            if tp_size > 1:
+                raise ValueError("speculative_config: method 'mtp' with tensor parallelism")
         return cls(
             model_config,
             cache_config,

@@ -193,6 +193,9 @@ class EngineCore:
             graph_rows=0 if config.enforce_eager else self.scheduler_config.max_num_seqs,
             plan_settings=PlanSettings.from_env(config.kernel_isa),
             hybrid_kv=self.draft_runner is None and cache.hybrid_kv,
+            mtp_drafts=self.speculative_config.num_speculative_tokens
+            if self.model_config.mtp_layers
+            else 0,
         )
 
     def _kv_windows(self) -> tuple[int, ...]:
@@ -641,6 +644,11 @@ class EngineCore:
         updated = self.scheduler.update_from_output(sched, runner_out)
         if self.proposer is not None:
             self.proposer.propose_for(self.scheduler.running)
+        elif runner_out.spec_token_ids is not None:  # the multi-token prediction layer's
+            proposed = runner_out.spec_token_ids
+            for request in self.scheduler.running:
+                decoding = request.num_computed_tokens == request.num_tokens - 1
+                request.spec_token_ids = proposed.get(request.request_id, []) if decoding else []
         self._num_steps += 1
         return updated
 

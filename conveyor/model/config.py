@@ -116,6 +116,9 @@ class ModelConfig:
     # A BERT-family encoder (model/bert.py): bidirectional, each sequence whole in one step;
     # it embeds and classifies, it generates nothing.
     is_encoder: bool = False
+    # The checkpoint's multi-token prediction layers loaded as a draft proposer (model/mtp.py:
+    # speculative_config's "mtp"); 0: not read.
+    mtp_layers: int = 0
 
     @property
     def is_sequence_classifier(self) -> bool:

@@ -20,6 +20,7 @@ rotary_rows).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from collections.abc import Callable
@@ -197,6 +198,21 @@ class Parts:
     altup_correct_scale: bool = False
     laurel_rank: int = 0
     activation_sparsity: tuple[float, ...] = ()
+
+    def one_layer(self, layer: int) -> Parts:
+        """These parts with layer `layer`'s per-layer description as the only layer's (index
+        0): a layer built apart from the model's (a multi-token prediction layer, model/mtp.py,
+        described as the model's layer of its kind)."""
+        per_layer = (
+            "windows", "ropes", "moe_layers", "linear_layers", "mlp_layers", "layer_heads",
+            "value_is_key", "mlp_sizes", "activation_sparsity",
+        )  # fmt: skip
+        picked = {
+            name: getattr(self, name)[layer : layer + 1]
+            for name in per_layer
+            if getattr(self, name)
+        }
+        return dataclasses.replace(self, **picked, kv_sources=(0,) if self.kv_sources else ())
 
     def heads(self, layer: int, default: tuple[int, int]) -> tuple[int, int]:
         """(head_dim, num_kv_heads) of a layer's attention; `default`: the model's."""

@@ -356,6 +356,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, tp.shard.vocab(cfg.vocab_size)[2])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The checkpoint's multi-token prediction layer, a draft proposer (model/mtp.py)
+        self.mtp = None
+        if cfg.mtp_layers:
+            from conveyor.model.mtp import MultiTokenPredictor
+
+            self.mtp = MultiTokenPredictor(cfg, tp)
         # A *ForSequenceClassification checkpoint's head (ModelConfig.classifier), replicated
         # on every tensor-parallel rank; rank 0 applies it (classify).
         self.score = (
@@ -505,6 +511,20 @@ class LlamaForCausalLM(nn.Module):
             return self.score(hidden)
         picked = logits[:, list(classifier.token_ids)]
         return picked[:, 1:] - picked[:, :1] if classifier.difference else picked
+
+    def mtp_hidden(self, next_ids, hidden, positions, kv_cache, meta) -> torch.Tensor:
+        """The multi-token prediction layer's y (model/mtp.py) of rows at `positions` whose
+        next tokens are next_ids and whose hidden states are `hidden`."""
+        ropes = [RopeRows(*rotary.rows(positions)) for rotary in self.rotaries]
+        embedded = self._embed(next_ids)
+        if self.config.parts.embed_scale != 1.0:
+            embedded = embedded * self.config.parts.embed_scale
+        return self.mtp(embedded, hidden, ropes, self.rotaries, kv_cache, meta)
+
+    def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1), without the logits where greedy_tokens can."""
+        greedy = self.greedy_tokens(hidden)
+        return self.compute_logits(hidden).argmax(-1) if greedy is None else greedy
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """compute_logits(hidden).argmax(-1), exactly, where the lm_head can find it without

@@ -235,6 +235,8 @@ def iter_weights(
                 "gemma4": _GEMMA4_MOE_NAMES,
             }.get(family)  # fmt: skip
             skip = _NOT_READ.get(family)
+            if cfg.mtp_layers:  # the multi-token prediction layer is read (model/mtp.py)
+                skip = tuple(p for p in skip or () if p != "mtp.") or None
             if cfg.text_of is not None:  # a multimodal checkpoint's language model alone
                 rename = _LANGUAGE_MODEL_NAMES + (rename or ())
                 skip = _NOT_LANGUAGE_MODEL + (skip or ())
@@ -349,8 +351,8 @@ def _flat_expert_bias(weights) -> Iterator[tuple[str, Any]]:
         yield name, tensor.reshape(-1) if name.endswith(".mlp.expert_bias") else tensor
 
 
-# Stored tensors a family's model does not read: Qwen3.5's multi-token prediction layer (a
-# proposer vLLM can run; conveyor's speculation is n-gram or a draft model).
+# Stored tensors a family's model does not read: Qwen3.5's multi-token prediction layer, but
+# where speculative decoding runs it (ModelConfig.mtp_layers, model/mtp.py).
 _NOT_READ = {"qwen3_5": ("mtp.",), "qwen3_5_moe": ("mtp.",), "qwen3_next": ("mtp.",)}
 _NOT_READ["ernie4_5_moe"] = ("model.mtp_",)  # ERNIE 4.5's mtp_block, mtp_emb_norm, ...
 

@@ -65,6 +65,7 @@ class ModelRunner:
         graph_rows: int = 0,
         plan_settings: PlanSettings | None = None,
         hybrid_kv: bool = True,
+        mtp_drafts: int = 0,
     ) -> None:
         """tp: this rank's tensor-parallel group (None: the whole model here); publish: on
         rank 0, sends each step's inputs to the other ranks before the forward; loras: the
@@ -73,7 +74,8 @@ class ModelRunner:
         0: every step eager, --enforce-eager); plan_settings: the kernel plan's (model/plan.py;
         None: the environment's); hybrid_kv: layers of different attention (sliding, full)
         in KV groups of their own (model/kv_groups.py; False: one table for every layer, which
-        a draft model reads too)."""
+        a draft model reads too); mtp_drafts: the drafts the model's multi-token prediction
+        layer proposes after each sampled token (model/mtp.py; 0: none)."""
         self.cfg = cfg
         # A classifier of tokens' logits: a classify request's last row joins the logits rows
         # (every rank computes those); a score head needs none (model.classify).
@@ -82,6 +84,7 @@ class ModelRunner:
         self.publish = publish
         self.num_kv_heads = self.tp.shard.kv_heads(cfg.num_kv_heads)[1]
         self.propose_drafts = propose_drafts
+        self.mtp_drafts = mtp_drafts if cfg.mtp_layers else 0
         self.device = device
         self.block_size = block_size
         if device.type == "cpu":
@@ -94,6 +97,10 @@ class ModelRunner:
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list = []  # per layer: its KV blocks, or a hybrid's RecurrentState
+        # A multi-token prediction layer (model/mtp.py): its KV cache is a layer's more, index
+        # num_layers, in the blocks of the model's full-attention layers.
+        self.mtp_layer = cfg.num_layers if cfg.mtp_layers else None
+        self.mtp_cache: torch.Tensor | None = None
         self.kv_groups = self._kv_groups(hybrid_kv)
         self.layer_groups = self._layer_groups()
         self._populated = 0  # pages populate_cache has faulted in; -1: it cannot here
@@ -128,9 +135,16 @@ class ModelRunner:
     def _kv_groups(self, separate: bool) -> KVGroups:
         """The layers that keep a KV cache of their own, in groups by their attention."""
         heads = self._cache_heads()
-        windows = {i: self.cfg.parts.window(i) for i in heads}
+        windows = {i: self.cfg.parts.window(self._described(i)) for i in heads}
         pages = {i: dim * kv_heads for i, (dim, kv_heads) in heads.items()}
         return group_layers(windows, pages, separate)
+
+    def _described(self, layer: int) -> int:
+        """The model layer whose description a cache's layer has (the MTP layer's: the first
+        full-attention layer's)."""
+        if layer == self.mtp_layer:
+            return next(i for i in range(self.cfg.num_layers) if not self.cfg.parts.is_linear(i))
+        return layer
 
     def _layer_groups(self) -> list[int]:
         """Per layer: the KV group whose tables it reads (its cache's source's; 0 for a
@@ -150,6 +164,9 @@ class ModelRunner:
             if not parts.is_linear(i) and parts.kv_source(i) == i:
                 dim, kv_heads = parts.heads(i, default)
                 heads[i] = dim, self.tp.shard.kv_heads(kv_heads)[1]
+        if self.mtp_layer is not None:
+            dim, kv_heads = parts.heads(self._described(self.mtp_layer), default)
+            heads[self.mtp_layer] = dim, self.tp.shard.kv_heads(kv_heads)[1]
         return heads
 
     def state_bytes_per_slot(self) -> int:
@@ -197,6 +214,8 @@ class ModelRunner:
             self._new_state() if parts.is_linear(i) else caches[parts.kv_source(i)]
             for i in range(self.cfg.num_layers)
         ]
+        if self.mtp_layer is not None:
+            self.mtp_cache = caches[self.mtp_layer]
         self._populated = 0
         if scratch:
             self.graphs = DecodeGraphs(
@@ -319,11 +338,76 @@ class ModelRunner:
             token_ids = [[t] for t in out.token_ids]
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
             failures = out.failures
-        self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         request_ids = [sched.scheduled[i].request_id for i in sampled]
+        proposed = None
+        if self.mtp_drafts and hidden is not None:
+            accepted = {i: len(t) - 1 for i, t in zip(sampled, token_ids, strict=True)}
+            bonus = {i: t[-1] for i, t in zip(sampled, token_ids, strict=True)}
+            for k in failures:
+                accepted.pop(sampled[k]), bonus.pop(sampled[k])
+            proposed = self._propose(
+                sched.scheduled, step, hidden, positions, meta, accepted, bonus
+            )
+        self.last_timing = (prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         prompt_logprobs, pooled, failed = prompt_rows
         failed.update({request_ids[i]: reason for i, reason in failures.items()})
-        return ModelRunnerOutput(request_ids, token_ids, logprobs, prompt_logprobs, pooled, failed)
+        return ModelRunnerOutput(
+            request_ids, token_ids, logprobs, prompt_logprobs, pooled, failed, proposed
+        )
+
+    def _propose(
+        self, scheduled, step, hidden, positions_t, meta, accepted, bonus
+    ) -> dict[str, list[int]]:
+        """The multi-token prediction layer's drafts for each sampling request's next step
+        (model/mtp.py): its rows are the step's, each reading the token after it (the next
+        prompt token after a chunk's last row, the sampled token after a request's last
+        accepted one) and the model's hidden state; its output at the last accepted row gives
+        draft 1, each later draft the one before at the next position, while that position
+        is in a block the request holds. accepted, bonus: per sampling request's index in
+        `scheduled`, its accepted drafts and the token it sampled."""
+        query_lens = step.query_lens
+        ends = np.cumsum(query_lens)
+        next_ids = np.empty_like(step.input_ids)
+        next_ids[:-1] = step.input_ids[1:]
+        rows, positions = {}, {}
+        for i, s in enumerate(scheduled):
+            if i in accepted:  # the row of its last accepted token reads the sampled one
+                row = int(ends[i] - query_lens[i]) + len(s.token_ids) - 1 + accepted[i]
+                next_ids[row] = bonus[i]
+                rows[i] = row
+                positions[i] = s.num_computed_tokens + len(s.token_ids) - 1 + accepted[i]
+            else:
+                next_ids[ends[i] - 1] = s.next_token_id or 0  # a prompt chunk's
+        model, group = self.model, self.kv_groups.group_of()[self.mtp_layer]
+        layer_meta = meta.groups[group] if meta.groups else meta
+        y = model.mtp_hidden(
+            self.as_tensor(next_ids), hidden, positions_t, self.mtp_cache, layer_meta
+        )
+        drafting = list(rows)
+        if not drafting:
+            return {}
+        y = y[self.as_tensor(np.asarray([rows[i] for i in drafting]))]
+        drafts = {i: [t] for i, t in zip(drafting, model.argmax_tokens(y).tolist(), strict=True)}
+        for j in range(1, self.mtp_drafts):
+            room = [
+                k for k, i in enumerate(drafting)
+                if positions[i] + j < len(scheduled[i].block_ids[group]) * self.block_size
+            ]  # fmt: skip
+            if not room:
+                break
+            drafting, y = [drafting[k] for k in room], y[room]
+            ones = np.ones(len(drafting), np.int64)
+            context = np.asarray([positions[i] + j for i in drafting], np.int64)
+            tables = [scheduled[i].block_ids for i in drafting]
+            chain_positions, chain_meta = self.positions_and_metadata(ones, context, tables)
+            chain_meta = chain_meta.groups[group] if chain_meta.groups else chain_meta
+            ids = self.as_tensor(np.asarray([drafts[i][-1] for i in drafting]))
+            y = model.mtp_hidden(
+                ids, y, self.as_tensor(chain_positions), self.mtp_cache, chain_meta
+            )
+            for i, t in zip(drafting, model.argmax_tokens(y).tolist(), strict=True):
+                drafts[i].append(t)
+        return {scheduled[i].request_id: d for i, d in drafts.items()}
 
     def _copy_states(self, scheduled: list[ScheduledRequest], restore: bool) -> None:
         """A hybrid's state snapshots (core/state_snapshots.py): before the forward, the

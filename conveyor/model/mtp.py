@@ -1,0 +1,113 @@
+"""Multi-token prediction: the layer Qwen3.5 and Qwen3-Next checkpoints carry beside the model
+(`mtp.*`), which proposes the token after next (speculative_config {"method": "mtp"}, vLLM's
+qwen3_next_mtp).
+
+Row i of the predictor reads the token at position i + 1 and the model's final (normed) hidden
+state at position i:
+
+    x = fc(concat(pre_fc_norm_embedding(embed(t[i + 1])), pre_fc_norm_hidden(h[i])))
+    y = norm(layer(x))  # one decoder layer of the model's full-attention kind, its own KV
+    draft = argmax(lm_head(y))  # the token at position i + 2 (embed and lm_head: the model's)
+
+and writes its layer's KV at position i. Every step the runner (worker/model_runner.py
+_propose) runs it over the step's rows, each row's token the one after it (a prompt chunk's
+last row: the next prompt token; the last accepted row of a sampling request: the token just
+sampled), so its cache holds every position the model has computed; the row of the sampled
+token gives draft 1. Draft j + 1 feeds draft j with y of the row before at the next position
+(as vLLM chains them), written into blocks the request already holds: a chain that reaches
+the end of its last block stops there (fewer drafts that step; the next step's rows write
+those positions again with the model's own hidden states).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from conveyor.model.config import ModelConfig
+from conveyor.model.layers import Linear, RMSNorm
+
+# The families whose checkpoints carry such a layer, under `mtp.` (model/loader.py _NOT_READ
+# skips it otherwise).
+MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def full_attention_layer(cfg: ModelConfig) -> int:
+    """The first of the model's layers that attends (the predictor's layer is of its kind)."""
+    return next(i for i in range(cfg.num_layers) if not cfg.parts.is_linear(i))
+
+
+class MultiTokenPredictor(nn.Module):
+    """`mtp.`: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.0 and norm, read by those
+    names (LlamaForCausalLM.mtp)."""
+
+    def __init__(self, cfg: ModelConfig, tp) -> None:
+        from conveyor.model.llama import LlamaDecoderLayer
+
+        super().__init__()
+        parts = cfg.parts
+        size, eps = cfg.hidden_size, cfg.rms_norm_eps
+        norm = lambda: RMSNorm(  # noqa: E731
+            size, eps, offset=parts.norm_offset, float32_scale=parts.norm_float32_scale
+        )
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = norm(), norm()
+        self.fc = Linear(2 * size, size)
+        one = dataclasses.replace(
+            cfg, parts=parts.one_layer(full_attention_layer(cfg)), num_layers=1
+        )
+        self.layers = nn.ModuleList([LlamaDecoderLayer(one, tp, 0)])
+        self.norm = norm()
+
+    def forward(self, embedded, hidden, ropes, rotaries, kv_cache, meta) -> torch.Tensor:
+        """y (T, hidden) of rows whose next tokens' embeddings are `embedded` and whose model
+        hidden states (or, chained, the predictor's y) are `hidden`."""
+        x = torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1)
+        x = self.layers[0](self.fc(x), ropes, rotaries, kv_cache, meta)
+        return self.norm(x)
+
+
+def stored_mtp_layers(cfg: ModelConfig) -> int:
+    """How many multi-token prediction layers (`mtp.layers.N.`) the checkpoint stores beside
+    its `mtp.fc`; 0: none (or not a safetensors checkpoint)."""
+    import json
+
+    from safetensors import safe_open
+
+    if cfg.is_gguf:
+        return 0
+    index = cfg.path / "model.safetensors.index.json"
+    if index.exists():
+        names = set(json.loads(index.read_text())["weight_map"])
+    else:
+        names = set()
+        for file in sorted(cfg.path.glob("*.safetensors")):
+            with safe_open(file, framework="pt") as f:
+                names.update(f.keys())
+    if "mtp.fc.weight" not in names:
+        return 0
+    return len({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
+
+
+def with_mtp(cfg: ModelConfig, model: str | None) -> ModelConfig:
+    """The model config that reads the checkpoint's multi-token prediction layer
+    (speculative_config {"method": "mtp"}); ValueError where it has none conveyor reads.
+    `model`: the speculative config's, which must be the target's own."""
+    where = "speculative_config: method 'mtp'"
+    if model is not None and model not in (str(cfg.path), cfg.hub_id):
+        raise ValueError(f"{where} proposes with the model's own layer: 'model' must be it")
+    if cfg.parts.family not in MTP_FAMILIES:
+        raise ValueError(
+            f"{where}: {cfg.architecture} has no multi-token prediction layer conveyor reads "
+            "(Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints carry one)"
+        )
+    layers = stored_mtp_layers(cfg)
+    if layers == 0:
+        raise ValueError(
+            f"{where}: the checkpoint stores no multi-token prediction layer (mtp.fc, "
+            "mtp.layers.0: a GGUF file or a checkpoint without them)"
+        )
+    if layers > 1:
+        raise ValueError(f"{where}: {layers} prediction layers; conveyor reads one")
+    return dataclasses.replace(cfg, mtp_layers=1)
