@@ -1,4 +1,4 @@
-"""`python -m benchmarks compare | step | quality | split | spec | structured | scaling |
+"""`python -m benchmarks compare | step | quality | split | spec | mtp | structured | scaling |
 peers | dashboard | storm | contention | fuzz |
 families | moe | kernels | attention | quant-kernels | start`: the lab's commands.
 
@@ -25,6 +25,8 @@ COMMANDS = [
      "throughput, /health latency, engine time per step"),
     ("spec", "spec", "n-gram speculative decoding vs none on code editing and a control: "
      "acceptance, throughput, TPOT and ITL over a grid of k and concurrency"),
+    ("mtp", "mtp", "a Qwen3.5 model's multi-token prediction layer proposing drafts vs none: "
+     "a layer whose drafts are all right and a random one bound what it buys and costs"),
     ("structured", "structured", "the json-schema workload with 0%%, 50%% and 100%% of "
      "requests constrained, side by side: output tok/s, TPOT, validity, and the grammar "
      "mask's cost per step"),

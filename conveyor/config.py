@@ -448,7 +448,7 @@ class SpeculativeConfig:
             fields["method"] = "mtp"
         if fields.get("method") is None:
             if not fields.get("model"):
-                raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
+                raise ValueError("speculative_config needs a 'method' (ngram, draft_model or mtp)")
             fields["method"] = "draft_model"
         if fields.get("num_speculative_tokens") is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")

@@ -105,6 +105,9 @@ class ScheduledRequest:
     # A prompt chunk that does not reach the end of the tokens: the token after it (a
     # multi-token prediction layer reads each row's next token: model/mtp.py)
     next_token_id: int | None = None
+    # How many drafts the multi-token prediction layer proposes after this step's sampled
+    # token (model/mtp.py): one more than this step verified, at most num_speculative_tokens
+    num_proposals: int = 0
     # Speculative decoding on a hybrid: the slots the state after the request's own tokens
     # and after each draft but the last are copied into (one per draft), so that the state
     # at the accepted drafts' end can be taken back into its slot (restore_state_from of its

@@ -143,6 +143,10 @@ class Request:
     # decayed counts of this request's [accepted, tried] drafts (speculative/policy.py).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # A proposer that costs a pass per draft (model/mtp.py): steps left without proposals
+    # since the policy last declined this request's, and the next such pause (doubling).
+    proposal_pause: int = 0
+    proposal_backoff: int = 1
     # Structured output: the request's own matcher, set by the engine once it has compiled.
     grammar: Grammar | None = None
     # Where its reasoning ends, when a thinking budget or a grammar depends on it.

@@ -304,6 +304,9 @@ class Scheduler:
             request = self.requests[request_id]
             num_sampling += request.num_computed_tokens + num_new == request.num_tokens
         chosen = self.draft_policy.choose(candidates, sum(scheduled.values()), num_sampling, budget)
+        if self._next_tokens:  # the multi-token prediction layer's proposals: see _pause
+            for request_id, _, _ in candidates:
+                self._pause(self.requests[request_id], declined=request_id not in chosen)
         for request_id, num_drafts in chosen.items():
             if self.kv_cache.allocate_slots(self.requests[request_id], 1 + num_drafts) is not None:
                 scheduled[request_id] += num_drafts
@@ -487,6 +490,8 @@ class Scheduler:
                 item.prev_token_id = request.all_token_ids[start - 1]
             if self._next_tokens and start + num_new < request.num_tokens:
                 item.next_token_id = request.all_token_ids[start + num_new]
+            if self._next_tokens and samples:
+                item.num_proposals = self._num_proposals(request, num_drafts)
             out.append(item)
         return SchedulerOutput(
             scheduled=out,
@@ -494,6 +499,27 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in preempted],
             finished_request_ids=finished_ids,
         )
+
+    def _num_proposals(self, request: Request, num_drafts: int) -> int:
+        """The multi-token prediction layer's drafts after a request's step that verified
+        num_drafts (model/mtp.py): one more, at most num_speculative_tokens, or none while
+        its proposals are paused (_pause)."""
+        if request.proposal_pause > 0:
+            request.proposal_pause -= 1
+            return 0
+        return min(self.speculative.num_speculative_tokens, num_drafts + 1)
+
+    @staticmethod
+    def _pause(request: Request, declined: bool) -> None:
+        """Each draft the layer proposes costs an lm_head pass whether or not it is verified:
+        when the draft policy declines a request's drafts, it proposes none for a pause that
+        doubles each time in a row (1, 2, 4 ... 32 steps), so a load where drafts do not pay
+        costs little more than the layer itself, and is tried again now and then."""
+        if declined:
+            request.proposal_pause = request.proposal_backoff
+            request.proposal_backoff = min(2 * request.proposal_backoff, 32)
+        else:
+            request.proposal_backoff = 1
 
     def _draft_state_slots(self, slot: int, num_drafts: int) -> list[int]:
         """The slots a hybrid request in `slot` verifying num_drafts drafts keeps the states

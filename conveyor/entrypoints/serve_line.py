@@ -270,7 +270,7 @@ def _add_http_args(group) -> None:
         "--spec-method",
         default=None,
         metavar="METHOD",
-        help="--speculative-config's method, in short (ngram or draft_model)",
+        help="--speculative-config's method, in short (ngram, draft_model or mtp)",
     )
     group.add_argument(
         "--spec-model",

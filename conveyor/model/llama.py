@@ -361,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.mtp_layers:
             from conveyor.model.mtp import MultiTokenPredictor
 
-            self.mtp = MultiTokenPredictor(cfg, tp)
+            self.mtp = MultiTokenPredictor(cfg, tp, LlamaDecoderLayer)
         # A *ForSequenceClassification checkpoint's head (ModelConfig.classifier), replicated
         # on every tensor-parallel rank; rank 0 applies it (classify).
         self.score = (

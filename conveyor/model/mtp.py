@@ -43,9 +43,8 @@ class MultiTokenPredictor(nn.Module):
     """`mtp.`: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.0 and norm, read by those
     names (LlamaForCausalLM.mtp)."""
 
-    def __init__(self, cfg: ModelConfig, tp) -> None:
-        from conveyor.model.llama import LlamaDecoderLayer
-
+    def __init__(self, cfg: ModelConfig, tp, decoder_layer) -> None:
+        """decoder_layer: the model's layer class (model/llama.py LlamaDecoderLayer)."""
         super().__init__()
         parts = cfg.parts
         size, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -57,7 +56,7 @@ class MultiTokenPredictor(nn.Module):
         one = dataclasses.replace(
             cfg, parts=parts.one_layer(full_attention_layer(cfg)), num_layers=1
         )
-        self.layers = nn.ModuleList([LlamaDecoderLayer(one, tp, 0)])
+        self.layers = nn.ModuleList([decoder_layer(one, tp, 0)])
         self.norm = norm()
 
     def forward(self, embedded, hidden, ropes, rotaries, kv_cache, meta) -> torch.Tensor:

@@ -362,9 +362,10 @@ class ModelRunner:
         (model/mtp.py): its rows are the step's, each reading the token after it (the next
         prompt token after a chunk's last row, the sampled token after a request's last
         accepted one) and the model's hidden state; its output at the last accepted row gives
-        draft 1, each later draft the one before at the next position, while that position
-        is in a block the request holds. accepted, bonus: per sampling request's index in
-        `scheduled`, its accepted drafts and the token it sampled."""
+        draft 1, each later draft the one before at the next position, up to the request's
+        num_proposals while that position is in a block it holds. accepted, bonus: per
+        sampling request's index in `scheduled`, its accepted drafts and the token it
+        sampled."""
         query_lens = step.query_lens
         ends = np.cumsum(query_lens)
         next_ids = np.empty_like(step.input_ids)
@@ -374,8 +375,9 @@ class ModelRunner:
             if i in accepted:  # the row of its last accepted token reads the sampled one
                 row = int(ends[i] - query_lens[i]) + len(s.token_ids) - 1 + accepted[i]
                 next_ids[row] = bonus[i]
-                rows[i] = row
-                positions[i] = s.num_computed_tokens + len(s.token_ids) - 1 + accepted[i]
+                if s.num_proposals:
+                    rows[i] = row
+                    positions[i] = s.num_computed_tokens + len(s.token_ids) - 1 + accepted[i]
             else:
                 next_ids[ends[i] - 1] = s.next_token_id or 0  # a prompt chunk's
         model, group = self.model, self.kv_groups.group_of()[self.mtp_layer]
@@ -391,7 +393,8 @@ class ModelRunner:
         for j in range(1, self.mtp_drafts):
             room = [
                 k for k, i in enumerate(drafting)
-                if positions[i] + j < len(scheduled[i].block_ids[group]) * self.block_size
+                if j < scheduled[i].num_proposals
+                and positions[i] + j < len(scheduled[i].block_ids[group]) * self.block_size
             ]  # fmt: skip
             if not room:
                 break

@@ -58,7 +58,8 @@ class ReferenceMTP(torch.nn.Module):
 
 def _reference_norm(text_config):
     module = __import__(_layer_class_module(text_config), fromlist=["x"])
-    cls = next(getattr(module, n) for n in dir(module) if n.endswith("RMSNorm") and "Gated" not in n)
+    names = [n for n in dir(module) if n.endswith("RMSNorm") and "Gated" not in n]
+    cls = getattr(module, names[0])
     return cls(4)
 
 
@@ -167,6 +168,8 @@ def test_drafts_are_the_layers_and_tokens_transformers(case):
     assert any(len(d) == 2 for _, d in seen)
     for i, (tokens, logprobs) in enumerate(reference):
         assert done[str(i)].token_ids == tokens
+        mine = [pos[t].logprob for pos, t in zip(done[str(i)].logprobs, tokens, strict=True)]
+        assert max(abs(a - b) for a, b in zip(mine, logprobs, strict=True)) < 2e-5
     assert engine.get_stats().spec.num_draft_tokens > 0
 
 
@@ -188,3 +191,39 @@ def test_mtp_is_refused_where_there_is_none(case, tmp_path):
     attention_layers = sum(1 for c in base.kv_caches if isinstance(c, torch.Tensor))
     per_layer = base.kv_bytes_per_block() // attention_layers
     assert runner.kv_bytes_per_block() == base.kv_bytes_per_block() + per_layer
+
+
+def test_the_same_bits_as_without_speculation_with_prefix_hits(case):
+    """float32, blocks of 4, chunks of 7: with the layer's drafts verified every step, each
+    prompt's tokens and top-5 logprobs are the bits of an engine without speculation, and so
+    are a second round's that repeat the prompts (prefix hits on state snapshots: the layer's
+    KV of the hit blocks was written by the first round)."""
+    name, path, model, mtp, prompts, reference = case
+
+    def logprobs(out):
+        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
+    kwargs = dict(dtype="float32", **DEVICE_KWARGS, block_size=4, max_num_batched_tokens=7)
+    with_layer = LLMEngine(path, **kwargs, speculative_config=MTP)
+    without = LLMEngine(path, **kwargs, enable_prefix_caching=False)
+    for round_ in range(2):
+        todo = [(f"{round_}-{i}", p, params) for i, p in enumerate(prompts)]
+        hot, cold = run_all(with_layer, todo), run_all(without, todo)
+        for key, out in cold.items():
+            assert hot[key].token_ids == out.token_ids, f"{key}: tokens differ"
+            assert logprobs(hot[key]) == logprobs(out), f"{key}: logprobs differ"
+    assert with_layer.kv_cache.snapshots.hits > 0
+    assert with_layer.get_stats().spec.num_draft_tokens > 0
+
+
+def run_all(engine: LLMEngine, todo) -> dict:
+    for request in todo:
+        engine.add_request(*request)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        engine.check_integrity()
+    return done
