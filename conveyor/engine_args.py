@@ -78,6 +78,9 @@ KERNEL_ISAS = ("auto", *envs.ISAS)
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
 
 
+MAMBA_CACHE_MODES = ("none", "align", "all")
+
+
 def _setting(default: Any, group: str, help: str, **flag: Any) -> Any:
     """A field with its command-line flag: `flag` holds argparse's keywords (type, choices,
     metavar, aliases); a bool becomes --name / --no-name; cli=False keeps it off the command
@@ -261,6 +264,14 @@ class EngineArgs:
         "default each kind has tables of its own and a sliding layer's blocks that left its "
         "window go back to the pool (vLLM's)",
     )
+    mamba_cache_mode: str = _setting(
+        "align",
+        "engine",
+        "a hybrid model's recurrent states for prefix caching (vLLM's flag): align / all keep "
+        "snapshots at KV block boundaries (a prompt's last one, its output's latest: "
+        "core/state_snapshots.py); none keeps none, and prefix caching is off for the hybrid",
+        choices=MAMBA_CACHE_MODES,
+    )
     enable_chunked_prefill: bool = _setting(
         True, "engine", "split long prompts over steps, mixed with decoding requests"
     )
@@ -372,6 +383,11 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kernel_isa is not None and self.kernel_isa not in KERNEL_ISAS:
             raise ValueError(f"kernel_isa must be one of {KERNEL_ISAS}, got {self.kernel_isa!r}")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, "
+                f"got {self.mamba_cache_mode!r}"
+            )
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"

@@ -129,7 +129,10 @@ def _hybrid_cache(args: EngineArgs, cache: CacheConfig) -> CacheConfig:
     """A hybrid model's (recurrent layers, model/recurrent.py) cache: a prefix-cache hit
     continues from a snapshot of the recurrent state at its end (core/state_snapshots.py);
     rejected drafts are taken back by the state kept after the accepted ones
-    (ScheduledRequest.draft_state_slots). Adapters and tensor parallelism are refused."""
+    (ScheduledRequest.draft_state_slots). --mamba-cache-mode none: no snapshots, prefix caching
+    off. Adapters and tensor parallelism are refused."""
+    if args.mamba_cache_mode == "none":
+        cache = dataclasses.replace(cache, enable_prefix_caching=False)
     if args.enable_lora:
         raise ValueError("enable_lora: a hybrid model's recurrent layers have no adapter slots")
     if args.tensor_parallel_size > 1:

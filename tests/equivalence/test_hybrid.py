@@ -539,3 +539,15 @@ def test_a_nemotron_h_config_as_released_reads_as_the_same_model(tmp_path):
     released = ModelConfig.from_hf(str(path), dtype="float64")
     assert pattern == "M*EMEM" and released.num_layers == saved.num_layers == 4
     assert released.parts == saved.parts
+
+
+def test_mamba_cache_mode_none_keeps_no_snapshots(qwen3_5):
+    """vLLM's --mamba-cache-mode: none keeps no state snapshots (prefix caching off for the
+    hybrid, transformers' tokens still); align, the default, keeps them; another is refused."""
+    path, prompts, reference = qwen3_5
+    engine = LLMEngine(path, dtype="float64", **DEVICE_KWARGS, mamba_cache_mode="none")
+    assert engine.kv_cache.snapshots is None and not engine.kv_cache.enable_caching
+    assert_reference(run(engine, requests(prompts[:2])), reference[:2])
+    assert LLMEngine(path, dtype="float64", mamba_cache_mode="all").kv_cache.snapshots is not None
+    with pytest.raises(ValueError, match="mamba_cache_mode must be one of"):
+        LLMEngine(path, dtype="float64", mamba_cache_mode="sometimes")
