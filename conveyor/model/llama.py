@@ -521,6 +521,10 @@ class LlamaForCausalLM(nn.Module):
             embedded = embedded * self.config.parts.embed_scale
         return self.mtp(embedded, hidden, ropes, self.rotaries, kv_cache, meta)
 
+    def draft_tokens(self, y: torch.Tensor) -> torch.Tensor:
+        """The multi-token prediction layer's drafts of its outputs y (model/mtp.py)."""
+        return self.mtp.draft_tokens(y, self.argmax_tokens)
+
     def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits(hidden).argmax(-1), without the logits where greedy_tokens can."""
         greedy = self.greedy_tokens(hidden)

@@ -9,8 +9,13 @@ state at position i:
     y = norm(layer(x))  # one decoder layer of the model's full-attention kind, its own KV
     draft = argmax(lm_head(y))  # the token at position i + 2 (embed and lm_head: the model's)
 
-and writes its layer's KV at position i. Every step the runner (worker/model_runner.py
-_propose) runs it over the step's rows, each row's token the one after it (a prompt chunk's
+and writes its layer's KV at position i. A draft needs an argmax, not exact logits: on the
+CPU a float32 model's drafts take it from a Q8_0 copy of the lm_head (`draft_head`, a quarter
+of its bytes, made at load), as each draft's pass over the vocabulary is the layer's largest
+cost (Qwen3.5-0.8B's lm_head is a third of its weights).
+
+Every step the runner (worker/model_runner.py _propose) runs it over the step's rows, each
+row's token the one after it (a prompt chunk's
 last row: the next prompt token; the last accepted row of a sampling request: the token just
 sampled), so its cache holds every position the model has computed; the row of the sampled
 token gives draft 1. Draft j + 1 feeds draft j with y of the row before at the next position
@@ -58,6 +63,7 @@ class MultiTokenPredictor(nn.Module):
         )
         self.layers = nn.ModuleList([decoder_layer(one, tp, 0)])
         self.norm = norm()
+        self.draft_head: nn.Module | None = None  # (make_draft_head)
 
     def forward(self, embedded, hidden, ropes, rotaries, kv_cache, meta) -> torch.Tensor:
         """y (T, hidden) of rows whose next tokens' embeddings are `embedded` and whose model
@@ -65,6 +71,36 @@ class MultiTokenPredictor(nn.Module):
         x = torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1)
         x = self.layers[0](self.fc(x), ropes, rotaries, kv_cache, meta)
         return self.norm(x)
+
+    def make_draft_head(self, lm_head: nn.Module) -> None:
+        """The Q8_0 copy of a float32 CPU lm_head that drafts are taken from (none for
+        another)."""
+        self.draft_head = _draft_head(lm_head)
+
+    def draft_tokens(self, y: torch.Tensor, exact) -> torch.Tensor:
+        """The drafts of rows y: argmax of draft_head's values, else `exact(y)` (the
+        model's argmax_tokens)."""
+        if self.draft_head is None:
+            return exact(y)
+        return self.draft_head(y.to(torch.float32)).argmax(-1)
+
+
+def _draft_head(lm_head: nn.Module) -> nn.Module | None:
+    """A QuantLinear of Q8_0 blocks of a float32 CPU lm_head's weight, or None (another dtype
+    or device, an lm_head already in blocks, no block kernels here)."""
+    weight = getattr(lm_head, "weight", None)
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or weight.shape[1] % 32
+    ):
+        return None
+    from conveyor.model import quant
+
+    if not quant.kernels_available():
+        return None
+    return quant.QuantLinear(quant.quantize_q8(weight), [weight.shape[0]])
 
 
 def stored_mtp_layers(cfg: ModelConfig) -> int:

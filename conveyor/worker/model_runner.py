@@ -94,6 +94,8 @@ class ModelRunner:
         ops = kernels.load() if device.type == "cpu" else None
         planned = plan_kernels(cfg, ops, plan_settings)  # before the load: prompt_route reads it
         self.model = load_model(cfg, device, self.tp)
+        if self.model.mtp is not None:  # its drafts' lm_head (model/mtp.py)
+            self.model.mtp.make_draft_head(self.model.lm_head)
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
         self.kv_caches: list = []  # per layer: its KV blocks, or a hybrid's RecurrentState
@@ -389,7 +391,7 @@ class ModelRunner:
         if not drafting:
             return {}
         y = y[self.as_tensor(np.asarray([rows[i] for i in drafting]))]
-        drafts = {i: [t] for i, t in zip(drafting, model.argmax_tokens(y).tolist(), strict=True)}
+        drafts = {i: [t] for i, t in zip(drafting, model.draft_tokens(y).tolist(), strict=True)}
         for j in range(1, self.mtp_drafts):
             room = [
                 k for k, i in enumerate(drafting)
@@ -408,7 +410,7 @@ class ModelRunner:
             y = model.mtp_hidden(
                 ids, y, self.as_tensor(chain_positions), self.mtp_cache, chain_meta
             )
-            for i, t in zip(drafting, model.argmax_tokens(y).tolist(), strict=True):
+            for i, t in zip(drafting, model.draft_tokens(y).tolist(), strict=True):
                 drafts[i].append(t)
         return {scheduled[i].request_id: d for i, d in drafts.items()}
 

@@ -227,3 +227,21 @@ def run_all(engine: LLMEngine, todo) -> dict:
                 done[out.request_id] = out.outputs[0]
         engine.check_integrity()
     return done
+
+
+def test_a_float32_models_drafts_come_from_a_q8_copy_of_its_lm_head(case):
+    """float32 on the CPU: the drafts' argmax runs over Q8_0 blocks of the lm_head (a quarter
+    of its bytes), which agrees with the exact argmax on nearly every row; float64 keeps the
+    exact one (the tests above compare its drafts exactly)."""
+    from conveyor.model.quant import QuantLinear
+
+    name, path, *_ = case
+    model = LLMEngine(path, dtype="float32", speculative_config=MTP).core.runner.model
+    head = model.mtp.draft_head
+    assert isinstance(head, QuantLinear) and head.format == "q8"
+    torch.manual_seed(0)
+    y = torch.randn(256, model.config.hidden_size)
+    exact = model.compute_logits(y).argmax(-1)
+    assert (model.draft_tokens(y) == exact).float().mean() > 0.95
+    exact64 = LLMEngine(path, dtype="float64", speculative_config=MTP).core.runner.model
+    assert exact64.mtp.draft_head is None
