@@ -94,7 +94,7 @@ class ModelRunner:
         ops = kernels.load() if device.type == "cpu" else None
         planned = plan_kernels(cfg, ops, plan_settings)  # before the load: prompt_route reads it
         self.model = load_model(cfg, device, self.tp)
-        if self.model.mtp is not None:  # its drafts' lm_head (model/mtp.py)
+        if getattr(self.model, "mtp", None) is not None:  # its drafts' lm_head (model/mtp.py)
             self.model.mtp.make_draft_head(self.model.lm_head)
         self.lora = None if loras is None else LoRASlots(self.model, loras)
         self.sampler = Sampler(cfg.eos_token_ids, seed=seed)
