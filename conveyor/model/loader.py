@@ -248,9 +248,10 @@ def iter_weights(
             )
             if cfg.text_of in _STACKED_EXPERTS or stacked:  # split, then cut
                 weights = iter_safetensors(cfg.path, cfg.dtype, None, rename, grouped, skip)
-                weights = _stacked_experts(weights, cfg, cut_of)
+                weights = _stacked_experts(_mtp_layer(weights, cfg), cfg, cut_of)
             else:
                 weights = iter_safetensors(cfg.path, cfg.dtype, cut_of, rename, grouped, skip)
+                weights = _mtp_layer(weights, cfg)
         # Fused q/k/v or gate/up tensors, split where a rank cuts them or quantized modules
         # take them by their parts (QuantPlan: each part's blocks).
         fused = family in ("phi3", "granitemoehybrid", "glm", "glm4")
@@ -271,6 +272,41 @@ def iter_weights(
         if cfg.parts.kv_sources:
             weights = _unshared(weights, cfg)
         yield from weights
+
+
+# A multi-token prediction layer stored after the model's (GLM-4.5, DeepSeek-V3): its own
+# tensors' names -> model/mtp.py's; the embedding and head it may store again are the model's.
+_MTP_LAYER_NAMES = {
+    "enorm.": "mtp.pre_fc_norm_embedding.",
+    "hnorm.": "mtp.pre_fc_norm_hidden.",
+    "eh_proj.": "mtp.fc.",
+    "shared_head.norm.": "mtp.norm.",
+    "shared_head.head.": None,
+    "embed_tokens.": None,
+}
+
+
+def _mtp_layer(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """With the multi-token prediction layer read (ModelConfig.mtp_layers) of a family that
+    stores it as model.layers.{num_hidden_layers} (model/mtp.py LAYER_MTP_FAMILIES), its
+    tensors under model/mtp.py's names (its decoder layer's as mtp.layers.0.*); the layers
+    after it are not read. Other weights pass as they are."""
+    from conveyor.model.mtp import LAYER_MTP_FAMILIES
+
+    if not cfg.mtp_layers or cfg.parts.family not in LAYER_MTP_FAMILIES:
+        yield from weights
+        return
+    first = f"model.layers.{cfg.num_layers}."
+    for name, tensor in weights:
+        if not name.startswith(first):
+            yield name, tensor
+            continue
+        rest = name.removeprefix(first)
+        own = next((k for k in _MTP_LAYER_NAMES if rest.startswith(k)), None)
+        if own is None:
+            yield f"mtp.layers.0.{rest}", tensor
+        elif _MTP_LAYER_NAMES[own] is not None:
+            yield _MTP_LAYER_NAMES[own] + rest.removeprefix(own), tensor
 
 
 def _unshared(weights, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:

@@ -1,6 +1,8 @@
 """Multi-token prediction: the layer Qwen3.5 and Qwen3-Next checkpoints carry beside the model
-(`mtp.*`), which proposes the token after next (speculative_config {"method": "mtp"}, vLLM's
-qwen3_next_mtp).
+(`mtp.*`), and GLM-4.5, GLM-4.7-Flash and DeepSeek-V3 ones after the model's layers
+(`model.layers.{num_hidden_layers}.*`: eh_proj, enorm, hnorm, shared_head.norm and a decoder
+layer, read under the first's names: model/loader.py), which proposes the token after next
+(speculative_config {"method": "mtp"}, vLLM's qwen3_next_mtp, glm4_moe_mtp and deepseek_mtp).
 
 Row i of the predictor reads the token at position i + 1 and the model's final (normed) hidden
 state at position i:
@@ -34,13 +36,20 @@ from torch import nn
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers import Linear, RMSNorm
 
-# The families whose checkpoints carry such a layer, under `mtp.` (model/loader.py _NOT_READ
-# skips it otherwise).
+# The families whose checkpoints carry such a layer: under `mtp.` (model/loader.py _NOT_READ
+# skips it otherwise), or as the layers after the model's (LlamaForCausalLM.load_weights skips
+# those otherwise).
 MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+LAYER_MTP_FAMILIES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3")
 
 
-def full_attention_layer(cfg: ModelConfig) -> int:
-    """The first of the model's layers that attends (the predictor's layer is of its kind)."""
+def described_layer(cfg: ModelConfig) -> int:
+    """The model layer whose description the predictor's layer takes: the last (GLM-4.5's and
+    DeepSeek-V3's, a mixture of experts, as transformers' MtpModel builds it), or where that is
+    recurrent the first that attends (Qwen3.5's, full attention)."""
+    last = cfg.num_layers - 1
+    if not cfg.parts.is_linear(last):
+        return last
     return next(i for i in range(cfg.num_layers) if not cfg.parts.is_linear(i))
 
 
@@ -58,9 +67,7 @@ class MultiTokenPredictor(nn.Module):
         )
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = norm(), norm()
         self.fc = Linear(2 * size, size)
-        one = dataclasses.replace(
-            cfg, parts=parts.one_layer(full_attention_layer(cfg)), num_layers=1
-        )
+        one = dataclasses.replace(cfg, parts=parts.one_layer(described_layer(cfg)), num_layers=1)
         self.layers = nn.ModuleList([decoder_layer(one, tp, 0)])
         self.norm = norm()
         self.draft_head: nn.Module | None = None  # (make_draft_head)
@@ -104,8 +111,9 @@ def _draft_head(lm_head: nn.Module) -> nn.Module | None:
 
 
 def stored_mtp_layers(cfg: ModelConfig) -> int:
-    """How many multi-token prediction layers (`mtp.layers.N.`) the checkpoint stores beside
-    its `mtp.fc`; 0: none (or not a safetensors checkpoint)."""
+    """How many multi-token prediction layers the checkpoint stores (`mtp.layers.N.` beside
+    its `mtp.fc`, or `model.layers.N.` with an eh_proj from num_hidden_layers on); 0: none
+    (or not a safetensors checkpoint)."""
     import json
 
     from safetensors import safe_open
@@ -120,6 +128,12 @@ def stored_mtp_layers(cfg: ModelConfig) -> int:
         for file in sorted(cfg.path.glob("*.safetensors")):
             with safe_open(file, framework="pt") as f:
                 names.update(f.keys())
+    if cfg.parts.family in LAYER_MTP_FAMILIES:
+        prefix = "model.language_model.layers." if cfg.text_of else "model.layers."
+        count = 0
+        while f"{prefix}{cfg.num_layers + count}.eh_proj.weight" in names:
+            count += 1
+        return count
     if "mtp.fc.weight" not in names:
         return 0
     return len({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
@@ -132,17 +146,17 @@ def with_mtp(cfg: ModelConfig, model: str | None) -> ModelConfig:
     where = "speculative_config: method 'mtp'"
     if model is not None and model not in (str(cfg.path), cfg.hub_id):
         raise ValueError(f"{where} proposes with the model's own layer: 'model' must be it")
-    if cfg.parts.family not in MTP_FAMILIES:
+    if cfg.parts.family not in MTP_FAMILIES + LAYER_MTP_FAMILIES:
         raise ValueError(
             f"{where}: {cfg.architecture} has no multi-token prediction layer conveyor reads "
-            "(Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints carry one)"
+            "(Qwen3.5, Qwen3.5-MoE, Qwen3-Next, GLM-4.5, GLM-4.7-Flash and DeepSeek-V3 "
+            "checkpoints carry one)"
         )
     layers = stored_mtp_layers(cfg)
     if layers == 0:
         raise ValueError(
-            f"{where}: the checkpoint stores no multi-token prediction layer (mtp.fc, "
-            "mtp.layers.0: a GGUF file or a checkpoint without them)"
+            f"{where}: the checkpoint stores no multi-token prediction layer (mtp.fc and "
+            "mtp.layers.0, or an eh_proj after the model's layers: a GGUF file or a checkpoint "
+            "without them)"
         )
-    if layers > 1:
-        raise ValueError(f"{where}: {layers} prediction layers; conveyor reads one")
-    return dataclasses.replace(cfg, mtp_layers=1)
+    return dataclasses.replace(cfg, mtp_layers=1)  # chained drafts reuse the first, as vLLM

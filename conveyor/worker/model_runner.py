@@ -32,6 +32,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kv_groups import KVGroups, group_layers
 from conveyor.model.layers import matmul_forms
 from conveyor.model.loader import load_model
+from conveyor.model.mtp import described_layer
 from conveyor.model.plan import CpuFeatures, KernelPlan, PlanSettings
 from conveyor.model.recurrent import RecurrentState, recurrent_rows, state_dtype, state_shapes
 from conveyor.outputs import (
@@ -142,11 +143,9 @@ class ModelRunner:
         return group_layers(windows, pages, separate)
 
     def _described(self, layer: int) -> int:
-        """The model layer whose description a cache's layer has (the MTP layer's: the first
-        full-attention layer's)."""
-        if layer == self.mtp_layer:
-            return next(i for i in range(self.cfg.num_layers) if not self.cfg.parts.is_linear(i))
-        return layer
+        """The model layer whose description a cache's layer has (the MTP layer's:
+        model/mtp.py described_layer)."""
+        return described_layer(self.cfg) if layer == self.mtp_layer else layer
 
     def _layer_groups(self) -> list[int]:
         """Per layer: the KV group whose tables it reads (its cache's source's; 0 for a
@@ -321,6 +320,8 @@ class ModelRunner:
         if num_prompt_rows:  # the sampler reads the sampled rows only
             logits = logits[: len(step.logits_rows) - num_prompt_rows]
         if not sampled:
+            if self.mtp_drafts and hidden is not None:  # the layer's KV of the chunks' rows
+                self._propose(sched.scheduled, step, hidden, positions, meta, {}, {})
             self.last_timing = (prepared - start, time.perf_counter() - prepared, 0.0)
             return ModelRunnerOutput([], [], [], *prompt_rows)
         forwarded = time.perf_counter()

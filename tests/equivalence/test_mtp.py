@@ -71,13 +71,20 @@ def _layer_class_module(text_config) -> str:
 
 
 def with_mtp_layer(name: str, path, dest):
-    """A copy of the checkpoint at `path` with a random `mtp.*` layer; (path, reference model,
-    reference MTP)."""
+    """A copy of the checkpoint at `path` with an `mtp.*` layer: its decoder layer the model's
+    attention layer's tensors, fc and the norms random; (path, reference model, reference
+    MTP)."""
     config = AutoConfig.from_pretrained(path)
     text = config.get_text_config()
     full = text.layer_types.index("full_attention")
     torch.manual_seed(7)
     mtp = ReferenceMTP(name, config, full)
+    model = auto_class(config).from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    )
+    mtp.layers[0].load_state_dict(model.model.layers[full].state_dict())
+    with torch.no_grad():  # its attention's output large enough that its KV decides drafts
+        mtp.layers[0].self_attn.o_proj.weight.mul_(30)
     copy = shutil.copytree(path, dest)
     weights = load_file(copy / "model.safetensors")
     for key, tensor in mtp.state_dict().items():
@@ -245,3 +252,91 @@ def test_a_float32_models_drafts_come_from_a_q8_copy_of_its_lm_head(case):
     assert (model.draft_tokens(y) == exact).float().mean() > 0.95
     exact64 = LLMEngine(path, dtype="float64", speculative_config=MTP).core.runner.model
     assert exact64.mtp.draft_head is None
+
+
+# ---- a prediction layer stored after the model's (GLM-4.5, GLM-4.7-Flash, DeepSeek-V3) ----
+
+
+def with_layer_after(name: str, path, dest):
+    """A copy of the checkpoint at `path` with a prediction layer stored as transformers' and
+    the releases' do, model.layers.{num_hidden_layers}.*: a decoder layer (the last one's
+    tensors), enorm, hnorm, eh_proj and shared_head.norm (random), and the copies of the
+    embedding and head DeepSeek-V3's carry; (path, model, transformers' MtpModel of it)."""
+    from transformers.modeling_layers import MtpModel
+
+    config = AutoConfig.from_pretrained(path)
+    model = auto_class(config).from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    )
+    text = model.config.get_text_config()
+    text.num_mtp_layers = 1
+    if getattr(text, "mlp_layer_types", None) is not None:  # GLM-4.7-Flash's: the last kind
+        text.mtp_mlp_layer_types = text.mlp_layer_types[-1:]
+    torch.manual_seed(11)
+    mtp = MtpModel(model, 1).double().eval()
+    layer = mtp.layers[0]
+    layer.mtp_block.load_state_dict(model.model.layers[-1].state_dict())
+    with torch.no_grad():
+        for norm in (layer.enorm, layer.hnorm, layer.post_norm):
+            norm.weight.normal_(1.0, 0.3)
+        layer.eh_proj.weight.normal_(0.0, 0.15)
+    copy = shutil.copytree(path, dest)
+    weights = load_file(copy / "model.safetensors")
+    last, first = text.num_hidden_layers - 1, f"model.layers.{text.num_hidden_layers}."
+    for key in [k for k in weights if k.startswith(f"model.layers.{last}.")]:
+        weights[first + key.removeprefix(f"model.layers.{last}.")] = weights[key].clone()
+    own = {
+        "enorm": layer.enorm, "hnorm": layer.hnorm, "eh_proj": layer.eh_proj,
+        "shared_head.norm": layer.post_norm, "shared_head.head": model.lm_head,
+        "embed_tokens": model.model.embed_tokens,
+    }  # fmt: skip
+    for key, module in own.items():
+        weights[f"{first}{key}.weight"] = module.weight.detach().clone().contiguous()
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    return str(copy), model, mtp
+
+
+@torch.no_grad()
+def transformers_draft(model, mtp, tokens: list[int]) -> int:
+    """transformers' MtpModel's draft after `tokens`, its cache fresh: every position's row
+    (the token after it, positions shifted by one as it runs them) at once."""
+    from transformers.cache_utils import MtpCache
+
+    ids, n = torch.tensor([tokens]), len(tokens)
+    hidden = model.model(input_ids=ids).last_hidden_state
+    cache = MtpCache(config=model.config.get_mtp_config())
+    drafts, _, _ = mtp(
+        input_ids=ids[:, 1:], last_hidden_states=hidden[:, : n - 1], attention_mask=None,
+        position_ids=torch.arange(1, n)[None], mtp_cache=cache,
+    )  # fmt: skip
+    return int(drafts[0, 0])
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4_moe_lite", "deepseek_v3"])
+def test_a_layer_after_the_models_drafts_as_transformers_mtp_model(name, tmp_path):
+    """GLM-4.5's (attention with q/k/v biases, a mixture of experts), GLM-4.7-Flash's and
+    DeepSeek-V3's (latent attention): every step's draft 1 equals transformers' MtpModel's
+    (float64), two requests in chunks of 7 tokens (the layer's KV written by steps that sample
+    nothing too); the tokens served are transformers' greedy ones."""
+    path = make_tiny_checkpoint(tmp_path / "base", name)
+    path, model, mtp = with_layer_after(name, path, tmp_path / "mtp")
+    engine = LLMEngine(
+        path, dtype="float64", **DEVICE_KWARGS, speculative_config=MTP, max_num_batched_tokens=7
+    )
+    prompts = [[5, 9, 13, 21, 8, 44, 3, 17, 99, 12, 61], [7, 7, 31, 2, 250, 18]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done, seen = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        seen += [(list(r.all_token_ids), r.spec_token_ids[0]) for r in engine.scheduler.running
+                 if r.spec_token_ids]  # fmt: skip
+    assert len(seen) >= MAX_TOKENS
+    for tokens, draft in seen:
+        assert draft == transformers_draft(model, mtp, tokens), f"after {len(tokens)} tokens"
+    reference = hf_greedy(model, prompts, MAX_TOKENS)
+    for i, (tokens, _) in enumerate(reference):
+        assert done[str(i)] == tokens
