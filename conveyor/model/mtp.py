@@ -8,7 +8,7 @@ Row i of the predictor reads the token at position i + 1 and the model's final (
 state at position i:
 
     x = fc(concat(pre_fc_norm_embedding(embed(t[i + 1])), pre_fc_norm_hidden(h[i])))
-    y = norm(layer(x))  # one decoder layer of the model's full-attention kind, its own KV
+    y = norm(layer(x))  # one decoder layer of the model's attention kind, its own KV
     draft = argmax(lm_head(y))  # the token at position i + 2 (embed and lm_head: the model's)
 
 and writes its layer's KV at position i. A draft needs an argmax, not exact logits: on the
@@ -17,9 +17,9 @@ of its bytes, made at load), as each draft's pass over the vocabulary is the lay
 cost (Qwen3.5-0.8B's lm_head is a third of its weights).
 
 Every step the runner (worker/model_runner.py _propose) runs it over the step's rows, each
-row's token the one after it (a prompt chunk's
-last row: the next prompt token; the last accepted row of a sampling request: the token just
-sampled), so its cache holds every position the model has computed; the row of the sampled
+row's token the one after it (a prompt chunk's last row: the next prompt token; the last
+accepted row of a sampling request: the token just sampled), also in steps that sample
+nothing, so its cache holds every position the model has computed; the row of the sampled
 token gives draft 1. Draft j + 1 feeds draft j with y of the row before at the next position
 (as vLLM chains them), written into blocks the request already holds: a chain that reaches
 the end of its last block stops there (fewer drafts that step; the next step's rows write
