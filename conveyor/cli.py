@@ -34,6 +34,7 @@ from conveyor.entrypoints.serve_line import (
     use_chat_template,
     uvicorn_settings,
     with_config_file,
+    with_dotted_json,
 )
 
 if TYPE_CHECKING:
@@ -488,8 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = [_dashed(arg) for arg in argv]
     parser = build_parser()
     try:
-        if argv[:1] == ["serve"]:  # vLLM's --config FILE, read into flags
+        if argv[:1] == ["serve"]:  # vLLM's --config FILE, read into flags; --FLAG.KEY VALUE
             argv = ["serve", *with_config_file(argv[1:], _subparser(parser, "serve"))]
+            argv = ["serve", *with_dotted_json(argv[1:])]
     except ValueError as error:
         parser.error(str(error))
     args, unknown = parser.parse_known_args(argv)

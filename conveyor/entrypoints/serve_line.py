@@ -565,6 +565,78 @@ _ACCEPTED: tuple[tuple[tuple[str, ...], dict, str], ...] = (
 )
 
 
+# The flags whose value is a JSON object, which vLLM also takes a key at a time: the model
+# card's `--speculative-config.method mtp --speculative-config.num_speculative_tokens 1`.
+JSON_FLAGS = (
+    "--speculative-config", "--hf-overrides", "--override-generation-config",
+    "--structured-outputs-config", "--default-chat-template-kwargs", "--limit-mm-per-prompt",
+    "--compilation-config",
+)  # fmt: skip
+
+
+def with_dotted_json(argv: list[str]) -> list[str]:
+    """vLLM's dotted form of a JSON flag: `--FLAG.KEY VALUE` (or `--FLAG.KEY=VALUE`, the key
+    nested by further dots, dashes in it as underscores) sets KEY in FLAG's object, VALUE read
+    as JSON where it is (a number, true, an object) and as a string otherwise; the keys join
+    the object a plain `--FLAG JSON` gives, if any. Each such flag comes back as one `--FLAG
+    JSON`, where it first stood. ValueError for a key without a value, or dotted keys beside a
+    plain value that is not a JSON object."""
+    dotted: dict[str, dict] = {}
+    plain: dict[str, str] = {}
+    kept: list[str] = []
+    places: list[tuple[int, str]] = []  # (index in kept, flag) where each flag first stood
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, equals, text = arg.partition("=")
+        flag, dot, key = name.partition(".")
+        if flag not in JSON_FLAGS or (dot and not key):
+            kept.append(arg)
+            i += 1
+            continue
+        if not equals:
+            if i + 1 == len(argv):
+                if not dot:  # argparse says what a flag without its value lacks
+                    kept.append(arg)
+                    break
+                raise ValueError(f"{arg} needs a value")
+            text, i = argv[i + 1], i + 1
+        i += 1
+        if flag not in plain and flag not in dotted:
+            places.append((len(kept), flag))
+        if not dot:
+            plain[flag] = text
+            continue
+        *parents, leaf = key.replace("-", "_").split(".")
+        node = dotted.setdefault(flag, {})
+        for parent in parents:
+            node = node.setdefault(parent, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{arg}: {parent} is given both a value and keys")
+        node[leaf] = _json_or_text(text)
+    if not dotted:
+        return argv
+    result, at = [], 0
+    for index, flag in places:
+        result += kept[at:index]
+        at = index
+        if flag not in dotted:
+            result += [flag, plain[flag]]
+            continue
+        base = _json_or_text(plain[flag]) if flag in plain else {}
+        if not isinstance(base, dict):
+            raise ValueError(f"{flag} must be a JSON object beside its dotted keys")
+        result += [flag, json.dumps(base | dotted[flag])]
+    return result + kept[at:]
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """`conveyor serve` arguments with --config FILE's settings added as flags, as vLLM's: a
     YAML mapping of flag names (dashes or underscores) to values; true/false turn a switch on

@@ -328,3 +328,35 @@ def test_flags_written_with_underscores_parse_as_vllm_takes_them():
     args = build_parser().parse_args([_dashed(arg) for arg in line])
     assert args.hf_overrides == {"a_b": 1}  # the value keeps its underscore
     assert engine_args(args).max_model_len == 64 and args.task == "score"
+
+
+def test_a_json_flag_a_key_at_a_time_as_vllms_dotted_form():
+    """GLM-4.5's model card: `--speculative-config.method mtp --speculative-config.num_
+    speculative_tokens 1` (underscores or dashes, `=` or a separate value, values as JSON where
+    they are); keys nest by dots and join a plain JSON value of the same flag."""
+    from conveyor.cli import _dashed
+    from conveyor.entrypoints.serve_line import with_dotted_json
+
+    line = (
+        "/models/glm --speculative-config.method mtp --speculative_config.num_speculative_tokens "
+        '1 --hf-overrides {"max_position_embeddings":300} --hf-overrides.rope_scaling.factor=2.0 '
+        "--port 8123 --default-chat-template-kwargs.enable_thinking false"
+    )
+    argv = with_dotted_json([_dashed(arg) for arg in line.split()])
+    args = serve_args(argv)
+    settings = engine_args(args)
+    assert (
+        settings.speculative_config.method,
+        settings.speculative_config.num_speculative_tokens,
+    ) == ("mtp", 1)
+    assert settings.hf_overrides == {
+        "max_position_embeddings": 300,
+        "rope_scaling": {"factor": 2.0},
+    }
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    assert (args.model, args.port) == ("/models/glm", 8123)
+    assert with_dotted_json(["--port", "1"]) == ["--port", "1"]
+    with pytest.raises(ValueError, match="needs a value"):
+        with_dotted_json(["--speculative-config.method"])
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        with_dotted_json(["--hf-overrides", "[1]", "--hf-overrides.a", "1"])
