@@ -154,17 +154,8 @@ def test_drafts_are_the_layers_and_tokens_transformers(case):
     )
     assert engine.core.runner.model.mtp is not None
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done, seen = {}, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-        for request in engine.scheduler.running:
-            if request.spec_token_ids:
-                seen.append((list(request.all_token_ids), list(request.spec_token_ids)))
-        engine.check_integrity()
+    seen: list = []
+    done = run_all(engine, [(str(i), p, params) for i, p in enumerate(prompts)], seen)
     assert seen
     with exact_delta_rule():
         for tokens, drafts in seen:
@@ -224,7 +215,9 @@ def test_the_same_bits_as_without_speculation_with_prefix_hits(case):
     assert with_layer.get_stats().spec.num_draft_tokens > 0
 
 
-def run_all(engine: LLMEngine, todo) -> dict:
+def run_all(engine: LLMEngine, todo, seen: list | None = None) -> dict:
+    """Steps until idle, checking block accounting after every step: each request's output;
+    `seen` gets (tokens so far, drafts proposed) of every running request after each step."""
     for request in todo:
         engine.add_request(*request)
     done = {}
@@ -232,6 +225,9 @@ def run_all(engine: LLMEngine, todo) -> dict:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0]
+        for request in engine.scheduler.running if seen is not None else ():
+            if request.spec_token_ids:
+                seen.append((list(request.all_token_ids), list(request.spec_token_ids)))
         engine.check_integrity()
     return done
 
@@ -325,18 +321,11 @@ def test_a_layer_after_the_models_drafts_as_transformers_mtp_model(name, tmp_pat
     )
     prompts = [[5, 9, 13, 21, 8, 44, 3, 17, 99, 12, 61], [7, 7, 31, 2, 250, 18]]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    done, seen = {}, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        seen += [(list(r.all_token_ids), r.spec_token_ids[0]) for r in engine.scheduler.running
-                 if r.spec_token_ids]  # fmt: skip
+    seen: list = []
+    done = run_all(engine, [(str(i), p, params) for i, p in enumerate(prompts)], seen)
     assert len(seen) >= MAX_TOKENS
-    for tokens, draft in seen:
-        assert draft == transformers_draft(model, mtp, tokens), f"after {len(tokens)} tokens"
+    for tokens, drafts in seen:
+        assert drafts[0] == transformers_draft(model, mtp, tokens), f"after {len(tokens)} tokens"
     reference = hf_greedy(model, prompts, MAX_TOKENS)
     for i, (tokens, _) in enumerate(reference):
-        assert done[str(i)] == tokens
+        assert done[str(i)].token_ids == tokens
